@@ -1,0 +1,137 @@
+"""The `warmpath` command: build the model, bring the local cluster up and down.
+
+Config precedence: defaults < `--config` YAML (or `$WARMPATH_CONFIG`) < environment
+(`WARMPATH_SECTION__FIELD`, `REDIS_URL`, `OTEL_EXPORTER_OTLP_ENDPOINT`) < flags.
+Every command validates the config once and exits 2 with one line per problem.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cluster.config import ClusterConfig, ConfigError, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="warmpath: a Ray Serve cluster for LLM agents.")
+render_app = typer.Typer(no_args_is_help=True, help="Render generated files from the cluster config.")
+app.add_typer(render_app, name="render")
+
+_START = time.monotonic()
+
+
+def progress(msg: str) -> None:
+    typer.echo(f"[warmpath {time.monotonic() - _START:6.1f}s] {msg}", err=True)
+
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="Cluster config YAML.")
+
+
+def _load(config: Optional[Path], **flags) -> ClusterConfig:
+    overrides: dict = {}
+    for dotted, value in flags.items():
+        if value is None:
+            continue
+        section, _, name = dotted.partition("__")
+        if name:
+            overrides.setdefault(section, {})[name] = value
+        else:
+            overrides[section] = value
+    try:
+        return load_config(config, overrides=overrides)
+    except ConfigError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2)
+
+
+@app.command("build-model")
+def build_model_cmd(
+    config: Optional[Path] = ConfigOpt,
+    out: Optional[Path] = typer.Option(None, help="Output folder (default: the config's model folder)."),
+    seed: int = typer.Option(0, help="Weight initialisation seed."),
+) -> None:
+    """Write the small random-weight Llama model, tokenizer and chat template."""
+    from cluster.model_builder import build_model
+
+    cfg = _load(config)
+    target = out or Path(cfg.model_source())
+    manifest = build_model(target, seed=seed, progress=progress)
+    typer.echo(json.dumps({"path": str(target), "num_params": manifest["num_params"]}))
+
+
+@app.command()
+def up(
+    config: Optional[Path] = ConfigOpt,
+    replicas: Optional[int] = typer.Option(None, help="Number of vLLM replicas."),
+    policy: Optional[str] = typer.Option(None, help="Router policy."),
+    http_port: Optional[int] = typer.Option(None, help="HTTP ingress port."),
+    redis_url: Optional[str] = typer.Option(None, help="Use this Redis instead of starting one."),
+    state_dir: Optional[str] = typer.Option(None, help="State directory."),
+    timeout_s: float = typer.Option(900, help="How long to wait for the replicas."),
+) -> None:
+    """Start Redis, a Ray head and the Serve application; print the endpoint."""
+    from cluster import local
+
+    cfg = _load(
+        config, replicas__num_replicas=replicas, router__policy=policy, ports__http_port=http_port,
+        redis_url=redis_url, state_dir=state_dir,
+    )
+    try:
+        state = local.up(cfg, progress, timeout_s=timeout_s)
+    except local.BringUpError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"warmpath is up: {state.http_url}/v1 (OpenAI-compatible; model \"{cfg.model.model_id}\")")
+
+
+@app.command()
+def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.Option(None)) -> None:
+    """Stop what `warmpath up` started."""
+    from cluster import local
+
+    local.down(_load(config, state_dir=state_dir), progress)
+
+
+@app.command()
+def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.Option(None)) -> None:
+    """Show the application, its deployments and their replicas."""
+    from cluster import local
+
+    cfg = _load(config, state_dir=state_dir)
+    state = local.LocalState.load(local.state_dir_of(cfg))
+    try:
+        details = local.serve_details(state)
+    except Exception as err:
+        typer.echo(f"not running ({err.__class__.__name__}: {err})", err=True)
+        raise typer.Exit(1)
+    app_status, lines = local.summarize(details, cfg.app_name)
+    typer.echo(f"application {cfg.app_name}: {app_status}")
+    for line in lines:
+        typer.echo(f"  {line}")
+    if state.http_url:
+        typer.echo(f"http: {state.http_url}/v1")
+    if state.redis_url:
+        typer.echo(f"redis: {state.redis_url}")
+
+
+@render_app.command("serve-config")
+def render_serve_config_cmd(
+    config: Optional[Path] = ConfigOpt,
+    out: Optional[Path] = typer.Option(None, help="Write here instead of stdout."),
+) -> None:
+    """Render the Ray Serve config file (`serve deploy`-able)."""
+    from cluster.serve_config import dump_serve_config
+
+    text = dump_serve_config(_load(config))
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,256 @@
+"""One typed configuration for the whole cluster.
+
+Why one object: the local bring-up, the Ray Serve config file (`serve deploy`),
+and the KubeRay manifests must all describe the same cluster. The YAML file is
+validated here once, at the edge; everything downstream receives these models,
+never dicts. The only place a config turns back into a dict is
+`cluster.serve_config.render_serve_config`, which embeds it as the Serve
+application's `args` so `serve_apps.builders.build_app` can validate it again on
+the other side of the process boundary.
+
+Precedence, lowest to highest: field defaults < YAML file < environment
+(`WARMPATH_<SECTION>__<FIELD>`, plus the standard `REDIS_URL` and
+`OTEL_EXPORTER_OTLP_ENDPOINT`) < CLI flags.
+
+Configs do no I/O beyond `load_config` reading the file, and hold no runtime state.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_MODEL_ID = "warmpath-tiny"
+ENV_PREFIX = "WARMPATH_"
+
+# JSON-shaped values that vLLM engine arguments accept (passed through verbatim).
+EngineArgValue = str | int | float | bool | None | list[str | int | float] | dict[str, str | int | float | bool]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """Which model every replica serves and how requests name it."""
+
+    model_id: str = Field(DEFAULT_MODEL_ID, description="Name clients put in the `model` field.", min_length=1)
+    source: str = Field(
+        "",
+        description=(
+            "Local checkpoint folder or Hugging Face id. Empty means the model "
+            "`warmpath build-model` writes under the state directory."
+        ),
+    )
+    max_model_len_tokens: int = Field(8192, description="Context window in tokens.", ge=256)
+    tool_call_parser: str = Field(
+        "hermes", description="vLLM tool-call parser for `tool_choice: auto` (the built model's template emits hermes)."
+    )
+
+
+class ReplicaConfig(_Strict):
+    """Resources of one vLLM replica and how many replicas run."""
+
+    num_replicas: int = Field(2, description="Number of vLLM replicas.", ge=1, le=512)
+    accelerator: Literal["cpu", "gpu"] = Field("cpu", description="Where the engine runs.")
+    num_cpus: float = Field(1.0, description="Logical CPUs per replica (engine bundle).", gt=0)
+    num_gpus: int = Field(0, description="GPUs per replica; must equal tensor_parallel_size on GPU.", ge=0)
+    tensor_parallel_size: int = Field(1, description="vLLM tensor parallel degree.", ge=1)
+    kv_cache_space_gib: float = Field(1.0, description="CPU only: KV cache size per replica (VLLM_CPU_KVCACHE_SPACE).", gt=0)
+    block_size_tokens: int = Field(32, description="KV block size; a multiple of 32 on CPU.", ge=1)
+    engine_kwargs: dict[str, EngineArgValue] = Field(
+        default_factory=dict, description="Extra vLLM engine arguments, passed through unchanged."
+    )
+
+    @model_validator(mode="after")
+    def _check_accelerator(self) -> "ReplicaConfig":
+        if self.accelerator == "cpu":
+            if self.num_gpus:
+                raise ValueError("replicas.num_gpus must be 0 when replicas.accelerator is 'cpu'")
+            if self.block_size_tokens % 32:
+                raise ValueError(
+                    f"replicas.block_size_tokens={self.block_size_tokens}: vLLM's CPU attention needs a multiple of 32"
+                )
+        else:
+            if self.num_gpus != self.tensor_parallel_size:
+                raise ValueError(
+                    f"replicas.num_gpus={self.num_gpus} must equal replicas.tensor_parallel_size="
+                    f"{self.tensor_parallel_size} on GPU"
+                )
+        reserved = {"model", "tensor_parallel_size", "block_size", "enable_prefix_caching", "kv_events_config"}
+        clash = sorted(reserved & set(self.engine_kwargs))
+        if clash:
+            raise ValueError(f"replicas.engine_kwargs may not set {clash}: they are owned by the cluster config")
+        return self
+
+
+RouterPolicy = Literal["warmpath", "pow2", "round-robin", "session-hash", "prefix-tree"]
+
+
+class RouterConfig(_Strict):
+    """Request routing policy for every handle that calls the replicas."""
+
+    policy: RouterPolicy = Field(
+        "warmpath",
+        description=(
+            "warmpath: exact KV index + load + session affinity; pow2: Ray's default power of two "
+            "choices; round-robin; session-hash; prefix-tree: Ray's PrefixCacheAffinityRouter."
+        ),
+    )
+    scorer_weights: dict[str, float] = Field(
+        default_factory=lambda: {"prefix-cache": 1.0, "load": 1.0, "session-affinity": 1.0},
+        description="Weight per scorer (registry key); missing scorers are off.",
+    )
+    load_guard_factor: float = Field(
+        1.5, description="No replica takes more than this multiple of the mean load.", gt=1.0
+    )
+    pending_ttl_s: float = Field(
+        2.0, description="How long an optimistic (not yet confirmed by events) placement counts.", gt=0
+    )
+    max_blocks_per_replica: int = Field(
+        500_000, description="Bound on indexed blocks per replica (LRU beyond).", ge=1
+    )
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> "RouterConfig":
+        bad = {k: v for k, v in self.scorer_weights.items() if v < 0}
+        if bad:
+            raise ValueError(f"router.scorer_weights must be >= 0, got {bad}")
+        return self
+
+
+class PortsConfig(_Strict):
+    """Listening ports of the Serve proxies."""
+
+    http_port: int = Field(8000, description="OpenAI-compatible HTTP ingress.", ge=1, le=65535)
+    grpc_port: int = Field(9000, description="gRPC proxy.", ge=1, le=65535)
+    host: str = Field("0.0.0.0", description="Bind address of the proxies.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "PortsConfig":
+        if self.http_port == self.grpc_port:
+            raise ValueError(f"ports.http_port and ports.grpc_port are both {self.http_port}")
+        return self
+
+
+class TelemetryConfig(_Strict):
+    """OpenTelemetry export; off when no endpoint is set."""
+
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint, e.g. http://collector:4318.")
+    service_name: str = Field("warmpath", description="OpenTelemetry service.name.")
+
+
+class ClusterConfig(_Strict):
+    """The whole cluster: model, replicas, routing, state and ports."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Served model.")
+    replicas: ReplicaConfig = Field(default_factory=ReplicaConfig, description="vLLM replicas.")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Routing policy.")
+    ports: PortsConfig = Field(default_factory=PortsConfig, description="Proxy ports.")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Tracing and metrics export.")
+    redis_url: str | None = Field(
+        None, description="Session store. Unset: `warmpath up` starts a local redis-server with persistence."
+    )
+    state_dir: str = Field(".warmpath", description="Local state: model, Redis data, logs, pid files.")
+    app_name: str = Field("warmpath", description="Ray Serve application name.")
+
+    def model_source(self) -> str:
+        """Folder or Hugging Face id the engines load."""
+        if self.model.source:
+            return self.model.source
+        return str(Path(self.state_dir).expanduser().resolve() / "models" / self.model.model_id)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message lists every problem."""
+
+
+def _set_path(target: dict, path: list[str], value: object) -> None:
+    for key in path[:-1]:
+        node = target.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {'.'.join(path)}: {key} is not a section")
+        target = node
+    target[path[-1]] = value
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict:
+    """Turns `WARMPATH_SECTION__FIELD=value` (YAML-typed values) into a nested dict."""
+    out: dict = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == "WARMPATH_CONFIG":
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX):].split("__") if part]
+        _set_path(out, path, yaml.safe_load(raw) if raw else raw)
+    if environ.get("REDIS_URL"):
+        out.setdefault("redis_url", environ["REDIS_URL"])
+    if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        out.setdefault("telemetry", {}).setdefault("otlp_endpoint", environ["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    if environ.get("OTEL_SERVICE_NAME"):
+        out.setdefault("telemetry", {}).setdefault("service_name", environ["OTEL_SERVICE_NAME"])
+    return out
+
+
+def deep_merge(base: dict, override: Mapping) -> dict:
+    """Returns `base` updated by `override`, merging nested sections key by key."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = [f"invalid cluster config ({err.error_count()} problem(s)):"]
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "<root>"
+        lines.append(f"  {where}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def validate_config(data: Mapping) -> ClusterConfig:
+    """Validates a plain mapping; raises ConfigError with one line per problem."""
+    try:
+        return ClusterConfig.model_validate(dict(data))
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def load_config(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping | None = None,
+) -> ClusterConfig:
+    """Loads defaults < YAML file < environment < explicit overrides (CLI flags).
+
+    Args:
+        path: YAML file; None uses `$WARMPATH_CONFIG` if set, else defaults only.
+        environ: environment to read overrides from (default: os.environ).
+        overrides: nested dict of highest-precedence values.
+
+    Returns:
+        The validated config.
+    """
+    environ = os.environ if environ is None else environ
+    path = path or environ.get("WARMPATH_CONFIG") or None
+    data: dict = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file not found: {file}")
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {file} is not valid YAML: {err}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {file} must hold a mapping at the top level")
+        data = loaded
+    data = deep_merge(data, env_overrides(environ))
+    data = deep_merge(data, overrides or {})
+    return validate_config(data)

@@ -1,0 +1,280 @@
+"""Local bring-up: Redis, a Ray head, and the Serve application, started in order.
+
+Why a module of its own: `warmpath up/down/status` and the integration tests
+start the same cluster the same way. What this process starts is recorded in
+`<state_dir>/local.json`, so `down` stops exactly that and nothing the user
+started themselves (a Ray cluster from `RAY_ADDRESS`, a Redis from `REDIS_URL`).
+
+Ordering: model -> Redis -> Ray head -> `serve deploy` of the rendered config
+-> wait until every replica is RUNNING. Each step reports through `progress`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from cluster.config import ClusterConfig
+from cluster.model_builder import build_model, is_built
+from cluster.serve_config import render_serve_config
+
+Progress = Callable[[str], None]
+DASHBOARD_PORT = 8265
+LOCAL_REDIS_PORT = 6380  # 6379 is Ray's GCS port on the head node
+
+
+class BringUpError(RuntimeError):
+    """A step of the local bring-up failed; the message says which and why."""
+
+
+@dataclass
+class LocalState:
+    """What `up` started, so `down` stops only that."""
+
+    redis_pid: Optional[int] = None
+    redis_url: Optional[str] = None
+    ray_started: bool = False
+    ray_address: Optional[str] = None
+    dashboard_url: str = f"http://127.0.0.1:{DASHBOARD_PORT}"
+    http_url: Optional[str] = None
+    extras: dict = field(default_factory=dict)
+
+    @staticmethod
+    def path(state_dir: Path) -> Path:
+        return state_dir / "local.json"
+
+    @classmethod
+    def load(cls, state_dir: Path) -> "LocalState":
+        file = cls.path(state_dir)
+        if not file.is_file():
+            return cls()
+        return cls(**json.loads(file.read_text()))
+
+    def save(self, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.path(state_dir).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def _bin(name: str) -> str:
+    """Executable next to this interpreter (the venv's `ray`), else from PATH."""
+    local = Path(sys.executable).with_name(name)
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if found is None:
+        raise BringUpError(f"`{name}` not found next to {sys.executable} or on PATH")
+    return found
+
+
+def state_dir_of(cfg: ClusterConfig) -> Path:
+    return Path(cfg.state_dir).expanduser().resolve()
+
+
+def ensure_model(cfg: ClusterConfig, progress: Progress) -> None:
+    """Builds the default model when the config points at it and it is missing."""
+    if cfg.model.source:
+        return
+    out = Path(cfg.model_source())
+    if is_built(out):
+        progress(f"model: {out} (already built)")
+        return
+    progress(f"model: building {cfg.model.model_id} into {out}")
+    build_model(out, progress=lambda msg: progress(f"  {msg}"))
+
+
+def _redis_ping(url: str, timeout_s: float) -> bool:
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if redis.Redis.from_url(url, socket_timeout=1).ping():
+                return True
+        except redis.exceptions.RedisError:
+            time.sleep(0.1)
+    return False
+
+
+def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
+    """Uses `cfg.redis_url`, else starts redis-server with AOF persistence in the state dir."""
+    if cfg.redis_url:
+        progress(f"redis: using {cfg.redis_url}")
+        if not _redis_ping(cfg.redis_url, 5):
+            raise BringUpError(f"redis at {cfg.redis_url} does not answer PING")
+        return cfg.redis_url
+    url = f"redis://127.0.0.1:{LOCAL_REDIS_PORT}/0"
+    if state.redis_pid and _alive(state.redis_pid) and _redis_ping(url, 2):
+        progress(f"redis: already running at {url} (pid {state.redis_pid})")
+        return url
+    server = shutil.which("redis-server")
+    if server is None:
+        raise BringUpError("redis-server is not installed (apt-get install redis-server) and REDIS_URL is not set")
+    data_dir = state_dir_of(cfg) / "redis"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    progress(f"redis: starting redis-server on port {LOCAL_REDIS_PORT} (AOF in {data_dir})")
+    proc = subprocess.Popen(
+        [server, "--port", str(LOCAL_REDIS_PORT), "--bind", "127.0.0.1", "--dir", str(data_dir),
+         "--appendonly", "yes", "--appendfsync", "everysec", "--save", "60 1",
+         "--logfile", str(data_dir / "redis.log")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    if not _redis_ping(url, 10):
+        proc.kill()
+        raise BringUpError(f"redis-server did not answer on {url}; see {data_dir / 'redis.log'}")
+    state.redis_pid, state.redis_url = proc.pid, url
+    return url
+
+
+def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
+    """Joins `RAY_ADDRESS` if set, else starts a local Ray head with enough logical CPUs."""
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        progress(f"ray: joining {address}")
+        state.ray_address = address
+        return address
+    if _ray_head_up():
+        progress("ray: a local head is already running; using it")
+        state.ray_address = "auto"
+        return "auto"
+    # Logical CPUs: one bundle per replica plus room for the ingress and proxies.
+    num_cpus = int(cfg.replicas.num_replicas * cfg.replicas.num_cpus) + 4
+    progress(f"ray: starting a local head ({num_cpus} logical CPUs)")
+    cmd = [
+        _bin("ray"), "start", "--head", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={DASHBOARD_PORT}",
+        "--object-store-memory=500000000",
+    ]
+    if cfg.replicas.accelerator == "cpu":
+        cmd.append("--num-gpus=0")
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise BringUpError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
+    state.ray_started, state.ray_address = True, "auto"
+    return "auto"
+
+
+def _ray_head_up() -> bool:
+    result = subprocess.run([_bin("ray"), "status"], capture_output=True, text=True)
+    return result.returncode == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _serve_client(state: LocalState):
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    return ServeSubmissionClient(state.dashboard_url)
+
+
+def deploy(cfg: ClusterConfig, state: LocalState, progress: Progress) -> None:
+    """Deploys the rendered Serve config through the dashboard, like `serve deploy`."""
+    doc = render_serve_config(cfg)
+    out = state_dir_of(cfg) / "serve_config.yaml"
+    import yaml
+
+    out.write_text(yaml.safe_dump(doc, sort_keys=True))
+    progress(f"serve: deploying {out}")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _serve_client(state).deploy_applications(doc)
+            return
+        except Exception as err:  # the dashboard takes a few seconds to accept requests
+            if time.monotonic() > deadline:
+                raise BringUpError(f"serve deploy failed: {err}") from None
+            time.sleep(1)
+
+
+def serve_details(state: LocalState) -> dict:
+    return _serve_client(state).get_serve_details()
+
+
+def summarize(details: dict, app_name: str) -> tuple[str, list[str]]:
+    """Application status and one line per deployment with replica states."""
+    app = details.get("applications", {}).get(app_name)
+    if app is None:
+        return "NOT_DEPLOYED", []
+    lines = []
+    for name, dep in sorted(app.get("deployments", {}).items()):
+        states: dict[str, int] = {}
+        for replica in dep.get("replicas", []):
+            states[replica["state"]] = states.get(replica["state"], 0) + 1
+        counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "no replicas"
+        lines.append(f"{name}: {dep['status']} ({counts})")
+        if dep.get("message") and dep["status"] not in ("HEALTHY",):
+            lines.append(f"  {dep['message'].strip().splitlines()[-1][:300]}")
+    return app["status"], lines
+
+
+def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, timeout_s: float) -> None:
+    """Polls the Serve status until the application runs, fails, or `timeout_s` passes."""
+    start = time.monotonic()
+    last = None
+    while True:
+        status, lines = summarize(serve_details(state), cfg.app_name)
+        line = f"serve: {status}; " + "; ".join(l for l in lines if not l.startswith("  "))
+        if line != last:
+            progress(f"[{time.monotonic() - start:5.0f}s] {line}")
+            last = line
+        if status == "RUNNING":
+            return
+        if status == "DEPLOY_FAILED":
+            raise BringUpError("the Serve application failed to deploy:\n" + "\n".join(lines))
+        if time.monotonic() - start > timeout_s:
+            raise BringUpError(f"not running after {timeout_s:.0f}s:\n" + "\n".join(lines))
+        time.sleep(2)
+
+
+def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900) -> LocalState:
+    """Starts everything `cfg` needs and returns what was started."""
+    state_dir = state_dir_of(cfg)
+    state = LocalState.load(state_dir)
+    ensure_model(cfg, progress)
+    redis_url = start_redis(cfg, state, progress)
+    state.save(state_dir)
+    if cfg.redis_url is None:
+        cfg = cfg.model_copy(update={"redis_url": redis_url})
+    start_ray(cfg, state, progress)
+    state.save(state_dir)
+    deploy(cfg, state, progress)
+    wait_running(cfg, state, progress, timeout_s)
+    state.http_url = f"http://127.0.0.1:{cfg.ports.http_port}"
+    state.save(state_dir)
+    return state
+
+
+def down(cfg: ClusterConfig, progress: Progress) -> None:
+    """Stops the Serve app, and the Ray head and Redis if `up` started them."""
+    state_dir = state_dir_of(cfg)
+    state = LocalState.load(state_dir)
+    if state.ray_address and _ray_head_up():
+        try:
+            _serve_client(state).delete_applications()
+            progress("serve: applications deleted")
+        except Exception as err:
+            progress(f"serve: could not delete applications ({err})")
+    if state.ray_started:
+        subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True)
+        progress("ray: head stopped")
+    if state.redis_pid and _alive(state.redis_pid):
+        os.kill(state.redis_pid, signal.SIGTERM)  # redis flushes its AOF on SIGTERM
+        for _ in range(100):
+            if not _alive(state.redis_pid):
+                break
+            time.sleep(0.1)
+        progress(f"redis: stopped (pid {state.redis_pid})")
+    LocalState().save(state_dir)

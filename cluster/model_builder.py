@@ -1,0 +1,208 @@
+"""Builds the small Llama-architecture model the CPU cluster serves.
+
+Why: no weights can be downloaded on CI or a laptop without a hub, yet every
+part of the stack (tokenizer, chat template with tools, prefix caching, KV
+events, structured outputs) must run against a real checkpoint. The weights are
+random, so the text is gibberish, but prompt structure and prefill cost are real.
+
+Determinism: the tokenizer is trained on a fixed, sorted list of files from the
+Python standard library that ships with this interpreter, and the weights come
+from a seeded generator, so the same seed and Python build give byte-identical
+files (`manifest.json` lists their sha256).
+
+The chat template renders what agents send: a system prompt, the tool schemas
+(hermes-style `<tools>` block), user turns, assistant tool calls as
+`<tool_call>{...}</tool_call>` (which vLLM's `hermes` tool parser reads back)
+and tool results as `<tool_response>` blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+HEADER_START, HEADER_END, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
+SPECIAL_TOKENS = [BOS, EOS, HEADER_START, HEADER_END, EOT, "<|pad|>"]
+# Markup the hermes tool parser looks up as single tokens.
+TOOL_TOKENS = ["<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' %}"
+    "{%- if system or tools %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n' + system }}"
+    "{%- if tools %}"
+    "{{- '\\n# Tools\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>' }}"
+    "{%- endif %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|start_header_id|>tool<|end_header_id|>\\n<tool_response>' + (message['content'] if message['content'] is string else message['content'] | tojson) + '</tool_response><|eot_id|>' }}"
+    "{%- else %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n' }}"
+    "{%- if message['content'] %}"
+    "{{- message['content'] if message['content'] is string else message['content'] | map(attribute='text') | join('') }}"
+    "{%- endif %}"
+    "{%- if message.get('tool_calls') %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call.get('function') else call %}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson %}"
+    "{{- '<tool_call>{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + args + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of the built model. Defaults make a 2k-token prefill cost ~10x a cache hit on 2 CPU cores."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 512
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 1536
+    max_position_embeddings: int = 8192
+
+
+def _corpus_files(max_bytes: int) -> list[Path]:
+    """Sorted standard-library sources up to `max_bytes`: same interpreter, same corpus."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files: list[Path] = []
+    total = 0
+    for path in sorted(stdlib.glob("*.py")):
+        size = path.stat().st_size
+        if total + size > max_bytes:
+            continue
+        files.append(path)
+        total += size
+    if not files:
+        raise RuntimeError(f"no Python sources found under {stdlib} to train the tokenizer on")
+    return files
+
+
+def _train_tokenizer(shape: ModelShape, corpus_bytes: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=shape.vocab_size - len(TOOL_TOKENS),
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+
+    def lines():
+        for path in _corpus_files(corpus_bytes):
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+    tok.train_from_iterator(lines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOT,
+        pad_token="<|pad|>",
+        additional_special_tokens=[EOS, HEADER_START, HEADER_END],
+        model_max_length=shape.max_position_embeddings,
+    )
+    # Not special: they must survive detokenisation so the tool parser sees them.
+    fast.add_tokens(TOOL_TOKENS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _build_weights(shape: ModelShape, tokenizer, seed: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(EOS)],
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    return model.to(torch.bfloat16)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_model(
+    out_dir: Path,
+    seed: int = 0,
+    shape: ModelShape = ModelShape(),
+    corpus_bytes: int = 8_000_000,
+    progress: Callable[[str], None] = lambda _msg: None,
+) -> dict:
+    """Writes tokenizer, chat template, config and random weights to `out_dir`.
+
+    Args:
+        out_dir: target folder (created; existing files are overwritten).
+        seed: weight initialisation seed.
+        shape: model sizes.
+        corpus_bytes: how much standard-library source trains the tokenizer.
+        progress: called with one line per step.
+
+    Returns:
+        The manifest written to `out_dir/manifest.json` (file name -> sha256, sizes).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    progress(f"training byte-level BPE tokenizer (vocab {shape.vocab_size}) on standard-library sources")
+    tokenizer = _train_tokenizer(shape, corpus_bytes)
+    tokenizer.save_pretrained(out_dir)
+    progress(
+        f"initialising Llama weights (seed {seed}, {shape.num_layers} layers, hidden {shape.hidden_size})"
+    )
+    model = _build_weights(shape, tokenizer, seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # Generation defaults from a random model would only confuse clients.
+    (out_dir / "generation_config.json").unlink(missing_ok=True)
+    files = {
+        p.name: _sha256(p)
+        for p in sorted(out_dir.iterdir())
+        if p.is_file() and p.name != "manifest.json"
+    }
+    manifest = {"seed": seed, "num_params": num_params, "shape": shape.__dict__, "files": files}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    progress(f"wrote {len(files)} files ({num_params / 1e6:.1f}M parameters) to {out_dir}")
+    return manifest
+
+
+def is_built(out_dir: Path) -> bool:
+    """True when a previous build completed (its manifest is written last)."""
+    return (out_dir / "manifest.json").is_file() and (out_dir / "config.json").is_file()

@@ -1,0 +1,119 @@
+"""Ray Serve application builder: cluster config in, Serve application out.
+
+`build_app` is the `import_path` of the rendered Serve config
+(`serve_apps.builders:build_app`), so `warmpath up`, `serve deploy` and the
+KubeRay `serveConfigV2` all build the application through this one function
+from the same validated `ClusterConfig`.
+
+The graph is Ray Serve LLM's: one `LLMServer` deployment (our subclass) with N
+replicas behind an `OpenAiIngress` (our subclass). The request router is set on
+the LLM deployment, so every handle that calls the replicas routes with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
+from ray.serve.deployment import Application
+from ray.serve.llm import LLMConfig, build_llm_deployment
+
+from cluster.config import ClusterConfig, RouterPolicy, validate_config
+from serve_apps.ingress_http import ENDPOINTS, WarmpathIngress
+from serve_apps.vllm_replica import WarmpathLLMServer
+
+# Policies other than warmpath's own, for side-by-side comparison.
+_ROUTER_CLASSES: dict[RouterPolicy, str | None] = {
+    "warmpath": "router.adapter:PrefixKVRouter",
+    "pow2": None,  # Ray Serve's default PowerOfTwoChoicesRequestRouter
+    "round-robin": "ray.serve.experimental.round_robin_router:RoundRobinRouter",
+    "session-hash": "ray.serve.experimental.consistent_hash_router:ConsistentHashRouter",
+    "prefix-tree": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+}
+
+
+def request_router_config(cfg: ClusterConfig) -> dict[str, Any] | None:
+    """The LLM deployment's `request_router_config` for the configured policy."""
+    router_class = _ROUTER_CLASSES[cfg.router.policy]
+    if router_class is None:
+        return None
+    kwargs: dict[str, Any] = {}
+    if cfg.router.policy == "warmpath":
+        kwargs = {
+            "router": cfg.router.model_dump(mode="json"),
+            "model_id": cfg.model.model_id,
+            "model_source": cfg.model_source(),
+            "block_size_tokens": cfg.replicas.block_size_tokens,
+        }
+    return {
+        "request_router_class": router_class,
+        "request_router_kwargs": kwargs,
+        "request_routing_stats_period_s": 2.0,
+        "request_routing_stats_timeout_s": 5.0,
+    }
+
+
+def engine_kwargs(cfg: ClusterConfig) -> dict[str, Any]:
+    """vLLM engine and frontend arguments every replica starts with."""
+    kwargs: dict[str, Any] = {
+        "max_model_len": cfg.model.max_model_len_tokens,
+        "block_size": cfg.replicas.block_size_tokens,
+        "enable_prefix_caching": True,
+        "tensor_parallel_size": cfg.replicas.tensor_parallel_size,
+        # Frontend options: cached-token counts and usage on every response,
+        # and tool calls parsed back out of the model's text.
+        "enable_prompt_tokens_details": True,
+        "enable_force_include_usage": True,
+        "enable_auto_tool_choice": True,
+        "tool_call_parser": cfg.model.tool_call_parser,
+    }
+    if cfg.replicas.accelerator == "cpu":
+        # Graph compilation costs ~25 s per engine start on CPU and buys little for a small model.
+        kwargs["enforce_eager"] = True
+    kwargs.update(cfg.replicas.engine_kwargs)
+    return kwargs
+
+
+def llm_config(cfg: ClusterConfig) -> LLMConfig:
+    """Ray Serve LLM configuration of the replica deployment."""
+    deployment_config: dict[str, Any] = {
+        "num_replicas": cfg.replicas.num_replicas,
+        "max_ongoing_requests": 64,
+        "ray_actor_options": {"num_cpus": 0 if cfg.replicas.accelerator == "cpu" else 1},
+    }
+    router_config = request_router_config(cfg)
+    if router_config is not None:
+        deployment_config["request_router_config"] = router_config
+    env_vars = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"} if cfg.replicas.accelerator == "cpu" else {}
+    extra: dict[str, Any] = {}
+    if cfg.replicas.accelerator == "cpu":
+        env_vars["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.replicas.kv_cache_space_gib)
+        # Without explicit bundles every replica asks for a GPU and never starts.
+        extra["placement_group_config"] = {"bundles": [{"CPU": cfg.replicas.num_cpus}]}
+    return LLMConfig(
+        model_loading_config={"model_id": cfg.model.model_id, "model_source": cfg.model_source()},
+        engine_kwargs=engine_kwargs(cfg),
+        deployment_config=deployment_config,
+        runtime_env={"env_vars": env_vars},
+        **extra,
+    )
+
+
+def build_llm_app(cfg: ClusterConfig) -> Application:
+    """Replica deployment plus the OpenAI ingress, from a validated config."""
+    llm = llm_config(cfg)
+    replicas = build_llm_deployment(llm, deployment_cls=WarmpathLLMServer)
+    ingress_cls = make_fastapi_ingress(WarmpathIngress, endpoint_map=ENDPOINTS)
+    options = WarmpathIngress.get_deployment_options([llm])
+    options["ray_actor_options"] = {"num_cpus": 0.5}
+    return serve.deployment(ingress_cls, name="OpenAiIngress", **options).bind(
+        llm_deployments={cfg.model.model_id: replicas},
+        model_cards={cfg.model.model_id: to_model_metadata(cfg.model.model_id, llm)},
+    )
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve config entry point: `args` is a `ClusterConfig` as plain data."""
+    return build_llm_app(validate_config(args))

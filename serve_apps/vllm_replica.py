@@ -1,0 +1,89 @@
+"""The vLLM replica: Ray Serve LLM's `LLMServer` plus what the router needs.
+
+Why a subclass rather than plain `LLMServer`:
+- Each replica binds its own vLLM KV-cache event publisher (ZMQ PUB + replay
+  ROUTER socket) on free ports and advertises them through
+  `record_routing_stats`, so every router process can subscribe to every
+  replica. Ray's own per-replica port assignment is tied to its Dynamo-based
+  KV router, which this project does not use.
+- Every response stream starts with a `ServedBy` record naming the replica, so
+  the ingress can put `x-warmpath-replica` on the HTTP response without the
+  caller having to trust the body.
+
+Everything else (engine start, OpenAI serving layer, placement groups, health
+checks) is Ray Serve LLM's.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, Dict, Optional
+
+from ray import serve
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from ray.serve.llm import LLMConfig
+
+
+@dataclass(frozen=True)
+class ServedBy:
+    """First item of every replica response stream; never sent to clients."""
+
+    replica_id: str
+
+
+def _free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class WarmpathLLMServer(LLMServer):
+    """LLMServer that publishes KV events on its own ports and tags its responses."""
+
+    async def __init__(self, llm_config: LLMConfig, **kwargs: Any):
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
+        port, replay_port = _free_tcp_port(), _free_tcp_port()
+        host = _node_ip()
+        llm_config.update_engine_kwargs(
+            kv_events_config={
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{port}",
+                "replay_endpoint": f"tcp://*:{replay_port}",
+                "topic": "",
+            }
+        )
+        self._kv_events = {
+            "replica_id": self._replica_id,
+            "kv_events_endpoint": f"tcp://{host}:{port}",
+            "kv_events_replay_endpoint": f"tcp://{host}:{replay_port}",
+            "block_size": llm_config.engine_kwargs.get("block_size"),
+        }
+        await super().__init__(llm_config, **kwargs)
+
+    async def _tagged(self, stream: AsyncGenerator) -> AsyncGenerator:
+        yield ServedBy(self._replica_id)
+        async for item in stream:
+            yield item
+
+    async def chat(self, request, raw_request_info=None):
+        return self._tagged(await super().chat(request, raw_request_info))
+
+    async def completions(self, request, raw_request_info=None):
+        return self._tagged(await super().completions(request, raw_request_info))
+
+    async def record_routing_stats(self) -> Dict[str, Any]:
+        stats = dict(await super().record_routing_stats())
+        stats.update(self._kv_events)
+        return stats
+
+    async def replica_info(self) -> Dict[str, Optional[str]]:
+        """Identity and event endpoints, for `warmpath status` and tests."""
+        return dict(self._kv_events)

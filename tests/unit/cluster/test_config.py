@@ -1,0 +1,94 @@
+"""Cluster config: defaults, precedence (file < env < flags) and clear errors."""
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ClusterConfig, ConfigError, env_overrides, load_config
+from cluster.serve_config import BUILDER_IMPORT_PATH, render_serve_config
+
+
+def test_defaults_describe_a_two_replica_cpu_cluster():
+    cfg = load_config(environ={})
+    assert cfg.replicas.num_replicas == 2
+    assert cfg.replicas.accelerator == "cpu"
+    assert cfg.router.policy == "warmpath"
+    assert cfg.ports.http_port == 8000 and cfg.ports.grpc_port == 9000
+    assert cfg.redis_url is None
+    assert cfg.model_source().endswith("models/warmpath-tiny")
+
+
+@pytest.mark.parametrize(
+    "environ, path, expected",
+    [
+        ({"WARMPATH_REPLICAS__NUM_REPLICAS": "3"}, ("replicas", "num_replicas"), 3),
+        ({"WARMPATH_ROUTER__POLICY": "round-robin"}, ("router", "policy"), "round-robin"),
+        ({"WARMPATH_ROUTER__LOAD_GUARD_FACTOR": "2.5"}, ("router", "load_guard_factor"), 2.5),
+        ({"REDIS_URL": "redis://r:6379/0"}, ("redis_url",), "redis://r:6379/0"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, ("telemetry", "otlp_endpoint"), "http://c:4318"),
+        ({"WARMPATH_PORTS__HTTP_PORT": "8100"}, ("ports", "http_port"), 8100),
+    ],
+)
+def test_environment_overrides(environ, path, expected):
+    value = load_config(environ=environ)
+    for part in path:
+        value = getattr(value, part)
+    assert value == expected
+
+
+def test_precedence_file_then_env_then_flags(tmp_path: Path):
+    file = tmp_path / "c.yaml"
+    file.write_text("replicas:\n  num_replicas: 4\n  kv_cache_space_gib: 2\nrouter:\n  policy: pow2\n")
+    cfg = load_config(file, environ={})
+    assert (cfg.replicas.num_replicas, cfg.replicas.kv_cache_space_gib, cfg.router.policy) == (4, 2, "pow2")
+    cfg = load_config(file, environ={"WARMPATH_REPLICAS__NUM_REPLICAS": "5"})
+    assert cfg.replicas.num_replicas == 5 and cfg.replicas.kv_cache_space_gib == 2
+    cfg = load_config(file, environ={"WARMPATH_REPLICAS__NUM_REPLICAS": "5"}, overrides={"replicas": {"num_replicas": 6}})
+    assert cfg.replicas.num_replicas == 6
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"replicas": {"num_replicas": 0}}, "replicas.num_replicas"),
+        ({"replicas": {"block_size_tokens": 16}}, "multiple of 32"),
+        ({"replicas": {"accelerator": "gpu", "num_gpus": 1, "tensor_parallel_size": 2}}, "must equal"),
+        ({"replicas": {"num_gpus": 1}}, "must be 0"),
+        ({"replicas": {"engine_kwargs": {"block_size": 64}}}, "owned by the cluster config"),
+        ({"router": {"policy": "random"}}, "router.policy"),
+        ({"router": {"load_guard_factor": 0.5}}, "router.load_guard_factor"),
+        ({"router": {"scorer_weights": {"load": -1}}}, ">= 0"),
+        ({"ports": {"http_port": 9000}}, "both 9000"),
+        ({"replicas": {"num_replica": 2}}, "replicas.num_replica"),
+    ],
+)
+def test_invalid_values_name_the_field(data, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(environ={}, overrides=data)
+    assert message in str(err.value)
+
+
+def test_bad_files_are_reported(tmp_path: Path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad, environ={})
+
+
+def test_env_values_are_yaml_typed():
+    assert env_overrides({"WARMPATH_REPLICAS__ENGINE_KWARGS": "{max_num_seqs: 8}"}) == {
+        "replicas": {"engine_kwargs": {"max_num_seqs": 8}}
+    }
+
+
+def test_serve_config_embeds_the_whole_validated_config():
+    cfg = load_config(environ={}, overrides={"replicas": {"num_replicas": 3}})
+    doc = render_serve_config(cfg)
+    (app,) = doc["applications"]
+    assert app["import_path"] == BUILDER_IMPORT_PATH
+    assert doc["http_options"]["port"] == 8000 and doc["grpc_options"]["port"] == 9000
+    again = ClusterConfig.model_validate(app["args"])
+    assert again.replicas.num_replicas == 3
+    assert again.model.source == cfg.model_source()

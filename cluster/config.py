@@ -60,7 +60,7 @@ class ReplicaConfig(_Strict):
     num_cpus: float = Field(1.0, description="Logical CPUs per replica (engine bundle).", gt=0)
     num_gpus: int = Field(0, description="GPUs per replica; must equal tensor_parallel_size on GPU.", ge=0)
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallel degree.", ge=1)
-    kv_cache_space_gib: float = Field(1.0, description="CPU only: KV cache size per replica (VLLM_CPU_KVCACHE_SPACE).", gt=0)
+    kv_cache_space_gib: int = Field(1, description="CPU only: KV cache GiB per replica (VLLM_CPU_KVCACHE_SPACE, whole GiB).", ge=1)
     block_size_tokens: int = Field(32, description="KV block size; a multiple of 32 on CPU.", ge=1)
     engine_kwargs: dict[str, EngineArgValue] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, passed through unchanged."
@@ -129,6 +129,10 @@ class PortsConfig(_Strict):
     http_port: int = Field(8000, description="OpenAI-compatible HTTP ingress.", ge=1, le=65535)
     grpc_port: int = Field(9000, description="gRPC proxy.", ge=1, le=65535)
     host: str = Field("0.0.0.0", description="Bind address of the proxies.")
+    local_redis_port: int = Field(
+        6380, description="Port of the redis-server `warmpath up` starts when redis_url is unset (6379 is Ray's).",
+        ge=1, le=65535,
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> "PortsConfig":

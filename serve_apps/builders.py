@@ -68,6 +68,12 @@ def engine_kwargs(cfg: ClusterConfig) -> dict[str, Any]:
         "enable_force_include_usage": True,
         "enable_auto_tool_choice": True,
         "tool_call_parser": cfg.model.tool_call_parser,
+        # Compact JSON under grammars: without this a weak model fills every
+        # allowed whitespace position and tool-call arguments never close.
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+        # Grammar-constrain tool-call arguments to each tool's JSON Schema, as if
+        # every tool were `strict: true`, whenever a request carries tools.
+        "tool_strict_level": "parameter",
     }
     if cfg.replicas.accelerator == "cpu":
         # Graph compilation costs ~25 s per engine start on CPU and buys little for a small model.
@@ -90,6 +96,7 @@ def llm_config(cfg: ClusterConfig) -> LLMConfig:
     extra: dict[str, Any] = {}
     if cfg.replicas.accelerator == "cpu":
         env_vars["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.replicas.kv_cache_space_gib)
+        env_vars["VLLM_CPU_OMP_THREADS_BIND"] = cfg.replicas.cpu_omp_threads_bind
         # Without explicit bundles every replica asks for a GPU and never starts.
         extra["placement_group_config"] = {"bundles": [{"CPU": cfg.replicas.num_cpus}]}
     return LLMConfig(

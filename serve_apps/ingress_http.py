@@ -29,6 +29,7 @@ from ray.llm._internal.serve.core.ingress.utils import (
     _peek_at_generator,
 )
 
+from router.decision_log import DECISIONS
 from serve_apps.vllm_replica import ServedBy
 
 REPLICA_HEADER = "x-warmpath-replica"
@@ -37,9 +38,18 @@ PREDICTED_CACHED_HEADER = "x-warmpath-predicted-cached-tokens"
 
 
 def _headers(served_by: Optional[ServedBy]) -> Dict[str, str]:
-    if served_by is None:
-        return {}
-    return {REPLICA_HEADER: served_by.replica_id}
+    """Replica header, plus the router's reason and prediction when warmpath's router decided."""
+    from ray.serve.context import _get_serve_request_context
+
+    headers: Dict[str, str] = {}
+    decision = DECISIONS.pop(_get_serve_request_context().request_id)
+    if served_by is not None:
+        headers[REPLICA_HEADER] = served_by.replica_id
+    if decision is not None:
+        headers[ROUTE_HEADER] = decision.reason
+        replica = served_by.replica_id if served_by is not None else decision.replica_id
+        headers[PREDICTED_CACHED_HEADER] = str(decision.predicted_cached_tokens.get(replica, 0))
+    return headers
 
 
 class WarmpathIngress(OpenAiIngress):

@@ -1,0 +1,192 @@
+"""`PrefixKVRouter`: the prefix-aware policy as a Ray Serve request router.
+
+The only module of `router/` that imports `ray.serve`. Ray Serve creates one
+router per deployment handle in the caller's process (the OpenAI ingress, the
+orchestrator), so each such process keeps its own exact index, fed by every
+replica's KV events.
+
+Threads and ordering:
+- A daemon thread (`_EventPump`) owns the ZMQ sockets: it subscribes to each
+  replica as soon as the replica advertises its endpoints in its routing stats,
+  drains events into the `PrefixIndex`, and drops a replica's sockets and index
+  entries when the replica leaves the running set.
+- `choose_replicas` runs on Serve's event loop. It tokenizes the request with
+  the engine's tokenizer and chat template, then decides under the same lock
+  the pump takes to apply events, so a decision never sees half a batch.
+  It makes no blocking remote calls.
+- Each decision is kept in `router.decision_log.DECISIONS` under the request
+  id, where the HTTP ingress (same process) reads it to set
+  `x-warmpath-route` and `x-warmpath-predicted-cached-tokens`.
+
+Ray Serve ships the router class to every handle by pickling this module by
+value, so module-level state here must be picklable: anything shared with
+other code (the decision log) lives in other modules, imported by reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, List, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.config import RouterConfig
+from router import decision_log
+from router.events import ReplicaEventStream, ZmqEventSource
+from router.index import PrefixIndex
+from router.policy import PrefixAwarePolicy
+from router.prompt_tokens import PromptTokenizer
+from router.types import Decision, ReplicaId, ReplicaLoad, RoutingRequest
+
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+
+logger = logging.getLogger("ray.serve")
+
+MAX_SESSIONS = 100_000
+MAX_DECISIONS = 4096
+
+
+class RouterArgs(BaseModel):
+    """`request_router_kwargs` of the LLM deployment, validated once per router."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    router: RouterConfig = Field(description="Policy, weights and bounds.")
+    model_id: str = Field(description="Model name; roots the block hash chains.")
+    model_source: str = Field(description="Folder or hub id whose tokenizer and chat template the engines use.")
+    block_size_tokens: int = Field(description="The engines' KV block size.", ge=1)
+
+
+
+
+class _BoundedSessions(OrderedDict):
+    """Session id -> last replica, least recently routed sessions forgotten first."""
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        if len(self) > MAX_SESSIONS:
+            self.popitem(last=False)
+
+
+class _EventPump(threading.Thread):
+    """Keeps one ZMQ subscription per advertised replica and applies its events."""
+
+    def __init__(self, router: "PrefixKVRouter") -> None:
+        super().__init__(name="warmpath-kv-events", daemon=True)
+        self._router = router
+        self._sources: dict[ReplicaId, tuple[str, ZmqEventSource, ReplicaEventStream]] = {}
+        self.is_stopped = False
+
+    def run(self) -> None:
+        while not self.is_stopped:
+            try:
+                self._sync_subscriptions()
+                busy = self._drain()
+            except Exception:  # never let one bad replica stop the pump
+                logger.exception("kv event pump iteration failed")
+                busy = False
+            if not busy:
+                time.sleep(0.005)
+
+    def _sync_subscriptions(self) -> None:
+        router = self._router
+        advertised: dict[ReplicaId, tuple[str, str | None]] = {}
+        for replica in list(router.curr_replicas.values()):
+            stats = replica.routing_stats or {}
+            endpoint = stats.get("kv_events_endpoint")
+            if endpoint:
+                advertised[ReplicaId(replica.replica_id.unique_id)] = (endpoint, stats.get("kv_events_replay_endpoint"))
+        for replica_id in [r for r in self._sources if r not in advertised or advertised[r][0] != self._sources[r][0]]:
+            _, source, _ = self._sources.pop(replica_id)
+            source.close()
+            with router.lock:
+                router.index.remove_replica(replica_id)
+        for replica_id, (endpoint, replay_endpoint) in advertised.items():
+            if replica_id in self._sources:
+                continue
+            source = ZmqEventSource(endpoint, replay_endpoint=replay_endpoint)
+            stream = ReplicaEventStream(replica_id, router.index, replay=source.replay)
+            self._sources[replica_id] = (endpoint, source, stream)
+            logger.info("subscribed to KV events of replica %s at %s", replica_id, endpoint)
+
+    def _drain(self) -> bool:
+        busy = False
+        for _, source, stream in list(self._sources.values()):
+            batches = source.poll_batches(256)
+            if not batches:
+                continue
+            busy = True
+            with self._router.lock:
+                for seq, batch in batches:
+                    stream.accept(seq, batch)
+        return busy
+
+
+class PrefixKVRouter(FIFOMixin, RequestRouter):
+    """Ranks replicas by exact cached prefix, load and session affinity."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        args = RouterArgs.model_validate(kwargs)
+        self.args = args
+        self.lock = threading.Lock()
+        self.index = PrefixIndex(args.block_size_tokens, args.router.max_blocks_per_replica, args.model_id)
+        self.policy = PrefixAwarePolicy(args.router, args.block_size_tokens)
+        self.sessions: _BoundedSessions = _BoundedSessions()
+        self.tokenizer = PromptTokenizer(args.model_source)
+        self._decisions: OrderedDict[str, Decision] = OrderedDict()
+        self._pump = _EventPump(self)
+        self._pump.start()
+
+    def _loads(self, candidates: List[RunningReplica]) -> dict[ReplicaId, ReplicaLoad]:
+        cache = self.replica_queue_len_cache
+        loads = {}
+        for replica in candidates:
+            ongoing = cache.get(replica.replica_id)
+            stats = replica.routing_stats or {}
+            usage = stats.get("kv_cache_usage")
+            loads[ReplicaId(replica.replica_id.unique_id)] = ReplicaLoad(
+                num_ongoing_requests=int(ongoing or 0),
+                kv_cache_usage=float(usage) if isinstance(usage, (int, float)) and 0 <= usage <= 1 else 0.0,
+            )
+        return loads
+
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        routing_request = self.tokenizer.routing_request(pending_request, self.args.model_id) if pending_request else None
+        loads = self._loads(candidate_replicas)
+        if routing_request is None:
+            # Nothing to match on (not a chat/completion call, or it does not render): least loaded first.
+            return [[r] for r in sorted(candidate_replicas, key=lambda r: loads[ReplicaId(r.replica_id.unique_id)].num_requests)]
+        by_id = {ReplicaId(r.replica_id.unique_id): r for r in candidate_replicas}
+        with self.lock:
+            decision = self.policy.choose(
+                routing_request, list(by_id), loads, self.index, self.sessions, time.monotonic()
+            )
+        request_id = pending_request.metadata.request_id
+        decision_log.DECISIONS.put(request_id, decision)
+        self._decisions[pending_request.metadata.internal_request_id] = decision
+        while len(self._decisions) > MAX_DECISIONS:
+            self._decisions.popitem(last=False)
+        return [[by_id[r] for r in tier] for tier in decision.ranked_tiers]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        decision = self._decisions.pop(pending_request.metadata.internal_request_id, None)
+        if decision is None or decision.replica_id == replica_id.unique_id:
+            return
+        # Serve fell back to another replica (the chosen one was full): record where it really went.
+        with self.lock:
+            self.policy.record(decision, ReplicaId(replica_id.unique_id), self.index, self.sessions, time.monotonic())
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        with self.lock:
+            self.index.remove_replica(ReplicaId(replica_id.unique_id))

@@ -1,0 +1,247 @@
+"""Tool-call validation, the structured-output schema of one call, and HTTP tool execution.
+
+Invariants:
+- Nothing a tool does raises into the session loop: a refused connection, an
+  HTTP error, a hang, a non-JSON or oversized body all become a `ToolOutcome`
+  with status "error" or "timeout" whose content the model reads next step.
+- Arguments travel as the model's raw JSON text: the validator parses them only
+  to check them, and the HTTP body embeds the original text, so numerals such as
+  `1284.50` reach the tool exactly as written.
+- A result larger than `max_bytes` keeps its first `max_bytes` bytes (cut on a
+  UTF-8 character boundary) followed by a visible `…[truncated N bytes]` marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NoReturn
+
+import httpx
+from jsonschema import Draft202012Validator
+from pydantic import JsonValue
+from referencing import Registry
+
+from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
+
+# Bodies beyond this are refused rather than buffered: a tool cannot exhaust replica memory.
+MAX_TOOL_RESPONSE_BYTES = 8 * 1024 * 1024
+MAX_REPORTED_VIOLATIONS = 16
+_ERROR_BODY_SNIPPET_BYTES = 512
+_DEFS_REF_PREFIX = "#/$defs/"
+
+ToolCallErrorKind = Literal["unknown_tool", "invalid_json", "schema_violation"]
+ToolStatus = Literal["ok", "error", "timeout"]
+
+
+@dataclass(frozen=True)
+class SchemaViolation:
+    """One JSON Schema error: `path` is a JSONPath into the arguments (`$.items[0].qty`)."""
+
+    path: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """Why a call was refused. `message` is written for the model, which gets a chance to retry."""
+
+    call_id: str
+    tool_name: str
+    kind: ToolCallErrorKind
+    detail: str
+    violations: tuple[SchemaViolation, ...] = ()
+
+    @property
+    def message(self) -> str:
+        lines = [f"tool call {self.call_id} to {self.tool_name!r} was rejected ({self.kind}): {self.detail}"]
+        lines.extend(f"- {v.path}: {v.message}" for v in self.violations)
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """Result of running one tool; `content` is what the model sees."""
+
+    status: ToolStatus
+    content: str
+    is_truncated: bool = False
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_arguments(arguments: str) -> JsonValue:
+    """Strict JSON parse: NaN and Infinity are refused like any other non-JSON text."""
+    return json.loads(arguments, parse_constant=_reject_constant)
+
+
+def _validator(schema: dict) -> Draft202012Validator:
+    # An empty registry: references resolve inside the schema only (models.ToolSpec
+    # already refuses others), so validation never fetches anything.
+    return Draft202012Validator(schema, registry=Registry())
+
+
+def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | ToolCallError:
+    """Checks a model-emitted call against the session's tools.
+
+    Args:
+        call: the call as the model wrote it.
+        tools: the session's tools.
+
+    Returns:
+        The call unchanged when valid, else a `ToolCallError` naming every violated
+        path (up to MAX_REPORTED_VIOLATIONS, sorted by path).
+    """
+    spec = next((tool for tool in tools if tool.name == call.name), None)
+    if spec is None:
+        known = ", ".join(sorted(tool.name for tool in tools)) or "none"
+        return ToolCallError(call.id, call.name, "unknown_tool", f"no tool named {call.name!r}; available: {known}")
+    try:
+        arguments = parse_arguments(call.arguments)
+    except ValueError as err:
+        return ToolCallError(call.id, call.name, "invalid_json", f"arguments are not a JSON document: {err}")
+    errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))
+    if not errors:
+        return call
+    violations = tuple(SchemaViolation(e.json_path, e.message) for e in errors[:MAX_REPORTED_VIOLATIONS])
+    detail = f"{len(errors)} schema violation(s) in the arguments"
+    return ToolCallError(call.id, call.name, "schema_violation", detail, violations)
+
+
+def _rebase_refs(node: JsonValue, tool_name: str) -> JsonValue:
+    """Points `#/$defs/X...` at the hoisted `#/$defs/<tool>.X...` (tool names hold no '/' or '~')."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith(_DEFS_REF_PREFIX):
+                out[key] = f"{_DEFS_REF_PREFIX}{tool_name}.{value[len(_DEFS_REF_PREFIX):]}"
+            else:
+                out[key] = _rebase_refs(value, tool_name)
+        return out
+    if isinstance(node, list):
+        return [_rebase_refs(item, tool_name) for item in node]
+    return node
+
+
+def tool_choice_schema(tools: Sequence[ToolSpec]) -> dict[str, JsonValue]:
+    """JSON Schema of exactly one valid call, for the engine's structured outputs.
+
+    One `anyOf` branch per tool ties the name to that tool's argument schema, so
+    a constrained model cannot pair a name with another tool's arguments. Each
+    tool's `$defs` are hoisted to the root as `<tool>.<def>` with references
+    rewritten, since a nested schema's `#/$defs/...` would otherwise resolve
+    against the combined root.
+    """
+    if not tools:
+        raise ValueError("a session without tools has no tool call to constrain")
+    branches: list[JsonValue] = []
+    defs: dict[str, JsonValue] = {}
+    for tool in sorted(tools, key=lambda t: t.name):
+        parameters = copy.deepcopy(tool.parameters)
+        parameters.pop("$schema", None)
+        for def_name, definition in (parameters.pop("$defs", None) or {}).items():
+            defs[f"{tool.name}.{def_name}"] = _rebase_refs(definition, tool.name)
+        branches.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.name]},
+                    "arguments": _rebase_refs(parameters, tool.name),
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, JsonValue] = {"anyOf": branches}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def truncate_text(text: str, max_bytes: int) -> tuple[str, bool]:
+    """Keeps at most `max_bytes` UTF-8 bytes of `text` and appends a marker saying how many were cut.
+
+    Returns:
+        (text, is_truncated). The marker is not counted in `max_bytes`.
+    """
+    raw = text.encode("utf-8")
+    if len(raw) <= max_bytes:
+        return text, False
+    kept = raw[:max_bytes].decode("utf-8", errors="ignore")
+    omitted = len(raw) - len(kept.encode("utf-8"))
+    return f"{kept}…[truncated {omitted} bytes]", True
+
+
+def _error(tool_name: str, message: str, status: ToolStatus = "error") -> ToolOutcome:
+    return ToolOutcome(status, json.dumps({"error": message, "tool": tool_name}, ensure_ascii=False))
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: bytes, tool_name: str, max_bytes: int) -> ToolOutcome:
+    headers = {"content-type": "application/json", "accept": "application/json"}
+    async with client.stream("POST", url, content=body, headers=headers) as response:
+        chunks: list[bytes] = []
+        num_bytes = 0
+        async for chunk in response.aiter_bytes():
+            num_bytes += len(chunk)
+            if num_bytes > MAX_TOOL_RESPONSE_BYTES:
+                return _error(tool_name, f"response exceeded {MAX_TOOL_RESPONSE_BYTES} bytes")
+            chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not response.is_success:
+        snippet = raw[:_ERROR_BODY_SNIPPET_BYTES].decode("utf-8", errors="replace")
+        return _error(tool_name, f"HTTP {response.status_code}: {snippet}")
+    try:
+        text = raw.decode("utf-8")
+        parse_arguments(text)
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
+        return _error(tool_name, f"tool replied with {len(raw)} bytes that are not a UTF-8 JSON document")
+    content, is_truncated = truncate_text(text, max_bytes)
+    return ToolOutcome("ok", content, is_truncated)
+
+
+async def run_http_tool(
+    spec: ToolSpec,
+    arguments: str,
+    timeout_s: float,
+    max_bytes: int,
+    *,
+    client: httpx.AsyncClient | None = None,
+) -> ToolOutcome:
+    """POSTs `{"name": ..., "arguments": ...}` to the tool and returns what the model should see.
+
+    Args:
+        spec: an HTTP tool.
+        arguments: the call's validated JSON text, embedded verbatim in the body.
+        timeout_s: deadline for the whole exchange (usually `spec.execution.timeout_s` or less).
+        max_bytes: results beyond this many bytes are truncated with a marker.
+        client: a pooled client to reuse; a private one is opened and closed otherwise.
+
+    Returns:
+        "ok" with the reply body (a JSON document), "timeout", or "error" with a
+        JSON `{"error", "tool"}` description. Tool faults never raise.
+    """
+    if not isinstance(spec.execution, HttpExecution):
+        raise ValueError(f"tool {spec.name!r} is executed by the client, not over HTTP")
+    try:
+        parse_arguments(arguments)
+    except ValueError as err:
+        return _error(spec.name, f"arguments are not a JSON document: {err}")
+    body = f'{{"name":{json.dumps(spec.name)},"arguments":{arguments}}}'.encode("utf-8")
+    own_client = client is None
+    # Tool endpoints are addressed directly; proxy variables must not reroute them.
+    http = client if client is not None else httpx.AsyncClient(trust_env=False)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _post(http, spec.execution.url, body, spec.name, max_bytes)
+    except (TimeoutError, httpx.TimeoutException):
+        return _error(spec.name, f"no complete reply within {timeout_s:g} s", status="timeout")
+    except (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL, OSError) as err:
+        return _error(spec.name, f"{type(err).__name__}: {err}")
+    finally:
+        if own_client:
+            await http.aclose()

@@ -1,0 +1,193 @@
+"""OpenAI-compatible HTTP API against the real 2-replica cluster.
+
+Uses the unmodified `openai` client where clients would, and raw httpx where
+the test is about status codes and error bodies.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+pytestmark = pytest.mark.integration
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 24},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup_order",
+        "description": "Find an order by id.",
+        "parameters": {
+            "type": "object",
+            "properties": {"order_id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"}},
+            "required": ["order_id"],
+            "additionalProperties": False,
+        },
+    },
+}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, LOOKUP_TOOL)}
+
+
+def test_models_lists_the_served_model(openai_client, cluster):
+    assert [m.id for m in openai_client.models.list().data] == [cluster.model_id]
+
+
+def test_health(cluster):
+    body = httpx.get(f"{cluster.base_url}/health", timeout=10).json()
+    assert body == {"status": "ok", "models": [cluster.model_id]}
+
+
+def test_chat_completion_reports_replica_and_cached_tokens(openai_client, cluster):
+    raw = openai_client.chat.completions.with_raw_response.create(
+        model=cluster.model_id, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8
+    )
+    completion = raw.parse()
+    assert raw.headers["x-warmpath-replica"]
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.usage.completion_tokens <= 8
+    assert completion.usage.prompt_tokens_details is not None
+    assert completion.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_streamed_chat_completion_ends_with_usage(openai_client, cluster):
+    stream = openai_client.chat.completions.create(
+        model=cluster.model_id, messages=[{"role": "user", "content": "Count to three."}], max_tokens=6, stream=True
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 6
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens >= 0
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "lookup_order"}}],
+    ids=["required", "named"],
+)
+def test_tool_call_arguments_validate_against_the_schema(openai_client, cluster, tool_choice):
+    completion = openai_client.chat.completions.create(
+        model=cluster.model_id,
+        messages=[
+            {"role": "system", "content": "You are a support agent."},
+            {"role": "user", "content": "Where is order ORD-1234?"},
+        ],
+        tools=[WEATHER_TOOL, LOOKUP_TOOL],
+        tool_choice=tool_choice,
+        max_tokens=256,
+    )
+    calls = completion.choices[0].message.tool_calls
+    assert calls, completion.choices[0].message
+    for call in calls:
+        assert call.function.name in SCHEMAS
+        if isinstance(tool_choice, dict):
+            assert call.function.name == "lookup_order"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_completions_endpoint(openai_client, cluster):
+    completion = openai_client.completions.create(model=cluster.model_id, prompt="def main():", max_tokens=5)
+    assert completion.choices[0].text
+    assert completion.usage.prompt_tokens > 0
+
+
+def test_repeated_long_prompt_hits_the_prefix_cache(openai_client, cluster):
+    system = "\n".join(f"Rule {i}: order ids look like ORD-{1000 + i} and dates like 2026-11-{i % 28 + 1:02d}." for i in range(120))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the rules."}]
+    seen: dict[str, int] = {}
+    hits = []
+    for _ in range(6):
+        raw = openai_client.chat.completions.with_raw_response.create(
+            model=cluster.model_id, messages=messages, max_tokens=2
+        )
+        usage = raw.parse().usage
+        assert usage.prompt_tokens > 1000
+        replica = raw.headers["x-warmpath-replica"]
+        if replica in seen:
+            hits.append(usage.prompt_tokens_details.cached_tokens)
+        seen[replica] = usage.prompt_tokens
+        if len(hits) >= 2:
+            break
+    assert hits, "the prompt never landed on the same replica twice"
+    prompt_tokens = max(seen.values())
+    block = cluster.cfg.replicas.block_size_tokens
+    assert all(h >= prompt_tokens - block for h in hits), (hits, prompt_tokens)
+
+
+def test_unknown_model_is_404(cluster):
+    resp = httpx.post(
+        f"{cluster.base_url}/v1/chat/completions",
+        json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
+    assert resp.status_code == 404
+    assert "no-such-model" in resp.text
+
+
+def test_prompt_longer_than_the_context_window_is_400_naming_both_lengths(cluster):
+    window = cluster.cfg.model.max_model_len_tokens
+    resp = httpx.post(
+        f"{cluster.base_url}/v1/completions",
+        json={"model": cluster.model_id, "prompt": "token " * (window + 500), "max_tokens": 4},
+        timeout=120,
+    )
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"] if "error" in resp.json() else resp.text
+    assert str(window) in message
+    numbers = [int(n) for n in __import__("re").findall(r"\d+", message)]
+    assert any(n > window for n in numbers), message
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"model": "warmpath-tiny"}, "messages"),
+        ({"model": "warmpath-tiny", "messages": "not a list"}, "messages"),
+        ({"model": "warmpath-tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, "max_tokens"),
+        ({"model": "warmpath-tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -3}, "temperature"),
+    ],
+)
+def test_malformed_bodies_are_rejected_with_the_field(cluster, body, field):
+    resp = httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code in (400, 422), resp.text
+    assert field in resp.text
+
+
+def test_invalid_json_is_400_or_422(cluster):
+    resp = httpx.post(
+        f"{cluster.base_url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert resp.status_code in (400, 422)
+
+
+def test_replicas_survive_bad_input(openai_client, cluster):
+    """Runs after the error cases: both replicas still answer."""
+    served = set()
+    for i in range(8):
+        raw = openai_client.chat.completions.with_raw_response.create(
+            model=cluster.model_id, messages=[{"role": "user", "content": f"ping {i}"}], max_tokens=2
+        )
+        served.add(raw.headers["x-warmpath-replica"])
+    assert served

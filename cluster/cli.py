@@ -72,6 +72,7 @@ def up(
     redis_url: Optional[str] = typer.Option(None, help="Use this Redis instead of starting one."),
     state_dir: Optional[str] = typer.Option(None, help="State directory."),
     timeout_s: float = typer.Option(900, help="How long to wait for the replicas."),
+    redeploy: bool = typer.Option(False, help="Delete the running application first (pick up new code)."),
 ) -> None:
     """Start Redis, a Ray head and the Serve application; print the endpoint."""
     from cluster import local
@@ -81,7 +82,7 @@ def up(
         redis_url=redis_url, state_dir=state_dir,
     )
     try:
-        state = local.up(cfg, progress, timeout_s=timeout_s)
+        state = local.up(cfg, progress, timeout_s=timeout_s, redeploy=redeploy)
     except local.BringUpError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1)

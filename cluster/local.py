@@ -188,14 +188,19 @@ def deploy(cfg: ClusterConfig, state: LocalState, progress: Progress) -> None:
 
     out.write_text(yaml.safe_dump(doc, sort_keys=True))
     progress(f"serve: deploying {out}")
-    deadline = time.monotonic() + 60
+    _when_dashboard_ready(lambda: _serve_client(state).deploy_applications(doc), "serve deploy")
+
+
+def _when_dashboard_ready(call: Callable[[], object], what: str, timeout_s: float = 60) -> None:
+    """Runs `call`, retrying while a just-started dashboard refuses requests."""
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
-            _serve_client(state).deploy_applications(doc)
+            call()
             return
-        except Exception as err:  # the dashboard takes a few seconds to accept requests
+        except Exception as err:
             if time.monotonic() > deadline:
-                raise BringUpError(f"serve deploy failed: {err}") from None
+                raise BringUpError(f"{what} failed: {err}") from None
             time.sleep(1)
 
 
@@ -241,8 +246,24 @@ def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, time
         time.sleep(2)
 
 
-def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900) -> LocalState:
-    """Starts everything `cfg` needs and returns what was started."""
+def delete_app(state: LocalState, progress: Progress, timeout_s: float = 120) -> None:
+    """Deletes the Serve applications and waits until they are gone (code changes need a fresh app)."""
+    client = _serve_client(state)
+    client.delete_applications()
+    deadline = time.monotonic() + timeout_s
+    while client.get_serve_details().get("applications"):
+        if time.monotonic() > deadline:
+            raise BringUpError(f"applications still shutting down after {timeout_s:.0f}s")
+        time.sleep(1)
+    progress("serve: previous applications deleted")
+
+
+def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy: bool = False) -> LocalState:
+    """Starts everything `cfg` needs and returns what was started.
+
+    Serve redeploys only when the rendered config changes; `redeploy` deletes the
+    running application first so new code is picked up with the same config.
+    """
     state_dir = state_dir_of(cfg)
     state = LocalState.load(state_dir)
     ensure_model(cfg, progress)
@@ -252,6 +273,8 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900) -> LocalS
         cfg = cfg.model_copy(update={"redis_url": redis_url})
     start_ray(cfg, state, progress)
     state.save(state_dir)
+    if redeploy:
+        _when_dashboard_ready(lambda: delete_app(state, progress), "deleting the running application")
     deploy(cfg, state, progress)
     wait_running(cfg, state, progress, timeout_s)
     state.http_url = f"http://127.0.0.1:{cfg.ports.http_port}"

@@ -4,7 +4,10 @@ Why: the index is keyed by hashes of token blocks, so the router must render
 and tokenize exactly as vLLM's OpenAI layer does, or every prediction is off by
 whatever the difference shifts. This mirrors vLLM's renderer for the two
 request kinds the ingress forwards:
-- chat: `apply_chat_template(messages, tools=[tool.model_dump() ...],
+- chat: assistant tool-call arguments parsed from JSON text into objects
+  (invalid, empty or non-object arguments become `{}`, as vLLM's
+  `_postprocess_messages` does), then
+  `apply_chat_template(messages, tools=[tool.model_dump() ...],
   add_generation_prompt, continue_final_message, **chat_template_kwargs)` as
   text, then `encode(text, add_special_tokens=request.add_special_tokens)`;
 - completions: token-id prompts as given, text prompts encoded with
@@ -18,12 +21,44 @@ folder or hub id the engines load.
 
 from __future__ import annotations
 
+import copy
+import json
 import threading
 from typing import Any, Optional
 
 from router.types import RoutingRequest
 
 SESSION_BODY_FIELD = "session_id"
+
+
+def _arguments_object(arguments: Any) -> dict:
+    if isinstance(arguments, dict):
+        return arguments
+    if not arguments:
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+    return arguments if isinstance(arguments, dict) else {}
+
+
+def template_messages(messages: list) -> list[dict]:
+    """Messages as vLLM hands them to the chat template (copies; the request is untouched)."""
+    out = []
+    for message in messages:
+        message = copy.deepcopy(message if isinstance(message, dict) else message.model_dump())
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list):
+            if not calls:
+                message.pop("tool_calls")
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict):
+                    function["arguments"] = _arguments_object(function.get("arguments"))
+        out.append(message)
+    return out
 
 
 class PromptTokenizer:
@@ -47,7 +82,7 @@ class PromptTokenizer:
     def chat_token_ids(self, request: Any) -> list[int]:
         """Token ids of a chat completion request as vLLM renders it."""
         tools = None if not getattr(request, "tools", None) else [t.model_dump() for t in request.tools]
-        messages = [m if isinstance(m, dict) else m.model_dump() for m in request.messages]
+        messages = template_messages(list(request.messages))
         text = self.tokenizer.apply_chat_template(
             messages,
             tools=tools,

@@ -71,9 +71,6 @@ def engine_kwargs(cfg: ClusterConfig) -> dict[str, Any]:
         # Compact JSON under grammars: without this a weak model fills every
         # allowed whitespace position and tool-call arguments never close.
         "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
-        # Grammar-constrain tool-call arguments to each tool's JSON Schema, as if
-        # every tool were `strict: true`, whenever a request carries tools.
-        "tool_strict_level": "parameter",
     }
     if cfg.replicas.accelerator == "cpu":
         # Graph compilation costs ~25 s per engine start on CPU and buys little for a small model.
@@ -92,8 +89,17 @@ def llm_config(cfg: ClusterConfig) -> LLMConfig:
     router_config = request_router_config(cfg)
     if router_config is not None:
         deployment_config["request_router_config"] = router_config
-    env_vars = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"} if cfg.replicas.accelerator == "cpu" else {}
+    env_vars = {
+        # `tool_choice: required` or a named tool decode under vLLM's JSON-Schema
+        # grammar of the tools (compact, `disable_any_whitespace`). The strict
+        # structural-tag path instead lets whitespace into the arguments, which a
+        # weak model fills until max_tokens.
+        "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
     extra: dict[str, Any] = {}
+    if not cfg.model.source:
+        env_vars["HF_HUB_OFFLINE"] = "1"  # the built model: never look for it on a hub
     if cfg.replicas.accelerator == "cpu":
         env_vars["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.replicas.kv_cache_space_gib)
         env_vars["VLLM_CPU_OMP_THREADS_BIND"] = cfg.replicas.cpu_omp_threads_bind

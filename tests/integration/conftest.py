@@ -49,7 +49,8 @@ def cluster() -> Cluster:
     if not is_built(MODEL_DIR):
         build_model(MODEL_DIR)
     cfg = _test_config()
-    state = local.up(cfg, progress=lambda msg: print(f"[cluster] {msg}", flush=True), timeout_s=900)
+    redeploy = os.environ.get("WARMPATH_TEST_REDEPLOY") == "1"
+    state = local.up(cfg, progress=lambda msg: print(f"[cluster] {msg}", flush=True), timeout_s=900, redeploy=redeploy)
     try:
         yield Cluster(cfg=cfg, base_url=f"http://127.0.0.1:{cfg.ports.http_port}", redis_url=state.redis_url)
     finally:

@@ -1,0 +1,1 @@
+"""Prefix-aware routing: pure Python, except `router.adapter` (the only module that imports Ray)."""

@@ -1,0 +1,271 @@
+"""From vLLM's ZMQ KV-event stream to `PrefixIndex.apply`, with gap detection.
+
+Wire format (vLLM `distributed/kv_events.py`, `ZmqEventPublisher`): each batch
+is one multipart message `[topic, seq, payload]`; `seq` is an 8-byte big-endian
+unsigned counter starting at 0 per publisher, `payload` a msgpack
+`KVEventBatch` (`ts`, `events`, `data_parallel_rank`). The optional replay
+socket is a ROUTER: a DEALER sends `[b"", start_seq]` and receives
+`[b"", topic, seq, payload]` for every buffered batch with seq >= start_seq
+(the last `buffer_steps` batches, 10 000 by default), then
+`[b"", b"", END_SEQ, b""]` with END_SEQ = -1 as a signed 8-byte integer.
+
+Resync rule (`ReplicaEventStream.accept`):
+- seq == expected (last + 1; 0 for the first batch): apply.
+- anything else (joining late, a jump forward, or a restart back to a lower
+  seq): the batches [expected, seq) are missing. If a replay function is configured, the
+  gap is at most `max_replay_batches` long (the publisher's buffer) and the
+  replay returns all of them, they are applied in order. Otherwise the replica's
+  indexed blocks are cleared (except on the first batch, when there is nothing
+  to clear) and the stream starts fresh from this batch. Blocks stored before
+  the gap are then unknown and later blocks that extend them are skipped
+  (unknown parent): the index under-predicts, never over-predicts.
+
+Importing this module does not import vLLM; `make_batch_decoder` does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
+
+import msgspec
+
+from router.index import ApplyResult, PrefixIndex
+from router.types import ReplicaId
+
+if TYPE_CHECKING:
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+END_SEQ_BYTES = (-1).to_bytes(8, "big", signed=True)
+# vLLM's default `KVEventsConfig.buffer_steps`: how many batches a publisher keeps for replay.
+DEFAULT_MAX_REPLAY_BATCHES = 10_000
+
+ReplayFn = Callable[[int], Sequence[tuple[int, "KVEventBatch"]]]
+StreamOutcome = Literal["applied", "replayed", "resynced", "started"]
+
+
+class EventDecodeError(ValueError):
+    """A message that is not a well-formed `[topic, seq, KVEventBatch]`."""
+
+
+def make_batch_decoder() -> msgspec.msgpack.Decoder:
+    """Decoder for vLLM's `KVEventBatch` payloads (imports vLLM, and with it torch)."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    return msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+def decode_event_message(frames: Sequence[bytes], decoder: msgspec.msgpack.Decoder) -> tuple[int, KVEventBatch]:
+    """Decodes one multipart message `[topic, seq, payload]`.
+
+    Args:
+        frames: the message's frames, as received by a SUB socket.
+        decoder: from `make_batch_decoder`.
+
+    Returns:
+        (sequence number, batch).
+
+    Raises:
+        EventDecodeError: wrong frame count, a seq that is not 8 bytes, or a
+            payload that is not a `KVEventBatch`.
+    """
+    if len(frames) != 3:
+        raise EventDecodeError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+    _, seq_bytes, payload = frames
+    if len(seq_bytes) != 8:
+        raise EventDecodeError(f"sequence frame must be 8 bytes, got {len(seq_bytes)}")
+    try:
+        batch = decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise EventDecodeError(f"payload is not a KVEventBatch: {err}") from None
+    return int.from_bytes(seq_bytes, "big"), batch
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSnapshot:
+    """Stream position and counters. `num_gaps` excludes joining late (the first batch)."""
+
+    last_seq: int | None
+    num_batches: int
+    num_gaps: int
+    num_replayed_gaps: int
+
+
+class ReplicaEventStream:
+    """Sequence tracking for one replica's event stream; see the module docstring for the rule.
+
+    Invariant: after `accept` returns, every batch with a sequence number up to
+    `last_seq` has been applied to the index, or the index holds no block of
+    this replica stored before the most recent resync.
+    """
+
+    def __init__(
+        self,
+        replica_id: ReplicaId,
+        index: PrefixIndex,
+        replay: ReplayFn | None = None,
+        max_replay_batches: int = DEFAULT_MAX_REPLAY_BATCHES,
+    ) -> None:
+        """Args:
+        replica_id: whose events these are.
+        index: where to apply them.
+        replay: optional; returns buffered batches with seq >= its argument
+            (e.g. `ZmqEventSource.replay`, which blocks up to its timeout).
+            Called only on a gap, from inside `accept`.
+        max_replay_batches: larger gaps are not even asked for (the
+            publisher's buffer holds this many batches: its `buffer_steps`).
+        """
+        self.replica_id = replica_id
+        self._index = index
+        self._replay = replay
+        self._max_replay_batches = max_replay_batches
+        self._last_seq: int | None = None
+        self._num_batches = 0
+        self._num_gaps = 0
+        self._num_replayed_gaps = 0
+
+    def accept(self, seq: int, batch: KVEventBatch) -> StreamOutcome:
+        """Applies one received batch, resyncing first if batches are missing.
+
+        With a replay function, a gap makes this call block while the missing
+        batches are fetched: call it outside any lock the decision path takes.
+
+        Returns:
+            "applied" (in order), "started" (first batch, nothing replayed),
+            "replayed" (missing batches fetched and applied first) or
+            "resynced" (the replica's blocks were cleared).
+        """
+        is_first = self._last_seq is None
+        expected = 0 if is_first else self._last_seq + 1
+        outcome: StreamOutcome = "applied"
+        if seq != expected:
+            if not is_first:
+                self._num_gaps += 1
+            missing = self._fetch_missing(expected, seq)
+            if missing is not None:
+                for missing_batch in missing:
+                    self._apply(missing_batch)
+                outcome = "replayed"
+                if not is_first:
+                    self._num_replayed_gaps += 1
+            elif is_first:
+                outcome = "started"
+            else:
+                self._index.clear_replica(self.replica_id)
+                outcome = "resynced"
+        self._apply(batch)
+        self._last_seq = seq
+        return outcome
+
+    def reset(self) -> None:
+        """Forgets the stream position and the replica's blocks (its engine restarted)."""
+        self._index.clear_replica(self.replica_id)
+        self._last_seq = None
+
+    def snapshot(self) -> StreamSnapshot:
+        """Position and gap counters, for metrics and tests."""
+        return StreamSnapshot(self._last_seq, self._num_batches, self._num_gaps, self._num_replayed_gaps)
+
+    def _apply(self, batch: KVEventBatch) -> ApplyResult:
+        self._num_batches += 1
+        return self._index.apply(self.replica_id, batch.events)
+
+    def _fetch_missing(self, start: int, stop: int) -> list[KVEventBatch] | None:
+        """Batches [start, stop) from the replay buffer, or None unless all of them came back."""
+        if self._replay is None or not 0 < stop - start <= self._max_replay_batches:
+            return None
+        wanted = {seq: batch for seq, batch in self._replay(start) if start <= seq < stop}
+        if len(wanted) != stop - start:
+            return None
+        return [wanted[seq] for seq in range(start, stop)]
+
+
+class ZmqEventSource:
+    """Non-blocking subscriber to one replica's publisher, for a background thread.
+
+    Owns a SUB socket (and, when a replay endpoint is given, a DEALER for
+    replay requests). ZMQ sockets are not thread-safe: one thread calls every
+    method. Malformed messages are dropped and counted; the missing sequence
+    number then shows up as a gap in `ReplicaEventStream`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str = "",
+        replay_endpoint: str | None = None,
+        context: zmq.Context | None = None,
+        decoder: msgspec.msgpack.Decoder | None = None,
+    ) -> None:
+        """Args:
+        endpoint: the publisher's PUB address, e.g. "tcp://10.0.0.5:5557".
+        topic: topic prefix to subscribe to ("" is all).
+        replay_endpoint: the publisher's ROUTER address, or None.
+        context: ZMQ context (default: the process-wide instance).
+        decoder: from `make_batch_decoder` (default: a new one).
+        """
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = context or zmq.Context.instance()
+        self._decoder = decoder or make_batch_decoder()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+        self._sub.connect(endpoint)
+        self._replay_endpoint = replay_endpoint
+        self._dealer: zmq.Socket | None = None
+        self.num_malformed_msgs = 0
+
+    def poll_batches(self, max_msgs: int) -> list[tuple[int, KVEventBatch]]:
+        """Up to `max_msgs` batches already received; never blocks."""
+        zmq = self._zmq
+        out: list[tuple[int, KVEventBatch]] = []
+        for _ in range(max_msgs):
+            try:
+                frames = self._sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                out.append(decode_event_message(frames, self._decoder))
+            except EventDecodeError:
+                self.num_malformed_msgs += 1
+        return out
+
+    def replay(self, start_seq: int, timeout_s: float = 0.5) -> list[tuple[int, KVEventBatch]]:
+        """Buffered batches with seq >= `start_seq` from the replay socket (blocks up to `timeout_s`).
+
+        Returns what arrived before the end marker or the deadline; an empty
+        list when no replay endpoint is configured. On a timeout the DEALER is
+        discarded, so late replies cannot leak into the next request.
+        """
+        if self._replay_endpoint is None:
+            return []
+        zmq = self._zmq
+        if self._dealer is None:
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.connect(self._replay_endpoint)
+        self._dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
+        deadline = time.monotonic() + timeout_s
+        out: list[tuple[int, KVEventBatch]] = []
+        while (left_s := deadline - time.monotonic()) > 0:
+            if not self._dealer.poll(int(left_s * 1000) + 1):
+                continue
+            frames = self._dealer.recv_multipart()
+            if len(frames) == 4 and frames[2] == END_SEQ_BYTES:
+                return out
+            try:
+                out.append(decode_event_message(frames[1:], self._decoder))
+            except EventDecodeError:
+                self.num_malformed_msgs += 1
+        self._dealer.close(linger=0)
+        self._dealer = None
+        return out
+
+    def close(self) -> None:
+        """Closes the sockets without waiting for unsent messages; the context stays open."""
+        self._sub.close(linger=0)
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None

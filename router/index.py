@@ -1,0 +1,403 @@
+"""`PrefixIndex`: which replica holds which KV block, exactly, from vLLM's KV events.
+
+Why exact: every replica publishes `BlockStored` / `BlockRemoved` /
+`AllBlocksCleared` (vLLM `distributed/kv_events.py`). Replaying them gives the
+router the engines' prefix caches instead of a guess. Events are re-hashed from
+their token ids with `router.hashing`, so engines need no shared hash seed.
+
+Data layout (chosen for bytes per block, see bench/router_decision.py):
+- `_owners`: our BlockHash -> bitmask of replica slots holding it (one int per
+  block, not a set).
+- per replica, `blocks`: OrderedDict engine key -> our BlockHash, in LRU order.
+  The engine key is the low 64 bits of vLLM's hash: `BlockRemoved` names blocks
+  only by engine hash, and `BlockStored.parent_block_hash` is an engine hash.
+- per replica, `extra_copies`: engine key -> number of additional physical
+  copies (vLLM does not de-duplicate blocks; each copy is stored and removed
+  separately). Sparse: only keys stored more than once appear.
+- pending placements: `_pending_owners` (BlockHash -> bitmask) plus, per
+  replica, BlockHash -> expiry time, and a heap of expiries.
+
+Invariants:
+- Bit s of `_owners[h]` is set only if the replica in slot s has an entry in
+  `blocks` whose value is h, and it is set for every such entry except when two
+  engine keys of one replica map to the same h (engine-side keys the router
+  does not model) and one of them was removed: an under-prediction. Masks are
+  never 0 (the key is deleted instead).
+- `len(blocks) <= max_blocks_per_replica`; beyond it the least recently stored
+  block is forgotten. This is a safety bound, not a model of the engine: the
+  engine's `BlockRemoved` is the normal way blocks leave, and in vLLM's default
+  report mode a cache hit announces nothing, so "recent" means recently stored,
+  not recently used. Set the bound above the engine's number of KV blocks.
+- Bit s of `_pending_owners[h]` is set iff replica s has a pending entry for h
+  that has not been confirmed by a `BlockStored` and not expired (expiry is
+  applied lazily, at the next `longest_prefix`, `add_pending` or `snapshot`).
+- Whatever goes wrong (unknown parent, lost events, unsupported extra keys),
+  the index forgets blocks rather than invents them: it may under-predict a
+  replica's cache, never over-predict it, except for pending entries (bounded
+  by their TTL) and the one case noted under `apply`.
+
+Tracked: the engine's own pool only (`medium` None or "GPU", which vLLM uses
+on every backend, CPU included), KV cache group 0, the index's block size.
+Not thread-safe. Events are matched by class name, so this module imports
+without vLLM (whose import pulls in torch: about 600 MB and several seconds).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from router.hashing import BlockHash, chain_block_hashes, encode_tokens, root_hash
+from router.types import ReplicaId
+
+_TRACKED_MEDIA = frozenset({None, "GPU"})
+_MASK64 = (1 << 64) - 1
+
+
+def _engine_key(block_hash: bytes | int) -> int:
+    """Low 64 bits of a vLLM block hash (bytes by default, int when the engine is told so)."""
+    if isinstance(block_hash, int):
+        return block_hash & _MASK64
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """What one `apply` call did, for metrics and for the event stream's logs."""
+
+    num_stored_blocks: int = 0
+    num_removed_blocks: int = 0
+    num_skipped_blocks: int = 0
+    num_skipped_events: int = 0
+    is_cleared: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSnapshot:
+    """Counts only; safe to export as metrics or assert on in tests."""
+
+    num_unique_blocks: int
+    num_blocks_by_replica: dict[ReplicaId, int]
+    num_pending_blocks_by_replica: dict[ReplicaId, int]
+    num_evicted_blocks_by_replica: dict[ReplicaId, int]
+
+
+class _ReplicaState:
+    __slots__ = ("replica_id", "slot", "bit", "blocks", "extra_copies", "pending", "num_evicted_blocks")
+
+    def __init__(self, replica_id: ReplicaId, slot: int) -> None:
+        self.replica_id = replica_id
+        self.slot = slot
+        self.bit = 1 << slot
+        self.blocks: OrderedDict[int, BlockHash] = OrderedDict()
+        self.extra_copies: dict[int, int] = {}
+        self.pending: dict[BlockHash, float] = {}
+        self.num_evicted_blocks = 0
+
+
+class PrefixIndex:
+    """Exact per-replica index of cached KV blocks plus optimistic pending placements."""
+
+    def __init__(self, block_size_tokens: int, max_blocks_per_replica: int, model_id: str) -> None:
+        """Args:
+        block_size_tokens: the engines' KV block size; other sizes are skipped.
+        max_blocks_per_replica: LRU bound per replica.
+        model_id: root of block chains without a LoRA name (see `root_hash`).
+        """
+        if block_size_tokens < 1 or max_blocks_per_replica < 1:
+            raise ValueError(f"block_size_tokens={block_size_tokens}, max_blocks_per_replica="
+                             f"{max_blocks_per_replica}: both must be >= 1")
+        self._block_size_tokens = block_size_tokens
+        self._max_blocks = max_blocks_per_replica
+        self._model_id = model_id
+        self._owners: dict[BlockHash, int] = {}
+        self._pending_owners: dict[BlockHash, int] = {}
+        self._replicas: dict[ReplicaId, _ReplicaState] = {}
+        self._slot_ids: list[ReplicaId | None] = []
+        self._expiries: list[tuple[float, int, _ReplicaState, tuple[BlockHash, ...]]] = []
+        self._expiry_seq = itertools.count()
+
+    # -- public API -------------------------------------------------------
+
+    def apply(self, replica_id: ReplicaId, events: Iterable[object]) -> ApplyResult:
+        """Applies one replica's KV events, in order.
+
+        Skipped, never guessed: blocks of another medium, group or block size;
+        blocks whose parent this replica's index does not know (stored before
+        the router connected, or forgotten); blocks with multimodal or
+        prompt-embedding extra keys (requests cannot reproduce them); events of
+        unknown types. A re-store of a known block counts as another physical
+        copy (vLLM's default "incremental" report mode); the "full" report mode,
+        which re-announces reused blocks, would over-count copies.
+
+        Args:
+            replica_id: the replica that published the events.
+            events: `BlockStored`, `BlockRemoved`, `AllBlocksCleared` structs.
+
+        Returns:
+            Counts of what was applied and skipped.
+        """
+        state = self._state(replica_id)
+        num_stored = num_removed = num_skipped_blocks = num_skipped_events = 0
+        is_cleared = False
+        for event in events:
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                stored, skipped = self._store(state, event)
+                num_stored += stored
+                num_skipped_blocks += skipped
+            elif kind == "BlockRemoved":
+                if event.medium in _TRACKED_MEDIA and not event.group_idx:
+                    num_removed += self._remove(state, event.block_hashes)
+                else:
+                    num_skipped_blocks += len(event.block_hashes)
+            elif kind == "AllBlocksCleared":
+                self._clear_blocks(state)
+                is_cleared = True
+            else:
+                num_skipped_events += 1
+        return ApplyResult(num_stored, num_removed, num_skipped_blocks, num_skipped_events, is_cleared)
+
+    def longest_prefix(self, block_hashes: Iterable[BlockHash], now_s: float) -> dict[ReplicaId, int]:
+        """Number of leading request blocks each replica holds, indexed or pending.
+
+        Consumes `block_hashes` only until no replica matches, so a lazy
+        `RequestBlockHashes` hashes no further than the longest match plus one.
+
+        Args:
+            block_hashes: the request's block hashes, in order.
+            now_s: current time, to expire pending entries.
+
+        Returns:
+            Replica -> leading blocks held; replicas holding none are absent.
+        """
+        self._expire(now_s)
+        owners_get = self._owners.get
+        pending_get = self._pending_owners.get
+        has_pending = bool(self._pending_owners)
+        result: dict[ReplicaId, int] = {}
+        iterator = iter(block_hashes)
+        first = next(iterator, None)
+        if first is None:
+            return result
+        # `alive`: bitmask of the replicas that hold every block seen so far.
+        alive = owners_get(first, 0) | (pending_get(first, 0) if has_pending else 0)
+        num_matched = 1
+        while alive:
+            block_hash = next(iterator, None)
+            if block_hash is None:
+                break
+            mask = owners_get(block_hash, 0)
+            if has_pending:
+                mask |= pending_get(block_hash, 0)
+            if alive & mask != alive:
+                self._credit(result, alive & ~mask, num_matched)
+                alive &= mask
+            num_matched += 1
+        else:
+            return result
+        self._credit(result, alive, num_matched)
+        return result
+
+    def add_pending(
+        self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], now_s: float, ttl_s: float
+    ) -> int:
+        """Counts `block_hashes` as held by `replica_id` until confirmed or `now_s + ttl_s`.
+
+        Why: events arrive after prefill, so without this a burst of requests
+        sharing a new prefix would scatter before the first one is cached.
+
+        Returns:
+            Number of blocks made pending (blocks already indexed there are not).
+        """
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self._expire(now_s)
+        state = self._state(replica_id)
+        expiry_s = now_s + ttl_s
+        bit, owners_get, pending = state.bit, self._owners.get, state.pending
+        pending_owners = self._pending_owners
+        pending_get = pending_owners.get
+        added = []
+        for block_hash in block_hashes:
+            if not owners_get(block_hash, 0) & bit:
+                added.append(block_hash)
+                pending[block_hash] = expiry_s
+                pending_owners[block_hash] = pending_get(block_hash, 0) | bit
+        if added:
+            heapq.heappush(self._expiries, (expiry_s, next(self._expiry_seq), state, tuple(added)))
+        return len(added)
+
+    def clear_replica(self, replica_id: ReplicaId) -> None:
+        """Forgets every indexed block of the replica (resync); pending entries stay until they expire."""
+        state = self._replicas.get(replica_id)
+        if state is not None:
+            self._clear_blocks(state)
+
+    def remove_replica(self, replica_id: ReplicaId) -> None:
+        """Forgets the replica entirely (it died or left) and frees its slot."""
+        state = self._replicas.pop(replica_id, None)
+        if state is None:
+            return
+        self._clear_blocks(state)
+        for block_hash in state.pending:
+            self._drop_bit(self._pending_owners, block_hash, state.bit)
+        state.pending.clear()
+        self._slot_ids[state.slot] = None
+
+    def snapshot(self, now_s: float | None = None) -> IndexSnapshot:
+        """Counts per replica; expires pending entries first when `now_s` is given."""
+        if now_s is not None:
+            self._expire(now_s)
+        states = self._replicas.values()
+        return IndexSnapshot(
+            num_unique_blocks=len(self._owners),
+            num_blocks_by_replica={s.replica_id: len(s.blocks) for s in states},
+            num_pending_blocks_by_replica={s.replica_id: len(s.pending) for s in states},
+            num_evicted_blocks_by_replica={s.replica_id: s.num_evicted_blocks for s in states},
+        )
+
+    # -- internals --------------------------------------------------------
+
+    def _state(self, replica_id: ReplicaId) -> _ReplicaState:
+        state = self._replicas.get(replica_id)
+        if state is None:
+            try:
+                slot = self._slot_ids.index(None)
+                self._slot_ids[slot] = replica_id
+            except ValueError:
+                slot = len(self._slot_ids)
+                self._slot_ids.append(replica_id)
+            state = self._replicas[replica_id] = _ReplicaState(replica_id, slot)
+        return state
+
+    def _credit(self, result: dict[ReplicaId, int], mask: int, num_blocks: int) -> None:
+        slot_ids = self._slot_ids
+        while mask:
+            low = mask & -mask
+            replica_id = slot_ids[low.bit_length() - 1]
+            if replica_id is not None:
+                result[replica_id] = num_blocks
+            mask ^= low
+
+    @staticmethod
+    def _drop_bit(masks: dict[BlockHash, int], block_hash: BlockHash, bit: int) -> None:
+        mask = masks.get(block_hash, 0) & ~bit
+        if mask:
+            masks[block_hash] = mask
+        else:
+            masks.pop(block_hash, None)
+
+    def _store(self, state: _ReplicaState, event) -> tuple[int, int]:
+        """Returns (blocks stored, blocks skipped) for one `BlockStored`."""
+        num_blocks = len(event.block_hashes)
+        block_size = self._block_size_tokens
+        if (
+            event.medium not in _TRACKED_MEDIA
+            or event.group_idx
+            or event.block_size != block_size
+            or len(event.token_ids) != num_blocks * block_size
+        ):
+            return 0, num_blocks
+        extra_keys = event.extra_keys or ()
+        lora_name = event.lora_name
+        first = 0
+        if event.parent_block_hash is None:
+            salt = _root_salt(extra_keys[0] if extra_keys else None, lora_name)
+            if salt is False:
+                return 0, num_blocks
+            parent = root_hash(lora_name or self._model_id, salt)
+            first = 1
+        else:
+            parent = state.blocks.get(_engine_key(event.parent_block_hash))
+            if parent is None:
+                return 0, num_blocks
+        usable = num_blocks
+        for offset, keys in enumerate(extra_keys[first:num_blocks], start=first):
+            if keys and any(key != lora_name for key in keys):
+                usable = offset
+                break
+        token_bytes = encode_tokens(event.token_ids[: usable * block_size])
+        hashes = chain_block_hashes(parent, token_bytes, block_size)
+        blocks, extra_copies, pending = state.blocks, state.extra_copies, state.pending
+        owners, bit = self._owners, state.bit
+        for raw_key, block_hash in zip(event.block_hashes, hashes):
+            engine_key = _engine_key(raw_key)
+            if engine_key in blocks:
+                blocks.move_to_end(engine_key)
+                extra_copies[engine_key] = extra_copies.get(engine_key, 0) + 1
+                continue
+            blocks[engine_key] = block_hash
+            owners[block_hash] = owners.get(block_hash, 0) | bit
+            if pending and pending.pop(block_hash, None) is not None:
+                self._drop_bit(self._pending_owners, block_hash, bit)
+            if len(blocks) > self._max_blocks:
+                old_key, old_hash = blocks.popitem(last=False)
+                extra_copies.pop(old_key, None)
+                self._drop_bit(owners, old_hash, bit)
+                state.num_evicted_blocks += 1
+        return usable, num_blocks - usable
+
+    def _remove(self, state: _ReplicaState, engine_hashes: Sequence[bytes | int]) -> int:
+        blocks, extra_copies = state.blocks, state.extra_copies
+        num_removed = 0
+        for raw_key in engine_hashes:
+            engine_key = _engine_key(raw_key)
+            copies = extra_copies.get(engine_key)
+            if copies:
+                if copies == 1:
+                    del extra_copies[engine_key]
+                else:
+                    extra_copies[engine_key] = copies - 1
+                continue
+            block_hash = blocks.pop(engine_key, None)
+            if block_hash is not None:
+                self._drop_bit(self._owners, block_hash, state.bit)
+                num_removed += 1
+        return num_removed
+
+    def _clear_blocks(self, state: _ReplicaState) -> None:
+        owners, bit = self._owners, state.bit
+        for block_hash in state.blocks.values():
+            self._drop_bit(owners, block_hash, bit)
+        state.blocks.clear()
+        state.extra_copies.clear()
+
+    def _expire(self, now_s: float) -> None:
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now_s:
+            _, _, state, block_hashes = heapq.heappop(expiries)
+            if self._replicas.get(state.replica_id) is not state:
+                continue  # replica removed since; its bits are already gone
+            pending, pending_owners, keep = state.pending, self._pending_owners, ~state.bit
+            for block_hash in block_hashes:
+                expiry_s = pending.get(block_hash)
+                # A later add_pending may have extended this entry: keep it then.
+                if expiry_s is not None and expiry_s <= now_s:
+                    del pending[block_hash]
+                    mask = pending_owners[block_hash] & keep
+                    if mask:
+                        pending_owners[block_hash] = mask
+                    else:
+                        del pending_owners[block_hash]
+
+
+def _root_salt(keys: tuple | None, lora_name: str | None) -> str | None | bool:
+    """Cache salt of a chain's first block from its published extra keys.
+
+    vLLM publishes block 0's keys untagged, in the order LoRA name, multimodal
+    (identifier, offset) pairs, cache salt, prompt-embedding digests. Returns
+    the salt (or None), or False when the keys hold anything a request cannot
+    reproduce.
+    """
+    salt: str | None = None
+    for key in keys or ():
+        if key == lora_name:
+            continue
+        if not isinstance(key, str) or salt is not None:
+            return False
+        salt = key
+    return salt

@@ -1,0 +1,208 @@
+"""`PrefixAwarePolicy`: one routing decision, from request to ranked replicas.
+
+Order of one `choose` call:
+1. hash the prompt's full blocks lazily (`RequestBlockHashes`), reusing the
+   hashes of the session's previous turn for the prefix it shares;
+2. look the blocks up in the `PrefixIndex` (stops at the first block no
+   replica holds, so hashing stops there too);
+3. drop overloaded replicas (`router.load_guard`);
+4. score the rest with the configured scorers and rank them (`router.picker`);
+5. name the reason, then `record` the choice: the session's replica and
+   pending blocks on the chosen replica (hashing the rest of the prompt).
+
+Reasons, checked in this order:
+- "load-guard": the guard removed every replica holding the longest prefix.
+- "prefix-hit": the chosen replica holds at least one leading block.
+- "session-affinity": the chosen replica served the session's previous turn.
+- "cold": nothing was known: no candidate holds a block and the session (if
+  any) has no previous replica among the candidates.
+- "least-loaded": something was known, but load outranked it.
+
+Decision shape: `ranked_tiers[0]` is exactly the chosen replica, then the rest
+of its tie, then lower tiers, then (last, least loaded first) the replicas the
+guard removed, so Ray Serve can still fall back to them when all others are full.
+
+Pure apart from what it is handed: the index and the session map are passed
+in and mutated only by `record`. The only state the policy keeps is a bounded
+cache of each session's last block hashes, which changes no decision, only
+its cost.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from typing import Mapping, MutableMapping, Sequence
+
+from cluster.config import RouterConfig
+from router.hashing import RequestBlockHashes, root_hash
+from router.index import PrefixIndex
+from router.load_guard import apply_load_guard
+from router.picker import rank_tiers, total_scores
+from router.registry import build_weighted_scorers
+from router.scorers import ScoringState
+from router.types import Decision, DecisionReason, ReplicaId, ReplicaLoad, RoutingRequest
+
+DEFAULT_NUM_CACHED_SESSIONS = 1024
+
+
+class PrefixAwarePolicy:
+    """Prefix-aware, load-guarded, session-sticky replica ranking (see module docstring)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        block_size_tokens: int,
+        rng: random.Random | None = None,
+        num_cached_sessions: int = DEFAULT_NUM_CACHED_SESSIONS,
+    ) -> None:
+        """Args:
+        config: scorer weights, load guard factor and pending TTL.
+        block_size_tokens: the engines' KV block size.
+        rng: tie-breaking randomness (seed it for reproducible tests).
+        num_cached_sessions: sessions whose last block hashes are kept for
+            reuse (each costs 4 bytes per prompt token plus its hashes).
+        """
+        if block_size_tokens < 1:
+            raise ValueError(f"block_size_tokens must be >= 1, got {block_size_tokens}")
+        if num_cached_sessions < 0:
+            raise ValueError(f"num_cached_sessions must be >= 0, got {num_cached_sessions}")
+        self._scorers = build_weighted_scorers(config.scorer_weights)
+        self._load_guard_factor = config.load_guard_factor
+        self._pending_ttl_s = config.pending_ttl_s
+        self._block_size_tokens = block_size_tokens
+        self._rng = rng or random.Random()
+        self._num_cached_sessions = num_cached_sessions
+        self._session_blocks: OrderedDict[str, RequestBlockHashes] = OrderedDict()
+
+    def choose(
+        self,
+        request: RoutingRequest,
+        candidate_ids: Sequence[ReplicaId],
+        loads: Mapping[ReplicaId, ReplicaLoad],
+        index: PrefixIndex,
+        sessions: MutableMapping[str, ReplicaId],
+        now_s: float,
+    ) -> Decision:
+        """Ranks the candidates for `request` and records the top choice.
+
+        Args:
+            request: the request to place.
+            candidate_ids: replicas that may take it (non-empty, no duplicates).
+            loads: load of every candidate.
+            index: the prefix index (pending blocks are added to it).
+            sessions: session id -> last replica (updated for this session).
+            now_s: current time (monotonic seconds) for pending entries.
+
+        Returns:
+            The decision; `decision.replica_id` is the chosen replica.
+
+        Raises:
+            ValueError: no candidates, or a candidate without a load.
+        """
+        if not candidate_ids:
+            raise ValueError("no candidate replicas")
+        missing = [r for r in candidate_ids if r not in loads]
+        if missing:
+            raise ValueError(f"no load reported for candidate replicas {missing}")
+        blocks = self._request_blocks(request)
+        held = index.longest_prefix(blocks, now_s)
+        prefix_blocks = {r: held[r] for r in candidate_ids if r in held}
+        kept, removed = apply_load_guard(candidate_ids, loads, self._load_guard_factor)
+        state = ScoringState(blocks.num_blocks, prefix_blocks, loads, sessions)
+        weighted = [(weight, scorer.score(request, kept, state)) for scorer, weight in self._scorers]
+        totals = total_scores(kept, weighted)
+        tiers = rank_tiers(totals, self._rng)
+        chosen = tiers[0][0]
+        ranked = [[chosen]]
+        if len(tiers[0]) > 1:
+            ranked.append(tiers[0][1:])
+        ranked += tiers[1:]
+        if removed:
+            ranked.append(sorted(removed, key=lambda r: loads[r].num_requests))
+        decision = Decision(
+            ranked_tiers=ranked,
+            reason=self._reason(request, chosen, candidate_ids, prefix_blocks, removed, sessions),
+            predicted_cached_tokens=self._predicted_tokens(request, ranked, prefix_blocks),
+            scores=totals,
+            session_id=request.session_id,
+            request_blocks=blocks,
+        )
+        self.record(decision, chosen, index, sessions, now_s)
+        return decision
+
+    def record(
+        self,
+        decision: Decision,
+        replica_id: ReplicaId,
+        index: PrefixIndex,
+        sessions: MutableMapping[str, ReplicaId],
+        now_s: float,
+    ) -> None:
+        """Notes that the decision's request went to `replica_id`.
+
+        `choose` calls it for its top choice. Call it again when Ray Serve sent
+        the request to a fallback replica instead; the top choice's pending
+        entries then simply expire.
+
+        Args:
+            decision: from `choose`.
+            replica_id: the replica that took the request.
+            index: receives the request's blocks as pending on `replica_id`.
+            sessions: the session (if any) now points at `replica_id`.
+            now_s: current time.
+        """
+        if decision.session_id is not None:
+            sessions[decision.session_id] = replica_id
+        blocks = decision.request_blocks
+        if blocks is not None and blocks.num_blocks:
+            index.add_pending(replica_id, blocks.hashes(), now_s, self._pending_ttl_s)
+
+    def _request_blocks(self, request: RoutingRequest) -> RequestBlockHashes:
+        blocks = RequestBlockHashes(
+            request.token_ids, self._block_size_tokens, root_hash(request.model_id, request.cache_salt)
+        )
+        session_id = request.session_id
+        if session_id is None or not self._num_cached_sessions:
+            return blocks
+        previous = self._session_blocks.pop(session_id, None)
+        if previous is not None:
+            blocks.reuse_prefix(previous)
+        self._session_blocks[session_id] = blocks
+        if len(self._session_blocks) > self._num_cached_sessions:
+            self._session_blocks.popitem(last=False)
+        return blocks
+
+    @staticmethod
+    def _reason(
+        request: RoutingRequest,
+        chosen: ReplicaId,
+        candidate_ids: Sequence[ReplicaId],
+        prefix_blocks: Mapping[ReplicaId, int],
+        removed: Sequence[ReplicaId],
+        sessions: Mapping[str, ReplicaId],
+    ) -> DecisionReason:
+        longest = max(prefix_blocks.values(), default=0)
+        if longest and removed:
+            best = [r for r, n in prefix_blocks.items() if n == longest]
+            if all(r in removed for r in best):
+                return "load-guard"
+        if prefix_blocks.get(chosen, 0):
+            return "prefix-hit"
+        previous = sessions.get(request.session_id) if request.session_id is not None else None
+        if previous == chosen:
+            return "session-affinity"
+        if not prefix_blocks and previous not in candidate_ids:
+            return "cold"
+        return "least-loaded"
+
+    def _predicted_tokens(
+        self, request: RoutingRequest, ranked: list[list[ReplicaId]], prefix_blocks: Mapping[ReplicaId, int]
+    ) -> dict[ReplicaId, int]:
+        # vLLM always recomputes the prompt's last token, so a full hit reuses
+        # at most the blocks before it (e.g. 1184 of 1206 tokens at block 32).
+        block_size = self._block_size_tokens
+        usable_blocks = max(request.num_tokens - 1, 0) // block_size
+        return {
+            r: min(prefix_blocks.get(r, 0), usable_blocks) * block_size for tier in ranked for r in tier
+        }

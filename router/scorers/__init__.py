@@ -1,0 +1,42 @@
+"""Scorers: one file per scorer, each a pure function of the state it is passed.
+
+Protocol: a scorer has a `name` (its registry key, kebab-case) and
+`score(request, replica_ids, state) -> dict[ReplicaId, float]`. Values lie in
+[0, 1], higher is better; a replica left out scores 0. Scorers own no state:
+everything they read is in `ScoringState`, built once per decision by the
+policy, so one scorer instance can serve every decision and every thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+from router.types import ReplicaId, ReplicaLoad, RoutingRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringState:
+    """What the scorers of one decision may read.
+
+    Attributes:
+        num_request_blocks: full KV blocks in the request's prompt.
+        prefix_blocks: leading request blocks each replica holds (absent: 0).
+        loads: load of every candidate replica.
+        session_replicas: session id -> replica its previous request went to.
+    """
+
+    num_request_blocks: int
+    prefix_blocks: Mapping[ReplicaId, int]
+    loads: Mapping[ReplicaId, ReplicaLoad]
+    session_replicas: Mapping[str, ReplicaId]
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(
+        self, request: RoutingRequest, replica_ids: Sequence[ReplicaId], state: ScoringState
+    ) -> dict[ReplicaId, float]:
+        """Scores in [0, 1] for (a subset of) `replica_ids`; missing replicas score 0."""
+        ...

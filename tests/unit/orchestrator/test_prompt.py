@@ -1,0 +1,288 @@
+"""Cache-first prompts against real tokenizers: a tiny BPE trained here, with two chat templates.
+
+"local" is a ChatML-style template written for these tests; "project" is the
+template `cluster.model_builder` gives the served model, used when that module
+is importable and skipped otherwise. Both have the shape the orchestrator
+relies on: system prompt and tools first, then messages, tool calls as
+`<tool_call>{...}</tool_call>`.
+"""
+
+import json
+import pathlib
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from serve_apps.orchestrator.compression import apply_compression, plan_compression
+from serve_apps.orchestrator.models import Message, SessionLimits, ToolCall, ToolSpec
+from serve_apps.orchestrator.prompt import (
+    SessionState,
+    TemplateNotAppendOnly,
+    build_chat_request,
+    canonical_json,
+    count_tokens,
+    effective_window_tokens,
+    prefix_fingerprint,
+    prefix_token_ids,
+    prompt_token_ids,
+    render_tools,
+)
+
+LOCAL_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + message['content'] }}"
+    "{%- if tools %}{{- '\\n<tools>' + (tools | tojson) + '</tools>' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set fn = call['function'] if call.get('function') else call %}"
+    "{{- '<tool_call>' + ({'name': fn['name'], 'arguments': fn['arguments']} | tojson) + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LOCAL_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+TOOL_MARKUP = ["<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def _template_variant(name: str) -> dict:
+    """Template, special tokens and bos/eos of one variant; skips when the project's builder is absent."""
+    if name == "local":
+        return {"template": LOCAL_TEMPLATE, "special": LOCAL_SPECIAL_TOKENS, "bos": None, "eos": "<|im_end|>"}
+    try:
+        from cluster import model_builder
+    except ImportError:
+        pytest.skip("cluster.model_builder is not importable")
+    template = getattr(model_builder, "CHAT_TEMPLATE", None)
+    special = list(getattr(model_builder, "SPECIAL_TOKENS", []))
+    if not template or not special:
+        pytest.skip("cluster.model_builder has no CHAT_TEMPLATE/SPECIAL_TOKENS")
+    bos = getattr(model_builder, "BOS", None)
+    return {"template": template, "special": special, "bos": bos, "eos": getattr(model_builder, "EOT", special[-1])}
+
+
+def _train_tokenizer(variant: dict) -> PreTrainedTokenizerFast:
+    corpus = "".join(p.read_text() for p in sorted(pathlib.Path(json.__file__).parent.glob("*.py")))
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2000,
+        special_tokens=variant["special"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator([corpus], trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=variant["bos"], eos_token=variant["eos"])
+    tokenizer.add_tokens(TOOL_MARKUP)
+    tokenizer.chat_template = variant["template"]
+    return tokenizer
+
+
+@pytest.fixture(scope="module", params=["local", "project"])
+def tokenizer(request):
+    return _train_tokenizer(_template_variant(request.param))
+
+
+HTTP = {"kind": "http", "url": "http://127.0.0.1:9/", "timeout_s": 3}
+ORDER_TOOL = ToolSpec(
+    name="get_order",
+    description="Look up an order — returns status, total and ETA.",
+    parameters={"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]},
+    execution=HTTP,
+)
+REFUND_TOOL = ToolSpec(
+    name="refund",
+    description="Refund an order.",
+    parameters={"type": "object", "properties": {"order_id": {"type": "string"}, "amount": {"type": "number"}}},
+    required_permissions=["payments:write"],
+    execution={"kind": "client"},
+)
+TOOLS = (ORDER_TOOL, REFUND_TOOL)
+SYSTEM = "You are the order desk agent. Use tools for facts."
+
+
+def test_canonical_json_is_sorted_compact_and_keeps_unicode():
+    assert canonical_json({"b": [1, {"d": 1, "c": "é"}], "a": None}) == '{"a":null,"b":[1,{"c":"é","d":1}]}'
+
+
+def test_render_tools_ignores_order_and_server_side_fields():
+    rendered = render_tools([REFUND_TOOL, ORDER_TOOL])
+    assert rendered == render_tools([ORDER_TOOL, REFUND_TOOL])
+    assert [tool["function"]["name"] for tool in rendered] == ["get_order", "refund"]
+    # Wrapper keys in the order vLLM's request models dump them; schema keys sorted.
+    assert list(rendered[0]) == ["type", "function"]
+    assert list(rendered[0]["function"]) == ["name", "description", "parameters"]
+    assert list(rendered[0]["function"]["parameters"]) == ["properties", "required", "type"]
+    assert "payments:write" not in json.dumps(rendered)
+
+
+def _round(index: int, tool_result: dict) -> list[Message]:
+    call = ToolCall(id=f"call-{index}", name="get_order", arguments=json.dumps({"order_id": f"ORD-{index}"}))
+    return [
+        Message(role="user", content=f"Where is order ORD-{index}? Please check the tracking status."),
+        Message(role="assistant", content=None, tool_calls=[call]),
+        Message(role="tool", content=json.dumps(tool_result), tool_call_id=f"call-{index}", name="get_order"),
+        Message(role="assistant", content="It is on its way through the regional hub, updates follow daily."),
+    ]
+
+
+def test_build_chat_request_puts_the_system_prompt_first():
+    history = tuple(_round(1, {"status": "shipped"}))
+    messages, tools = build_chat_request(SessionState(SYSTEM, TOOLS, history))
+    assert messages[0] == {"role": "system", "content": SYSTEM}
+    assert [m["role"] for m in messages[1:]] == ["user", "assistant", "tool", "assistant"]
+    assert messages[2]["tool_calls"][0]["function"] == {"name": "get_order", "arguments": '{"order_id": "ORD-1"}'}
+    assert (messages[3]["tool_call_id"], messages[3]["name"]) == ("call-1", "get_order")
+    assert tools == render_tools(TOOLS)
+
+
+def test_fingerprint_is_the_prefix_of_every_prompt(tokenizer):
+    fingerprint = prefix_fingerprint(tokenizer, SYSTEM, TOOLS)
+    assert fingerprint == prefix_fingerprint(tokenizer, SYSTEM, TOOLS[::-1])
+    assert len(fingerprint) == 64
+    messages, tools = build_chat_request(SessionState(SYSTEM, TOOLS, tuple(_round(1, {"status": "shipped"}))))
+    prefix = prefix_token_ids(tokenizer, SYSTEM, TOOLS)
+    assert prompt_token_ids(tokenizer, messages, tools)[: len(prefix)] == prefix
+
+
+@pytest.mark.parametrize(
+    "system_prompt, tools, is_changed",
+    [
+        (SYSTEM + " Be brief.", TOOLS, True),
+        (SYSTEM, (ORDER_TOOL,), True),
+        (SYSTEM, (), True),
+        (SYSTEM, (ORDER_TOOL, REFUND_TOOL.model_copy(update={"description": "Refund part of an order."})), True),
+        (
+            SYSTEM,
+            (ORDER_TOOL, REFUND_TOOL.model_copy(update={"parameters": {"type": "object", "properties": {}}})),
+            True,
+        ),
+        (SYSTEM, (ORDER_TOOL, REFUND_TOOL.model_copy(update={"name": "refund_order"})), True),
+        (SYSTEM, (REFUND_TOOL, ORDER_TOOL), False),
+        (SYSTEM, (ORDER_TOOL, REFUND_TOOL.model_copy(update={"required_permissions": []})), False),
+        (SYSTEM, (ORDER_TOOL.model_copy(update={"execution": {"kind": "client"}}), REFUND_TOOL), False),
+    ],
+)
+def test_fingerprint_follows_what_the_model_sees(tokenizer, system_prompt, tools, is_changed):
+    before = prefix_fingerprint(tokenizer, SYSTEM, TOOLS)
+    after = prefix_fingerprint(tokenizer, system_prompt, tools)
+    assert (before != after) is is_changed
+
+
+def _account(tokenizer, history, window=8192, reserve=512):
+    messages, tools = build_chat_request(SessionState(SYSTEM, TOOLS, tuple(history)))
+    return count_tokens(tokenizer, messages, tools, context_window_tokens=window, output_reserve_tokens=reserve)
+
+
+@pytest.mark.parametrize("num_rounds", [0, 1, 3])
+def test_count_tokens_matches_the_engine_prompt(tokenizer, num_rounds):
+    history = [m for i in range(num_rounds) for m in _round(i, {"total": "1,284.50", "eta": "2026-11-30"})]
+    account = _account(tokenizer, history, window=4096, reserve=256)
+    messages, tools = build_chat_request(SessionState(SYSTEM, TOOLS, tuple(history)))
+    assert account.total_tokens == len(prompt_token_ids(tokenizer, messages, tools))
+    assert account.prefix_tokens == len(prefix_token_ids(tokenizer, SYSTEM, TOOLS))
+    assert account.prefix_fingerprint == prefix_fingerprint(tokenizer, SYSTEM, TOOLS)
+    assert len(account.message_tokens) == len(history)
+    assert all(count > 0 for count in account.message_tokens)
+    assert account.generation_prompt_tokens > 0
+    assert account.remaining_tokens == 4096 - account.total_tokens - 256
+
+
+def test_steps_extend_the_previous_prompt_token_for_token(tokenizer):
+    """Each step appends what the model generated plus the next input; its prompt extends the previous one.
+
+    Prompts are built when the last message is a user or tool message, so the
+    previous prompt's generation header is followed by the assistant message.
+    """
+    history: list[Message] = []
+    steps = [
+        [Message(role="user", content="Where is order ORD-98231?")],
+        _round(98231, {"order_id": "ORD-98231", "total": 1284.50, "eta": "2026-11-30"})[1:3],
+        [
+            Message(role="assistant", content="Order ORD-98231 arrives on 2026-11-30."),
+            Message(role="user", content="Refund 10.5 of it, please."),
+        ],
+        [
+            Message(
+                role="assistant",
+                content="Refunding now.",
+                tool_calls=[ToolCall(id="r1", name="refund", arguments='{"order_id":"ORD-98231","amount":10.5}')],
+            ),
+            Message(role="tool", content='{"refund_id": "RF-1"}', tool_call_id="r1", name="refund"),
+        ],
+    ]
+    previous_ids: list[int] = []
+    previous_counts: tuple[int, ...] = ()
+    for appended in steps:
+        history.extend(appended)
+        messages, tools = build_chat_request(SessionState(SYSTEM, TOOLS, tuple(history)))
+        ids = prompt_token_ids(tokenizer, messages, tools)
+        account = _account(tokenizer, history)
+        assert len(ids) > len(previous_ids)
+        assert ids[: len(previous_ids)] == previous_ids
+        assert account.message_tokens[: len(previous_counts)] == previous_counts
+        previous_ids, previous_counts = ids, account.message_tokens
+
+
+def test_template_that_rewrites_history_is_rejected(tokenizer):
+    rewriting = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
+    rewriting.chat_template = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    history = _round(1, {"status": "shipped"})[:1]
+    messages, tools = build_chat_request(SessionState(SYSTEM, (), tuple(history)))
+    with pytest.raises(TemplateNotAppendOnly):
+        count_tokens(rewriting, messages, tools, context_window_tokens=4096, output_reserve_tokens=16)
+
+
+def test_history_with_non_json_arguments_is_refused(tokenizer):
+    bad = Message(role="assistant", content=None, tool_calls=[ToolCall(id="x", name="get_order", arguments="{oops")])
+    with pytest.raises(ValueError, match="not JSON"):
+        _account(tokenizer, [Message(role="user", content="hi"), bad])
+
+
+def test_compression_keeps_prefix_and_exact_values_in_the_prompt(tokenizer):
+    facts = {"order_id": "ORD-98231", "total": "1,284.50", "eta": "2026-11-30", "carrier_ref": "9fceb02d0ae5"}
+    history = _round(98231, facts) + [m for i in range(1, 5) for m in _round(i, {"status": "in transit"})]
+    limits = SessionLimits(keep_last_rounds=3)
+    window = _account(tokenizer, history, window=10**6).total_tokens + 600  # leaves under 20% free
+
+    def recount(messages):
+        return _account(tokenizer, messages, window=window, reserve=limits.output_reserve_tokens)
+
+    before = recount(history)
+    plan = plan_compression(history, before, limits)
+    assert plan is not None and plan.num_messages_compressed == 8
+    new_history, report = apply_compression(history, plan, "The user tracked two orders.", recount=recount)
+
+    assert report.ledger_retained_fraction == 1.0
+    assert report.tokens_before == before.total_tokens
+    assert report.tokens_after == recount(new_history).total_tokens < report.tokens_before
+    assert recount(new_history).prefix_fingerprint == before.prefix_fingerprint
+    messages, tools = build_chat_request(SessionState(SYSTEM, TOOLS, tuple(new_history)))
+    ids = prompt_token_ids(tokenizer, messages, tools)
+    prefix = prefix_token_ids(tokenizer, SYSTEM, TOOLS)
+    assert ids[: len(prefix)] == prefix
+    prompt_text = tokenizer.decode(ids)
+    for value in ["ORD-98231", "2026-11-30", "1,284.50", "9fceb02d0ae5"]:
+        assert value in prompt_text
+
+
+@pytest.mark.parametrize(
+    "budget, reserve, model_len, expected",
+    [(None, 512, 8192, 8192), (4096, 512, 8192, 4096), (16384, 512, 8192, 8192)],
+)
+def test_effective_window(budget, reserve, model_len, expected):
+    limits = SessionLimits(context_budget_tokens=budget, output_reserve_tokens=reserve)
+    assert effective_window_tokens(limits, model_len) == expected
+
+
+def test_effective_window_refuses_a_reserve_that_fills_it():
+    with pytest.raises(ValueError):
+        effective_window_tokens(SessionLimits(output_reserve_tokens=4096), 4096)

@@ -1,0 +1,248 @@
+"""Tool-call validation, the one-call schema, and HTTP tool faults against a real loopback server."""
+
+import asyncio
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from serve_apps.orchestrator.models import ToolCall, ToolSpec
+from serve_apps.orchestrator.tools import (
+    ToolCallError,
+    run_http_tool,
+    tool_choice_schema,
+    truncate_text,
+    validate_tool_call,
+)
+
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "string", "pattern": "^ORD-[0-9]+$"},
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}},
+                "required": ["sku", "qty"],
+            },
+        },
+    },
+    "required": ["order_id"],
+    "additionalProperties": False,
+}
+DEFS_SCHEMA = {
+    "type": "object",
+    "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}},
+    "properties": {"at": {"$ref": "#/$defs/point"}},
+    "required": ["at"],
+}
+
+
+def _spec(name, parameters, url="http://127.0.0.1:9/"):
+    return ToolSpec(name=name, parameters=parameters, execution={"kind": "http", "url": url, "timeout_s": 5})
+
+
+TOOLS = [_spec("create_order", ORDER_SCHEMA), _spec("plot", DEFS_SCHEMA)]
+
+
+def _call(name, arguments):
+    return ToolCall(id="call-1", name=name, arguments=arguments)
+
+
+@pytest.mark.parametrize(
+    "name, arguments",
+    [
+        ("create_order", '{"order_id": "ORD-98231"}'),
+        ("create_order", '{"order_id": "ORD-1", "items": [{"sku": "A-1", "qty": 2}]}'),
+        ("plot", '{"at": {"x": 1284.50}}'),
+    ],
+)
+def test_valid_call_is_returned_unchanged(name, arguments):
+    call = _call(name, arguments)
+    assert validate_tool_call(call, TOOLS) is call
+
+
+@pytest.mark.parametrize(
+    "name, arguments, kind, paths",
+    [
+        ("delete_everything", "{}", "unknown_tool", []),
+        ("create_order", '{"order_id": ', "invalid_json", []),
+        ("create_order", '{"order_id": NaN}', "invalid_json", []),
+        ("create_order", "not json", "invalid_json", []),
+        ("create_order", "[]", "schema_violation", ["$"]),
+        ("create_order", "{}", "schema_violation", ["$"]),
+        ("create_order", '{"order_id": "X-1"}', "schema_violation", ["$.order_id"]),
+        (
+            "create_order",
+            '{"order_id": "ORD-1", "items": [{"sku": "A", "qty": 1}, {"sku": 5, "qty": 0}]}',
+            "schema_violation",
+            ["$.items[1].qty", "$.items[1].sku"],
+        ),
+        ("create_order", '{"order_id": "ORD-1", "extra": true}', "schema_violation", ["$"]),
+        ("plot", '{"at": {"x": "far"}}', "schema_violation", ["$.at.x"]),
+    ],
+)
+def test_invalid_call_error_names_kind_and_paths(name, arguments, kind, paths):
+    error = validate_tool_call(_call(name, arguments), TOOLS)
+    assert isinstance(error, ToolCallError)
+    assert error.kind == kind
+    assert [violation.path for violation in error.violations] == paths
+    for path in paths:
+        assert path in error.message
+
+
+def test_unknown_tool_error_lists_available_tools():
+    error = validate_tool_call(_call("nope", "{}"), TOOLS)
+    assert "create_order, plot" in error.message
+
+
+@pytest.mark.parametrize(
+    "instance, is_valid",
+    [
+        ({"name": "create_order", "arguments": {"order_id": "ORD-5"}}, True),
+        ({"name": "plot", "arguments": {"at": {"x": 3}}}, True),
+        ({"name": "plot", "arguments": {"order_id": "ORD-5"}}, False),
+        ({"name": "create_order", "arguments": {"at": {"x": 3}}}, False),
+        ({"name": "plot", "arguments": {"at": {"x": "3"}}}, False),
+        ({"name": "other", "arguments": {}}, False),
+        ({"name": "plot", "arguments": {"at": {"x": 3}}, "extra": 1}, False),
+        ({"name": "plot"}, False),
+    ],
+)
+def test_tool_choice_schema_admits_exactly_one_valid_call(instance, is_valid):
+    schema = tool_choice_schema(TOOLS)
+    Draft202012Validator.check_schema(schema)
+    assert Draft202012Validator(schema).is_valid(instance) is is_valid
+
+
+def test_tool_choice_schema_hoists_defs_per_tool():
+    schema = tool_choice_schema(TOOLS)
+    assert set(schema["$defs"]) == {"plot.point"}
+    assert "$defs" not in json.dumps(schema["anyOf"]).replace("#/$defs/plot.point", "")
+
+
+def test_tool_choice_schema_needs_tools():
+    with pytest.raises(ValueError):
+        tool_choice_schema([])
+
+
+@pytest.mark.parametrize(
+    "text, max_bytes, expected, is_truncated",
+    [
+        ("short", 10, "short", False),
+        ("x" * 10, 10, "x" * 10, False),
+        ("x" * 25, 10, "x" * 10 + "…[truncated 15 bytes]", True),
+        ("é" * 6, 5, "éé…[truncated 8 bytes]", True),  # 2-byte characters are never split
+    ],
+)
+def test_truncate_text(text, max_bytes, expected, is_truncated):
+    assert truncate_text(text, max_bytes) == (expected, is_truncated)
+
+
+class _ToolHandler(BaseHTTPRequestHandler):
+    """Loopback tool server; the path picks the behaviour."""
+
+    release = threading.Event()
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["content-length"]))
+        if self.path == "/ok":
+            self._reply(200, b'{"order_id": "ORD-98231", "total": 1284.50, "eta": "2026-11-30"}')
+        elif self.path == "/echo":
+            self._reply(200, body)
+        elif self.path == "/fail":
+            self._reply(500, b"Internal Server Error: db down")
+        elif self.path == "/garbage":
+            self._reply(200, b"<html>\xff\xfe not json", "text/html")
+        elif self.path == "/text":
+            self._reply(200, b"plain words", "text/plain")
+        elif self.path == "/huge":
+            self._reply(200, json.dumps({"rows": ["r" * 100] * 1000}).encode())
+        elif self.path == "/hang":
+            type(self).release.wait(10)
+            self._reply(200, b"{}")
+        else:
+            self._reply(404, b"no such tool")
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ToolHandler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    _ToolHandler.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def _run(url, arguments='{"order_id": "ORD-98231"}', timeout_s=5.0, max_bytes=4096):
+    spec = _spec("create_order", ORDER_SCHEMA, url=url)
+    return asyncio.run(run_http_tool(spec, arguments, timeout_s=timeout_s, max_bytes=max_bytes))
+
+
+def test_ok_result_is_the_body_verbatim(tool_server):
+    outcome = _run(f"{tool_server}/ok")
+    assert (outcome.status, outcome.is_truncated) == ("ok", False)
+    assert "1284.50" in outcome.content and "ORD-98231" in outcome.content
+
+
+def test_request_body_carries_name_and_arguments_as_written(tool_server):
+    outcome = _run(f"{tool_server}/echo", arguments='{"order_id": "ORD-7", "amount": 1284.50}')
+    assert outcome.status == "ok"
+    assert outcome.content == '{"name":"create_order","arguments":{"order_id": "ORD-7", "amount": 1284.50}}'
+    assert json.loads(outcome.content)["arguments"]["order_id"] == "ORD-7"
+
+
+@pytest.mark.parametrize(
+    "path, status, fragment",
+    [
+        ("/fail", "error", "HTTP 500: Internal Server Error: db down"),
+        ("/missing", "error", "HTTP 404"),
+        ("/garbage", "error", "not a UTF-8 JSON document"),
+        ("/text", "error", "not a UTF-8 JSON document"),
+        ("/hang", "timeout", "no complete reply within 0.3 s"),
+    ],
+)
+def test_tool_faults_become_outcomes(tool_server, path, status, fragment):
+    outcome = _run(f"{tool_server}{path}", timeout_s=0.3)
+    assert outcome.status == status
+    assert fragment in json.loads(outcome.content)["error"]
+
+
+def test_connection_refused_is_an_error_outcome():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    outcome = _run(f"http://127.0.0.1:{port}/tool")
+    assert outcome.status == "error"
+    assert json.loads(outcome.content)["tool"] == "create_order"
+
+
+def test_huge_result_is_truncated_with_marker(tool_server):
+    outcome = _run(f"{tool_server}/huge", max_bytes=1000)
+    full_size = len(json.dumps({"rows": ["r" * 100] * 1000}).encode())
+    assert (outcome.status, outcome.is_truncated) == ("ok", True)
+    assert outcome.content.endswith(f"…[truncated {full_size - 1000} bytes]")
+    assert len(outcome.content.encode()) < 1100
+
+
+def test_client_tool_cannot_run_over_http():
+    spec = ToolSpec(name="ask_user", execution={"kind": "client"})
+    with pytest.raises(ValueError, match="executed by the client"):
+        asyncio.run(run_http_tool(spec, "{}", timeout_s=1, max_bytes=100))

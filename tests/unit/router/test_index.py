@@ -1,0 +1,228 @@
+"""router.index.PrefixIndex, driven by real vLLM KV event structs."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+from router.hashing import hash_request_blocks, root_hash
+from router.index import PrefixIndex
+from router.types import ReplicaId
+
+BS = 4
+MODEL = "warmpath-tiny"
+A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+TOKENS = list(range(100, 132))  # 8 full blocks
+
+
+def ehash(i: int) -> bytes:
+    """An engine (vLLM) block hash: 32 bytes, as vLLM publishes by default."""
+    return i.to_bytes(32, "big")
+
+
+def stored(first_block: int, num_blocks: int, tokens=TOKENS, parent: int | None = None, **kw) -> BlockStored:
+    """BlockStored for blocks [first_block, first_block + num_blocks) of `tokens`."""
+    fields = dict(
+        block_hashes=[ehash(i) for i in range(first_block, first_block + num_blocks)],
+        parent_block_hash=None if parent is None else ehash(parent),
+        token_ids=tokens[first_block * BS : (first_block + num_blocks) * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    fields.update(kw)
+    return BlockStored(**fields)
+
+
+def removed(*blocks: int, **kw) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[ehash(i) for i in blocks], medium=kw.pop("medium", "GPU"), **kw)
+
+
+def request_hashes(tokens=TOKENS, model=MODEL, salt=None):
+    return hash_request_blocks(tokens, BS, root_hash(model, salt))
+
+
+@pytest.fixture
+def index() -> PrefixIndex:
+    return PrefixIndex(block_size_tokens=BS, max_blocks_per_replica=1000, model_id=MODEL)
+
+
+@pytest.mark.parametrize(
+    ("events", "expected"),
+    [
+        ([stored(0, 3)], {A: 3}),
+        ([stored(0, 3), stored(3, 2, parent=2)], {A: 5}),
+        ([stored(0, 8)], {A: 8}),
+        ([stored(0, 3), stored(4, 2, parent=3)], {A: 3}),  # parent 3 never stored: skipped
+        ([stored(0, 8), removed(5)], {A: 5}),
+        ([stored(0, 8), removed(0)], {}),
+        ([stored(0, 8), AllBlocksCleared()], {}),
+        ([stored(0, 8), AllBlocksCleared(), stored(0, 2)], {A: 2}),
+        ([stored(0, 2), stored(0, 2), removed(1)], {A: 2}),  # two physical copies, one removed
+        ([stored(0, 2), stored(0, 2), removed(1), removed(1)], {A: 1}),
+        ([stored(0, 2), removed(9)], {A: 2}),  # unknown engine hash: ignored
+        ([stored(0, 8), removed(5, medium="CPU")], {A: 8}),  # another tier's removal
+    ],
+)
+def test_apply_then_longest_prefix(index, events, expected):
+    index.apply(A, events)
+    assert index.longest_prefix(request_hashes(), now_s=0.0) == expected
+
+
+@pytest.mark.parametrize(
+    ("event", "num_skipped_blocks"),
+    [
+        (stored(0, 2, medium="CPU"), 2),  # an offload tier, not the engine's pool
+        (stored(0, 2, group_idx=1), 2),
+        (stored(0, 2, block_size=8, token_ids=TOKENS[:16]), 2),
+        (stored(0, 2, token_ids=TOKENS[:7]), 2),
+        (stored(0, 2, extra_keys=[(("mm-hash", 0),), None]), 2),
+        (stored(0, 2, extra_keys=[None, (b"embeds-digest",)]), 1),
+        (stored(0, 2, parent=7), 2),
+    ],
+)
+def test_blocks_the_router_cannot_reproduce_are_skipped(index, event, num_skipped_blocks):
+    result = index.apply(A, [event])
+    assert result.num_skipped_blocks == num_skipped_blocks
+    assert result.num_stored_blocks == 2 - num_skipped_blocks
+    assert index.snapshot().num_blocks_by_replica[A] == 2 - num_skipped_blocks
+
+
+@pytest.mark.parametrize(
+    ("event_kw", "model", "salt", "expected"),
+    [
+        ({"extra_keys": [("s1",), None]}, MODEL, "s1", {A: 2}),
+        ({"extra_keys": [("s1",), None]}, MODEL, None, {}),
+        ({"lora_name": "ad", "extra_keys": [("ad",), ("ad",)]}, "ad", None, {A: 2}),
+        ({"lora_name": "ad", "extra_keys": [("ad", "s1"), ("ad",)]}, "ad", "s1", {A: 2}),
+        ({"lora_name": "ad", "extra_keys": [("ad",), ("ad",)]}, MODEL, None, {}),
+    ],
+)
+def test_cache_salt_and_lora_name_seed_the_chain(index, event_kw, model, salt, expected):
+    index.apply(A, [stored(0, 2, **event_kw)])
+    assert index.longest_prefix(request_hashes(model=model, salt=salt), 0.0) == expected
+
+
+def test_int_engine_hashes_match_their_bytes_form(index):
+    """vLLM can publish hashes as ints (low 64 bits of the bytes); both name the same block."""
+    index.apply(A, [stored(0, 3)])
+    index.apply(A, [BlockRemoved(block_hashes=[int.from_bytes(ehash(2), "big") & (2**64 - 1)], medium="GPU")])
+    assert index.longest_prefix(request_hashes(), 0.0) == {A: 2}
+
+
+def test_replicas_are_independent(index):
+    index.apply(A, [stored(0, 8)])
+    index.apply(B, [stored(0, 3)])
+    index.apply(C, [stored(0, 8), AllBlocksCleared()])
+    assert index.longest_prefix(request_hashes(), 0.0) == {A: 8, B: 3}
+    index.apply(A, [removed(1)])
+    assert index.longest_prefix(request_hashes(), 0.0) == {A: 1, B: 3}
+
+
+def test_unknown_event_types_are_skipped(index):
+    class FutureEvent:
+        pass
+
+    result = index.apply(A, [FutureEvent(), stored(0, 2)])
+    assert (result.num_skipped_events, result.num_stored_blocks) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("max_blocks", "events", "num_indexed", "num_evicted", "expected_prefix"),
+    [
+        (4, [stored(0, 6)], 4, 2, {}),  # blocks 0 and 1 forgotten: no leading match
+        (6, [stored(0, 6)], 6, 0, {A: 6}),
+        # Re-storing block 0 refreshes it, so block 1 is the one forgotten.
+        (4, [stored(0, 4), stored(0, 1), stored(4, 1, parent=3)], 4, 1, {A: 1}),
+    ],
+)
+def test_lru_bound_per_replica(max_blocks, events, num_indexed, num_evicted, expected_prefix):
+    index = PrefixIndex(BS, max_blocks, MODEL)
+    index.apply(A, events)
+    snap = index.snapshot()
+    assert snap.num_blocks_by_replica[A] == num_indexed
+    assert snap.num_evicted_blocks_by_replica[A] == num_evicted
+    assert index.longest_prefix(request_hashes(), 0.0) == expected_prefix
+
+
+@pytest.mark.parametrize(
+    ("pending_at", "ttl_s", "lookup_at", "expected"),
+    [
+        (0.0, 2.0, 1.9, {A: 8}),
+        (0.0, 2.0, 2.0, {}),  # expired exactly at now + ttl
+        (0.0, 2.0, 5.0, {}),
+    ],
+)
+def test_pending_counts_until_expiry(index, pending_at, ttl_s, lookup_at, expected):
+    index.add_pending(A, request_hashes(), pending_at, ttl_s)
+    assert index.longest_prefix(request_hashes(), lookup_at) == expected
+
+
+def test_pending_is_confirmed_by_events_and_outlives_nothing(index):
+    hashes = request_hashes()
+    assert index.add_pending(A, hashes, 0.0, 2.0) == 8
+    index.apply(A, [stored(0, 3)])
+    assert index.snapshot(0.5).num_pending_blocks_by_replica[A] == 5
+    assert index.longest_prefix(hashes, 0.5) == {A: 8}
+    assert index.longest_prefix(hashes, 3.0) == {A: 3}  # unconfirmed tail expired
+    assert index.snapshot(3.0).num_pending_blocks_by_replica[A] == 0
+
+
+def test_pending_skips_blocks_already_indexed_and_later_pending_extends(index):
+    hashes = request_hashes()
+    index.apply(A, [stored(0, 2)])
+    assert index.add_pending(A, hashes, 0.0, 2.0) == 6
+    assert index.add_pending(A, hashes, 1.5, 2.0) == 6  # refreshed: now expires at 3.5
+    assert index.longest_prefix(hashes, 3.0) == {A: 8}
+    assert index.longest_prefix(hashes, 3.5) == {A: 2}
+
+
+def test_pending_and_indexed_blocks_combine_across_replicas(index):
+    hashes = request_hashes()
+    index.apply(A, [stored(0, 8)])
+    index.add_pending(B, hashes[:4], 0.0, 2.0)
+    assert index.longest_prefix(hashes, 1.0) == {A: 8, B: 4}
+
+
+def test_clear_replica_keeps_pending(index):
+    index.apply(A, [stored(0, 8)])
+    index.add_pending(A, request_hashes(tokens=list(range(8))), 0.0, 2.0)
+    index.clear_replica(A)
+    assert index.longest_prefix(request_hashes(), 0.0) == {}
+    assert index.longest_prefix(request_hashes(tokens=list(range(8))), 0.0) == {A: 2}
+
+
+def test_remove_replica_forgets_everything_and_frees_its_slot(index):
+    hashes = request_hashes()
+    index.apply(A, [stored(0, 8)])
+    index.add_pending(A, request_hashes(tokens=list(range(8))), 0.0, 2.0)
+    index.apply(B, [stored(0, 3)])
+    index.remove_replica(A)
+    assert index.longest_prefix(hashes, 0.0) == {B: 3}
+    assert index.longest_prefix(request_hashes(tokens=list(range(8))), 0.0) == {}
+    assert index.snapshot().num_unique_blocks == 3
+    # A new replica takes the freed slot and inherits nothing.
+    index.apply(C, [stored(0, 1)])
+    assert index.longest_prefix(hashes, 0.0) == {B: 3, C: 1}
+    assert index.longest_prefix(request_hashes(tokens=list(range(8))), 5.0) == {}
+    assert A not in index.snapshot().num_blocks_by_replica
+
+
+def test_lookup_consumes_hashes_only_up_to_the_first_global_miss(index):
+    index.apply(A, [stored(0, 2)])
+    consumed = []
+
+    def lazy():
+        for h in request_hashes():
+            consumed.append(h)
+            yield h
+
+    assert index.longest_prefix(lazy(), 0.0) == {A: 2}
+    assert len(consumed) == 3
+
+
+@pytest.mark.parametrize(("block_size", "max_blocks"), [(0, 10), (4, 0)])
+def test_bad_construction_raises(block_size, max_blocks):
+    with pytest.raises(ValueError):
+        PrefixIndex(block_size, max_blocks, MODEL)

@@ -1,0 +1,213 @@
+"""router.policy and router.load_guard: reasons, tier shape, pending bursts, sessions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from vllm.distributed.kv_events import BlockStored
+
+from cluster.config import RouterConfig
+from router.hashing import hash_request_blocks, root_hash
+from router.index import PrefixIndex
+from router.load_guard import apply_load_guard
+from router.policy import PrefixAwarePolicy
+from router.types import ReplicaId, ReplicaLoad, RoutingRequest
+
+BS = 4
+MODEL = "warmpath-tiny"
+A, B, C, D = (ReplicaId(x) for x in "abcd")
+IDS = [A, B, C, D]
+TOKENS = list(range(1000, 1032))  # 8 full blocks
+
+
+def loads_of(*counts: int) -> dict[ReplicaId, ReplicaLoad]:
+    return {r: ReplicaLoad(n) for r, n in zip(IDS, counts)}
+
+
+def stored_prefix(num_blocks: int, tokens=TOKENS) -> BlockStored:
+    return BlockStored(
+        block_hashes=[i.to_bytes(32, "big") for i in range(num_blocks)],
+        parent_block_hash=None,
+        token_ids=tokens[: num_blocks * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
+def make_policy(seed: int = 0, **config) -> PrefixAwarePolicy:
+    return PrefixAwarePolicy(RouterConfig(**config), BS, rng=random.Random(seed))
+
+
+def make_index() -> PrefixIndex:
+    return PrefixIndex(BS, 10_000, MODEL)
+
+
+# -- load guard ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("counts", "factor", "expected_removed"),
+    [
+        ((0, 0, 0, 0), 1.5, []),
+        ((10, 0, 0, 0), 1.5, [A]),
+        ((1, 0), 1.5, []),  # one busy replica out of two: not an imbalance worth acting on
+        ((2, 0), 1.5, []),
+        ((3, 0), 1.5, [A]),
+        ((5, 5, 5, 5), 1.5, []),
+        ((9, 9, 0, 0), 1.5, [A, B]),
+        ((9, 9, 0, 0), 4.0, []),
+    ],
+)
+def test_load_guard(counts, factor, expected_removed):
+    ids = IDS[: len(counts)]
+    kept, removed = apply_load_guard(ids, loads_of(*counts), factor)
+    assert removed == expected_removed
+    assert kept == [r for r in ids if r not in expected_removed]
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("factor", [1.01, 1.5, 3.0])
+def test_load_guard_never_removes_every_replica(seed, factor):
+    rng = random.Random(seed)
+    ids = [ReplicaId(f"r{i}") for i in range(rng.randint(1, 16))]
+    loads = {r: ReplicaLoad(rng.choice([0, 1, 2, 50, 1000])) for r in ids}
+    kept, removed = apply_load_guard(ids, loads, factor)
+    assert kept
+    assert min(loads[r].num_requests for r in ids) in {loads[r].num_requests for r in kept}
+    assert sorted(kept + removed) == sorted(ids)
+
+
+def test_load_guard_factor_must_exceed_one():
+    with pytest.raises(ValueError):
+        apply_load_guard(IDS, loads_of(0, 0, 0, 0), 1.0)
+
+
+# -- reasons --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cached_on", "counts", "sessions", "expected_choice", "expected_reason"),
+    [
+        ({}, (0, 0, 0, 0), {}, None, "cold"),
+        ({}, (1, 1, 0, 1), {}, C, "cold"),
+        ({A: 8}, (0, 0, 0, 0), {}, A, "prefix-hit"),
+        ({A: 8, B: 3}, (1, 1, 1, 0), {}, A, "prefix-hit"),
+        ({A: 8}, (1, 0, 0, 0), {}, None, "load-guard"),  # 2 of 2 requests is over 1.5x the mean
+        ({}, (0, 0, 0, 0), {"s": B}, B, "session-affinity"),
+        ({A: 8}, (0, 0, 0, 0), {"s": B}, A, "prefix-hit"),
+        ({A: 8}, (10, 0, 0, 0), {}, None, "load-guard"),
+        ({A: 8, B: 2}, (10, 0, 0, 0), {}, B, "load-guard"),  # a partial hit, but the best was guarded
+        ({A: 1}, (2, 2, 1, 1), {}, None, "least-loaded"),  # a 1/8 hit loses to load
+        ({}, (0, 10, 0, 0), {"s": B}, None, "least-loaded"),  # the session's replica was guarded
+        ({}, (0, 0, 0, 0), {"s": ReplicaId("gone")}, None, "cold"),
+    ],
+)
+def test_reasons(cached_on, counts, sessions, expected_choice, expected_reason):
+    index = make_index()
+    for replica_id, num_blocks in cached_on.items():
+        index.apply(replica_id, [stored_prefix(num_blocks)])
+    decision = make_policy().choose(
+        RoutingRequest(TOKENS, MODEL, session_id="s"), IDS, loads_of(*counts), index, dict(sessions), 0.0
+    )
+    assert decision.reason == expected_reason
+    if expected_choice is not None:
+        assert decision.replica_id == expected_choice
+    if expected_reason == "load-guard":
+        assert A in decision.ranked_tiers[-1]  # the guarded prefix holder stays a last resort
+
+
+def test_tiers_put_the_choice_alone_first_and_guarded_replicas_last():
+    index = make_index()
+    decision = make_policy().choose(
+        RoutingRequest(TOKENS, MODEL), IDS, loads_of(0, 0, 20, 30), index, {}, 0.0
+    )
+    assert len(decision.ranked_tiers[0]) == 1
+    assert decision.ranked_tiers[-1] == [C, D]  # removed by the guard, least loaded first
+    flat = [r for tier in decision.ranked_tiers for r in tier]
+    assert sorted(flat) == sorted(IDS)
+    assert set(decision.predicted_cached_tokens) == set(IDS)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "cached_blocks", "expected_tokens"),
+    [
+        (32, 8, 28),  # vLLM recomputes the last token: 7 usable blocks of 8
+        (33, 8, 32),
+        (32, 3, 12),
+        (3, 0, 0),
+    ],
+)
+def test_predicted_cached_tokens(num_tokens, cached_blocks, expected_tokens):
+    index = make_index()
+    if cached_blocks:
+        index.apply(A, [stored_prefix(cached_blocks)])
+    tokens = (TOKENS + [7])[:num_tokens]
+    decision = make_policy().choose(RoutingRequest(tokens, MODEL), IDS, loads_of(0, 0, 0, 0), index, {}, 0.0)
+    assert decision.predicted_cached_tokens[A if cached_blocks else decision.replica_id] == expected_tokens
+
+
+# -- recording ------------------------------------------------------------------
+
+
+def test_a_burst_of_one_new_prefix_follows_the_first_decision():
+    index, sessions, policy = make_index(), {}, make_policy(seed=3)
+    idle = loads_of(0, 0, 0, 0)
+    first = policy.choose(RoutingRequest(TOKENS, MODEL, "s1"), IDS, idle, index, sessions, 0.0)
+    assert first.reason == "cold"
+    for i, now_s in enumerate([0.1, 0.5, 1.9]):
+        follower = policy.choose(RoutingRequest(TOKENS, MODEL, f"t{i}"), IDS, idle, index, sessions, now_s)
+        assert (follower.replica_id, follower.reason) == (first.replica_id, "prefix-hit")
+    # Pending entries expire pending_ttl_s (2.0 s) after the last placement.
+    late = policy.choose(RoutingRequest(TOKENS, MODEL, "u"), IDS, idle, index, sessions, 10.0)
+    assert late.reason == "cold"
+
+
+def test_choose_records_the_session_and_record_corrects_a_fallback():
+    index, sessions, policy = make_index(), {}, make_policy()
+    decision = policy.choose(RoutingRequest(TOKENS, MODEL, "s"), IDS, loads_of(0, 0, 0, 0), index, sessions, 0.0)
+    assert sessions == {"s": decision.replica_id}
+    fallback = next(r for r in IDS if r != decision.replica_id)
+    policy.record(decision, fallback, index, sessions, 0.1)
+    assert sessions == {"s": fallback}
+    assert index.snapshot(0.2).num_pending_blocks_by_replica[fallback] == 8
+
+
+def test_session_turns_reuse_hashes_and_match_a_fresh_hash():
+    index, sessions, policy = make_index(), {}, make_policy()
+    idle = loads_of(0, 0, 0, 0)
+    turn1 = policy.choose(RoutingRequest(TOKENS[:20], MODEL, "s"), IDS, idle, index, sessions, 0.0)
+    turn2 = policy.choose(RoutingRequest(TOKENS, MODEL, "s"), IDS, idle, index, sessions, 0.5)
+    assert turn2.request_blocks.hashes() == hash_request_blocks(TOKENS, BS, root_hash(MODEL, None))
+    assert (turn2.replica_id, turn2.reason) == (turn1.replica_id, "prefix-hit")
+    assert turn2.predicted_cached_tokens[turn1.replica_id] == 20
+
+
+@pytest.mark.parametrize(
+    ("candidates", "loads"),
+    [([], {}), ([A, B], {A: ReplicaLoad(0)})],
+)
+def test_bad_inputs_raise(candidates, loads):
+    with pytest.raises(ValueError):
+        make_policy().choose(RoutingRequest(TOKENS, MODEL), candidates, loads, make_index(), {}, 0.0)
+
+
+def test_unknown_scorer_in_config_raises():
+    with pytest.raises(ValueError, match="unknown scorer"):
+        make_policy(scorer_weights={"prefix-cache": 1.0, "lod": 1.0})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decisions_are_reproducible_with_a_seed(seed):
+    def run():
+        index, sessions, policy = make_index(), {}, make_policy(seed=seed)
+        return [
+            policy.choose(
+                RoutingRequest([i] * 8, MODEL, f"s{i}"), IDS, loads_of(0, 0, 0, 0), index, sessions, 0.0
+            ).ranked_tiers
+            for i in range(6)
+        ]
+
+    assert run() == run()

@@ -134,5 +134,34 @@ def render_serve_config_cmd(
         out.write_text(text)
 
 
+@render_app.command("k8s")
+def render_k8s_cmd(
+    overlay: Optional[list[Path]] = typer.Option(
+        None, "--overlay", help="Overlay folder holding a cluster.yaml (repeatable; default: every k8s/overlays/*)."
+    ),
+    check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 listing generated files that drifted."),
+) -> None:
+    """Regenerate the KubeRay manifests' generated parts from each overlay's cluster.yaml."""
+    from cluster import k8s_render
+
+    try:
+        overlays = overlay or k8s_render.default_overlays()
+        if check:
+            drifted = [path for o in overlays for path in k8s_render.check_k8s(o)]
+            for path in drifted:
+                typer.echo(f"drifted: {path}", err=True)
+            if drifted:
+                typer.echo("run `warmpath render k8s` and commit the result", err=True)
+                raise typer.Exit(1)
+            typer.echo(f"k8s manifests up to date ({len(overlays)} overlay(s))")
+            return
+        for o in overlays:
+            changed = k8s_render.write_k8s(o)
+            typer.echo(f"{o}: " + (", ".join(str(p) for p in changed) if changed else "unchanged"))
+    except ConfigError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2)
+
+
 if __name__ == "__main__":
     app()

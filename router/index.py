@@ -120,8 +120,6 @@ class PrefixIndex:
         self._expiries: list[tuple[float, int, _ReplicaState, tuple[BlockHash, ...]]] = []
         self._expiry_seq = itertools.count()
 
-    # -- public API -------------------------------------------------------
-
     def apply(self, replica_id: ReplicaId, events: Iterable[object]) -> ApplyResult:
         """Applies one replica's KV events, in order.
 
@@ -259,8 +257,6 @@ class PrefixIndex:
             num_pending_blocks_by_replica={s.replica_id: len(s.pending) for s in states},
             num_evicted_blocks_by_replica={s.replica_id: s.num_evicted_blocks for s in states},
         )
-
-    # -- internals --------------------------------------------------------
 
     def _state(self, replica_id: ReplicaId) -> _ReplicaState:
         state = self._replicas.get(replica_id)

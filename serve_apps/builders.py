@@ -22,6 +22,7 @@ from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from cluster.config import ClusterConfig, RouterPolicy, validate_config
 from serve_apps.ingress_http import ENDPOINTS, WarmpathIngress
+from serve_apps.orchestrator.deployment import Orchestrator
 from serve_apps.vllm_replica import WarmpathLLMServer
 
 # Policies other than warmpath's own, for side-by-side comparison.
@@ -119,11 +120,16 @@ def build_llm_app(cfg: ClusterConfig) -> Application:
     llm = llm_config(cfg)
     replicas = build_llm_deployment(llm, deployment_cls=WarmpathLLMServer)
     ingress_cls = make_fastapi_ingress(WarmpathIngress, endpoint_map=ENDPOINTS)
+    orchestrator = serve.deployment(
+        Orchestrator, name="Orchestrator", num_replicas=1, max_ongoing_requests=256,
+        ray_actor_options={"num_cpus": 0.5},
+    ).bind(replicas, cfg.model_dump(mode="json"))
     options = WarmpathIngress.get_deployment_options([llm])
     options["ray_actor_options"] = {"num_cpus": 0.5}
     return serve.deployment(ingress_cls, name="OpenAiIngress", **options).bind(
         llm_deployments={cfg.model.model_id: replicas},
         model_cards={cfg.model.model_id: to_model_metadata(cfg.model.model_id, llm)},
+        orchestrator=orchestrator,
     )
 
 

@@ -11,7 +11,9 @@ Ray Serve LLM's.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+import json
+import logging
+from typing import Any, AsyncIterator, Dict, Optional
 
 from fastapi import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,7 +32,10 @@ from ray.llm._internal.serve.core.ingress.utils import (
 )
 
 from router.decision_log import DECISIONS
+from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.vllm_replica import ServedBy
+
+logger = logging.getLogger("ray.serve")
 
 REPLICA_HEADER = "x-warmpath-replica"
 ROUTE_HEADER = "x-warmpath-route"
@@ -52,8 +57,76 @@ def _headers(served_by: Optional[ServedBy]) -> Dict[str, str]:
     return headers
 
 
+# HTTP status of a turn that was accepted but ended in an error event.
+TURN_ERROR_STATUS = {
+    "context_overflow": 400,
+    "unknown_tool": 400,
+    "invalid_tool_call": 422,
+    "compression_lost_values": 500,
+    "model_error": 502,
+    "stale_turn": 409,
+}
+
+
+INTERNAL_ERROR = {"error": {"message": "internal error in the session service; see the server logs", "code": "internal"}}
+
+
+def _unary(result: Dict[str, Any]) -> Response:
+    if result["status"] == 204:
+        return Response(status_code=204)
+    return JSONResponse(result["body"], status_code=result["status"])
+
+
+def _sse(first: Dict[str, Any], events: AsyncIterator[Dict[str, Any]]) -> AsyncIterator[str]:
+    async def frames() -> AsyncIterator[str]:
+        async for event in events:
+            yield f"event: {event['kind']}\ndata: {json.dumps(event)}\n\n"
+        yield "event: done\ndata: {}\n\n"
+
+    return frames()
+
+
+async def _call(remote) -> Response:
+    """A unary session call; failures inside the orchestrator become a clean 500."""
+    try:
+        return _unary(await remote)
+    except Exception:
+        logger.exception("session call failed")
+        return JSONResponse(INTERNAL_ERROR, status_code=500)
+
+
+async def _turn_response(session_id: str, stream_events, is_streaming: bool) -> Response:
+    """Maps the orchestrator's turn stream (envelope first, then events) to HTTP."""
+    events = stream_events.__aiter__()
+    try:
+        first = await events.__anext__()
+    except Exception:
+        logger.exception("turn of session %s failed before it started", session_id)
+        return JSONResponse(INTERNAL_ERROR, status_code=500)
+    if first["status"] != 200:
+        return _unary(first)
+    if is_streaming:
+        return StreamingResponse(_sse(first, events), media_type="text/event-stream")
+    collected = [event async for event in events]
+    last = collected[-1] if collected else {"kind": "error", "code": "empty_turn", "message": "the turn produced nothing"}
+    status_by_kind = {"final": "completed", "requires_action": "requires_action"}
+    outcome = status_by_kind.get(last["kind"], "max_steps" if last.get("code") == "max_steps" else "failed")
+    body = {"session_id": session_id, "status": outcome, "events": collected}
+    if last["kind"] == "final":
+        body["message"] = last["message"]
+    if last["kind"] == "requires_action":
+        body["required_action"] = {"tool_calls": last["tool_calls"]}
+    if outcome == "failed":
+        body["error"] = {"code": last.get("code"), "message": last.get("message")}
+    return JSONResponse(body, status_code=TURN_ERROR_STATUS.get(last.get("code"), 200) if outcome == "failed" else 200)
+
+
 class WarmpathIngress(OpenAiIngress):
-    """OpenAI routes that report the serving replica in response headers."""
+    """OpenAI routes that report the serving replica in response headers, plus the session API."""
+
+    def __init__(self, *args: Any, orchestrator=None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._orchestrator = orchestrator
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
         async with router_request_timeout(DEFAULT_LLM_ROUTER_HTTP_TIMEOUT):
@@ -76,6 +149,34 @@ class WarmpathIngress(OpenAiIngress):
                 return JSONResponse(content=first_chunk.model_dump(), headers=headers)
             return StreamingResponse(_openai_json_wrapper(gen), media_type="text/event-stream", headers=headers)
 
+    def _sessions(self):
+        if self._orchestrator is None:
+            raise OpenAIHTTPException(status_code=404, message="the session API is not deployed", type="NotFound")
+        return self._orchestrator
+
+    async def create_session(self, body: CreateSessionRequest) -> Response:
+        """Create an agent session (system prompt, tools, limits); returns its id and prefix fingerprint."""
+        return await _call(self._sessions().create_session.remote(body.model_dump(mode="json")))
+
+    async def get_session(self, session_id: str) -> Response:
+        """Transcript, token accounting and cache stats of a session."""
+        return await _call(self._sessions().get_session.remote(session_id))
+
+    async def delete_session(self, session_id: str) -> Response:
+        return await _call(self._sessions().delete_session.remote(session_id))
+
+    async def post_message(self, session_id: str, body: TurnRequest) -> Response:
+        """Append a user message and run the turn (SSE when `stream` is true)."""
+        handle = self._sessions().options(stream=True)
+        events = handle.send_message.remote(session_id, body.model_dump(mode="json"))
+        return await _turn_response(session_id, events, body.stream)
+
+    async def post_tool_results(self, session_id: str, body: ToolResultsSubmission) -> Response:
+        """Answer a `requires_action` pause with client tool results and continue the turn."""
+        handle = self._sessions().options(stream=True)
+        events = handle.submit_tool_results.remote(session_id, body.model_dump(mode="json"))
+        return await _turn_response(session_id, events, body.stream)
+
     async def health(self) -> JSONResponse:
         """Liveness of the ingress and the models it routes to."""
         return JSONResponse({"status": "ok", "models": sorted(self._model_cards)})
@@ -84,4 +185,9 @@ class WarmpathIngress(OpenAiIngress):
 ENDPOINTS = {
     **{name: DEFAULT_ENDPOINTS[name] for name in ("models", "model_data", "completions", "chat", "tokenize", "detokenize")},
     "health": lambda app: app.get("/health"),
+    "create_session": lambda app: app.post("/v1/sessions", status_code=201),
+    "get_session": lambda app: app.get("/v1/sessions/{session_id}"),
+    "delete_session": lambda app: app.delete("/v1/sessions/{session_id}", status_code=204),
+    "post_message": lambda app: app.post("/v1/sessions/{session_id}/messages"),
+    "post_tool_results": lambda app: app.post("/v1/sessions/{session_id}/tool_results"),
 }

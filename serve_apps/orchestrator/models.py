@@ -177,6 +177,16 @@ class TurnRequest(_Strict):
     """A user turn: one user message, answered by up to `max_steps_per_turn` model calls."""
 
     content: str = Field(description="User message text.", min_length=1)
+    tool_choice: str = Field(
+        "auto",
+        description=(
+            "First step only: 'auto', 'none', 'required' (a call, grammar-constrained to the tools' "
+            "schemas) or a tool name (that tool). Later steps of the turn use 'auto'."
+        ),
+        min_length=1,
+        max_length=64,
+    )
+    stream: bool = Field(False, description="Stream events as server-sent events.")
 
 
 class ToolResult(_Strict):
@@ -191,6 +201,7 @@ class ToolResultsSubmission(_Strict):
     """Body answering a `requires_action` event: one result per pending call."""
 
     results: list[ToolResult] = Field(description="Results, one per pending call.", min_length=1)
+    stream: bool = Field(False, description="Stream the resumed turn's events as server-sent events.")
 
     @model_validator(mode="after")
     def _unique_ids(self) -> "ToolResultsSubmission":

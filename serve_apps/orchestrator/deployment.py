@@ -1,0 +1,292 @@
+"""The orchestrator Ray Serve deployment: owns agent sessions, calls the replicas.
+
+Why a deployment of its own (not part of the ingress): session turns are long,
+stateful work (model calls, tool calls, Redis commits); keeping them in their
+own replicas lets the ingress stay thin and lets Serve restart or scale the
+orchestrator independently. All session state lives in Redis, so any
+orchestrator replica can continue any session.
+
+Model calls go through a `DeploymentHandle` to the vLLM replicas with the
+session id attached, so the configured request router (warmpath's prefix-aware
+router by default) picks the replica for every step.
+
+Every public method answers with plain data: `{"status": <http status>, "body": ...}`
+for unary calls, and for turns an async stream whose first item is either
+`{"status": 200}` or an error envelope, followed by session events. The
+ingress maps them to HTTP; no exception crosses the actor boundary for an
+expected outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, AsyncIterator
+
+from pydantic import ValidationError
+
+from cluster.config import validate_config
+from serve_apps.orchestrator.models import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    Message,
+    ToolResultsSubmission,
+    TurnRequest,
+)
+from serve_apps.orchestrator.prompt import build_chat_request, count_tokens, effective_window_tokens, prefix_fingerprint, SessionState
+from serve_apps.orchestrator.store import SessionBusy, SessionNotFound, SessionStore, StaleTurn, StoreUnavailable
+from serve_apps.orchestrator.turns import ModelReply, TurnFailed, TurnRunner, pending_client_calls
+from serve_apps.vllm_replica import ServedBy
+
+logger = logging.getLogger("ray.serve")
+ANONYMOUS_OWNER = "anonymous"
+
+
+def _error(status: int, message: str, code: str) -> dict[str, Any]:
+    return {"status": status, "body": {"error": {"message": message, "code": code}}}
+
+
+class HandleModelClient:
+    """Streams chat completions from the replica deployment through its handle."""
+
+    def __init__(self, handle, model_id: str) -> None:
+        self._handle = handle
+        self._model_id = model_id
+
+    async def chat(self, session_id, messages, tools, tool_choice, max_tokens) -> AsyncIterator[str | ModelReply]:
+        from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, ErrorResponse
+
+        request = ChatCompletionRequest(
+            model=self._model_id,
+            messages=messages,
+            tools=tools or None,
+            tool_choice=tool_choice if tools else None,
+            # One call per step keeps each step's results next to its call and
+            # bounds what a forced (`required`) step may emit.
+            parallel_tool_calls=False if tools else None,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        reply = ModelReply()
+        calls: dict[int, dict[str, str]] = {}
+        stream = self._handle.options(stream=True, session_id=session_id).chat.remote(request, None)
+        async for item in stream:
+            if isinstance(item, ServedBy):
+                reply.replica_id = item.replica_id
+                continue
+            for chunk in item if isinstance(item, list) else [item]:
+                if isinstance(chunk, ErrorResponse):
+                    raise TurnFailed("model_error", chunk.error.message)
+                for data in _sse_payloads(chunk):
+                    text = _apply_chunk(data, reply, calls)
+                    if text:
+                        yield text
+        reply.tool_calls = [
+            _tool_call(index, call) for index, call in sorted(calls.items())
+        ]
+        yield reply
+
+
+def _sse_payloads(chunk: str) -> list[dict]:
+    out = []
+    for line in str(chunk).splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[len("data: "):]))
+    return out
+
+
+def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]) -> str:
+    if "error" in data:
+        raise TurnFailed("model_error", str(data["error"].get("message", data["error"])))
+    usage = data.get("usage")
+    if usage:
+        reply.prompt_tokens = usage.get("prompt_tokens", 0)
+        reply.completion_tokens = usage.get("completion_tokens", 0)
+        reply.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    text = ""
+    for choice in data.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            text += delta["content"]
+        for call in delta.get("tool_calls") or ():
+            slot = calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": ""})
+            slot["id"] = call.get("id") or slot["id"]
+            function = call.get("function") or {}
+            slot["name"] += function.get("name") or ""
+            slot["arguments"] += function.get("arguments") or ""
+    reply.content += text
+    return text
+
+
+def _tool_call(index: int, call: dict[str, str]):
+    from serve_apps.orchestrator.models import ToolCall
+
+    return ToolCall(id=call["id"] or f"call_{index}", name=call["name"] or "unnamed", arguments=call["arguments"] or "{}")
+
+
+class Orchestrator:
+    """Session API behind the ingress; one instance per replica, state in Redis."""
+
+    def __init__(self, llm_handle, args: dict[str, Any]) -> None:
+        from transformers import AutoTokenizer
+
+        cfg = validate_config(args)
+        redis_url = cfg.redis_url or os.environ.get("REDIS_URL")
+        if not redis_url:
+            raise ValueError("the orchestrator needs redis_url in the cluster config or REDIS_URL in its environment")
+        self._model_id = cfg.model.model_id
+        self._max_model_len_tokens = cfg.model.max_model_len_tokens
+        self._store = SessionStore.from_url(redis_url)
+        self._tokenizer = AutoTokenizer.from_pretrained(cfg.model_source())
+        self._model = HandleModelClient(llm_handle, cfg.model.model_id)
+
+    async def check_health(self) -> None:
+        return None
+
+    async def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            request = CreateSessionRequest.model_validate(body)
+        except ValidationError as err:
+            return _error(422, str(err), "invalid_request")
+        if request.model != self._model_id:
+            return _error(404, f'model "{request.model}" is not served here (serving "{self._model_id}")', "model_not_found")
+        try:
+            effective_window_tokens(request.limits, self._max_model_len_tokens)
+        except ValueError as err:
+            return _error(400, str(err), "invalid_limits")
+        fingerprint = prefix_fingerprint(self._tokenizer, request.system_prompt, request.tools)
+        try:
+            record = await self._store.create(request, ANONYMOUS_OWNER, fingerprint)
+        except StoreUnavailable as err:
+            return _error(503, f"session store unavailable: {err}", "store_unavailable")
+        response = CreateSessionResponse(session_id=record.session_id, prefix_fingerprint=fingerprint)
+        return {"status": 201, "body": response.model_dump()}
+
+    async def get_session(self, session_id: str) -> dict[str, Any]:
+        try:
+            record = await self._store.get(session_id)
+            snapshot = await self._store.transcript(session_id)
+            steps = await self._store.step_stats(session_id)
+        except SessionNotFound:
+            return _error(404, f"no session {session_id}", "session_not_found")
+        except StoreUnavailable as err:
+            return _error(503, f"session store unavailable: {err}", "store_unavailable")
+        request = record.request
+        messages, tools = build_chat_request(SessionState(request.system_prompt, request.tools, snapshot.messages))
+        window = effective_window_tokens(request.limits, self._max_model_len_tokens)
+        account = count_tokens(
+            self._tokenizer, messages, tools, context_window_tokens=window,
+            output_reserve_tokens=request.limits.output_reserve_tokens,
+        )
+        prompt_tokens = sum(s.prompt_tokens for s in steps)
+        cached_tokens = sum(s.cached_tokens for s in steps)
+        body = {
+            "session_id": record.session_id,
+            "model": request.model,
+            "prefix_fingerprint": record.prefix_fingerprint,
+            "transcript": [m.model_dump(exclude_none=True) for m in snapshot.messages],
+            "num_messages_total": snapshot.length,
+            "pending_tool_calls": [c.model_dump() for c in pending_client_calls(snapshot.messages)],
+            "tokens": {
+                "prefix_tokens": account.prefix_tokens,
+                "message_tokens": list(account.message_tokens),
+                "total_tokens": account.total_tokens,
+                "context_window_tokens": window,
+                "output_reserve_tokens": request.limits.output_reserve_tokens,
+                "remaining_tokens": account.remaining_tokens,
+            },
+            "cache": {
+                "cacheable_prefix_tokens": account.prefix_tokens,
+                "prompt_tokens": prompt_tokens,
+                "cached_tokens": cached_tokens,
+                "hit_ratio": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+                "num_compressions": sum(1 for s in steps if s.compression is not None),
+                "steps": [s.model_dump() for s in steps],
+            },
+        }
+        return {"status": 200, "body": body}
+
+    async def delete_session(self, session_id: str) -> dict[str, Any]:
+        try:
+            existed = await self._store.delete(session_id)
+        except StoreUnavailable as err:
+            return _error(503, f"session store unavailable: {err}", "store_unavailable")
+        if not existed:
+            return _error(404, f"no session {session_id}", "session_not_found")
+        return {"status": 204, "body": None}
+
+    async def send_message(self, session_id: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        try:
+            turn = TurnRequest.model_validate(body)
+        except ValidationError as err:
+            yield _error(422, str(err), "invalid_request")
+            return
+        async for item in self._turn(session_id, turn.tool_choice, user_content=turn.content):
+            yield item
+
+    async def submit_tool_results(self, session_id: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        try:
+            submission = ToolResultsSubmission.model_validate(body)
+        except ValidationError as err:
+            yield _error(422, str(err), "invalid_request")
+            return
+        async for item in self._turn(session_id, "auto", results=submission):
+            yield item
+
+    async def _turn(
+        self, session_id: str, tool_choice: str, user_content: str | None = None, results: ToolResultsSubmission | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async with self._store.turn_lock(session_id):
+                record = await self._store.get(session_id)
+                snapshot = await self._store.transcript(session_id)
+                pending = pending_client_calls(snapshot.messages)
+                if user_content is not None:
+                    if pending:
+                        yield _error(409, f"answer the pending tool calls {[c.id for c in pending]} first", "requires_action")
+                        return
+                    new = [Message(role="user", content=user_content)]
+                else:
+                    new, problem = _result_messages(pending, results)
+                    if problem:
+                        yield _error(409 if not pending else 400, problem, "tool_results_mismatch")
+                        return
+                runner = TurnRunner(
+                    record, snapshot.messages, snapshot.length, self._store, self._model, self._tokenizer,
+                    self._max_model_len_tokens,
+                )
+                yield {"status": 200}
+                async for event in runner.run(new, tool_choice):
+                    yield event.model_dump(exclude_none=True)
+        except SessionNotFound:
+            yield _error(404, f"no session {session_id}", "session_not_found")
+        except SessionBusy as err:
+            yield _error(409, str(err), "session_busy")
+        except StoreUnavailable as err:
+            yield _error(503, f"session store unavailable: {err}", "store_unavailable")
+        except StaleTurn as err:
+            yield {"kind": "error", "code": "stale_turn", "message": str(err)}
+        except TurnFailed as err:
+            yield {"kind": "error", "code": err.code, "message": str(err)}
+        except Exception:
+            # Nothing was committed (commits are the last step of each outcome);
+            # the client gets a clean error, the log gets the traceback.
+            logger.exception("turn of session %s failed", session_id)
+            yield {"kind": "error", "code": "internal", "message": "the turn failed inside the orchestrator; nothing was committed"}
+
+
+def _result_messages(pending, results: ToolResultsSubmission) -> tuple[list[Message], str | None]:
+    if not pending:
+        return [], "the session has no pending tool calls"
+    by_id = {c.id: c for c in pending}
+    answered = {r.tool_call_id for r in results.results}
+    if answered != set(by_id):
+        return [], f"results must answer exactly the pending calls {sorted(by_id)}, got {sorted(answered)}"
+    messages = [
+        Message(role="tool", tool_call_id=r.tool_call_id, name=by_id[r.tool_call_id].name,
+                content=("error: " + r.content) if r.is_error else r.content)
+        for r in results.results
+    ]
+    return messages, None

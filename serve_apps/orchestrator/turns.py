@@ -1,0 +1,261 @@
+"""The agent turn loop: model -> tool calls -> results -> model, until an answer.
+
+Why separate from the deployment: the loop is the session logic (ordering,
+validation, compression, what gets committed); the deployment only supplies a
+model client, a tokenizer and a store. A turn commits all of its messages in
+one `SessionStore.commit_turn` call, or none:
+- final answer or `max_steps`: the whole turn is committed, then `final`;
+- a client-side tool call: everything up to and including the server-side
+  results is committed, then `requires_action`; `resume` continues the same
+  turn once the client posts results (the pending calls are derived from the
+  transcript, never stored separately);
+- an error (model failure, repeated invalid tool calls, context overflow):
+  nothing is committed and the turn ends with an `error` event.
+
+Ordering of one step: account tokens -> compress if under the threshold (only
+messages committed by earlier turns are ever compressed; the system prompt and
+tools are never touched) -> call the model with the cache-first prompt ->
+validate tool calls (errors go back to the model, bounded) -> run server-side
+tools (timeouts and size limits; failures become results the model sees).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, Sequence
+
+from serve_apps.orchestrator.compression import apply_compression, plan_compression, summarization_input
+from serve_apps.orchestrator.models import (
+    CompressionEvent,
+    ErrorEvent,
+    FinalEvent,
+    Message,
+    RequiresActionEvent,
+    SessionEvent,
+    StepStats,
+    ToolCall,
+    ToolCallEvent,
+    ToolResultEvent,
+    UsageEvent,
+    DeltaEvent,
+)
+from serve_apps.orchestrator.prompt import (
+    SessionState,
+    TokenAccount,
+    build_chat_request,
+    count_tokens,
+    effective_window_tokens,
+)
+from serve_apps.orchestrator.store import Compaction, SessionRecord, SessionStore
+from serve_apps.orchestrator.tools import ToolCallError, run_http_tool, validate_tool_call
+
+MAX_REPAIRS_PER_TURN = 2
+MIN_SUMMARY_TOKENS = 8
+
+
+@dataclass
+class ModelReply:
+    """What one model call produced."""
+
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    replica_id: str = ""
+
+
+class ModelClient(Protocol):
+    """Streams one chat completion: text deltas as they come, then the whole reply."""
+
+    def chat(
+        self, session_id: str, messages: list, tools: list, tool_choice: object, max_tokens: int
+    ) -> AsyncIterator[str | ModelReply]: ...
+
+
+class TurnFailed(Exception):
+    """The turn cannot complete; `code` is machine-readable."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _wire_tool_choice(tool_choice: str, tool_names: Sequence[str]) -> object:
+    if tool_choice in ("auto", "none", "required"):
+        return tool_choice if tool_names else "none"
+    if tool_choice not in tool_names:
+        raise TurnFailed("unknown_tool", f"tool_choice names {tool_choice!r}, which is not one of {sorted(tool_names)}")
+    return {"type": "function", "function": {"name": tool_choice}}
+
+
+def _renderable(call: ToolCall) -> ToolCall:
+    try:
+        json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return call.model_copy(update={"arguments": "{}"})
+    return call
+
+
+def pending_client_calls(history: Sequence[Message]) -> list[ToolCall]:
+    """Calls of the last assistant message that have no tool result yet."""
+    for index in range(len(history) - 1, -1, -1):
+        message = history[index]
+        if message.role == "assistant":
+            answered = {m.tool_call_id for m in history[index + 1:] if m.role == "tool"}
+            return [c for c in message.tool_calls or () if c.id not in answered]
+        if message.role == "user":
+            return []
+    return []
+
+
+class TurnRunner:
+    """Runs one turn of one session; create one per turn."""
+
+    def __init__(
+        self,
+        record: SessionRecord,
+        stored: Sequence[Message],
+        stored_len: int,
+        store: SessionStore,
+        model: ModelClient,
+        tokenizer,
+        max_model_len_tokens: int,
+    ) -> None:
+        self._record = record
+        self._request = record.request
+        self._limits = record.request.limits
+        self._stored = list(stored)
+        self._stored_len = stored_len
+        self._store = store
+        self._model = model
+        self._tokenizer = tokenizer
+        self._window = effective_window_tokens(self._limits, max_model_len_tokens)
+        self._new: list[Message] = []
+        self._stats: list[StepStats] = []
+        self._compaction: Compaction | None = None
+        self._tools_by_name = {t.name: t for t in self._request.tools}
+
+    @property
+    def history(self) -> list[Message]:
+        return self._stored + self._new
+
+    def _account(self, history: Sequence[Message]) -> TokenAccount:
+        messages, tools = build_chat_request(SessionState(self._request.system_prompt, self._request.tools, tuple(history)))
+        return count_tokens(
+            self._tokenizer, messages, tools,
+            context_window_tokens=self._window, output_reserve_tokens=self._limits.output_reserve_tokens,
+        )
+
+    async def run(self, new_messages: Sequence[Message], tool_choice: str) -> AsyncIterator[SessionEvent]:
+        """Appends `new_messages` (a user message or client tool results) and runs steps."""
+        self._new.extend(new_messages)
+        try:
+            async for event in self._steps(tool_choice):
+                yield event
+        except TurnFailed as err:
+            yield ErrorEvent(code=err.code, message=str(err))
+
+    async def _steps(self, tool_choice: str) -> AsyncIterator[SessionEvent]:
+        choice = _wire_tool_choice(tool_choice, list(self._tools_by_name))
+        num_repairs = 0
+        for step in range(self._limits.max_steps_per_turn):
+            report = None
+            async for event in self._maybe_compress():
+                report = event.report
+                yield event
+            messages, tools = build_chat_request(
+                SessionState(self._request.system_prompt, self._request.tools, tuple(self.history))
+            )
+            account = self._account(self.history)
+            if account.remaining_tokens < 0:
+                raise TurnFailed(
+                    "context_overflow",
+                    f"the prompt needs {account.total_tokens} tokens plus {self._limits.output_reserve_tokens} "
+                    f"for the answer, over the session's {self._window}-token window",
+                )
+            # The output reserve is the step's answer budget.
+            max_tokens = min(self._limits.output_reserve_tokens, self._window - account.total_tokens)
+            reply = ModelReply()
+            async for item in self._model.chat(self._record.session_id, messages, tools or [], choice, max_tokens):
+                if isinstance(item, ModelReply):
+                    reply = item
+                else:
+                    yield DeltaEvent(text=item)
+            stats = StepStats(
+                step_index=step, prefix_fingerprint=account.prefix_fingerprint, prompt_tokens=reply.prompt_tokens,
+                cached_tokens=reply.cached_tokens, completion_tokens=reply.completion_tokens, compression=report,
+            )
+            self._stats.append(stats)
+            yield UsageEvent(stats=stats)
+            choice = "auto" if self._tools_by_name else "none"
+            assistant = Message(role="assistant", content=reply.content or None, tool_calls=reply.tool_calls or None)
+            if not reply.tool_calls:
+                self._new.append(assistant if assistant.content else Message(role="assistant", content=""))
+                await self._commit()
+                yield FinalEvent(message=self._new[-1])
+                return
+            errors = [e for e in (validate_tool_call(c, self._request.tools) for c in reply.tool_calls) if isinstance(e, ToolCallError)]
+            if errors:
+                num_repairs += 1
+                if num_repairs > MAX_REPAIRS_PER_TURN:
+                    raise TurnFailed("invalid_tool_call", "the model kept emitting invalid tool calls: " + errors[0].message)
+                # Tell the model what was wrong; its next step may repair the call.
+                # Arguments that are not JSON are kept as `{}` in the history, as
+                # vLLM renders them; the error text quotes what the model wrote.
+                self._new.append(assistant.model_copy(update={"tool_calls": [_renderable(c) for c in reply.tool_calls]}))
+                rejected = {e.call_id: e.message for e in errors}
+                for call in reply.tool_calls:
+                    content = rejected.get(call.id, "not run: another call in this step was invalid")
+                    self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=content))
+                    yield ToolResultEvent(tool_call_id=call.id, status="error", content=content)
+                continue
+            self._new.append(assistant)
+            client_calls = []
+            for call in reply.tool_calls:
+                yield ToolCallEvent(call=call)
+                spec = self._tools_by_name[call.name]
+                if spec.execution.kind == "client":
+                    client_calls.append(call)
+                    continue
+                outcome = await run_http_tool(
+                    spec, call.arguments, spec.execution.timeout_s, self._limits.max_tool_result_bytes
+                )
+                self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=outcome.content))
+                yield ToolResultEvent(
+                    tool_call_id=call.id, status=outcome.status, content=outcome.content, is_truncated=outcome.is_truncated
+                )
+            if client_calls:
+                await self._commit()
+                yield RequiresActionEvent(tool_calls=client_calls)
+                return
+        await self._commit()
+        yield ErrorEvent(code="max_steps", message=f"the turn used all {self._limits.max_steps_per_turn} steps; its messages are kept")
+
+    async def _maybe_compress(self) -> AsyncIterator[CompressionEvent]:
+        history = self.history
+        plan = plan_compression(history, self._account(history), self._limits)
+        if plan is None or plan.num_messages_compressed > len(self._stored) or self._compaction is not None:
+            return
+        summary = ModelReply()
+        prompt = [
+            {"role": "system", "content": "Summarise the conversation below in a few sentences."},
+            {"role": "user", "content": summarization_input(history[: plan.num_messages_compressed])},
+        ]
+        # A summary longer than a quarter of what it replaces would defeat the compression.
+        max_tokens = max(MIN_SUMMARY_TOKENS, min(self._limits.output_reserve_tokens, plan.tokens_compressed // 4))
+        async for item in self._model.chat(self._record.session_id, prompt, [], "none", max_tokens):
+            if isinstance(item, ModelReply):
+                summary = item
+        compressed, report = apply_compression(history, plan, summary.content, recount=self._account)
+        if report.ledger_retained_fraction < 1.0:
+            raise TurnFailed("compression_lost_values", f"compression would drop exact values: {report}")
+        self._compaction = Compaction(num_messages_replaced=plan.num_messages_compressed, summary=compressed[0])
+        self._stored = compressed[: len(compressed) - len(self._new)]
+        yield CompressionEvent(report=report)
+
+    async def _commit(self) -> None:
+        await self._store.commit_turn(
+            self._record.session_id, self._stored_len, self._new, self._stats, compaction=self._compaction
+        )

@@ -1,0 +1,212 @@
+"""Agent sessions over HTTP on the real cluster: tools, commits, compression, Redis."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.server
+import json
+import threading
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ORDER_RESULT = {"order_id": "ORD-98231", "total": "1,284.50 EUR", "ships_on": "2026-11-30", "carrier_ref": "ZX-44017"}
+LOOKUP_SCHEMA = {
+    "type": "object",
+    "properties": {"order_id": {"type": "string", "pattern": "^ORD-[0-9]{5}$"}},
+    "required": ["order_id"],
+    "additionalProperties": False,
+}
+
+
+class _ToolHandler(http.server.BaseHTTPRequestHandler):
+    calls: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server naming
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        _ToolHandler.calls.append((self.path, body))
+        if self.path == "/fail":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"internal error")
+            return
+        payload = json.dumps(ORDER_RESULT).encode() if self.path == "/lookup" else b"\x00\xffnot json"
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ToolHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _tool(name, url=None, description="Look up an order by id."):
+    execution = {"kind": "http", "url": url, "timeout_s": 5} if url else {"kind": "client"}
+    return {"name": name, "description": description, "parameters": LOOKUP_SCHEMA, "execution": execution}
+
+
+def _create(cluster, tools, system="You are a support agent for ACME.", **limits):
+    # A short answer budget keeps the random-weight model's answers (and the suite) short.
+    body = {"model": cluster.model_id, "system_prompt": system, "tools": tools,
+            "limits": {"output_reserve_tokens": 64, **limits}}
+    resp = httpx.post(f"{cluster.base_url}/v1/sessions", json=body, timeout=60)
+    assert resp.status_code == 201, resp.text
+    return resp.json()
+
+
+def _send(cluster, session_id, content, tool_choice="auto", timeout=300):
+    return httpx.post(
+        f"{cluster.base_url}/v1/sessions/{session_id}/messages",
+        json={"content": content, "tool_choice": tool_choice}, timeout=timeout,
+    )
+
+
+def _get(cluster, session_id):
+    resp = httpx.get(f"{cluster.base_url}/v1/sessions/{session_id}", timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_server_side_tool_turn_commits_every_message(cluster, tool_server):
+    created = _create(cluster, [_tool("lookup_order", f"{tool_server}/lookup")])
+    sid = created["session_id"]
+    resp = _send(cluster, sid, "Where is my order ORD-98231?", tool_choice="required")
+    assert resp.status_code == 200, resp.text
+    turn = resp.json()
+    assert turn["status"] == "completed", turn
+    kinds = [e["kind"] for e in turn["events"]]
+    assert kinds.index("tool_call") < kinds.index("tool_result") < kinds.index("final")
+    call = next(e["call"] for e in turn["events"] if e["kind"] == "tool_call")
+    assert call["name"] == "lookup_order"
+    import jsonschema
+
+    jsonschema.validate(json.loads(call["arguments"]), LOOKUP_SCHEMA)
+    result = next(e for e in turn["events"] if e["kind"] == "tool_result")
+    assert result["status"] == "ok" and "ORD-98231" in result["content"]
+
+    session = _get(cluster, sid)
+    roles = [m["role"] for m in session["transcript"]]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert session["prefix_fingerprint"] == created["prefix_fingerprint"]
+    steps = session["cache"]["steps"]
+    assert len(steps) == 2 and all(s["prefix_fingerprint"] == created["prefix_fingerprint"] for s in steps)
+    # Append-only prompts: step 2 reuses step 1's prompt from the prefix cache.
+    block = cluster.cfg.replicas.block_size_tokens
+    assert steps[1]["cached_tokens"] >= steps[0]["prompt_tokens"] - block, steps
+
+
+def test_client_side_tool_pauses_and_resumes(cluster):
+    sid = _create(cluster, [_tool("lookup_order")])["session_id"]
+    paused = _send(cluster, sid, "Check ORD-12345 for me.", tool_choice="required").json()
+    assert paused["status"] == "requires_action", paused
+    (call,) = paused["required_action"]["tool_calls"]
+    assert _get(cluster, sid)["pending_tool_calls"] == [call]
+    busy = _send(cluster, sid, "another question")
+    assert busy.status_code == 409
+    wrong = httpx.post(
+        f"{cluster.base_url}/v1/sessions/{sid}/tool_results",
+        json={"results": [{"tool_call_id": "nope", "content": "x"}]}, timeout=60,
+    )
+    assert wrong.status_code == 400 and call["id"] in wrong.text
+    resumed = httpx.post(
+        f"{cluster.base_url}/v1/sessions/{sid}/tool_results",
+        json={"results": [{"tool_call_id": call["id"], "content": json.dumps(ORDER_RESULT)}]}, timeout=300,
+    )
+    assert resumed.status_code == 200 and resumed.json()["status"] == "completed", resumed.text
+    assert [m["role"] for m in _get(cluster, sid)["transcript"]] == ["user", "assistant", "tool", "assistant"]
+
+
+@pytest.mark.parametrize("path", ["/fail", "/garbage"])
+def test_failing_tools_become_results_the_model_sees(cluster, tool_server, path):
+    sid = _create(cluster, [_tool("lookup_order", f"{tool_server}{path}")])["session_id"]
+    turn = _send(cluster, sid, "Where is ORD-55555?", tool_choice="required").json()
+    assert turn["status"] == "completed", turn
+    result = next(e for e in turn["events"] if e["kind"] == "tool_result")
+    assert result["status"] == "error"
+
+
+def test_changing_tools_changes_the_fingerprint(cluster, tool_server):
+    a = _create(cluster, [_tool("lookup_order", f"{tool_server}/lookup")])
+    b = _create(cluster, [_tool("lookup_order", f"{tool_server}/lookup", description="Find an order.")])
+    c = _create(cluster, [_tool("lookup_order", f"{tool_server}/lookup")])
+    assert a["prefix_fingerprint"] != b["prefix_fingerprint"]
+    assert a["prefix_fingerprint"] == c["prefix_fingerprint"]
+
+
+def test_compression_keeps_exact_values(cluster, tool_server):
+    sid = _create(
+        cluster, [_tool("lookup_order", f"{tool_server}/lookup")],
+        context_budget_tokens=900, output_reserve_tokens=64, keep_last_rounds=1, compress_below_fraction=0.5,
+    )["session_id"]
+    first = _send(cluster, sid, "Look up ORD-98231 please.", tool_choice="required").json()
+    assert first["status"] == "completed", first
+    compressed = None
+    for i in range(12):
+        turn = _send(cluster, sid, f"Follow-up question number {i} about the delivery window and the invoice.").json()
+        assert turn["status"] in ("completed", "max_steps"), turn
+        compressed = next((e for e in turn["events"] if e["kind"] == "compression"), compressed)
+        if compressed:
+            break
+    assert compressed is not None, "no compression happened"
+    assert compressed["report"]["ledger_retained_fraction"] == 1.0
+    assert compressed["report"]["tokens_after"] < compressed["report"]["tokens_before"]
+    context = json.dumps(_get(cluster, sid)["transcript"])
+    for value in ("ORD-98231", "1,284.50", "2026-11-30", "ZX-44017"):
+        assert value in context, value
+    assert _get(cluster, sid)["cache"]["num_compressions"] == 1
+
+
+def test_concurrent_messages_to_one_session_do_not_interleave(cluster):
+    sid = _create(cluster, [])["session_id"]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda i: _send(cluster, sid, f"message {i}"), range(2)))
+    codes = sorted(r.status_code for r in results)
+    assert codes in ([200, 409], [200, 200]), [r.text for r in results]
+    transcript = _get(cluster, sid)["transcript"]
+    roles = [m["role"] for m in transcript]
+    assert roles == ["user", "assistant"] * (len(roles) // 2)
+
+
+def test_session_errors(cluster):
+    assert httpx.get(f"{cluster.base_url}/v1/sessions/does-not-exist", timeout=30).status_code == 404
+    assert httpx.delete(f"{cluster.base_url}/v1/sessions/does-not-exist", timeout=30).status_code == 404
+    bad_schema = {"model": cluster.model_id, "tools": [{"name": "x", "description": "d", "parameters": {"type": "nope"}, "execution": {"kind": "client"}}]}
+    resp = httpx.post(f"{cluster.base_url}/v1/sessions", json=bad_schema, timeout=30)
+    assert resp.status_code in (400, 422) and "parameters" in resp.text
+    resp = httpx.post(f"{cluster.base_url}/v1/sessions", json={"model": "other-model"}, timeout=30)
+    assert resp.status_code == 404
+    sid = _create(cluster, [])["session_id"]
+    assert httpx.delete(f"{cluster.base_url}/v1/sessions/{sid}", timeout=30).status_code == 204
+    assert httpx.get(f"{cluster.base_url}/v1/sessions/{sid}", timeout=30).status_code == 404
+
+
+def test_sessions_survive_an_orchestrator_restart(cluster):
+    import ray
+
+    sid = _create(cluster, [])["session_id"]
+    assert _send(cluster, sid, "remember me").json()["status"] == "completed"
+    ray.init(address="auto", ignore_reinit_error=True, logging_level="ERROR")
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "Orchestrator" in a["name"]]
+    assert names
+    for name in names:
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    # Serve replaces the replica; the session is read back from Redis by the new one.
+    from cluster import local
+
+    state = local.LocalState.load(local.state_dir_of(cluster.cfg))
+    local.wait_running(cluster.cfg, state, progress=print, timeout_s=300)
+    session = _get(cluster, sid)
+    assert [m["role"] for m in session["transcript"]] == ["user", "assistant"]
+    assert _send(cluster, sid, "still there?").json()["status"] == "completed"

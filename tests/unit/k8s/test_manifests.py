@@ -1,0 +1,549 @@
+"""KubeRay manifests under k8s/: they parse, compose, validate, and match the cluster config.
+
+What is checked, and against what:
+- Built-in kinds (Service, StatefulSet) and every Kubernetes type embedded in the
+  RayService (pod templates, the serve Service, ObjectMeta, EnvVarSource, resource
+  requirements): the strict Kubernetes 1.30 JSON schemas that `kubernetes-validate`
+  ships (offline; unknown fields fail).
+- The RayService itself (a CRD, absent from those schemas): a JSON schema of the
+  `ray.io/v1` fields of KubeRay v1.6.2, written from KubeRay's generated API reference
+  (`docs/reference/api.md` at tag v1.6.2, vendored in ray-project/ray as
+  `doc/source/cluster/kubernetes/references/api.md`). Every KubeRay struct is closed
+  (`additionalProperties: false`), so a misspelt or invented field fails.
+- KubeRay's admission rules for GCS fault tolerance (ray-operator `validation.go`):
+  no `REDIS_PASSWORD`/`RAY_REDIS_ADDRESS` env and no `redis-password` start param
+  on the head when `gcsFaultToleranceOptions` is set.
+- The generated files equal what `warmpath render k8s` renders, and the embedded
+  serveConfigV2 is a valid `ServeDeploySchema` whose args are a valid `ClusterConfig`.
+
+No Ray cluster, no kubectl, no network: overlays are composed by
+`cluster.k8s_render.build_kustomization`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+from typer.testing import CliRunner
+
+from cluster import k8s_render
+from cluster.cli import app
+from cluster.config import ConfigError, validate_config
+from cluster.serve_config import render_serve_config
+
+K8S_DIR = k8s_render.K8S_DIR
+KUBERNETES_VERSION = "1.30"
+OVERLAYS = k8s_render.default_overlays()
+OVERLAY_IDS = [o.name for o in OVERLAYS]
+COMPOSITIONS = [K8S_DIR / "base", *OVERLAYS]
+COMPOSITION_IDS = ["base", *OVERLAY_IDS]
+YAML_FILES = sorted(K8S_DIR.rglob("*.yaml"))
+
+# ---------------------------------------------------------------------------
+# KubeRay v1.6.2 RayService (ray.io/v1), fields as documented in its API reference.
+# Fields typed as Kubernetes objects are "object" here and validated below against
+# the Kubernetes schemas instead.
+
+_STR = {"type": "string"}
+_INT = {"type": "integer"}
+_BOOL = {"type": "boolean"}
+_STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_K8S = {"type": "object"}
+_K8S_LIST = {"type": "array", "items": {"type": "object"}}
+
+
+def _struct(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+
+
+_REDIS_CREDENTIAL = _struct({"valueFrom": _K8S, "value": _STR})
+_WORKER_GROUP = _struct(
+    {
+        "suspend": _BOOL,
+        "groupName": _STR,
+        "replicas": _INT,
+        "minReplicas": _INT,
+        "maxReplicas": _INT,
+        "idleTimeoutSeconds": _INT,
+        "resources": _STR_MAP,
+        "labels": _STR_MAP,
+        "rayStartParams": _STR_MAP,
+        "template": _K8S,
+        "scaleStrategy": _struct({"workersToDelete": {"type": "array", "items": _STR}}),
+        "numOfHosts": _INT,
+    },
+    required=("groupName", "template"),
+)
+_RAY_CLUSTER_SPEC = _struct(
+    {
+        "upgradeStrategy": _struct({"type": {"enum": ["Recreate", "None"]}}),
+        "authOptions": _struct(
+            {"enableK8sTokenAuth": _BOOL, "secretName": _STR, "mode": {"enum": ["disabled", "token"]}}
+        ),
+        "suspend": _BOOL,
+        "managedBy": _STR,
+        "autoscalerOptions": _struct(
+            {
+                "resources": _K8S,
+                "image": _STR,
+                "imagePullPolicy": _STR,
+                "securityContext": _K8S,
+                "idleTimeoutSeconds": _INT,
+                "upscalingMode": {"enum": ["Default", "Aggressive", "Conservative"]},
+                "version": {"enum": ["v1", "v2"]},
+                "env": _K8S_LIST,
+                "envFrom": _K8S_LIST,
+                "volumeMounts": _K8S_LIST,
+            }
+        ),
+        "headServiceAnnotations": _STR_MAP,
+        "enableInTreeAutoscaling": _BOOL,
+        "gcsFaultToleranceOptions": _struct(
+            {
+                "redisUsername": _REDIS_CREDENTIAL,
+                "redisPassword": _REDIS_CREDENTIAL,
+                "externalStorageNamespace": _STR,
+                "redisAddress": _STR,
+            }
+        ),
+        "headGroupSpec": _struct(
+            {
+                "template": _K8S,
+                "headService": _K8S,
+                "enableIngress": _BOOL,
+                "resources": _STR_MAP,
+                "labels": _STR_MAP,
+                "rayStartParams": _STR_MAP,
+                "serviceType": _STR,
+            },
+            required=("template",),
+        ),
+        "rayVersion": _STR,
+        "workerGroupSpecs": {"type": "array", "items": _WORKER_GROUP},
+    },
+    required=("headGroupSpec",),
+)
+KUBERAY_V1_6_2_RAYSERVICE = _struct(
+    {
+        "apiVersion": {"const": "ray.io/v1"},
+        "kind": {"const": "RayService"},
+        "metadata": _K8S,
+        "spec": _struct(
+            {
+                "rayClusterDeletionDelaySeconds": {"type": "integer", "minimum": 0},
+                "serviceUnhealthySecondThreshold": _INT,
+                "deploymentUnhealthySecondThreshold": _INT,
+                "serveService": _K8S,
+                "upgradeStrategy": _struct(
+                    {
+                        "type": {"enum": ["NewCluster", "NewClusterWithIncrementalUpgrade", "None"]},
+                        "clusterUpgradeOptions": _struct(
+                            {
+                                "maxSurgePercent": _INT,
+                                "stepSizePercent": _INT,
+                                "intervalSeconds": _INT,
+                                "gatewayClassName": _STR,
+                            }
+                        ),
+                    }
+                ),
+                "managedBy": _STR,
+                "serveConfigV2": _STR,
+                "rayClusterConfig": _RAY_CLUSTER_SPEC,
+                "excludeHeadPodFromServeSvc": _BOOL,
+            },
+            required=("rayClusterConfig",),
+        ),
+    },
+    required=("apiVersion", "kind", "metadata", "spec"),
+)
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+
+
+def _compose(directory: Path) -> list[dict[str, Any]]:
+    return k8s_render.build_kustomization(directory)
+
+
+def _rayservice(directory: Path) -> dict[str, Any]:
+    return k8s_render.find_object(_compose(directory), "RayService", "warmpath")
+
+
+def _head(service: dict[str, Any]) -> dict[str, Any]:
+    return service["spec"]["rayClusterConfig"]["headGroupSpec"]
+
+
+def _workers(service: dict[str, Any]) -> dict[str, Any]:
+    (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    return group
+
+
+def _container(group: dict[str, Any]) -> dict[str, Any]:
+    return group["template"]["spec"]["containers"][0]
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {item["name"]: item for item in container.get("env", [])}
+
+
+def _port(container: dict[str, Any], name: str) -> int:
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == name]
+    return port
+
+
+def _cpu_cores(quantity: str | int) -> float:
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def _pod_template(template: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "embedded"}, "template": template}
+
+
+def _container_template(**fields: Any) -> dict[str, Any]:
+    return _pod_template({"spec": {"containers": [{"name": "embedded", "image": "embedded", **fields}]}})
+
+
+def embedded_kubernetes_objects(service: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every Kubernetes-typed part of a RayService, wrapped as a standalone object."""
+    spec = service["spec"]
+    cluster = spec["rayClusterConfig"]
+    objects = [
+        ("metadata", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": service["metadata"]}),
+        ("headGroupSpec.template", _pod_template(cluster["headGroupSpec"]["template"])),
+    ]
+    objects += [
+        (f"workerGroupSpecs[{g['groupName']}].template", _pod_template(g["template"]))
+        for g in cluster.get("workerGroupSpecs", [])
+    ]
+    if "serveService" in spec:
+        objects.append(("serveService", {"apiVersion": "v1", "kind": "Service", **spec["serveService"]}))
+    password = cluster.get("gcsFaultToleranceOptions", {}).get("redisPassword", {}).get("valueFrom")
+    if password is not None:
+        objects.append(("redisPassword.valueFrom", _container_template(env=[{"name": "P", "valueFrom": password}])))
+    autoscaler = cluster.get("autoscalerOptions", {})
+    if "resources" in autoscaler:
+        objects.append(("autoscalerOptions.resources", _container_template(resources=autoscaler["resources"])))
+    return objects
+
+
+# ---------------------------------------------------------------------------
+# Parsing and schema validation
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=[str(p.relative_to(K8S_DIR)) for p in YAML_FILES])
+def test_every_yaml_file_parses(path: Path):
+    documents = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    assert documents, f"{path} holds no YAML document"
+
+
+@pytest.mark.parametrize("directory", COMPOSITIONS, ids=COMPOSITION_IDS)
+def test_builtin_kinds_validate_against_kubernetes_schemas(directory: Path):
+    builtin = [obj for obj in _compose(directory) if obj["kind"] != "RayService"]
+    assert {obj["kind"] for obj in builtin} == {"Service", "StatefulSet"}
+    for obj in builtin:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("directory", COMPOSITIONS, ids=COMPOSITION_IDS)
+def test_rayservice_fields_exist_in_kuberay_v1_6_2(directory: Path):
+    jsonschema.validate(_rayservice(directory), KUBERAY_V1_6_2_RAYSERVICE)
+
+
+@pytest.mark.parametrize("directory", COMPOSITIONS, ids=COMPOSITION_IDS)
+def test_kubernetes_types_inside_the_rayservice_validate(directory: Path):
+    for label, obj in embedded_kubernetes_objects(_rayservice(directory)):
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            pytest.fail(f"{label}: {'.'.join(map(str, err.path))}: {err.message}")
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda s: s["spec"]["rayClusterConfig"].update(gcsFaultToleranceOption={"redisAddress": "r:6379"}),
+        lambda s: s["spec"].update(upgradeStrategy={"type": "RollingUpdate"}),
+        lambda s: _head(s)["rayStartParams"].update({"num-cpus": 0}),
+        lambda s: _workers(s).pop("groupName"),
+        lambda s: s["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"].update(redisPasword={"value": "x"}),
+    ],
+    ids=["misspelt-gcs-ft", "unknown-upgrade-type", "int-start-param", "worker-without-name", "misspelt-password"],
+)
+def test_kuberay_schema_rejects_fields_kuberay_does_not_have(mutate):
+    service = _rayservice(OVERLAYS[0])
+    mutate(service)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(service, KUBERAY_V1_6_2_RAYSERVICE)
+
+
+def test_strict_kubernetes_schema_rejects_an_unknown_container_field():
+    template = _head(_rayservice(OVERLAYS[0]))["template"]
+    template["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(_pod_template(template), KUBERNETES_VERSION, strict=True)
+
+
+# ---------------------------------------------------------------------------
+# One source of truth: generated files and the embedded Serve config
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_generated_files_match_warmpath_render_k8s(overlay: Path):
+    assert k8s_render.check_k8s(overlay) == [], "run `warmpath render k8s` and commit the result"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_serve_config_v2_is_exactly_what_warmpath_renders(overlay: Path):
+    cfg = k8s_render.load_overlay_config(overlay)
+    assert k8s_render.embedded_serve_config(overlay) == render_serve_config(cfg)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_serve_config_v2_is_a_serve_deploy_schema_of_a_cluster_config(overlay: Path):
+    schema = ServeDeploySchema.model_validate(k8s_render.embedded_serve_config(overlay))
+    (application,) = schema.applications
+    assert application.import_path == "serve_apps.builders:build_app"
+    cfg = validate_config(application.args)
+    assert cfg.redis_url is None, "the Redis password must come from the Secret, not the RayService"
+    assert cfg.model.source == k8s_render.load_overlay_config(overlay).model.source
+
+
+def test_cpu_image_builds_the_model_where_the_cpu_config_loads_it():
+    dockerfile = (K8S_DIR / "Dockerfile.cpu").read_text()
+    (built_at,) = re.findall(r"build-model --out (\S+)", dockerfile)
+    assert k8s_render.load_overlay_config(K8S_DIR / "overlays" / "cpu").model.source == built_at
+
+
+# ---------------------------------------------------------------------------
+# What the composed manifests promise
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_head_runs_no_model_replicas(overlay: Path):
+    head = _head(_rayservice(overlay))
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert "nvidia.com/gpu" not in _container(head)["resources"].get("limits", {})
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_worker_group_fits_one_replica_per_pod(overlay: Path):
+    cfg = k8s_render.load_overlay_config(overlay)
+    service = _rayservice(overlay)
+    workers = _workers(service)
+    resources = _container(workers)["resources"]
+    assert service["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    assert workers["replicas"] == cfg.replicas.num_replicas
+    assert workers["minReplicas"] <= cfg.replicas.num_replicas <= workers["maxReplicas"]
+    ray_cpus = int(workers["rayStartParams"]["num-cpus"])
+    assert ray_cpus >= cfg.replicas.num_cpus + 0.5, "a replica bundle plus the ingress must fit"
+    assert _cpu_cores(resources["limits"]["cpu"]) >= ray_cpus
+    assert int(workers["rayStartParams"]["num-gpus"]) == cfg.replicas.num_gpus
+    assert resources["limits"].get("nvidia.com/gpu", 0) == cfg.replicas.num_gpus
+    if cfg.replicas.accelerator == "gpu":
+        assert cfg.replicas.num_gpus == cfg.replicas.tensor_parallel_size
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_ports_and_services_match_the_serve_config(overlay: Path):
+    serve = k8s_render.embedded_serve_config(overlay)
+    objects = _compose(overlay)
+    service = k8s_render.find_object(objects, "RayService", "warmpath")
+    http_port, grpc_port = serve["http_options"]["port"], serve["grpc_options"]["port"]
+    for group in (_head(service), _workers(service)):
+        assert (_port(_container(group), "serve"), _port(_container(group), "serve-grpc")) == (http_port, grpc_port)
+    http = service["spec"]["serveService"]
+    assert http["metadata"]["name"] == "warmpath-http"
+    assert [(p["name"], p["port"]) for p in http["spec"]["ports"]] == [("serve", http_port)]
+    grpc = k8s_render.find_object(objects, "Service", "warmpath-grpc")
+    assert [(p["port"], p["targetPort"]) for p in grpc["spec"]["ports"]] == [(grpc_port, "serve-grpc")]
+    worker_labels = {**_workers(service)["template"]["metadata"]["labels"], "ray.io/serve": "true"}
+    assert grpc["spec"]["selector"].items() <= worker_labels.items()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_one_redis_serves_sessions_and_gcs_fault_tolerance(overlay: Path):
+    objects = _compose(overlay)
+    service = k8s_render.find_object(objects, "RayService", "warmpath")
+    redis_service = k8s_render.find_object(objects, "Service", "warmpath-redis")
+    redis = k8s_render.find_object(objects, "StatefulSet", "warmpath-redis")
+    redis_container = redis["spec"]["template"]["spec"]["containers"][0]
+    redis_port = redis_service["spec"]["ports"][0]["port"]
+    secret_ref = _env(redis_container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+
+    gcs = service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert gcs["redisAddress"] == f"warmpath-redis:{redis_port}"
+    assert gcs["redisPassword"]["valueFrom"]["secretKeyRef"] == secret_ref
+    for group in (_head(service), _workers(service)):
+        env = _env(_container(group))
+        assert env["SESSION_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == secret_ref
+        url = urlsplit(env["REDIS_URL"]["value"])
+        assert (url.hostname, url.port, url.password) == ("warmpath-redis", redis_port, "$(SESSION_REDIS_PASSWORD)")
+    # KubeRay refuses these on the head when gcsFaultToleranceOptions is set.
+    assert not {"REDIS_PASSWORD", "RAY_REDIS_ADDRESS", "REDIS_USERNAME"} & set(_env(_container(_head(service))))
+    assert "redis-password" not in _head(service)["rayStartParams"]
+    # Persistence: append-only file on a claim mounted where Redis writes it.
+    args = redis_container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    (claim,) = redis["spec"]["volumeClaimTemplates"]
+    mount = {m["name"]: m["mountPath"] for m in redis_container["volumeMounts"]}[claim["metadata"]["name"]]
+    assert args[args.index("--dir") + 1] == mount
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_every_container_probes_and_bounds_its_resources(overlay: Path):
+    objects = _compose(overlay)
+    service = k8s_render.find_object(objects, "RayService", "warmpath")
+    redis = k8s_render.find_object(objects, "StatefulSet", "warmpath-redis")
+    containers = [_container(_head(service)), _container(_workers(service))]
+    containers += redis["spec"]["template"]["spec"]["containers"]
+    for container in containers:
+        assert {"readinessProbe", "livenessProbe"} <= set(container), container["name"]
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"]), container["name"]
+        assert {"cpu", "memory"} <= set(container["resources"]["limits"]), container["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_images_and_telemetry_follow_the_overlay(overlay: Path):
+    cfg = k8s_render.load_overlay_config(overlay)
+    service = _rayservice(overlay)
+    images = {_container(_head(service))["image"], _container(_workers(service))["image"]}
+    assert images == {f"warmpath-{overlay.name}:0.1.0"}
+    for group in (_head(service), _workers(service)):
+        env = _env(_container(group))
+        assert env.get("OTEL_EXPORTER_OTLP_ENDPOINT", {}).get("value") == cfg.telemetry.otlp_endpoint
+
+
+def test_gpu_overlay_loads_a_hugging_face_model_with_a_token_secret():
+    cfg = k8s_render.load_overlay_config(K8S_DIR / "overlays" / "gpu")
+    assert cfg.replicas.accelerator == "gpu" and not cfg.model.source.startswith("/")
+    env = _env(_container(_workers(_rayservice(K8S_DIR / "overlays" / "gpu"))))
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "warmpath-hf-token", "key": "token"}
+
+
+# ---------------------------------------------------------------------------
+# Rendering guards and the CLI
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ("model:\n  source: ''\n", "model.source"),
+        ("model:\n  source: /m\nredis_url: redis://:secret@r:6379/1\n", "password"),
+        ("replicas:\n  num_replicas: 0\n", "replicas.num_replicas"),
+    ],
+)
+def test_render_refuses_configs_unfit_for_a_pod(tmp_path: Path, config: str, message: str):
+    (tmp_path / "cluster.yaml").write_text(config)
+    with pytest.raises(ConfigError, match=message):
+        k8s_render.render_k8s(tmp_path)
+
+
+def test_render_k8s_check_reports_drift_and_render_fixes_it(tmp_path: Path):
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S_DIR, k8s)
+    overlay = k8s / "overlays" / "cpu"
+    config = overlay / "cluster.yaml"
+    config.write_text(config.read_text().replace("num_replicas: 2", "num_replicas: 3"))
+    runner = CliRunner()
+
+    result = runner.invoke(app, ["render", "k8s", "--overlay", str(overlay), "--check"])
+    assert result.exit_code == 1
+    assert str(overlay / "generated" / "rayservice-patch.yaml") in result.output
+
+    assert runner.invoke(app, ["render", "k8s", "--overlay", str(overlay)]).exit_code == 0
+    assert runner.invoke(app, ["render", "k8s", "--overlay", str(overlay), "--check"]).exit_code == 0
+    assert _workers(_rayservice(overlay))["replicas"] == 3
+    assert k8s_render.embedded_serve_config(overlay)["applications"][0]["args"]["replicas"]["num_replicas"] == 3
+
+
+def test_stale_generated_files_count_as_drift(tmp_path: Path):
+    overlay = tmp_path / "cpu"
+    shutil.copytree(K8S_DIR / "overlays" / "cpu", overlay)
+    stale = overlay / "generated" / "old.yaml"
+    stale.write_text("- op: test\n")
+    assert k8s_render.check_k8s(overlay) == [str(stale)]
+    assert k8s_render.write_k8s(overlay) == [stale] and not stale.exists()
+
+
+# ---------------------------------------------------------------------------
+# The kustomize subset
+
+
+@pytest.mark.parametrize(
+    "doc, ops, expected",
+    [
+        ({"a": {}}, [{"op": "add", "path": "/a/b", "value": 1}], {"a": {"b": 1}}),
+        ({"l": [1]}, [{"op": "add", "path": "/l/-", "value": 2}], {"l": [1, 2]}),
+        ({"l": [1]}, [{"op": "add", "path": "/l/0", "value": 0}], {"l": [0, 1]}),
+        ({"a": 1}, [{"op": "replace", "path": "/a", "value": 2}], {"a": 2}),
+        ({"l": [1, 2]}, [{"op": "remove", "path": "/l/0"}], {"l": [2]}),
+        ({"m": {}}, [{"op": "add", "path": "/m/nvidia.com~1gpu", "value": 1}], {"m": {"nvidia.com/gpu": 1}}),
+        ({"a": 1}, [{"op": "test", "path": "/a", "value": 1}], {"a": 1}),
+    ],
+    ids=["add-key", "append", "insert", "replace", "remove", "escaped-key", "test"],
+)
+def test_json_patch_operations(doc, ops, expected):
+    assert k8s_render.apply_json_patch(doc, ops) == expected
+
+
+@pytest.mark.parametrize(
+    "doc, op, message",
+    [
+        ({}, {"op": "replace", "path": "/a", "value": 1}, "does not exist"),
+        ({}, {"op": "add", "path": "/a/b", "value": 1}, "does not exist"),
+        ({"l": []}, {"op": "replace", "path": "/l/0", "value": 1}, "out of range"),
+        ({"a": 1}, {"op": "move", "path": "/a", "from": "/b"}, "unsupported operation"),
+        ({"a": 1}, {"op": "test", "path": "/a", "value": 2}, "test failed"),
+    ],
+)
+def test_json_patch_errors(doc, op, message):
+    with pytest.raises(ValueError, match=message):
+        k8s_render.apply_json_patch(doc, [op])
+
+
+@pytest.mark.parametrize(
+    "image, rule, expected",
+    [
+        ("warmpath", {"name": "warmpath", "newName": "warmpath-cpu", "newTag": "0.1.0"}, "warmpath-cpu:0.1.0"),
+        ("warmpath:old", {"name": "warmpath", "newTag": "new"}, "warmpath:new"),
+        ("reg:5000/warmpath:1", {"name": "reg:5000/warmpath", "newTag": "2"}, "reg:5000/warmpath:2"),
+        ("redis:7", {"name": "warmpath", "newTag": "x"}, "redis:7"),
+        ("warmpath:1", {"name": "warmpath", "digest": "sha256:ab"}, "warmpath@sha256:ab"),
+        ("warmpath:1", {"name": "warmpath", "newName": "reg/warmpath-gpu"}, "reg/warmpath-gpu:1"),
+    ],
+    ids=["name-and-tag", "tag-only", "registry-port", "other-image", "digest", "name-only"],
+)
+def test_images_rewrite_containers_at_any_depth(image, rule, expected):
+    obj = {"spec": {"groups": [{"template": {"spec": {"containers": [{"name": "c", "image": image}]}}}]}}
+    rewritten = k8s_render.set_image(obj, rule)
+    assert rewritten["spec"]["groups"][0]["template"]["spec"]["containers"][0]["image"] == expected
+
+
+@pytest.mark.parametrize(
+    "kustomization, message",
+    [
+        ({"resources": [], "namePrefix": "x-"}, "unsupported fields"),
+        ({"resources": ["svc.yaml"], "patches": [{"path": "p.yaml", "target": {"kind": "Service"}}]}, "JSON 6902"),
+        ({"resources": ["svc.yaml", "svc.yaml"]}, "duplicate"),
+        ({"resources": ["svc.yaml"], "patches": [{"path": "ops.yaml", "target": {"kind": "Pod"}}]}, "matches 0"),
+    ],
+)
+def test_unsupported_kustomizations_fail_loudly(tmp_path: Path, kustomization: dict, message: str):
+    (tmp_path / "svc.yaml").write_text("apiVersion: v1\nkind: Service\nmetadata:\n  name: s\n")
+    (tmp_path / "p.yaml").write_text("metadata:\n  name: t\n")
+    (tmp_path / "ops.yaml").write_text("- op: add\n  path: /spec\n  value: {}\n")
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    with pytest.raises(ValueError, match=message):
+        k8s_render.build_kustomization(tmp_path)

@@ -188,6 +188,11 @@ def deploy(cfg: ClusterConfig, state: LocalState, progress: Progress) -> None:
 
     out.write_text(yaml.safe_dump(doc, sort_keys=True))
     progress(f"serve: deploying {out}")
+    deploy_document(state, doc)
+
+
+def deploy_document(state: LocalState, doc: dict) -> None:
+    """`serve deploy` of a Serve config document through the dashboard."""
     _when_dashboard_ready(lambda: _serve_client(state).deploy_applications(doc), "serve deploy")
 
 

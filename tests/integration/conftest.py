@@ -44,6 +44,11 @@ def _test_config() -> ClusterConfig:
                        overrides=overrides)
 
 
+def pytest_collection_modifyitems(items):
+    """Tests that replace the deployed application run after every other test."""
+    items.sort(key=lambda item: item.get_closest_marker("redeploys_cluster") is not None)
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
     if not is_built(MODEL_DIR):

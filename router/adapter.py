@@ -111,7 +111,7 @@ class _EventPump(threading.Thread):
             if replica_id in self._sources:
                 continue
             source = ZmqEventSource(endpoint, replay_endpoint=replay_endpoint)
-            stream = ReplicaEventStream(replica_id, router.index, replay=source.replay)
+            stream = ReplicaEventStream(replica_id, router.index)
             self._sources[replica_id] = (endpoint, source, stream)
             logger.info("subscribed to KV events of replica %s at %s", replica_id, endpoint)
 
@@ -122,10 +122,20 @@ class _EventPump(threading.Thread):
             if not batches:
                 continue
             busy = True
+            last_seq = stream.snapshot().last_seq
+            if last_seq is not None and batches[0][0] != last_seq + 1:
+                # Fetch the missed batches before taking the lock that routing waits on;
+                # if the replay buffer cannot fill the gap, `accept` resynchronises.
+                first_seq = batches[0][0]
+                replayed = [b for b in source.replay(last_seq + 1) if last_seq < b[0] < first_seq]
+                batches = replayed + batches
             with self._router.lock:
                 for seq, batch in batches:
                     stream.accept(seq, batch)
         return busy
+
+    def subscribed_replicas(self) -> list[str]:
+        return sorted(self._sources)
 
 
 class PrefixKVRouter(FIFOMixin, RequestRouter):
@@ -142,6 +152,7 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
         self._decisions: OrderedDict[str, Decision] = OrderedDict()
         self._pump = _EventPump(self)
         self._pump.start()
+        decision_log.LIVE_ROUTERS.add(self)
 
     def _loads(self, candidates: List[RunningReplica]) -> dict[ReplicaId, ReplicaLoad]:
         cache = self.replica_queue_len_cache
@@ -161,6 +172,7 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
     ) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
+        start_ns = time.time_ns()
         routing_request = self.tokenizer.routing_request(pending_request, self.args.model_id) if pending_request else None
         loads = self._loads(candidate_replicas)
         if routing_request is None:
@@ -171,8 +183,9 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
             decision = self.policy.choose(
                 routing_request, list(by_id), loads, self.index, self.sessions, time.monotonic()
             )
-        request_id = pending_request.metadata.request_id
-        decision_log.DECISIONS.put(request_id, decision)
+        logged = decision_log.LoggedDecision(decision, start_ns, time.time_ns())
+        decision_log.DECISIONS.put(pending_request.metadata.request_id, logged)
+        decision_log.STATS.count_decision(decision.reason)
         self._decisions[pending_request.metadata.internal_request_id] = decision
         while len(self._decisions) > MAX_DECISIONS:
             self._decisions.popitem(last=False)
@@ -185,6 +198,23 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
         # Serve fell back to another replica (the chosen one was full): record where it really went.
         with self.lock:
             self.policy.record(decision, ReplicaId(replica_id.unique_id), self.index, self.sessions, time.monotonic())
+
+    def snapshot(self) -> dict[str, Any]:
+        """State for operators and tests: replicas, subscriptions and index counts."""
+        with self.lock:
+            index = self.index.snapshot(time.monotonic())
+        return {
+            "policy": self.args.router.policy,
+            "replicas": sorted(r.unique_id for r in self.curr_replicas),
+            "subscribed_replicas": self._pump.subscribed_replicas(),
+            "num_sessions": len(self.sessions),
+            "index": {
+                "num_unique_blocks": index.num_unique_blocks,
+                "num_blocks_by_replica": dict(index.num_blocks_by_replica),
+                "num_pending_blocks_by_replica": dict(index.num_pending_blocks_by_replica),
+                "num_evicted_blocks_by_replica": dict(index.num_evicted_blocks_by_replica),
+            },
+        }
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)

@@ -1,14 +1,23 @@
-"""Recent routing decisions, shared between the router and the ingress of one process.
+"""Routing decisions and statistics shared by the router and the ingress of one process.
 
 Why a module of its own: Ray Serve pickles the router's module by value, so a
 process-wide object defined there would be copied, not shared. Imported from
-here, the router and the HTTP ingress see the same log.
+here, the router, the HTTP ingress and the `/v1/router` debug route see the
+same objects:
+- `DECISIONS`: request id -> decision, read once by the ingress to set the
+  `x-warmpath-route` and `x-warmpath-predicted-cached-tokens` headers;
+- `STATS`: decisions counted by reason, and predicted vs actual cached tokens
+  (vLLM's `usage.prompt_tokens_details.cached_tokens`) as prediction accuracy;
+- `LIVE_ROUTERS`: the routers of this process, for their state snapshots.
+All are bounded and thread-safe (the KV event pump runs on its own thread).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import weakref
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Optional
 
 from router.types import Decision
@@ -16,23 +25,92 @@ from router.types import Decision
 MAX_DECISIONS = 4096
 
 
+@dataclass(frozen=True)
+class LoggedDecision:
+    """A decision and when it was made (wall-clock ns), for a retroactive routing span."""
+
+    decision: Decision
+    start_ns: int
+    end_ns: int
+
+
 class DecisionLog:
-    """Bounded map request id -> decision, read once by the ingress of the same process."""
+    """Bounded map request id -> decision, read once by the caller of the same process."""
 
     def __init__(self, capacity: int = MAX_DECISIONS) -> None:
         self._capacity = capacity
-        self._items: OrderedDict[str, Decision] = OrderedDict()
+        self._items: OrderedDict[str, LoggedDecision] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, request_id: str, decision: Decision) -> None:
+    def put(self, request_id: str, logged: LoggedDecision) -> None:
         with self._lock:
-            self._items[request_id] = decision
+            self._items[request_id] = logged
             while len(self._items) > self._capacity:
                 self._items.popitem(last=False)
 
-    def pop(self, request_id: str) -> Optional[Decision]:
+    def pop(self, request_id: str) -> Optional[LoggedDecision]:
         with self._lock:
             return self._items.pop(request_id, None)
 
 
+class RoutingStats:
+    """Counters of decisions and of prediction accuracy (within one KV block counts as exact)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.num_decisions_by_reason: Counter[str] = Counter()
+        self.num_predictions = 0
+        self.num_predictions_within_block = 0
+        self.sum_predicted_tokens = 0
+        self.sum_actual_tokens = 0
+        self.sum_abs_error_tokens = 0
+
+    def count_decision(self, reason: str) -> None:
+        with self._lock:
+            self.num_decisions_by_reason[reason] += 1
+
+    def count_prediction(self, predicted_tokens: int, actual_tokens: int, block_size_tokens: int) -> None:
+        error = abs(predicted_tokens - actual_tokens)
+        with self._lock:
+            self.num_predictions += 1
+            self.num_predictions_within_block += error <= block_size_tokens
+            self.sum_predicted_tokens += predicted_tokens
+            self.sum_actual_tokens += actual_tokens
+            self.sum_abs_error_tokens += error
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            n = self.num_predictions
+            return {
+                "decisions_by_reason": dict(self.num_decisions_by_reason),
+                "num_predictions": n,
+                "prediction_accuracy": self.num_predictions_within_block / n if n else None,
+                "mean_abs_error_tokens": self.sum_abs_error_tokens / n if n else None,
+                "predicted_cached_tokens": self.sum_predicted_tokens,
+                "actual_cached_tokens": self.sum_actual_tokens,
+            }
+
+
 DECISIONS = DecisionLog()
+STATS = RoutingStats()
+LIVE_ROUTERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def record_route_span(logged: Optional[LoggedDecision], served_replica_id: Optional[str]) -> None:
+    """A `warmpath.route` span (child of the current span) for a decision made on Serve's routing task.
+
+    The decision ran on the handle's routing task, outside the caller's trace
+    context, so its span is recorded afterwards with the measured start and end.
+    """
+    from opentelemetry import trace
+
+    if logged is None or not trace.get_current_span().is_recording():
+        return
+    decision = logged.decision
+    replica = served_replica_id or decision.replica_id
+    span = trace.get_tracer("warmpath").start_span("warmpath.route", start_time=logged.start_ns)
+    span.set_attribute("warmpath.route.reason", decision.reason)
+    span.set_attribute("warmpath.route.replica", replica)
+    span.set_attribute("warmpath.route.chosen_replica", decision.replica_id)
+    span.set_attribute("warmpath.route.predicted_cached_tokens", decision.predicted_cached_tokens.get(replica, 0))
+    span.end(end_time=logged.end_ns)

@@ -181,6 +181,10 @@ class RequestBlockHashes:
         self._hashes: list[BlockHash] = []
 
     @property
+    def block_size_tokens(self) -> int:
+        return self._step // 4
+
+    @property
     def computed(self) -> Sequence[BlockHash]:
         """Hashes computed so far (a prefix of the full chain)."""
         return self._hashes

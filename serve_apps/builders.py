@@ -99,6 +99,9 @@ def llm_config(cfg: ClusterConfig) -> LLMConfig:
         "VLLM_NO_USAGE_STATS": "1",
     }
     extra: dict[str, Any] = {}
+    if cfg.telemetry.otlp_endpoint:
+        env_vars["OTEL_EXPORTER_OTLP_ENDPOINT"] = cfg.telemetry.otlp_endpoint
+        env_vars["OTEL_SERVICE_NAME"] = cfg.telemetry.service_name
     if not cfg.model.source:
         env_vars["HF_HUB_OFFLINE"] = "1"  # the built model: never look for it on a hub
     if cfg.replicas.accelerator == "cpu":
@@ -130,6 +133,7 @@ def build_llm_app(cfg: ClusterConfig) -> Application:
         llm_deployments={cfg.model.model_id: replicas},
         model_cards={cfg.model.model_id: to_model_metadata(cfg.model.model_id, llm)},
         orchestrator=orchestrator,
+        telemetry_config=cfg.telemetry.model_dump(mode="json"),
     )
 
 

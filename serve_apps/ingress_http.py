@@ -16,6 +16,8 @@ import logging
 from typing import Any, AsyncIterator, Dict, Optional
 
 from fastapi import Request
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse, OpenAIHTTPException
@@ -31,7 +33,9 @@ from ray.llm._internal.serve.core.ingress.utils import (
     _peek_at_generator,
 )
 
-from router.decision_log import DECISIONS
+from cluster import telemetry
+from cluster.config import TelemetryConfig
+from router import decision_log
 from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.vllm_replica import ServedBy
 
@@ -42,18 +46,29 @@ ROUTE_HEADER = "x-warmpath-route"
 PREDICTED_CACHED_HEADER = "x-warmpath-predicted-cached-tokens"
 
 
-def _headers(served_by: Optional[ServedBy]) -> Dict[str, str]:
-    """Replica header, plus the router's reason and prediction when warmpath's router decided."""
+def _headers(served_by: Optional[ServedBy], usage: Optional[Any]) -> Dict[str, str]:
+    """Replica header, plus the router's reason and prediction when warmpath's router decided.
+
+    With the response's usage at hand (non-streamed responses), the prediction
+    is compared with vLLM's own cached-token count for the accuracy statistics.
+    """
     from ray.serve.context import _get_serve_request_context
 
     headers: Dict[str, str] = {}
-    decision = DECISIONS.pop(_get_serve_request_context().request_id)
+    logged = decision_log.DECISIONS.pop(_get_serve_request_context().request_id)
+    decision_log.record_route_span(logged, served_by.replica_id if served_by else None)
+    decision = logged.decision if logged is not None else None
     if served_by is not None:
         headers[REPLICA_HEADER] = served_by.replica_id
     if decision is not None:
         headers[ROUTE_HEADER] = decision.reason
         replica = served_by.replica_id if served_by is not None else decision.replica_id
-        headers[PREDICTED_CACHED_HEADER] = str(decision.predicted_cached_tokens.get(replica, 0))
+        predicted = decision.predicted_cached_tokens.get(replica, 0)
+        headers[PREDICTED_CACHED_HEADER] = str(predicted)
+        details = getattr(usage, "prompt_tokens_details", None)
+        actual = getattr(details, "cached_tokens", None)
+        if actual is not None and decision.request_blocks is not None:
+            decision_log.STATS.count_prediction(predicted, actual, decision.request_blocks.block_size_tokens)
     return headers
 
 
@@ -121,14 +136,77 @@ async def _turn_response(session_id: str, stream_events, is_streaming: bool) -> 
     return JSONResponse(body, status_code=TURN_ERROR_STATUS.get(last.get("code"), 200) if outcome == "failed" else 200)
 
 
+def _session_span(request: Request, route: str, session_id: str):
+    """The ingress span of a session call, child of the caller's W3C context (a streamed turn outlives it)."""
+    return telemetry.tracer().start_as_current_span(
+        route, context=telemetry.extract(dict(request.headers)), kind=trace.SpanKind.SERVER,
+        attributes={"http.route": route, "warmpath.session_id": session_id},
+    )
+
+
+def _forward_trace_context(raw_request: Request) -> None:
+    """Replaces the request's W3C headers with the ingress span's, so the replica continues this trace."""
+    carrier = telemetry.inject()
+    names = {k.encode() for k in carrier}
+    headers = [(k, v) for k, v in raw_request.scope["headers"] if k.lower() not in names]
+    headers += [(k.encode(), v.encode()) for k, v in carrier.items()]
+    raw_request.scope["headers"] = headers
+    raw_request.__dict__.pop("_headers", None)
+
+
+def _annotate(span, headers: Dict[str, str], usage: Optional[Any]) -> None:
+    for header, attribute in ((REPLICA_HEADER, "warmpath.replica"), (ROUTE_HEADER, "warmpath.route.reason")):
+        if header in headers:
+            span.set_attribute(attribute, headers[header])
+    if PREDICTED_CACHED_HEADER in headers:
+        span.set_attribute("warmpath.route.predicted_cached_tokens", int(headers[PREDICTED_CACHED_HEADER]))
+    if usage is not None:
+        span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens or 0)
+        details = getattr(usage, "prompt_tokens_details", None)
+        if details is not None and details.cached_tokens is not None:
+            span.set_attribute("warmpath.cached_tokens", details.cached_tokens)
+
+
+async def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
+    try:
+        async for frame in frames:
+            yield frame
+    finally:
+        span.end()
+
+
 class WarmpathIngress(OpenAiIngress):
     """OpenAI routes that report the serving replica in response headers, plus the session API."""
 
-    def __init__(self, *args: Any, orchestrator=None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, orchestrator=None, telemetry_config: Optional[dict] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._orchestrator = orchestrator
+        telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "ingress")
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
+        parent = telemetry.extract(dict(raw_request.headers)) if raw_request is not None else None
+        span = telemetry.tracer().start_span(
+            f"{call_method} {body.model}", context=parent, kind=trace.SpanKind.SERVER,
+            attributes={"gen_ai.operation.name": call_method, "gen_ai.request.model": str(body.model), "gen_ai.system": "vllm"},
+        )
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            if raw_request is not None and span.is_recording():
+                _forward_trace_context(raw_request)
+            response = await self._traced_llm_request(body, call_method, raw_request, span)
+        except BaseException as err:
+            span.record_exception(err)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)[:200]))
+            span.end()
+            raise
+        finally:
+            otel_context.detach(token)
+        if not isinstance(response, StreamingResponse):
+            span.end()
+        return response
+
+    async def _traced_llm_request(self, body, call_method: str, raw_request: Optional[Request], span) -> Response:
         async with router_request_timeout(DEFAULT_LLM_ROUTER_HTTP_TIMEOUT):
             gen = self._get_response(body=body, call_method=call_method, raw_request=raw_request)
             served_by: Optional[ServedBy] = None
@@ -144,10 +222,15 @@ class WarmpathIngress(OpenAiIngress):
                     status_code=first_chunk.error.code,
                     type=first_chunk.error.type,
                 )
-            headers = _headers(served_by)
+            usage = getattr(first_chunk, "usage", None)
+            headers = _headers(served_by, usage)
+            if span.is_recording():
+                _annotate(span, headers, usage)
             if isinstance(first_chunk, NON_STREAMING_RESPONSE_TYPES):
                 return JSONResponse(content=first_chunk.model_dump(), headers=headers)
-            return StreamingResponse(_openai_json_wrapper(gen), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(
+                _ending_span(_openai_json_wrapper(gen), span), media_type="text/event-stream", headers=headers
+            )
 
     def _sessions(self):
         if self._orchestrator is None:
@@ -165,17 +248,24 @@ class WarmpathIngress(OpenAiIngress):
     async def delete_session(self, session_id: str) -> Response:
         return await _call(self._sessions().delete_session.remote(session_id))
 
-    async def post_message(self, session_id: str, body: TurnRequest) -> Response:
+    async def post_message(self, session_id: str, body: TurnRequest, request: Request) -> Response:
         """Append a user message and run the turn (SSE when `stream` is true)."""
         handle = self._sessions().options(stream=True)
-        events = handle.send_message.remote(session_id, body.model_dump(mode="json"))
-        return await _turn_response(session_id, events, body.stream)
+        with _session_span(request, "POST /v1/sessions/{session_id}/messages", session_id):
+            events = handle.send_message.remote(session_id, body.model_dump(mode="json"), telemetry.inject())
+            return await _turn_response(session_id, events, body.stream)
 
-    async def post_tool_results(self, session_id: str, body: ToolResultsSubmission) -> Response:
+    async def post_tool_results(self, session_id: str, body: ToolResultsSubmission, request: Request) -> Response:
         """Answer a `requires_action` pause with client tool results and continue the turn."""
         handle = self._sessions().options(stream=True)
-        events = handle.submit_tool_results.remote(session_id, body.model_dump(mode="json"))
-        return await _turn_response(session_id, events, body.stream)
+        with _session_span(request, "POST /v1/sessions/{session_id}/tool_results", session_id):
+            events = handle.submit_tool_results.remote(session_id, body.model_dump(mode="json"), telemetry.inject())
+            return await _turn_response(session_id, events, body.stream)
+
+    async def router_state(self) -> JSONResponse:
+        """The prefix-aware routers of this ingress replica: replicas, index counts, decision statistics."""
+        routers = [r.snapshot() for r in list(decision_log.LIVE_ROUTERS)]
+        return JSONResponse({"routers": routers, "stats": decision_log.STATS.snapshot()})
 
     async def health(self) -> JSONResponse:
         """Liveness of the ingress and the models it routes to."""
@@ -185,6 +275,7 @@ class WarmpathIngress(OpenAiIngress):
 ENDPOINTS = {
     **{name: DEFAULT_ENDPOINTS[name] for name in ("models", "model_data", "completions", "chat", "tokenize", "detokenize")},
     "health": lambda app: app.get("/health"),
+    "router_state": lambda app: app.get("/v1/router"),
     "create_session": lambda app: app.post("/v1/sessions", status_code=201),
     "get_session": lambda app: app.get("/v1/sessions/{session_id}"),
     "delete_session": lambda app: app.delete("/v1/sessions/{session_id}", status_code=204),

@@ -16,10 +16,16 @@ checks) is Ray Serve LLM's.
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Dict, Optional
 
+from opentelemetry import trace
+
+from cluster import telemetry
+from cluster.config import TelemetryConfig
 from ray import serve
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.llm import LLMConfig
@@ -66,18 +72,44 @@ class WarmpathLLMServer(LLMServer):
             "kv_events_replay_endpoint": f"tcp://{host}:{replay_port}",
             "block_size": llm_config.engine_kwargs.get("block_size"),
         }
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        if endpoint:
+            service = os.environ.get("OTEL_SERVICE_NAME", "warmpath")
+            telemetry.setup_tracing(TelemetryConfig(otlp_endpoint=endpoint, service_name=service), "replica")
         await super().__init__(llm_config, **kwargs)
 
-    async def _tagged(self, stream: AsyncGenerator) -> AsyncGenerator:
-        yield ServedBy(self._replica_id)
-        async for item in stream:
-            yield item
+    async def _tagged(self, stream: AsyncGenerator, span) -> AsyncGenerator:
+        """Tags the stream with this replica and times it (first item = time to first token)."""
+        start = time.monotonic()
+        is_first = True
+        try:
+            yield ServedBy(self._replica_id)
+            async for item in stream:
+                if is_first and span.is_recording():
+                    span.set_attribute("gen_ai.server.time_to_first_token", time.monotonic() - start)
+                is_first = False
+                yield item
+        finally:
+            span.end()
+
+    def _span(self, operation: str, request, raw_request_info):
+        headers = raw_request_info.headers if raw_request_info is not None else None
+        span = telemetry.tracer().start_span(
+            f"vllm.{operation}", context=telemetry.extract(headers), kind=trace.SpanKind.SERVER,
+            attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": str(request.model),
+                        "warmpath.replica": self._replica_id},
+        )
+        if span.is_recording() and getattr(request, "max_tokens", None):
+            span.set_attribute("gen_ai.request.max_tokens", request.max_tokens)
+        return span
 
     async def chat(self, request, raw_request_info=None):
-        return self._tagged(await super().chat(request, raw_request_info))
+        span = self._span("chat", request, raw_request_info)
+        return self._tagged(await super().chat(request, raw_request_info), span)
 
     async def completions(self, request, raw_request_info=None):
-        return self._tagged(await super().completions(request, raw_request_info))
+        span = self._span("completions", request, raw_request_info)
+        return self._tagged(await super().completions(request, raw_request_info), span)
 
     async def record_routing_stats(self) -> Dict[str, Any]:
         stats = dict(await super().record_routing_stats())

@@ -24,9 +24,12 @@ import logging
 import os
 from typing import Any, AsyncIterator
 
+from opentelemetry import trace
 from pydantic import ValidationError
 
+from cluster import telemetry
 from cluster.config import validate_config
+from router import decision_log
 from serve_apps.orchestrator.models import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -69,20 +72,43 @@ class HandleModelClient:
             stream=True,
             stream_options={"include_usage": True},
         )
+        from ray.llm._internal.serve.core.protocol import RawRequestInfo
+        from ray.serve.context import _get_serve_request_context
+
         reply = ModelReply()
         calls: dict[int, dict[str, str]] = {}
-        stream = self._handle.options(stream=True, session_id=session_id).chat.remote(request, None)
-        async for item in stream:
-            if isinstance(item, ServedBy):
-                reply.replica_id = item.replica_id
-                continue
-            for chunk in item if isinstance(item, list) else [item]:
-                if isinstance(chunk, ErrorResponse):
-                    raise TurnFailed("model_error", chunk.error.message)
-                for data in _sse_payloads(chunk):
-                    text = _apply_chunk(data, reply, calls)
-                    if text:
-                        yield text
+        with telemetry.tracer().start_as_current_span(
+            f"chat {self._model_id}", kind=trace.SpanKind.CLIENT,
+            attributes={"gen_ai.operation.name": "chat", "gen_ai.request.model": self._model_id,
+                        "gen_ai.request.max_tokens": max_tokens, "warmpath.session_id": session_id},
+        ) as span:
+            # Ray handle calls carry no trace context: it travels in the request headers.
+            raw_request_info = RawRequestInfo(headers=telemetry.inject())
+            stream = self._handle.options(stream=True, session_id=session_id).chat.remote(request, raw_request_info)
+            async for item in stream:
+                if isinstance(item, ServedBy):
+                    reply.replica_id = item.replica_id
+                    continue
+                for chunk in item if isinstance(item, list) else [item]:
+                    if isinstance(chunk, ErrorResponse):
+                        raise TurnFailed("model_error", chunk.error.message)
+                    for data in _sse_payloads(chunk):
+                        text = _apply_chunk(data, reply, calls)
+                        if text:
+                            yield text
+            logged = decision_log.DECISIONS.pop(_get_serve_request_context().request_id)
+            decision_log.record_route_span(logged, reply.replica_id or None)
+            if span.is_recording():
+                span.set_attribute("warmpath.replica", reply.replica_id)
+                span.set_attribute("gen_ai.usage.input_tokens", reply.prompt_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", reply.completion_tokens)
+                span.set_attribute("warmpath.cached_tokens", reply.cached_tokens)
+                if logged is not None:
+                    span.set_attribute("warmpath.route.reason", logged.decision.reason)
+                    span.set_attribute(
+                        "warmpath.route.predicted_cached_tokens",
+                        logged.decision.predicted_cached_tokens.get(reply.replica_id, 0),
+                    )
         reply.tool_calls = [
             _tool_call(index, call) for index, call in sorted(calls.items())
         ]
@@ -141,6 +167,7 @@ class Orchestrator:
         self._store = SessionStore.from_url(redis_url)
         self._tokenizer = AutoTokenizer.from_pretrained(cfg.model_source())
         self._model = HandleModelClient(llm_handle, cfg.model.model_id)
+        telemetry.setup_tracing(cfg.telemetry, "orchestrator")
 
     async def check_health(self) -> None:
         return None
@@ -217,23 +244,41 @@ class Orchestrator:
             return _error(404, f"no session {session_id}", "session_not_found")
         return {"status": 204, "body": None}
 
-    async def send_message(self, session_id: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def send_message(
+        self, session_id: str, body: dict[str, Any], trace_carrier: dict[str, str] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         try:
             turn = TurnRequest.model_validate(body)
         except ValidationError as err:
             yield _error(422, str(err), "invalid_request")
             return
-        async for item in self._turn(session_id, turn.tool_choice, user_content=turn.content):
+        async for item in self._traced_turn(session_id, trace_carrier, turn.tool_choice, user_content=turn.content):
             yield item
 
-    async def submit_tool_results(self, session_id: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def submit_tool_results(
+        self, session_id: str, body: dict[str, Any], trace_carrier: dict[str, str] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         try:
             submission = ToolResultsSubmission.model_validate(body)
         except ValidationError as err:
             yield _error(422, str(err), "invalid_request")
             return
-        async for item in self._turn(session_id, "auto", results=submission):
+        async for item in self._traced_turn(session_id, trace_carrier, "auto", results=submission):
             yield item
+
+    async def _traced_turn(self, session_id: str, trace_carrier, tool_choice: str, **kwargs) -> AsyncIterator[dict[str, Any]]:
+        """One `invoke_agent` span per turn (or resumption), child of the caller's trace."""
+        with telemetry.tracer().start_as_current_span(
+            "invoke_agent warmpath", context=telemetry.extract(trace_carrier), kind=trace.SpanKind.SERVER,
+            attributes={"gen_ai.operation.name": "invoke_agent", "warmpath.session_id": session_id,
+                        "gen_ai.request.model": self._model_id},
+        ) as span:
+            async for item in self._turn(session_id, tool_choice, **kwargs):
+                if span.is_recording() and item.get("kind") in ("final", "requires_action", "error"):
+                    span.set_attribute("warmpath.turn.outcome", item.get("code") or item["kind"])
+                elif span.is_recording() and item.get("kind") == "compression":
+                    span.add_event("compression", {k: v for k, v in item["report"].items() if v is not None})
+                yield item
 
     async def _turn(
         self, session_id: str, tool_choice: str, user_content: str | None = None, results: ToolResultsSubmission | None = None

@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
+from cluster import telemetry
 from serve_apps.orchestrator.compression import apply_compression, plan_compression, summarization_input
 from serve_apps.orchestrator.models import (
     CompressionEvent,
@@ -219,9 +220,16 @@ class TurnRunner:
                 if spec.execution.kind == "client":
                     client_calls.append(call)
                     continue
-                outcome = await run_http_tool(
-                    spec, call.arguments, spec.execution.timeout_s, self._limits.max_tool_result_bytes
-                )
+                with telemetry.tracer().start_as_current_span(
+                    f"execute_tool {call.name}",
+                    attributes={"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": call.name,
+                                "gen_ai.tool.call.id": call.id},
+                ) as span:
+                    outcome = await run_http_tool(
+                        spec, call.arguments, spec.execution.timeout_s, self._limits.max_tool_result_bytes
+                    )
+                    span.set_attribute("warmpath.tool.status", outcome.status)
+                    span.set_attribute("warmpath.tool.is_truncated", outcome.is_truncated)
                 self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=outcome.content))
                 yield ToolResultEvent(
                     tool_call_id=call.id, status=outcome.status, content=outcome.content, is_truncated=outcome.is_truncated

@@ -17,6 +17,7 @@ import pytest
 from cluster import local
 from cluster.config import ClusterConfig, load_config
 from cluster.model_builder import build_model, is_built
+from tests.integration.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / ".warmpath" / "models" / "warmpath-tiny"
@@ -33,8 +34,9 @@ class Cluster:
         return self.cfg.model.model_id
 
 
-def _test_config() -> ClusterConfig:
+def _test_config(otlp_endpoint: str) -> ClusterConfig:
     overrides = {
+        "telemetry": {"otlp_endpoint": otlp_endpoint, "service_name": "warmpath-test"},
         "state_dir": str(REPO / ".warmpath" / "test-cluster"),
         "model": {"source": str(MODEL_DIR)},
         "ports": {"local_redis_port": 6391},
@@ -45,15 +47,28 @@ def _test_config() -> ClusterConfig:
 
 
 def pytest_collection_modifyitems(items):
-    """Tests that replace the deployed application run after every other test."""
-    items.sort(key=lambda item: item.get_closest_marker("redeploys_cluster") is not None)
+    """Tests that kill replicas run after the others, and those that replace the application last."""
+
+    def rank(item) -> int:
+        if item.get_closest_marker("redeploys_cluster"):
+            return 2
+        return 1 if item.get_closest_marker("disrupts_replicas") else 0
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Cluster:
+def otlp_receiver() -> OtlpReceiver:
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(otlp_receiver: OtlpReceiver) -> Cluster:
     if not is_built(MODEL_DIR):
         build_model(MODEL_DIR)
-    cfg = _test_config()
+    cfg = _test_config(otlp_receiver.endpoint)
     redeploy = os.environ.get("WARMPATH_TEST_REDEPLOY") == "1"
     state = local.up(cfg, progress=lambda msg: print(f"[cluster] {msg}", flush=True), timeout_s=900, redeploy=redeploy)
     try:

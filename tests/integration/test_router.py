@@ -99,3 +99,66 @@ def test_every_routed_response_names_a_reason(warmpath_router):
     resp = _chat(warmpath_router, [{"role": "user", "content": "reason?"}])
     assert resp.headers["x-warmpath-route"] in {"prefix-hit", "session-affinity", "least-loaded", "load-guard", "cold"}
     assert int(resp.headers["x-warmpath-predicted-cached-tokens"]) >= 0
+
+
+def _router_state(cluster) -> dict:
+    resp = httpx.get(f"{cluster.base_url}/v1/router", timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_router_state_and_prediction_accuracy(warmpath_router):
+    cluster = warmpath_router
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "accuracy check"}]
+    _chat(cluster, messages, session_id="acc")
+    _chat(cluster, messages, session_id="acc")
+    state = _router_state(cluster)
+    (router,) = [r for r in state["routers"] if r["policy"] == "warmpath"][:1] or [None]
+    assert router is not None
+    assert len(router["subscribed_replicas"]) == 2
+    assert sum(router["index"]["num_blocks_by_replica"].values()) > 0
+    stats = state["stats"]
+    assert stats["num_predictions"] >= 2
+    assert stats["prediction_accuracy"] >= 0.5, stats
+    assert set(stats["decisions_by_reason"]) <= {"prefix-hit", "session-affinity", "least-loaded", "load-guard", "cold"}
+
+
+@pytest.mark.disrupts_replicas
+def test_killing_a_replica_drops_its_index_and_routing_continues(warmpath_router):
+    import ray
+
+    from cluster import local
+
+    cluster = warmpath_router
+    _chat(cluster, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "before the kill"}])
+    ray.init(address="auto", ignore_reinit_error=True, logging_level="ERROR")
+    actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "WarmpathLLMServer" in a["name"]]
+    assert len(actors) == 2, actors
+    victim = actors[0]
+    victim_id = victim.rsplit("#", 1)[-1]
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+
+    # Every request still gets an answer while Serve replaces the replica.
+    served = [_chat(cluster, [{"role": "user", "content": f"after the kill {i}"}]).headers["x-warmpath-replica"] for i in range(4)]
+    assert victim_id not in served[-1:]
+    state = local.LocalState.load(local.state_dir_of(cluster.cfg))
+    deadline = time.monotonic() + 600
+    while True:  # the controller reports two RUNNING replicas, none of them the victim
+        app = local.serve_details(state)["applications"][cluster.cfg.app_name]
+        replicas = [r for name, d in app["deployments"].items() if "WarmpathLLMServer" in name for r in d["replicas"]]
+        running = {r["replica_id"] for r in replicas if r["state"] == "RUNNING"}
+        if len(running) == 2 and victim_id not in running:
+            break
+        assert time.monotonic() < deadline, replicas
+        time.sleep(1)
+    while True:  # the ingress's router learns it through Serve's long poll and the event pump
+        router = _router_state(cluster)["routers"][0]
+        if set(router["subscribed_replicas"]) == running:
+            break
+        assert time.monotonic() < deadline, router
+        time.sleep(0.5)
+    assert victim_id not in router["replicas"]
+    assert victim_id not in router["index"]["num_blocks_by_replica"]
+    # The replacement rejoins routing once it advertises its event endpoint.
+    resp = _chat(cluster, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "after the restart"}])
+    assert resp.status_code == 200

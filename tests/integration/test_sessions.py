@@ -192,6 +192,7 @@ def test_session_errors(cluster):
     assert httpx.get(f"{cluster.base_url}/v1/sessions/{sid}", timeout=30).status_code == 404
 
 
+@pytest.mark.disrupts_replicas
 def test_sessions_survive_an_orchestrator_restart(cluster):
     import ray
 

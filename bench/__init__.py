@@ -1,0 +1,14 @@
+"""Agent-workload benchmarks: workload generators, the live driver, an oracle bound and a scale simulator.
+
+Modules, in dependency order:
+- `bench.workloads`: the three agent workloads (sessions of steps), deterministic
+  from a seed, and their rendering to OpenAI requests and token ids.
+- `bench.trace`: one record per request and the figures a run is judged by.
+- `bench.oracle`: hit-rate bounds for a recorded trace.
+- `bench.simulator`: a discrete-event simulation of N replicas driving the
+  production router (`router.index.PrefixIndex`, `router.policy.PrefixAwarePolicy`).
+- `bench.live`: `warmpath bench`, the same workload against the real local cluster.
+- `bench.report`: tables (ratios to pow2), JSON and the PNG plot.
+
+`bench/router_decision.py` is a standalone micro-benchmark of one routing decision.
+"""

@@ -1,0 +1,516 @@
+"""gRPC ingress: `warmpath.v1.Inference` and `warmpath.v1.Agent` behind Ray Serve's gRPC proxy.
+
+Why a deployment of its own: Ray Serve's gRPC proxy calls the ingress
+deployment of an application by RPC method name, and the LLM application's
+ingress is the HTTP one. `GrpcIngress` is the ingress of a second application;
+it holds handles to the LLM application's replica and orchestrator
+deployments, so both protocols share the same replicas, router and sessions.
+
+What it does, per RPC: protobuf request -> the plain data the HTTP API
+carries (validated by the same models downstream) -> handle call -> protobuf
+response. Inference calls the replicas' `chat` with a `ChatCompletionRequest`
+the way the orchestrator's `HandleModelClient` does (session id as routing
+key, `ServedBy` first, trace context in `RawRequestInfo`); session calls go to
+the `Orchestrator` methods, whose `{"status", "body"}` envelopes and event
+dicts are converted here.
+
+Status and ordering rules:
+- a unary failure sets the code and details on `grpc_context` and returns an
+  empty response (Ray ships the context with the response);
+- a stream sets the code before yielding its last message, because Ray ships
+  the context with each yielded message and drops a code set afterwards. A
+  stream that fails therefore ends with one message carrying the error
+  (`SessionEvent.error`, `ChatCompletionChunk.error`), then the status;
+- a turn's own `error` event ends the stream with the code its HTTP status
+  maps to, except `max_steps` (OK: the turn's messages are committed);
+- unexpected exceptions become INTERNAL with a generic message; Ray's
+  overload, unavailability and timeout errors keep their meaning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, TypeVar
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message as ProtoMessage
+from opentelemetry import trace
+from pydantic import ValidationError
+from ray.exceptions import RayActorError
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ErrorResponse,
+)
+from ray.llm._internal.serve.core.protocol import RawRequestInfo
+from ray.serve.context import _get_serve_request_context
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+from starlette.responses import JSONResponse
+
+from cluster import telemetry
+from cluster.config import TelemetryConfig
+from router import decision_log
+from serve_apps.grpc_status import RpcFailure, grpc_code
+from serve_apps.ingress_http import TURN_ERROR_STATUS
+from serve_apps.orchestrator.deployment import _sse_payloads
+from serve_apps.orchestrator.models import Message
+from serve_apps.orchestrator.prompt import to_wire_message
+from serve_apps.vllm_replica import ServedBy
+from warmpath.v1 import agent_pb2, inference_pb2
+
+logger = logging.getLogger("ray.serve")
+
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name
+INTERNAL_MESSAGE = "internal error in the gRPC ingress; see the server logs"
+NAMED_TOOL_CHOICES = frozenset({"auto", "none", "required"})
+
+ResponseT = TypeVar("ResponseT", bound=ProtoMessage)
+
+
+# ---- protobuf -> plain data (requests) ----
+
+
+def tool_call_to_dict(call: inference_pb2.ToolCall) -> dict[str, str]:
+    return {"id": call.id, "name": call.name, "arguments": call.arguments}
+
+
+def chat_message_to_dict(message: inference_pb2.ChatMessage) -> dict[str, Any]:
+    """A `ChatMessage` in the HTTP API's message shape (`serve_apps.orchestrator.models.Message`)."""
+    out: dict[str, Any] = {"role": message.role}
+    if message.HasField("content"):
+        out["content"] = message.content
+    if message.tool_calls:
+        out["tool_calls"] = [tool_call_to_dict(c) for c in message.tool_calls]
+    if message.HasField("tool_call_id"):
+        out["tool_call_id"] = message.tool_call_id
+    if message.HasField("name"):
+        out["name"] = message.name
+    return out
+
+
+def _schema(parameters_json: str, where: str) -> dict[str, Any] | None:
+    """The parsed JSON Schema text, or None when empty (the API's default schema applies)."""
+    if not parameters_json:
+        return None
+    try:
+        return json.loads(parameters_json)
+    except json.JSONDecodeError as err:
+        raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"{where}: not JSON: {err}") from None
+
+
+def tool_to_dict(tool: agent_pb2.Tool, index: int) -> dict[str, Any]:
+    """A session `Tool` in the HTTP API's shape (`ToolSpec`); a missing execution is left for validation to name."""
+    out: dict[str, Any] = {
+        "name": tool.name,
+        "description": tool.description,
+        "required_permissions": list(tool.required_permissions),
+    }
+    parameters = _schema(tool.parameters_json, f"tools[{index}].parameters_json")
+    if parameters is not None:
+        out["parameters"] = parameters
+    execution = tool.WhichOneof("execution")
+    if execution == "http":
+        out["execution"] = {"kind": "http", "url": tool.http.url}
+        if tool.http.HasField("timeout_s"):
+            out["execution"]["timeout_s"] = tool.http.timeout_s
+    elif execution == "client":
+        out["execution"] = {"kind": "client"}
+    return out
+
+
+def _set_fields(message: ProtoMessage) -> dict[str, Any]:
+    """Fields with presence that are set, by name (unset ones keep the API's defaults)."""
+    return {field.name: value for field, value in message.ListFields()}
+
+
+def create_session_body(request: agent_pb2.CreateSessionRequest) -> dict[str, Any]:
+    """Body of `Orchestrator.create_session` (the HTTP `POST /v1/sessions` body)."""
+    body: dict[str, Any] = {
+        "model": request.model,
+        "system_prompt": request.system_prompt,
+        "tools": [tool_to_dict(tool, i) for i, tool in enumerate(request.tools)],
+    }
+    if request.HasField("limits"):
+        body["limits"] = _set_fields(request.limits)
+    return body
+
+
+def send_message_body(request: agent_pb2.SendMessageRequest) -> dict[str, Any]:
+    """Body of `Orchestrator.send_message` (the HTTP `TurnRequest`)."""
+    body: dict[str, Any] = {"content": request.content}
+    if request.HasField("tool_choice"):
+        body["tool_choice"] = request.tool_choice
+    return body
+
+
+def tool_results_body(request: agent_pb2.SubmitToolResultsRequest) -> dict[str, Any]:
+    """Body of `Orchestrator.submit_tool_results` (the HTTP `ToolResultsSubmission`)."""
+    return {
+        "results": [
+            {"tool_call_id": r.tool_call_id, "content": r.content, "is_error": r.is_error} for r in request.results
+        ]
+    }
+
+
+def openai_tool_choice(tool_choice: str) -> str | dict[str, Any]:
+    """The session API's tool choice ("auto", "none", "required" or a tool name) in OpenAI form."""
+    if tool_choice in NAMED_TOOL_CHOICES:
+        return tool_choice
+    return {"type": "function", "function": {"name": tool_choice}}
+
+
+def chat_completion_fields(request: inference_pb2.ChatCompletionRequest) -> dict[str, Any]:
+    """`ChatCompletionRequest` fields for the engine: messages, tools and sampling options.
+
+    Messages are validated by the session API's `Message` model and rendered by
+    the same `to_wire_message` the orchestrator uses, so both APIs send the
+    engine identical messages.
+
+    Raises:
+        RpcFailure: INVALID_ARGUMENT naming the offending message or tool.
+    """
+    messages = []
+    for index, message in enumerate(request.messages):
+        try:
+            messages.append(to_wire_message(Message.model_validate(chat_message_to_dict(message))))
+        except ValidationError as err:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"messages[{index}]: {err}") from None
+    tools = []
+    for index, tool in enumerate(request.tools):
+        function: dict[str, Any] = {"name": tool.name, "description": tool.description}
+        parameters = _schema(tool.parameters_json, f"tools[{index}].parameters_json")
+        function["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
+        tools.append({"type": "function", "function": function})
+    fields: dict[str, Any] = {"messages": messages, "tools": tools or None}
+    if request.HasField("tool_choice"):
+        fields["tool_choice"] = openai_tool_choice(request.tool_choice)
+    if request.HasField("max_tokens"):
+        fields["max_tokens"] = request.max_tokens
+    if request.HasField("temperature"):
+        fields["temperature"] = request.temperature
+    return fields
+
+
+# ---- plain data -> protobuf (responses and events) ----
+
+
+def usage_to_proto(usage: Mapping[str, Any] | None) -> inference_pb2.Usage | None:
+    """OpenAI usage (with `prompt_tokens_details.cached_tokens`) as `Usage`; None when absent."""
+    if not usage:
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    return inference_pb2.Usage(
+        prompt_tokens=usage.get("prompt_tokens") or 0,
+        completion_tokens=usage.get("completion_tokens") or 0,
+        cached_tokens=details.get("cached_tokens") or 0,
+    )
+
+
+def chat_response_to_proto(response: Mapping[str, Any], replica_id: str) -> inference_pb2.ChatCompletionResponse:
+    """A non-streamed OpenAI chat completion (first choice) as `ChatCompletionResponse`."""
+    choice = response["choices"][0]
+    message = choice.get("message") or {}
+    out = inference_pb2.ChatCompletionResponse(
+        id=response.get("id") or "",
+        model=response.get("model") or "",
+        tool_calls=[
+            inference_pb2.ToolCall(
+                id=call.get("id") or "",
+                name=(call.get("function") or {}).get("name") or "",
+                arguments=(call.get("function") or {}).get("arguments") or "",
+            )
+            for call in message.get("tool_calls") or ()
+        ],
+        finish_reason=choice.get("finish_reason") or "",
+        usage=usage_to_proto(response.get("usage")),
+        replica_id=replica_id,
+    )
+    if message.get("content") is not None:
+        out.content = message["content"]
+    return out
+
+
+def chat_chunk_to_proto(payload: Mapping[str, Any], replica_id: str) -> inference_pb2.ChatCompletionChunk:
+    """One OpenAI stream payload (`data: {...}`; first choice, if any) as `ChatCompletionChunk`."""
+    chunk = inference_pb2.ChatCompletionChunk(
+        id=payload.get("id") or "",
+        model=payload.get("model") or "",
+        usage=usage_to_proto(payload.get("usage")),
+        replica_id=replica_id,
+    )
+    choices = payload.get("choices") or ()
+    if choices:
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        chunk.content = delta.get("content") or ""
+        chunk.finish_reason = choice.get("finish_reason") or ""
+        for call in delta.get("tool_calls") or ():
+            function = call.get("function") or {}
+            chunk.tool_calls.add(
+                index=call.get("index") or 0,
+                id=call.get("id") or "",
+                name=function.get("name") or "",
+                arguments=function.get("arguments") or "",
+            )
+    return chunk
+
+
+def engine_failure(error: Mapping[str, Any]) -> RpcFailure:
+    """An engine error (`ErrorResponse.error`: message, type, HTTP `code`) as an RPC failure."""
+    status = error.get("code")
+    return RpcFailure(
+        grpc_code(status) if isinstance(status, int) else grpc.StatusCode.INTERNAL,
+        str(error.get("type") or "model_error"),
+        str(error.get("message") or "the engine failed"),
+    )
+
+
+def session_event_to_proto(event: Mapping[str, Any]) -> agent_pb2.SessionEvent:
+    """A session event dict (`kind` plus the event's fields) as `SessionEvent`; the oneof field is the kind."""
+    fields = {k: v for k, v in event.items() if k != "kind"}
+    return json_format.ParseDict({event["kind"]: fields}, agent_pb2.SessionEvent())
+
+
+def error_event(failure: RpcFailure) -> agent_pb2.SessionEvent:
+    return agent_pb2.SessionEvent(error=agent_pb2.ErrorEvent(code=failure.code, message=failure.message))
+
+
+def error_chunk(failure: RpcFailure) -> inference_pb2.ChatCompletionChunk:
+    return inference_pb2.ChatCompletionChunk(error=inference_pb2.StreamError(code=failure.code, message=failure.message))
+
+
+def envelope_body(envelope: Mapping[str, Any], expected_status: int) -> Any:
+    """The body of an orchestrator envelope with the expected status.
+
+    Raises:
+        RpcFailure: the envelope is an error (its status mapped to a gRPC code).
+    """
+    if envelope["status"] != expected_status:
+        raise RpcFailure.from_envelope(envelope)
+    return envelope.get("body")
+
+
+def turn_error_status(code: str) -> grpc.StatusCode:
+    """The status a turn stream ends with after an `error` event with this code (HTTP's table, then `grpc_code`)."""
+    if code == "max_steps":
+        return grpc.StatusCode.OK
+    return grpc_code(TURN_ERROR_STATUS.get(code, 500), code)
+
+
+def failure_from_exception(err: Exception) -> RpcFailure:
+    """The failure an exception raised while serving an RPC stands for."""
+    if isinstance(err, RpcFailure):
+        return err
+    if isinstance(err, BackPressureError):
+        return RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", err.message)
+    if isinstance(err, DeploymentUnavailableError):
+        return RpcFailure(grpc.StatusCode.UNAVAILABLE, "unavailable", err.message)
+    if isinstance(err, RayActorError):
+        return RpcFailure(grpc.StatusCode.UNAVAILABLE, "unavailable", "a serving process is unavailable; retry")
+    if isinstance(err, RequestCancelledError):
+        return RpcFailure(grpc.StatusCode.CANCELLED, "cancelled", "the request was cancelled")
+    if isinstance(err, TimeoutError):
+        return RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", f"the request timed out: {err}")
+    return RpcFailure(grpc.StatusCode.INTERNAL, "internal", INTERNAL_MESSAGE)
+
+
+# ---- the deployment ----
+
+
+class GrpcIngress:
+    """Implements the RPCs of `warmpath.v1.Inference` and `warmpath.v1.Agent` (methods named like the RPCs).
+
+    Every RPC takes the request message and Ray Serve's `grpc_context`. Unary
+    RPCs return the response message; server-streaming RPCs are async
+    generators. Method names are unique across both services because the proxy
+    dispatches on the method name alone.
+    """
+
+    def __init__(
+        self, llm_handle, orchestrator_handle, model_id: str, telemetry_config: dict[str, Any] | None = None
+    ) -> None:
+        self._llm = llm_handle
+        self._orchestrator = orchestrator_handle
+        self._model_id = model_id
+        telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "grpc-ingress")
+
+    # Inference
+
+    async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, grpc_context):
+        """One completion, returned whole (the engine runs it unstreamed)."""
+        return await self._unary(
+            INFERENCE_SERVICE, "ChatCompletion", grpc_context, lambda: self._chat_completion(request),
+            inference_pb2.ChatCompletionResponse(),
+        )
+
+    async def StreamChatCompletion(self, request: inference_pb2.ChatCompletionRequest, grpc_context):
+        """One completion, streamed chunk by chunk; a failure ends it with an `error` chunk."""
+        async for chunk in self._streamed(
+            INFERENCE_SERVICE, "StreamChatCompletion", grpc_context, lambda: self._chat_chunks(request), error_chunk
+        ):
+            yield chunk
+
+    # Agent
+
+    async def CreateSession(self, request: agent_pb2.CreateSessionRequest, grpc_context):
+        async def create() -> agent_pb2.CreateSessionResponse:
+            envelope = await self._orchestrator.create_session.remote(create_session_body(request))
+            return json_format.ParseDict(envelope_body(envelope, 201), agent_pb2.CreateSessionResponse())
+
+        return await self._unary(AGENT_SERVICE, "CreateSession", grpc_context, create, agent_pb2.CreateSessionResponse())
+
+    async def GetSession(self, request: agent_pb2.GetSessionRequest, grpc_context):
+        async def get() -> agent_pb2.GetSessionResponse:
+            envelope = await self._orchestrator.get_session.remote(request.session_id)
+            return json_format.ParseDict(envelope_body(envelope, 200), agent_pb2.GetSessionResponse())
+
+        return await self._unary(AGENT_SERVICE, "GetSession", grpc_context, get, agent_pb2.GetSessionResponse())
+
+    async def DeleteSession(self, request: agent_pb2.DeleteSessionRequest, grpc_context):
+        async def delete() -> agent_pb2.DeleteSessionResponse:
+            envelope_body(await self._orchestrator.delete_session.remote(request.session_id), 204)
+            return agent_pb2.DeleteSessionResponse()
+
+        return await self._unary(AGENT_SERVICE, "DeleteSession", grpc_context, delete, agent_pb2.DeleteSessionResponse())
+
+    async def SendMessage(self, request: agent_pb2.SendMessageRequest, grpc_context):
+        def events() -> AsyncIterator[agent_pb2.SessionEvent]:
+            handle = self._orchestrator.options(stream=True)
+            stream = handle.send_message.remote(request.session_id, send_message_body(request), telemetry.inject())
+            return self._turn_events(stream, grpc_context)
+
+        async for event in self._streamed(AGENT_SERVICE, "SendMessage", grpc_context, events, error_event):
+            yield event
+
+    async def SubmitToolResults(self, request: agent_pb2.SubmitToolResultsRequest, grpc_context):
+        def events() -> AsyncIterator[agent_pb2.SessionEvent]:
+            handle = self._orchestrator.options(stream=True)
+            stream = handle.submit_tool_results.remote(request.session_id, tool_results_body(request), telemetry.inject())
+            return self._turn_events(stream, grpc_context)
+
+        async for event in self._streamed(AGENT_SERVICE, "SubmitToolResults", grpc_context, events, error_event):
+            yield event
+
+    async def __call__(self, request) -> JSONResponse:
+        """Plain HTTP reaching this application's route prefix: point the caller at the gRPC port."""
+        error = {"message": "this application serves gRPC only, on the gRPC port", "code": "grpc_only"}
+        return JSONResponse({"error": error}, status_code=404)
+
+    # Helpers
+
+    async def _chat_completion(self, request: inference_pb2.ChatCompletionRequest) -> inference_pb2.ChatCompletionResponse:
+        response: inference_pb2.ChatCompletionResponse | None = None
+        async for replica_id, output in self._engine_outputs(self._chat_request(request, is_streaming=False), request.session_id):
+            if isinstance(output, ChatCompletionResponse):
+                response = chat_response_to_proto(output.model_dump(), replica_id)
+        if response is None:
+            raise RpcFailure(grpc.StatusCode.INTERNAL, "empty_response", "the engine returned no completion")
+        return response
+
+    async def _chat_chunks(self, request: inference_pb2.ChatCompletionRequest) -> AsyncIterator[inference_pb2.ChatCompletionChunk]:
+        async for replica_id, output in self._engine_outputs(self._chat_request(request, is_streaming=True), request.session_id):
+            for payload in _sse_payloads(output):
+                if "error" in payload:
+                    raise engine_failure(payload["error"])
+                yield chat_chunk_to_proto(payload, replica_id)
+
+    def _chat_request(self, request: inference_pb2.ChatCompletionRequest, is_streaming: bool) -> ChatCompletionRequest:
+        if request.model and request.model != self._model_id:
+            raise RpcFailure(
+                grpc.StatusCode.NOT_FOUND, "model_not_found",
+                f'model "{request.model}" is not served here (serving "{self._model_id}")',
+            )
+        fields = chat_completion_fields(request)
+        try:
+            return ChatCompletionRequest(
+                model=self._model_id,
+                stream=is_streaming,
+                stream_options={"include_usage": True} if is_streaming else None,
+                **fields,
+            )
+        except ValueError as err:  # pydantic's ValidationError, raised by the engine's request model
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", str(err)) from None
+
+    async def _engine_outputs(self, chat_request: ChatCompletionRequest, session_id: str) -> AsyncIterator[tuple[str, Any]]:
+        """(serving replica id, engine output) pairs of one chat call, routed by session id when there is one."""
+        options: dict[str, Any] = {"stream": True}
+        if session_id:
+            options["session_id"] = session_id
+        replica_id = ""
+        # Ray handle calls carry no trace context: it travels in the request headers.
+        raw_request_info = RawRequestInfo(headers=telemetry.inject())
+        async for item in self._llm.options(**options).chat.remote(chat_request, raw_request_info):
+            if isinstance(item, ServedBy):
+                replica_id = item.replica_id
+                continue
+            for output in item if isinstance(item, list) else [item]:
+                if isinstance(output, ErrorResponse):
+                    raise engine_failure(output.error.model_dump())
+                yield replica_id, output
+        logged = decision_log.DECISIONS.pop(_get_serve_request_context().request_id)
+        decision_log.record_route_span(logged, replica_id or None)
+
+    async def _turn_events(self, stream, grpc_context) -> AsyncIterator[agent_pb2.SessionEvent]:
+        """An orchestrator turn stream (envelope, then event dicts) as `SessionEvent`s."""
+        events = stream.__aiter__()
+        envelope_body(await anext(events), 200)
+        async for event in events:
+            message = session_event_to_proto(event)
+            if event["kind"] == "error":
+                status = turn_error_status(event["code"])
+                if status != grpc.StatusCode.OK:
+                    RpcFailure(status, event["code"], event["message"]).set_on(grpc_context)
+            yield message
+
+    async def _unary(
+        self, service: str, method: str, grpc_context, work: Callable[[], Awaitable[ResponseT]], empty: ResponseT
+    ) -> ResponseT:
+        with self._rpc_span(service, method, grpc_context) as span:
+            try:
+                return await work()
+            except Exception as err:
+                _fail(grpc_context, span, method, err)
+                return empty
+
+    async def _streamed(
+        self,
+        service: str,
+        method: str,
+        grpc_context,
+        messages: Callable[[], AsyncIterator[ResponseT]],
+        error_message: Callable[[RpcFailure], ResponseT],
+    ) -> AsyncIterator[ResponseT]:
+        with self._rpc_span(service, method, grpc_context) as span:
+            try:
+                async for message in messages():
+                    yield message
+            except Exception as err:
+                yield error_message(_fail(grpc_context, span, method, err))
+
+    @contextmanager
+    def _rpc_span(self, service: str, method: str, grpc_context) -> Iterator[trace.Span]:
+        """The server span of one RPC, child of the W3C context in the call's metadata."""
+        carrier = {key: value for key, value in grpc_context.invocation_metadata() if isinstance(value, str)}
+        with telemetry.tracer().start_as_current_span(
+            f"{service}/{method}", context=telemetry.extract(carrier), kind=trace.SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+        ) as span:
+            yield span
+
+
+def _fail(grpc_context, span: trace.Span, method: str, err: Exception) -> RpcFailure:
+    """Records a failed RPC: status onto the context and span, unexpected errors into the log."""
+    failure = failure_from_exception(err)
+    if failure is not err and failure.status == grpc.StatusCode.INTERNAL:
+        logger.exception("gRPC %s failed", method)
+    elif failure is not err:
+        logger.warning("gRPC %s failed: %s: %s", method, type(err).__name__, err)
+    failure.set_on(grpc_context)
+    if span.is_recording():
+        span.set_attribute("rpc.grpc.status_code", failure.status.value[0])
+        span.set_status(trace.Status(trace.StatusCode.ERROR, failure.message[:200]))
+    return failure

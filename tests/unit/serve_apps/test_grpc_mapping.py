@@ -1,0 +1,806 @@
+"""gRPC mapping: protobuf <-> the session/OpenAI plain data, status codes, and the RPC contract.
+
+Covers `serve_apps.grpc_status` (HTTP -> gRPC codes, health in Ray's proxy) and
+the conversions and status ordering of `serve_apps.ingress_grpc.GrpcIngress`,
+driven through fake handles. No Ray cluster: the proxy test runs Ray Serve's
+own gRPC server start-up (`start_grpc_server`, a real `gRPCProxy`) in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+import typing
+
+import grpc
+import pytest
+from google.protobuf import json_format
+from pydantic import ValidationError
+
+from serve_apps import ingress_grpc
+from serve_apps.grpc_status import RpcFailure, grpc_code
+from serve_apps.ingress_grpc import (
+    GrpcIngress,
+    chat_chunk_to_proto,
+    chat_completion_fields,
+    chat_response_to_proto,
+    create_session_body,
+    engine_failure,
+    failure_from_exception,
+    send_message_body,
+    session_event_to_proto,
+    tool_results_body,
+    turn_error_status,
+)
+from serve_apps.ingress_http import TURN_ERROR_STATUS
+from serve_apps.orchestrator.deployment import _error
+from serve_apps.orchestrator.models import (
+    CompressionEvent,
+    CompressionReport,
+    CreateSessionRequest,
+    DeltaEvent,
+    ErrorEvent,
+    FinalEvent,
+    Message,
+    RequiresActionEvent,
+    SessionEvent,
+    StepStats,
+    ToolCall,
+    ToolCallEvent,
+    ToolResultEvent,
+    ToolResultsSubmission,
+    TurnRequest,
+    UsageEvent,
+)
+from serve_apps.vllm_replica import ServedBy
+from warmpath.v1 import agent_pb2, inference_pb2
+
+Code = grpc.StatusCode
+OBJECT_SCHEMA = '{"type":"object","properties":{"q":{"type":"string"}},"required":["q"]}'
+CALL = ToolCall(id="call_1", name="search", arguments='{"q":"x"}')
+REPORT = CompressionReport(
+    num_messages_compressed=4, tokens_before=900, tokens_after=300, ledger_size=3, ledger_retained_fraction=1.0
+)
+
+
+# ---- status mapping ----
+
+
+@pytest.mark.parametrize(
+    "http_status, error_code, expected",
+    [
+        (200, None, Code.OK),
+        (201, None, Code.OK),
+        (204, None, Code.OK),
+        (400, "invalid_limits", Code.INVALID_ARGUMENT),
+        (422, "invalid_request", Code.INVALID_ARGUMENT),
+        (401, None, Code.UNAUTHENTICATED),
+        (403, None, Code.PERMISSION_DENIED),
+        (404, "session_not_found", Code.NOT_FOUND),
+        (409, "requires_action", Code.FAILED_PRECONDITION),
+        (409, "tool_results_mismatch", Code.FAILED_PRECONDITION),
+        (409, "session_busy", Code.ABORTED),
+        (409, "stale_turn", Code.ABORTED),
+        (429, None, Code.RESOURCE_EXHAUSTED),
+        (500, None, Code.INTERNAL),
+        (502, "model_error", Code.UNAVAILABLE),
+        (503, "store_unavailable", Code.UNAVAILABLE),
+        (504, None, Code.DEADLINE_EXCEEDED),
+        (418, None, Code.UNKNOWN),
+    ],
+)
+def test_grpc_code(http_status, error_code, expected):
+    assert grpc_code(http_status, error_code) is expected
+
+
+@pytest.mark.parametrize(
+    "envelope, status, code",
+    [
+        (_error(404, "no session s1", "session_not_found"), Code.NOT_FOUND, "session_not_found"),
+        (_error(422, "1 validation error", "invalid_request"), Code.INVALID_ARGUMENT, "invalid_request"),
+        (_error(409, "answer the pending tool calls first", "requires_action"), Code.FAILED_PRECONDITION, "requires_action"),
+        (_error(409, "a turn is running", "session_busy"), Code.ABORTED, "session_busy"),
+        (_error(503, "session store unavailable: down", "store_unavailable"), Code.UNAVAILABLE, "store_unavailable"),
+        ({"status": 500, "body": None}, Code.INTERNAL, "error"),
+    ],
+)
+def test_failure_from_orchestrator_envelope(envelope, status, code):
+    failure = RpcFailure.from_envelope(envelope)
+    assert (failure.status, failure.code) == (status, code)
+    assert failure.message  # always readable
+
+
+@pytest.mark.parametrize(
+    "turn_code, expected",
+    [(code, grpc_code(status, code)) for code, status in TURN_ERROR_STATUS.items()]
+    + [("max_steps", Code.OK), ("internal", Code.INTERNAL), ("stale_turn", Code.ABORTED), ("model_error", Code.UNAVAILABLE)],
+)
+def test_turn_error_status(turn_code, expected):
+    assert turn_error_status(turn_code) is expected
+
+
+def _exceptions():
+    from ray.exceptions import RayActorError
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    return [
+        (BackPressureError(num_queued_requests=9, max_queued_requests=8), Code.RESOURCE_EXHAUSTED),
+        (DeploymentUnavailableError(DeploymentID(name="Orchestrator", app_name="warmpath")), Code.UNAVAILABLE),
+        (RayActorError(), Code.UNAVAILABLE),
+        (asyncio.TimeoutError(), Code.DEADLINE_EXCEEDED),
+        (RuntimeError("boom"), Code.INTERNAL),
+        (RpcFailure(Code.NOT_FOUND, "session_not_found", "no session"), Code.NOT_FOUND),
+    ]
+
+
+@pytest.mark.parametrize("err, expected", _exceptions())
+def test_failure_from_exception(err, expected):
+    failure = failure_from_exception(err)
+    assert failure.status is expected
+    assert "boom" not in failure.message  # internal details stay in the log
+
+
+@pytest.mark.parametrize(
+    "error, status, code",
+    [
+        ({"message": "prompt too long", "type": "BadRequestError", "code": 400}, Code.INVALID_ARGUMENT, "BadRequestError"),
+        ({"message": "engine dead", "type": "InternalServerError", "code": 500}, Code.INTERNAL, "InternalServerError"),
+        ({"message": "odd"}, Code.INTERNAL, "model_error"),
+    ],
+)
+def test_engine_failure(error, status, code):
+    failure = engine_failure(error)
+    assert (failure.status, failure.code, failure.message) == (status, code, error["message"])
+
+
+# ---- agent requests: protobuf -> HTTP API bodies ----
+
+
+def _tool(**overrides) -> agent_pb2.Tool:
+    fields = {"name": "search", "description": "find", "parameters_json": OBJECT_SCHEMA, "client": agent_pb2.ClientExecution()}
+    fields.update(overrides)
+    return agent_pb2.Tool(**fields)
+
+
+@pytest.mark.parametrize(
+    "request_pb, expected_http_body",
+    [
+        (
+            agent_pb2.CreateSessionRequest(model="m"),
+            {"model": "m"},
+        ),
+        (
+            agent_pb2.CreateSessionRequest(
+                model="m",
+                system_prompt="be brief",
+                tools=[_tool(required_permissions=["orders:read"])],
+                limits=agent_pb2.SessionLimits(max_steps_per_turn=3, compress_below_fraction=0.25),
+            ),
+            {
+                "model": "m",
+                "system_prompt": "be brief",
+                "tools": [
+                    {
+                        "name": "search", "description": "find", "required_permissions": ["orders:read"],
+                        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+                        "execution": {"kind": "client"},
+                    }
+                ],
+                "limits": {"max_steps_per_turn": 3, "compress_below_fraction": 0.25},
+            },
+        ),
+        (
+            agent_pb2.CreateSessionRequest(
+                model="m",
+                tools=[_tool(parameters_json="", http=agent_pb2.HttpExecution(url="http://127.0.0.1:9/t", timeout_s=2.5))],
+            ),
+            {
+                "model": "m",
+                "tools": [
+                    {"name": "search", "description": "find", "execution": {"kind": "http", "url": "http://127.0.0.1:9/t", "timeout_s": 2.5}}
+                ],
+            },
+        ),
+        (
+            agent_pb2.CreateSessionRequest(model="m", tools=[_tool(http=agent_pb2.HttpExecution(url="https://t.example/x"))]),
+            {"model": "m", "tools": [{"name": "search", "description": "find", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}, "execution": {"kind": "http", "url": "https://t.example/x"}}]},
+        ),
+    ],
+    ids=["defaults", "client-tool-and-limits", "http-tool-default-schema", "http-tool-default-timeout"],
+)
+def test_create_session_body_equals_http_body(request_pb, expected_http_body):
+    # Same validated request as the HTTP API builds from its JSON body.
+    assert CreateSessionRequest.model_validate(create_session_body(request_pb)) == CreateSessionRequest.model_validate(
+        expected_http_body
+    )
+
+
+def test_create_session_bad_schema_json_names_the_tool():
+    with pytest.raises(RpcFailure) as info:
+        create_session_body(agent_pb2.CreateSessionRequest(model="m", tools=[_tool(), _tool(parameters_json="{nope")]))
+    assert info.value.status is Code.INVALID_ARGUMENT
+    assert info.value.message.startswith("tools[1].parameters_json: not JSON")
+
+
+@pytest.mark.parametrize(
+    "request_pb, location",
+    [
+        (agent_pb2.CreateSessionRequest(model="m", tools=[agent_pb2.Tool(name="search")]), "tools.0.execution"),
+        (agent_pb2.CreateSessionRequest(model="m", tools=[_tool(parameters_json='{"type":"array"}')]), "tools.0.parameters"),
+        (agent_pb2.CreateSessionRequest(model=""), "model"),
+        (agent_pb2.CreateSessionRequest(model="m", limits=agent_pb2.SessionLimits(max_steps_per_turn=0)), "limits.max_steps_per_turn"),
+    ],
+)
+def test_invalid_create_session_fails_validation_at_the_field(request_pb, location):
+    # The orchestrator validates with this model and answers 422 -> INVALID_ARGUMENT.
+    with pytest.raises(ValidationError) as info:
+        CreateSessionRequest.model_validate(create_session_body(request_pb))
+    assert location in [".".join(str(p) for p in e["loc"])[: len(location)] for e in info.value.errors()]
+
+
+@pytest.mark.parametrize(
+    "request_pb, expected",
+    [
+        (agent_pb2.SendMessageRequest(session_id="s", content="hi"), TurnRequest(content="hi")),
+        (agent_pb2.SendMessageRequest(session_id="s", content="hi", tool_choice="required"), TurnRequest(content="hi", tool_choice="required")),
+        (agent_pb2.SendMessageRequest(session_id="s", content="hi", tool_choice="search"), TurnRequest(content="hi", tool_choice="search")),
+    ],
+)
+def test_send_message_body(request_pb, expected):
+    assert TurnRequest.model_validate(send_message_body(request_pb)) == expected
+
+
+def test_tool_results_body_keeps_empty_content_and_flags():
+    request_pb = agent_pb2.SubmitToolResultsRequest(
+        session_id="s",
+        results=[agent_pb2.ToolResult(tool_call_id="a", content=""), agent_pb2.ToolResult(tool_call_id="b", content="no", is_error=True)],
+    )
+    submission = ToolResultsSubmission.model_validate(tool_results_body(request_pb))
+    assert [(r.tool_call_id, r.content, r.is_error) for r in submission.results] == [("a", "", False), ("b", "no", True)]
+
+
+# ---- agent responses and events: HTTP API data -> protobuf ----
+
+
+def _event_kinds() -> set[str]:
+    union = typing.get_args(SessionEvent)[0]
+    return {member.model_fields["kind"].default for member in typing.get_args(union)}
+
+
+def test_every_session_event_kind_has_a_oneof_field():
+    oneof = agent_pb2.SessionEvent.DESCRIPTOR.oneofs_by_name["event"]
+    assert {field.name for field in oneof.fields} == _event_kinds()
+
+
+EVENTS = [
+    DeltaEvent(text="Hel"),
+    ToolCallEvent(call=CALL),
+    ToolResultEvent(tool_call_id="call_1", status="timeout", content="", is_truncated=True),
+    FinalEvent(message=Message(role="assistant", content="done")),
+    FinalEvent(message=Message(role="assistant", content=None, tool_calls=[CALL])),
+    UsageEvent(stats=StepStats(step_index=0, prefix_fingerprint="ab", prompt_tokens=120, cached_tokens=96)),
+    UsageEvent(stats=StepStats(step_index=2, prefix_fingerprint="ab", prompt_tokens=9, cached_tokens=0, completion_tokens=4, compression=REPORT)),
+    RequiresActionEvent(tool_calls=[CALL, ToolCall(id="call_2", name="lookup", arguments="{}")]),
+    ErrorEvent(code="context_overflow", message="the prompt no longer fits"),
+    CompressionEvent(report=REPORT),
+]
+
+
+def _contains(actual, expected) -> bool:
+    """`actual` has every value of `expected`; anything extra is a protobuf default."""
+    if isinstance(expected, dict):
+        return all(_contains(actual.get(k), v) for k, v in expected.items()) and all(
+            v in ("", 0, 0.0, False, []) for k, v in actual.items() if k not in expected
+        )
+    if isinstance(expected, list):
+        return len(actual) == len(expected) and all(_contains(a, e) for a, e in zip(actual, expected))
+    return actual == expected
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: e.kind)
+def test_session_event_round_trip(event):
+    wire = event.model_dump(exclude_none=True)  # what the orchestrator yields
+    proto = session_event_to_proto(wire)
+    assert proto.WhichOneof("event") == event.kind
+    back = json_format.MessageToDict(
+        getattr(proto, event.kind), preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    assert _contains(back, {k: v for k, v in wire.items() if k != "kind"})
+
+
+def test_session_event_unknown_field_is_an_error():
+    # A field added to the models but not to the proto must not vanish silently.
+    with pytest.raises(json_format.ParseError):
+        session_event_to_proto({"kind": "delta", "text": "x", "new_field": 1})
+
+
+def _get_session_body() -> dict:
+    """Shaped like `Orchestrator.get_session`'s body."""
+    steps = [
+        StepStats(step_index=0, prefix_fingerprint="ab", prompt_tokens=100, cached_tokens=0, completion_tokens=5),
+        StepStats(step_index=1, prefix_fingerprint="ab", prompt_tokens=140, cached_tokens=96, completion_tokens=7, compression=REPORT),
+    ]
+    transcript = [
+        Message(role="user", content="find x"),
+        Message(role="assistant", content=None, tool_calls=[CALL]),
+        Message(role="tool", content="found", tool_call_id="call_1", name="search"),
+    ]
+    return {
+        "session_id": "s1",
+        "model": "warmpath-tiny",
+        "prefix_fingerprint": "ab",
+        "transcript": [m.model_dump(exclude_none=True) for m in transcript],
+        "num_messages_total": 3,
+        "pending_tool_calls": [CALL.model_dump()],
+        "tokens": {
+            "prefix_tokens": 60, "message_tokens": [5, 12, 4], "total_tokens": 81,
+            "context_window_tokens": 2048, "output_reserve_tokens": 512, "remaining_tokens": 1455,
+        },
+        "cache": {
+            "cacheable_prefix_tokens": 60, "prompt_tokens": 240, "cached_tokens": 96, "hit_ratio": 0.4,
+            "num_compressions": 1, "steps": [s.model_dump() for s in steps],
+        },
+    }
+
+
+def test_get_session_response_mirrors_the_http_body():
+    body = _get_session_body()
+    proto = json_format.ParseDict(body, agent_pb2.GetSessionResponse())
+    assert proto.transcript[1].tool_calls[0].arguments == '{"q":"x"}'
+    assert not proto.transcript[1].HasField("content")
+    assert proto.transcript[2].tool_call_id == "call_1"
+    assert list(proto.tokens.message_tokens) == [5, 12, 4]
+    assert proto.cache.hit_ratio == pytest.approx(0.4)
+    assert not proto.cache.steps[0].HasField("compression")
+    assert proto.cache.steps[1].compression.tokens_after == 300
+    back = json_format.MessageToDict(proto, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    assert _contains(back, json_format.MessageToDict(proto, preserving_proto_field_name=True))
+    assert back["cache"]["steps"][1]["compression"] == REPORT.model_dump()
+
+
+# ---- inference: protobuf <-> OpenAI ----
+
+
+def _chat_request(**overrides) -> inference_pb2.ChatCompletionRequest:
+    fields = {
+        "messages": [
+            inference_pb2.ChatMessage(role="system", content="be brief"),
+            inference_pb2.ChatMessage(role="user", content="find x"),
+            inference_pb2.ChatMessage(role="assistant", tool_calls=[inference_pb2.ToolCall(id="c1", name="search", arguments='{"q":"x"}')]),
+            inference_pb2.ChatMessage(role="tool", content="found", tool_call_id="c1", name="search"),
+        ],
+    }
+    fields.update(overrides)
+    return inference_pb2.ChatCompletionRequest(**fields)
+
+
+def test_chat_messages_become_openai_wire_messages():
+    fields = chat_completion_fields(_chat_request())
+    assert fields["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "find x"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q":"x"}'}}]},
+        {"role": "tool", "content": "found", "tool_call_id": "c1", "name": "search"},
+    ]
+    assert fields["tools"] is None
+    assert set(fields) == {"messages", "tools"}  # unset options stay the engine's defaults
+
+
+@pytest.mark.parametrize(
+    "tool_choice, expected",
+    [
+        ("auto", "auto"),
+        ("none", "none"),
+        ("required", "required"),
+        ("search", {"type": "function", "function": {"name": "search"}}),
+    ],
+)
+def test_tool_choice(tool_choice, expected):
+    tools = [inference_pb2.FunctionTool(name="search", description="find", parameters_json=OBJECT_SCHEMA)]
+    fields = chat_completion_fields(_chat_request(tools=tools, tool_choice=tool_choice, max_tokens=64, temperature=0.0))
+    assert fields["tool_choice"] == expected
+    assert (fields["max_tokens"], fields["temperature"]) == (64, 0.0)
+    assert fields["tools"][0]["function"]["parameters"]["required"] == ["q"]
+    # The engine's own request model accepts what we build.
+    ingress_grpc.ChatCompletionRequest(model="m", stream=False, **fields)
+
+
+def test_function_tool_without_schema_gets_an_empty_object_schema():
+    fields = chat_completion_fields(_chat_request(tools=[inference_pb2.FunctionTool(name="now")]))
+    assert fields["tools"] == [{"type": "function", "function": {"name": "now", "description": "", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize(
+    "messages, prefix",
+    [
+        ([inference_pb2.ChatMessage(role="robot", content="x")], "messages[0]:"),
+        ([inference_pb2.ChatMessage(role="user", content="x"), inference_pb2.ChatMessage(role="tool", content="x")], "messages[1]:"),
+        ([inference_pb2.ChatMessage(role="user")], "messages[0]:"),
+    ],
+    ids=["unknown-role", "tool-without-call-id", "user-without-content"],
+)
+def test_invalid_chat_messages(messages, prefix):
+    with pytest.raises(RpcFailure) as info:
+        chat_completion_fields(inference_pb2.ChatCompletionRequest(messages=messages))
+    assert info.value.status is Code.INVALID_ARGUMENT
+    assert info.value.message.startswith(prefix)
+
+
+OPENAI_RESPONSE = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "warmpath-tiny",
+    "choices": [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q":"x"}'}}],
+            },
+            "finish_reason": "tool_calls",
+        }
+    ],
+    "usage": {"prompt_tokens": 120, "completion_tokens": 9, "total_tokens": 129, "prompt_tokens_details": {"cached_tokens": 96}},
+}
+
+
+def test_chat_response_to_proto():
+    proto = chat_response_to_proto(OPENAI_RESPONSE, "replica-a")
+    assert (proto.id, proto.model, proto.finish_reason, proto.replica_id) == ("chatcmpl-1", "warmpath-tiny", "tool_calls", "replica-a")
+    assert not proto.HasField("content")
+    assert [(c.id, c.name, c.arguments) for c in proto.tool_calls] == [("c1", "search", '{"q":"x"}')]
+    assert (proto.usage.prompt_tokens, proto.usage.completion_tokens, proto.usage.cached_tokens) == (120, 9, 96)
+
+
+@pytest.mark.parametrize(
+    "payload, expected",
+    [
+        (
+            {"id": "c", "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "finish_reason": None}]},
+            inference_pb2.ChatCompletionChunk(id="c", model="m", content="Hel", replica_id="r"),
+        ),
+        (
+            {"id": "c", "model": "m", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "id": "c2", "type": "function", "function": {"name": "search", "arguments": ""}}]}}]},
+            inference_pb2.ChatCompletionChunk(id="c", model="m", replica_id="r", tool_calls=[inference_pb2.ToolCallDelta(index=1, id="c2", name="search")]),
+        ),
+        (
+            {"id": "c", "model": "m", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "function": {"arguments": '{"q"'}}]}}]},
+            inference_pb2.ChatCompletionChunk(id="c", model="m", replica_id="r", tool_calls=[inference_pb2.ToolCallDelta(index=1, arguments='{"q"')]),
+        ),
+        (
+            {"id": "c", "model": "m", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+            inference_pb2.ChatCompletionChunk(id="c", model="m", finish_reason="stop", replica_id="r"),
+        ),
+        (
+            {"id": "c", "model": "m", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": None}},
+            inference_pb2.ChatCompletionChunk(id="c", model="m", replica_id="r", usage=inference_pb2.Usage(prompt_tokens=7, completion_tokens=2)),
+        ),
+    ],
+    ids=["text", "tool-call-start", "tool-call-arguments", "finish", "usage"],
+)
+def test_chat_chunk_to_proto(payload, expected):
+    assert chat_chunk_to_proto(payload, "r") == expected
+
+
+# ---- GrpcIngress: RPC contract and status ordering, through fake handles ----
+
+
+class FakeContext:
+    """Ray Serve's `grpc_context` surface the ingress uses."""
+
+    def __init__(self, metadata=()):
+        self._metadata = list(metadata)
+        self.code = None
+        self.details = None
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+class FakeMethod:
+    def __init__(self, result):
+        self._result = result
+        self.calls = []
+
+    def remote(self, *args):
+        self.calls.append(args)
+        result = self._result(*args) if callable(self._result) else self._result
+        if inspect.isasyncgen(result):
+            return result
+
+        async def value():
+            return result
+
+        return value()
+
+
+class FakeHandle:
+    def __init__(self, **methods):
+        self._methods = {name: FakeMethod(result) for name, result in methods.items()}
+        self.options_calls = []
+
+    def options(self, **options):
+        self.options_calls.append(options)
+        return self
+
+    def __getattr__(self, name):
+        return self._methods[name]
+
+
+async def _items(*items):
+    for item in items:
+        yield item
+
+
+def _ingress(llm=None, orchestrator=None) -> GrpcIngress:
+    return GrpcIngress(llm or FakeHandle(), orchestrator or FakeHandle(), "warmpath-tiny")
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _collect(stream, context):
+    """Messages of a stream, each with the status code the context held when it was yielded."""
+    return [(message, context.code) async for message in stream]
+
+
+def test_ingress_implements_every_rpc():
+    for pb, service in ((inference_pb2, "Inference"), (agent_pb2, "Agent")):
+        for method in pb.DESCRIPTOR.services_by_name[service].methods:
+            implementation = getattr(GrpcIngress, method.name)
+            assert "grpc_context" in inspect.signature(implementation).parameters
+            assert inspect.isasyncgenfunction(implementation) is method.server_streaming, method.name
+            if not method.server_streaming:
+                assert inspect.iscoroutinefunction(implementation), method.name
+
+
+def test_create_session_ok_and_error():
+    orchestrator = FakeHandle(create_session=lambda body: {"status": 201, "body": {"session_id": "s1", "prefix_fingerprint": "ab"}})
+    context = FakeContext()
+    response = _run(_ingress(orchestrator=orchestrator).CreateSession(agent_pb2.CreateSessionRequest(model="warmpath-tiny"), context))
+    assert (response.session_id, response.prefix_fingerprint, context.code) == ("s1", "ab", None)
+    assert orchestrator.create_session.calls[0][0]["model"] == "warmpath-tiny"
+
+    orchestrator = FakeHandle(create_session=_error(404, 'model "x" is not served here', "model_not_found"))
+    context = FakeContext()
+    response = _run(_ingress(orchestrator=orchestrator).CreateSession(agent_pb2.CreateSessionRequest(model="x"), context))
+    assert response == agent_pb2.CreateSessionResponse()
+    assert (context.code, context.details) == (Code.NOT_FOUND, 'model "x" is not served here')
+
+
+@pytest.mark.parametrize(
+    "envelope, expected",
+    [({"status": 204, "body": None}, None), (_error(404, "no session s1", "session_not_found"), Code.NOT_FOUND)],
+)
+def test_delete_session(envelope, expected):
+    context = FakeContext()
+    _run(_ingress(orchestrator=FakeHandle(delete_session=envelope)).DeleteSession(agent_pb2.DeleteSessionRequest(session_id="s1"), context))
+    assert context.code == expected
+
+
+def test_get_session():
+    context = FakeContext()
+    orchestrator = FakeHandle(get_session={"status": 200, "body": _get_session_body()})
+    response = _run(_ingress(orchestrator=orchestrator).GetSession(agent_pb2.GetSessionRequest(session_id="s1"), context))
+    assert (response.session_id, response.cache.cached_tokens, context.code) == ("s1", 96, None)
+
+
+def test_unexpected_orchestrator_reply_is_internal():
+    context = FakeContext()
+    orchestrator = FakeHandle(get_session={"status": 200, "body": {"session_id": "s1", "surprise": 1}})
+    _run(_ingress(orchestrator=orchestrator).GetSession(agent_pb2.GetSessionRequest(session_id="s1"), context))
+    assert context.code is Code.INTERNAL
+    assert "surprise" not in context.details
+
+
+def _turn(*items):
+    return lambda session_id, body, carrier: _items(*items)
+
+
+@pytest.mark.parametrize(
+    "stream, expected_kinds, expected_codes",
+    [
+        (
+            _turn({"status": 200}, DeltaEvent(text="hi").model_dump(), FinalEvent(message=Message(role="assistant", content="hi")).model_dump(exclude_none=True)),
+            ["delta", "final"],
+            [None, None],
+        ),
+        (
+            _turn({"status": 200}, DeltaEvent(text="h").model_dump(), {"kind": "error", "code": "model_error", "message": "engine died"}),
+            ["delta", "error"],
+            [None, Code.UNAVAILABLE],  # set before the error event, so Ray ships it
+        ),
+        (
+            _turn({"status": 200}, {"kind": "error", "code": "max_steps", "message": "the turn used all 8 steps"}),
+            ["error"],
+            [None],
+        ),
+        (
+            _turn(_error(404, "no session s9", "session_not_found")),
+            ["error"],
+            [Code.NOT_FOUND],
+        ),
+        (
+            _turn(_error(409, "answer the pending tool calls ['c1'] first", "requires_action")),
+            ["error"],
+            [Code.FAILED_PRECONDITION],
+        ),
+    ],
+    ids=["completed", "failed-midway", "max-steps", "unknown-session", "pending-calls"],
+)
+def test_send_message_stream_and_status(stream, expected_kinds, expected_codes):
+    orchestrator = FakeHandle(send_message=stream)
+    context = FakeContext()
+    request = agent_pb2.SendMessageRequest(session_id="s1", content="hi")
+    got = _run(_collect(_ingress(orchestrator=orchestrator).SendMessage(request, context), context))
+    assert [m.WhichOneof("event") for m, _ in got] == expected_kinds
+    assert [code for _, code in got] == expected_codes
+    assert orchestrator.options_calls == [{"stream": True}]
+    assert orchestrator.send_message.calls[0][:2] == ("s1", {"content": "hi"})
+
+
+def test_turn_failure_event_carries_the_envelope_error():
+    orchestrator = FakeHandle(submit_tool_results=_turn(_error(409, "a turn is running", "session_busy")))
+    context = FakeContext()
+    request = agent_pb2.SubmitToolResultsRequest(session_id="s1", results=[agent_pb2.ToolResult(tool_call_id="c1", content="ok")])
+    [(event, code)] = _run(_collect(_ingress(orchestrator=orchestrator).SubmitToolResults(request, context), context))
+    assert (event.error.code, event.error.message, code, context.details) == ("session_busy", "a turn is running", Code.ABORTED, "a turn is running")
+
+
+def test_orchestrator_crash_mid_turn_is_internal():
+    async def crash(session_id, body, carrier):
+        yield {"status": 200}
+        yield DeltaEvent(text="h").model_dump()
+        raise RuntimeError("replica lost")
+
+    context = FakeContext()
+    got = _run(_collect(_ingress(orchestrator=FakeHandle(send_message=crash)).SendMessage(agent_pb2.SendMessageRequest(session_id="s1", content="hi"), context), context))
+    assert [m.WhichOneof("event") for m, _ in got] == ["delta", "error"]
+    assert got[-1][0].error.code == "internal" and got[-1][1] is Code.INTERNAL
+
+
+def _llm_stream(*items):
+    return lambda request, raw_request_info: _items(*items)
+
+
+def test_chat_completion_unary():
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionResponse
+
+    llm = FakeHandle(chat=_llm_stream(ServedBy("replica-a"), ChatCompletionResponse(**OPENAI_RESPONSE)))
+    context = FakeContext()
+    response = _run(_ingress(llm=llm).ChatCompletion(_chat_request(session_id="s1"), context))
+    assert (response.replica_id, response.finish_reason, response.usage.cached_tokens, context.code) == ("replica-a", "tool_calls", 96, None)
+    request, raw_request_info = llm.chat.calls[0]
+    assert (request.model, request.stream) == ("warmpath-tiny", False)
+    assert llm.options_calls == [{"stream": True, "session_id": "s1"}]
+
+
+def test_chat_completion_engine_error_and_unknown_model():
+    from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo, ErrorResponse
+
+    error = ErrorResponse(error=ErrorInfo(message="prompt too long", type="BadRequestError", code=400))
+    context = FakeContext()
+    _run(_ingress(llm=FakeHandle(chat=_llm_stream(ServedBy("r"), [error]))).ChatCompletion(_chat_request(), context))
+    assert (context.code, context.details) == (Code.INVALID_ARGUMENT, "prompt too long")
+
+    context = FakeContext()
+    llm = FakeHandle()
+    _run(_ingress(llm=llm).ChatCompletion(_chat_request(model="other"), context))
+    assert context.code is Code.NOT_FOUND
+    assert llm.options_calls == []  # rejected before any engine call
+
+
+def test_stream_chat_completion():
+    frames = [
+        'data: {"id":"c","model":"warmpath-tiny","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n',
+        'data: {"id":"c","model":"warmpath-tiny","choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":"stop"}]}\n\n',
+    ]
+    usage = 'data: {"id":"c","model":"warmpath-tiny","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
+    llm = FakeHandle(chat=_llm_stream(ServedBy("replica-b"), frames, [usage]))
+    context = FakeContext()
+    got = _run(_collect(_ingress(llm=llm).StreamChatCompletion(_chat_request(), context), context))
+    chunks = [c for c, _ in got]
+    assert "".join(c.content for c in chunks) == "Hello"
+    assert {c.replica_id for c in chunks} == {"replica-b"}
+    assert chunks[-1].usage.prompt_tokens == 5 and context.code is None
+    request, _ = llm.chat.calls[0]
+    assert request.stream and request.stream_options.include_usage
+    assert llm.options_calls == [{"stream": True}]  # no session id: no affinity key
+
+
+def test_stream_chat_completion_error_midway():
+    frames = [
+        'data: {"id":"c","model":"warmpath-tiny","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n',
+        'data: {"error":{"message":"engine overloaded","type":"ServiceUnavailableError","code":503}}\n\n',
+    ]
+    context = FakeContext()
+    got = _run(_collect(_ingress(llm=FakeHandle(chat=_llm_stream(ServedBy("r"), frames))).StreamChatCompletion(_chat_request(), context), context))
+    assert [c.content for c, _ in got] == ["Hel", ""]
+    last, code = got[-1]
+    assert (last.error.code, last.error.message, code) == ("ServiceUnavailableError", "engine overloaded", Code.UNAVAILABLE)
+
+
+# ---- health and reflection, hosted by Ray Serve's gRPC proxy ----
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+GRPC_SERVICER_FUNCTIONS = [
+    "warmpath.v1.inference_pb2_grpc.add_InferenceServicer_to_server",
+    "warmpath.v1.agent_pb2_grpc.add_AgentServicer_to_server",
+    "serve_apps.grpc_status.add_health_servicer_to_server",
+]
+
+
+async def _proxy_checks() -> dict:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    from ray.serve._private.common import DeploymentID, EndpointInfo
+    from ray.serve._private.grpc_util import start_grpc_server
+    from ray.serve._private.proxy import gRPCProxy
+    from ray.serve._private.proxy_router import ProxyRouter
+    from ray.serve.config import gRPCOptions
+    from warmpath.v1 import agent_pb2_grpc
+
+    proxy = gRPCProxy(
+        node_id="node-1", node_ip_address="127.0.0.1", is_head=True, proxy_router=ProxyRouter(get_handle=lambda *args: None)
+    )
+    port = _free_port()
+    options = gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
+    _, server = await start_grpc_server(proxy.service_handler_factory, options, event_loop=asyncio.get_running_loop())
+    seen: dict = {}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def status(service=""):
+                return (await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)).status
+
+            seen["no_routes"] = await status()
+            # A warmpath RPC is routed to replicas, not answered in the proxy.
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await agent_pb2_grpc.AgentStub(channel).GetSession(agent_pb2.GetSessionRequest(session_id="s"), timeout=10)
+            seen["routed"] = (info.value.code(), info.value.details())
+            proxy.proxy_router.update_routes({DeploymentID(name="GrpcIngress", app_name="warmpath-grpc"): EndpointInfo(route="/grpc")})
+            seen["ready"] = await status()
+            seen["ready_agent"] = await status("warmpath.v1.Agent")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await status("no.such.Service")
+            seen["unknown"] = info.value.code()
+            proxy.update_draining(True)
+            seen["draining"] = await status("warmpath.v1.Inference")
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            async for reply in reflection.ServerReflectionInfo(iter([request]), timeout=10):
+                seen["reflected"] = {s.name for s in reply.list_services_response.service}
+    finally:
+        await server.stop(None)
+    return seen
+
+
+def test_health_and_reflection_in_ray_grpc_proxy():
+    from grpc_health.v1 import health_pb2
+
+    seen = _run(_proxy_checks())
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert seen["no_routes"] == not_serving  # Ray: "Route table is not populated yet."
+    assert seen["routed"][0] is Code.NOT_FOUND and "Application metadata not set" in seen["routed"][1]
+    assert (seen["ready"], seen["ready_agent"]) == (serving, serving)
+    assert seen["unknown"] is Code.NOT_FOUND
+    assert seen["draining"] == not_serving
+    assert {"warmpath.v1.Inference", "warmpath.v1.Agent", "grpc.health.v1.Health"} <= seen["reflected"]

@@ -166,6 +166,9 @@ class ClusterConfig(_Strict):
     redis_url: str | None = Field(
         None, description="Session store. Unset: `warmpath up` starts a local redis-server with persistence."
     )
+    session_ttl_s: float = Field(
+        86_400.0, description="Sessions expire this long after their creation or last committed turn.", gt=0
+    )
     state_dir: str = Field(".warmpath", description="Local state: model, Redis data, logs, pid files.")
     app_name: str = Field("warmpath", description="Ray Serve application name.")
 

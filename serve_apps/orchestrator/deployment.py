@@ -164,7 +164,7 @@ class Orchestrator:
             raise ValueError("the orchestrator needs redis_url in the cluster config or REDIS_URL in its environment")
         self._model_id = cfg.model.model_id
         self._max_model_len_tokens = cfg.model.max_model_len_tokens
-        self._store = SessionStore.from_url(redis_url)
+        self._store = SessionStore.from_url(redis_url, ttl_s=cfg.session_ttl_s)
         self._tokenizer = AutoTokenizer.from_pretrained(cfg.model_source())
         self._model = HandleModelClient(llm_handle, cfg.model.model_id)
         telemetry.setup_tracing(cfg.telemetry, "orchestrator")

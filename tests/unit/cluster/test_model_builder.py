@@ -1,0 +1,51 @@
+"""The built model is deterministic and has the structure agent prompts need."""
+
+from pathlib import Path
+
+import pytest
+
+from cluster.model_builder import TOOL_TOKENS, ModelShape, build_model, is_built
+
+SMALL = ModelShape(vocab_size=1024, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                   max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("model-a")
+    return out, build_model(out, seed=7, shape=SMALL, corpus_bytes=300_000)
+
+
+def test_same_seed_same_files(built, tmp_path: Path):
+    _, first = built
+    second = build_model(tmp_path, seed=7, shape=SMALL, corpus_bytes=300_000)
+    assert first["files"] == second["files"]
+
+
+def test_other_seed_other_weights(built, tmp_path: Path):
+    _, first = built
+    other = build_model(tmp_path, seed=8, shape=SMALL, corpus_bytes=300_000)
+    assert other["files"]["model.safetensors"] != first["files"]["model.safetensors"]
+    assert other["files"]["tokenizer.json"] == first["files"]["tokenizer.json"]
+
+
+def test_chat_template_renders_tools_calls_and_results(built):
+    from transformers import AutoTokenizer
+
+    out, _ = built
+    assert is_built(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "d", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "system", "content": "SYS"},
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"id": 1}}}]},
+        {"role": "tool", "content": "RESULT-42"},
+    ]
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.index("SYS") < text.index("<tools>") < text.index('"lookup"') < text.index("U1")
+    assert '<tool_call>{"name": "lookup", "arguments": {"id": 1}}</tool_call>' in text
+    assert "<tool_response>RESULT-42</tool_response>" in text
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n")
+    for token in TOOL_TOKENS:  # single tokens, so vLLM's hermes parser finds them
+        assert len(tok.encode(token, add_special_tokens=False)) == 1

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_args
 
 import typer
 
@@ -161,6 +161,75 @@ def render_k8s_cmd(
     except ConfigError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2)
+
+
+@app.command()
+def bench(
+    config: Optional[Path] = ConfigOpt,
+    workload: str = typer.Option("shared-tools", help="shared-tools, coding, fanout, or all."),
+    policies: str = typer.Option(
+        "warmpath,pow2,round-robin,session-hash,prefix-tree", help="Comma-separated routing policies, each run once."
+    ),
+    seed: int = typer.Option(0, help="Workload seed."),
+    sessions: Optional[int] = typer.Option(None, help="Sessions per workload (default: the workload's CPU size)."),
+    time_scale: float = typer.Option(1.0, help="Multiplies session arrival times and tool latencies."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for bench-<workload>.json and .png."),
+) -> None:
+    """Run agent workloads on the local cluster once per routing policy (redeploying between policies)."""
+    from bench import live, report
+    from bench.workloads import WORKLOAD_NAMES
+    from cluster import local
+    from cluster.config import RouterPolicy
+
+    cfg = _load(config)
+    names = list(WORKLOAD_NAMES) if workload == "all" else [workload]
+    chosen = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [n for n in names if n not in WORKLOAD_NAMES] + [p for p in chosen if p not in get_args(RouterPolicy)]
+    if unknown or not chosen:
+        typer.echo(f"unknown workload or policy: {', '.join(unknown) or '(no policy)'}", err=True)
+        raise typer.Exit(2)
+    for name in names:
+        try:
+            result = live.run_bench(cfg, name, chosen, seed, sessions, time_scale, progress)
+        except local.BringUpError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(1)
+        json_path = out / f"bench-{name}.json"
+        report.write_json(json_path, result)
+        typer.echo(report.live_report(result))
+        try:
+            report.plot_live(result, out / f"bench-{name}.png")
+        except ImportError:
+            progress("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        typer.echo(f"wrote {json_path}")
+
+
+@app.command()
+def simulate(
+    workload: str = typer.Option("all", help="shared-tools, coding, fanout, or all."),
+    replicas: list[int] = typer.Option([16], "--replicas", help="Replica count (repeatable)."),
+    sessions: int = typer.Option(100, help="Sessions per workload."),
+    seed: int = typer.Option(0, help="Workload and router seed."),
+    out: Path = typer.Option(Path("bench/results/simulate.json"), help="JSON output file."),
+) -> None:
+    """Simulate every routing policy at scale with the production router code (GPU cost profile)."""
+    from bench import report, simulator
+    from bench.workloads import WORKLOAD_NAMES
+
+    names = list(WORKLOAD_NAMES) if workload == "all" else [workload]
+    if any(name not in WORKLOAD_NAMES for name in names) or any(n < 1 for n in replicas) or sessions < 1:
+        typer.echo(f"workload must be one of {', '.join(WORKLOAD_NAMES)} or all; replicas and sessions >= 1", err=True)
+        raise typer.Exit(2)
+    runs = simulator.run_grid(names, replicas, sessions, seed=seed, progress=progress)
+    document = {
+        "kind": "warmpath-simulate",
+        "profile": simulator.GPU_PROFILE.__dict__,
+        "seed": seed,
+        "runs": [run.to_json() for run in runs],
+    }
+    report.write_json(out, document)
+    typer.echo(report.simulation_report(document["runs"]))
+    typer.echo(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -233,11 +233,17 @@ def summarize(details: dict, app_name: str) -> tuple[str, list[str]]:
 
 
 def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, timeout_s: float) -> None:
-    """Polls the Serve status until the application runs, fails, or `timeout_s` passes."""
+    """Polls the Serve status until every application runs, one fails, or `timeout_s` passes."""
     start = time.monotonic()
     last = None
     while True:
-        status, lines = summarize(serve_details(state), cfg.app_name)
+        details = serve_details(state)
+        status, lines = summarize(details, cfg.app_name)
+        for name in sorted(details.get("applications", {})):
+            if name != cfg.app_name:
+                other_status, other_lines = summarize(details, name)
+                lines += other_lines
+                status = other_status if status == "RUNNING" else status
         line = f"serve: {status}; " + "; ".join(l for l in lines if not l.startswith("  "))
         if line != last:
             progress(f"[{time.monotonic() - start:5.0f}s] {line}")

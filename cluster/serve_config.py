@@ -16,6 +16,20 @@ import yaml
 from cluster.config import ClusterConfig
 
 BUILDER_IMPORT_PATH = "serve_apps.builders:build_app"
+GRPC_BUILDER_IMPORT_PATH = "serve_apps.builders:build_grpc_app"
+# Serve's proxy only registers applications with a route prefix; HTTP there answers 404.
+GRPC_ROUTE_PREFIX = "/grpc"
+GRPC_SERVICER_FUNCTIONS = [
+    "warmpath.v1.inference_pb2_grpc.add_InferenceServicer_to_server",
+    "warmpath.v1.agent_pb2_grpc.add_AgentServicer_to_server",
+    # grpc.health.v1, answered inside the proxy (Kubernetes probes send no metadata).
+    "serve_apps.grpc_status.add_health_servicer_to_server",
+]
+
+
+def grpc_app_name(cfg: ClusterConfig) -> str:
+    """gRPC clients send this as the `application` metadata."""
+    return f"{cfg.app_name}-grpc"
 
 
 def render_serve_config(cfg: ClusterConfig) -> dict[str, Any]:
@@ -25,14 +39,19 @@ def render_serve_config(cfg: ClusterConfig) -> dict[str, Any]:
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": cfg.ports.host, "port": cfg.ports.http_port},
-        "grpc_options": {"port": cfg.ports.grpc_port, "grpc_servicer_functions": []},
+        "grpc_options": {
+            "port": cfg.ports.grpc_port,
+            "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS,
+            "enable_reflection": True,
+        },
         "applications": [
+            {"name": cfg.app_name, "route_prefix": "/", "import_path": BUILDER_IMPORT_PATH, "args": args},
             {
-                "name": cfg.app_name,
-                "route_prefix": "/",
-                "import_path": BUILDER_IMPORT_PATH,
+                "name": grpc_app_name(cfg),
+                "route_prefix": GRPC_ROUTE_PREFIX,
+                "import_path": GRPC_BUILDER_IMPORT_PATH,
                 "args": args,
-            }
+            },
         ],
     }
 

@@ -21,8 +21,14 @@ from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from cluster.config import ClusterConfig, RouterPolicy, validate_config
+from ray.llm._internal.serve.core.server.builder import _get_deployment_name
+from ray.serve.handle import DeploymentHandle
+
+from serve_apps.ingress_grpc import GrpcIngress
 from serve_apps.ingress_http import ENDPOINTS, WarmpathIngress
 from serve_apps.orchestrator.deployment import Orchestrator
+
+ORCHESTRATOR_DEPLOYMENT = "Orchestrator"
 from serve_apps.vllm_replica import WarmpathLLMServer
 
 # Policies other than warmpath's own, for side-by-side comparison.
@@ -124,7 +130,7 @@ def build_llm_app(cfg: ClusterConfig) -> Application:
     replicas = build_llm_deployment(llm, deployment_cls=WarmpathLLMServer)
     ingress_cls = make_fastapi_ingress(WarmpathIngress, endpoint_map=ENDPOINTS)
     orchestrator = serve.deployment(
-        Orchestrator, name="Orchestrator", num_replicas=1, max_ongoing_requests=256,
+        Orchestrator, name=ORCHESTRATOR_DEPLOYMENT, num_replicas=1, max_ongoing_requests=256,
         ray_actor_options={"num_cpus": 0.5},
     ).bind(replicas, cfg.model_dump(mode="json"))
     options = WarmpathIngress.get_deployment_options([llm])
@@ -140,3 +146,27 @@ def build_llm_app(cfg: ClusterConfig) -> Application:
 def build_app(args: dict[str, Any]) -> Application:
     """Serve config entry point: `args` is a `ClusterConfig` as plain data."""
     return build_llm_app(validate_config(args))
+
+
+def llm_deployment_name(cfg: ClusterConfig) -> str:
+    """Name `build_llm_deployment` gives the replica deployment ("<class>:<model id>")."""
+    return f"{WarmpathLLMServer.__name__}:{_get_deployment_name(llm_config(cfg))}"
+
+
+def build_grpc_app(args: dict[str, Any]) -> Application:
+    """Serve config entry point of the gRPC application.
+
+    Only the gRPC ingress: it calls the HTTP application's replica and
+    orchestrator deployments through handles by name, so nothing is
+    duplicated and both APIs share one router state per caller process.
+    """
+    cfg = validate_config(args)
+    return serve.deployment(
+        GrpcIngress, name="GrpcIngress", num_replicas=1, max_ongoing_requests=256,
+        ray_actor_options={"num_cpus": 0.25},
+    ).bind(
+        llm_handle=DeploymentHandle(llm_deployment_name(cfg), app_name=cfg.app_name),
+        orchestrator_handle=DeploymentHandle(ORCHESTRATOR_DEPLOYMENT, app_name=cfg.app_name),
+        model_id=cfg.model.model_id,
+        telemetry_config=cfg.telemetry.model_dump(mode="json"),
+    )

@@ -75,6 +75,7 @@ ResponseT = TypeVar("ResponseT", bound=ProtoMessage)
 
 
 def tool_call_to_dict(call: inference_pb2.ToolCall) -> dict[str, str]:
+    """A `ToolCall` in the HTTP API's shape (`serve_apps.orchestrator.models.ToolCall`)."""
     return {"id": call.id, "name": call.name, "arguments": call.arguments}
 
 
@@ -276,10 +277,12 @@ def session_event_to_proto(event: Mapping[str, Any]) -> agent_pb2.SessionEvent:
 
 
 def error_event(failure: RpcFailure) -> agent_pb2.SessionEvent:
+    """The last message of a failed turn stream."""
     return agent_pb2.SessionEvent(error=agent_pb2.ErrorEvent(code=failure.code, message=failure.message))
 
 
 def error_chunk(failure: RpcFailure) -> inference_pb2.ChatCompletionChunk:
+    """The last message of a failed completion stream."""
     return inference_pb2.ChatCompletionChunk(error=inference_pb2.StreamError(code=failure.code, message=failure.message))
 
 
@@ -357,6 +360,7 @@ class GrpcIngress:
     # Agent
 
     async def CreateSession(self, request: agent_pb2.CreateSessionRequest, grpc_context):
+        """`Orchestrator.create_session`; 201 -> `CreateSessionResponse`."""
         async def create() -> agent_pb2.CreateSessionResponse:
             envelope = await self._orchestrator.create_session.remote(create_session_body(request))
             return json_format.ParseDict(envelope_body(envelope, 201), agent_pb2.CreateSessionResponse())
@@ -364,6 +368,7 @@ class GrpcIngress:
         return await self._unary(AGENT_SERVICE, "CreateSession", grpc_context, create, agent_pb2.CreateSessionResponse())
 
     async def GetSession(self, request: agent_pb2.GetSessionRequest, grpc_context):
+        """`Orchestrator.get_session`; its body maps field by field onto `GetSessionResponse`."""
         async def get() -> agent_pb2.GetSessionResponse:
             envelope = await self._orchestrator.get_session.remote(request.session_id)
             return json_format.ParseDict(envelope_body(envelope, 200), agent_pb2.GetSessionResponse())
@@ -371,6 +376,7 @@ class GrpcIngress:
         return await self._unary(AGENT_SERVICE, "GetSession", grpc_context, get, agent_pb2.GetSessionResponse())
 
     async def DeleteSession(self, request: agent_pb2.DeleteSessionRequest, grpc_context):
+        """`Orchestrator.delete_session`; 204 -> empty `DeleteSessionResponse`."""
         async def delete() -> agent_pb2.DeleteSessionResponse:
             envelope_body(await self._orchestrator.delete_session.remote(request.session_id), 204)
             return agent_pb2.DeleteSessionResponse()
@@ -378,6 +384,7 @@ class GrpcIngress:
         return await self._unary(AGENT_SERVICE, "DeleteSession", grpc_context, delete, agent_pb2.DeleteSessionResponse())
 
     async def SendMessage(self, request: agent_pb2.SendMessageRequest, grpc_context):
+        """`Orchestrator.send_message`: the turn's events, as they happen."""
         def events() -> AsyncIterator[agent_pb2.SessionEvent]:
             handle = self._orchestrator.options(stream=True)
             stream = handle.send_message.remote(request.session_id, send_message_body(request), telemetry.inject())
@@ -387,6 +394,7 @@ class GrpcIngress:
             yield event
 
     async def SubmitToolResults(self, request: agent_pb2.SubmitToolResultsRequest, grpc_context):
+        """`Orchestrator.submit_tool_results`: the resumed turn's events, as they happen."""
         def events() -> AsyncIterator[agent_pb2.SessionEvent]:
             handle = self._orchestrator.options(stream=True)
             stream = handle.submit_tool_results.remote(request.session_id, tool_results_body(request), telemetry.inject())
@@ -403,8 +411,9 @@ class GrpcIngress:
     # Helpers
 
     async def _chat_completion(self, request: inference_pb2.ChatCompletionRequest) -> inference_pb2.ChatCompletionResponse:
+        chat_request = self._chat_request(request, is_streaming=False)
         response: inference_pb2.ChatCompletionResponse | None = None
-        async for replica_id, output in self._engine_outputs(self._chat_request(request, is_streaming=False), request.session_id):
+        async for replica_id, output in self._engine_outputs(chat_request, request.session_id):
             if isinstance(output, ChatCompletionResponse):
                 response = chat_response_to_proto(output.model_dump(), replica_id)
         if response is None:
@@ -412,7 +421,8 @@ class GrpcIngress:
         return response
 
     async def _chat_chunks(self, request: inference_pb2.ChatCompletionRequest) -> AsyncIterator[inference_pb2.ChatCompletionChunk]:
-        async for replica_id, output in self._engine_outputs(self._chat_request(request, is_streaming=True), request.session_id):
+        chat_request = self._chat_request(request, is_streaming=True)
+        async for replica_id, output in self._engine_outputs(chat_request, request.session_id):
             for payload in _sse_payloads(output):
                 if "error" in payload:
                     raise engine_failure(payload["error"])

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_cpu_overlay_serve_config_serves_a_request(cluster):
     doc = embedded_serve_config(REPO / "k8s" / "overlays" / "cpu")
-    (app,) = doc["applications"]
+    app = doc["applications"][0]
     model_dir = Path(app["args"]["model"]["source"])
     try:
         if not is_built(model_dir):
@@ -34,7 +34,8 @@ def test_cpu_overlay_serve_config_serves_a_request(cluster):
     except PermissionError:
         pytest.skip(f"cannot write the image's model path {model_dir} on this machine")
     deployed = copy.deepcopy(doc)
-    deployed["applications"][0]["runtime_env"] = {"env_vars": {"REDIS_URL": cluster.redis_url}}
+    for application in deployed["applications"]:
+        application["runtime_env"] = {"env_vars": {"REDIS_URL": cluster.redis_url}}
     state = local.LocalState.load(local.state_dir_of(cluster.cfg))
     local.delete_app(state, progress=print)
     local.deploy_document(state, deployed)

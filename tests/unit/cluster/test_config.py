@@ -5,7 +5,12 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ClusterConfig, ConfigError, env_overrides, load_config
-from cluster.serve_config import BUILDER_IMPORT_PATH, render_serve_config
+from cluster.serve_config import (
+    BUILDER_IMPORT_PATH,
+    GRPC_BUILDER_IMPORT_PATH,
+    GRPC_SERVICER_FUNCTIONS,
+    render_serve_config,
+)
 
 
 def test_defaults_describe_a_two_replica_cpu_cluster():
@@ -86,8 +91,10 @@ def test_env_values_are_yaml_typed():
 def test_serve_config_embeds_the_whole_validated_config():
     cfg = load_config(environ={}, overrides={"replicas": {"num_replicas": 3}})
     doc = render_serve_config(cfg)
-    (app,) = doc["applications"]
+    app, grpc_app = doc["applications"]
     assert app["import_path"] == BUILDER_IMPORT_PATH
+    assert grpc_app["import_path"] == GRPC_BUILDER_IMPORT_PATH and grpc_app["args"] == app["args"]
+    assert doc["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICER_FUNCTIONS
     assert doc["http_options"]["port"] == 8000 and doc["grpc_options"]["port"] == 9000
     again = ClusterConfig.model_validate(app["args"])
     assert again.replicas.num_replicas == 3

@@ -313,8 +313,10 @@ def test_serve_config_v2_is_exactly_what_warmpath_renders(overlay: Path):
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
 def test_serve_config_v2_is_a_serve_deploy_schema_of_a_cluster_config(overlay: Path):
     schema = ServeDeploySchema.model_validate(k8s_render.embedded_serve_config(overlay))
-    (application,) = schema.applications
+    application, grpc_application = schema.applications
     assert application.import_path == "serve_apps.builders:build_app"
+    assert grpc_application.import_path == "serve_apps.builders:build_grpc_app"
+    assert grpc_application.args == application.args
     cfg = validate_config(application.args)
     assert cfg.redis_url is None, "the Redis password must come from the Secret, not the RayService"
     assert cfg.model.source == k8s_render.load_overlay_config(overlay).model.source

@@ -1,0 +1,291 @@
+"""`warmpath bench`: one workload against the real local cluster, once per routing policy.
+
+Order, per policy: redeploy the Serve application with `router.policy` set to
+that policy (`cluster.local.up(..., redeploy=True)`), then replay the workload
+over HTTP, then read `GET /v1/router`. Redeploying deletes the application
+first, so every policy starts on freshly started vLLM engines: prefix caches
+empty, router index and statistics empty. The cache reset between policies is
+that restart; nothing else clears caches.
+
+Replay: every session is an asyncio task. It waits for its arrival time, then
+sends its steps one after another: a streamed chat completion (`"stream":
+true`; the server forces `include_usage`, so the last chunk carries vLLM's
+`prompt_tokens_details.cached_tokens`), then waits the step's tool latency.
+Arrival times and tool latencies are multiplied by `time_scale`. Each prompt
+is the workload's (never the model's text), so every policy sees identical
+prompts; generation is capped at `max_output_tokens` with `ignore_eos` so every
+call decodes the same number of tokens. TTFT is the time from sending the
+request to the first streamed chunk that has choices (vLLM sends it after the
+prefill and the first token). The x-warmpath-* headers give the replica, and
+with warmpath's router the route and predicted cached tokens.
+
+Prompt token ids are rendered before the run with the model's tokenizer and
+chat template (`TokenizerRenderer`, identical to what the engines compute),
+kept in the trace for the oracle and the simulator, and checked against
+vLLM's `usage.prompt_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from bench.oracle import oracle_bounds
+from bench.trace import RequestRecord, summarize
+from bench.workloads import TokenizerRenderer, Workload, WorkloadName, generate, openai_request
+from cluster.config import ClusterConfig, RouterPolicy
+
+# Header names set by `serve_apps.ingress_http` (not imported: it pulls in Ray Serve).
+REPLICA_HEADER = "x-warmpath-replica"
+ROUTE_HEADER = "x-warmpath-route"
+PREDICTED_CACHED_HEADER = "x-warmpath-predicted-cached-tokens"
+SESSION_HEADER = "x-session-id"  # Ray Serve's session id header (session-hash, warmpath affinity)
+
+DEFAULT_MAX_OUTPUT_TOKENS = 16
+REQUEST_TIMEOUT_S = 600.0
+
+Progress = Callable[[str], None]
+
+
+def kv_capacity_blocks(cfg: ClusterConfig) -> int | None:
+    """KV blocks per replica of a CPU cluster: `kv_cache_space_gib` over the model's bytes per block.
+
+    Reads the model's `config.json` (layers, KV heads, head size, dtype). Returns
+    None on GPU, where the engine sizes its cache from free memory at start-up.
+    """
+    if cfg.replicas.accelerator != "cpu":
+        return None
+    model_config = json.loads((Path(cfg.model_source()) / "config.json").read_text())
+    num_heads = model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // num_heads
+    num_kv_heads = model_config.get("num_key_value_heads", num_heads)
+    dtype = str(model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16")
+    dtype_bytes = 4 if "32" in dtype else 2
+    bytes_per_token = 2 * model_config["num_hidden_layers"] * num_kv_heads * head_dim * dtype_bytes
+    return (cfg.replicas.kv_cache_space_gib << 30) // (bytes_per_token * cfg.replicas.block_size_tokens)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """One step's HTTP body and the token ids the engine will compute for it."""
+
+    session_id: str
+    step_index: int
+    body: dict
+    token_ids: object
+    tool_latency_s: float
+
+
+def prepare_requests(workload: Workload, renderer: TokenizerRenderer, model_id: str,
+                     max_output_tokens: int) -> dict[str, list[PreparedRequest]]:
+    """Bodies and token ids of every step, per session (rendered before the timed run)."""
+    out: dict[str, list[PreparedRequest]] = {}
+    for session in workload.sessions:
+        steps = []
+        for k, step in enumerate(session.steps):
+            messages, tools = openai_request(session, k)
+            body = {
+                "model": model_id, "messages": messages, "tools": tools, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True,
+                "max_tokens": max(1, min(step.num_output_tokens, max_output_tokens)),
+            }
+            steps.append(PreparedRequest(session.session_id, k, body, renderer.chat_token_ids(messages, tools),
+                                         step.tool_latency_s))
+        out[session.session_id] = steps
+    return out
+
+
+async def _send(client, url: str, prepared: PreparedRequest, start_s: float) -> RequestRecord:
+    record = RequestRecord(prepared.session_id, prepared.step_index, time.monotonic() - start_s,
+                           prompt_tokens=len(prepared.token_ids), token_ids=prepared.token_ids)
+    sent = time.monotonic()
+    try:
+        async with client.stream("POST", url, json=prepared.body,
+                                 headers={SESSION_HEADER: prepared.session_id}) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                return record
+            record.replica_id = response.headers.get(REPLICA_HEADER)
+            record.route = response.headers.get(ROUTE_HEADER)
+            predicted = response.headers.get(PREDICTED_CACHED_HEADER)
+            record.predicted_cached_tokens = int(predicted) if predicted is not None else None
+            usage = None
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    record.error = f"stream error: {str(chunk['error'])[:300]}"
+                    return record
+                if chunk.get("choices") and record.ttft_s is None:
+                    record.ttft_s = time.monotonic() - sent
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+            record.latency_s = time.monotonic() - sent
+    except Exception as err:  # a failed request is recorded, never fatal to the run
+        record.error = f"{type(err).__name__}: {err}"
+        return record
+    if usage is None:
+        record.error = "no usage in the stream"
+        return record
+    details = usage.get("prompt_tokens_details") or {}
+    record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    record.cached_tokens = int(details.get("cached_tokens") or 0)
+    record.output_tokens = int(usage.get("completion_tokens") or 0)
+    return record
+
+
+async def replay(base_url: str, workload: Workload, prepared: dict[str, list[PreparedRequest]],
+                 time_scale: float) -> list[RequestRecord]:
+    """Runs every session of `workload` concurrently against `base_url`; returns records in send order."""
+    import httpx
+
+    url = f"{base_url}/v1/chat/completions"
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=len(workload.sessions) + 8, max_keepalive_connections=len(workload.sessions))
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        start_s = time.monotonic()
+
+        async def run_session(session) -> None:
+            await asyncio.sleep(max(0.0, start_s + session.arrival_s * time_scale - time.monotonic()))
+            for request in prepared[session.session_id]:
+                record = await _send(client, url, request, start_s)
+                records.append(record)
+                if record.error is not None:
+                    return  # the session's later prompts assume this step succeeded
+                if request.tool_latency_s:
+                    await asyncio.sleep(request.tool_latency_s * time_scale)
+
+        await asyncio.gather(*(run_session(s) for s in workload.sessions))
+    records.sort(key=lambda r: r.send_s)
+    return records
+
+
+def _replica_ids(state, app_name: str, seen: set[str], num_replicas: int) -> list[str]:
+    """Every LLM replica of the run (those that served nothing count in the imbalance)."""
+    from cluster import local
+
+    ids = set(seen)
+    try:
+        for deployment in local.serve_details(state)["applications"][app_name]["deployments"].values():
+            deployment_ids = {r["replica_id"] for r in deployment.get("replicas", [])}
+            if deployment_ids & seen:
+                ids |= deployment_ids
+    except Exception:
+        pass  # the records still name every replica that served something
+    out = sorted(ids)
+    out += [f"unseen-{i}" for i in range(num_replicas - len(out))]
+    return out
+
+
+def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
+               prepared: dict[str, list[PreparedRequest]], time_scale: float, progress: Progress) -> dict:
+    """Redeploys with `policy`, replays the workload, and returns the run's records, summary and router state."""
+    import httpx
+
+    from cluster import local
+
+    policy_cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"policy": policy})})
+    progress(f"bench: redeploying with router.policy={policy} (fresh engines, empty caches)")
+    state = local.up(policy_cfg, progress, redeploy=True)
+    progress(f"bench: {policy}: replaying {len(workload.sessions)} sessions ({workload.num_requests} requests)")
+    started = time.monotonic()
+    records = asyncio.run(replay(state.http_url, workload, prepared, time_scale))
+    wall_s = time.monotonic() - started
+    try:
+        router_state = httpx.get(f"{state.http_url}/v1/router", timeout=30).json()
+    except Exception as err:
+        router_state = {"error": f"{type(err).__name__}: {err}"}
+    seen = {r.replica_id for r in records if r.replica_id}
+    replica_ids = _replica_ids(state, cfg.app_name, seen, cfg.replicas.num_replicas)
+    summary = summarize(records, replica_ids, cfg.replicas.block_size_tokens)
+    # Rendered ids that differ in length from vLLM's count would make the oracle and the
+    # simulator replay other prompts than the engines saw.
+    mismatches = sum(1 for r in records if r.error is None and len(r.token_ids) != r.prompt_tokens)
+    progress(f"bench: {policy}: {summary.num_requests} ok, {summary.num_errors} failed, hit rate "
+             f"{summary.hit_rate}, {wall_s:.0f}s" + (f", {mismatches} prompt token mismatches" if mismatches else ""))
+    return {"summary": summary.to_json(), "wall_s": wall_s, "replica_ids": replica_ids,
+            "num_prompt_token_mismatches": mismatches, "router_state": router_state,
+            "records": [r.to_json() for r in records]}
+
+
+def run_bench(
+    cfg: ClusterConfig,
+    workload_name: WorkloadName,
+    policies: Sequence[RouterPolicy],
+    seed: int,
+    num_sessions: int | None,
+    time_scale: float,
+    progress: Progress,
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+) -> dict:
+    """Runs one workload under every policy on the local cluster, then the oracle bounds of each trace.
+
+    Args:
+        cfg: the cluster config (the policy is overridden per run).
+        workload_name: which workload.
+        policies: routing policies, each run once on fresh replicas.
+        seed: workload seed.
+        num_sessions: overrides the workload's CPU-sized session count.
+        time_scale: multiplies arrival times and tool latencies.
+        progress: one line per step.
+        max_output_tokens: generation cap per call.
+
+    Returns:
+        The result document `bench.report` prints, plots and `bench.simulator.reproduce_live_run` reads.
+    """
+    if time_scale <= 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    workload = generate(workload_name, seed, cfg.replicas.num_replicas, num_sessions=num_sessions)
+    progress(f"bench: rendering {workload.num_requests} prompts of {workload_name} with the model's tokenizer")
+    renderer = TokenizerRenderer(cfg.model_source())
+    prepared = prepare_requests(workload, renderer, cfg.model.model_id, max_output_tokens)
+    capacity = kv_capacity_blocks(cfg)
+    result = {
+        "kind": "warmpath-bench",
+        "workload": workload_name,
+        "workload_params": dataclasses.asdict(workload.params),
+        "seed": seed,
+        "num_sessions": len(workload.sessions),
+        "num_requests": workload.num_requests,
+        "time_scale": time_scale,
+        "max_output_tokens": max_output_tokens,
+        "model_id": cfg.model.model_id,
+        "num_replicas": cfg.replicas.num_replicas,
+        "block_size_tokens": cfg.replicas.block_size_tokens,
+        "kv_capacity_blocks": capacity,
+        "router_config": cfg.router.model_dump(mode="json"),
+        "policies": {},
+        "oracle": {},
+        "simulator_check": {},
+    }
+    for policy in policies:
+        run = run_policy(cfg, policy, workload, prepared, time_scale, progress)
+        result["policies"][policy] = run
+        if capacity is not None:
+            records = [RequestRecord.from_json(r) for r in run["records"]]
+            bounds = oracle_bounds(records, cfg.replicas.block_size_tokens, cfg.model.model_id,
+                                   cfg.replicas.num_replicas, capacity)
+            result["oracle"][policy] = bounds.to_json()
+    if capacity is not None and cfg.replicas.accelerator == "cpu":
+        # The simulator, replaying each trace with the CPU cost model, should land within a
+        # few points of the measured hit rate; the report prints both.
+        from bench.simulator import reproduce_live_run
+
+        for policy, run in result["policies"].items():
+            if run["summary"]["hit_rate"] is not None:
+                check = reproduce_live_run(result, policy)
+                result["simulator_check"][policy] = {
+                    "measured_hit_rate": check.measured_hit_rate, "simulated_hit_rate": check.simulated_hit_rate,
+                    "difference": check.difference, "tolerance": check.tolerance,
+                    "is_within_tolerance": check.is_within_tolerance,
+                }
+    return result

@@ -1,0 +1,877 @@
+"""Discrete-event simulation of N replicas that routes with the production router code.
+
+What is real and what is modelled:
+- warmpath's decisions are made by `router.policy.PrefixAwarePolicy` over a
+  `router.index.PrefixIndex`, exactly the objects `router.adapter` drives in
+  Ray Serve. The index is fed the way vLLM feeds it: each simulated replica's
+  block cache emits `BlockStored` / `BlockRemoved` events (the fields
+  `PrefixIndex.apply` reads from vLLM's structs, dispatched on the type name),
+  delivered `kv_event_lag_s` after the prefill that produced them. Pending
+  placements, the load guard and the scorers all run unchanged.
+- baselines are small functions of the same state: pow2 (two random replicas,
+  fewer requests wins), round-robin, session-hash (consistent hash ring of 100
+  virtual nodes per replica on the session id) and prefix-tree, an
+  approximation of Ray's `PrefixCacheAffinityRouter` with its defaults (no load
+  threshold, no eviction): the longest prefix any replica was *sent* (not
+  cached), the least loaded of those replicas; below a 10% match, the replica
+  that was sent the least. It matches whole KV blocks of the rendered prompt
+  where Ray matches characters of the message contents.
+- a replica is an FCFS queue, a block cache and a cost model (`CostProfile`):
+  prefill time = overhead + per-token time * uncached prompt tokens, one
+  prefill at a time; decode time = tokens * per-token time, either holding the
+  replica (`is_decode_blocking`, the CPU engine) or running beside the next
+  prefills (continuous batching on a GPU, batch effects folded into the
+  per-token time). TTFT = queueing + prefill + one decode step.
+- the block cache (`BlockCache`) is vLLM's prefix cache reduced to what decides
+  hits: full blocks, hits = longest cached leading run (at most all but the
+  last token), LRU eviction with a request's blocks freed tail first. Blocks of
+  running requests are not pinned. With `is_output_reused`, the blocks of a
+  step's generated tokens are cached too (a real agent's next prompt carries
+  the model's own output); live runs of the small model do not reuse them.
+
+- loads: routers see each replica's running plus queued requests at the
+  instant of the decision (no routing-stats lag) and, for warmpath, the KV
+  usage of running requests. Ray Serve's `max_ongoing_requests` backpressure is
+  not modelled: the replica's FCFS queue stands in for the router's queue.
+- KV events of one replica arrive in the order its cache changed, as on its
+  ZMQ stream; the router applies them between decisions, never during one.
+
+Sources: a `Workload` (closed loop: a session's next step is sent its tool
+latency after the previous response) or a recorded trace (open loop: requests
+at their recorded send times; `reproduce_live_run`).
+
+Ordering: events at equal times run in the order they were scheduled.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import hashlib
+import heapq
+import itertools
+import random
+import time
+from array import array
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Iterable, Literal, Sequence
+
+from bench.trace import RequestRecord, TraceSummary, summarize
+from bench.workloads import (
+    PromptRenderer,
+    Session,
+    SyntheticRenderer,
+    Workload,
+    WorkloadName,
+    default_params,
+    generate,
+)
+from cluster.config import DEFAULT_MODEL_ID, RouterConfig, RouterPolicy
+from router.hashing import BlockHash, RequestBlockHashes, root_hash
+from router.index import PrefixIndex
+from router.policy import PrefixAwarePolicy
+from router.types import ReplicaId, ReplicaLoad, RoutingRequest
+
+POLICIES: tuple[RouterPolicy, ...] = ("warmpath", "pow2", "round-robin", "session-hash", "prefix-tree")
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Replica speed and KV capacity. `source` says where the numbers come from."""
+
+    name: str
+    block_size_tokens: int
+    kv_capacity_blocks: int
+    prefill_overhead_s: float
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    is_decode_blocking: bool
+    kv_event_lag_s: float
+    source: str
+
+    def prefill_s(self, num_uncached_tokens: int) -> float:
+        return self.prefill_overhead_s + self.prefill_s_per_token * num_uncached_tokens
+
+
+# Measured on 2 CPU cores, 2 replicas of the small model, one request at a time:
+# a 2,218-token prompt prefills in 5.5 s cold and 0.09 s with 2,208 tokens cached, so
+# 5.5 = a + 2218 b and 0.09 = a + 10 b give b = 2.45 ms per uncached token and a = 65 ms.
+# Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens * 3,072 bytes per token:
+# 2 (K, V) * 6 layers * 2 KV heads * 64 dims * 2 bytes).
+CPU_PROFILE = CostProfile(
+    name="cpu-small-model",
+    block_size_tokens=32,
+    kv_capacity_blocks=(1 << 30) // (32 * 3072),
+    prefill_overhead_s=0.0655,
+    prefill_s_per_token=0.00245,
+    decode_s_per_token=0.025,
+    is_decode_blocking=True,
+    kv_event_lag_s=0.05,
+    source=(
+        "measured on 2 CPU cores (README): 2,218-token cold prefill 5.5 s, cached 0.09 s "
+        "(2.45 ms per uncached token + 65 ms), decode ~25 ms per token with 2 replicas; "
+        "KV capacity 1 GiB per replica at 3,072 bytes per token"
+    ),
+)
+
+# Assumed, not measured: one H100 80GB per replica serving Qwen2.5-7B-Instruct in bf16 with vLLM.
+# Prefill: ~15 GFLOP per token (2 x 7.6B parameters) at ~30% of 989 dense bf16 TFLOP/s is
+# ~20k tokens/s, i.e. 0.05 ms per token, plus 15 ms scheduling and first-step overhead.
+# Decode: ~12 ms per output token at a moderate batch (15 GB of weights read per step at
+# 3.35 TB/s is 4.5 ms; KV reads and batching roughly double it). KV: 0.9 * 80 GB minus
+# 15.2 GB of weights and ~3 GB of activations leaves ~53 GB, at 57,344 bytes per token
+# (2 * 28 layers * 4 KV heads * 128 dims * 2 bytes) ~900k tokens = 56,250 blocks of 16.
+GPU_PROFILE = CostProfile(
+    name="gpu-h100-qwen2.5-7b",
+    block_size_tokens=16,
+    kv_capacity_blocks=56_250,
+    prefill_overhead_s=0.015,
+    prefill_s_per_token=0.00005,
+    decode_s_per_token=0.012,
+    is_decode_blocking=False,
+    kv_event_lag_s=0.01,
+    source=(
+        "assumed: H100 80GB, Qwen2.5-7B bf16; prefill 0.05 ms/token (~30% MFU) + 15 ms, "
+        "decode 12 ms/token with continuous batching, ~900k KV tokens per replica"
+    ),
+)
+
+PROFILES = {"cpu": CPU_PROFILE, "gpu": GPU_PROFILE}
+
+
+# --- block cache ----------------------------------------------------------------------------------
+
+
+class BlockCache:
+    """One replica's prefix cache: full blocks, LRU, a request's blocks freed tail first.
+
+    Same hits and evictions as `bench.oracle.LruBlockCache` (the reference
+    model), at O(log n) per lookup and O(new + evicted) per use instead of
+    O(prompt blocks): blocks form a tree (each block's parent is the block
+    before it), only leaves are evicted, and using a chain stamps only its
+    deepest block. A block's true last use is the latest stamp in its subtree,
+    which is what it carries when it becomes a leaf (an evicted child hands its
+    stamp to its parent), so leaves leave in exact LRU order.
+
+    Invariants: every cached block's parent is cached (prefix-closed), so
+    "is block i cached" is monotone along a chain; `len(self) <= capacity_blocks`
+    after every `use`.
+    """
+
+    __slots__ = ("capacity_blocks", "_nodes", "_heap", "_clock")
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        # block -> [parent block or None, number of cached children, stamp]
+        self._nodes: dict[BlockHash, list] = {}
+        self._heap: list[tuple[int, BlockHash]] = []
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def longest_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        """Number of leading `hashes` cached (binary search: the cache is prefix-closed)."""
+        nodes = self._nodes
+        n = len(hashes)
+        if n == 0 or hashes[0] not in nodes:
+            return 0
+        if hashes[n - 1] in nodes:
+            return n
+        low, high = 1, n - 1  # hashes[low - 1] cached, hashes[high] not
+        while low < high:
+            mid = (low + high) // 2
+            if hashes[mid] in nodes:
+                low = mid + 1
+            else:
+                high = mid
+        return low
+
+    def use(self, hashes: Sequence[BlockHash], num_cached: int | None = None) -> tuple[int, list[BlockHash]]:
+        """Caches the chain `hashes` as most recently used and evicts down to capacity.
+
+        Args:
+            hashes: a request's block hashes, in order.
+            num_cached: `longest_prefix(hashes)` if the caller has it.
+
+        Returns:
+            (index of the first newly stored block, evicted blocks in eviction order).
+        """
+        nodes = self._nodes
+        known = self.longest_prefix(hashes) if num_cached is None else num_cached
+        n = len(hashes)
+        if n == 0:
+            return 0, []
+        self._clock += 1
+        stamp = self._clock
+        if known == n:
+            node = nodes[hashes[-1]]
+            node[2] = stamp
+            if node[1] == 0:
+                heapq.heappush(self._heap, (stamp, hashes[-1]))
+        else:
+            parent = hashes[known - 1] if known else None
+            if parent is not None:
+                nodes[parent][1] += 1
+            new = hashes[known:n]
+            # One [parent, children, stamp] list per block, built without a Python-level loop.
+            nodes.update(zip(new, map(list, zip(itertools.chain((parent,), new), itertools.repeat(1),
+                                                 itertools.repeat(stamp)))))
+            nodes[new[-1]][1] = 0
+            heapq.heappush(self._heap, (stamp, new[-1]))
+        return known, self._evict()
+
+    def _evict(self) -> list[BlockHash]:
+        nodes, heap = self._nodes, self._heap
+        capacity = self.capacity_blocks
+        evicted: list[BlockHash] = []
+        while len(nodes) > capacity:
+            stamp, block_hash = heapq.heappop(heap)
+            node = nodes.get(block_hash)
+            if node is None or node[1] or node[2] != stamp:
+                continue  # stale entry: evicted, re-stamped, or no longer a leaf
+            while True:
+                del nodes[block_hash]
+                evicted.append(block_hash)
+                parent = node[0]
+                if parent is None:
+                    break
+                parent_node = nodes[parent]
+                parent_node[1] -= 1
+                if stamp > parent_node[2]:
+                    parent_node[2] = stamp
+                if parent_node[1]:
+                    break
+                # The parent is now a leaf. While it is still the least recent leaf,
+                # evict it right away instead of a round trip through the heap.
+                stamp = parent_node[2]
+                if len(nodes) > capacity and (not heap or (stamp, parent) < heap[0]):
+                    block_hash, node = parent, parent_node
+                    continue
+                heapq.heappush(heap, (stamp, parent))
+                break
+        if len(heap) > 4 * len(nodes) + 1024:
+            self._heap = [(node[2], h) for h, node in nodes.items() if node[1] == 0]
+            heapq.heapify(self._heap)
+        return evicted
+
+
+# --- synthetic KV events (the fields PrefixIndex.apply reads from vLLM's structs) ------------------
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """vLLM `BlockStored`, as a replica publishes it for newly cached prompt blocks."""
+
+    block_hashes: list
+    parent_block_hash: bytes | None
+    token_ids: array
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = "GPU"
+    lora_name: str | None = None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """vLLM `BlockRemoved`, published when the cache evicts blocks."""
+
+    block_hashes: list
+    medium: str | None = "GPU"
+    group_idx: int | None = None
+
+
+# --- requests and routers -------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One model call in flight."""
+
+    session_id: str
+    step_index: int
+    arrival_s: float
+    token_ids: array
+    num_output_tokens: int
+    is_last_of_session: bool
+    session: Session | None = None
+    blocks: RequestBlockHashes | None = None
+    replica: int | None = None
+    record: RequestRecord | None = None
+    num_blocks_held: int = 0
+
+
+class SimRouter:
+    """Base of the simulated routers: sees every replica's request count, and KV events if it asks.
+
+    `route` returns the index of the replica that takes the request. It may set
+    `request.blocks` (warmpath hashes the prompt itself) and the record's route
+    fields; otherwise the simulation hashes the prompt before routing.
+    """
+
+    wants_kv_events = False
+
+    def __init__(self, num_replicas: int, rng: random.Random) -> None:
+        self.num_requests = [0] * num_replicas
+        self.rng = rng
+
+    def route(self, request: SimRequest, now_s: float) -> int:
+        raise NotImplementedError
+
+    def on_load(self, replica: int, num_requests: int, kv_cache_usage: float) -> None:
+        self.num_requests[replica] = num_requests
+
+    def on_kv_events(self, replica: int, events: list, now_s: float) -> None:
+        return None
+
+    def _least_loaded(self, candidates: Sequence[int]) -> int:
+        loads = self.num_requests
+        best = min(loads[c] for c in candidates)
+        return self.rng.choice([c for c in candidates if loads[c] == best])
+
+
+class Pow2Router(SimRouter):
+    """Ray Serve's default: two replicas at random, the one with fewer requests."""
+
+    def route(self, request: SimRequest, now_s: float) -> int:
+        n = len(self.num_requests)
+        if n == 1:
+            return 0
+        a, b = self.rng.sample(range(n), 2)
+        loads = self.num_requests
+        if loads[a] != loads[b]:
+            return a if loads[a] < loads[b] else b
+        return a
+
+
+class RoundRobinRouter(SimRouter):
+    def __init__(self, num_replicas: int, rng: random.Random) -> None:
+        super().__init__(num_replicas, rng)
+        self._next = 0
+
+    def route(self, request: SimRequest, now_s: float) -> int:
+        chosen = self._next
+        self._next = (chosen + 1) % len(self.num_requests)
+        return chosen
+
+
+def _hash64(data: str) -> int:
+    return int.from_bytes(hashlib.blake2b(data.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+class SessionHashRouter(SimRouter):
+    """Consistent hashing of the session id on a ring with 100 virtual nodes per replica (no fallback)."""
+
+    NUM_VIRTUAL_NODES = 100
+
+    def __init__(self, num_replicas: int, rng: random.Random) -> None:
+        super().__init__(num_replicas, rng)
+        ring = sorted((_hash64(f"r{r}:{v}"), r) for r in range(num_replicas) for v in range(self.NUM_VIRTUAL_NODES))
+        self._points = [p for p, _ in ring]
+        self._owners = [r for _, r in ring]
+
+    def route(self, request: SimRequest, now_s: float) -> int:
+        i = bisect.bisect_left(self._points, _hash64(request.session_id))
+        return self._owners[i % len(self._owners)]
+
+
+class PrefixTreeRouter(SimRouter):
+    """Approximation of Ray's `PrefixCacheAffinityRouter` (see module docstring)."""
+
+    MATCH_RATE_THRESHOLD = 0.1
+
+    def __init__(self, num_replicas: int, rng: random.Random) -> None:
+        super().__init__(num_replicas, rng)
+        self._owners: dict[BlockHash, int] = {}  # block -> bitmask of replicas sent a prompt holding it
+        self._num_blocks = [0] * num_replicas
+
+    def route(self, request: SimRequest, now_s: float) -> int:
+        hashes = request.blocks.hashes()
+        owners = self._owners
+        # Every replica's set is prefix-closed (whole prompts are inserted), so
+        # "some replica holds block i" is monotone: binary search the longest match.
+        low, high = 0, len(hashes)
+        while low < high:
+            mid = (low + high) // 2
+            if owners.get(hashes[mid], 0):
+                low = mid + 1
+            else:
+                high = mid
+        matched = low
+        if hashes and matched / len(hashes) >= self.MATCH_RATE_THRESHOLD:
+            mask = owners[hashes[matched - 1]]
+            candidates = [r for r in range(len(self._num_blocks)) if mask >> r & 1]
+        else:
+            fewest = min(self._num_blocks)
+            candidates = [r for r, n in enumerate(self._num_blocks) if n == fewest]
+        chosen = self._least_loaded(candidates)
+        bit = 1 << chosen
+        added = 0
+        for block_hash in hashes:
+            mask = owners.get(block_hash, 0)
+            if not mask & bit:
+                owners[block_hash] = mask | bit
+                added += 1
+        self._num_blocks[chosen] += added
+        return chosen
+
+
+class WarmpathRouter(SimRouter):
+    """The production policy and index, driven by simulated loads and KV events."""
+
+    wants_kv_events = True
+
+    def __init__(self, num_replicas: int, rng: random.Random, config: RouterConfig, block_size_tokens: int,
+                 model_id: str) -> None:
+        super().__init__(num_replicas, rng)
+        self.replica_ids = [ReplicaId(f"r{i}") for i in range(num_replicas)]
+        self._slot = {r: i for i, r in enumerate(self.replica_ids)}
+        self.index = PrefixIndex(block_size_tokens, config.max_blocks_per_replica, model_id)
+        self.policy = PrefixAwarePolicy(config, block_size_tokens, rng=rng)
+        self.sessions: dict[str, ReplicaId] = {}
+        self.loads = {r: ReplicaLoad(0) for r in self.replica_ids}
+        self._model_id = model_id
+
+    def on_load(self, replica: int, num_requests: int, kv_cache_usage: float) -> None:
+        super().on_load(replica, num_requests, kv_cache_usage)
+        self.loads[self.replica_ids[replica]] = ReplicaLoad(num_requests, 0, min(max(kv_cache_usage, 0.0), 1.0))
+
+    def on_kv_events(self, replica: int, events: list, now_s: float) -> None:
+        self.index.apply(self.replica_ids[replica], events)
+
+    def route(self, request: SimRequest, now_s: float) -> int:
+        routing = RoutingRequest(request.token_ids, self._model_id, session_id=request.session_id)
+        decision = self.policy.choose(routing, self.replica_ids, self.loads, self.index, self.sessions, now_s)
+        request.blocks = decision.request_blocks
+        chosen = decision.replica_id
+        request.record.route = decision.reason
+        request.record.predicted_cached_tokens = decision.predicted_cached_tokens.get(chosen, 0)
+        return self._slot[chosen]
+
+
+def make_router(policy: RouterPolicy, num_replicas: int, rng: random.Random, config: RouterConfig,
+                block_size_tokens: int, model_id: str) -> SimRouter:
+    if policy == "warmpath":
+        return WarmpathRouter(num_replicas, rng, config, block_size_tokens, model_id)
+    routers = {"pow2": Pow2Router, "round-robin": RoundRobinRouter, "session-hash": SessionHashRouter,
+               "prefix-tree": PrefixTreeRouter}
+    if policy not in routers:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    return routers[policy](num_replicas, rng)
+
+
+# --- sources --------------------------------------------------------------------------------------
+
+
+class WorkloadSource:
+    """Closed loop over a workload's sessions: each step is sent its tool latency after the previous response."""
+
+    def __init__(self, workload: Workload, renderer: PromptRenderer, max_output_tokens: int | None = None) -> None:
+        self._workload = workload
+        self._renderer = renderer
+        self._max_output_tokens = max_output_tokens
+
+    def arrivals(self) -> Iterable[tuple[float, Session]]:
+        return ((s.arrival_s, s) for s in self._workload.sessions)
+
+    def request(self, session: Session, step_index: int, arrival_s: float) -> SimRequest:
+        step = session.steps[step_index]
+        num_output = step.num_output_tokens
+        if self._max_output_tokens is not None:
+            num_output = min(num_output, self._max_output_tokens)
+        return SimRequest(
+            session_id=session.session_id, step_index=step_index, arrival_s=arrival_s,
+            token_ids=self._renderer.token_ids(session, step_index), num_output_tokens=num_output,
+            is_last_of_session=step_index == len(session.steps) - 1, session=session,
+        )
+
+    def next_request(self, request: SimRequest, done_s: float) -> SimRequest | None:
+        session = request.session
+        if session is None or request.is_last_of_session:
+            return None
+        latency_s = session.steps[request.step_index].tool_latency_s
+        return self.request(session, request.step_index + 1, done_s + latency_s)
+
+
+def trace_requests(records: Sequence[RequestRecord]) -> list[SimRequest]:
+    """Open-loop requests from a recorded trace (successful records with token ids), in send order."""
+    ok = sorted((r for r in records if r.error is None and r.token_ids is not None), key=lambda r: r.send_s)
+    last_step: dict[str, int] = {}
+    for r in ok:
+        last_step[r.session_id] = max(last_step.get(r.session_id, r.step_index), r.step_index)
+    return [
+        SimRequest(session_id=r.session_id, step_index=r.step_index, arrival_s=r.send_s, token_ids=r.token_ids,
+                   num_output_tokens=r.output_tokens, is_last_of_session=r.step_index == last_step[r.session_id])
+        for r in ok
+    ]
+
+
+# --- the simulation -------------------------------------------------------------------------------
+
+_SESSION, _ARRIVE, _PREFILLED, _DONE, _KV = range(5)
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    records: list[RequestRecord] = field(repr=False)
+    replica_ids: list[str]
+    summary: TraceSummary
+    wall_s: float
+    cpu_s: float
+    num_decisions_by_route: dict[str, int]
+
+
+class Simulation:
+    """N replicas, one router, one source; `run` returns one record per request (see module docstring)."""
+
+    def __init__(
+        self,
+        policy: RouterPolicy,
+        num_replicas: int,
+        profile: CostProfile,
+        seed: int = 0,
+        router_config: RouterConfig | None = None,
+        model_id: str = DEFAULT_MODEL_ID,
+        is_output_reused: bool = True,
+    ) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        config = router_config or RouterConfig()
+        self.profile = profile
+        self.num_replicas = num_replicas
+        self.is_output_reused = is_output_reused
+        self._root = root_hash(model_id, None)
+        self.router = make_router(policy, num_replicas, random.Random(seed + 1), config, profile.block_size_tokens,
+                                  model_id)
+        self._caches = [BlockCache(profile.kv_capacity_blocks) for _ in range(num_replicas)]
+        self._queues: list[deque[SimRequest]] = [deque() for _ in range(num_replicas)]
+        self._is_busy = [False] * num_replicas
+        self._num_requests = [0] * num_replicas
+        self._num_held_blocks = [0] * num_replicas
+        self._last_delivery_s = [0.0] * num_replicas
+        self._session_blocks: dict[str, RequestBlockHashes] = {}
+        self._events: list = []
+        self._seq = itertools.count()
+        self.records: list[RequestRecord] = []
+
+    def _push(self, at_s: float, kind: int, item) -> None:
+        heapq.heappush(self._events, (at_s, next(self._seq), kind, item))
+
+    def run(self, source: WorkloadSource | None = None, requests: Sequence[SimRequest] = ()) -> list[RequestRecord]:
+        """Simulates until every request is done.
+
+        Args:
+            source: a closed-loop workload source, or None.
+            requests: open-loop requests (a trace), sent at their `arrival_s`.
+
+        Returns:
+            Records in send order.
+        """
+        if source is not None:
+            for at_s, session in source.arrivals():
+                self._push(at_s, _SESSION, session)
+        for request in requests:
+            self._push(request.arrival_s, _ARRIVE, request)
+        events = self._events
+        while events:
+            now_s, _, kind, item = heapq.heappop(events)
+            if kind == _SESSION:
+                self._arrive(source.request(item, 0, now_s), now_s)
+            elif kind == _ARRIVE:
+                self._arrive(item, now_s)
+            elif kind == _PREFILLED:
+                self._prefilled(item, now_s)
+            elif kind == _DONE:
+                self._done(item, now_s, source)
+            else:
+                replica, batch = item
+                self.router.on_kv_events(replica, batch, now_s)
+        self.records.sort(key=lambda r: r.send_s)
+        return self.records
+
+    def snapshot(self) -> dict[str, int]:
+        """Cached blocks per replica (`r0`, `r1`, ...), as the replicas' caches hold them now."""
+        return {f"r{i}": len(cache) for i, cache in enumerate(self._caches)}
+
+    def _blocks(self, request: SimRequest) -> RequestBlockHashes:
+        """Block hashes of the request's prompt, reusing those of the session's previous request."""
+        blocks = RequestBlockHashes(request.token_ids, self.profile.block_size_tokens, self._root)
+        previous = self._session_blocks.get(request.session_id)
+        if previous is not None:
+            blocks.reuse_prefix(previous)
+        return blocks
+
+    def _set_load(self, replica: int) -> None:
+        usage = self._num_held_blocks[replica] / self.profile.kv_capacity_blocks
+        self.router.on_load(replica, self._num_requests[replica], usage)
+
+    def _arrive(self, request: SimRequest, now_s: float) -> None:
+        request.record = RequestRecord(request.session_id, request.step_index, request.arrival_s,
+                                       prompt_tokens=len(request.token_ids), output_tokens=request.num_output_tokens)
+        if not isinstance(self.router, WarmpathRouter):
+            request.blocks = self._blocks(request)
+        replica = self.router.route(request, now_s)
+        if request.blocks is None:  # pragma: no cover - every router sets or receives blocks
+            request.blocks = self._blocks(request)
+        self._session_blocks[request.session_id] = request.blocks
+        request.replica = replica
+        request.record.replica_id = f"r{replica}"
+        self._queues[replica].append(request)
+        self._num_requests[replica] += 1
+        self._set_load(replica)
+        if not self._is_busy[replica]:
+            self._start(replica, now_s)
+
+    def _start(self, replica: int, now_s: float) -> None:
+        queue = self._queues[replica]
+        if not queue:
+            return
+        request = queue.popleft()
+        profile = self.profile
+        block_size = profile.block_size_tokens
+        hashes = request.blocks.hashes()
+        cache = self._caches[replica]
+        num_cached_blocks = cache.longest_prefix(hashes)
+        num_tokens = len(request.token_ids)
+        cached = min(num_cached_blocks, max(num_tokens - 1, 0) // block_size) * block_size
+        request.record.cached_tokens = cached
+        first_new, evicted = cache.use(hashes, num_cached_blocks)
+        self._is_busy[replica] = True
+        request.num_blocks_held = len(hashes)
+        self._num_held_blocks[replica] += len(hashes)
+        self._set_load(replica)
+        done_s = now_s + profile.prefill_s(num_tokens - cached)
+        self._push(done_s, _PREFILLED, request)
+        self._publish(replica, hashes, first_new, evicted, request.token_ids, done_s)
+
+    def _publish(self, replica: int, hashes: Sequence[BlockHash], first_new: int, evicted: list[BlockHash],
+                 token_ids: array, computed_s: float) -> None:
+        """Schedules the KV events of one cache update for delivery after the computation that caused them."""
+        if not self.router.wants_kv_events:
+            return
+        batch: list = []
+        if evicted:
+            batch.append(BlockRemoved(block_hashes=evicted))
+        if first_new < len(hashes):
+            block_size = self.profile.block_size_tokens
+            batch.append(BlockStored(
+                block_hashes=list(hashes[first_new:]),
+                parent_block_hash=hashes[first_new - 1] if first_new else None,
+                token_ids=token_ids[first_new * block_size: len(hashes) * block_size],
+                block_size=block_size,
+            ))
+        if batch:
+            # A replica's events reach the router in the order its cache changed (one ZMQ stream each).
+            deliver_s = max(computed_s + self.profile.kv_event_lag_s, self._last_delivery_s[replica])
+            self._last_delivery_s[replica] = deliver_s
+            self._push(deliver_s, _KV, (replica, batch))
+
+    def _prefilled(self, request: SimRequest, now_s: float) -> None:
+        profile = self.profile
+        request.record.ttft_s = now_s - request.arrival_s + profile.decode_s_per_token
+        self._push(now_s + profile.decode_s_per_token * max(request.num_output_tokens, 1), _DONE, request)
+        if not profile.is_decode_blocking:
+            self._is_busy[request.replica] = False
+            self._start(request.replica, now_s)
+
+    def _done(self, request: SimRequest, now_s: float, source: WorkloadSource | None) -> None:
+        replica = request.replica
+        request.record.latency_s = now_s - request.arrival_s
+        self.records.append(request.record)
+        self._num_requests[replica] -= 1
+        self._num_held_blocks[replica] -= request.num_blocks_held
+        self._set_load(replica)
+        if self.profile.is_decode_blocking:
+            self._is_busy[replica] = False
+            self._start(replica, now_s)
+        following = source.next_request(request, now_s) if source is not None else None
+        if following is not None:
+            if self.is_output_reused:
+                self._cache_output(request, following, now_s)
+            self._push(following.arrival_s, _ARRIVE, following)
+        elif request.is_last_of_session:
+            self._session_blocks.pop(request.session_id, None)
+
+    def _cache_output(self, request: SimRequest, following: SimRequest, now_s: float) -> None:
+        """Caches the blocks of the generated tokens: the part of the next prompt they cover.
+
+        Only when the next prompt extends this one (not across a compression).
+        """
+        num_prompt = len(request.token_ids)
+        if following.token_ids[:num_prompt] != request.token_ids:
+            return
+        covered = min(num_prompt + request.num_output_tokens, len(following.token_ids))
+        blocks = RequestBlockHashes(following.token_ids[:covered], self.profile.block_size_tokens, self._root)
+        blocks.reuse_prefix(request.blocks)
+        hashes = blocks.hashes()
+        if len(hashes) <= len(request.blocks.computed):
+            return
+        first_new, evicted = self._caches[request.replica].use(hashes)
+        self._publish(request.replica, hashes, first_new, evicted, following.token_ids, now_s)
+
+
+def simulate(
+    policy: RouterPolicy,
+    num_replicas: int,
+    profile: CostProfile,
+    workload: Workload | None = None,
+    requests: Sequence[SimRequest] = (),
+    renderer: PromptRenderer | None = None,
+    seed: int = 0,
+    router_config: RouterConfig | None = None,
+    model_id: str = DEFAULT_MODEL_ID,
+    is_output_reused: bool = True,
+    max_output_tokens: int | None = None,
+) -> SimulationResult:
+    """Runs one policy on one workload (closed loop) or one trace (open loop).
+
+    Args:
+        policy: routing policy.
+        num_replicas: replicas simulated.
+        profile: cost model and KV capacity.
+        workload: sessions to run; or None with `requests`.
+        requests: open-loop requests (`trace_requests`).
+        renderer: token ids of workload steps (default `SyntheticRenderer`).
+        seed: seeds tie-breaking and random choices.
+        router_config: warmpath's config (default `RouterConfig()`).
+        model_id: roots block hashes.
+        is_output_reused: cache generated tokens' blocks (real agents: True).
+        max_output_tokens: cap on generated tokens per step.
+
+    Returns:
+        Records, summary and the wall time the simulation took.
+    """
+    start, start_cpu = time.perf_counter(), time.process_time()
+    sim = Simulation(policy, num_replicas, profile, seed, router_config, model_id, is_output_reused)
+    source = None
+    if workload is not None:
+        source = WorkloadSource(workload, renderer or SyntheticRenderer(), max_output_tokens)
+    # Millions of small, acyclic containers (cache nodes, index entries): the cyclic
+    # collector would re-scan them all over and over, for nothing.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        records = sim.run(source, [replace(r) for r in requests])
+    finally:
+        if was_enabled:
+            gc.enable()
+    replica_ids = [f"r{i}" for i in range(num_replicas)]
+    routes: dict[str, int] = {}
+    for r in records:
+        if r.route is not None:
+            routes[r.route] = routes.get(r.route, 0) + 1
+    return SimulationResult(records, replica_ids, summarize(records, replica_ids, profile.block_size_tokens),
+                            time.perf_counter() - start, time.process_time() - start_cpu, routes)
+
+
+# --- grids and the live-run check -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GridRun:
+    """One cell of a simulation grid."""
+
+    workload: str
+    num_replicas: int
+    policy: str
+    num_sessions: int
+    num_requests: int
+    summary: dict
+    decisions_by_route: dict[str, int]
+    wall_s: float
+    cpu_s: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def run_grid(
+    workload_names: Sequence[WorkloadName],
+    replica_counts: Sequence[int],
+    num_sessions: int,
+    seed: int = 0,
+    policies: Sequence[RouterPolicy] = POLICIES,
+    profile: CostProfile = GPU_PROFILE,
+    scale: Literal["cpu", "gpu"] = "gpu",
+    progress: Callable[[str], None] = lambda _msg: None,
+) -> list[GridRun]:
+    """Every policy on every (workload, replica count); sessions arrive at the workload's per-replica rate.
+
+    The same sessions (same seed) run at every replica count; only their arrival rate scales.
+    """
+    runs = []
+    for name in workload_names:
+        params = default_params(name, scale)
+        base = generate(name, seed, 1, params=params, num_sessions=num_sessions)
+        for num_replicas in replica_counts:
+            workload = base.with_arrival_rate(params.sessions_per_s_per_replica * num_replicas)
+            for policy in policies:
+                result = simulate(policy, num_replicas, profile, workload=workload, seed=seed)
+                runs.append(GridRun(name, num_replicas, policy, len(workload.sessions), len(result.records),
+                                    result.summary.to_json(), result.num_decisions_by_route, result.wall_s,
+                                    result.cpu_s))
+                hit = result.summary.hit_rate
+                progress(f"{name} x{num_replicas} {policy}: {len(result.records)} requests, "
+                         f"hit rate {hit if hit is None else round(hit, 3)}, {result.cpu_s:.1f} CPU-s")
+    return runs
+
+
+@dataclass(frozen=True)
+class ReproductionCheck:
+    """Simulated vs measured hit rate of one live run's trace."""
+
+    policy: str
+    measured_hit_rate: float
+    simulated_hit_rate: float
+    tolerance: float
+
+    @property
+    def difference(self) -> float:
+        return self.simulated_hit_rate - self.measured_hit_rate
+
+    @property
+    def is_within_tolerance(self) -> bool:
+        return abs(self.difference) <= self.tolerance
+
+
+def reproduce_live_run(bench: dict, policy: RouterPolicy = "warmpath", tolerance: float = 0.05,
+                       seed: int = 0) -> ReproductionCheck:
+    """Replays a live run's trace (the JSON `warmpath bench` writes) through the simulator.
+
+    Requests are sent at their recorded times with their recorded token ids and
+    output lengths, on the run's replica count, block size and KV capacity, with
+    the CPU cost model; generated tokens are not reused (the live prompts carry
+    the workload's tool calls, not the model's text).
+
+    Args:
+        bench: the parsed JSON of `warmpath bench`.
+        policy: which policy's run to replay.
+        tolerance: allowed |simulated - measured| hit rate.
+        seed: seeds the simulated router's random choices.
+
+    Returns:
+        Both hit rates.
+    """
+    run = bench["policies"][policy]
+    records = [RequestRecord.from_json(r) for r in run["records"]]
+    measured = run["summary"]["hit_rate"]
+    if measured is None:
+        raise ValueError(f"the {policy} run has no successful requests")
+    profile = replace(CPU_PROFILE, block_size_tokens=bench["block_size_tokens"],
+                      kv_capacity_blocks=bench["kv_capacity_blocks"])
+    result = simulate(policy, bench["num_replicas"], profile, requests=trace_requests(records), seed=seed,
+                      router_config=RouterConfig.model_validate(bench.get("router_config") or {}),
+                      model_id=bench["model_id"], is_output_reused=False)
+    return ReproductionCheck(policy, measured, result.summary.hit_rate or 0.0, tolerance)
+
+
+__all__ = [
+    "BlockCache", "CPU_PROFILE", "CostProfile", "GPU_PROFILE", "GridRun", "POLICIES", "PROFILES",
+    "ReproductionCheck", "SimRouter", "Simulation", "SimulationResult", "reproduce_live_run", "run_grid",
+    "simulate", "trace_requests",
+]

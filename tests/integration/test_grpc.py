@@ -1,0 +1,114 @@
+"""gRPC API against the real cluster: Ray Serve's gRPC proxy on loopback, real grpcio client."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cluster.serve_config import grpc_app_name
+from tests.integration.test_sessions import LOOKUP_SCHEMA, tool_server  # noqa: F401 - fixture
+from warmpath.v1 import agent_pb2, agent_pb2_grpc, inference_pb2, inference_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def channel(cluster):
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.cfg.ports.grpc_port}") as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def metadata(cluster):
+    return [("application", grpc_app_name(cluster.cfg))]
+
+
+def _request(cluster, content="hello over grpc", max_tokens=6):
+    return inference_pb2.ChatCompletionRequest(
+        model=cluster.model_id, messages=[inference_pb2.ChatMessage(role="user", content=content)], max_tokens=max_tokens
+    )
+
+
+def test_health_and_reflection(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "warmpath.v1.Inference", "warmpath.v1.Agent"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answers = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    services = {s.name for answer in answers for s in answer.list_services_response.service}
+    assert {"warmpath.v1.Inference", "warmpath.v1.Agent"} <= services
+
+
+def test_unary_and_streamed_chat_completion(channel, metadata, cluster):
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    reply = stub.ChatCompletion(_request(cluster), metadata=metadata, timeout=120)
+    assert reply.content and reply.replica_id
+    assert reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens == 6
+    chunks = list(stub.StreamChatCompletion(_request(cluster), metadata=metadata, timeout=120))
+    assert "".join(c.content for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_agent_session_with_a_tool(channel, metadata, cluster, tool_server):  # noqa: F811
+    agent = agent_pb2_grpc.AgentStub(channel)
+    created = agent.CreateSession(agent_pb2.CreateSessionRequest(
+        model=cluster.model_id, system_prompt="You are a support agent.",
+        tools=[agent_pb2.Tool(name="lookup_order", description="Look up an order.", parameters_json=json.dumps(LOOKUP_SCHEMA),
+                              http=agent_pb2.HttpExecution(url=f"{tool_server}/lookup", timeout_s=5))],
+        limits=agent_pb2.SessionLimits(output_reserve_tokens=64),
+    ), metadata=metadata, timeout=60)
+    events = list(agent.SendMessage(
+        agent_pb2.SendMessageRequest(session_id=created.session_id, content="Where is ORD-98231?", tool_choice="required"),
+        metadata=metadata, timeout=300,
+    ))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert "tool_call" in kinds and "tool_result" in kinds and kinds[-1] == "final", kinds
+    state = agent.GetSession(agent_pb2.GetSessionRequest(session_id=created.session_id), metadata=metadata, timeout=60)
+    assert [m.role for m in state.transcript] == ["user", "assistant", "tool", "assistant"]
+    agent.DeleteSession(agent_pb2.DeleteSessionRequest(session_id=created.session_id), metadata=metadata, timeout=60)
+    with pytest.raises(grpc.RpcError) as err:
+        agent.GetSession(agent_pb2.GetSessionRequest(session_id=created.session_id), metadata=metadata, timeout=60)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_error_codes(channel, metadata, cluster):
+    agent = agent_pb2_grpc.AgentStub(channel)
+    stub = inference_pb2_grpc.InferenceStub(channel)
+
+    with pytest.raises(grpc.RpcError) as err:
+        agent.CreateSession(agent_pb2.CreateSessionRequest(
+            model=cluster.model_id,
+            tools=[agent_pb2.Tool(name="x", description="d", parameters_json='{"type": "nope"}', client=agent_pb2.ClientExecution())],
+        ), metadata=metadata, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+
+    with pytest.raises(grpc.RpcError) as err:
+        agent.CreateSession(agent_pb2.CreateSessionRequest(model="no-such-model"), metadata=metadata, timeout=60)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-model" in err.value.details()
+
+    # A session paused on a client tool refuses a new message until the results arrive.
+    created = agent.CreateSession(agent_pb2.CreateSessionRequest(
+        model=cluster.model_id,
+        tools=[agent_pb2.Tool(name="lookup_order", description="d", parameters_json=json.dumps(LOOKUP_SCHEMA), client=agent_pb2.ClientExecution())],
+        limits=agent_pb2.SessionLimits(output_reserve_tokens=64),
+    ), metadata=metadata, timeout=60)
+    first = list(agent.SendMessage(agent_pb2.SendMessageRequest(session_id=created.session_id, content="x", tool_choice="required"),
+                                   metadata=metadata, timeout=300))
+    assert first[-1].WhichOneof("event") == "requires_action"
+    with pytest.raises(grpc.RpcError) as err:
+        list(agent.SendMessage(agent_pb2.SendMessageRequest(session_id=created.session_id, content="y"), metadata=metadata, timeout=60))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    too_long = _request(cluster, content="token " * (cluster.cfg.model.max_model_len_tokens + 100), max_tokens=4)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ChatCompletion(too_long, metadata=metadata, timeout=120)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(cluster.cfg.model.max_model_len_tokens) in err.value.details()
+
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ChatCompletion(_request(cluster, max_tokens=64), metadata=metadata, timeout=0.001)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

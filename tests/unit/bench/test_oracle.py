@@ -1,0 +1,117 @@
+"""bench.oracle on hand-made traces with known answers, and the trace records it reads."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from bench.oracle import LruBlockCache, oracle_bounds
+from bench.trace import RequestRecord, decode_token_ids, encode_token_ids, percentile, summarize
+
+BS = 4
+MODEL = "warmpath-tiny"
+
+
+def tokens(*blocks: int, tail: int = 1) -> list[int]:
+    """Full blocks of ids block*100 + i, then `tail` extra tokens (so the last full block is usable)."""
+    ids = [b * 100 + i for b in blocks for i in range(BS)]
+    return ids + [9000 + i for i in range(tail)]
+
+
+def trace(*prompts: list[int], **fields) -> list[RequestRecord]:
+    return [
+        RequestRecord(f"s{i}", 0, float(i), prompt_tokens=len(p), token_ids=array("I", p), **fields)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def bounds(records, num_replicas=1, capacity=1000):
+    return oracle_bounds(records, BS, MODEL, num_replicas, capacity)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "cached_tokens"),
+    [
+        ([tokens(1, 2), tokens(1, 2)], 8),  # second request: both blocks
+        ([tokens(1, 2, tail=0), tokens(1, 2, tail=0)], 4),  # last token recomputed: one block only
+        ([tokens(1, 2, 3), tokens(1, 5, 6)], 4),  # shares only the first block
+        ([tokens(1, 2), tokens(2, 1)], 0),  # same blocks, other order: a block's hash covers its prefix
+        ([tokens(1), tokens(1, 2), tokens(1, 2, 3)], 4 + 8),  # a growing conversation
+    ],
+)
+def test_infinite_cache_counts_longest_cached_prefix(prompts, cached_tokens):
+    result = bounds(trace(*prompts))
+    assert result.prompt_tokens == sum(len(p) for p in prompts)
+    assert result.infinite_hit_rate == pytest.approx(cached_tokens / result.prompt_tokens)
+    assert result.placed_hit_rate == pytest.approx(result.infinite_hit_rate)  # one big replica = the ceiling
+
+
+def test_greedy_placement_separates_what_does_not_fit_together():
+    x, y = tokens(1, 2, 3), tokens(4, 5, 6)
+    records = trace(x, y, x, y)
+    # Two replicas of 3 blocks: x on r0, y on r1 (the emptier), then both hit fully (3 blocks each).
+    two = bounds(records, num_replicas=2, capacity=3)
+    assert two.placed_requests_by_replica == [2, 2]
+    assert two.placed_hit_rate == pytest.approx(24 / 52)
+    assert two.infinite_hit_rate == pytest.approx(24 / 52)
+    # One replica of 3 blocks: every request evicts the other chain, nothing ever hits.
+    one = bounds(records, num_replicas=1, capacity=3)
+    assert one.placed_hit_rate == 0.0
+    assert one.infinite_hit_rate == pytest.approx(24 / 52)
+
+
+def test_lru_frees_a_request_tail_first_so_prefixes_outlive_extensions():
+    cache = LruBlockCache(capacity_blocks=4)
+    x, z = ["x0", "x1", "x2"], ["x0", "x1", "z2", "z3"]
+    assert cache.use(x) == []
+    assert cache.use(z) == ["x2"]  # x2 is older than x's prefix, which z just used again
+    assert cache.longest_prefix(x) == 2
+    assert cache.longest_prefix(z) == 4
+    assert cache.use(["w0", "w1"]) == ["z3", "z2"]  # tail first again
+    assert cache.longest_prefix(z) == 2
+
+
+def test_bounds_replay_in_send_order_and_skip_failed_requests():
+    first, second = trace(tokens(1, 2), tokens(1, 2))
+    first.send_s, second.send_s = 5.0, 1.0  # second was sent first
+    second.prompt_tokens = 1000  # the oracle sizes prompts by their token ids
+    failed = RequestRecord("s9", 0, 0.0, prompt_tokens=9, token_ids=array("I", tokens(1, 2)), error="HTTP 500")
+    result = bounds([first, second, failed])
+    assert result.num_requests == 2
+    assert result.infinite_hit_rate == pytest.approx(8 / 18)
+
+
+def test_records_without_token_ids_are_rejected():
+    with pytest.raises(ValueError, match="no token ids"):
+        bounds([RequestRecord("s", 0, 0.0, prompt_tokens=3)])
+
+
+def test_record_json_round_trip_keeps_token_ids():
+    record = RequestRecord("s1", 2, 1.5, prompt_tokens=3, cached_tokens=0, replica_id="r1", ttft_s=0.25,
+                           token_ids=array("I", [0, 7, 2**32 - 1]))
+    again = RequestRecord.from_json(record.to_json())
+    assert again == record
+    assert decode_token_ids(encode_token_ids([1, 2, 3])) == array("I", [1, 2, 3])
+
+
+def test_summary_figures_of_a_small_trace():
+    records = [
+        RequestRecord("a", 0, 0.0, prompt_tokens=100, cached_tokens=0, replica_id="r0", ttft_s=1.0, latency_s=2.0),
+        RequestRecord("a", 1, 3.0, prompt_tokens=200, cached_tokens=96, replica_id="r0", ttft_s=0.2, latency_s=1.0,
+                      predicted_cached_tokens=96),
+        RequestRecord("b", 0, 1.0, prompt_tokens=100, cached_tokens=64, replica_id="r1", ttft_s=0.4, latency_s=1.0,
+                      predicted_cached_tokens=0),
+        RequestRecord("c", 0, 1.0, prompt_tokens=50, error="HTTP 500"),
+    ]
+    summary = summarize(records, ["r0", "r1", "r2"], block_size_tokens=32)
+    assert (summary.num_requests, summary.num_errors) == (3, 1)
+    assert summary.hit_rate == pytest.approx(160 / 400)
+    assert summary.prefill_tokens == 240
+    assert summary.prefill_tokens_by_replica == {"r0": 204, "r1": 36, "r2": 0}
+    assert summary.load_imbalance == pytest.approx(204 / 80)
+    assert summary.turns_per_s == pytest.approx(3 / 4.0)
+    assert summary.prediction_accuracy == 0.5
+    assert summary.ttft_p50_s == pytest.approx(0.4)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([], 99) is None

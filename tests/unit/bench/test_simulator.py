@@ -1,0 +1,166 @@
+"""bench.simulator on tiny cases: cache model, production router wiring, oracle agreement, live-run check."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from array import array
+
+import pytest
+
+from bench.oracle import LruBlockCache, oracle_bounds
+from bench.simulator import (
+    CPU_PROFILE,
+    GPU_PROFILE,
+    POLICIES,
+    BlockCache,
+    Simulation,
+    WorkloadSource,
+    reproduce_live_run,
+    run_grid,
+    simulate,
+    trace_requests,
+)
+from bench.trace import RequestRecord, summarize
+from bench.workloads import SyntheticRenderer, generate
+from cluster.config import RouterConfig
+
+TINY = dataclasses.replace(CPU_PROFILE, block_size_tokens=4, kv_capacity_blocks=10_000)
+
+
+def _random_chains(rng: random.Random, num_chains: int) -> list[list[str]]:
+    """Chains that share prefixes with earlier ones (like sessions over a shared system prompt)."""
+    chains: list[list[str]] = []
+    for i in range(num_chains):
+        base = rng.choice(chains)[: rng.randint(0, 6)] if chains and rng.random() < 0.8 else []
+        chains.append(base + [f"{i}-{j}" for j in range(rng.randint(0, 6))])
+    return chains
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("capacity", [3, 8, 25])
+def test_block_cache_matches_the_reference_lru(seed, capacity):
+    rng = random.Random(seed)
+    fast, reference = BlockCache(capacity), LruBlockCache(capacity)
+    chains = _random_chains(rng, 120)
+    for i, chain in enumerate(chains):
+        # Chains must be paths of one tree: every block names its whole prefix.
+        assert fast.longest_prefix(chain) == reference.longest_prefix(chain)
+        _, evicted = fast.use(chain)
+        assert sorted(evicted) == sorted(reference.use(chain))
+        assert len(fast) == len(reference) <= capacity
+        for earlier in rng.sample(chains[: i + 1], min(5, i + 1)):
+            assert fast.longest_prefix(earlier) == reference.longest_prefix(earlier)
+
+
+def test_block_cache_reports_first_new_block():
+    cache = BlockCache(100)
+    assert cache.use(["a", "b"]) == (0, [])
+    assert cache.use(["a", "b", "c", "d"]) == (2, [])
+    assert cache.use(["a", "b"]) == (2, [])
+    assert cache.longest_prefix(["a", "b", "c", "x"]) == 3
+
+
+def _tiny_workload(name="shared-tools", num_sessions=4):
+    return generate(name, 0, 2, num_sessions=num_sessions)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_request_is_simulated_once_with_sane_figures(policy):
+    workload = _tiny_workload()
+    result = simulate(policy, 2, CPU_PROFILE, workload=workload, seed=1)
+    assert len(result.records) == workload.num_requests
+    assert {(r.session_id, r.step_index) for r in result.records} == {
+        (s.session_id, k) for s in workload.sessions for k in range(len(s.steps))
+    }
+    for r in result.records:
+        assert 0 <= r.cached_tokens <= r.prompt_tokens - 1
+        assert r.cached_tokens % CPU_PROFILE.block_size_tokens == 0
+        assert 0 < r.ttft_s <= r.latency_s
+        assert r.replica_id in ("r0", "r1")
+    assert 0 < result.summary.hit_rate < 1
+    if policy == "warmpath":
+        assert all(r.route is not None and r.predicted_cached_tokens is not None for r in result.records)
+        assert result.summary.prediction_accuracy is not None
+    if policy == "session-hash":
+        by_session = {}
+        for r in result.records:
+            by_session.setdefault(r.session_id, set()).add(r.replica_id)
+        assert all(len(replicas) == 1 for replicas in by_session.values())
+
+
+def test_same_seed_same_simulation():
+    workload = _tiny_workload("fanout", 6)
+    first = simulate("warmpath", 2, CPU_PROFILE, workload=workload, seed=3)
+    again = simulate("warmpath", 2, CPU_PROFILE, workload=workload, seed=3)
+    assert [dataclasses.astuple(r) for r in first.records] == [dataclasses.astuple(r) for r in again.records]
+
+
+def test_warmpath_index_mirrors_the_simulated_caches_through_kv_events():
+    workload = _tiny_workload("coding", 1)
+    sim = Simulation("warmpath", 2, CPU_PROFILE, seed=0)
+    sim.run(WorkloadSource(workload, SyntheticRenderer()))
+    index = sim.router.index.snapshot(now_s=1e9)  # far future: every pending placement has expired
+    cached = sim.snapshot()
+    assert sum(cached.values()) > 0
+    assert {r: index.num_blocks_by_replica.get(r, 0) for r in cached} == cached
+
+
+def _one_replica_trace_records(workload, renderer):
+    records = []
+    for session in workload.sessions:
+        for k in range(len(session.steps)):
+            ids = renderer.token_ids(session, k)
+            records.append(RequestRecord(session.session_id, k, session.arrival_s + 100.0 * k,
+                                         prompt_tokens=len(ids), output_tokens=4, token_ids=ids))
+    return records
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_big_replica_reaches_the_infinite_cache_oracle(policy):
+    # One replica, capacity for everything, FCFS: every request sees exactly the blocks
+    # of all requests sent before it, which is the oracle's infinite shared cache.
+    records = _one_replica_trace_records(_tiny_workload("fanout", 5), SyntheticRenderer())
+    result = simulate(policy, 1, TINY, requests=trace_requests(records), is_output_reused=False)
+    bound = oracle_bounds(records, TINY.block_size_tokens, "warmpath-tiny", 1, TINY.kv_capacity_blocks)
+    assert result.summary.hit_rate == pytest.approx(bound.infinite_hit_rate)
+
+
+def _fake_bench(records, block_size, measured_hit_rate=None):
+    summary = summarize(records, ["a", "b"], block_size).to_json()
+    if measured_hit_rate is not None:
+        summary["hit_rate"] = measured_hit_rate
+    return {
+        "num_replicas": 2, "block_size_tokens": block_size, "kv_capacity_blocks": 10_000,
+        "model_id": "warmpath-tiny", "router_config": RouterConfig().model_dump(mode="json"),
+        "policies": {"warmpath": {"summary": summary, "records": [r.to_json() for r in records]}},
+    }
+
+
+def test_reproduces_a_live_run_hit_rate_from_its_trace():
+    # A live-like trace: two sessions over one 256-token prefix, spaced so that no
+    # requests overlap; the "measured" cached tokens are what one warm replica gives.
+    rng = random.Random(0)
+    prefix = [rng.randrange(8192) for _ in range(256)]
+    histories = {s: list(prefix) for s in ("a", "b")}
+    records = []
+    seen: set = set()
+    for step in range(3):
+        for j, session in enumerate(("a", "b")):
+            histories[session] += [rng.randrange(8192) for _ in range(300)]
+            ids = array("I", histories[session])
+            records.append(RequestRecord(session, step, 20.0 * (2 * step + j), prompt_tokens=len(ids),
+                                         output_tokens=8, token_ids=ids, replica_id="a"))
+    bound = oracle_bounds(records, 32, "warmpath-tiny", 1, 10_000)
+    measured = bound.infinite_hit_rate  # a sticky single replica, as the live warmpath run placed them
+    check = reproduce_live_run(_fake_bench(records, 32, measured), "warmpath", tolerance=0.03)
+    assert check.is_within_tolerance, check
+    wrong = reproduce_live_run(_fake_bench(records, 32, measured_hit_rate=0.0), "warmpath")
+    assert not wrong.is_within_tolerance
+
+
+def test_grid_runs_every_policy_at_every_replica_count():
+    runs = run_grid(["fanout"], [2, 4], num_sessions=6, policies=("warmpath", "pow2"), profile=GPU_PROFILE)
+    assert [(r.num_replicas, r.policy) for r in runs] == [(2, "warmpath"), (2, "pow2"), (4, "warmpath"), (4, "pow2")]
+    assert all(r.num_requests == runs[0].num_requests for r in runs)
+    assert all(len(r.summary["prefill_tokens_by_replica"]) == r.num_replicas for r in runs)

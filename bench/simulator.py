@@ -350,6 +350,8 @@ class Pow2Router(SimRouter):
 
 
 class RoundRobinRouter(SimRouter):
+    """Replicas in turn, whatever the request."""
+
     def __init__(self, num_replicas: int, rng: random.Random) -> None:
         super().__init__(num_replicas, rng)
         self._next = 0

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import random
 from array import array
@@ -424,7 +425,7 @@ def fanout(seed: int, params: FanoutParams, arrival_rate_per_s: float) -> Worklo
     ]
     documents = [Part(f"{prefix}/doc/{d}", _uniform_int(rng, params.document_tokens)) for d in range(params.num_documents)]
     role_weights = _zipf_weights(params.num_roles, params.zipf_exponent)
-    document_weights = _zipf_weights(params.num_documents, params.zipf_exponent)
+    document_cum_weights = list(itertools.accumulate(_zipf_weights(params.num_documents, params.zipf_exponent)))
     mean_branches = sum(params.branches_per_task) / 2
     task_rate_per_s = arrival_rate_per_s / mean_branches  # sessions (branches) arrive at the given rate
     sessions: list[Session] = []
@@ -432,7 +433,7 @@ def fanout(seed: int, params: FanoutParams, arrival_rate_per_s: float) -> Worklo
     task = 0
     while len(sessions) < params.num_sessions:
         now_s += rng.expovariate(task_rate_per_s)
-        document = documents[rng.choices(range(params.num_documents), weights=document_weights)[0]]
+        document = documents[rng.choices(range(params.num_documents), cum_weights=document_cum_weights)[0]]
         num_branches = _uniform_int(rng, params.branches_per_task)
         task_id = f"{prefix}-t{task:05d}"
         for branch, role in enumerate(_sample_without_replacement(rng, role_weights, num_branches)):
@@ -588,6 +589,8 @@ def openai_request(session: Session, step_index: int) -> tuple[list[dict], list[
 
 
 class PromptRenderer(Protocol):
+    """Turns a session's step into the token ids an engine prefills."""
+
     def token_ids(self, session: Session, step_index: int) -> array:
         """Token ids of the step's prompt, as an `array("I")`."""
         ...

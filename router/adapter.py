@@ -172,12 +172,28 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
     ) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
+        try:
+            return self._choose(candidate_replicas, pending_request)
+        except Exception:
+            # A routing fault must cost cache hits, never the request: fall back to least loaded.
+            logger.exception("prefix-aware routing failed; routing by load for this request")
+            return self._least_loaded_first(candidate_replicas, self._loads(candidate_replicas))
+
+    @staticmethod
+    def _least_loaded_first(
+        candidates: List[RunningReplica], loads: dict[ReplicaId, ReplicaLoad]
+    ) -> List[List[RunningReplica]]:
+        return [[r] for r in sorted(candidates, key=lambda r: loads[ReplicaId(r.replica_id.unique_id)].num_requests)]
+
+    def _choose(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest]
+    ) -> List[List[RunningReplica]]:
         start_ns = time.time_ns()
         routing_request = self.tokenizer.routing_request(pending_request, self.args.model_id) if pending_request else None
         loads = self._loads(candidate_replicas)
         if routing_request is None:
-            # Nothing to match on (not a chat/completion call, or it does not render): least loaded first.
-            return [[r] for r in sorted(candidate_replicas, key=lambda r: loads[ReplicaId(r.replica_id.unique_id)].num_requests)]
+            # Nothing to match on (not a chat/completion call, or it does not render).
+            return self._least_loaded_first(candidate_replicas, loads)
         by_id = {ReplicaId(r.replica_id.unique_id): r for r in candidate_replicas}
         with self.lock:
             decision = self.policy.choose(

@@ -1,0 +1,88 @@
+"""The turn loop's handling of invalid tool calls, with a scripted model and a real Redis store.
+
+The model is scripted (a random-weight model under a grammar never emits an
+invalid call); tokenizer, chat template and store are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from serve_apps.orchestrator.models import CreateSessionRequest, Message, ToolCall
+from serve_apps.orchestrator.prompt import prefix_fingerprint
+from serve_apps.orchestrator.store import SessionStore
+from serve_apps.orchestrator.turns import ModelReply, TurnRunner
+from tests.integration.test_store_redis import redis_url  # noqa: F401 - fixture
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / ".warmpath" / "models" / "warmpath-tiny"
+SCHEMA = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"], "additionalProperties": False}
+
+
+class ScriptedModel:
+    def __init__(self, replies: list[ModelReply]) -> None:
+        self.replies = list(replies)
+        self.prompts: list[list] = []
+
+    async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
+        self.prompts.append(messages)
+        yield self.replies.pop(0)
+
+
+def _call(arguments: str, call_id: str) -> ModelReply:
+    return ModelReply(tool_calls=[ToolCall(id=call_id, name="lookup_order", arguments=arguments)], prompt_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    if not MODEL_DIR.is_dir():
+        pytest.skip("the model is not built (warmpath build-model)")
+    return AutoTokenizer.from_pretrained(MODEL_DIR)
+
+
+def _run_turn(redis_url, tokenizer, replies):  # noqa: F811
+    async def main():
+        store = SessionStore.from_url(redis_url)
+        request = CreateSessionRequest.model_validate({
+            "model": "warmpath-tiny", "system_prompt": "Support agent.",
+            "tools": [{"name": "lookup_order", "description": "d", "parameters": SCHEMA, "execution": {"kind": "client"}}],
+        })
+        record = await store.create(request, "owner", prefix_fingerprint(tokenizer, request.system_prompt, request.tools))
+        model = ScriptedModel(replies)
+        runner = TurnRunner(record, (), 0, store, model, tokenizer, 8192)
+        events = [e async for e in runner.run([Message(role="user", content="Where is my order?")], "required")]
+        transcript = await store.transcript(record.session_id)
+        await store.aclose()
+        return events, transcript, model
+
+    return asyncio.run(main())
+
+
+def test_an_invalid_call_goes_back_to_the_model_and_is_repaired(redis_url, tokenizer):  # noqa: F811
+    events, transcript, model = _run_turn(redis_url, tokenizer, [
+        _call('{"order_id": 5}', "c1"),           # schema violation
+        _call('{"order_id": "ORD-1', "c2"),       # not JSON (cut off)
+        _call('{"order_id": "ORD-1234"}', "c3"),  # valid
+    ])
+    kinds = [e.kind for e in events]
+    assert kinds.count("tool_result") == 2 and kinds[-1] == "requires_action"
+    errors = [e.content for e in events if e.kind == "tool_result"]
+    assert "$.order_id" in errors[0] and "c1" in errors[0]
+    assert "c2" in errors[1]
+    assert [c.id for c in events[-1].tool_calls] == ["c3"]
+    roles = [m.role for m in transcript.messages]
+    assert roles == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    # The cut-off arguments are kept as {} (as vLLM renders them); the model saw the error texts.
+    assert transcript.messages[3].tool_calls[0].arguments == "{}"
+    assert "$.order_id" in str(model.prompts[1])
+
+
+def test_a_model_that_keeps_failing_ends_the_turn_and_commits_nothing(redis_url, tokenizer):  # noqa: F811
+    events, transcript, _ = _run_turn(redis_url, tokenizer, [_call('{"order_id": 5}', f"c{i}") for i in range(5)])
+    assert events[-1].kind == "error" and events[-1].code == "invalid_tool_call"
+    assert "$.order_id" in events[-1].message
+    assert transcript.messages == () and transcript.length == 0

@@ -115,6 +115,9 @@ class RouterConfig(_Strict):
     load_guard_factor: float = Field(
         1.5, description="No replica takes more than this multiple of the mean load.", gt=1.0
     )
+    load_guard_min_requests: int = Field(
+        2, description="The load guard never removes a replica that would hold at most this many requests.", ge=1
+    )
     pending_ttl_s: float = Field(
         2.0, description="How long an optimistic (not yet confirmed by events) placement counts.", gt=0
     )

@@ -69,6 +69,7 @@ class PrefixAwarePolicy:
             raise ValueError(f"num_cached_sessions must be >= 0, got {num_cached_sessions}")
         self._scorers = build_weighted_scorers(config.scorer_weights)
         self._load_guard_factor = config.load_guard_factor
+        self._load_guard_min_requests = config.load_guard_min_requests
         self._pending_ttl_s = config.pending_ttl_s
         self._block_size_tokens = block_size_tokens
         self._rng = rng or random.Random()
@@ -108,7 +109,7 @@ class PrefixAwarePolicy:
         blocks = self._request_blocks(request)
         held = index.longest_prefix(blocks, now_s)
         prefix_blocks = {r: held[r] for r in candidate_ids if r in held}
-        kept, removed = apply_load_guard(candidate_ids, loads, self._load_guard_factor)
+        kept, removed = apply_load_guard(candidate_ids, loads, self._load_guard_factor, self._load_guard_min_requests)
         state = ScoringState(blocks.num_blocks, prefix_blocks, loads, sessions)
         weighted = [(weight, scorer.score(request, kept, state)) for scorer, weight in self._scorers]
         totals = total_scores(kept, weighted)

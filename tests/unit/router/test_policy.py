@@ -80,6 +80,21 @@ def test_load_guard_never_removes_every_replica(seed, factor):
     assert sorted(kept + removed) == sorted(ids)
 
 
+@pytest.mark.parametrize(
+    ("counts", "min_requests", "expected_removed"),
+    [
+        ((1, 0, 0, 0), 1, [A]),  # 4 replicas: one running a single request is over 1.5x the mean
+        ((1, 0, 0, 0), 2, []),  # ... but may hold 2 when the floor is 2
+        ((2, 0, 0, 0), 2, [A]),
+        ((3, 0), 4, []),
+    ],
+)
+def test_load_guard_floor(counts, min_requests, expected_removed):
+    ids = IDS[: len(counts)]
+    _, removed = apply_load_guard(ids, loads_of(*counts), 1.5, min_requests)
+    assert removed == expected_removed
+
+
 def test_load_guard_factor_must_exceed_one():
     with pytest.raises(ValueError):
         apply_load_guard(IDS, loads_of(0, 0, 0, 0), 1.0)
@@ -95,7 +110,7 @@ def test_load_guard_factor_must_exceed_one():
         ({}, (1, 1, 0, 1), {}, C, "cold"),
         ({A: 8}, (0, 0, 0, 0), {}, A, "prefix-hit"),
         ({A: 8, B: 3}, (1, 1, 1, 0), {}, A, "prefix-hit"),
-        ({A: 8}, (1, 0, 0, 0), {}, None, "load-guard"),  # 2 of 2 requests is over 1.5x the mean
+        ({A: 8}, (2, 0, 0, 0), {}, None, "load-guard"),  # 3 of 3 requests is over 1.5x the mean and the floor of 2
         ({}, (0, 0, 0, 0), {"s": B}, B, "session-affinity"),
         ({A: 8}, (0, 0, 0, 0), {"s": B}, A, "prefix-hit"),
         ({A: 8}, (10, 0, 0, 0), {}, None, "load-guard"),

@@ -139,6 +139,9 @@ class PortsConfig(_Strict):
     http_port: int = Field(8000, description="OpenAI-compatible HTTP ingress.", ge=1, le=65535)
     grpc_port: int = Field(9000, description="gRPC proxy.", ge=1, le=65535)
     host: str = Field("0.0.0.0", description="Bind address of the proxies.")
+    metrics_export_port: int = Field(
+        8080, description="Ray's Prometheus metrics port on a local head (`ray_warmpath_*` series).", ge=1, le=65535
+    )
     local_redis_port: int = Field(
         6380, description="Port of the redis-server `warmpath up` starts when redis_url is unset (6379 is Ray's).",
         ge=1, le=65535,

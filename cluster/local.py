@@ -150,7 +150,7 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     cmd = [
         _bin("ray"), "start", "--head", f"--num-cpus={num_cpus}", "--disable-usage-stats",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={DASHBOARD_PORT}",
-        "--object-store-memory=500000000",
+        "--object-store-memory=500000000", f"--metrics-export-port={cfg.ports.metrics_export_port}",
     ]
     if cfg.replicas.accelerator == "cpu":
         cmd.append("--num-gpus=0")

@@ -36,6 +36,7 @@ from ray.llm._internal.serve.core.ingress.utils import (
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
+from serve_apps.metrics import record_model_call
 from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.vllm_replica import ServedBy
 
@@ -65,11 +66,14 @@ def _headers(served_by: Optional[ServedBy], usage: Optional[Any]) -> Dict[str, s
         replica = served_by.replica_id if served_by is not None else decision.replica_id
         predicted = decision.predicted_cached_tokens.get(replica, 0)
         headers[PREDICTED_CACHED_HEADER] = str(predicted)
-        details = getattr(usage, "prompt_tokens_details", None)
-        actual = getattr(details, "cached_tokens", None)
-        if actual is not None and decision.request_blocks is not None:
-            decision_log.STATS.count_prediction(predicted, actual, decision.request_blocks.block_size_tokens)
+    details = getattr(usage, "prompt_tokens_details", None)
+    actual = getattr(details, "cached_tokens", None)
+    record_model_call(
+        logged, served_by.replica_id if served_by else "", getattr(usage, "prompt_tokens", 0) or 0, actual
+    )
     return headers
+
+
 
 
 # HTTP status of a turn that was accepted but ended in an error event.

@@ -27,6 +27,7 @@ from opentelemetry import trace
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from ray import serve
+from serve_apps.metrics import WarmpathMetrics
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.llm import LLMConfig
 
@@ -85,8 +86,11 @@ class WarmpathLLMServer(LLMServer):
         try:
             yield ServedBy(self._replica_id)
             async for item in stream:
-                if is_first and span.is_recording():
-                    span.set_attribute("gen_ai.server.time_to_first_token", time.monotonic() - start)
+                if is_first:
+                    ttft_s = time.monotonic() - start
+                    WarmpathMetrics.get().ttft.observe(ttft_s, tags={"replica": self._replica_id})
+                    if span.is_recording():
+                        span.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
                 is_first = False
                 yield item
         finally:

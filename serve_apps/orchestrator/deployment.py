@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Any, AsyncIterator
 
 from opentelemetry import trace
@@ -30,6 +31,7 @@ from pydantic import ValidationError
 from cluster import telemetry
 from cluster.config import validate_config
 from router import decision_log
+from serve_apps.metrics import WarmpathMetrics, record_model_call
 from serve_apps.orchestrator.models import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -98,6 +100,7 @@ class HandleModelClient:
                             yield text
             logged = decision_log.DECISIONS.pop(_get_serve_request_context().request_id)
             decision_log.record_route_span(logged, reply.replica_id or None)
+            record_model_call(logged, reply.replica_id, reply.prompt_tokens, reply.cached_tokens)
             if span.is_recording():
                 span.set_attribute("warmpath.replica", reply.replica_id)
                 span.set_attribute("gen_ai.usage.input_tokens", reply.prompt_tokens)
@@ -273,12 +276,16 @@ class Orchestrator:
             attributes={"gen_ai.operation.name": "invoke_agent", "warmpath.session_id": session_id,
                         "gen_ai.request.model": self._model_id},
         ) as span:
+            start = time.monotonic()
+            outcome = "rejected"
             async for item in self._turn(session_id, tool_choice, **kwargs):
-                if span.is_recording() and item.get("kind") in ("final", "requires_action", "error"):
-                    span.set_attribute("warmpath.turn.outcome", item.get("code") or item["kind"])
+                if item.get("kind") in ("final", "requires_action", "error"):
+                    outcome = item.get("code") or item["kind"]
+                    span.set_attribute("warmpath.turn.outcome", outcome)
                 elif span.is_recording() and item.get("kind") == "compression":
                     span.add_event("compression", {k: v for k, v in item["report"].items() if v is not None})
                 yield item
+            WarmpathMetrics.get().turn_latency.observe(time.monotonic() - start, tags={"outcome": outcome})
 
     async def _turn(
         self, session_id: str, tool_choice: str, user_content: str | None = None, results: ToolResultsSubmission | None = None

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
 from cluster import telemetry
+from serve_apps.metrics import WarmpathMetrics
 from serve_apps.orchestrator.compression import apply_compression, plan_compression, summarization_input
 from serve_apps.orchestrator.models import (
     CompressionEvent,
@@ -230,6 +231,7 @@ class TurnRunner:
                     )
                     span.set_attribute("warmpath.tool.status", outcome.status)
                     span.set_attribute("warmpath.tool.is_truncated", outcome.is_truncated)
+                WarmpathMetrics.get().tool_calls.inc(tags={"tool": call.name, "status": outcome.status})
                 self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=outcome.content))
                 yield ToolResultEvent(
                     tool_call_id=call.id, status=outcome.status, content=outcome.content, is_truncated=outcome.is_truncated
@@ -261,6 +263,7 @@ class TurnRunner:
             raise TurnFailed("compression_lost_values", f"compression would drop exact values: {report}")
         self._compaction = Compaction(num_messages_replaced=plan.num_messages_compressed, summary=compressed[0])
         self._stored = compressed[: len(compressed) - len(self._new)]
+        WarmpathMetrics.get().compressions.inc()
         yield CompressionEvent(report=report)
 
     async def _commit(self) -> None:

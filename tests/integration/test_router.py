@@ -69,7 +69,6 @@ def test_second_turn_goes_where_the_first_went_and_prediction_matches(warmpath_r
     first = _chat(cluster, messages, session_id="sess-affinity")
     messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"] or "ok"},
                  {"role": "user", "content": "And ORD-4011?"}]
-    time.sleep(0)  # no wait needed: a pending placement covers the gap until events arrive
     second = _chat(cluster, messages, session_id="sess-affinity")
     assert second.headers["x-warmpath-replica"] == first.headers["x-warmpath-replica"]
     assert second.headers["x-warmpath-route"] == "prefix-hit"

@@ -211,3 +211,25 @@ def test_sessions_survive_an_orchestrator_restart(cluster):
     session = _get(cluster, sid)
     assert [m["role"] for m in session["transcript"]] == ["user", "assistant"]
     assert _send(cluster, sid, "still there?").json()["status"] == "completed"
+
+
+def test_operator_metrics_on_rays_prometheus_endpoint(cluster, tool_server):
+    """Routing decisions, per-replica cache counters, TTFT, turn latency and tool calls reach Prometheus."""
+    import time
+
+    sid = _create(cluster, [_tool("lookup_order", f"{tool_server}/lookup")])["session_id"]
+    assert _send(cluster, sid, "Where is ORD-98231?", tool_choice="required").json()["status"] == "completed"
+    wanted = [
+        "ray_warmpath_routing_decisions_total", "ray_warmpath_prompt_tokens_total", "ray_warmpath_cached_tokens_total",
+        "ray_warmpath_ttft_seconds_bucket", "ray_warmpath_turn_seconds_bucket", "ray_warmpath_tool_calls_total",
+    ]
+    url = f"http://127.0.0.1:{cluster.cfg.ports.metrics_export_port}/metrics"
+    deadline = time.monotonic() + 120
+    while True:  # Ray's metrics agent exports on an interval
+        text = httpx.get(url, timeout=10).text
+        missing = [name for name in wanted if name not in text]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, missing
+        time.sleep(1)
+    assert 'status="ok"' in text and 'tool="lookup_order"' in text

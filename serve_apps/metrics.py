@@ -1,0 +1,90 @@
+"""Operator metrics, exported through Ray's Prometheus endpoint (prefix `ray_warmpath_`).
+
+Why Ray's metrics: every deployment runs in a Ray worker, and Ray already
+aggregates worker metrics per node on its metrics export port, which KubeRay
+and Prometheus scrape; no second exporter to run or secure.
+
+Each process creates the instruments on first use (`WarmpathMetrics.get()`),
+so importing this module costs nothing and workers that never record create
+nothing. Tags are bounded sets: replica ids, decision reasons, tool names
+(fixed per session), outcomes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from router import decision_log
+
+TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+TURN_BOUNDARIES_S = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
+
+
+class WarmpathMetrics:
+    """The process's instruments; `get()` creates them once."""
+
+    _instance: Optional["WarmpathMetrics"] = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Histogram
+
+        self.routing_decisions = Counter(
+            "warmpath_routing_decisions", "Routing decisions by reason.", tag_keys=("reason",)
+        )
+        self.predictions = Counter(
+            "warmpath_route_predictions", "Predicted vs actual cached tokens: within one block or not.",
+            tag_keys=("is_within_block",),
+        )
+        self.prompt_tokens = Counter("warmpath_prompt_tokens", "Prompt tokens per replica.", tag_keys=("replica",))
+        self.cached_tokens = Counter(
+            "warmpath_cached_tokens", "Prompt tokens served from the prefix cache, per replica.", tag_keys=("replica",)
+        )
+        self.ttft = Histogram(
+            "warmpath_ttft_seconds", "Time to first token at the replica.", boundaries=TTFT_BOUNDARIES_S,
+            tag_keys=("replica",),
+        )
+        self.turn_latency = Histogram(
+            "warmpath_turn_seconds", "Agent turn latency by outcome.", boundaries=TURN_BOUNDARIES_S,
+            tag_keys=("outcome",),
+        )
+        self.tool_calls = Counter("warmpath_tool_calls", "Server-side tool calls by status.", tag_keys=("tool", "status"))
+        self.compressions = Counter("warmpath_compressions", "Context compressions.")
+
+    @classmethod
+    def get(cls) -> "WarmpathMetrics":
+        if cls._instance is None:
+            with cls._lock:
+                if cls._instance is None:
+                    cls._instance = cls()
+        return cls._instance
+
+    def record_usage(self, replica_id: str, prompt_tokens: int, cached_tokens: int) -> None:
+        if not replica_id:
+            return
+        tags = {"replica": replica_id}
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens, tags=tags)
+        if cached_tokens:
+            self.cached_tokens.inc(cached_tokens, tags=tags)
+
+    def record_decision(self, reason: str, predicted_tokens: Optional[int], actual_tokens: Optional[int], block_size_tokens: int) -> None:
+        self.routing_decisions.inc(tags={"reason": reason})
+        if predicted_tokens is not None and actual_tokens is not None:
+            is_within = abs(predicted_tokens - actual_tokens) <= block_size_tokens
+            self.predictions.inc(tags={"is_within_block": str(is_within).lower()})
+
+
+def record_model_call(logged: Optional[decision_log.LoggedDecision], replica_id: str, prompt_tokens: int, cached_tokens: Optional[int]) -> None:
+    """Decision, prediction accuracy and per-replica cache counters of one model call."""
+    metrics = WarmpathMetrics.get()
+    metrics.record_usage(replica_id, prompt_tokens, cached_tokens or 0)
+    if logged is None:
+        return
+    decision = logged.decision
+    predicted = decision.predicted_cached_tokens.get(replica_id or decision.replica_id, 0)
+    block_size = decision.request_blocks.block_size_tokens if decision.request_blocks is not None else 0
+    if cached_tokens is not None and block_size:
+        decision_log.STATS.count_prediction(predicted, cached_tokens, block_size)
+    metrics.record_decision(decision.reason, predicted, cached_tokens, block_size)

@@ -1,12 +1,13 @@
-"""OpenAI-compatible HTTP ingress: Ray Serve LLM's `OpenAiIngress` plus headers.
+"""HTTP ingress: Ray Serve LLM's OpenAI routes plus headers, tracing and the session API.
 
-Why a subclass: every response must say which replica served it
-(`x-warmpath-replica`) and, once the prefix-aware router decided, why
-(`x-warmpath-route`, `x-warmpath-predicted-cached-tokens`). The replica names
-itself in the first item of its stream (`serve_apps.vllm_replica.ServedBy`);
-this class strips that record and turns it into headers. Request parsing,
-model lookup (404 for unknown models), error mapping and SSE framing are
-Ray Serve LLM's.
+Why a subclass of `OpenAiIngress`: every response must say which replica
+served it (`x-warmpath-replica`) and, once the prefix-aware router decided,
+why (`x-warmpath-route`, `x-warmpath-predicted-cached-tokens`). The replica
+names itself in the first item of its stream (`serve_apps.vllm_replica.ServedBy`);
+this class strips that record and turns it into headers, a span and metrics.
+The session routes (`/v1/sessions...`) forward to the orchestrator deployment
+and map its envelopes to HTTP. Request parsing, model lookup (404 for unknown
+models), error mapping and SSE framing of the OpenAI routes are Ray Serve LLM's.
 """
 
 from __future__ import annotations
@@ -72,8 +73,6 @@ def _headers(served_by: Optional[ServedBy], usage: Optional[Any]) -> Dict[str, s
         logged, served_by.replica_id if served_by else "", getattr(usage, "prompt_tokens", 0) or 0, actual
     )
     return headers
-
-
 
 
 # HTTP status of a turn that was accepted but ended in an error event.

@@ -55,7 +55,7 @@ from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.ingress_http import TURN_ERROR_STATUS
-from serve_apps.orchestrator.deployment import _sse_payloads
+from serve_apps.orchestrator.deployment import sse_payloads
 from serve_apps.orchestrator.models import Message
 from serve_apps.orchestrator.prompt import to_wire_message
 from serve_apps.vllm_replica import ServedBy
@@ -423,7 +423,7 @@ class GrpcIngress:
     async def _chat_chunks(self, request: inference_pb2.ChatCompletionRequest) -> AsyncIterator[inference_pb2.ChatCompletionChunk]:
         chat_request = self._chat_request(request, is_streaming=True)
         async for replica_id, output in self._engine_outputs(chat_request, request.session_id):
-            for payload in _sse_payloads(output):
+            for payload in sse_payloads(output):
                 if "error" in payload:
                     raise engine_failure(payload["error"])
                 yield chat_chunk_to_proto(payload, replica_id)

@@ -94,7 +94,7 @@ class HandleModelClient:
                 for chunk in item if isinstance(item, list) else [item]:
                     if isinstance(chunk, ErrorResponse):
                         raise TurnFailed("model_error", chunk.error.message)
-                    for data in _sse_payloads(chunk):
+                    for data in sse_payloads(chunk):
                         text = _apply_chunk(data, reply, calls)
                         if text:
                             yield text
@@ -118,7 +118,8 @@ class HandleModelClient:
         yield reply
 
 
-def _sse_payloads(chunk: str) -> list[dict]:
+def sse_payloads(chunk: str) -> list[dict]:
+    """The JSON payloads of one streamed engine output (`data: {...}` lines, `[DONE]` skipped)."""
     out = []
     for line in str(chunk).splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":

@@ -293,6 +293,32 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     return state
 
 
+def reap_orphaned_engines() -> list[int]:
+    """Kills vLLM engine processes whose replica is gone (re-parented to init).
+
+    Why: vLLM's engine core and worker processes outlive a replica actor that
+    is killed hard (`ray stop --force`, a crashed or killed replica), each
+    keeping its model and KV cache in memory. Once the head `up` started is
+    stopped, such orphans serve no one.
+    """
+    reaped = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            name = (entry / "cmdline").read_bytes().split(b"\0", 1)[0]
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == 1 and name in (b"VLLM::EngineCore", b"VLLM::Worker"):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                reaped.append(int(entry.name))
+            except OSError:
+                pass
+    return reaped
+
+
 def down(cfg: ClusterConfig, progress: Progress) -> None:
     """Stops the Serve app, and the Ray head and Redis if `up` started them."""
     state_dir = state_dir_of(cfg)
@@ -306,6 +332,9 @@ def down(cfg: ClusterConfig, progress: Progress) -> None:
     if state.ray_started:
         subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True)
         progress("ray: head stopped")
+        reaped = reap_orphaned_engines()
+        if reaped:
+            progress(f"vllm: stopped {len(reaped)} engine processes left behind by their replicas")
     if state.redis_pid and _alive(state.redis_pid):
         os.kill(state.redis_pid, signal.SIGTERM)  # redis flushes its AOF on SIGTERM
         for _ in range(100):

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -44,7 +44,6 @@ class LocalState:
     ray_address: Optional[str] = None
     dashboard_url: str = f"http://127.0.0.1:{DASHBOARD_PORT}"
     http_url: Optional[str] = None
-    extras: dict = field(default_factory=dict)
 
     @staticmethod
     def path(state_dir: Path) -> Path:
@@ -55,7 +54,8 @@ class LocalState:
         file = cls.path(state_dir)
         if not file.is_file():
             return cls()
-        return cls(**json.loads(file.read_text()))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(file.read_text()).items() if k in known})
 
     def save(self, state_dir: Path) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ from cluster.config import RouterConfig
 from router import decision_log
 from router.events import ReplicaEventStream, ZmqEventSource
 from router.index import PrefixIndex
+from router.inflight import InflightRequests
 from router.policy import PrefixAwarePolicy
 from router.prompt_tokens import PromptTokenizer
 from router.types import Decision, ReplicaId, ReplicaLoad, RoutingRequest
@@ -60,8 +61,6 @@ class RouterArgs(BaseModel):
     model_id: str = Field(description="Model name; roots the block hash chains.")
     model_source: str = Field(description="Folder or hub id whose tokenizer and chat template the engines use.")
     block_size_tokens: int = Field(description="The engines' KV block size.", ge=1)
-
-
 
 
 class _BoundedSessions(OrderedDict):
@@ -150,19 +149,23 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
         self.sessions: _BoundedSessions = _BoundedSessions()
         self.tokenizer = PromptTokenizer(args.model_source)
         self._decisions: OrderedDict[str, Decision] = OrderedDict()
+        self._inflight = InflightRequests()
         self._pump = _EventPump(self)
         self._pump.start()
         decision_log.LIVE_ROUTERS.add(self)
 
     def _loads(self, candidates: List[RunningReplica]) -> dict[ReplicaId, ReplicaLoad]:
         cache = self.replica_queue_len_cache
+        placed = self._inflight.counts(time.monotonic())
         loads = {}
         for replica in candidates:
-            ongoing = cache.get(replica.replica_id)
+            replica_id = ReplicaId(replica.replica_id.unique_id)
+            # Serve's count covers every handle's requests but lags; ours is current but local.
+            ongoing = max(int(cache.get(replica.replica_id) or 0), placed.get(replica_id, 0))
             stats = replica.routing_stats or {}
             usage = stats.get("kv_cache_usage")
-            loads[ReplicaId(replica.replica_id.unique_id)] = ReplicaLoad(
-                num_ongoing_requests=int(ongoing or 0),
+            loads[replica_id] = ReplicaLoad(
+                num_ongoing_requests=ongoing,
                 kv_cache_usage=float(usage) if isinstance(usage, (int, float)) and 0 <= usage <= 1 else 0.0,
             )
         return loads
@@ -203,17 +206,23 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
         decision_log.DECISIONS.put(pending_request.metadata.request_id, logged)
         decision_log.STATS.count_decision(decision.reason)
         self._decisions[pending_request.metadata.internal_request_id] = decision
+        self._inflight.place(pending_request.metadata.internal_request_id, decision.replica_id, time.monotonic(), False)
         while len(self._decisions) > MAX_DECISIONS:
             self._decisions.popitem(last=False)
         return [[by_id[r] for r in tier] for tier in decision.ranked_tiers]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        decision = self._decisions.pop(pending_request.metadata.internal_request_id, None)
+        request_id = pending_request.metadata.internal_request_id
+        decision = self._decisions.pop(request_id, None)
+        self._inflight.place(request_id, ReplicaId(replica_id.unique_id), time.monotonic(), True)
         if decision is None or decision.replica_id == replica_id.unique_id:
             return
         # Serve fell back to another replica (the chosen one was full): record where it really went.
         with self.lock:
             self.policy.record(decision, ReplicaId(replica_id.unique_id), self.index, self.sessions, time.monotonic())
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._inflight.complete(internal_request_id)
 
     def snapshot(self) -> dict[str, Any]:
         """State for operators and tests: replicas, subscriptions and index counts."""

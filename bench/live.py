@@ -144,14 +144,15 @@ async def _send(client, url: str, prepared: PreparedRequest, start_s: float) -> 
 
 
 async def replay(base_url: str, workload: Workload, prepared: dict[str, list[PreparedRequest]],
-                 time_scale: float) -> list[RequestRecord]:
+                 time_scale: float, api_key: str | None) -> list[RequestRecord]:
     """Runs every session of `workload` concurrently against `base_url`; returns records in send order."""
     import httpx
 
     url = f"{base_url}/v1/chat/completions"
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=len(workload.sessions) + 8, max_keepalive_connections=len(workload.sessions))
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits, headers=auth) as client:
         start_s = time.monotonic()
 
         async def run_session(session) -> None:
@@ -202,7 +203,16 @@ def warm_up(cfg: ClusterConfig, workload: Workload, prepared: dict[str, list[Pre
     sessions = workload.sessions[:WARMUP_SESSIONS]
     progress(f"bench: warming up the cluster with {len(sessions)} unmeasured sessions")
     state = local.up(cfg, progress)
-    asyncio.run(replay(state.http_url, dataclasses.replace(workload, sessions=sessions), prepared, time_scale))
+    asyncio.run(replay(
+        state.http_url, dataclasses.replace(workload, sessions=sessions), prepared, time_scale, local_api_key(cfg)
+    ))
+
+
+def local_api_key(cfg: ClusterConfig) -> str | None:
+    """The admin key `warmpath up` keeps in the state directory, when keys are on."""
+    from cluster import local
+
+    return local.api_key_file(cfg).read_text().strip() if cfg.access.is_auth_enabled else None
 
 
 def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
@@ -217,10 +227,12 @@ def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
     state = local.up(policy_cfg, progress, redeploy=True)
     progress(f"bench: {policy}: replaying {len(workload.sessions)} sessions ({workload.num_requests} requests)")
     started = time.monotonic()
-    records = asyncio.run(replay(state.http_url, workload, prepared, time_scale))
+    api_key = local_api_key(cfg)
+    records = asyncio.run(replay(state.http_url, workload, prepared, time_scale, api_key))
     wall_s = time.monotonic() - started
     try:
-        router_state = httpx.get(f"{state.http_url}/v1/router", timeout=30).json()
+        auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        router_state = httpx.get(f"{state.http_url}/v1/router", timeout=30, headers=auth).json()
     except Exception as err:
         router_state = {"error": f"{type(err).__name__}: {err}"}
     seen = {r.replica_id for r in records if r.replica_id}

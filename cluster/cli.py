@@ -73,13 +73,14 @@ def up(
     state_dir: Optional[str] = typer.Option(None, help="State directory."),
     timeout_s: float = typer.Option(900, help="How long to wait for the replicas."),
     redeploy: bool = typer.Option(False, help="Delete the running application first (pick up new code)."),
+    no_auth: bool = typer.Option(False, "--no-auth", help="Turn API keys off (local experiments only)."),
 ) -> None:
-    """Start Redis, a Ray head and the Serve application; print the endpoint."""
+    """Start Redis, a Ray head and the Serve application; print the endpoint and the API key."""
     from cluster import local
 
     cfg = _load(
         config, replicas__num_replicas=replicas, router__policy=policy, ports__http_port=http_port,
-        redis_url=redis_url, state_dir=state_dir,
+        redis_url=redis_url, state_dir=state_dir, access__is_auth_enabled=False if no_auth else None,
     )
     try:
         state = local.up(cfg, progress, timeout_s=timeout_s, redeploy=redeploy)
@@ -87,6 +88,85 @@ def up(
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1)
     typer.echo(f"warmpath is up: {state.http_url}/v1 (OpenAI-compatible; model \"{cfg.model.model_id}\")")
+    if cfg.access.is_auth_enabled:
+        key_file = local.api_key_file(cfg)
+        typer.echo(f"api key: {key_file.read_text().strip()} (send 'Authorization: Bearer <key>'; kept in {key_file})")
+
+
+keys_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke API keys (stored hashed in Redis).")
+app.add_typer(keys_app, name="keys")
+
+
+def _keys_redis_url(config: Optional[Path], redis_url: Optional[str]) -> str:
+    from cluster import local
+
+    cfg = _load(config, redis_url=redis_url)
+    url = cfg.redis_url or local.LocalState.load(local.state_dir_of(cfg)).redis_url
+    if not url:
+        typer.echo("no Redis: pass --redis-url (or set REDIS_URL), or run `warmpath up` first", err=True)
+        raise typer.Exit(2)
+    return url
+
+
+def _with_key_store(url: str, work):
+    import asyncio
+
+    from cluster.api_keys import ApiKeyStore, StoreUnavailable
+
+    async def run():
+        store = ApiKeyStore.from_url(url)
+        try:
+            return await work(store)
+        finally:
+            await store.aclose()
+
+    try:
+        return asyncio.run(run())
+    except StoreUnavailable as err:
+        typer.echo(f"error: Redis at {url} is unavailable: {err}", err=True)
+        raise typer.Exit(1)
+
+
+@keys_app.command("create")
+def keys_create(
+    name: str = typer.Option(..., help="Label of the key."),
+    permission: list[str] = typer.Option([], "--permission", "-p", help="A permission the key holds (repeat; '*' = all)."),
+    requests_per_s: Optional[float] = typer.Option(None, help="Sustained rate (default: access.default_requests_per_s)."),
+    burst: Optional[int] = typer.Option(None, help="Bucket size (default: access.default_burst)."),
+    config: Optional[Path] = ConfigOpt,
+    redis_url: Optional[str] = typer.Option(None, help="Key store (default: the config's or the local cluster's)."),
+) -> None:
+    """Create a key; prints it once (only its hash is stored)."""
+    cfg = _load(config)
+    rate = requests_per_s if requests_per_s is not None else cfg.access.default_requests_per_s
+    size = burst if burst is not None else cfg.access.default_burst
+    if rate <= 0 or size < 1:
+        typer.echo("--requests-per-s must be > 0 and --burst >= 1", err=True)
+        raise typer.Exit(2)
+    key, record = _with_key_store(
+        _keys_redis_url(config, redis_url), lambda store: store.create(name, permission, rate, size)
+    )
+    typer.echo(json.dumps({"api_key": key, **record.model_dump(mode="json")}))
+
+
+@keys_app.command("list")
+def keys_list(config: Optional[Path] = ConfigOpt, redis_url: Optional[str] = typer.Option(None)) -> None:
+    """One JSON line per key: id, name, permissions, rate (never the key)."""
+    for record in _with_key_store(_keys_redis_url(config, redis_url), lambda store: store.list()):
+        typer.echo(record.model_dump_json())
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key_id: str = typer.Argument(..., help="Id of the key (key_...)."),
+    config: Optional[Path] = ConfigOpt,
+    redis_url: Optional[str] = typer.Option(None),
+) -> None:
+    """Delete a key; calls with it fail from the next one on."""
+    if not _with_key_store(_keys_redis_url(config, redis_url), lambda store: store.revoke(key_id)):
+        typer.echo(f"no key {key_id}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {key_id}")
 
 
 @app.command()
@@ -202,6 +282,34 @@ def bench(
         except ImportError:
             progress("matplotlib is not installed (pip install -e '.[bench]'): no plot")
         typer.echo(f"wrote {json_path}")
+
+
+@app.command()
+def chaos(
+    config: Optional[Path] = ConfigOpt,
+    scenario: list[str] = typer.Option([], "--scenario", "-s", help="Scenario to run (repeat; default: all)."),
+    out: Path = typer.Option(Path("chaos.json"), help="Where to write the results as JSON."),
+) -> None:
+    """Break parts of the running local cluster (replica, orchestrator, Redis, tools, clients) and count lost turns."""
+    from bench import chaos as chaos_mod
+    from bench.live import local_api_key
+    from cluster import local
+
+    cfg = _load(config)
+    unknown = [s for s in scenario if s not in chaos_mod.SCENARIOS]
+    if unknown:
+        typer.echo(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(chaos_mod.SCENARIOS)}", err=True)
+        raise typer.Exit(2)
+    state = local.LocalState.load(local.state_dir_of(cfg))
+    if not state.http_url:
+        typer.echo("the local cluster is not up: run `warmpath up` first", err=True)
+        raise typer.Exit(1)
+    results = chaos_mod.run_chaos(cfg, state.http_url, local_api_key(cfg), scenario or list(chaos_mod.SCENARIOS), progress)
+    typer.echo(chaos_mod.report(results))
+    out.write_text(json.dumps({"kind": "warmpath-chaos", "results": [r.to_json() for r in results]}, indent=2))
+    typer.echo(f"wrote {out}")
+    if any(r.num_lost for r in results):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -161,6 +161,21 @@ class TelemetryConfig(_Strict):
     service_name: str = Field("warmpath", description="OpenTelemetry service.name.")
 
 
+class AccessConfig(_Strict):
+    """Who may call the cluster, how often, and how much one request may carry."""
+
+    is_auth_enabled: bool = Field(
+        True, description="Require an API key (Authorization: Bearer, x-api-key, or gRPC metadata) on every call."
+    )
+    default_requests_per_s: float = Field(
+        20.0, description="Sustained request rate of keys created without their own.", gt=0
+    )
+    default_burst: int = Field(40, description="Token bucket size of keys created without their own.", ge=1)
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024, description="Largest HTTP request body accepted (413 beyond).", ge=1024
+    )
+
+
 class ClusterConfig(_Strict):
     """The whole cluster: model, replicas, routing, state and ports."""
 
@@ -169,6 +184,7 @@ class ClusterConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig, description="Routing policy.")
     ports: PortsConfig = Field(default_factory=PortsConfig, description="Proxy ports.")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Tracing and metrics export.")
+    access: AccessConfig = Field(default_factory=AccessConfig, description="API keys, rate limits, request size.")
     redis_url: str | None = Field(
         None, description="Session store. Unset: `warmpath up` starts a local redis-server with persistence."
     )

@@ -282,6 +282,10 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     state.save(state_dir)
     if cfg.redis_url is None:
         cfg = cfg.model_copy(update={"redis_url": redis_url})
+    if cfg.access.is_auth_enabled:
+        ensure_local_api_key(cfg, redis_url, progress)
+    else:
+        progress("API keys are off (access.is_auth_enabled=false): anyone who reaches the ports can call")
     start_ray(cfg, state, progress)
     state.save(state_dir)
     if redeploy:
@@ -291,6 +295,48 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     state.http_url = f"http://127.0.0.1:{cfg.ports.http_port}"
     state.save(state_dir)
     return state
+
+
+# The operator's own key is not what rate limits protect against; keys made with `warmpath keys create` are.
+ADMIN_REQUESTS_PER_S = 1000.0
+ADMIN_BURST = 2000
+
+
+def api_key_file(cfg: ClusterConfig) -> Path:
+    return state_dir_of(cfg) / "api-key"
+
+
+def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress) -> str:
+    """The local admin key (all permissions): kept in `<state_dir>/api-key` (mode 0600), registered in Redis.
+
+    Reused across `up`s; registered again if Redis lost it (a new Redis, a flushed one).
+    """
+    import asyncio
+
+    from cluster.api_keys import ALL_PERMISSIONS, ApiKeyStore
+
+    file = api_key_file(cfg)
+    existing = file.read_text().strip() if file.is_file() else None
+
+    async def register() -> str:
+        store = ApiKeyStore.from_url(redis_url)
+        try:
+            if existing and await store.lookup(existing) is not None:
+                return existing
+            key, record = await store.create(
+                "local-admin", [ALL_PERMISSIONS], ADMIN_REQUESTS_PER_S, ADMIN_BURST, key=existing,
+            )
+            progress(f"api key: {'registered' if existing else 'created'} {record.key_id} (all permissions) in {file}")
+            return key
+        finally:
+            await store.aclose()
+
+    key = asyncio.run(register())
+    if existing != key:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.touch(mode=0o600)
+        file.write_text(key + "\n")
+    return key
 
 
 def reap_orphaned_engines() -> list[int]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ray import serve
 from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+from ray.llm._internal.serve.core.ingress.ingress import init as init_fastapi_app
 from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
@@ -24,6 +25,7 @@ from cluster.config import ClusterConfig, RouterPolicy, validate_config
 from ray.llm._internal.serve.core.server.builder import _get_deployment_name
 from ray.serve.handle import DeploymentHandle
 
+from serve_apps.access import AccessMiddleware, GuardSettings
 from serve_apps.ingress_grpc import GrpcIngress
 from serve_apps.ingress_http import ENDPOINTS, WarmpathIngress
 from serve_apps.orchestrator.deployment import Orchestrator
@@ -128,7 +130,10 @@ def build_llm_app(cfg: ClusterConfig) -> Application:
     """Replica deployment plus the OpenAI ingress, from a validated config."""
     llm = llm_config(cfg)
     replicas = build_llm_deployment(llm, deployment_cls=WarmpathLLMServer)
-    ingress_cls = make_fastapi_ingress(WarmpathIngress, endpoint_map=ENDPOINTS)
+    app = init_fastapi_app()
+    # Every route but the public ones (health, OpenAPI) passes the API-key, rate and size checks first.
+    app.add_middleware(AccessMiddleware, settings=GuardSettings(access=cfg.access, redis_url=cfg.redis_url))
+    ingress_cls = make_fastapi_ingress(WarmpathIngress, endpoint_map=ENDPOINTS, app=app)
     orchestrator = serve.deployment(
         Orchestrator, name=ORCHESTRATOR_DEPLOYMENT, num_replicas=1, max_ongoing_requests=256,
         ray_actor_options={"num_cpus": 0.5},
@@ -168,5 +173,6 @@ def build_grpc_app(args: dict[str, Any]) -> Application:
         llm_handle=DeploymentHandle(llm_deployment_name(cfg), app_name=cfg.app_name),
         orchestrator_handle=DeploymentHandle(ORCHESTRATOR_DEPLOYMENT, app_name=cfg.app_name),
         model_id=cfg.model.model_id,
+        guard_settings=GuardSettings(access=cfg.access, redis_url=cfg.redis_url).model_dump(mode="json"),
         telemetry_config=cfg.telemetry.model_dump(mode="json"),
     )

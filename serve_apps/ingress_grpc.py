@@ -53,6 +53,7 @@ from starlette.responses import JSONResponse
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
+from serve_apps.access import AccessDenied, AccessGuard, Caller, GuardSettings, credentials_from
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.ingress_http import TURN_ERROR_STATUS
 from serve_apps.orchestrator.deployment import sse_payloads
@@ -66,6 +67,7 @@ logger = logging.getLogger("ray.serve")
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name
 INTERNAL_MESSAGE = "internal error in the gRPC ingress; see the server logs"
+IDEMPOTENCY_METADATA = "idempotency-key"
 NAMED_TOOL_CHOICES = frozenset({"auto", "none", "required"})
 
 ResponseT = TypeVar("ResponseT", bound=ProtoMessage)
@@ -334,11 +336,17 @@ class GrpcIngress:
     """
 
     def __init__(
-        self, llm_handle, orchestrator_handle, model_id: str, telemetry_config: dict[str, Any] | None = None
+        self,
+        llm_handle,
+        orchestrator_handle,
+        model_id: str,
+        guard_settings: dict[str, Any],
+        telemetry_config: dict[str, Any] | None = None,
     ) -> None:
         self._llm = llm_handle
         self._orchestrator = orchestrator_handle
         self._model_id = model_id
+        self._guard = AccessGuard(GuardSettings.model_validate(guard_settings))
         telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "grpc-ingress")
 
     # Inference
@@ -346,14 +354,14 @@ class GrpcIngress:
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, grpc_context):
         """One completion, returned whole (the engine runs it unstreamed)."""
         return await self._unary(
-            INFERENCE_SERVICE, "ChatCompletion", grpc_context, lambda: self._chat_completion(request),
+            INFERENCE_SERVICE, "ChatCompletion", grpc_context, lambda caller: self._chat_completion(request),
             inference_pb2.ChatCompletionResponse(),
         )
 
     async def StreamChatCompletion(self, request: inference_pb2.ChatCompletionRequest, grpc_context):
         """One completion, streamed chunk by chunk; a failure ends it with an `error` chunk."""
         async for chunk in self._streamed(
-            INFERENCE_SERVICE, "StreamChatCompletion", grpc_context, lambda: self._chat_chunks(request), error_chunk
+            INFERENCE_SERVICE, "StreamChatCompletion", grpc_context, lambda caller: self._chat_chunks(request), error_chunk
         ):
             yield chunk
 
@@ -361,33 +369,36 @@ class GrpcIngress:
 
     async def CreateSession(self, request: agent_pb2.CreateSessionRequest, grpc_context):
         """`Orchestrator.create_session`; 201 -> `CreateSessionResponse`."""
-        async def create() -> agent_pb2.CreateSessionResponse:
-            envelope = await self._orchestrator.create_session.remote(create_session_body(request))
+        async def create(caller: Caller) -> agent_pb2.CreateSessionResponse:
+            envelope = await self._orchestrator.create_session.remote(create_session_body(request), caller.to_dict())
             return json_format.ParseDict(envelope_body(envelope, 201), agent_pb2.CreateSessionResponse())
 
         return await self._unary(AGENT_SERVICE, "CreateSession", grpc_context, create, agent_pb2.CreateSessionResponse())
 
     async def GetSession(self, request: agent_pb2.GetSessionRequest, grpc_context):
         """`Orchestrator.get_session`; its body maps field by field onto `GetSessionResponse`."""
-        async def get() -> agent_pb2.GetSessionResponse:
-            envelope = await self._orchestrator.get_session.remote(request.session_id)
+        async def get(caller: Caller) -> agent_pb2.GetSessionResponse:
+            envelope = await self._orchestrator.get_session.remote(request.session_id, caller.to_dict())
             return json_format.ParseDict(envelope_body(envelope, 200), agent_pb2.GetSessionResponse())
 
         return await self._unary(AGENT_SERVICE, "GetSession", grpc_context, get, agent_pb2.GetSessionResponse())
 
     async def DeleteSession(self, request: agent_pb2.DeleteSessionRequest, grpc_context):
         """`Orchestrator.delete_session`; 204 -> empty `DeleteSessionResponse`."""
-        async def delete() -> agent_pb2.DeleteSessionResponse:
-            envelope_body(await self._orchestrator.delete_session.remote(request.session_id), 204)
+        async def delete(caller: Caller) -> agent_pb2.DeleteSessionResponse:
+            envelope_body(await self._orchestrator.delete_session.remote(request.session_id, caller.to_dict()), 204)
             return agent_pb2.DeleteSessionResponse()
 
         return await self._unary(AGENT_SERVICE, "DeleteSession", grpc_context, delete, agent_pb2.DeleteSessionResponse())
 
     async def SendMessage(self, request: agent_pb2.SendMessageRequest, grpc_context):
         """`Orchestrator.send_message`: the turn's events, as they happen."""
-        def events() -> AsyncIterator[agent_pb2.SessionEvent]:
+        def events(caller: Caller) -> AsyncIterator[agent_pb2.SessionEvent]:
             handle = self._orchestrator.options(stream=True)
-            stream = handle.send_message.remote(request.session_id, send_message_body(request), telemetry.inject())
+            stream = handle.send_message.remote(
+                request.session_id, send_message_body(request), caller.to_dict(), telemetry.inject(),
+                _metadata(grpc_context, IDEMPOTENCY_METADATA),
+            )
             return self._turn_events(stream, grpc_context)
 
         async for event in self._streamed(AGENT_SERVICE, "SendMessage", grpc_context, events, error_event):
@@ -395,9 +406,12 @@ class GrpcIngress:
 
     async def SubmitToolResults(self, request: agent_pb2.SubmitToolResultsRequest, grpc_context):
         """`Orchestrator.submit_tool_results`: the resumed turn's events, as they happen."""
-        def events() -> AsyncIterator[agent_pb2.SessionEvent]:
+        def events(caller: Caller) -> AsyncIterator[agent_pb2.SessionEvent]:
             handle = self._orchestrator.options(stream=True)
-            stream = handle.submit_tool_results.remote(request.session_id, tool_results_body(request), telemetry.inject())
+            stream = handle.submit_tool_results.remote(
+                request.session_id, tool_results_body(request), caller.to_dict(), telemetry.inject(),
+                _metadata(grpc_context, IDEMPOTENCY_METADATA),
+            )
             return self._turn_events(stream, grpc_context)
 
         async for event in self._streamed(AGENT_SERVICE, "SubmitToolResults", grpc_context, events, error_event):
@@ -476,12 +490,19 @@ class GrpcIngress:
                     RpcFailure(status, event["code"], event["message"]).set_on(grpc_context)
             yield message
 
+    async def _admit(self, grpc_context) -> Caller:
+        """The caller behind the call's `authorization: Bearer <key>` (or `x-api-key`) metadata."""
+        try:
+            return await self._guard.admit(credentials_from(_string_metadata(grpc_context)))
+        except AccessDenied as denied:
+            raise RpcFailure(grpc_code(denied.status, denied.code), denied.code, denied.message) from None
+
     async def _unary(
-        self, service: str, method: str, grpc_context, work: Callable[[], Awaitable[ResponseT]], empty: ResponseT
+        self, service: str, method: str, grpc_context, work: Callable[[Caller], Awaitable[ResponseT]], empty: ResponseT
     ) -> ResponseT:
         with self._rpc_span(service, method, grpc_context) as span:
             try:
-                return await work()
+                return await work(await self._admit(grpc_context))
             except Exception as err:
                 _fail(grpc_context, span, method, err)
                 return empty
@@ -491,12 +512,12 @@ class GrpcIngress:
         service: str,
         method: str,
         grpc_context,
-        messages: Callable[[], AsyncIterator[ResponseT]],
+        messages: Callable[[Caller], AsyncIterator[ResponseT]],
         error_message: Callable[[RpcFailure], ResponseT],
     ) -> AsyncIterator[ResponseT]:
         with self._rpc_span(service, method, grpc_context) as span:
             try:
-                async for message in messages():
+                async for message in messages(await self._admit(grpc_context)):
                     yield message
             except Exception as err:
                 yield error_message(_fail(grpc_context, span, method, err))
@@ -504,12 +525,20 @@ class GrpcIngress:
     @contextmanager
     def _rpc_span(self, service: str, method: str, grpc_context) -> Iterator[trace.Span]:
         """The server span of one RPC, child of the W3C context in the call's metadata."""
-        carrier = {key: value for key, value in grpc_context.invocation_metadata() if isinstance(value, str)}
+        carrier = dict(_string_metadata(grpc_context))
         with telemetry.tracer().start_as_current_span(
             f"{service}/{method}", context=telemetry.extract(carrier), kind=trace.SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
         ) as span:
             yield span
+
+
+def _string_metadata(grpc_context) -> list[tuple[str, str]]:
+    return [(key, value) for key, value in grpc_context.invocation_metadata() if isinstance(value, str)]
+
+
+def _metadata(grpc_context, name: str) -> str | None:
+    return next((value for key, value in _string_metadata(grpc_context) if key.lower() == name), None)
 
 
 def _fail(grpc_context, span: trace.Span, method: str, err: Exception) -> RpcFailure:

@@ -37,6 +37,7 @@ from ray.llm._internal.serve.core.ingress.utils import (
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
+from serve_apps.access import Caller
 from serve_apps.metrics import record_model_call
 from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.vllm_replica import ServedBy
@@ -87,6 +88,33 @@ TURN_ERROR_STATUS = {
 
 
 INTERNAL_ERROR = {"error": {"message": "internal error in the session service; see the server logs", "code": "internal"}}
+IDEMPOTENCY_HEADER = "idempotency-key"
+REPLAY_HEADER = "x-warmpath-idempotent-replay"
+MAX_IDEMPOTENCY_KEY_CHARS = 256
+# The orchestrator replica died (or was replaced) while running the turn.
+INTERRUPTED = {
+    "code": "turn_interrupted",
+    "message": "the turn was interrupted before it committed; nothing of it was saved. "
+               "Retry with the same Idempotency-Key: a turn that did commit is replayed, not run twice.",
+}
+
+
+def _caller(request: Request) -> Caller:
+    """Set by `serve_apps.access.AccessMiddleware` for every non-public path; without it, nobody gets in."""
+    caller = request.scope.get("state", {}).get("caller")
+    if caller is None:
+        raise OpenAIHTTPException(status_code=401, message="no authenticated caller", type="AuthenticationError")
+    return caller
+
+
+def _idempotency_key(request: Request) -> Optional[str]:
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is not None and not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+        raise OpenAIHTTPException(
+            status_code=400, message=f"{IDEMPOTENCY_HEADER} must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} characters",
+            type="BadRequestError",
+        )
+    return key
 
 
 def _unary(result: Dict[str, Any]) -> Response:
@@ -97,8 +125,12 @@ def _unary(result: Dict[str, Any]) -> Response:
 
 def _sse(first: Dict[str, Any], events: AsyncIterator[Dict[str, Any]]) -> AsyncIterator[str]:
     async def frames() -> AsyncIterator[str]:
-        async for event in events:
-            yield f"event: {event['kind']}\ndata: {json.dumps(event)}\n\n"
+        try:
+            async for event in events:
+                yield f"event: {event['kind']}\ndata: {json.dumps(event)}\n\n"
+        except Exception:
+            logger.exception("turn stream broke off")
+            yield f"event: error\ndata: {json.dumps({'kind': 'error', **INTERRUPTED})}\n\n"
         yield "event: done\ndata: {}\n\n"
 
     return frames()
@@ -123,9 +155,14 @@ async def _turn_response(session_id: str, stream_events, is_streaming: bool) -> 
         return JSONResponse(INTERNAL_ERROR, status_code=500)
     if first["status"] != 200:
         return _unary(first)
+    headers = {REPLAY_HEADER: "true"} if first.get("is_replay") else {}
     if is_streaming:
-        return StreamingResponse(_sse(first, events), media_type="text/event-stream")
-    collected = [event async for event in events]
+        return StreamingResponse(_sse(first, events), media_type="text/event-stream", headers=headers)
+    try:
+        collected = [event async for event in events]
+    except Exception:
+        logger.exception("turn of session %s broke off", session_id)
+        return JSONResponse({"session_id": session_id, "status": "failed", "error": INTERRUPTED}, status_code=503)
     last = collected[-1] if collected else {"kind": "error", "code": "empty_turn", "message": "the turn produced nothing"}
     status_by_kind = {"final": "completed", "requires_action": "requires_action"}
     outcome = status_by_kind.get(last["kind"], "max_steps" if last.get("code") == "max_steps" else "failed")
@@ -136,7 +173,8 @@ async def _turn_response(session_id: str, stream_events, is_streaming: bool) -> 
         body["required_action"] = {"tool_calls": last["tool_calls"]}
     if outcome == "failed":
         body["error"] = {"code": last.get("code"), "message": last.get("message")}
-    return JSONResponse(body, status_code=TURN_ERROR_STATUS.get(last.get("code"), 200) if outcome == "failed" else 200)
+    status = TURN_ERROR_STATUS.get(last.get("code"), 200) if outcome == "failed" else 200
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _session_span(request: Request, route: str, session_id: str):
@@ -179,6 +217,24 @@ async def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
         span.end()
 
 
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def check_chat_messages(messages: Any) -> None:
+    """Rejects message lists the engine would crash on (it indexes `message["role"]` unchecked).
+
+    Ray Serve LLM's request model types messages loosely, so a message without
+    a role reaches vLLM's renderer and fails there as a KeyError (a 500).
+    """
+    for index, message in enumerate(messages or ()):
+        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+        if role not in CHAT_ROLES:
+            raise OpenAIHTTPException(
+                status_code=400, type="BadRequestError",
+                message=f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+            )
+
+
 class WarmpathIngress(OpenAiIngress):
     """OpenAI routes that report the serving replica in response headers, plus the session API."""
 
@@ -188,6 +244,8 @@ class WarmpathIngress(OpenAiIngress):
         telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "ingress")
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
+        if call_method == "chat":
+            check_chat_messages(body.messages)
         parent = telemetry.extract(dict(raw_request.headers)) if raw_request is not None else None
         span = telemetry.tracer().start_span(
             f"{call_method} {body.model}", context=parent, kind=trace.SpanKind.SERVER,
@@ -240,29 +298,42 @@ class WarmpathIngress(OpenAiIngress):
             raise OpenAIHTTPException(status_code=404, message="the session API is not deployed", type="NotFound")
         return self._orchestrator
 
-    async def create_session(self, body: CreateSessionRequest) -> Response:
-        """Create an agent session (system prompt, tools, limits); returns its id and prefix fingerprint."""
-        return await _call(self._sessions().create_session.remote(body.model_dump(mode="json")))
+    async def create_session(self, body: CreateSessionRequest, request: Request) -> Response:
+        """Create an agent session (system prompt, tools, limits); returns its id and prefix fingerprint.
 
-    async def get_session(self, session_id: str) -> Response:
-        """Transcript, token accounting and cache stats of a session."""
-        return await _call(self._sessions().get_session.remote(session_id))
+        The session belongs to the calling API key; a tool needing a permission the key lacks is refused (403).
+        """
+        return await _call(self._sessions().create_session.remote(body.model_dump(mode="json"), _caller(request).to_dict()))
 
-    async def delete_session(self, session_id: str) -> Response:
-        return await _call(self._sessions().delete_session.remote(session_id))
+    async def get_session(self, session_id: str, request: Request) -> Response:
+        """Transcript, token accounting and cache stats of a session (404 for another key's session)."""
+        return await _call(self._sessions().get_session.remote(session_id, _caller(request).to_dict()))
+
+    async def delete_session(self, session_id: str, request: Request) -> Response:
+        return await _call(self._sessions().delete_session.remote(session_id, _caller(request).to_dict()))
 
     async def post_message(self, session_id: str, body: TurnRequest, request: Request) -> Response:
-        """Append a user message and run the turn (SSE when `stream` is true)."""
+        """Append a user message and run the turn (SSE when `stream` is true).
+
+        With an `Idempotency-Key` header, a retry of a turn that already committed
+        gets the committed turn back (header `x-warmpath-idempotent-replay: true`) instead of a second turn.
+        """
+        idempotency_key = _idempotency_key(request)
         handle = self._sessions().options(stream=True)
         with _session_span(request, "POST /v1/sessions/{session_id}/messages", session_id):
-            events = handle.send_message.remote(session_id, body.model_dump(mode="json"), telemetry.inject())
+            events = handle.send_message.remote(
+                session_id, body.model_dump(mode="json"), _caller(request).to_dict(), telemetry.inject(), idempotency_key
+            )
             return await _turn_response(session_id, events, body.stream)
 
     async def post_tool_results(self, session_id: str, body: ToolResultsSubmission, request: Request) -> Response:
-        """Answer a `requires_action` pause with client tool results and continue the turn."""
+        """Answer a `requires_action` pause with client tool results and continue the turn (same idempotency rule)."""
+        idempotency_key = _idempotency_key(request)
         handle = self._sessions().options(stream=True)
         with _session_span(request, "POST /v1/sessions/{session_id}/tool_results", session_id):
-            events = handle.submit_tool_results.remote(session_id, body.model_dump(mode="json"), telemetry.inject())
+            events = handle.submit_tool_results.remote(
+                session_id, body.model_dump(mode="json"), _caller(request).to_dict(), telemetry.inject(), idempotency_key
+            )
             return await _turn_response(session_id, events, body.stream)
 
     async def router_state(self) -> JSONResponse:

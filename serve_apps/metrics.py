@@ -51,6 +51,10 @@ class WarmpathMetrics:
         )
         self.tool_calls = Counter("warmpath_tool_calls", "Server-side tool calls by status.", tag_keys=("tool", "status"))
         self.compressions = Counter("warmpath_compressions", "Context compressions.")
+        self.model_retries = Counter("warmpath_model_retries", "Model calls retried after their replica failed.")
+        self.access_denials = Counter(
+            "warmpath_access_denials", "Calls refused before any deployment, by reason.", tag_keys=("code",)
+        )
 
     @classmethod
     def get(cls) -> "WarmpathMetrics":

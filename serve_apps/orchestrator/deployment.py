@@ -31,6 +31,8 @@ from pydantic import ValidationError
 from cluster import telemetry
 from cluster.config import validate_config
 from router import decision_log
+from cluster.api_keys import ALL_PERMISSIONS
+from serve_apps.access import Caller
 from serve_apps.metrics import WarmpathMetrics, record_model_call
 from serve_apps.orchestrator.models import (
     CreateSessionRequest,
@@ -41,15 +43,41 @@ from serve_apps.orchestrator.models import (
 )
 from serve_apps.orchestrator.prompt import build_chat_request, count_tokens, effective_window_tokens, prefix_fingerprint, SessionState
 from serve_apps.orchestrator.store import SessionBusy, SessionNotFound, SessionStore, StaleTurn, StoreUnavailable
-from serve_apps.orchestrator.turns import ModelReply, TurnFailed, TurnRunner, pending_client_calls
+from serve_apps.orchestrator.turns import ModelReply, ModelRetry, TurnFailed, TurnRunner, pending_client_calls
 from serve_apps.vllm_replica import ServedBy
 
 logger = logging.getLogger("ray.serve")
-ANONYMOUS_OWNER = "anonymous"
+# A failed model call is retried once (on another replica: the router drops a dead one).
+MODEL_CALL_ATTEMPTS = 2
 
 
 def _error(status: int, message: str, code: str) -> dict[str, Any]:
     return {"status": status, "body": {"error": {"message": message, "code": code}}}
+
+
+def _caller(caller: dict[str, Any]) -> Caller:
+    return Caller(key_id=caller["key_id"], permissions=tuple(caller["permissions"]))
+
+
+def _missing_permission(caller: Caller, tools) -> dict[str, Any] | None:
+    """A 403 naming the first permission a tool needs and the caller's key lacks, or None."""
+    for tool in tools:
+        for permission in tool.required_permissions:
+            if permission not in caller.permissions and ALL_PERMISSIONS not in caller.permissions:
+                return _error(
+                    403, f"tool '{tool.name}' requires permission '{permission}', which API key {caller.key_id} lacks",
+                    "missing_permission",
+                )
+    return None
+
+
+def _not_found(session_id: str) -> dict[str, Any]:
+    # Another key's session answers exactly like a missing one: its existence is not the caller's business.
+    return _error(404, f"no session {session_id}", "session_not_found")
+
+
+class ReplicaFailure(RuntimeError):
+    """The replica answered with a server-side error (its engine died); worth one retry elsewhere."""
 
 
 class HandleModelClient:
@@ -60,7 +88,7 @@ class HandleModelClient:
         self._model_id = model_id
 
     async def chat(self, session_id, messages, tools, tool_choice, max_tokens) -> AsyncIterator[str | ModelReply]:
-        from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, ErrorResponse
+        from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
 
         request = ChatCompletionRequest(
             model=self._model_id,
@@ -74,6 +102,23 @@ class HandleModelClient:
             stream=True,
             stream_options={"include_usage": True},
         )
+        for attempt in range(MODEL_CALL_ATTEMPTS):
+            try:
+                async for item in self._attempt(session_id, request, max_tokens):
+                    yield item
+                return
+            except TurnFailed:
+                raise
+            except Exception as err:  # the replica died mid-call (RayActorError and kin) or Serve lost it
+                if attempt + 1 == MODEL_CALL_ATTEMPTS:
+                    raise TurnFailed("model_error", f"the model call failed twice: {type(err).__name__}: {err}") from None
+                logger.warning("model call of session %s failed (%s: %s); retrying once", session_id, type(err).__name__, err)
+                WarmpathMetrics.get().model_retries.inc()
+                yield ModelRetry(reason=f"{type(err).__name__}: {str(err)[:200]}")
+
+    async def _attempt(self, session_id: str, request, max_tokens: int) -> AsyncIterator[str | ModelReply]:
+        """One streamed call through the handle; Serve's router has dropped a replica that died, so a retry lands elsewhere."""
+        from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
         from ray.llm._internal.serve.core.protocol import RawRequestInfo
         from ray.serve.context import _get_serve_request_context
 
@@ -93,6 +138,8 @@ class HandleModelClient:
                     continue
                 for chunk in item if isinstance(item, list) else [item]:
                     if isinstance(chunk, ErrorResponse):
+                        if int(chunk.error.code or 500) >= 500:  # the engine failed, not the request
+                            raise ReplicaFailure(chunk.error.message)
                         raise TurnFailed("model_error", chunk.error.message)
                     for data in sse_payloads(chunk):
                         text = _apply_chunk(data, reply, calls)
@@ -176,11 +223,15 @@ class Orchestrator:
     async def check_health(self) -> None:
         return None
 
-    async def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def create_session(self, body: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
         try:
             request = CreateSessionRequest.model_validate(body)
         except ValidationError as err:
             return _error(422, str(err), "invalid_request")
+        who = _caller(caller)
+        denied = _missing_permission(who, request.tools)
+        if denied is not None:
+            return denied
         if request.model != self._model_id:
             return _error(404, f'model "{request.model}" is not served here (serving "{self._model_id}")', "model_not_found")
         try:
@@ -189,19 +240,21 @@ class Orchestrator:
             return _error(400, str(err), "invalid_limits")
         fingerprint = prefix_fingerprint(self._tokenizer, request.system_prompt, request.tools)
         try:
-            record = await self._store.create(request, ANONYMOUS_OWNER, fingerprint)
+            record = await self._store.create(request, who.key_id, fingerprint)
         except StoreUnavailable as err:
             return _error(503, f"session store unavailable: {err}", "store_unavailable")
         response = CreateSessionResponse(session_id=record.session_id, prefix_fingerprint=fingerprint)
         return {"status": 201, "body": response.model_dump()}
 
-    async def get_session(self, session_id: str) -> dict[str, Any]:
+    async def get_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
         try:
             record = await self._store.get(session_id)
+            if record.owner_key_id != _caller(caller).key_id:
+                return _not_found(session_id)
             snapshot = await self._store.transcript(session_id)
             steps = await self._store.step_stats(session_id)
         except SessionNotFound:
-            return _error(404, f"no session {session_id}", "session_not_found")
+            return _not_found(session_id)
         except StoreUnavailable as err:
             return _error(503, f"session store unavailable: {err}", "store_unavailable")
         request = record.request
@@ -239,38 +292,60 @@ class Orchestrator:
         }
         return {"status": 200, "body": body}
 
-    async def delete_session(self, session_id: str) -> dict[str, Any]:
+    async def delete_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
         try:
+            record = await self._store.get(session_id)
+            if record.owner_key_id != _caller(caller).key_id:
+                return _not_found(session_id)
             existed = await self._store.delete(session_id)
+        except SessionNotFound:
+            return _not_found(session_id)
         except StoreUnavailable as err:
             return _error(503, f"session store unavailable: {err}", "store_unavailable")
         if not existed:
-            return _error(404, f"no session {session_id}", "session_not_found")
+            return _not_found(session_id)
         return {"status": 204, "body": None}
 
     async def send_message(
-        self, session_id: str, body: dict[str, Any], trace_carrier: dict[str, str] | None = None
+        self,
+        session_id: str,
+        body: dict[str, Any],
+        caller: dict[str, Any],
+        trace_carrier: dict[str, str] | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
+        """Runs a user turn. With an idempotency key, a turn that already committed is replayed, not rerun."""
         try:
             turn = TurnRequest.model_validate(body)
         except ValidationError as err:
             yield _error(422, str(err), "invalid_request")
             return
-        async for item in self._traced_turn(session_id, trace_carrier, turn.tool_choice, user_content=turn.content):
+        async for item in self._traced_turn(
+            session_id, trace_carrier, turn.tool_choice, _caller(caller), idempotency_key, user_content=turn.content
+        ):
             yield item
 
     async def submit_tool_results(
-        self, session_id: str, body: dict[str, Any], trace_carrier: dict[str, str] | None = None
+        self,
+        session_id: str,
+        body: dict[str, Any],
+        caller: dict[str, Any],
+        trace_carrier: dict[str, str] | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         try:
             submission = ToolResultsSubmission.model_validate(body)
         except ValidationError as err:
             yield _error(422, str(err), "invalid_request")
             return
-        async for item in self._traced_turn(session_id, trace_carrier, "auto", results=submission):
+        async for item in self._traced_turn(
+            session_id, trace_carrier, "auto", _caller(caller), idempotency_key, results=submission
+        ):
             yield item
 
-    async def _traced_turn(self, session_id: str, trace_carrier, tool_choice: str, **kwargs) -> AsyncIterator[dict[str, Any]]:
+    async def _traced_turn(
+        self, session_id: str, trace_carrier, tool_choice: str, caller: Caller, idempotency_key: str | None, **kwargs
+    ) -> AsyncIterator[dict[str, Any]]:
         """One `invoke_agent` span per turn (or resumption), child of the caller's trace."""
         with telemetry.tracer().start_as_current_span(
             "invoke_agent warmpath", context=telemetry.extract(trace_carrier), kind=trace.SpanKind.SERVER,
@@ -279,7 +354,7 @@ class Orchestrator:
         ) as span:
             start = time.monotonic()
             outcome = "rejected"
-            async for item in self._turn(session_id, tool_choice, **kwargs):
+            async for item in self._turn(session_id, tool_choice, caller, idempotency_key, **kwargs):
                 if item.get("kind") in ("final", "requires_action", "error"):
                     outcome = item.get("code") or item["kind"]
                     span.set_attribute("warmpath.turn.outcome", outcome)
@@ -289,11 +364,31 @@ class Orchestrator:
             WarmpathMetrics.get().turn_latency.observe(time.monotonic() - start, tags={"outcome": outcome})
 
     async def _turn(
-        self, session_id: str, tool_choice: str, user_content: str | None = None, results: ToolResultsSubmission | None = None
+        self,
+        session_id: str,
+        tool_choice: str,
+        caller: Caller,
+        idempotency_key: str | None,
+        user_content: str | None = None,
+        results: ToolResultsSubmission | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         try:
             async with self._store.turn_lock(session_id):
                 record = await self._store.get(session_id)
+                if record.owner_key_id != caller.key_id:
+                    yield _not_found(session_id)
+                    return
+                denied = _missing_permission(caller, record.request.tools)
+                if denied is not None:
+                    yield denied
+                    return
+                if idempotency_key is not None:
+                    remembered = await self._store.lookup_turn_result(session_id, idempotency_key)
+                    if remembered is not None:
+                        yield {"status": 200, "is_replay": True}
+                        for event in json.loads(remembered):
+                            yield event
+                        return
                 snapshot = await self._store.transcript(session_id)
                 pending = pending_client_calls(snapshot.messages)
                 if user_content is not None:
@@ -308,13 +403,13 @@ class Orchestrator:
                         return
                 runner = TurnRunner(
                     record, snapshot.messages, snapshot.length, self._store, self._model, self._tokenizer,
-                    self._max_model_len_tokens,
+                    self._max_model_len_tokens, idempotency_key=idempotency_key,
                 )
                 yield {"status": 200}
                 async for event in runner.run(new, tool_choice):
                     yield event.model_dump(exclude_none=True)
         except SessionNotFound:
-            yield _error(404, f"no session {session_id}", "session_not_found")
+            yield _not_found(session_id)
         except SessionBusy as err:
             yield _error(409, str(err), "session_busy")
         except StoreUnavailable as err:

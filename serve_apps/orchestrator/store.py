@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -76,6 +77,14 @@ return length + num_messages
 _RELEASE_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# Extends the lock only while this holder still owns it.
+_RENEW_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
 """
@@ -151,7 +160,7 @@ class SessionStore:
         client: aioredis.Redis,
         *,
         ttl_s: float = 24 * 3600,
-        lock_ttl_s: float = 300.0,
+        lock_ttl_s: float = 15.0,
         max_step_stats: int = 1024,
         key_prefix: str = "warmpath",
     ) -> None:
@@ -164,6 +173,7 @@ class SessionStore:
         self._prefix = key_prefix
         self._commit = client.register_script(_COMMIT_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
+        self._renew = client.register_script(_RENEW_SCRIPT)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: float | int | str) -> "SessionStore":
@@ -234,23 +244,38 @@ class SessionStore:
     async def turn_lock(self, session_id: str) -> AsyncIterator[None]:
         """Holds the session's turn lock for the block; raises SessionBusy if another turn holds it.
 
-        The lock expires after `lock_ttl_s` even if its holder dies; a turn that
-        outlives it is still safe because `commit_turn` checks the length.
+        While the block runs, the lock is renewed every `lock_ttl_s / 3`, so a
+        live turn keeps it however long it takes, and a dead holder (a killed
+        orchestrator replica) frees it within `lock_ttl_s`: a retried turn can
+        start soon after. A turn that loses the lock anyway (Redis restarted
+        without it) is still safe because `commit_turn` checks the length.
         """
         key, token = self._key(session_id, "lock"), secrets.token_hex(16)
         with _redis_errors(session_id):
             acquired = await self._redis.set(key, token, nx=True, px=self._lock_ttl_ms)
         if not acquired:
             raise SessionBusy(f"session {session_id} is running another turn")
+        renewer = asyncio.ensure_future(self._keep_lock(key, token))
         try:
             yield
         finally:
+            renewer.cancel()
             try:
                 with _redis_errors(session_id):
                     await self._release(keys=[key], args=[token])
             except StoreUnavailable as err:
                 # Raising here would hide the turn's own outcome; the lock's TTL frees it.
                 logger.warning("could not release turn lock of %s: %s", session_id, err)
+
+    async def _keep_lock(self, key: str, token: str) -> None:
+        interval_s = self._lock_ttl_ms / 3000
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                if not await self._renew(keys=[key], args=[token, self._lock_ttl_ms]):
+                    return  # lost it (expired while Redis was away); the commit's length check still guards
+            except Exception as err:  # Redis away: keep trying, the turn's own calls report the outage
+                logger.warning("could not renew turn lock %s: %s", key, err)
 
     async def commit_turn(
         self,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NoReturn
@@ -30,6 +31,8 @@ from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
 # Bodies beyond this are refused rather than buffered: a tool cannot exhaust replica memory.
 MAX_TOOL_RESPONSE_BYTES = 8 * 1024 * 1024
 MAX_REPORTED_VIOLATIONS = 16
+# Tool arguments and tool replies nest at most this deep (real ones: a handful of levels).
+MAX_ARGUMENT_DEPTH = 64
 _ERROR_BODY_SNIPPET_BYTES = 512
 _DEFS_REF_PREFIX = "#/$defs/"
 
@@ -75,9 +78,35 @@ def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf
+        raise ValueError(f"{text[:40]} is out of range for a JSON number")
+    return value
+
+
+def _check_depth(value: JsonValue) -> None:
+    stack = [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            if level > MAX_ARGUMENT_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels")
+            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+
+
 def parse_arguments(arguments: str) -> JsonValue:
-    """Strict JSON parse: NaN and Infinity are refused like any other non-JSON text."""
-    return json.loads(arguments, parse_constant=_reject_constant)
+    """Strict JSON parse: NaN, Infinity and out-of-range numbers are refused like any other non-JSON text.
+
+    Nesting is bounded (MAX_ARGUMENT_DEPTH), so neither the parser nor schema
+    validation after it can run out of stack on hostile input.
+    """
+    try:
+        value = json.loads(arguments, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels") from None
+    _check_depth(value)
+    return value
 
 
 def _validator(schema: dict) -> Draft202012Validator:
@@ -105,7 +134,10 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
         arguments = parse_arguments(call.arguments)
     except ValueError as err:
         return ToolCallError(call.id, call.name, "invalid_json", f"arguments are not a JSON document: {err}")
-    errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))
+    try:
+        errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))
+    except (RecursionError, OverflowError) as err:  # e.g. `multipleOf` on a number with hundreds of digits
+        return ToolCallError(call.id, call.name, "schema_violation", f"arguments cannot be checked: {type(err).__name__}")
     if not errors:
         return call
     violations = tuple(SchemaViolation(e.json_path, e.message) for e in errors[:MAX_REPORTED_VIOLATIONS])

@@ -32,6 +32,7 @@ from serve_apps.orchestrator.models import (
     CompressionEvent,
     ErrorEvent,
     FinalEvent,
+    ModelRetryEvent,
     Message,
     RequiresActionEvent,
     SessionEvent,
@@ -68,12 +69,23 @@ class ModelReply:
     replica_id: str = ""
 
 
+@dataclass(frozen=True)
+class ModelRetry:
+    """The model call failed (its replica died) and starts over; text streamed so far is void."""
+
+    reason: str
+
+
 class ModelClient(Protocol):
-    """Streams one chat completion: text deltas as they come, then the whole reply."""
+    """Streams one chat completion: text deltas as they come, then the whole reply.
+
+    A client may retry a failed call; it then yields a `ModelRetry` before the
+    new attempt's deltas.
+    """
 
     def chat(
         self, session_id: str, messages: list, tools: list, tool_choice: object, max_tokens: int
-    ) -> AsyncIterator[str | ModelReply]: ...
+    ) -> AsyncIterator[str | ModelReply | ModelRetry]: ...
 
 
 class TurnFailed(Exception):
@@ -124,8 +136,13 @@ class TurnRunner:
         model: ModelClient,
         tokenizer,
         max_model_len_tokens: int,
+        idempotency_key: str | None = None,
     ) -> None:
         self._record = record
+        self._idempotency_key = idempotency_key
+        # What a replay under the idempotency key shows: every event but the text deltas
+        # (the final message carries the text).
+        self._replayable: list[SessionEvent] = []
         self._request = record.request
         self._limits = record.request.limits
         self._stored = list(stored)
@@ -155,6 +172,8 @@ class TurnRunner:
         self._new.extend(new_messages)
         try:
             async for event in self._steps(tool_choice):
+                if not isinstance(event, DeltaEvent):
+                    self._replayable.append(event)
                 yield event
         except TurnFailed as err:
             yield ErrorEvent(code=err.code, message=str(err))
@@ -183,6 +202,8 @@ class TurnRunner:
             async for item in self._model.chat(self._record.session_id, messages, tools or [], choice, max_tokens):
                 if isinstance(item, ModelReply):
                     reply = item
+                elif isinstance(item, ModelRetry):
+                    yield ModelRetryEvent(step_index=step, reason=item.reason)
                 else:
                     yield DeltaEvent(text=item)
             stats = StepStats(
@@ -195,8 +216,9 @@ class TurnRunner:
             assistant = Message(role="assistant", content=reply.content or None, tool_calls=reply.tool_calls or None)
             if not reply.tool_calls:
                 self._new.append(assistant if assistant.content else Message(role="assistant", content=""))
-                await self._commit()
-                yield FinalEvent(message=self._new[-1])
+                final = FinalEvent(message=self._new[-1])
+                await self._commit(final)
+                yield final
                 return
             errors = [e for e in (validate_tool_call(c, self._request.tools) for c in reply.tool_calls) if isinstance(e, ToolCallError)]
             if errors:
@@ -237,11 +259,15 @@ class TurnRunner:
                     tool_call_id=call.id, status=outcome.status, content=outcome.content, is_truncated=outcome.is_truncated
                 )
             if client_calls:
-                await self._commit()
-                yield RequiresActionEvent(tool_calls=client_calls)
+                pause = RequiresActionEvent(tool_calls=client_calls)
+                await self._commit(pause)
+                yield pause
                 return
-        await self._commit()
-        yield ErrorEvent(code="max_steps", message=f"the turn used all {self._limits.max_steps_per_turn} steps; its messages are kept")
+        exhausted = ErrorEvent(
+            code="max_steps", message=f"the turn used all {self._limits.max_steps_per_turn} steps; its messages are kept"
+        )
+        await self._commit(exhausted)
+        yield exhausted
 
     async def _maybe_compress(self) -> AsyncIterator[CompressionEvent]:
         history = self.history
@@ -266,7 +292,13 @@ class TurnRunner:
         WarmpathMetrics.get().compressions.inc()
         yield CompressionEvent(report=report)
 
-    async def _commit(self) -> None:
+    async def _commit(self, outcome: SessionEvent) -> None:
+        """Commits the turn; under an idempotency key, with the events a replay shows, in the same write."""
+        result_json = None
+        if self._idempotency_key is not None:
+            events = [*self._replayable, outcome]
+            result_json = json.dumps([e.model_dump(mode="json", exclude_none=True) for e in events])
         await self._store.commit_turn(
-            self._record.session_id, self._stored_len, self._new, self._stats, compaction=self._compaction
+            self._record.session_id, self._stored_len, self._new, self._stats, compaction=self._compaction,
+            idem_key=self._idempotency_key, result_json=result_json,
         )

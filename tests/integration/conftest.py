@@ -9,10 +9,17 @@ a developer's running cluster state. Tests talk to it only over loopback HTTP
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
+import httpx
 import pytest
+import redis
 
 from cluster import local
 from cluster.config import ClusterConfig, load_config
@@ -20,6 +27,7 @@ from cluster.model_builder import build_model, is_built
 from tests.integration.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parents[2]
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 MODEL_DIR = REPO / ".warmpath" / "models" / "warmpath-tiny"
 
 
@@ -28,10 +36,27 @@ class Cluster:
     cfg: ClusterConfig
     base_url: str
     redis_url: str
+    api_key: str
 
     @property
     def model_id(self) -> str:
         return self.cfg.model.model_id
+
+    @cached_property
+    def client(self) -> httpx.Client:
+        """An HTTP client for the cluster, authenticated with the admin key."""
+        return self.http()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every call needs: the local admin key `warmpath up` created."""
+        return {"authorization": f"Bearer {self.api_key}"}
+
+    def http(self, api_key: str | None = None, timeout_s: float = 300) -> httpx.Client:
+        """An HTTP client for the cluster, authenticated with the admin key (or `api_key`)."""
+        return httpx.Client(
+            base_url=self.base_url, timeout=timeout_s, headers={"authorization": f"Bearer {api_key or self.api_key}"}
+        )
 
 
 def _test_config(otlp_endpoint: str) -> ClusterConfig:
@@ -72,7 +97,10 @@ def cluster(otlp_receiver: OtlpReceiver) -> Cluster:
     redeploy = os.environ.get("WARMPATH_TEST_REDEPLOY") == "1"
     state = local.up(cfg, progress=lambda msg: print(f"[cluster] {msg}", flush=True), timeout_s=900, redeploy=redeploy)
     try:
-        yield Cluster(cfg=cfg, base_url=f"http://127.0.0.1:{cfg.ports.http_port}", redis_url=state.redis_url)
+        api_key = local.api_key_file(cfg).read_text().strip()
+        yield Cluster(
+            cfg=cfg, base_url=f"http://127.0.0.1:{cfg.ports.http_port}", redis_url=state.redis_url, api_key=api_key
+        )
     finally:
         if os.environ.get("WARMPATH_TEST_KEEP_CLUSTER") != "1":
             local.down(cfg, progress=lambda msg: print(f"[cluster] {msg}", flush=True))
@@ -82,4 +110,42 @@ def cluster(otlp_receiver: OtlpReceiver) -> Cluster:
 def openai_client(cluster: Cluster):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return OpenAI(base_url=f"{cluster.base_url}/v1", api_key=cluster.api_key, max_retries=0, timeout=120)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A bare redis-server of its own for one test module (no persistence), apart from the cluster's."""
+    if not shutil.which(REDIS_SERVER):
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    process = subprocess.Popen(
+        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + 15
+    try:
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"redis-server exited with code {process.returncode}")
+            try:
+                if client.ping():
+                    break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline:
+                    pytest.fail("redis-server did not answer PING within 15 s")
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        client.close()
+        process.terminate()
+        process.wait(timeout=10)

@@ -24,7 +24,7 @@ def channel(cluster):
 
 @pytest.fixture(scope="module")
 def metadata(cluster):
-    return [("application", grpc_app_name(cluster.cfg))]
+    return [("application", grpc_app_name(cluster.cfg)), ("authorization", f"Bearer {cluster.api_key}")]
 
 
 def _request(cluster, content="hello over grpc", max_tokens=6):

@@ -41,12 +41,12 @@ def test_cpu_overlay_serve_config_serves_a_request(cluster):
     local.deploy_document(state, deployed)
     local.wait_running(cluster.cfg, state, progress=print, timeout_s=600)
 
-    resp = httpx.post(
-        f"{cluster.base_url}/v1/chat/completions",
+    resp = cluster.client.post(
+        "/v1/chat/completions",
         json={"model": app["args"]["model"]["model_id"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
         timeout=120,
     )
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-warmpath-replica"]
-    session = httpx.post(f"{cluster.base_url}/v1/sessions", json={"model": "warmpath-tiny"}, timeout=60)
+    session = cluster.client.post("/v1/sessions", json={"model": "warmpath-tiny"}, timeout=60)
     assert session.status_code == 201, session.text

@@ -51,7 +51,7 @@ def test_models_lists_the_served_model(openai_client, cluster):
 
 
 def test_health(cluster):
-    body = httpx.get(f"{cluster.base_url}/health", timeout=10).json()
+    body = cluster.client.get("/health", timeout=10).json()
     assert body == {"status": "ok", "models": [cluster.model_id]}
 
 
@@ -136,8 +136,8 @@ def test_repeated_long_prompt_hits_the_prefix_cache(openai_client, cluster):
 
 
 def test_unknown_model_is_404(cluster):
-    resp = httpx.post(
-        f"{cluster.base_url}/v1/chat/completions",
+    resp = cluster.client.post(
+        "/v1/chat/completions",
         json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
         timeout=30,
     )
@@ -147,8 +147,8 @@ def test_unknown_model_is_404(cluster):
 
 def test_prompt_longer_than_the_context_window_is_400_naming_both_lengths(cluster):
     window = cluster.cfg.model.max_model_len_tokens
-    resp = httpx.post(
-        f"{cluster.base_url}/v1/completions",
+    resp = cluster.client.post(
+        "/v1/completions",
         json={"model": cluster.model_id, "prompt": "token " * (window + 500), "max_tokens": 4},
         timeout=120,
     )
@@ -169,14 +169,14 @@ def test_prompt_longer_than_the_context_window_is_400_naming_both_lengths(cluste
     ],
 )
 def test_malformed_bodies_are_rejected_with_the_field(cluster, body, field):
-    resp = httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body, timeout=30)
+    resp = cluster.client.post("/v1/chat/completions", json=body, timeout=30)
     assert resp.status_code in (400, 422), resp.text
     assert field in resp.text
 
 
 def test_invalid_json_is_400_or_422(cluster):
-    resp = httpx.post(
-        f"{cluster.base_url}/v1/chat/completions",
+    resp = cluster.client.post(
+        "/v1/chat/completions",
         content=b"{not json",
         headers={"content-type": "application/json"},
         timeout=30,

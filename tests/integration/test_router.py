@@ -31,7 +31,7 @@ def _chat(cluster, messages, session_id=None, tools=None, max_tokens=2):
     if tools:
         body["tools"] = tools
     headers = {"x-session-id": session_id} if session_id else {}
-    resp = httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body, headers=headers, timeout=300)
+    resp = cluster.client.post("/v1/chat/completions", json=body, headers=headers, timeout=300)
     assert resp.status_code == 200, resp.text
     return resp
 
@@ -54,8 +54,8 @@ def test_router_tokens_equal_the_engine_tokens(cluster, with_tools):
     if with_tools:
         body["tools"] = [WEATHER_TOOL, LOOKUP_TOOL]
     # vLLM returns the prompt token ids it prefilled when asked (`return_token_ids`).
-    engine = httpx.post(
-        f"{cluster.base_url}/v1/chat/completions", json={**body, "max_tokens": 1, "return_token_ids": True}, timeout=120
+    engine = cluster.client.post(
+        "/v1/chat/completions", json={**body, "max_tokens": 1, "return_token_ids": True}, timeout=120
     )
     assert engine.status_code == 200, engine.text
     ours = PromptTokenizer(cluster.cfg.model_source()).chat_token_ids(ChatCompletionRequest(**body))
@@ -101,7 +101,7 @@ def test_every_routed_response_names_a_reason(warmpath_router):
 
 
 def _router_state(cluster) -> dict:
-    resp = httpx.get(f"{cluster.base_url}/v1/router", timeout=30)
+    resp = cluster.client.get("/v1/router", timeout=30)
     assert resp.status_code == 200, resp.text
     return resp.json()
 

@@ -61,20 +61,20 @@ def _create(cluster, tools, system="You are a support agent for ACME.", **limits
     # A short answer budget keeps the random-weight model's answers (and the suite) short.
     body = {"model": cluster.model_id, "system_prompt": system, "tools": tools,
             "limits": {"output_reserve_tokens": 64, **limits}}
-    resp = httpx.post(f"{cluster.base_url}/v1/sessions", json=body, timeout=60)
+    resp = cluster.client.post("/v1/sessions", json=body, timeout=60)
     assert resp.status_code == 201, resp.text
     return resp.json()
 
 
 def _send(cluster, session_id, content, tool_choice="auto", timeout=300):
-    return httpx.post(
-        f"{cluster.base_url}/v1/sessions/{session_id}/messages",
+    return cluster.client.post(
+        f"/v1/sessions/{session_id}/messages",
         json={"content": content, "tool_choice": tool_choice}, timeout=timeout,
     )
 
 
 def _get(cluster, session_id):
-    resp = httpx.get(f"{cluster.base_url}/v1/sessions/{session_id}", timeout=60)
+    resp = cluster.client.get(f"/v1/sessions/{session_id}", timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -115,13 +115,13 @@ def test_client_side_tool_pauses_and_resumes(cluster):
     assert _get(cluster, sid)["pending_tool_calls"] == [call]
     busy = _send(cluster, sid, "another question")
     assert busy.status_code == 409
-    wrong = httpx.post(
-        f"{cluster.base_url}/v1/sessions/{sid}/tool_results",
+    wrong = cluster.client.post(
+        f"/v1/sessions/{sid}/tool_results",
         json={"results": [{"tool_call_id": "nope", "content": "x"}]}, timeout=60,
     )
     assert wrong.status_code == 400 and call["id"] in wrong.text
-    resumed = httpx.post(
-        f"{cluster.base_url}/v1/sessions/{sid}/tool_results",
+    resumed = cluster.client.post(
+        f"/v1/sessions/{sid}/tool_results",
         json={"results": [{"tool_call_id": call["id"], "content": json.dumps(ORDER_RESULT)}]}, timeout=300,
     )
     assert resumed.status_code == 200 and resumed.json()["status"] == "completed", resumed.text
@@ -180,16 +180,16 @@ def test_concurrent_messages_to_one_session_do_not_interleave(cluster):
 
 
 def test_session_errors(cluster):
-    assert httpx.get(f"{cluster.base_url}/v1/sessions/does-not-exist", timeout=30).status_code == 404
-    assert httpx.delete(f"{cluster.base_url}/v1/sessions/does-not-exist", timeout=30).status_code == 404
+    assert cluster.client.get("/v1/sessions/does-not-exist", timeout=30).status_code == 404
+    assert cluster.client.delete("/v1/sessions/does-not-exist", timeout=30).status_code == 404
     bad_schema = {"model": cluster.model_id, "tools": [{"name": "x", "description": "d", "parameters": {"type": "nope"}, "execution": {"kind": "client"}}]}
-    resp = httpx.post(f"{cluster.base_url}/v1/sessions", json=bad_schema, timeout=30)
+    resp = cluster.client.post("/v1/sessions", json=bad_schema, timeout=30)
     assert resp.status_code in (400, 422) and "parameters" in resp.text
-    resp = httpx.post(f"{cluster.base_url}/v1/sessions", json={"model": "other-model"}, timeout=30)
+    resp = cluster.client.post("/v1/sessions", json={"model": "other-model"}, timeout=30)
     assert resp.status_code == 404
     sid = _create(cluster, [])["session_id"]
-    assert httpx.delete(f"{cluster.base_url}/v1/sessions/{sid}", timeout=30).status_code == 204
-    assert httpx.get(f"{cluster.base_url}/v1/sessions/{sid}", timeout=30).status_code == 404
+    assert cluster.client.delete(f"/v1/sessions/{sid}", timeout=30).status_code == 204
+    assert cluster.client.get(f"/v1/sessions/{sid}", timeout=30).status_code == 404
 
 
 @pytest.mark.disrupts_replicas

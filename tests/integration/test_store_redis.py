@@ -1,9 +1,6 @@
 """SessionStore against a real redis-server started for this module on a free loopback port."""
 
 import asyncio
-import shutil
-import socket
-import subprocess
 import time
 
 import pytest
@@ -18,8 +15,8 @@ from serve_apps.orchestrator.store import (
     StaleTurn,
     StoreUnavailable,
 )
+from tests.integration.conftest import free_port
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REQUEST = CreateSessionRequest.model_validate(
     {
         "model": "warmpath-tiny",
@@ -27,43 +24,6 @@ REQUEST = CreateSessionRequest.model_validate(
         "tools": [{"name": "get_order", "execution": {"kind": "client"}}],
     }
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    if not shutil.which(REDIS_SERVER):
-        pytest.skip("redis-server is not installed")
-    port = _free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    process = subprocess.Popen(
-        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
-    deadline = time.monotonic() + 15
-    try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"redis-server exited with code {process.returncode}")
-            try:
-                if client.ping():
-                    break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline:
-                    pytest.fail("redis-server did not answer PING within 15 s")
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        client.close()
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def _run(redis_url, scenario, **store_kwargs):
@@ -163,11 +123,38 @@ def test_concurrent_turns_one_wins(redis_url):
     assert sum(isinstance(outcome, SessionBusy) for outcome in outcomes) == 4
 
 
+def test_a_live_turn_keeps_its_lock_past_lock_ttl_and_a_dead_ones_expires(redis_url):
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        async with store.turn_lock(record.session_id):
+            await asyncio.sleep(1.0)  # more than three lock_ttl_s: renewed meanwhile
+            with pytest.raises(SessionBusy):
+                async with store.turn_lock(record.session_id):
+                    pass
+        return record.session_id
+
+    session_id = _run(redis_url, scenario, lock_ttl_s=0.3)
+    # A holder that died without releasing (a killed orchestrator) leaves a lock nobody renews.
+    client = redis.Redis.from_url(redis_url)
+    client.set(f"warmpath:{{{session_id}}}:lock", "dead-holder", px=300)
+    client.close()
+
+    async def after_death(store):
+        with pytest.raises(SessionBusy):
+            async with store.turn_lock(session_id):
+                pass
+        await asyncio.sleep(0.5)
+        async with store.turn_lock(session_id):
+            return True
+
+    assert _run(redis_url, after_death, lock_ttl_s=0.3)
+
+
 def test_expired_holder_cannot_release_the_next_holders_lock(redis_url):
     async def scenario(store):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
         async with store.turn_lock(record.session_id):
-            await asyncio.sleep(0.3)  # outlives lock_ttl_s
+            time.sleep(0.3)  # a stalled holder: its renewals stall too, and the lock expires
             second = store.turn_lock(record.session_id)
             await second.__aenter__()
         # The first holder has exited; the second's lock must still stand.
@@ -272,7 +259,7 @@ def test_unreachable_redis_is_store_unavailable(call):
                 pass
         return True
 
-    assert _run(f"redis://127.0.0.1:{_free_port()}/0", scenario)
+    assert _run(f"redis://127.0.0.1:{free_port()}/0", scenario)
 
 
 def test_commit_to_missing_session_is_not_found(redis_url):

@@ -31,10 +31,10 @@ def test_agent_turn_trace_tree(cluster, otlp_receiver, tool_server):  # noqa: F8
                    "execution": {"kind": "http", "url": f"{tool_server}/lookup", "timeout_s": 5}}],
         "limits": {"output_reserve_tokens": 64},
     }
-    sid = httpx.post(f"{cluster.base_url}/v1/sessions", json=body, timeout=60).json()["session_id"]
+    sid = cluster.client.post("/v1/sessions", json=body, timeout=60).json()["session_id"]
     trace_id, traceparent = _traceparent()
-    resp = httpx.post(
-        f"{cluster.base_url}/v1/sessions/{sid}/messages",
+    resp = cluster.client.post(
+        f"/v1/sessions/{sid}/messages",
         json={"content": "Where is ORD-98231?", "tool_choice": "required"},
         headers={"traceparent": traceparent}, timeout=300,
     )
@@ -72,8 +72,8 @@ def test_agent_turn_trace_tree(cluster, otlp_receiver, tool_server):  # noqa: F8
 
 def test_chat_completion_trace(cluster, otlp_receiver):
     trace_id, traceparent = _traceparent()
-    resp = httpx.post(
-        f"{cluster.base_url}/v1/chat/completions",
+    resp = cluster.client.post(
+        "/v1/chat/completions",
         json={"model": cluster.model_id, "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 4},
         headers={"traceparent": traceparent}, timeout=120,
     )

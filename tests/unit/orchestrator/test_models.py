@@ -4,6 +4,11 @@ import pytest
 from pydantic import ValidationError
 
 from serve_apps.orchestrator.models import (
+    MAX_REF_HOPS,
+    MAX_SCHEMA_BYTES,
+    MAX_SCHEMA_DEPTH,
+    MAX_TOOL_RESULT_BYTES_CEILING,
+    MAX_TURN_CONTENT_CHARS,
     SESSION_EVENT_ADAPTER,
     ClientExecution,
     CreateSessionRequest,
@@ -12,6 +17,7 @@ from serve_apps.orchestrator.models import (
     SessionLimits,
     ToolResultsSubmission,
     ToolSpec,
+    TurnRequest,
 )
 
 HTTP = {"kind": "http", "url": "http://127.0.0.1:9/tool", "timeout_s": 2}
@@ -57,6 +63,164 @@ def test_tool_parameters_rejected(parameters, fragment):
         ToolSpec.model_validate(_tool(parameters=parameters))
     assert _error_locations(info.value) == ["parameters"]
     assert fragment in str(info.value)
+
+
+DRAFT_04 = "http://json-schema.org/draft-04/schema#"
+
+
+def _ref_chain(num_hops):
+    """A schema whose property starts a chain of `num_hops` in-place `$ref` hops (d0 -> d1 -> ...)."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(num_hops - 1)}
+    defs[f"d{num_hops - 1}"] = {"type": "integer"}
+    return {"type": "object", "$defs": defs, "properties": {"x": {"$ref": "#/$defs/d0"}}}
+
+
+def _with_defs(properties, **defs):
+    return {"type": "object", "$defs": defs, "properties": properties}
+
+
+@pytest.mark.parametrize(
+    "parameters, fragment",
+    [
+        ({"type": "object", "maximum": float("nan")}, "/maximum: nan is not a JSON number"),
+        ({"type": "object", "properties": {"a": {"minimum": float("-inf")}}}, "/properties/a/minimum: -inf"),
+        ({"type": "object", "maximum": 10**5000}, "cannot be written as JSON"),
+        ({"type": "object", "description": "ok \ud800"}, "lone surrogate '\\ud800'"),
+        ({"type": "object", "properties": {"\udc00": {}}}, "lone surrogate '\\udc00'"),
+        (_with_defs({"a": {"$ref": "#/$defs/missing"}}), "/properties/a/$ref: $ref '#/$defs/missing' points to no"),
+        (_with_defs({"a": {"$ref": "#/$defs/x/type"}}, x={"type": "string"}), "does not point to a subschema"),
+        (_with_defs({"a": {"$ref": "#/$defs/x/enum/0"}}, x={"enum": [{}]}), "does not point to a subschema"),
+        (_with_defs({"a": {"$ref": "#/$defs/x/allOf"}}, x={"allOf": [{}]}), "points to a list of subschemas"),
+        (_with_defs({"a": {"$ref": "#/$defs/x/properties"}}, x={"properties": {}}), "points to a map of subschemas"),
+        (_with_defs({"a": {"$ref": "#/$defs/x/allOf/1"}}, x={"allOf": [{}]}), "points to nothing"),
+        (_with_defs({"a": {"$ref": "#/$defs/x/allOf/-1"}}, x={"allOf": [{}]}), "points to nothing"),
+        (_with_defs({"a": {"$ref": "#/$defs/x/allOf/0/y"}}, x={"allOf": [True]}), "points to nothing"),
+        (_with_defs({"a": {"$ref": "#/$defs/x"}}, x={"$ref": "#/$defs/x"}), "$ref cycle"),
+        (
+            _with_defs(
+                {"a": {"$ref": "#/$defs/x"}}, x={"allOf": [{"$ref": "#/$defs/y"}]}, y={"not": {"$ref": "#/$defs/x"}}
+            ),
+            "$ref cycle",
+        ),
+        (_with_defs({}, x={"if": {"$ref": "#/$defs/x"}}), "$ref cycle"),
+        ({"type": "object", "$ref": "#/$defs/x", "$defs": {"x": {"anyOf": [{"$ref": "#/$defs/x"}]}}}, "$ref cycle"),
+        (_ref_chain(MAX_REF_HOPS + 1), f" {MAX_REF_HOPS + 1} hops that never descends into the arguments"),
+        (_ref_chain(MAX_REF_HOPS + 1), f"over the limit MAX_REF_HOPS={MAX_REF_HOPS}"),
+        ({"type": "object", "properties": {"a": {"$schema": DRAFT_04}}}, "only Draft 2020-12"),
+        ({"type": "object", "$schema": "http://json-schema.org/draft-07/schema#"}, "only Draft 2020-12"),
+    ],
+)
+def test_tool_parameters_that_would_crash_later_rejected(parameters, fragment):
+    """Each of these used to pass and then raise later: in tools.validate_tool_call (RecursionError,
+    TypeError, ...) or when the session store writes the request as JSON (surrogates, NaN)."""
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters=parameters))
+    assert _error_locations(info.value) == ["parameters"]
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        _with_defs({"a": {"$ref": "#/$defs/x/properties/y"}}, x={"properties": {"y": {"type": "string"}}}),
+        _with_defs({"a": {"$ref": "#/$defs/x/anyOf/1"}}, x={"anyOf": [{}, {"type": "string"}]}),
+        _with_defs({"a": {"$ref": "#/$defs/a~1b"}}, **{"a/b": {"type": "string"}}),
+        _with_defs({"a": {"$ref": "#/$defs/a%20b"}}, **{"a b": {"type": "string"}}),
+        _with_defs({"a": {"$ref": "#/$defs/t"}}, t={"type": "array", "items": {"$ref": "#/$defs/t"}}),
+        _with_defs({"a": {"$ref": "#/$defs/x"}}, x={"properties": {"next": {"$ref": "#/$defs/x"}}}),
+        _ref_chain(MAX_REF_HOPS),
+        {"type": "object", "$schema": "https://json-schema.org/draft/2020-12/schema"},
+        {"type": "object", "const": {"$schema": {"type": "string"}}},
+    ],
+)
+def test_tool_parameters_with_bounded_references_accepted(parameters):
+    assert ToolSpec.model_validate(_tool(parameters=parameters)).parameters == parameters
+
+
+_EMPTY_DESCRIBED = {"description": "", "type": "object"}
+_EMPTY_DESCRIBED_BYTES = len('{"description":"","type":"object"}')
+
+
+def _schema_of_bytes(num_bytes, pad_char):
+    """An object schema whose compact JSON is exactly `num_bytes` UTF-8 bytes, padded in its description."""
+    pad_bytes = num_bytes - _EMPTY_DESCRIBED_BYTES
+    char_bytes = len(pad_char.encode("utf-8"))
+    return {**_EMPTY_DESCRIBED, "description": pad_char * (pad_bytes // char_bytes) + "x" * (pad_bytes % char_bytes)}
+
+
+@pytest.mark.parametrize(
+    "num_bytes, pad_char, is_accepted",
+    [
+        (MAX_SCHEMA_BYTES, "x", True),
+        (MAX_SCHEMA_BYTES + 1, "x", False),
+        (MAX_SCHEMA_BYTES, "é", True),
+        (MAX_SCHEMA_BYTES + 1, "é", False),
+        (MAX_SCHEMA_BYTES + 1, "€", False),
+        (10 * MAX_SCHEMA_BYTES, "x", False),
+    ],
+)
+def test_tool_parameters_size_limit(num_bytes, pad_char, is_accepted):
+    parameters = _schema_of_bytes(num_bytes, pad_char)
+    if is_accepted:
+        assert ToolSpec.model_validate(_tool(parameters=parameters)).parameters == parameters
+        return
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters=parameters))
+    assert _error_locations(info.value) == ["parameters"]
+    assert f"{num_bytes} bytes" in str(info.value)
+    assert f"MAX_SCHEMA_BYTES={MAX_SCHEMA_BYTES}" in str(info.value)
+
+
+def _nested_default(depth):
+    """Depth counts the root object: `{"default": [[...]]}` with depth - 1 arrays."""
+    value = []
+    for _ in range(depth - 2):
+        value = [value]
+    return {"type": "object", "default": value}
+
+
+def _nested_properties(depth):
+    """Each property level adds two (the `properties` map and the subschema): depth = 2 * levels + 1."""
+    schema = {"type": "string"}
+    for _ in range((depth - 1) // 2):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    "build, depth, is_accepted",
+    [
+        (_nested_default, MAX_SCHEMA_DEPTH, True),
+        (_nested_default, MAX_SCHEMA_DEPTH + 1, False),
+        (_nested_properties, MAX_SCHEMA_DEPTH - 1, True),
+        (_nested_properties, MAX_SCHEMA_DEPTH + 1, False),
+        # Deep enough that the metaschema check would exhaust the stack were it run first.
+        (_nested_properties, 201, False),
+    ],
+)
+def test_tool_parameters_depth_limit(build, depth, is_accepted):
+    parameters = build(depth)
+    if is_accepted:
+        assert ToolSpec.model_validate(_tool(parameters=parameters)).parameters == parameters
+        return
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters=parameters))
+    assert _error_locations(info.value) == ["parameters"]
+    assert f"nests {depth} levels" in str(info.value)
+    assert f"MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "parameters, fragment",
+    [
+        ({**_schema_of_bytes(MAX_SCHEMA_BYTES + 1, "x"), "required": "q"}, "MAX_SCHEMA_BYTES"),
+        ({**_nested_properties(MAX_SCHEMA_DEPTH + 1), "required": "q"}, "MAX_SCHEMA_DEPTH"),
+    ],
+)
+def test_tool_parameters_bounds_checked_before_the_metaschema(parameters, fragment):
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters=parameters))
+    assert fragment in str(info.value) and "Draft 2020-12" not in str(info.value)
 
 
 def test_tool_parameters_local_defs_and_property_named_ref_accepted():
@@ -110,6 +274,33 @@ def test_create_session_errors_name_the_field(body, location):
     with pytest.raises(ValidationError) as info:
         CreateSessionRequest.model_validate(body)
     assert _error_locations(info.value) == [location]
+
+
+@pytest.mark.parametrize(
+    "max_tool_result_bytes, is_accepted",
+    [(256, True), (MAX_TOOL_RESULT_BYTES_CEILING, True), (255, False), (MAX_TOOL_RESULT_BYTES_CEILING + 1, False)],
+)
+def test_session_limits_tool_result_bytes_bounds(max_tool_result_bytes, is_accepted):
+    body = {"model": "m", "limits": {"max_tool_result_bytes": max_tool_result_bytes}}
+    if is_accepted:
+        assert CreateSessionRequest.model_validate(body).limits.max_tool_result_bytes == max_tool_result_bytes
+        return
+    with pytest.raises(ValidationError) as info:
+        CreateSessionRequest.model_validate(body)
+    assert _error_locations(info.value) == ["limits.max_tool_result_bytes"]
+
+
+@pytest.mark.parametrize(
+    "content, is_accepted",
+    [("x", True), ("é" * MAX_TURN_CONTENT_CHARS, True), ("", False), ("x" * (MAX_TURN_CONTENT_CHARS + 1), False)],
+)
+def test_turn_content_length_bounds(content, is_accepted):
+    if is_accepted:
+        assert TurnRequest.model_validate({"content": content}).content == content
+        return
+    with pytest.raises(ValidationError) as info:
+        TurnRequest.model_validate({"content": content})
+    assert _error_locations(info.value) == ["content"]
 
 
 def test_session_limits_defaults():

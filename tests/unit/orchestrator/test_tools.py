@@ -72,6 +72,8 @@ def test_valid_call_is_returned_unchanged(name, arguments):
         ("delete_everything", "{}", "unknown_tool", []),
         ("create_order", '{"order_id": ', "invalid_json", []),
         ("create_order", '{"order_id": NaN}', "invalid_json", []),
+        ("create_order", '{"order_id": 1e999}', "invalid_json", []),
+        ("create_order", '{"order_id": ' + "[" * 65 + "]" * 65 + "}", "invalid_json", []),
         ("create_order", "not json", "invalid_json", []),
         ("create_order", "[]", "schema_violation", ["$"]),
         ("create_order", "{}", "schema_violation", ["$"]),

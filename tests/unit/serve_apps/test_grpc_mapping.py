@@ -579,8 +579,12 @@ async def _items(*items):
         yield item
 
 
+# Auth off: the guard admits every call as the anonymous caller without Redis.
+NO_AUTH = {"access": {"is_auth_enabled": False}}
+
+
 def _ingress(llm=None, orchestrator=None) -> GrpcIngress:
-    return GrpcIngress(llm or FakeHandle(), orchestrator or FakeHandle(), "warmpath-tiny")
+    return GrpcIngress(llm or FakeHandle(), orchestrator or FakeHandle(), "warmpath-tiny", NO_AUTH)
 
 
 def _run(coro):
@@ -603,7 +607,7 @@ def test_ingress_implements_every_rpc():
 
 
 def test_create_session_ok_and_error():
-    orchestrator = FakeHandle(create_session=lambda body: {"status": 201, "body": {"session_id": "s1", "prefix_fingerprint": "ab"}})
+    orchestrator = FakeHandle(create_session=lambda body, caller: {"status": 201, "body": {"session_id": "s1", "prefix_fingerprint": "ab"}})
     context = FakeContext()
     response = _run(_ingress(orchestrator=orchestrator).CreateSession(agent_pb2.CreateSessionRequest(model="warmpath-tiny"), context))
     assert (response.session_id, response.prefix_fingerprint, context.code) == ("s1", "ab", None)
@@ -642,7 +646,7 @@ def test_unexpected_orchestrator_reply_is_internal():
 
 
 def _turn(*items):
-    return lambda session_id, body, carrier: _items(*items)
+    return lambda session_id, body, caller, carrier, idempotency_key: _items(*items)
 
 
 @pytest.mark.parametrize(
@@ -701,7 +705,7 @@ def test_turn_failure_event_carries_the_envelope_error():
 
 
 def test_orchestrator_crash_mid_turn_is_internal():
-    async def crash(session_id, body, carrier):
+    async def crash(session_id, body, caller, carrier, idempotency_key):
         yield {"status": 200}
         yield DeltaEvent(text="h").model_dump()
         raise RuntimeError("replica lost")
@@ -849,3 +853,24 @@ def test_health_and_reflection_in_ray_grpc_proxy():
     assert seen["unknown"] is Code.NOT_FOUND
     assert seen["draining"] == not_serving
     assert {"warmpath.v1.Inference", "warmpath.v1.Agent", "grpc.health.v1.Health"} <= seen["reflected"]
+
+
+@pytest.mark.parametrize("messages, is_ok", [
+    ([{"role": "user", "content": "hi"}], True),
+    ([{"role": "tool", "tool_call_id": "c", "content": "x"}, {"role": "developer", "content": "y"}], True),
+    ([{"content": "no role"}], False),
+    ([{"role": "wizard", "content": "x"}], False),
+    (["not a message"], False),
+    ([{"role": None}], False),
+])
+def test_chat_messages_without_a_known_role_are_a_400(messages, is_ok):
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+
+    from serve_apps.ingress_http import check_chat_messages
+
+    if is_ok:
+        check_chat_messages(messages)
+        return
+    with pytest.raises(OpenAIHTTPException) as err:
+        check_chat_messages(messages)
+    assert err.value.status_code == 400 and "role" in err.value.message

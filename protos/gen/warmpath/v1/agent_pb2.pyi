@@ -253,8 +253,16 @@ class CompressionEvent(_message.Message):
     report: CompressionReport
     def __init__(self, report: _Optional[_Union[CompressionReport, _Mapping]] = ...) -> None: ...
 
+class ModelRetryEvent(_message.Message):
+    __slots__ = ("step_index", "reason")
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    step_index: int
+    reason: str
+    def __init__(self, step_index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class SessionEvent(_message.Message):
-    __slots__ = ("delta", "tool_call", "tool_result", "final", "usage", "requires_action", "error", "compression")
+    __slots__ = ("delta", "tool_call", "tool_result", "final", "usage", "requires_action", "error", "compression", "model_retry")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     TOOL_RESULT_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +271,7 @@ class SessionEvent(_message.Message):
     REQUIRES_ACTION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_RETRY_FIELD_NUMBER: _ClassVar[int]
     delta: DeltaEvent
     tool_call: ToolCallEvent
     tool_result: ToolResultEvent
@@ -271,4 +280,5 @@ class SessionEvent(_message.Message):
     requires_action: RequiresActionEvent
     error: ErrorEvent
     compression: CompressionEvent
-    def __init__(self, delta: _Optional[_Union[DeltaEvent, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCallEvent, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEvent, _Mapping]] = ..., final: _Optional[_Union[FinalEvent, _Mapping]] = ..., usage: _Optional[_Union[UsageEvent, _Mapping]] = ..., requires_action: _Optional[_Union[RequiresActionEvent, _Mapping]] = ..., error: _Optional[_Union[ErrorEvent, _Mapping]] = ..., compression: _Optional[_Union[CompressionEvent, _Mapping]] = ...) -> None: ...
+    model_retry: ModelRetryEvent
+    def __init__(self, delta: _Optional[_Union[DeltaEvent, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCallEvent, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEvent, _Mapping]] = ..., final: _Optional[_Union[FinalEvent, _Mapping]] = ..., usage: _Optional[_Union[UsageEvent, _Mapping]] = ..., requires_action: _Optional[_Union[RequiresActionEvent, _Mapping]] = ..., error: _Optional[_Union[ErrorEvent, _Mapping]] = ..., compression: _Optional[_Union[CompressionEvent, _Mapping]] = ..., model_retry: _Optional[_Union[ModelRetryEvent, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,351 @@
+"""`warmpath chaos`: fault scenarios against the running local cluster, and the fate of every turn.
+
+Each scenario runs agent turns over the public HTTP API while it breaks a real
+part (a vLLM replica, the orchestrator replica, Redis, a tool, the client's
+connection), then audits every session's transcript in Redis through the API.
+A turn ends in one of three ways:
+- completed: the client was told the turn committed (after at most the retries
+  a careful client makes: the same request with the same `Idempotency-Key`);
+- failed cleanly: the client was told it failed, and the transcript holds no
+  trace of it (or, for a turn cut off before any answer, nothing half-written);
+- lost: anything else: a turn the client was told committed that the
+  transcript lacks, a turn committed twice, or a half-written turn. Must be 0.
+
+Fault injection uses sleeps to land a kill mid-turn; the audit never does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import http.server
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import httpx
+
+from cluster.config import ClusterConfig
+
+Progress = Callable[[str], None]
+SCENARIOS = ("replica-kill", "orchestrator-kill", "redis-restart", "tool-faults", "client-disconnect")
+# Statuses after which a careful client sends the same turn again under the same Idempotency-Key.
+RETRYABLE_STATUSES = frozenset({409, 500, 502, 503, 504})
+RETRY_DEADLINE_S = 180.0
+TURN_TIMEOUT_S = 300.0
+
+
+@dataclass
+class TurnFate:
+    """One turn as the client saw it, then as the audit found it."""
+
+    session_id: str
+    content: str
+    idempotency_key: str
+    status: str = "failed"  # "completed" once the client was told the turn committed
+    attempts: int = 0
+    last_error: str = ""
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    num_attempted: int = 0
+    num_completed: int = 0
+    num_failed_cleanly: int = 0
+    num_lost: int = 0
+    wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ChaosClient:
+    """The public API as a client with retries sees it."""
+
+    def __init__(self, base_url: str, api_key: Optional[str]) -> None:
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=TURN_TIMEOUT_S)
+
+    def create_session(self, model_id: str, tools: list[dict] | None = None, output_reserve_tokens: int = 32) -> str:
+        body = {"model": model_id, "system_prompt": "You are a support agent for ACME. Answer briefly.",
+                "tools": tools or [], "limits": {"output_reserve_tokens": output_reserve_tokens, "max_steps_per_turn": 2}}
+        resp = self._retrying(lambda: self.http.post("/v1/sessions", json=body))
+        resp.raise_for_status()
+        return resp.json()["session_id"]
+
+    def send_turn(self, fate: TurnFate, tool_choice: str = "auto", deadline_s: float = RETRY_DEADLINE_S) -> TurnFate:
+        """Sends the turn, retrying under its idempotency key until it commits, fails for good, or time runs out."""
+        stop_at = time.monotonic() + deadline_s
+        while True:
+            fate.attempts += 1
+            try:
+                resp = self.http.post(
+                    f"/v1/sessions/{fate.session_id}/messages", headers={"idempotency-key": fate.idempotency_key},
+                    json={"content": fate.content, "tool_choice": tool_choice},
+                )
+            except httpx.HTTPError as err:
+                fate.last_error = f"{type(err).__name__}: {err}"
+            else:
+                body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
+                if resp.status_code == 200 and body.get("status") in ("completed", "requires_action", "max_steps"):
+                    fate.status = "completed"
+                    return fate
+                fate.last_error = f"{resp.status_code}: {json.dumps(body.get('error') or body)[:200]}"
+                if resp.status_code not in RETRYABLE_STATUSES:
+                    return fate
+            if time.monotonic() > stop_at:
+                return fate
+            time.sleep(min(5.0, 0.5 * fate.attempts))
+
+    def transcript(self, session_id: str) -> list[dict]:
+        resp = self._retrying(lambda: self.http.get(f"/v1/sessions/{session_id}"))
+        resp.raise_for_status()
+        return resp.json()["transcript"]
+
+    def _retrying(self, call: Callable[[], httpx.Response]) -> httpx.Response:
+        stop_at = time.monotonic() + RETRY_DEADLINE_S
+        while True:
+            try:
+                resp = call()
+                if resp.status_code not in RETRYABLE_STATUSES or time.monotonic() > stop_at:
+                    return resp
+            except httpx.HTTPError:
+                if time.monotonic() > stop_at:
+                    raise
+            time.sleep(1.0)
+
+
+def audit(client: ChaosClient, fates: list[TurnFate], result: ScenarioResult) -> ScenarioResult:
+    """Classifies every turn against its session's transcript (see the module docstring)."""
+    by_session: dict[str, list[TurnFate]] = {}
+    for fate in fates:
+        by_session.setdefault(fate.session_id, []).append(fate)
+    for session_id, session_fates in by_session.items():
+        messages = client.transcript(session_id)
+        for fate in session_fates:
+            result.num_attempted += 1
+            starts = [i for i, m in enumerate(messages) if m["role"] == "user" and m.get("content") == fate.content]
+            is_whole = len(starts) == 1 and any(m["role"] == "assistant" for m in messages[starts[0] + 1:])
+            if fate.status == "completed" and is_whole:
+                result.num_completed += 1
+            elif fate.status != "completed" and not starts:
+                result.num_failed_cleanly += 1
+            else:
+                result.num_lost += 1
+                result.notes.append(
+                    f"session {session_id}: turn {fate.content!r} told {fate.status}, found {len(starts)} copies "
+                    f"({'whole' if is_whole else 'not whole'}); last error {fate.last_error}"
+                )
+    return result
+
+
+def _concurrent_turns(client: ChaosClient, fates: list[TurnFate], fault: Callable[[], None], fault_after_s: float,
+                      tool_choice: str = "auto") -> None:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(fates) + 1) as pool:
+        futures = [pool.submit(client.send_turn, fate, tool_choice) for fate in fates]
+        time.sleep(fault_after_s)  # fault injection: land the fault while turns are in flight
+        fault()
+        for future in futures:
+            future.result()
+
+
+def _fates(client: ChaosClient, cfg: ClusterConfig, num_sessions: int, label: str, **create) -> list[TurnFate]:
+    return [
+        TurnFate(session_id=client.create_session(cfg.model.model_id, **create), content=f"{label} turn {i}: where is ORD-{40000 + i}?",
+                 idempotency_key=str(uuid.uuid4()))
+        for i in range(num_sessions)
+    ]
+
+
+def _kill_serve_actor(name_part: str) -> str:
+    import ray
+
+    ray.init(address="auto", ignore_reinit_error=True, logging_level="ERROR")
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if name_part in a["name"])
+    if not names:
+        raise RuntimeError(f"no Serve replica actor matching {name_part!r}")
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    return names[0]
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_healthy(cfg: ClusterConfig, progress: Progress) -> None:
+    from cluster import local
+
+    local.wait_running(cfg, local.LocalState.load(local.state_dir_of(cfg)), progress, timeout_s=600)
+
+
+def replica_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 20) -> ScenarioResult:
+    result = ScenarioResult("replica-kill")
+    fates = _fates(client, cfg, num_sessions, "replica-kill")
+    killed: list[str] = []
+    _concurrent_turns(client, fates, lambda: killed.append(_kill_serve_actor("WarmpathLLMServer")), fault_after_s=1.0)
+    result.notes.append(f"killed {killed[0]}")
+    _wait_healthy(cfg, progress)
+    return audit(client, fates, result)
+
+
+def orchestrator_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 6) -> ScenarioResult:
+    result = ScenarioResult("orchestrator-kill")
+    fates = _fates(client, cfg, num_sessions, "orchestrator-kill")
+    killed: list[str] = []
+    _concurrent_turns(client, fates, lambda: killed.append(_kill_serve_actor("Orchestrator")), fault_after_s=1.0)
+    result.notes.append(f"killed {killed[0]}")
+    _wait_healthy(cfg, progress)
+    return audit(client, fates, result)
+
+
+def redis_restart(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 4) -> ScenarioResult:
+    """Committed turns survive a Redis restart; while Redis is down calls fail fast with 503, then recover."""
+    from cluster import local
+
+    result = ScenarioResult("redis-restart")
+    state = local.LocalState.load(local.state_dir_of(cfg))
+    if cfg.redis_url or not state.redis_pid:
+        result.notes.append("skipped: Redis is not one `warmpath up` started (REDIS_URL is set)")
+        return result
+    before = _fates(client, cfg, num_sessions, "before-restart")
+    for fate in before:
+        client.send_turn(fate)
+    os.kill(state.redis_pid, signal.SIGTERM)  # redis-server writes its AOF out on SIGTERM
+    deadline = time.monotonic() + 30
+    while _is_alive(state.redis_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    during = [TurnFate(f.session_id, f.content.replace("before-restart", "during-outage"), str(uuid.uuid4()))
+              for f in before]
+    for fate in during:
+        started = time.monotonic()
+        client.send_turn(fate, deadline_s=0)  # one attempt: it must fail, and fast
+        elapsed = time.monotonic() - started
+        result.notes.append(f"during outage: {fate.last_error[:60]} in {elapsed:.2f}s")
+        if not fate.last_error.startswith("503"):
+            result.notes.append("expected 503 while Redis is down")
+    local.start_redis(cfg, state, progress)
+    local.LocalState.save(state, local.state_dir_of(cfg))
+    after = [TurnFate(f.session_id, f.content.replace("before-restart", "after-restart"), str(uuid.uuid4()))
+             for f in before]
+    for fate in after:
+        client.send_turn(fate)
+    return audit(client, before + during + after, result)
+
+
+class _FaultyTools(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server naming
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        if self.path == "/hang":
+            time.sleep(30)
+        status, payload = (500, b"internal error") if self.path == "/fail" else (200, b"\x00\xffnot json")
+        try:
+            self.send_response(status)
+            self.send_header("content-length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except OSError:
+            pass  # the orchestrator gave up on the hanging call
+
+    def log_message(self, *args):
+        pass
+
+
+def tool_faults(client: ChaosClient, cfg: ClusterConfig, progress: Progress) -> ScenarioResult:
+    """A tool that hangs, one that answers 500, one that answers garbage: each turn still completes."""
+    result = ScenarioResult("tool-faults")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FaultyTools)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    schema = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
+    fates = []
+    try:
+        for path in ("/hang", "/fail", "/garbage"):
+            tool = {"name": "lookup_order", "description": "Look up an order.", "parameters": schema,
+                    "execution": {"kind": "http", "url": base + path, "timeout_s": 2}}
+            fate = TurnFate(client.create_session(cfg.model.model_id, tools=[tool]), f"tool {path}: find ORD-12345",
+                            str(uuid.uuid4()))
+            started = time.monotonic()
+            client.send_turn(fate, tool_choice="required", deadline_s=0)
+            result.notes.append(f"{path}: {fate.status} in {time.monotonic() - started:.1f}s")
+            fates.append(fate)
+    finally:
+        server.shutdown()
+    return audit(client, fates, result)
+
+
+def client_disconnect(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 3) -> ScenarioResult:
+    """A streaming client that hangs up after the first event: the turn aborts and commits nothing.
+
+    If the turn had already committed (its `final` or `requires_action` event
+    was sent), it stands: the audit accepts either, never a half-written turn.
+    """
+    result = ScenarioResult("client-disconnect")
+    fates = _fates(client, cfg, num_sessions, "disconnect", output_reserve_tokens=128)
+    for fate in fates:
+        with client.http.stream("POST", f"/v1/sessions/{fate.session_id}/messages",
+                                json={"content": fate.content, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("event:"):
+                    break  # hang up after the first event
+    # A fresh turn on each session must start (the aborted turn released its lock); its fate is audited too.
+    followups = [TurnFate(f.session_id, f"after disconnect {i}", str(uuid.uuid4())) for i, f in enumerate(fates)]
+    for fate in followups:
+        client.send_turn(fate)
+    audited = audit(client, followups, result)
+    for fate in fates:  # the abandoned turns: whole or absent, never half
+        messages = client.transcript(fate.session_id)
+        starts = [i for i, m in enumerate(messages) if m["role"] == "user" and m.get("content") == fate.content]
+        is_whole = len(starts) == 1 and any(m["role"] == "assistant" for m in messages[starts[0] + 1:])
+        if starts and not is_whole:
+            audited.num_lost += 1
+            audited.notes.append(f"session {fate.session_id}: abandoned turn half-written")
+        else:
+            audited.notes.append(f"abandoned turn {'committed' if starts else 'aborted'}")
+    return audited
+
+
+RUNNERS = {
+    "replica-kill": replica_kill,
+    "orchestrator-kill": orchestrator_kill,
+    "redis-restart": redis_restart,
+    "tool-faults": tool_faults,
+    "client-disconnect": client_disconnect,
+}
+
+
+def run_chaos(cfg: ClusterConfig, base_url: str, api_key: Optional[str], scenarios: list[str],
+              progress: Progress) -> list[ScenarioResult]:
+    client = ChaosClient(base_url, api_key)
+    results = []
+    for name in scenarios:
+        progress(f"chaos: {name}")
+        started = time.monotonic()
+        result = RUNNERS[name](client, cfg, progress)
+        result.wall_s = round(time.monotonic() - started, 1)
+        progress(f"chaos: {name}: {result.num_completed}/{result.num_attempted} completed, "
+                 f"{result.num_failed_cleanly} failed cleanly, {result.num_lost} lost ({result.wall_s}s)")
+        results.append(result)
+    return results
+
+
+def report(results: list[ScenarioResult]) -> str:
+    rows = [("scenario", "attempted", "completed", "failed cleanly", "lost", "seconds")]
+    rows += [(r.scenario, str(r.num_attempted), str(r.num_completed), str(r.num_failed_cleanly), str(r.num_lost),
+              f"{r.wall_s:.0f}") for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for r in results:
+        lines += [f"{r.scenario}: {note}" for note in r.notes]
+    return "\n".join(lines)

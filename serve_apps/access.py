@@ -1,0 +1,211 @@
+"""Admission of every call: API key, rate limit and request size, for HTTP and gRPC alike.
+
+Why one guard for both ingresses: a key, its permissions and its token bucket
+must mean the same thing whichever protocol a client speaks. The guard answers
+with a `Caller` (who is calling, holding which permissions) that the ingress
+passes to the orchestrator, which owns the session-level checks (ownership,
+tool permissions).
+
+Failure rules, in order: no or unknown key -> 401; bucket empty -> 429 with
+`Retry-After`; key store unreachable -> 503 (fail closed and fast: a guard that
+cannot check a key admits nobody). With `access.is_auth_enabled` off, every
+call is the anonymous caller holding all permissions, and nothing touches Redis.
+
+The HTTP side is a plain ASGI middleware, so it runs before FastAPI parses a
+body and can refuse an oversized one without reading it into memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.api_keys import ALL_PERMISSIONS, ApiKeyStore, StoreUnavailable
+from cluster.config import AccessConfig
+
+ANONYMOUS_KEY_ID = "anonymous"
+# Paths any client (or probe) may call without a key.
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling: the key's public id and its permissions ('*' holds all)."""
+
+    key_id: str
+    permissions: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key_id": self.key_id, "permissions": list(self.permissions)}
+
+
+ANONYMOUS = Caller(key_id=ANONYMOUS_KEY_ID, permissions=(ALL_PERMISSIONS,))
+
+
+class AccessDenied(Exception):
+    """A call refused before it reached any deployment."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after_s: Optional[float] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "Error"), "code": self.code}}
+
+
+_ERROR_TYPES = {
+    401: "AuthenticationError", 403: "PermissionDeniedError", 413: "RequestTooLargeError",
+    429: "RateLimitError", 503: "ServiceUnavailableError",
+}
+
+
+class GuardSettings(BaseModel):
+    """What a guard needs, as plain data (it travels to each ingress replica)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    access: AccessConfig = Field(description="Auth switch, limits.")
+    redis_url: Optional[str] = Field(None, description="Key store; required when auth is on.")
+
+
+def credentials_from(headers: Iterable[tuple[str, str]]) -> Optional[str]:
+    """The API key in `authorization: Bearer <key>` or `x-api-key: <key>`, if any."""
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered == "authorization" and value[:7].lower() == "bearer ":
+            return value[7:].strip() or None
+        if lowered == "x-api-key":
+            return value.strip() or None
+    return None
+
+
+class AccessGuard:
+    """Turns presented credentials into a `Caller` or an `AccessDenied`."""
+
+    def __init__(self, settings: GuardSettings) -> None:
+        self.settings = settings
+        self._keys: Optional[ApiKeyStore] = None
+        if settings.access.is_auth_enabled:
+            # Like the orchestrator: the config's URL, else the pod's REDIS_URL (from a Secret on Kubernetes).
+            redis_url = settings.redis_url or os.environ.get("REDIS_URL")
+            if not redis_url:
+                raise ValueError("access.is_auth_enabled needs redis_url in the cluster config or REDIS_URL")
+            self._keys = ApiKeyStore.from_url(redis_url)
+
+    async def admit(self, key: Optional[str]) -> Caller:
+        """The caller behind `key`; raises AccessDenied (counted by reason in `warmpath_access_denials`)."""
+        try:
+            return await self._admit(key)
+        except AccessDenied as denied:
+            from serve_apps.metrics import WarmpathMetrics
+
+            WarmpathMetrics.get().access_denials.inc(tags={"code": denied.code})
+            raise
+
+    async def _admit(self, key: Optional[str]) -> Caller:
+        if self._keys is None:
+            return ANONYMOUS
+        if not key:
+            raise AccessDenied(401, "missing_api_key", "an API key is required: send 'Authorization: Bearer <key>'")
+        try:
+            outcome = await self._keys.authorize(key)
+        except StoreUnavailable as err:
+            raise AccessDenied(503, "key_store_unavailable", f"cannot check API keys right now: {err}", 1.0) from None
+        if outcome.record is None:
+            raise AccessDenied(401, "invalid_api_key", "the API key is not valid")
+        if not outcome.is_allowed:
+            raise AccessDenied(
+                429, "rate_limited",
+                f"rate limit of key {outcome.record.key_id} reached "
+                f"({outcome.record.requests_per_s:g} requests/s, burst {outcome.record.burst})",
+                outcome.retry_after_s,
+            )
+        return Caller(key_id=outcome.record.key_id, permissions=outcome.record.permissions)
+
+
+class AccessMiddleware:
+    """ASGI middleware: size limit, then admission; the caller lands in `scope["state"]["caller"]`."""
+
+    def __init__(self, app, settings: GuardSettings) -> None:
+        self.app = app
+        self._settings = settings
+        self._guard: Optional[AccessGuard] = None  # built in the serving process, on first use
+
+    async def __call__(self, scope, receive, send) -> None:
+        # CORS preflights carry no credentials by design; the CORS middleware inside answers them.
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        if self._guard is None:
+            self._guard = AccessGuard(self._settings)
+        limit = self._settings.access.max_request_bytes
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])]
+        try:
+            declared = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
+        except ValueError:
+            declared = 0
+        try:
+            if declared > limit:
+                raise AccessDenied(413, "request_too_large", f"request body of {declared} bytes exceeds {limit} bytes")
+            caller = await self._guard.admit(credentials_from(headers))
+        except AccessDenied as denied:
+            await _send_json(send, denied.status, denied.body(), denied.headers())
+            return
+        scope.setdefault("state", {})["caller"] = caller
+        await self._run_bounded(scope, receive, send, limit)
+
+    async def _run_bounded(self, scope, receive, send, limit: int) -> None:
+        """Runs the app; a body without a declared length is buffered up to `limit` first, then replayed.
+
+        A declared Content-Length was checked already and the HTTP server holds
+        the client to it, so only chunked bodies need counting here.
+        """
+        headers = {k.lower() for k, _ in scope.get("headers", [])}
+        if b"content-length" in headers or scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        chunks, received = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before finishing its body
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            if received > limit:
+                denied = AccessDenied(413, "request_too_large", f"request body exceeds {limit} bytes")
+                await _send_json(send, denied.status, denied.body(), {})
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        is_replayed = False
+
+        async def replay():
+            nonlocal is_replayed
+            if not is_replayed:
+                is_replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _send_json(send, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
+    payload = json.dumps(body).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    raw_headers += [(k.encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,189 @@
+"""API keys, permissions, session ownership, rate limits and request size on the real cluster (HTTP and gRPC).
+
+Keys are created the way an operator creates them (`ApiKeyStore` on the
+cluster's Redis, as `warmpath keys create` does); the admin key is the one
+`warmpath up` wrote to the state directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import pytest
+import redis
+
+from cluster.api_keys import ApiKeyStore, hash_api_key
+from cluster.serve_config import grpc_app_name
+from tests.integration.test_openai_api import LOOKUP_TOOL
+from warmpath.v1 import agent_pb2, agent_pb2_grpc, inference_pb2, inference_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+LOOKUP_SCHEMA = LOOKUP_TOOL["function"]["parameters"]
+
+
+def _make_key(cluster, permissions, requests_per_s=100.0, burst=100, name="test"):
+    async def create():
+        store = ApiKeyStore.from_url(cluster.redis_url)
+        try:
+            return await store.create(name, permissions, requests_per_s, burst)
+        finally:
+            await store.aclose()
+
+    return asyncio.run(create())
+
+
+def _revoke(cluster, key_id):
+    async def revoke():
+        store = ApiKeyStore.from_url(cluster.redis_url)
+        try:
+            return await store.revoke(key_id)
+        finally:
+            await store.aclose()
+
+    return asyncio.run(revoke())
+
+
+def _tool(name, permissions):
+    return {"name": name, "description": "d", "parameters": LOOKUP_SCHEMA, "required_permissions": permissions,
+            "execution": {"kind": "client"}}
+
+
+def _chat_body(cluster):
+    return {"model": cluster.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("headers, code", [
+    ({}, "missing_api_key"),
+    ({"authorization": "Bearer wp_not-a-key"}, "invalid_api_key"),
+    ({"x-api-key": "wp_not-a-key"}, "invalid_api_key"),
+    ({"authorization": "Basic dXNlcjpwdw=="}, "missing_api_key"),
+])
+@pytest.mark.parametrize("method, path", [("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                                          ("POST", "/v1/sessions"), ("GET", "/v1/sessions/anything")])
+def test_calls_without_a_valid_key_get_401_with_a_message(cluster, headers, code, method, path):
+    body = _chat_body(cluster) if method == "POST" else None
+    resp = httpx.request(method, f"{cluster.base_url}{path}", json=body, headers=headers, timeout=30)
+    assert resp.status_code == 401, resp.text
+    assert resp.json()["error"]["code"] == code
+    assert resp.json()["error"]["message"]
+
+
+def test_health_and_openapi_need_no_key(cluster):
+    assert httpx.get(f"{cluster.base_url}/health", timeout=10).status_code == 200
+    assert "/v1/sessions" in httpx.get(f"{cluster.base_url}/openapi.json", timeout=10).json()["paths"]
+
+
+def test_the_openai_client_authenticates_with_the_key(openai_client, cluster):
+    reply = openai_client.chat.completions.create(model=cluster.model_id, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2)
+    assert reply.choices[0].message is not None
+
+
+def test_keys_are_stored_hashed_never_in_plain_text(cluster):
+    key, record = _make_key(cluster, ["orders:read"])
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        dumped = {k: client.dump(k) for k in client.scan_iter(match="warmpath:*")}
+        assert f"warmpath:apikey:{hash_api_key(key)}".encode() in dumped
+        assert all(key.encode() not in (v or b"") and key.encode() not in k for k, v in dumped.items())
+    finally:
+        client.close()
+        _revoke(cluster, record.key_id)
+
+
+def test_tool_permissions_are_checked_at_registration(cluster):
+    key, record = _make_key(cluster, ["orders:read"])
+    try:
+        with cluster.http(api_key=key) as client:
+            denied = client.post("/v1/sessions", json={
+                "model": cluster.model_id, "tools": [_tool("lookup_order", ["orders:read"]), _tool("refund", ["payments:write"])],
+            })
+            assert denied.status_code == 403, denied.text
+            assert denied.json()["error"]["code"] == "missing_permission"
+            assert "payments:write" in denied.json()["error"]["message"] and "refund" in denied.json()["error"]["message"]
+            allowed = client.post("/v1/sessions", json={"model": cluster.model_id, "tools": [_tool("lookup_order", ["orders:read"])]})
+            assert allowed.status_code == 201, allowed.text
+    finally:
+        _revoke(cluster, record.key_id)
+
+
+def test_sessions_belong_to_the_key_that_created_them(cluster):
+    created = cluster.client.post("/v1/sessions", json={"model": cluster.model_id, "system_prompt": "private"})
+    assert created.status_code == 201, created.text
+    sid = created.json()["session_id"]
+    assert len(sid) >= 32  # secrets.token_urlsafe(24): 192 random bits
+    key, record = _make_key(cluster, ["*"])
+    try:
+        with cluster.http(api_key=key) as other:
+            for method, path, body in [("GET", f"/v1/sessions/{sid}", None), ("DELETE", f"/v1/sessions/{sid}", None),
+                                       ("POST", f"/v1/sessions/{sid}/messages", {"content": "hi"}),
+                                       ("POST", f"/v1/sessions/{sid}/tool_results",
+                                        {"results": [{"tool_call_id": "c1", "content": "x"}]})]:
+                resp = other.request(method, path, json=body)
+                assert resp.status_code == 404, (method, path, resp.text)
+                assert "private" not in resp.text
+        assert cluster.client.get(f"/v1/sessions/{sid}").status_code == 200  # untouched for its owner
+    finally:
+        _revoke(cluster, record.key_id)
+
+
+def test_rate_limit_answers_429_with_retry_after(cluster):
+    key, record = _make_key(cluster, ["*"], requests_per_s=0.2, burst=2)
+    try:
+        with cluster.http(api_key=key) as client:
+            statuses = [client.get("/v1/models") for _ in range(3)]
+        assert [r.status_code for r in statuses] == [200, 200, 429], [r.text for r in statuses]
+        limited = statuses[-1]
+        assert limited.json()["error"]["code"] == "rate_limited"
+        assert 1 <= int(limited.headers["retry-after"]) <= 5
+    finally:
+        _revoke(cluster, record.key_id)
+
+
+def test_a_revoked_key_stops_working(cluster):
+    key, record = _make_key(cluster, ["*"])
+    with cluster.http(api_key=key) as client:
+        assert client.get("/v1/models").status_code == 200
+        assert _revoke(cluster, record.key_id)
+        assert client.get("/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("is_chunked", [False, True], ids=["content-length", "chunked"])
+def test_oversized_bodies_get_413(cluster, is_chunked):
+    limit = cluster.cfg.access.max_request_bytes
+    payload = json.dumps({**_chat_body(cluster), "messages": [{"role": "user", "content": "x" * (limit + 10)}]}).encode()
+    content = iter([payload[i:i + 65536] for i in range(0, len(payload), 65536)]) if is_chunked else payload
+    resp = cluster.client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert resp.status_code == 413, resp.text[:300]
+    assert resp.json()["error"]["code"] == "request_too_large"
+
+
+def test_grpc_calls_need_a_key_and_honour_ownership(cluster):
+    app = ("application", grpc_app_name(cluster.cfg))
+    key, record = _make_key(cluster, ["*"], requests_per_s=0.2, burst=2)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{cluster.cfg.ports.grpc_port}") as channel:
+            inference = inference_pb2_grpc.InferenceStub(channel)
+            agent = agent_pb2_grpc.AgentStub(channel)
+            request = inference_pb2.ChatCompletionRequest(
+                model=cluster.model_id, messages=[inference_pb2.ChatMessage(role="user", content="hi")], max_tokens=2)
+            with pytest.raises(grpc.RpcError) as err:
+                inference.ChatCompletion(request, metadata=[app], timeout=60)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and err.value.details()
+
+            admin = [app, ("authorization", f"Bearer {cluster.api_key}")]
+            sid = agent.CreateSession(agent_pb2.CreateSessionRequest(model=cluster.model_id), metadata=admin, timeout=60).session_id
+            other = [app, ("x-api-key", key)]
+            with pytest.raises(grpc.RpcError) as err:
+                agent.GetSession(agent_pb2.GetSessionRequest(session_id=sid), metadata=other, timeout=60)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            agent.CreateSession(agent_pb2.CreateSessionRequest(model=cluster.model_id), metadata=other, timeout=60)
+            with pytest.raises(grpc.RpcError) as err:
+                agent.CreateSession(agent_pb2.CreateSessionRequest(model=cluster.model_id), metadata=other, timeout=60)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in err.value.details()
+    finally:
+        _revoke(cluster, record.key_id)

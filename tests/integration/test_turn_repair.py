@@ -15,7 +15,6 @@ from serve_apps.orchestrator.models import CreateSessionRequest, Message, ToolCa
 from serve_apps.orchestrator.prompt import prefix_fingerprint
 from serve_apps.orchestrator.store import SessionStore
 from serve_apps.orchestrator.turns import ModelReply, TurnRunner
-from tests.integration.test_store_redis import redis_url  # noqa: F401 - fixture
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / ".warmpath" / "models" / "warmpath-tiny"
 SCHEMA = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"], "additionalProperties": False}

@@ -14,6 +14,12 @@ key, `ServedBy` first, trace context in `RawRequestInfo`); session calls go to
 the `Orchestrator` methods, whose `{"status", "body"}` envelopes and event
 dicts are converted here.
 
+Every RPC is first admitted by `serve_apps.access.AccessGuard` (the HTTP
+ingress' guard): the key in `authorization: Bearer <key>` or `x-api-key`
+metadata, its rate limit, then the caller goes to the orchestrator, which
+checks session ownership and tool permissions. `idempotency-key` metadata
+makes a turn retry-safe as the HTTP header does.
+
 Status and ordering rules:
 - a unary failure sets the code and details on `grpc_context` and returns an
   empty response (Ray ships the context with the response);

@@ -183,10 +183,22 @@ def _is_alive(pid: int) -> bool:
     return True
 
 
-def _wait_healthy(cfg: ClusterConfig, progress: Progress) -> None:
+def _wait_replaced(cfg: ClusterConfig, killed_actor: str, progress: Progress, timeout_s: float = 600) -> None:
+    """Waits until Serve runs as many replicas of the killed one's deployment as before, none of them it."""
     from cluster import local
 
-    local.wait_running(cfg, local.LocalState.load(local.state_dir_of(cfg)), progress, timeout_s=600)
+    state = local.LocalState.load(local.state_dir_of(cfg))
+    _, deployment, victim_id = killed_actor.split("#")[-3:]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = local.serve_details(state)["applications"][cfg.app_name]
+        details = app["deployments"].get(deployment) or {}
+        running = {r["replica_id"] for r in details.get("replicas", []) if r["state"] == "RUNNING"}
+        if victim_id not in running and len(running) >= details.get("target_num_replicas", 1):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{deployment} did not get its replicas back within {timeout_s:.0f}s: {running}")
+        time.sleep(1.0)  # polling Serve's controller, the readiness source
 
 
 def replica_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 20) -> ScenarioResult:
@@ -195,7 +207,8 @@ def replica_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progress, nu
     killed: list[str] = []
     _concurrent_turns(client, fates, lambda: killed.append(_kill_serve_actor("WarmpathLLMServer")), fault_after_s=1.0)
     result.notes.append(f"killed {killed[0]}")
-    _wait_healthy(cfg, progress)
+    progress(f"chaos: waiting for Serve to replace {killed[0]}")
+    _wait_replaced(cfg, killed[0], progress)
     return audit(client, fates, result)
 
 
@@ -205,7 +218,7 @@ def orchestrator_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progres
     killed: list[str] = []
     _concurrent_turns(client, fates, lambda: killed.append(_kill_serve_actor("Orchestrator")), fault_after_s=1.0)
     result.notes.append(f"killed {killed[0]}")
-    _wait_healthy(cfg, progress)
+    _wait_replaced(cfg, killed[0], progress)
     return audit(client, fates, result)
 
 
@@ -267,17 +280,22 @@ def tool_faults(client: ChaosClient, cfg: ClusterConfig, progress: Progress) -> 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FaultyTools)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
-    schema = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
+    # A bounded argument (a short pattern) lets grammar-constrained decoding finish the call within the answer budget.
+    schema = {"type": "object", "properties": {"order_id": {"type": "string", "pattern": "^ORD-[0-9]{5}$"}},
+              "required": ["order_id"], "additionalProperties": False}
     fates = []
     try:
         for path in ("/hang", "/fail", "/garbage"):
             tool = {"name": "lookup_order", "description": "Look up an order.", "parameters": schema,
                     "execution": {"kind": "http", "url": base + path, "timeout_s": 2}}
-            fate = TurnFate(client.create_session(cfg.model.model_id, tools=[tool]), f"tool {path}: find ORD-12345",
-                            str(uuid.uuid4()))
+            session_id = client.create_session(cfg.model.model_id, tools=[tool], output_reserve_tokens=64)
+            fate = TurnFate(session_id, f"tool {path}: find ORD-12345", str(uuid.uuid4()))
             started = time.monotonic()
             client.send_turn(fate, tool_choice="required", deadline_s=0)
-            result.notes.append(f"{path}: {fate.status} in {time.monotonic() - started:.1f}s")
+            results = [m["content"] for m in client.transcript(session_id) if m["role"] == "tool"]
+            seen = "the model saw an error result" if results and all('"error"' in r for r in results) else \
+                f"NO error result reached the model: {results[:1]}"
+            result.notes.append(f"{path}: {fate.status} in {time.monotonic() - started:.1f}s; {seen}")
             fates.append(fate)
     finally:
         server.shutdown()

@@ -42,6 +42,7 @@ def test_a_retried_turn_with_the_same_idempotency_key_is_replayed_not_rerun(clus
 def test_faulty_tools_become_errors_the_model_sees_within_the_deadline(cluster, client):
     result = chaos.tool_faults(client, cluster.cfg, _quiet)
     assert (result.num_attempted, result.num_completed, result.num_lost) == (3, 3, 0), chaos.report([result])
+    assert all("the model saw an error result" in note for note in result.notes), chaos.report([result])
 
 
 def test_a_client_that_hangs_up_mid_stream_leaves_no_half_turn(cluster, client):

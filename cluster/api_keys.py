@@ -22,7 +22,7 @@ import hashlib
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
@@ -76,11 +76,16 @@ class ApiKeyRecord(BaseModel):
     burst: int = Field(description="Bucket size: requests allowed at once after idling.", ge=1)
     created_at_s: float = Field(description="Unix time of creation.")
 
-    def missing_permissions(self, required: list[str] | tuple[str, ...]) -> list[str]:
+    def missing_permissions(self, required: Sequence[str]) -> list[str]:
         """Permissions in `required` this key lacks, in order (none when it holds '*')."""
-        if ALL_PERMISSIONS in self.permissions:
-            return []
-        return [p for p in required if p not in self.permissions]
+        return missing_permissions(self.permissions, required)
+
+
+def missing_permissions(held: Sequence[str], required: Sequence[str]) -> list[str]:
+    """Permissions in `required` that `held` lacks, in order; '*' in `held` holds them all."""
+    if ALL_PERMISSIONS in held:
+        return []
+    return [p for p in required if p not in held]
 
 
 @dataclass(frozen=True)

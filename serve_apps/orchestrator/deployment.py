@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from cluster import telemetry
 from cluster.config import validate_config
 from router import decision_log
-from cluster.api_keys import ALL_PERMISSIONS
+from cluster.api_keys import missing_permissions
 from serve_apps.access import Caller
 from serve_apps.metrics import WarmpathMetrics, record_model_call
 from serve_apps.orchestrator.models import (
@@ -42,7 +42,14 @@ from serve_apps.orchestrator.models import (
     TurnRequest,
 )
 from serve_apps.orchestrator.prompt import build_chat_request, count_tokens, effective_window_tokens, prefix_fingerprint, SessionState
-from serve_apps.orchestrator.store import SessionBusy, SessionNotFound, SessionStore, StaleTurn, StoreUnavailable
+from serve_apps.orchestrator.store import (
+    SessionBusy,
+    SessionNotFound,
+    SessionRecord,
+    SessionStore,
+    StaleTurn,
+    StoreUnavailable,
+)
 from serve_apps.orchestrator.turns import ModelReply, ModelRetry, TurnFailed, TurnRunner, pending_client_calls
 from serve_apps.vllm_replica import ServedBy
 
@@ -62,12 +69,12 @@ def _caller(caller: dict[str, Any]) -> Caller:
 def _missing_permission(caller: Caller, tools) -> dict[str, Any] | None:
     """A 403 naming the first permission a tool needs and the caller's key lacks, or None."""
     for tool in tools:
-        for permission in tool.required_permissions:
-            if permission not in caller.permissions and ALL_PERMISSIONS not in caller.permissions:
-                return _error(
-                    403, f"tool '{tool.name}' requires permission '{permission}', which API key {caller.key_id} lacks",
-                    "missing_permission",
-                )
+        missing = missing_permissions(caller.permissions, tool.required_permissions)
+        if missing:
+            return _error(
+                403, f"tool '{tool.name}' requires permission '{missing[0]}', which API key {caller.key_id} lacks",
+                "missing_permission",
+            )
     return None
 
 
@@ -223,6 +230,13 @@ class Orchestrator:
     async def check_health(self) -> None:
         return None
 
+    async def _owned_record(self, session_id: str, caller: Caller) -> SessionRecord:
+        """The session's record; SessionNotFound also when another key owns it (it answers like a missing one)."""
+        record = await self._store.get(session_id)
+        if record.owner_key_id != caller.key_id:
+            raise SessionNotFound(session_id)
+        return record
+
     async def create_session(self, body: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
         try:
             request = CreateSessionRequest.model_validate(body)
@@ -248,9 +262,7 @@ class Orchestrator:
 
     async def get_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
         try:
-            record = await self._store.get(session_id)
-            if record.owner_key_id != _caller(caller).key_id:
-                return _not_found(session_id)
+            record = await self._owned_record(session_id, _caller(caller))
             snapshot = await self._store.transcript(session_id)
             steps = await self._store.step_stats(session_id)
         except SessionNotFound:
@@ -294,9 +306,7 @@ class Orchestrator:
 
     async def delete_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
         try:
-            record = await self._store.get(session_id)
-            if record.owner_key_id != _caller(caller).key_id:
-                return _not_found(session_id)
+            await self._owned_record(session_id, _caller(caller))
             existed = await self._store.delete(session_id)
         except SessionNotFound:
             return _not_found(session_id)
@@ -374,10 +384,7 @@ class Orchestrator:
     ) -> AsyncIterator[dict[str, Any]]:
         try:
             async with self._store.turn_lock(session_id):
-                record = await self._store.get(session_id)
-                if record.owner_key_id != caller.key_id:
-                    yield _not_found(session_id)
-                    return
+                record = await self._owned_record(session_id, caller)
                 denied = _missing_permission(caller, record.request.tools)
                 if denied is not None:
                     yield denied

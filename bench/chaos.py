@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import httpx
 
+from cluster.api_keys import bearer_headers
 from cluster.config import ClusterConfig
 
 Progress = Callable[[str], None]
@@ -70,8 +71,7 @@ class ChaosClient:
     """The public API as a client with retries sees it."""
 
     def __init__(self, base_url: str, api_key: Optional[str]) -> None:
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=TURN_TIMEOUT_S)
+        self.http = httpx.Client(base_url=base_url, headers=bearer_headers(api_key), timeout=TURN_TIMEOUT_S)
 
     def create_session(self, model_id: str, tools: list[dict] | None = None, output_reserve_tokens: int = 32) -> str:
         body = {"model": model_id, "system_prompt": "You are a support agent for ACME. Answer briefly.",

@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 from bench.oracle import oracle_bounds
 from bench.trace import RequestRecord, summarize
 from bench.workloads import TokenizerRenderer, Workload, WorkloadName, generate, openai_request
+from cluster.api_keys import bearer_headers
 from cluster.config import ClusterConfig, RouterPolicy
 
 # Header names set by `serve_apps.ingress_http` (not imported: it pulls in Ray Serve).
@@ -151,8 +152,7 @@ async def replay(base_url: str, workload: Workload, prepared: dict[str, list[Pre
     url = f"{base_url}/v1/chat/completions"
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=len(workload.sessions) + 8, max_keepalive_connections=len(workload.sessions))
-    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits, headers=auth) as client:
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits, headers=bearer_headers(api_key)) as client:
         start_s = time.monotonic()
 
         async def run_session(session) -> None:
@@ -231,8 +231,7 @@ def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
     records = asyncio.run(replay(state.http_url, workload, prepared, time_scale, api_key))
     wall_s = time.monotonic() - started
     try:
-        auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        router_state = httpx.get(f"{state.http_url}/v1/router", timeout=30, headers=auth).json()
+        router_state = httpx.get(f"{state.http_url}/v1/router", timeout=30, headers=bearer_headers(api_key)).json()
     except Exception as err:
         router_state = {"error": f"{type(err).__name__}: {err}"}
     seen = {r.replica_id for r in records if r.replica_id}

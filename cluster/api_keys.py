@@ -7,7 +7,7 @@ key (keys are 256 random bits, so a fast unsalted hash is the right tool, as
 for GitHub's tokens), and the plain key is shown once, to whoever created it.
 
 Layout (all under the `warmpath:` prefix):
-- `apikey:<sha256 hex>`  hash {record: ApiKeyRecord JSON, requests_per_s, burst}
+- `apikey:<sha256 hex>`  hash {record: ApiKeyRecord JSON}
 - `apikey-id:<key id>`   the sha256 hex, so a key can be listed and revoked by id
 - `ratelimit:<key id>`   hash {tokens, ts_ms}, the key's token bucket
 
@@ -18,16 +18,18 @@ last token. The script reads Redis' own clock: ingress clocks need not agree.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Awaitable, Callable, Optional, Sequence, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
+T = TypeVar("T")
 KEY_PREFIX = "wp_"
 ALL_PERMISSIONS = "*"
 _NS = "warmpath:"
@@ -35,11 +37,12 @@ _NS = "warmpath:"
 # KEYS[1] = apikey:<hash>; ARGV[1] = key id prefix for the bucket key
 # Returns {0} for an unknown key, else {1, record_json, is_allowed, retry_after_ms}.
 _AUTHORIZE = """
-local fields = redis.call('HMGET', KEYS[1], 'record', 'requests_per_s', 'burst', 'key_id')
-if not fields[1] then return {0} end
-local rate = tonumber(fields[2])
-local burst = tonumber(fields[3])
-local bucket = ARGV[1] .. fields[4]
+local raw = redis.call('HGET', KEYS[1], 'record')
+if not raw then return {0} end
+local record = cjson.decode(raw)
+local rate = tonumber(record['requests_per_s'])
+local burst = tonumber(record['burst'])
+local bucket = ARGV[1] .. record['key_id']
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local state = redis.call('HMGET', bucket, 'tokens', 'ts_ms')
@@ -56,7 +59,7 @@ else
 end
 redis.call('HSET', bucket, 'tokens', tostring(tokens), 'ts_ms', now_ms)
 redis.call('PEXPIRE', bucket, math.ceil(burst * 1000 / rate) + 1000)
-return {1, fields[1], is_allowed, retry_after_ms}
+return {1, raw, is_allowed, retry_after_ms}
 """
 
 
@@ -105,9 +108,27 @@ def key_id_of(key_hash: str) -> str:
     return "key_" + key_hash[:12]
 
 
+def bearer_headers(key: str | None) -> dict[str, str]:
+    """The header a client sends its key in; none when there is no key (auth off)."""
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 def generate_api_key() -> str:
     """A new key: the `wp_` prefix (so scanners and humans recognise it) and 256 random bits."""
     return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def run_with_store(url: str, work: Callable[["ApiKeyStore"], Awaitable[T]]) -> T:
+    """Runs `work(store)` on a new event loop with a store of its own, closed after (CLI, bring-up, tests)."""
+
+    async def run() -> T:
+        store = ApiKeyStore.from_url(url)
+        try:
+            return await work(store)
+        finally:
+            await store.aclose()
+
+    return asyncio.run(run())
 
 
 class ApiKeyStore:
@@ -136,10 +157,7 @@ class ApiKeyStore:
         )
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(_NS + "apikey:" + key_hash, mapping={
-                    "record": record.model_dump_json(), "requests_per_s": requests_per_s, "burst": burst,
-                    "key_id": record.key_id,
-                })
+                pipe.hset(_NS + "apikey:" + key_hash, "record", record.model_dump_json())
                 pipe.set(_NS + "apikey-id:" + record.key_id, key_hash)
                 await pipe.execute()
         except RedisError as err:

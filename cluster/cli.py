@@ -109,19 +109,10 @@ def _keys_redis_url(config: Optional[Path], redis_url: Optional[str]) -> str:
 
 
 def _with_key_store(url: str, work):
-    import asyncio
-
-    from cluster.api_keys import ApiKeyStore, StoreUnavailable
-
-    async def run():
-        store = ApiKeyStore.from_url(url)
-        try:
-            return await work(store)
-        finally:
-            await store.aclose()
+    from cluster.api_keys import StoreUnavailable, run_with_store
 
     try:
-        return asyncio.run(run())
+        return run_with_store(url, work)
     except StoreUnavailable as err:
         typer.echo(f"error: Redis at {url} is unavailable: {err}", err=True)
         raise typer.Exit(1)

@@ -311,27 +311,21 @@ def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress)
 
     Reused across `up`s; registered again if Redis lost it (a new Redis, a flushed one).
     """
-    import asyncio
-
-    from cluster.api_keys import ALL_PERMISSIONS, ApiKeyStore
+    from cluster.api_keys import ALL_PERMISSIONS, run_with_store
 
     file = api_key_file(cfg)
     existing = file.read_text().strip() if file.is_file() else None
 
-    async def register() -> str:
-        store = ApiKeyStore.from_url(redis_url)
-        try:
-            if existing and await store.lookup(existing) is not None:
-                return existing
-            key, record = await store.create(
-                "local-admin", [ALL_PERMISSIONS], ADMIN_REQUESTS_PER_S, ADMIN_BURST, key=existing,
-            )
-            progress(f"api key: {'registered' if existing else 'created'} {record.key_id} (all permissions) in {file}")
-            return key
-        finally:
-            await store.aclose()
+    async def register(store) -> str:
+        if existing and await store.lookup(existing) is not None:
+            return existing
+        key, record = await store.create(
+            "local-admin", [ALL_PERMISSIONS], ADMIN_REQUESTS_PER_S, ADMIN_BURST, key=existing,
+        )
+        progress(f"api key: {'registered' if existing else 'created'} {record.key_id} (all permissions) in {file}")
+        return key
 
-    key = asyncio.run(register())
+    key = run_with_store(redis_url, register)
     if existing != key:
         file.parent.mkdir(parents=True, exist_ok=True)
         file.touch(mode=0o600)

@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from cluster import local
+from cluster.api_keys import bearer_headers
 from cluster.config import ClusterConfig, load_config
 from cluster.model_builder import build_model, is_built
 from tests.integration.otlp_receiver import OtlpReceiver
@@ -50,12 +51,12 @@ class Cluster:
     @property
     def headers(self) -> dict[str, str]:
         """What every call needs: the local admin key `warmpath up` created."""
-        return {"authorization": f"Bearer {self.api_key}"}
+        return bearer_headers(self.api_key)
 
     def http(self, api_key: str | None = None, timeout_s: float = 300) -> httpx.Client:
         """An HTTP client for the cluster, authenticated with the admin key (or `api_key`)."""
         return httpx.Client(
-            base_url=self.base_url, timeout=timeout_s, headers={"authorization": f"Bearer {api_key or self.api_key}"}
+            base_url=self.base_url, timeout=timeout_s, headers=bearer_headers(api_key or self.api_key)
         )
 
 

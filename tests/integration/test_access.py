@@ -7,7 +7,6 @@ cluster's Redis, as `warmpath keys create` does); the admin key is the one
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import grpc
@@ -15,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from cluster.api_keys import ApiKeyStore, hash_api_key
+from cluster.api_keys import hash_api_key, run_with_store
 from cluster.serve_config import grpc_app_name
 from tests.integration.test_openai_api import LOOKUP_TOOL
 from warmpath.v1 import agent_pb2, agent_pb2_grpc, inference_pb2, inference_pb2_grpc
@@ -26,25 +25,11 @@ LOOKUP_SCHEMA = LOOKUP_TOOL["function"]["parameters"]
 
 
 def _make_key(cluster, permissions, requests_per_s=100.0, burst=100, name="test"):
-    async def create():
-        store = ApiKeyStore.from_url(cluster.redis_url)
-        try:
-            return await store.create(name, permissions, requests_per_s, burst)
-        finally:
-            await store.aclose()
-
-    return asyncio.run(create())
+    return run_with_store(cluster.redis_url, lambda store: store.create(name, permissions, requests_per_s, burst))
 
 
 def _revoke(cluster, key_id):
-    async def revoke():
-        store = ApiKeyStore.from_url(cluster.redis_url)
-        try:
-            return await store.revoke(key_id)
-        finally:
-            await store.aclose()
-
-    return asyncio.run(revoke())
+    return run_with_store(cluster.redis_url, lambda store: store.revoke(key_id))
 
 
 def _tool(name, permissions):

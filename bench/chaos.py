@@ -20,8 +20,6 @@ import concurrent.futures
 import dataclasses
 import http.server
 import json
-import os
-import signal
 import threading
 import time
 import uuid
@@ -175,15 +173,7 @@ def _kill_serve_actor(name_part: str) -> str:
     return names[0]
 
 
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _wait_replaced(cfg: ClusterConfig, killed_actor: str, progress: Progress, timeout_s: float = 600) -> None:
+def _wait_replaced(cfg: ClusterConfig, killed_actor: str, timeout_s: float = 600) -> None:
     """Waits until Serve runs as many replicas of the killed one's deployment as before, none of them it."""
     from cluster import local
 
@@ -201,25 +191,25 @@ def _wait_replaced(cfg: ClusterConfig, killed_actor: str, progress: Progress, ti
         time.sleep(1.0)  # polling Serve's controller, the readiness source
 
 
-def replica_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 20) -> ScenarioResult:
-    result = ScenarioResult("replica-kill")
-    fates = _fates(client, cfg, num_sessions, "replica-kill")
+def _kill_mid_turn(scenario: str, actor_part: str, client: ChaosClient, cfg: ClusterConfig, progress: Progress,
+                   num_sessions: int) -> ScenarioResult:
+    """Kills the first Serve replica actor matching `actor_part` while `num_sessions` turns run, then audits them."""
+    result = ScenarioResult(scenario)
+    fates = _fates(client, cfg, num_sessions, scenario)
     killed: list[str] = []
-    _concurrent_turns(client, fates, lambda: killed.append(_kill_serve_actor("WarmpathLLMServer")), fault_after_s=1.0)
+    _concurrent_turns(client, fates, lambda: killed.append(_kill_serve_actor(actor_part)), fault_after_s=1.0)
     result.notes.append(f"killed {killed[0]}")
     progress(f"chaos: waiting for Serve to replace {killed[0]}")
-    _wait_replaced(cfg, killed[0], progress)
+    _wait_replaced(cfg, killed[0])
     return audit(client, fates, result)
+
+
+def replica_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 20) -> ScenarioResult:
+    return _kill_mid_turn("replica-kill", "WarmpathLLMServer", client, cfg, progress, num_sessions)
 
 
 def orchestrator_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 6) -> ScenarioResult:
-    result = ScenarioResult("orchestrator-kill")
-    fates = _fates(client, cfg, num_sessions, "orchestrator-kill")
-    killed: list[str] = []
-    _concurrent_turns(client, fates, lambda: killed.append(_kill_serve_actor("Orchestrator")), fault_after_s=1.0)
-    result.notes.append(f"killed {killed[0]}")
-    _wait_replaced(cfg, killed[0], progress)
-    return audit(client, fates, result)
+    return _kill_mid_turn("orchestrator-kill", "Orchestrator", client, cfg, progress, num_sessions)
 
 
 def redis_restart(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 4) -> ScenarioResult:
@@ -234,10 +224,7 @@ def redis_restart(client: ChaosClient, cfg: ClusterConfig, progress: Progress, n
     before = _fates(client, cfg, num_sessions, "before-restart")
     for fate in before:
         client.send_turn(fate)
-    os.kill(state.redis_pid, signal.SIGTERM)  # redis-server writes its AOF out on SIGTERM
-    deadline = time.monotonic() + 30
-    while _is_alive(state.redis_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    local.stop_redis(state, progress, timeout_s=30)
     during = [TurnFate(f.session_id, f.content.replace("before-restart", "during-outage"), str(uuid.uuid4()))
               for f in before]
     for fate in during:

@@ -333,6 +333,17 @@ def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress)
     return key
 
 
+def stop_redis(state: LocalState, progress: Progress, timeout_s: float = 10) -> None:
+    """Stops the redis-server `up` started, waiting up to `timeout_s` for it to exit (it writes its AOF first)."""
+    if not (state.redis_pid and _alive(state.redis_pid)):
+        return
+    os.kill(state.redis_pid, signal.SIGTERM)  # redis flushes its AOF on SIGTERM
+    deadline = time.monotonic() + timeout_s
+    while _alive(state.redis_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    progress(f"redis: stopped (pid {state.redis_pid})")
+
+
 def reap_orphaned_engines() -> list[int]:
     """Kills vLLM engine processes whose replica is gone (re-parented to init).
 
@@ -375,11 +386,5 @@ def down(cfg: ClusterConfig, progress: Progress) -> None:
         reaped = reap_orphaned_engines()
         if reaped:
             progress(f"vllm: stopped {len(reaped)} engine processes left behind by their replicas")
-    if state.redis_pid and _alive(state.redis_pid):
-        os.kill(state.redis_pid, signal.SIGTERM)  # redis flushes its AOF on SIGTERM
-        for _ in range(100):
-            if not _alive(state.redis_pid):
-                break
-            time.sleep(0.1)
-        progress(f"redis: stopped (pid {state.redis_pid})")
+    stop_redis(state, progress)
     LocalState().save(state_dir)

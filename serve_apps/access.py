@@ -153,8 +153,9 @@ class AccessMiddleware:
             self._guard = AccessGuard(self._settings)
         limit = self._settings.access.max_request_bytes
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])]
+        content_length = next((v for k, v in headers if k.lower() == "content-length"), None)
         try:
-            declared = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
+            declared = int(content_length) if content_length is not None else 0
         except ValueError:
             declared = 0
         try:
@@ -165,18 +166,14 @@ class AccessMiddleware:
             await _send_json(send, denied.status, denied.body(), denied.headers())
             return
         scope.setdefault("state", {})["caller"] = caller
-        await self._run_bounded(scope, receive, send, limit)
-
-    async def _run_bounded(self, scope, receive, send, limit: int) -> None:
-        """Runs the app; a body without a declared length is buffered up to `limit` first, then replayed.
-
-        A declared Content-Length was checked already and the HTTP server holds
-        the client to it, so only chunked bodies need counting here.
-        """
-        headers = {k.lower() for k, _ in scope.get("headers", [])}
-        if b"content-length" in headers or scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        if content_length is not None or scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            # A declared length was checked above, and the HTTP server holds the client to it.
             await self.app(scope, receive, send)
             return
+        await self._run_buffered(scope, receive, send, limit)
+
+    async def _run_buffered(self, scope, receive, send, limit: int) -> None:
+        """Runs the app on a body without a declared length: buffered up to `limit` first, then replayed."""
         chunks, received = [], 0
         while True:
             message = await receive()

@@ -148,6 +148,18 @@ def _schema_of_bytes(num_bytes, pad_char):
     return {**_EMPTY_DESCRIBED, "description": pad_char * (pad_bytes // char_bytes) + "x" * (pad_bytes % char_bytes)}
 
 
+def _assert_parameters_verdict(parameters, is_accepted, message_parts):
+    """Accepted parameters come back unchanged; rejected ones fail on `parameters` with every part in the message."""
+    if is_accepted:
+        assert ToolSpec.model_validate(_tool(parameters=parameters)).parameters == parameters
+        return
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters=parameters))
+    assert _error_locations(info.value) == ["parameters"]
+    for part in message_parts:
+        assert part in str(info.value)
+
+
 @pytest.mark.parametrize(
     "num_bytes, pad_char, is_accepted",
     [
@@ -160,15 +172,9 @@ def _schema_of_bytes(num_bytes, pad_char):
     ],
 )
 def test_tool_parameters_size_limit(num_bytes, pad_char, is_accepted):
-    parameters = _schema_of_bytes(num_bytes, pad_char)
-    if is_accepted:
-        assert ToolSpec.model_validate(_tool(parameters=parameters)).parameters == parameters
-        return
-    with pytest.raises(ValidationError) as info:
-        ToolSpec.model_validate(_tool(parameters=parameters))
-    assert _error_locations(info.value) == ["parameters"]
-    assert f"{num_bytes} bytes" in str(info.value)
-    assert f"MAX_SCHEMA_BYTES={MAX_SCHEMA_BYTES}" in str(info.value)
+    _assert_parameters_verdict(
+        _schema_of_bytes(num_bytes, pad_char), is_accepted, [f"{num_bytes} bytes", f"MAX_SCHEMA_BYTES={MAX_SCHEMA_BYTES}"]
+    )
 
 
 def _nested_default(depth):
@@ -199,15 +205,9 @@ def _nested_properties(depth):
     ],
 )
 def test_tool_parameters_depth_limit(build, depth, is_accepted):
-    parameters = build(depth)
-    if is_accepted:
-        assert ToolSpec.model_validate(_tool(parameters=parameters)).parameters == parameters
-        return
-    with pytest.raises(ValidationError) as info:
-        ToolSpec.model_validate(_tool(parameters=parameters))
-    assert _error_locations(info.value) == ["parameters"]
-    assert f"nests {depth} levels" in str(info.value)
-    assert f"MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH}" in str(info.value)
+    _assert_parameters_verdict(
+        build(depth), is_accepted, [f"nests {depth} levels", f"MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH}"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -5,20 +5,8 @@ the offending field instead of being half-understood. The same models are what
 the session store persists (as JSON), so a stored session always re-validates.
 
 Invariants the validators hold:
-- a tool's `parameters` is a Draft 2020-12 JSON Schema describing an object, and
-  every `$ref` in it points into its own top-level `$defs` (no remote documents,
-  no `$id` rebasing), so validation never does I/O and the schema can be
-  embedded verbatim into the structured-output schema of `tools.tool_choice_schema`;
-- `parameters` is bounded before anything walks it recursively: at most
-  MAX_SCHEMA_BYTES of compact JSON, at most MAX_SCHEMA_DEPTH nested objects and
-  arrays, only what JSON can carry (no NaN, which the store would write as null,
-  and no lone surrogates, which it could not write at all), and every `$ref`
-  lands on an existing subschema through chains of at most MAX_REF_HOPS `$ref`s
-  that do not descend into the arguments, so nothing the client sends as a schema
-  makes `tools.validate_tool_call` recurse without end or fail on the schema
-  (how deep the arguments may nest is for tools.py to bound);
-- `$schema`, where present, names Draft 2020-12: jsonschema switches dialect on a
-  nested `$schema`, and older dialects read 2020-12 keywords differently;
+- a tool's `parameters` passes `tool_schema.check_tool_parameters` (a bounded
+  Draft 2020-12 object schema whose references stay inside it);
 - tool names are unique within a session;
 - a message carries exactly the fields its role allows (a `tool` message answers
   one `tool_call_id`, only `assistant` messages carry `tool_calls`).
@@ -26,218 +14,25 @@ Invariants the validators hold:
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from typing import Annotated, Literal, NewType
-from urllib.parse import unquote
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
+
+from serve_apps.orchestrator.tool_schema import check_tool_parameters
 
 SessionId = NewType("SessionId", str)
 PrefixFingerprint = NewType("PrefixFingerprint", str)
 
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
-# Bounds on a tool's `parameters`. Real tool schemas are a few KiB and a handful of
-# levels deep; these leave room for them while keeping validation cheap and its
-# recursion (several Python frames per level) far below the interpreter's limit.
-MAX_SCHEMA_BYTES = 16384
-MAX_SCHEMA_DEPTH = 16
-# `$ref`s followed without descending into the arguments (`$ref` to `$ref`, `allOf`, ...):
-# a cycle of them never terminates, and a long chain exhausts the stack just the same.
-MAX_REF_HOPS = 16
 MAX_TURN_CONTENT_CHARS = 262_144
 # Above this, a "truncated" result is no longer a bound worth having: it would fill the context by itself.
 MAX_TOOL_RESULT_BYTES_CEILING = 1_048_576
-# Keywords that would make a schema resolve references outside itself.
-_REBASING_KEYWORDS = ("$id", "$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef")
-_LOCAL_REF_PREFIX = "#/$defs/"
-_DRAFT_2020_12_URIS = ("https://json-schema.org/draft/2020-12/schema", "https://json-schema.org/draft/2020-12/schema#")
-# Draft 2020-12 keywords whose value is a subschema, a list of subschemas, or a map of
-# names to subschemas: the only places a `$ref` may land.
-_SUBSCHEMA_KEYWORDS = frozenset(
-    {
-        "additionalProperties", "contains", "contentSchema", "else", "if", "items", "not",
-        "propertyNames", "then", "unevaluatedItems", "unevaluatedProperties",
-    }
-)
-_SUBSCHEMA_LIST_KEYWORDS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
-_SUBSCHEMA_MAP_KEYWORDS = frozenset({"$defs", "dependentSchemas", "patternProperties", "properties"})
-# Applicators that validate the instance they are given, not a part of it.
-_IN_PLACE_KEYWORDS = frozenset({"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas"})
-_ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
-
-SchemaLocation = tuple[str | int, ...]
 
 Role = Literal["system", "user", "assistant", "tool"]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _check_bounds(schema: dict[str, JsonValue]) -> None:
-    """Size, depth and finiteness, checked iteratively before anything recurses into the schema.
-
-    Size goes first: it is measured in C, so a huge body is refused before a Python
-    walk over it. What JSON cannot carry is refused here too, because the session
-    store writes the schema as JSON: a lone surrogate (Python's `json.loads` accepts
-    `"\\ud800"`, and pydantic's JsonValue keeps it) makes that write fail, and NaN or
-    Infinity would be stored as null, so the schema re-read would not be the one sent.
-    """
-    try:
-        text = json.dumps(schema, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
-        num_bytes = len(text.encode("utf-8"))
-    except UnicodeEncodeError as err:
-        surrogate = err.object[err.start : err.end]
-        raise ValueError(f"tool parameters hold a lone surrogate {surrogate!r}, which is not Unicode text") from None
-    except ValueError as err:  # an integer too long to print
-        raise ValueError(f"tool parameters cannot be written as JSON: {err}") from None
-    if num_bytes > MAX_SCHEMA_BYTES:
-        raise ValueError(
-            f"tool parameters schema is {num_bytes} bytes of compact JSON, "
-            f"over the limit MAX_SCHEMA_BYTES={MAX_SCHEMA_BYTES}"
-        )
-    depth = 0
-    stack: list[tuple[JsonValue, int, str]] = [(schema, 1, "")]
-    while stack:
-        node, level, path = stack.pop()
-        if isinstance(node, dict):
-            depth = max(depth, level)
-            stack.extend((value, level + 1, f"{path}/{key}") for key, value in node.items())
-        elif isinstance(node, list):
-            depth = max(depth, level)
-            stack.extend((item, level + 1, f"{path}/{index}") for index, item in enumerate(node))
-        elif isinstance(node, float) and not math.isfinite(node):
-            raise ValueError(f"{path or '/'}: {node} is not a JSON number")
-    if depth > MAX_SCHEMA_DEPTH:
-        raise ValueError(
-            f"tool parameters schema nests {depth} levels of objects and arrays, "
-            f"over the limit MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH}"
-        )
-
-
-def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
-    """Rejects keywords that leave the schema or switch dialect, and collects `$ref` values with where they occur.
-
-    Keyword values are strings and property names are not, so a property named `$ref` passes.
-    """
-    if isinstance(node, dict):
-        for key, value in node.items():
-            where = f"{path}/{key}"
-            if key == "$ref" and isinstance(value, str):
-                if not value.startswith(_LOCAL_REF_PREFIX):
-                    raise ValueError(f"{where}: only local references into '#/$defs/' are allowed, got {value!r}")
-                refs.setdefault(value, where)
-            if key in _REBASING_KEYWORDS and isinstance(value, str):
-                raise ValueError(f"{where}: {key} is not allowed in tool parameters")
-            if key == "$schema" and isinstance(value, str) and value not in _DRAFT_2020_12_URIS:
-                raise ValueError(f"{where}: only Draft 2020-12 ({_DRAFT_2020_12_URIS[0]}) is supported, got {value!r}")
-            _check_keywords(value, where, refs)
-    elif isinstance(node, list):
-        for index, item in enumerate(node):
-            _check_keywords(item, f"{path}/{index}", refs)
-
-
-def _resolve_ref(root: dict[str, JsonValue], ref: str) -> tuple[SchemaLocation, JsonValue]:
-    """The subschema `ref` names, decoded the way `referencing` decodes it (percent-escapes, then `~1`/`~0`).
-
-    Only locations that hold a subschema are accepted: `referencing` would follow a
-    pointer to any value, and the validator then fails on a string or a property map.
-    """
-    node: JsonValue = root
-    holds = "schema"  # what `node` is: a schema, a list of schemas, or a map of names to schemas
-    location: list[str | int] = []
-    for segment in unquote(ref[2:]).split("/"):
-        if holds == "list":
-            if not (isinstance(node, list) and _ARRAY_INDEX.fullmatch(segment) and int(segment) < len(node)):
-                raise ValueError(f"$ref {ref!r} points to nothing: no item {segment!r}")
-            node, holds = node[int(segment)], "schema"
-            location.append(int(segment))
-            continue
-        key = segment.replace("~1", "/").replace("~0", "~")
-        if not (isinstance(node, dict) and key in node):
-            raise ValueError(f"$ref {ref!r} points to nothing: no {key!r}")
-        if holds == "map" or key in _SUBSCHEMA_KEYWORDS:
-            holds = "schema"
-        elif key in _SUBSCHEMA_LIST_KEYWORDS:
-            holds = "list"
-        elif key in _SUBSCHEMA_MAP_KEYWORDS:
-            holds = "map"
-        else:
-            raise ValueError(f"$ref {ref!r} does not point to a subschema: {key!r} holds none")
-        node = node[key]
-        location.append(key)
-    if holds != "schema":
-        raise ValueError(f"$ref {ref!r} points to a {holds} of subschemas, not to a subschema")
-    return tuple(location), node
-
-
-def _in_place_refs(schema: JsonValue) -> list[str]:
-    """`$ref`s the validator follows on the instance `schema` is given, before descending into any part of it."""
-    found: list[str] = []
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue  # a boolean schema; shapes below are guaranteed by the metaschema check
-        if isinstance(node.get("$ref"), str):
-            found.append(node["$ref"])
-        for key in _IN_PLACE_KEYWORDS.intersection(node):
-            value = node[key]
-            if isinstance(value, list):
-                stack.extend(value)
-            elif key == "dependentSchemas" and isinstance(value, dict):
-                stack.extend(value.values())
-            else:
-                stack.append(value)
-    return found
-
-
-def _check_ref_chains(root: dict[str, JsonValue], refs: dict[str, str]) -> None:
-    """Every `$ref` resolves to a subschema; no chain of `$ref`s on one instance cycles or exceeds MAX_REF_HOPS.
-
-    Chains that descend into the arguments (`properties`, `items`, ...) may recurse:
-    they end with the arguments.
-    """
-    targets: dict[str, tuple[SchemaLocation, JsonValue]] = {}
-    for ref, where in refs.items():
-        try:
-            targets[ref] = _resolve_ref(root, ref)
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
-    longest_hops: dict[SchemaLocation, int] = {}
-
-    def visit(node: JsonValue, trail: list[SchemaLocation], followed: list[str]) -> int:
-        # Recursion stays within MAX_REF_HOPS + 1 frames: longer trails raise first.
-        if trail[-1] not in longest_hops:
-            hops = 0
-            for ref in _in_place_refs(node):
-                location, target = targets[ref]
-                chain = " -> ".join([*followed, ref])
-                if location in trail:
-                    raise ValueError(f"$ref cycle that never descends into the arguments: {chain}")
-                if len(followed) + 1 > MAX_REF_HOPS:
-                    raise ValueError(
-                        f"$ref chain of at least {len(followed) + 1} hops that never descends into the arguments, "
-                        f"over the limit MAX_REF_HOPS={MAX_REF_HOPS}: {chain}"
-                    )
-                hops = max(hops, 1 + visit(target, [*trail, location], [*followed, ref]))
-            longest_hops[trail[-1]] = hops
-        num_hops = len(followed) + longest_hops[trail[-1]]
-        if num_hops > MAX_REF_HOPS:
-            raise ValueError(
-                f"$ref chain of {num_hops} hops that never descends into the arguments, "
-                f"over the limit MAX_REF_HOPS={MAX_REF_HOPS}: {' -> '.join(followed)} -> ..."
-            )
-        return longest_hops[trail[-1]]
-
-    visit(root, [()], [])
-    # A target is entered through a `$ref`, and that hop counts too.
-    for ref, (location, target) in targets.items():
-        visit(target, [location], [ref])
 
 
 class HttpExecution(_Strict):
@@ -274,19 +69,7 @@ class ToolSpec(_Strict):
     @field_validator("parameters")
     @classmethod
     def _check_parameters(cls, value: dict[str, JsonValue]) -> dict[str, JsonValue]:
-        # Bounds first: the metaschema check recurses per level and would overflow the stack on deep input.
-        _check_bounds(value)
-        try:
-            Draft202012Validator.check_schema(value)
-        except SchemaError as err:
-            where = "/".join(str(p) for p in err.absolute_path) or "<root>"
-            raise ValueError(f"not a valid Draft 2020-12 JSON Schema at {where}: {err.message}") from None
-        if value.get("type") != "object":
-            raise ValueError('tool arguments are a JSON object: the schema needs "type": "object"')
-        refs: dict[str, str] = {}
-        _check_keywords(value, "", refs)
-        # After the metaschema check: resolution relies on keyword values having their schema shapes.
-        _check_ref_chains(value, refs)
+        check_tool_parameters(value)
         return value
 
 

@@ -4,9 +4,6 @@ import pytest
 from pydantic import ValidationError
 
 from serve_apps.orchestrator.models import (
-    MAX_REF_HOPS,
-    MAX_SCHEMA_BYTES,
-    MAX_SCHEMA_DEPTH,
     MAX_TOOL_RESULT_BYTES_CEILING,
     MAX_TURN_CONTENT_CHARS,
     SESSION_EVENT_ADAPTER,
@@ -19,6 +16,7 @@ from serve_apps.orchestrator.models import (
     ToolSpec,
     TurnRequest,
 )
+from serve_apps.orchestrator.tool_schema import MAX_REF_HOPS, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
 
 HTTP = {"kind": "http", "url": "http://127.0.0.1:9/tool", "timeout_s": 2}
 OBJECT_SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}

@@ -28,14 +28,13 @@ from jsonschema import Draft202012Validator
 from pydantic import BaseModel, ValidationError
 
 from serve_apps.orchestrator.models import (
-    MAX_SCHEMA_BYTES,
-    MAX_SCHEMA_DEPTH,
     CreateSessionRequest,
     ToolCall,
     ToolResultsSubmission,
     ToolSpec,
     TurnRequest,
 )
+from serve_apps.orchestrator.tool_schema import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
 from serve_apps.orchestrator.tools import (
     MAX_REPORTED_VIOLATIONS,
     ToolCallError,

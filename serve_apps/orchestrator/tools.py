@@ -17,6 +17,7 @@ import asyncio
 import copy
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NoReturn
@@ -35,6 +36,7 @@ MAX_REPORTED_VIOLATIONS = 16
 MAX_ARGUMENT_DEPTH = 64
 _ERROR_BODY_SNIPPET_BYTES = 512
 _DEFS_REF_PREFIX = "#/$defs/"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 ToolCallErrorKind = Literal["unknown_tool", "invalid_json", "schema_violation"]
 ToolStatus = Literal["ok", "error", "timeout"]
@@ -85,18 +87,25 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _check_depth(value: JsonValue) -> None:
+def _check_shape(value: JsonValue) -> None:
+    """Depth, and text that is Unicode: `json.loads` turns a lone `\\ud800` escape into a
+    surrogate that no UTF-8 writer (the session store, a tool's HTTP body) can encode."""
     stack = [(value, 1)]
     while stack:
         node, level = stack.pop()
-        if isinstance(node, (dict, list)):
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                raise ValueError("a string holds a lone UTF-16 surrogate escape, which is not Unicode text")
+        elif isinstance(node, (dict, list)):
             if level > MAX_ARGUMENT_DEPTH:
                 raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels")
+            if isinstance(node, dict):
+                stack.extend((key, level) for key in node)
             stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
 
 
 def parse_arguments(arguments: str) -> JsonValue:
-    """Strict JSON parse: NaN, Infinity and out-of-range numbers are refused like any other non-JSON text.
+    """Strict JSON parse: NaN, Infinity, out-of-range numbers and lone surrogates are refused like any other non-JSON text.
 
     Nesting is bounded (MAX_ARGUMENT_DEPTH), so neither the parser nor schema
     validation after it can run out of stack on hostile input.
@@ -105,7 +114,7 @@ def parse_arguments(arguments: str) -> JsonValue:
         value = json.loads(arguments, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels") from None
-    _check_depth(value)
+    _check_shape(value)
     return value
 
 

@@ -22,7 +22,10 @@ WEATHER_TOOL = {
         "parameters": {
             "type": "object",
             "properties": {
-                "city": {"type": "string", "maxLength": 24},
+                # A pattern, not maxLength: the grammar lets a JSON string hold any `\uXXXX`
+                # escape, and a lone surrogate from a random-weight model makes vLLM's
+                # pydantic parse of `required` output fail, which drops the call silently.
+                "city": {"type": "string", "pattern": "^[A-Za-z ]{1,24}$"},
                 "days": {"type": "integer", "minimum": 1, "maximum": 7},
             },
             "required": ["city", "days"],

@@ -57,6 +57,7 @@ def _call(name, arguments):
     "name, arguments",
     [
         ("create_order", '{"order_id": "ORD-98231"}'),
+        ("create_order", '{"order_id": "ORD-1", "items": [{"sku": "\\ud83d\\ude00", "qty": 1}]}'),  # a surrogate pair is one character
         ("create_order", '{"order_id": "ORD-1", "items": [{"sku": "A-1", "qty": 2}]}'),
         ("plot", '{"at": {"x": 1284.50}}'),
     ],
@@ -75,6 +76,8 @@ def test_valid_call_is_returned_unchanged(name, arguments):
         ("create_order", '{"order_id": 1e999}', "invalid_json", []),
         ("create_order", '{"order_id": ' + "[" * 65 + "]" * 65 + "}", "invalid_json", []),
         ("create_order", "not json", "invalid_json", []),
+        ("create_order", '{"order_id": "ORD-\\ud800"}', "invalid_json", []),
+        ("create_order", '{"\\udfff": 1}', "invalid_json", []),
         ("create_order", "[]", "schema_violation", ["$"]),
         ("create_order", "{}", "schema_violation", ["$"]),
         ("create_order", '{"order_id": "X-1"}', "schema_violation", ["$.order_id"]),

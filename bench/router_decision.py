@@ -11,7 +11,9 @@ Measures, at block size 32 with 16 replicas and an index of about 200k blocks:
         this policy, so the shared prefix's hashes are reused.
   A decision includes hashing, lookup, load guard, scoring, ranking and
   recording; it excludes tokenisation and building the `RoutingRequest`
-  (list -> array), reported on its own as `request_build_us`.
+  (list -> array), reported on its own as `request_build_us`, and the expiry
+  of earlier pending placements, which the router's event thread sweeps
+  between decisions (`expire_pending`), reported as `expiry_sweep_p50_us`.
 - index memory per (replica, block) entry, with tracemalloc.
 - event ingest rate: msgpack frames -> `decode_event_message` ->
   `ReplicaEventStream.accept` -> `PrefixIndex.apply`.
@@ -153,6 +155,7 @@ def bench_decisions(rng: random.Random, index: PrefixIndex, num_tokens: int, ite
     results: dict[str, dict] = {}
     for case in ("cold", "warm", "session"):
         samples: list[int] = []
+        sweeps: list[int] = []
         reasons: dict[str, int] = {}
         for i in range(iterations):
             now_s += 0.5
@@ -164,6 +167,9 @@ def bench_decisions(rng: random.Random, index: PrefixIndex, num_tokens: int, ite
                 if session_id is not None:  # the previous turn, not timed
                     policy.choose(RoutingRequest(base, MODEL, session_id), replica_ids, loads, index, sessions, now_s)
                 request = RoutingRequest(base + random_tokens(rng, SUFFIX_TOKENS), MODEL, session_id)
+            sweep_start = time.perf_counter_ns()
+            index.expire_pending(now_s)  # the router's event thread does this between decisions
+            sweeps.append(time.perf_counter_ns() - sweep_start)
             start = time.perf_counter_ns()
             decision = policy.choose(request, replica_ids, loads, index, sessions, now_s)
             samples.append(time.perf_counter_ns() - start)
@@ -171,6 +177,7 @@ def bench_decisions(rng: random.Random, index: PrefixIndex, num_tokens: int, ite
         results[case] = {
             "p50_us": round(percentile_us(samples, 0.50), 1),
             "p99_us": round(percentile_us(samples, 0.99), 1),
+            "expiry_sweep_p50_us": round(percentile_us(sweeps, 0.50), 1),
             "reasons": reasons,
         }
     token_list = random_tokens(rng, num_tokens).tolist()
@@ -186,7 +193,7 @@ def bench_decisions(rng: random.Random, index: PrefixIndex, num_tokens: int, ite
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/router_decision.json", help="JSON results path")
-    parser.add_argument("--iterations", type=int, default=300, help="decisions per (size, case)")
+    parser.add_argument("--iterations", type=int, default=1000, help="decisions per (size, case)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--index-blocks", type=int, default=200_000, help="(replica, block) entries to fill")
     args = parser.parse_args()
@@ -218,11 +225,11 @@ def main() -> int:
 
     print(f"index: {num_entries} entries ({num_unique} unique blocks) over {NUM_REPLICAS} replicas, "
           f"{result['index_bytes_per_entry']} B/entry; ingest {result['ingest_blocks_per_s']} blocks/s")
-    print(f"{'tokens':>7} {'case':>8} {'p50 us':>9} {'p99 us':>9}  reasons")
+    print(f"{'tokens':>7} {'case':>8} {'p50 us':>9} {'p99 us':>9} {'sweep us':>9}  reasons")
     for n, per_case in decisions.items():
         for case in ("cold", "warm", "session"):
             row = per_case[case]
-            print(f"{n:>7} {case:>8} {row['p50_us']:>9} {row['p99_us']:>9}  {row['reasons']}")
+            print(f"{n:>7} {case:>8} {row['p50_us']:>9} {row['p99_us']:>9} {row['expiry_sweep_p50_us']:>9}  {row['reasons']}")
         print(f"{n:>7} {'build':>8} {per_case['request_build_us']:>9}  (RoutingRequest from a list, excluded above)")
     for name, target in result["targets"].items():
         print(f"target {name}: {'met' if target['met'] else 'NOT met'} {target}")

@@ -8,7 +8,8 @@ replica's KV events.
 Threads and ordering:
 - A daemon thread (`_EventPump`) owns the ZMQ sockets: it subscribes to each
   replica as soon as the replica advertises its endpoints in its routing stats,
-  drains events into the `PrefixIndex`, and drops a replica's sockets and index
+  drains events into the `PrefixIndex`, expires pending placements (so that
+  work stays off the decision path), and drops a replica's sockets and index
   entries when the replica leaves the running set.
 - `choose_replicas` runs on Serve's event loop. It tokenizes the request with
   the engine's tokenizer and chat template, then decides under the same lock
@@ -87,6 +88,8 @@ class _EventPump(threading.Thread):
             try:
                 self._sync_subscriptions()
                 busy = self._drain()
+                with self._router.lock:
+                    self._router.index.expire_pending(time.monotonic())
             except Exception:  # never let one bad replica stop the pump
                 logger.exception("kv event pump iteration failed")
                 busy = False

@@ -202,6 +202,12 @@ class RequestBlockHashes:
                 hashes.append(mmh3.hash_bytes(parent + data[start : start + step], _BLOCK_SEED))
             yield hashes[index]
 
+    def first_block_key(self) -> bytes | None:
+        """Root and first block's tokens: requests equal in these may share more (None without a full block)."""
+        if not self.num_blocks:
+            return None
+        return self.root + self._data[: self._step]
+
     def hashes(self) -> list[BlockHash]:
         """All full-block hashes, computing the ones not yet computed."""
         if len(self._hashes) < self.num_blocks:
@@ -227,11 +233,12 @@ class RequestBlockHashes:
         step = self._step
         known = other.computed
         high = min(self.num_blocks, len(known))
-        if self._data[: high * step] != other._data[: high * step]:
+        data, theirs = self._data, memoryview(other._data)  # startswith(memoryview): a memcmp, no copy
+        if not data.startswith(theirs[: high * step]):
             low = 0  # invariant: the first `low` blocks are equal, the first `high` are not
             while high - low > 1:
                 mid = (low + high) // 2
-                if self._data[: mid * step] == other._data[: mid * step]:
+                if data.startswith(theirs[: mid * step]):
                     low = mid
                 else:
                     high = mid

@@ -15,7 +15,14 @@ Data layout (chosen for bytes per block, see bench/router_decision.py):
   copies (vLLM does not de-duplicate blocks; each copy is stored and removed
   separately). Sparse: only keys stored more than once appear.
 - pending placements: `_pending_owners` (BlockHash -> bitmask) plus, per
-  replica, BlockHash -> expiry time, and a heap of expiries.
+  replica, BlockHash -> expiry time, and a heap of expiries. A placement is
+  recorded at checkpoint blocks only: every one of the first
+  PENDING_DENSE_BLOCKS blocks, then every PENDING_STRIDE_BLOCKS-th, and the
+  last. Block hashes chain, so a request that shares a checkpoint shares every
+  block before it; a lookup credits the furthest shared checkpoint. That keeps
+  recording and expiring an 8k-token placement to about 32 entries instead of
+  256, at the price of rounding a partial match of a pending placement down
+  to the checkpoint before it (never more than PENDING_STRIDE_BLOCKS - 1).
 
 Invariants:
 - Bit s of `_owners[h]` is set only if the replica in slot s has an entry in
@@ -30,7 +37,8 @@ Invariants:
   not recently used. Set the bound above the engine's number of KV blocks.
 - Bit s of `_pending_owners[h]` is set iff replica s has a pending entry for h
   that has not been confirmed by a `BlockStored` and not expired (expiry is
-  applied lazily, at the next `longest_prefix`, `add_pending` or `snapshot`).
+  applied by `expire_pending`, which the router's event thread calls, and by
+  the next `longest_prefix`, `add_pending` or `snapshot` if anything is due).
 - Whatever goes wrong (unknown parent, lost events, unsupported extra keys),
   the index forgets blocks rather than invents them: it may under-predict a
   replica's cache, never over-predict it, except for pending entries (bounded
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from itertools import repeat
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -54,6 +63,8 @@ from router.hashing import BlockHash, chain_block_hashes, encode_tokens, root_ha
 from router.types import ReplicaId
 
 _TRACKED_MEDIA = frozenset({None, "GPU"})
+PENDING_DENSE_BLOCKS = 16
+PENDING_STRIDE_BLOCKS = 16
 _MASK64 = (1 << 64) - 1
 
 
@@ -159,11 +170,8 @@ class PrefixIndex:
                 num_skipped_events += 1
         return ApplyResult(num_stored, num_removed, num_skipped_blocks, num_skipped_events, is_cleared)
 
-    def longest_prefix(self, block_hashes: Iterable[BlockHash], now_s: float) -> dict[ReplicaId, int]:
+    def longest_prefix(self, block_hashes: Sequence[BlockHash], now_s: float) -> dict[ReplicaId, int]:
         """Number of leading request blocks each replica holds, indexed or pending.
-
-        Consumes `block_hashes` only until no replica matches, so a lazy
-        `RequestBlockHashes` hashes no further than the longest match plus one.
 
         Args:
             block_hashes: the request's block hashes, in order.
@@ -174,60 +182,103 @@ class PrefixIndex:
         """
         self._expire(now_s)
         owners_get = self._owners.get
-        pending_get = self._pending_owners.get
-        has_pending = bool(self._pending_owners)
         result: dict[ReplicaId, int] = {}
-        iterator = iter(block_hashes)
-        first = next(iterator, None)
-        if first is None:
-            return result
         # `alive`: bitmask of the replicas that hold every block seen so far.
-        alive = owners_get(first, 0) | (pending_get(first, 0) if has_pending else 0)
-        num_matched = 1
-        while alive:
-            block_hash = next(iterator, None)
-            if block_hash is None:
-                break
-            mask = owners_get(block_hash, 0)
-            if has_pending:
-                mask |= pending_get(block_hash, 0)
+        alive = -1
+        num_matched = 0
+        for mask in map(owners_get, block_hashes, repeat(0)):  # the lookups run in C
             if alive & mask != alive:
-                self._credit(result, alive & ~mask, num_matched)
+                if num_matched:
+                    self._credit(result, alive & ~mask, num_matched)
                 alive &= mask
+                if not alive:
+                    break
             num_matched += 1
         else:
-            return result
-        self._credit(result, alive, num_matched)
+            if num_matched:
+                self._credit(result, alive, num_matched)
+        if self._pending_owners:
+            self._credit_pending(result, block_hashes)
         return result
 
+    def _credit_pending(self, result: dict[ReplicaId, int], block_hashes: Sequence[BlockHash]) -> None:
+        """Raises each replica's count to its furthest pending checkpoint the request shares."""
+        masks = list(map(self._pending_owners.get, block_hashes, repeat(0)))
+        distinct = set(masks)
+        distinct.discard(0)
+        remaining = 0
+        for mask in distinct:
+            remaining |= mask
+        position = len(masks)
+        slot_ids = self._slot_ids
+        while remaining and position:
+            position -= 1
+            mask = masks[position] & remaining
+            if not mask:
+                continue
+            remaining &= ~mask
+            while mask:
+                low = mask & -mask
+                replica_id = slot_ids[low.bit_length() - 1]
+                if replica_id is not None and result.get(replica_id, 0) <= position:
+                    result[replica_id] = position + 1
+                mask ^= low
+
     def add_pending(
-        self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], now_s: float, ttl_s: float
+        self,
+        replica_id: ReplicaId,
+        block_hashes: Sequence[BlockHash],
+        now_s: float,
+        ttl_s: float,
+        num_held_blocks: int = 0,
     ) -> int:
         """Counts `block_hashes` as held by `replica_id` until confirmed or `now_s + ttl_s`.
 
         Why: events arrive after prefill, so without this a burst of requests
         sharing a new prefix would scatter before the first one is cached.
 
+        Recorded at checkpoint blocks (module docstring). Checkpoints within
+        the leading blocks the replica has indexed are skipped, unless they are
+        pending there, which extends them.
+
+        Args:
+            replica_id: the replica the request went to.
+            block_hashes: the request's block hashes, in order.
+            now_s: current time.
+            ttl_s: how long the entries count without a confirming event.
+            num_held_blocks: leading blocks `longest_prefix` found on the replica
+                (indexed or pending), so they need no walk; 0 walks from the start.
+
         Returns:
-            Number of blocks made pending (blocks already indexed there are not).
+            Number of checkpoint entries made or kept pending.
         """
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self._expire(now_s)
+        num_blocks = len(block_hashes)
+        if not num_blocks:
+            return 0
         state = self._state(replica_id)
-        expiry_s = now_s + ttl_s
         bit, owners_get, pending = state.bit, self._owners.get, state.pending
-        pending_owners = self._pending_owners
-        pending_get = pending_owners.get
-        added = []
-        for block_hash in block_hashes:
+        start = min(max(num_held_blocks, 0), num_blocks)
+        for block_hash in block_hashes[start:]:
             if not owners_get(block_hash, 0) & bit:
-                added.append(block_hash)
-                pending[block_hash] = expiry_s
-                pending_owners[block_hash] = pending_get(block_hash, 0) | bit
-        if added:
-            heapq.heappush(self._expiries, (expiry_s, next(self._expiry_seq), state, tuple(added)))
-        return len(added)
+                break
+            start += 1
+        entries = [
+            block_hash
+            for position, block_hash in _checkpoints(block_hashes)
+            if position >= start or block_hash in pending
+        ]
+        if not entries:
+            return 0
+        expiry_s = now_s + ttl_s
+        pending_owners = self._pending_owners
+        for block_hash in entries:
+            pending[block_hash] = expiry_s
+            pending_owners[block_hash] = pending_owners.get(block_hash, 0) | bit
+        heapq.heappush(self._expiries, (expiry_s, next(self._expiry_seq), state, tuple(entries)))
+        return len(entries)
 
     def clear_replica(self, replica_id: ReplicaId) -> None:
         """Forgets every indexed block of the replica (resync); pending entries stay until they expire."""
@@ -362,8 +413,19 @@ class PrefixIndex:
         state.blocks.clear()
         state.extra_copies.clear()
 
+    def expire_pending(self, now_s: float) -> None:
+        """Drops pending entries that expired by `now_s`.
+
+        Lookups and `add_pending` expire what is due themselves, so results never
+        depend on calling this; the router calls it from its event thread so that
+        this per-block work is rarely left to a routing decision.
+        """
+        self._expire(now_s)
+
     def _expire(self, now_s: float) -> None:
         expiries = self._expiries
+        if not expiries or expiries[0][0] > now_s:
+            return
         while expiries and expiries[0][0] <= now_s:
             _, _, state, block_hashes = heapq.heappop(expiries)
             if self._replicas.get(state.replica_id) is not state:
@@ -379,6 +441,18 @@ class PrefixIndex:
                         pending_owners[block_hash] = mask
                     else:
                         del pending_owners[block_hash]
+
+
+def _checkpoints(block_hashes: Sequence[BlockHash]) -> list[tuple[int, BlockHash]]:
+    """(position, hash) of the blocks a pending placement is recorded at."""
+    last = len(block_hashes) - 1
+    dense = min(PENDING_DENSE_BLOCKS, last + 1)
+    out = list(enumerate(block_hashes[:dense]))
+    first_sparse = dense + PENDING_STRIDE_BLOCKS - 1
+    out += zip(range(first_sparse, last + 1, PENDING_STRIDE_BLOCKS), block_hashes[first_sparse::PENDING_STRIDE_BLOCKS])
+    if out[-1][0] != last:
+        out.append((last, block_hashes[last]))
+    return out
 
 
 def _root_salt(keys: tuple | None, lora_name: str | None) -> str | None | bool:

@@ -1,10 +1,12 @@
 """`PrefixAwarePolicy`: one routing decision, from request to ranked replicas.
 
 Order of one `choose` call:
-1. hash the prompt's full blocks lazily (`RequestBlockHashes`), reusing the
-   hashes of the session's previous turn for the prefix it shares;
+1. hash the prompt's full blocks (`RequestBlockHashes`), reusing the hashes
+   of the session's previous turn for the prefix it shares; all of them,
+   since recording the placement needs every hash anyway, and one tight
+   loop costs less than hashing block by block during the lookup;
 2. look the blocks up in the `PrefixIndex` (stops at the first block no
-   replica holds, so hashing stops there too);
+   replica holds);
 3. drop overloaded replicas (`router.load_guard`);
 4. score the rest with the configured scorers and rank them (`router.picker`);
 5. name the reason, then `record` the choice: the session's replica and
@@ -44,6 +46,7 @@ from router.scorers import ScoringState
 from router.types import Decision, DecisionReason, ReplicaId, ReplicaLoad, RoutingRequest
 
 DEFAULT_NUM_CACHED_SESSIONS = 1024
+DEFAULT_NUM_CACHED_PREFIXES = 64
 
 
 class PrefixAwarePolicy:
@@ -55,6 +58,7 @@ class PrefixAwarePolicy:
         block_size_tokens: int,
         rng: random.Random | None = None,
         num_cached_sessions: int = DEFAULT_NUM_CACHED_SESSIONS,
+        num_cached_prefixes: int = DEFAULT_NUM_CACHED_PREFIXES,
     ) -> None:
         """Args:
         config: scorer weights, load guard factor and pending TTL.
@@ -62,11 +66,15 @@ class PrefixAwarePolicy:
         rng: tie-breaking randomness (seed it for reproducible tests).
         num_cached_sessions: sessions whose last block hashes are kept for
             reuse (each costs 4 bytes per prompt token plus its hashes).
+        num_cached_prefixes: distinct first blocks (system prompts, in
+            practice) whose latest request's hashes are kept for reuse by
+            requests of other sessions or of none.
         """
         if block_size_tokens < 1:
             raise ValueError(f"block_size_tokens must be >= 1, got {block_size_tokens}")
-        if num_cached_sessions < 0:
-            raise ValueError(f"num_cached_sessions must be >= 0, got {num_cached_sessions}")
+        if num_cached_sessions < 0 or num_cached_prefixes < 0:
+            raise ValueError(f"num_cached_sessions={num_cached_sessions}, num_cached_prefixes="
+                             f"{num_cached_prefixes}: both must be >= 0")
         self._scorers = build_weighted_scorers(config.scorer_weights)
         self._load_guard_factor = config.load_guard_factor
         self._load_guard_min_requests = config.load_guard_min_requests
@@ -75,6 +83,8 @@ class PrefixAwarePolicy:
         self._rng = rng or random.Random()
         self._num_cached_sessions = num_cached_sessions
         self._session_blocks: OrderedDict[str, RequestBlockHashes] = OrderedDict()
+        self._num_cached_prefixes = num_cached_prefixes
+        self._prefix_blocks: OrderedDict[bytes, RequestBlockHashes] = OrderedDict()
 
     def choose(
         self,
@@ -107,7 +117,7 @@ class PrefixAwarePolicy:
         if missing:
             raise ValueError(f"no load reported for candidate replicas {missing}")
         blocks = self._request_blocks(request)
-        held = index.longest_prefix(blocks, now_s)
+        held = index.longest_prefix(blocks.hashes(), now_s)
         prefix_blocks = {r: held[r] for r in candidate_ids if r in held}
         kept, removed = apply_load_guard(candidate_ids, loads, self._load_guard_factor, self._load_guard_min_requests)
         state = ScoringState(blocks.num_blocks, prefix_blocks, loads, sessions)
@@ -128,6 +138,7 @@ class PrefixAwarePolicy:
             scores=totals,
             session_id=request.session_id,
             request_blocks=blocks,
+            held_blocks=held,
         )
         self.record(decision, chosen, index, sessions, now_s)
         return decision
@@ -157,21 +168,36 @@ class PrefixAwarePolicy:
             sessions[decision.session_id] = replica_id
         blocks = decision.request_blocks
         if blocks is not None and blocks.num_blocks:
-            index.add_pending(replica_id, blocks.hashes(), now_s, self._pending_ttl_s)
+            index.add_pending(
+                replica_id, blocks.hashes(), now_s, self._pending_ttl_s, decision.held_blocks.get(replica_id, 0)
+            )
 
     def _request_blocks(self, request: RoutingRequest) -> RequestBlockHashes:
+        """The request's block hashes, taking over those of the longest known prefix it shares.
+
+        The session's previous turn shares the most; without one, the latest
+        request that began with the same first block (the same system prompt
+        and tools, typically) usually shares most of the rest.
+        """
         blocks = RequestBlockHashes(
             request.token_ids, self._block_size_tokens, root_hash(request.model_id, request.cache_salt)
         )
         session_id = request.session_id
-        if session_id is None or not self._num_cached_sessions:
-            return blocks
-        previous = self._session_blocks.pop(session_id, None)
+        previous = None
+        if session_id is not None and self._num_cached_sessions:
+            previous = self._session_blocks.pop(session_id, None)
+            self._session_blocks[session_id] = blocks
+            if len(self._session_blocks) > self._num_cached_sessions:
+                self._session_blocks.popitem(last=False)
+        first_block = blocks.first_block_key()
+        if first_block is not None and self._num_cached_prefixes:
+            shared = self._prefix_blocks.pop(first_block, None)
+            previous = previous or shared
+            self._prefix_blocks[first_block] = blocks
+            if len(self._prefix_blocks) > self._num_cached_prefixes:
+                self._prefix_blocks.popitem(last=False)
         if previous is not None:
             blocks.reuse_prefix(previous)
-        self._session_blocks[session_id] = blocks
-        if len(self._session_blocks) > self._num_cached_sessions:
-            self._session_blocks.popitem(last=False)
         return blocks
 
     @staticmethod

@@ -79,8 +79,9 @@ class Decision:
     `ranked_tiers[0]` is a single replica, the policy's choice; later tiers are
     fallbacks in order (Ray Serve tries them when the earlier ones are full).
     `reason` says why the choice won (see `router.policy`). `request_blocks`
-    keeps the request's block hashes so that recording the placement after
-    routing does not hash the prompt again.
+    keeps the request's block hashes and `held_blocks` the index's leading
+    blocks per replica at decision time, so that recording the placement
+    after routing neither hashes the prompt nor walks the index again.
     """
 
     ranked_tiers: list[list[ReplicaId]]
@@ -89,6 +90,7 @@ class Decision:
     scores: dict[ReplicaId, float]
     session_id: str | None = None
     request_blocks: RequestBlockHashes | None = field(default=None, repr=False, compare=False)
+    held_blocks: dict[ReplicaId, int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def replica_id(self) -> ReplicaId:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -209,20 +211,61 @@ def test_remove_replica_forgets_everything_and_frees_its_slot(index):
     assert A not in index.snapshot().num_blocks_by_replica
 
 
-def test_lookup_consumes_hashes_only_up_to_the_first_global_miss(index):
-    index.apply(A, [stored(0, 2)])
-    consumed = []
-
-    def lazy():
-        for h in request_hashes():
-            consumed.append(h)
-            yield h
-
-    assert index.longest_prefix(lazy(), 0.0) == {A: 2}
-    assert len(consumed) == 3
+@pytest.mark.parametrize("seed", range(20))
+def test_lookup_matches_a_block_by_block_walk(seed):
+    """Chunked, bisected lookups agree with the plain definition, across chunk borders and holes."""
+    rng = random.Random(seed)
+    index = PrefixIndex(BS, 10_000, MODEL)
+    tokens = list(range(5000, 5000 + 200 * BS))
+    hashes = request_hashes(tokens)
+    replicas = [ReplicaId(f"r{i}") for i in range(5)]
+    for replica_id in replicas:
+        num_stored = rng.randrange(0, 201)
+        if num_stored:
+            index.apply(replica_id, [stored(0, num_stored, tokens=tokens)])
+        holes = rng.sample(range(200), rng.randrange(0, 3))
+        index.apply(replica_id, [removed(*holes)])
+    owners = index._owners
+    expected = {}
+    for slot, replica_id in enumerate(index._slot_ids):
+        count = 0
+        while count < len(hashes) and owners.get(hashes[count], 0) >> slot & 1:
+            count += 1
+        if count:
+            expected[replica_id] = count
+    assert index.longest_prefix(hashes, 0.0) == expected
 
 
 @pytest.mark.parametrize(("block_size", "max_blocks"), [(0, 10), (4, 0)])
 def test_bad_construction_raises(block_size, max_blocks):
     with pytest.raises(ValueError):
         PrefixIndex(block_size, max_blocks, MODEL)
+
+
+LONG = list(range(1000, 1000 + 64 * BS))  # 64 full blocks
+
+
+@pytest.mark.parametrize(
+    ("num_shared_blocks", "expected"),
+    [
+        (64, 64),  # the whole placement: its last block is a checkpoint
+        (16, 16),  # the first 16 blocks are all checkpoints
+        (12, 12),
+        (40, 32),  # past the dense head: rounded down to the checkpoint at block 31
+        (47, 32),
+        (48, 48),  # the checkpoint at block 47
+    ],
+)
+def test_pending_placements_are_recorded_at_checkpoints(index, num_shared_blocks, expected):
+    hashes = request_hashes(LONG)
+    assert index.add_pending(A, hashes, 0.0, 2.0) == 16 + 3  # blocks 0-15, 31, 47 and the last (63)
+    other = LONG[: num_shared_blocks * BS] + [7] * ((64 - num_shared_blocks) * BS)
+    assert index.longest_prefix(request_hashes(other), 1.0) == {A: expected}
+
+
+def test_pending_checkpoints_extend_an_indexed_prefix(index):
+    hashes = request_hashes(LONG)
+    index.apply(A, [stored(0, 20, tokens=LONG)])
+    assert index.add_pending(A, hashes, 0.0, 2.0, num_held_blocks=20) == 3  # 31, 47, 63: the indexed head is skipped
+    assert index.longest_prefix(hashes, 1.0) == {A: 64}
+    assert index.longest_prefix(hashes, 2.0) == {A: 20}  # expired; the indexed head stays

@@ -124,6 +124,13 @@ class RouterConfig(_Strict):
     max_blocks_per_replica: int = Field(
         500_000, description="Bound on indexed blocks per replica (LRU beyond).", ge=1
     )
+    forward_prompt_token_ids: bool = Field(
+        True,
+        description=(
+            "Send the router's token ids with each text-only chat request, so the engine prefills exactly "
+            "the tokens the router hashed and skips rendering and tokenizing the prompt again."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_weights(self) -> "RouterConfig":

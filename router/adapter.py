@@ -12,7 +12,9 @@ Threads and ordering:
   work stays off the decision path), and drops a replica's sockets and index
   entries when the replica leaves the running set.
 - `choose_replicas` runs on Serve's event loop. It tokenizes the request with
-  the engine's tokenizer and chat template, then decides under the same lock
+  the engine's tokenizer and chat template, hands those ids to the engine
+  with the request (`router.prompt_tokens.forward_token_ids`, a chat request
+  only, when the config allows), then decides under the same lock
   the pump takes to apply events, so a decision never sees half a batch.
   It makes no blocking remote calls.
 - Each decision is kept in `router.decision_log.DECISIONS` under the request
@@ -40,7 +42,7 @@ from router.events import ReplicaEventStream, ZmqEventSource
 from router.index import PrefixIndex
 from router.inflight import InflightRequests
 from router.policy import PrefixAwarePolicy
-from router.prompt_tokens import PromptTokenizer
+from router.prompt_tokens import PromptTokenizer, forward_token_ids, is_forwardable, session_of
 from router.types import Decision, ReplicaId, ReplicaLoad, RoutingRequest
 
 from ray.serve._private.request_router.common import PendingRequest
@@ -195,11 +197,17 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest]
     ) -> List[List[RunningReplica]]:
         start_ns = time.time_ns()
-        routing_request = self.tokenizer.routing_request(pending_request, self.args.model_id) if pending_request else None
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        token_ids = self.tokenizer.token_ids(request) if request is not None else None
         loads = self._loads(candidate_replicas)
-        if routing_request is None:
+        if token_ids is None:
             # Nothing to match on (not a chat/completion call, or it does not render).
             return self._least_loaded_first(candidate_replicas, loads)
+        if self.args.router.forward_prompt_token_ids and is_forwardable(request):
+            forward_token_ids(request, token_ids)
+        routing_request = RoutingRequest(
+            token_ids, self.args.model_id, session_of(pending_request, request), getattr(request, "cache_salt", None)
+        )
         by_id = {ReplicaId(r.replica_id.unique_id): r for r in candidate_replicas}
         with self.lock:
             decision = self.policy.choose(

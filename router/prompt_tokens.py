@@ -12,8 +12,16 @@ request kinds the ingress forwards:
   text, then `encode(text, add_special_tokens=request.add_special_tokens)`;
 - completions: token-id prompts as given, text prompts encoded with
   `add_special_tokens`.
-`tests/integration/test_router.py` checks parity against the engine's own
-`/tokenize` for chat requests with tools.
+`tests/integration/test_router.py` checks parity against the ids the engine
+renders itself for chat requests with tools.
+
+Forwarding: a chat request whose rendering the router reproduces exactly
+(text-only messages, the served chat template, no `echo` or `documents`)
+carries the router's ids to the engine in `kv_transfer_params
+["prompt_token_ids"]`, the field vLLM's renderer reads to skip templating and
+tokenization (added for disaggregated prefill; Ray's own KV-aware router uses
+it too). The engine then prefills exactly the tokens the router hashed, and a
+replica no longer spends CPU on rendering what the router already rendered.
 
 The tokenizer loads lazily on first use (once per process) from the same
 folder or hub id the engines load.
@@ -29,6 +37,7 @@ from typing import Any, Optional
 from router.types import RoutingRequest
 
 SESSION_BODY_FIELD = "session_id"
+FORWARDED_IDS_KEY = "prompt_token_ids"
 
 
 def _arguments_object(arguments: Any) -> dict:
@@ -103,11 +112,8 @@ class PromptTokenizer:
             return self.tokenizer.encode(prompt, add_special_tokens=getattr(request, "add_special_tokens", True))
         return None  # batched prompts: no single prefix to route on
 
-    def routing_request(self, pending_request: Any, model_id: str) -> Optional[RoutingRequest]:
-        """The `RoutingRequest` for a Serve pending request, or None if it carries no prompt."""
-        if not pending_request.args:
-            return None
-        request = pending_request.args[0]
+    def token_ids(self, request: Any) -> Optional[list[int]]:
+        """The prompt's token ids, or None if it has no single prompt or does not render."""
         try:
             if hasattr(request, "messages"):
                 token_ids = self.chat_token_ids(request)
@@ -119,12 +125,49 @@ class PromptTokenizer:
             # A request the template cannot render fails in the engine with a
             # proper 400; the router just has nothing to match on.
             return None
-        if not token_ids:
+        return token_ids or None
+
+    def routing_request(self, pending_request: Any, model_id: str) -> Optional[RoutingRequest]:
+        """The `RoutingRequest` for a Serve pending request, or None if it carries no prompt."""
+        if not pending_request.args:
             return None
-        session_id = pending_request.metadata.session_id or getattr(request, SESSION_BODY_FIELD, None) or None
+        request = pending_request.args[0]
+        token_ids = self.token_ids(request)
+        if token_ids is None:
+            return None
         return RoutingRequest(
             token_ids=token_ids,
             model_id=model_id,
-            session_id=str(session_id) if session_id else None,
+            session_id=session_of(pending_request, request),
             cache_salt=getattr(request, "cache_salt", None),
         )
+
+
+def session_of(pending_request: Any, request: Any) -> Optional[str]:
+    """The session id from the handle's options (`x-session-id`) or the request body."""
+    session_id = pending_request.metadata.session_id or getattr(request, SESSION_BODY_FIELD, None) or None
+    return str(session_id) if session_id else None
+
+
+def is_forwardable(request: Any) -> bool:
+    """Whether the engine would render `request` exactly as `chat_token_ids` does.
+
+    Only chat requests whose messages are plain text, rendered with the served
+    chat template, without `echo` (vLLM re-renders for it anyway) or
+    `documents` (the router does not pass them to the template).
+    """
+    if not hasattr(request, "messages"):
+        return False
+    if getattr(request, "echo", False) or getattr(request, "chat_template", None) or getattr(request, "documents", None):
+        return False
+    for message in request.messages:
+        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+        if content is not None and not isinstance(content, str):
+            return False
+    return True
+
+
+def forward_token_ids(request: Any, token_ids: list[int]) -> None:
+    """Hands the engine the prompt ids through `kv_transfer_params` (module docstring); keeps other keys."""
+    params = getattr(request, "kv_transfer_params", None)
+    request.kv_transfer_params = {**(params if isinstance(params, dict) else {}), FORWARDED_IDS_KEY: token_ids}

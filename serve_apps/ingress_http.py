@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 from typing import Any, AsyncIterator, Dict, Optional
 
 from fastapi import Request
@@ -49,12 +50,8 @@ ROUTE_HEADER = "x-warmpath-route"
 PREDICTED_CACHED_HEADER = "x-warmpath-predicted-cached-tokens"
 
 
-def _headers(served_by: Optional[ServedBy], usage: Optional[Any]) -> Dict[str, str]:
-    """Replica header, plus the router's reason and prediction when warmpath's router decided.
-
-    With the response's usage at hand (non-streamed responses), the prediction
-    is compared with vLLM's own cached-token count for the accuracy statistics.
-    """
+def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optional[decision_log.LoggedDecision]]:
+    """Replica header, plus the router's reason and prediction when warmpath's router decided."""
     from ray.serve.context import _get_serve_request_context
 
     headers: Dict[str, str] = {}
@@ -68,12 +65,56 @@ def _headers(served_by: Optional[ServedBy], usage: Optional[Any]) -> Dict[str, s
         replica = served_by.replica_id if served_by is not None else decision.replica_id
         predicted = decision.predicted_cached_tokens.get(replica, 0)
         headers[PREDICTED_CACHED_HEADER] = str(predicted)
+    return headers, logged
+
+
+def _record_usage(logged: Optional[decision_log.LoggedDecision], served_by: Optional[ServedBy], usage: Any) -> None:
+    """Per-replica token counters, and the prediction against vLLM's own cached-token count."""
     details = getattr(usage, "prompt_tokens_details", None)
     actual = getattr(details, "cached_tokens", None)
     record_model_call(
         logged, served_by.replica_id if served_by else "", getattr(usage, "prompt_tokens", 0) or 0, actual
     )
-    return headers
+
+
+async def _recording_usage(
+    frames: AsyncIterator[str], logged: Optional[decision_log.LoggedDecision], served_by: Optional[ServedBy]
+) -> AsyncIterator[str]:
+    """Passes SSE frames through and records the last usage seen (vLLM sends it in the last data frame).
+
+    Recorded before `[DONE]` goes out, so a client that reads the router's
+    statistics after its stream ends sees this call counted.
+    """
+    usage = None
+    is_recorded = False
+    try:
+        async for frame in frames:
+            if '"usage"' in frame:  # a frame may hold several batched chunks, [DONE] included
+                usage = _frame_usage(frame) or usage
+            if "data: [DONE]" in frame:
+                _record_usage(logged, served_by, usage)
+                is_recorded = True
+            yield frame
+    finally:
+        if not is_recorded:  # the stream broke off or ended without [DONE]
+            _record_usage(logged, served_by, usage)
+
+
+def _frame_usage(frame: str) -> Any:
+    usage_seen = None
+    for line in frame.splitlines():
+        if line.startswith("data: {"):
+            try:
+                usage = json.loads(line[len("data: "):]).get("usage")
+            except ValueError:
+                continue
+            if isinstance(usage, dict):
+                details = usage.get("prompt_tokens_details") or {}
+                usage_seen = SimpleNamespace(
+                    prompt_tokens=usage.get("prompt_tokens"),
+                    prompt_tokens_details=SimpleNamespace(cached_tokens=details.get("cached_tokens")),
+                )
+    return usage_seen
 
 
 # HTTP status of a turn that was accepted but ended in an error event.
@@ -284,14 +325,14 @@ class WarmpathIngress(OpenAiIngress):
                     type=first_chunk.error.type,
                 )
             usage = getattr(first_chunk, "usage", None)
-            headers = _headers(served_by, usage)
+            headers, logged = _route_headers(served_by)
             if span.is_recording():
                 _annotate(span, headers, usage)
             if isinstance(first_chunk, NON_STREAMING_RESPONSE_TYPES):
+                _record_usage(logged, served_by, usage)
                 return JSONResponse(content=first_chunk.model_dump(), headers=headers)
-            return StreamingResponse(
-                _ending_span(_openai_json_wrapper(gen), span), media_type="text/event-stream", headers=headers
-            )
+            frames = _recording_usage(_openai_json_wrapper(gen), logged, served_by)
+            return StreamingResponse(_ending_span(frames, span), media_type="text/event-stream", headers=headers)
 
     def _sessions(self):
         if self._orchestrator is None:

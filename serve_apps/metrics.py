@@ -41,6 +41,10 @@ class WarmpathMetrics:
         self.cached_tokens = Counter(
             "warmpath_cached_tokens", "Prompt tokens served from the prefix cache, per replica.", tag_keys=("replica",)
         )
+        self.prompts_rendered = Counter(
+            "warmpath_prompts_rendered", "Chat prompts per replica by who rendered them: the router (forwarded ids) "
+            "or the engine.", tag_keys=("replica", "renderer"),
+        )
         self.ttft = Histogram(
             "warmpath_ttft_seconds", "Time to first token at the replica.", boundaries=TTFT_BOUNDARIES_S,
             tag_keys=("replica",),

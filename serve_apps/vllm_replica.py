@@ -9,6 +9,8 @@ Why a subclass rather than plain `LLMServer`:
 - Every response stream starts with a `ServedBy` record naming the replica, so
   the ingress can put `x-warmpath-replica` on the HTTP response without the
   caller having to trust the body.
+- It counts which chat prompts arrived with the router's token ids
+  (`router.prompt_tokens`, forwarding) and which the engine rendered itself.
 
 Everything else (engine start, OpenAI serving layer, placement groups, health
 checks) is Ray Serve LLM's.
@@ -27,6 +29,7 @@ from opentelemetry import trace
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from ray import serve
+from router.prompt_tokens import FORWARDED_IDS_KEY
 from serve_apps.metrics import WarmpathMetrics
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.llm import LLMConfig
@@ -109,6 +112,13 @@ class WarmpathLLMServer(LLMServer):
 
     async def chat(self, request, raw_request_info=None):
         span = self._span("chat", request, raw_request_info)
+        params = getattr(request, "kv_transfer_params", None)
+        is_forwarded = isinstance(params, dict) and params.get(FORWARDED_IDS_KEY) is not None
+        WarmpathMetrics.get().prompts_rendered.inc(
+            tags={"replica": self._replica_id, "renderer": "router" if is_forwarded else "engine"}
+        )
+        if span.is_recording():
+            span.set_attribute("warmpath.prompt_ids_forwarded", is_forwarded)
         return self._tagged(await super().chat(request, raw_request_info), span)
 
     async def completions(self, request, raw_request_info=None):

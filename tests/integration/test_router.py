@@ -36,10 +36,7 @@ def _chat(cluster, messages, session_id=None, tools=None, max_tokens=2):
     return resp
 
 
-@pytest.mark.parametrize("with_tools", [False, True], ids=["plain", "tools"])
-def test_router_tokens_equal_the_engine_tokens(cluster, with_tools):
-    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
-
+def _tool_conversation(cluster, with_tools: bool) -> dict:
     body = {
         "model": cluster.model_id,
         "messages": [
@@ -53,13 +50,37 @@ def test_router_tokens_equal_the_engine_tokens(cluster, with_tools):
     }
     if with_tools:
         body["tools"] = [WEATHER_TOOL, LOOKUP_TOOL]
-    # vLLM returns the prompt token ids it prefilled when asked (`return_token_ids`).
-    engine = cluster.client.post(
+    return body
+
+
+def _prefilled_ids(cluster, body: dict) -> list[int]:
+    """The prompt token ids the engine prefilled (vLLM returns them under `return_token_ids`)."""
+    resp = cluster.client.post(
         "/v1/chat/completions", json={**body, "max_tokens": 1, "return_token_ids": True}, timeout=120
     )
-    assert engine.status_code == 200, engine.text
-    ours = PromptTokenizer(cluster.cfg.model_source()).chat_token_ids(ChatCompletionRequest(**body))
-    assert ours == engine.json()["prompt_token_ids"]
+    assert resp.status_code == 200, resp.text
+    return resp.json()["prompt_token_ids"]
+
+
+def _router_ids(cluster, body: dict) -> list[int]:
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
+
+    return PromptTokenizer(cluster.cfg.model_source()).chat_token_ids(ChatCompletionRequest(**body))
+
+
+@pytest.mark.parametrize("with_tools", [False, True], ids=["plain", "tools"])
+def test_router_tokens_equal_the_engine_tokens(cluster, with_tools):
+    body = _tool_conversation(cluster, with_tools)
+    # `echo` makes vLLM render the messages itself even when the router forwards its ids.
+    assert _router_ids(cluster, body) == _prefilled_ids(cluster, {**body, "echo": True})
+
+
+def test_the_engine_prefills_the_router_ids_and_renders_what_the_router_cannot(warmpath_router):
+    body = _tool_conversation(warmpath_router, with_tools=True)
+    assert _prefilled_ids(warmpath_router, body) == _router_ids(warmpath_router, body)
+    # Content parts are not forwarded (the router renders text-only messages); the engine renders them.
+    parts = {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": "Where is ORD-1234?"}]}]}
+    assert _prefilled_ids(warmpath_router, parts) == _prefilled_ids(warmpath_router, {**parts, "echo": True})
 
 
 def test_second_turn_goes_where_the_first_went_and_prediction_matches(warmpath_router):
@@ -120,6 +141,19 @@ def test_router_state_and_prediction_accuracy(warmpath_router):
     assert stats["num_predictions"] >= 2
     assert stats["prediction_accuracy"] >= 0.5, stats
     assert set(stats["decisions_by_reason"]) <= {"prefix-hit", "session-affinity", "least-loaded", "load-guard", "cold"}
+
+
+def test_streamed_responses_count_toward_prediction_accuracy(warmpath_router):
+    cluster = warmpath_router
+    before = _router_state(cluster)["stats"]["num_predictions"]
+    body = {"model": cluster.model_id, "messages": [{"role": "system", "content": SYSTEM},
+                                                    {"role": "user", "content": "streamed"}],
+            "max_tokens": 4, "stream": True}
+    with cluster.client.stream("POST", "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        frames = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]"
+    assert _router_state(cluster)["stats"]["num_predictions"] == before + 1
 
 
 @pytest.mark.disrupts_replicas

@@ -222,6 +222,7 @@ def test_operator_metrics_on_rays_prometheus_endpoint(cluster, tool_server):
     wanted = [
         "ray_warmpath_routing_decisions_total", "ray_warmpath_prompt_tokens_total", "ray_warmpath_cached_tokens_total",
         "ray_warmpath_ttft_seconds_bucket", "ray_warmpath_turn_seconds_bucket", "ray_warmpath_tool_calls_total",
+        "ray_warmpath_prompts_rendered_total",
     ]
     url = f"http://127.0.0.1:{cluster.cfg.ports.metrics_export_port}/metrics"
     deadline = time.monotonic() + 120

@@ -85,3 +85,6 @@ def test_chat_completion_trace(cluster, otlp_receiver):
     assert ingress.attributes["warmpath.replica"] == resp.headers["x-warmpath-replica"]
     assert ingress.attributes["gen_ai.usage.input_tokens"] > 0
     assert names["vllm.chat"][0].parent_span_id == ingress.span_id
+    # The prefix-aware router hands the engine its token ids; other policies leave rendering to the engine.
+    is_forwarded = cluster.cfg.router.policy == "warmpath" and cluster.cfg.router.forward_prompt_token_ids
+    assert names["vllm.chat"][0].attributes["warmpath.prompt_ids_forwarded"] is is_forwarded

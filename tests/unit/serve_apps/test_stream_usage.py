@@ -1,0 +1,62 @@
+"""The HTTP ingress records a streamed response's usage once, before `[DONE]` reaches the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from serve_apps import ingress_http
+
+
+def _chunk(usage=None) -> str:
+    return "data: " + json.dumps({"choices": [] if usage else [{"delta": {"content": "x"}}], "usage": usage}) + "\n\n"
+
+
+USAGE = {"prompt_tokens": 640, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 608}}
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [_chunk(), _chunk(USAGE), "data: [DONE]\n\n"],
+        [_chunk(), _chunk(USAGE) + "data: [DONE]\n\n"],  # batched into one frame
+    ],
+    ids=["separate", "batched"],
+)
+def test_usage_is_recorded_before_done_is_sent(monkeypatch, frames):
+    events = []
+    monkeypatch.setattr(
+        ingress_http, "_record_usage",
+        lambda logged, served_by, usage: events.append(("record", usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)),
+    )
+
+    async def source():
+        for frame in frames:
+            yield frame
+
+    async def consume():
+        async for frame in ingress_http._recording_usage(source(), None, None):
+            events.append(("sent", "[DONE]" in frame))
+
+    asyncio.run(consume())
+    assert events.count(("record", 640, 608)) == 1 and len([e for e in events if e[0] == "record"]) == 1
+    assert events.index(("record", 640, 608)) < events.index(("sent", True))
+
+
+def test_a_stream_that_breaks_off_is_still_recorded(monkeypatch):
+    recorded = []
+    monkeypatch.setattr(ingress_http, "_record_usage", lambda logged, served_by, usage: recorded.append(usage))
+
+    async def source():
+        yield _chunk()
+        raise RuntimeError("replica died")
+
+    async def consume():
+        with pytest.raises(RuntimeError):
+            async for _ in ingress_http._recording_usage(source(), None, None):
+                pass
+
+    asyncio.run(consume())
+    assert recorded == [None]

@@ -6,16 +6,21 @@ caches), and count a request's hit as its longest cached leading run of
 blocks, at most `(prompt_tokens - 1) // block_size` blocks because vLLM always
 recomputes the last prompt token. Generated tokens are not counted as
 cacheable: on the live cluster the next prompt carries the workload's tool call,
-not the model's text. Timing is ignored: a request may hit blocks that an
-earlier, still-running request is computing, so both are bounds, not forecasts.
+not the model's text (the simulator, which does cache generated tokens, feeds
+them in through `StreamingBounds.cache`). Timing is ignored: a request may hit
+blocks that an earlier, still-running request is computing, so both are
+bounds, not forecasts.
 
 (a) `infinite`: one cache shared by all replicas that never evicts: the ceiling.
 (b) `placed`: one LRU cache per replica of `capacity_blocks` blocks, and a
-    greedy placement: each request goes to the replica whose cache holds its
-    longest prefix, ties to the replica holding the fewest blocks, then the
-    lowest index. No load limit. Greedy is not optimal in general (placement
-    under capacity limits is a hard packing problem), so (b) is "the best
-    placement we compute", and a router can beat it when capacity binds.
+    greedy placement: each request goes to the replica where it costs least,
+    counting the blocks to compute plus the cached blocks they would evict;
+    ties to the longest match, then the fewest cached blocks, then the lowest
+    index. No load limit. Greedy is not optimal in general (placement under
+    capacity limits is a hard packing problem), so (b) is "the best placement
+    we compute", and a router can beat it when capacity binds. Without the
+    eviction term, every request sharing a popular prefix would pile onto the
+    replica that cached it first and evict each other there.
     LRU order follows vLLM: a request's blocks are freed tail first, so a prefix
     always outlives its extensions (`LruBlockCache`).
 """
@@ -102,40 +107,122 @@ def request_block_hashes(records: Sequence[RequestRecord], block_size_tokens: in
     return out
 
 
-def infinite_cache_hits(chains: Sequence[Sequence[BlockHash]], num_tokens: Sequence[int], block_size_tokens: int) -> list[int]:
-    """Cached tokens of each request with one never-evicting cache shared by all replicas."""
-    seen: set[BlockHash] = set()
-    hits = []
-    for chain, tokens in zip(chains, num_tokens):
+class StreamingBounds:
+    """Both bounds, fed one request at a time in send order, so a long simulation need not keep its trace.
+
+    The greedy placement finds every replica's longest prefix in one walk of
+    the chain: `_owners` maps a block to the bitmask of replicas caching it
+    (kept in step with each replica's `LruBlockCache`), so the cost per request
+    does not grow with the number of replicas.
+    """
+
+    def __init__(self, block_size_tokens: int, num_replicas: int, capacity_blocks: int) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.block_size_tokens = block_size_tokens
+        self.num_replicas = num_replicas
+        self.capacity_blocks = capacity_blocks
+        self._seen: set[BlockHash] = set()
+        self._caches = [LruBlockCache(capacity_blocks) for _ in range(num_replicas)]
+        self._owners: dict[BlockHash, int] = {}
+        self.infinite_hits: list[int] = []
+        self.placed_hits: list[int] = []
+        self.placement: list[int] = []
+        self.prompt_tokens = 0
+
+    def observe(self, chain: Sequence[BlockHash], num_tokens: int) -> int:
+        """Counts one request's hits under both bounds, then caches its blocks in both.
+
+        Returns:
+            The replica the greedy placement chose (for `cache`).
+        """
+        usable = _usable_blocks(num_tokens, self.block_size_tokens)
+        self.prompt_tokens += num_tokens
+        seen = self._seen
         count = 0
         for block_hash in chain:
             if block_hash not in seen:
                 break
             count += 1
-        hits.append(min(count, _usable_blocks(tokens, block_size_tokens)) * block_size_tokens)
+        self.infinite_hits.append(min(count, usable) * self.block_size_tokens)
         seen.update(chain)
-    return hits
 
+        best, count = self._best_replica(chain)
+        self.placed_hits.append(min(count, usable) * self.block_size_tokens)
+        self.placement.append(best)
+        self._use(best, chain)
+        return best
 
-def greedy_placement_hits(
-    chains: Sequence[Sequence[BlockHash]],
-    num_tokens: Sequence[int],
-    block_size_tokens: int,
-    num_replicas: int,
-    capacity_blocks: int,
-) -> tuple[list[int], list[int]]:
-    """Cached tokens per request and the replica index each went to, under the greedy placement of (b)."""
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-    caches = [LruBlockCache(capacity_blocks) for _ in range(num_replicas)]
-    hits, placement = [], []
-    for chain, tokens in zip(chains, num_tokens):
-        best = min(range(num_replicas), key=lambda i: (-caches[i].longest_prefix(chain), len(caches[i]), i))
-        count = caches[best].longest_prefix(chain)
-        hits.append(min(count, _usable_blocks(tokens, block_size_tokens)) * block_size_tokens)
-        placement.append(best)
-        caches[best].use(chain)
-    return hits, placement
+    def cache(self, chain: Sequence[BlockHash], replica: int) -> None:
+        """Caches blocks computed without a prompt of their own (a response the next prompt carries)."""
+        self._seen.update(chain)
+        self._use(replica, chain)
+
+    def _use(self, replica: int, chain: Sequence[BlockHash]) -> None:
+        bit, owners = 1 << replica, self._owners
+        for block_hash in chain:
+            owners[block_hash] = owners.get(block_hash, 0) | bit
+        for block_hash in self._caches[replica].use(chain):
+            mask = owners[block_hash] & ~bit
+            if mask:
+                owners[block_hash] = mask
+            else:
+                del owners[block_hash]
+
+    def _best_replica(self, chain: Sequence[BlockHash]) -> tuple[int, int]:
+        """The placement of one request, and how many of its leading blocks that replica holds.
+
+        Cheapest replica first, where the cost is the blocks it must compute
+        plus the cached blocks it must evict to keep them; ties go to the
+        longest match, then the fewest cached blocks, then the lowest index.
+        Counting evictions keeps the greedy choice from piling every request
+        that shares a popular prefix onto the one replica that cached it first.
+        """
+        owners_get = self._owners.get
+        caches = self._caches
+        capacity = self.capacity_blocks
+        num_blocks = len(chain)
+        matched: dict[int, int] = {}
+        alive = (1 << self.num_replicas) - 1
+        count = 0
+        for block_hash in chain:
+            mask = alive & owners_get(block_hash, 0)
+            if mask != alive:
+                dropped = alive & ~mask
+                while dropped and count:
+                    low = dropped & -dropped
+                    matched[low.bit_length() - 1] = count
+                    dropped ^= low
+                alive = mask
+                if not alive:
+                    break
+            count += 1
+        while alive and count:
+            low = alive & -alive
+            matched[low.bit_length() - 1] = count
+            alive ^= low
+        emptiest = min(range(self.num_replicas), key=lambda i: (len(caches[i]), i))
+        matched.setdefault(emptiest, 0)
+
+        def cost(replica: int) -> tuple[int, int, int, int]:
+            new = num_blocks - matched[replica]
+            overflow = max(0, len(caches[replica]) + new - capacity)
+            return new + overflow, -matched[replica], len(caches[replica]), replica
+
+        best = min(matched, key=cost)
+        return best, matched[best]
+
+    def result(self, num_requests: int | None = None) -> OracleBounds:
+        prompt = self.prompt_tokens
+        return OracleBounds(
+            num_requests=len(self.placement) if num_requests is None else num_requests,
+            prompt_tokens=prompt,
+            infinite_hit_rate=sum(self.infinite_hits) / prompt if prompt else None,
+            placed_hit_rate=sum(self.placed_hits) / prompt if prompt else None,
+            num_replicas=self.num_replicas,
+            capacity_blocks=self.capacity_blocks,
+            placed_requests_by_replica=[self.placement.count(i) for i in range(self.num_replicas)],
+        )
 
 
 def oracle_bounds(
@@ -158,17 +245,7 @@ def oracle_bounds(
         The bounds' hit rates (cached / prompt tokens).
     """
     ok = sorted((r for r in records if r.error is None), key=lambda r: r.send_s)
-    chains = request_block_hashes(ok, block_size_tokens, model_id)
-    sizes = [len(r.token_ids) for r in ok]
-    prompt = sum(sizes)
-    infinite = infinite_cache_hits(chains, sizes, block_size_tokens)
-    placed, placement = greedy_placement_hits(chains, sizes, block_size_tokens, num_replicas, capacity_blocks)
-    return OracleBounds(
-        num_requests=len(ok),
-        prompt_tokens=prompt,
-        infinite_hit_rate=sum(infinite) / prompt if prompt else None,
-        placed_hit_rate=sum(placed) / prompt if prompt else None,
-        num_replicas=num_replicas,
-        capacity_blocks=capacity_blocks,
-        placed_requests_by_replica=[placement.count(i) for i in range(num_replicas)],
-    )
+    bounds = StreamingBounds(block_size_tokens, num_replicas, capacity_blocks)
+    for record, chain in zip(ok, request_block_hashes(ok, block_size_tokens, model_id)):
+        bounds.observe(chain, len(record.token_ids))
+    return bounds.result()

@@ -106,7 +106,12 @@ def simulation_report(runs: Sequence[Mapping]) -> str:
         any_run = next(iter(by_policy.values()))
         title = (f"simulated {workload} on {num_replicas} replicas: {any_run['num_sessions']} sessions, "
                  f"{any_run['num_requests']} requests")
-        tables.append(ratio_table({p: r["summary"] for p, r in by_policy.items()}, title))
+        table = ratio_table({p: r["summary"] for p, r in by_policy.items()}, title)
+        oracle = oracle_lines({"policies": by_policy,
+                               "oracle": {p: r["bounds"] for p, r in by_policy.items() if r.get("bounds")}})
+        if oracle:
+            table += "\nhit rate vs oracle bounds (same trace):\n  " + "\n  ".join(oracle)
+        tables.append(table)
     return "\n\n".join(tables)
 
 

@@ -57,6 +57,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Literal, Sequence
 
+from bench.oracle import OracleBounds, StreamingBounds
 from bench.trace import RequestRecord, TraceSummary, summarize
 from bench.workloads import (
     PromptRenderer,
@@ -304,6 +305,7 @@ class SimRequest:
     replica: int | None = None
     record: RequestRecord | None = None
     num_blocks_held: int = 0
+    oracle_replica: int = 0
 
 
 class SimRouter:
@@ -526,6 +528,7 @@ class SimulationResult:
     wall_s: float
     cpu_s: float
     num_decisions_by_route: dict[str, int]
+    bounds: OracleBounds | None = None
 
 
 class Simulation:
@@ -540,6 +543,7 @@ class Simulation:
         router_config: RouterConfig | None = None,
         model_id: str = DEFAULT_MODEL_ID,
         is_output_reused: bool = True,
+        bounds: StreamingBounds | None = None,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -560,6 +564,7 @@ class Simulation:
         self._events: list = []
         self._seq = itertools.count()
         self.records: list[RequestRecord] = []
+        self.bounds = bounds  # fed every request in send order, and every cached response
 
     def _push(self, at_s: float, kind: int, item) -> None:
         heapq.heappush(self._events, (at_s, next(self._seq), kind, item))
@@ -621,6 +626,8 @@ class Simulation:
         if request.blocks is None:  # pragma: no cover - every router sets or receives blocks
             request.blocks = self._blocks(request)
         self._session_blocks[request.session_id] = request.blocks
+        if self.bounds is not None:
+            request.oracle_replica = self.bounds.observe(request.blocks.hashes(), len(request.token_ids))
         request.replica = replica
         request.record.replica_id = f"r{replica}"
         self._queues[replica].append(request)
@@ -715,6 +722,8 @@ class Simulation:
             return
         first_new, evicted = self._caches[request.replica].use(hashes)
         self._publish(request.replica, hashes, first_new, evicted, following.token_ids, now_s)
+        if self.bounds is not None:
+            self.bounds.cache(hashes, request.oracle_replica)
 
 
 def simulate(
@@ -729,6 +738,7 @@ def simulate(
     model_id: str = DEFAULT_MODEL_ID,
     is_output_reused: bool = True,
     max_output_tokens: int | None = None,
+    with_bounds: bool = False,
 ) -> SimulationResult:
     """Runs one policy on one workload (closed loop) or one trace (open loop).
 
@@ -744,12 +754,15 @@ def simulate(
         model_id: roots block hashes.
         is_output_reused: cache generated tokens' blocks (real agents: True).
         max_output_tokens: cap on generated tokens per step.
+        with_bounds: also compute the oracle bounds of this run's own trace
+            (`bench.oracle.StreamingBounds`, replicas of `profile`'s capacity).
 
     Returns:
         Records, summary and the wall time the simulation took.
     """
     start, start_cpu = time.perf_counter(), time.process_time()
-    sim = Simulation(policy, num_replicas, profile, seed, router_config, model_id, is_output_reused)
+    bounds = StreamingBounds(profile.block_size_tokens, num_replicas, profile.kv_capacity_blocks) if with_bounds else None
+    sim = Simulation(policy, num_replicas, profile, seed, router_config, model_id, is_output_reused, bounds)
     source = None
     if workload is not None:
         source = WorkloadSource(workload, renderer or SyntheticRenderer(), max_output_tokens)
@@ -768,7 +781,8 @@ def simulate(
         if r.route is not None:
             routes[r.route] = routes.get(r.route, 0) + 1
     return SimulationResult(records, replica_ids, summarize(records, replica_ids, profile.block_size_tokens),
-                            time.perf_counter() - start, time.process_time() - start_cpu, routes)
+                            time.perf_counter() - start, time.process_time() - start_cpu, routes,
+                            bounds.result(len(records)) if bounds is not None else None)
 
 
 # --- grids and the live-run check -----------------------------------------------------------------
@@ -787,6 +801,7 @@ class GridRun:
     decisions_by_route: dict[str, int]
     wall_s: float
     cpu_s: float
+    bounds: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -805,6 +820,7 @@ def run_grid(
     """Every policy on every (workload, replica count); sessions arrive at the workload's per-replica rate.
 
     The same sessions (same seed) run at every replica count; only their arrival rate scales.
+    warmpath's run also computes the oracle bounds of its own trace.
     """
     runs = []
     for name in workload_names:
@@ -813,10 +829,11 @@ def run_grid(
         for num_replicas in replica_counts:
             workload = base.with_arrival_rate(params.sessions_per_s_per_replica * num_replicas)
             for policy in policies:
-                result = simulate(policy, num_replicas, profile, workload=workload, seed=seed)
+                result = simulate(policy, num_replicas, profile, workload=workload, seed=seed,
+                                  with_bounds=policy == "warmpath")
                 runs.append(GridRun(name, num_replicas, policy, len(workload.sessions), len(result.records),
                                     result.summary.to_json(), result.num_decisions_by_route, result.wall_s,
-                                    result.cpu_s))
+                                    result.cpu_s, result.bounds.to_json() if result.bounds else None))
                 hit = result.summary.hit_rate
                 progress(f"{name} x{num_replicas} {policy}: {len(result.records)} requests, "
                          f"hit rate {hit if hit is None else round(hit, 3)}, {result.cpu_s:.1f} CPU-s")

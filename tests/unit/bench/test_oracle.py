@@ -61,6 +61,25 @@ def test_greedy_placement_separates_what_does_not_fit_together():
     assert one.infinite_hit_rate == pytest.approx(24 / 52)
 
 
+def test_placement_weighs_evictions_against_a_shared_prefix():
+    a, b = tokens(1, 2, 3, 4), tokens(1, 5, 6, 7)
+    # Replicas of 4 blocks: b shares one block with a on r0, but keeping its other three there
+    # evicts three of a's; r1 computes all four without evicting anything, so b goes there.
+    result = bounds(trace(a, b, a, b), num_replicas=2, capacity=4)
+    assert result.placed_requests_by_replica == [2, 2]
+    assert result.placed_hit_rate == pytest.approx(2 * 16 / 68)  # both repeats hit all 4 blocks
+
+
+def test_streaming_bounds_count_cached_responses():
+    from bench.oracle import StreamingBounds
+
+    stream = StreamingBounds(block_size_tokens=BS, num_replicas=2, capacity_blocks=8)
+    replica = stream.observe(["p0", "p1"], 2 * BS + 1)
+    stream.cache(["p0", "p1", "o2"], replica)  # the response's block, carried by the next prompt
+    assert stream.observe(["p0", "p1", "o2", "n3"], 4 * BS + 1) == replica
+    assert stream.infinite_hits == [0, 3 * BS] and stream.placed_hits == [0, 3 * BS]
+
+
 def test_lru_frees_a_request_tail_first_so_prefixes_outlive_extensions():
     cache = LruBlockCache(capacity_blocks=4)
     x, z = ["x0", "x1", "x2"], ["x0", "x1", "z2", "z3"]

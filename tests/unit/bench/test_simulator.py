@@ -126,6 +126,17 @@ def test_one_big_replica_reaches_the_infinite_cache_oracle(policy):
     assert result.summary.hit_rate == pytest.approx(bound.infinite_hit_rate)
 
 
+@pytest.mark.parametrize("is_output_reused", [False, True])
+def test_a_run_with_bounds_sees_the_same_cache_as_one_big_replica(is_output_reused):
+    # The streaming oracle of a closed-loop run caches what the replicas cache (responses
+    # included): with one replica big enough for everything, both bounds equal the run's hit rate.
+    result = simulate("warmpath", 1, TINY, workload=_tiny_workload("coding", 3), with_bounds=True,
+                      is_output_reused=is_output_reused)
+    assert result.bounds is not None and result.bounds.num_requests == len(result.records)
+    assert result.bounds.infinite_hit_rate == pytest.approx(result.summary.hit_rate)
+    assert result.bounds.placed_hit_rate == pytest.approx(result.summary.hit_rate)
+
+
 def _fake_bench(records, block_size, measured_hit_rate=None):
     summary = summarize(records, ["a", "b"], block_size).to_json()
     if measured_hit_rate is not None:

@@ -109,7 +109,7 @@ class RouterConfig(_Strict):
         ),
     )
     scorer_weights: dict[str, float] = Field(
-        default_factory=lambda: {"prefix-cache": 1.0, "load": 1.0, "session-affinity": 1.0},
+        default_factory=lambda: {"prefix-cache": 1.0, "load": 1.0, "session-affinity": 1.0, "session-balance": 1.0},
         description="Weight per scorer (registry key); missing scorers are off.",
     )
     load_guard_factor: float = Field(
@@ -117,6 +117,10 @@ class RouterConfig(_Strict):
     )
     load_guard_min_requests: int = Field(
         2, description="The load guard never removes a replica that would hold at most this many requests.", ge=1
+    )
+    session_idle_s: float = Field(
+        120.0, description="A session counts toward its replica's active sessions (session-balance) until idle this long.",
+        gt=0,
     )
     pending_ttl_s: float = Field(
         2.0, description="How long an optimistic (not yet confirmed by events) placement counts.", gt=0

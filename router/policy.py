@@ -24,10 +24,11 @@ Decision shape: `ranked_tiers[0]` is exactly the chosen replica, then the rest
 of its tie, then lower tiers, then (last, least loaded first) the replicas the
 guard removed, so Ray Serve can still fall back to them when all others are full.
 
-Pure apart from what it is handed: the index and the session map are passed
-in and mutated only by `record`. The only state the policy keeps is a bounded
-cache of each session's last block hashes, which changes no decision, only
-its cost.
+Pure apart from what it is handed and two bounded tables of its own: the
+index and the session map are passed in and mutated only by `record`; the
+policy keeps each session's last block hashes (which changes no decision,
+only its cost) and which replica each recently active session is on
+(`router.session_activity`, read by the "session-balance" scorer).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ from router.load_guard import apply_load_guard
 from router.picker import rank_tiers, total_scores
 from router.registry import build_weighted_scorers
 from router.scorers import ScoringState
+from router.session_activity import SessionActivity
 from router.types import Decision, DecisionReason, ReplicaId, ReplicaLoad, RoutingRequest
 
 DEFAULT_NUM_CACHED_SESSIONS = 1024
 DEFAULT_NUM_CACHED_PREFIXES = 64
+MAX_ACTIVE_SESSIONS = 100_000
 
 
 class PrefixAwarePolicy:
@@ -83,6 +86,7 @@ class PrefixAwarePolicy:
         self._rng = rng or random.Random()
         self._num_cached_sessions = num_cached_sessions
         self._session_blocks: OrderedDict[str, RequestBlockHashes] = OrderedDict()
+        self._activity = SessionActivity(config.session_idle_s, MAX_ACTIVE_SESSIONS)
         self._num_cached_prefixes = num_cached_prefixes
         self._prefix_blocks: OrderedDict[bytes, RequestBlockHashes] = OrderedDict()
 
@@ -120,7 +124,7 @@ class PrefixAwarePolicy:
         held = index.longest_prefix(blocks.hashes(), now_s)
         prefix_blocks = {r: held[r] for r in candidate_ids if r in held}
         kept, removed = apply_load_guard(candidate_ids, loads, self._load_guard_factor, self._load_guard_min_requests)
-        state = ScoringState(blocks.num_blocks, prefix_blocks, loads, sessions)
+        state = ScoringState(blocks.num_blocks, prefix_blocks, loads, sessions, self._activity.counts(now_s))
         weighted = [(weight, scorer.score(request, kept, state)) for scorer, weight in self._scorers]
         totals = total_scores(kept, weighted)
         tiers = rank_tiers(totals, self._rng)
@@ -166,6 +170,7 @@ class PrefixAwarePolicy:
         """
         if decision.session_id is not None:
             sessions[decision.session_id] = replica_id
+            self._activity.touch(decision.session_id, replica_id, now_s)
         blocks = decision.request_blocks
         if blocks is not None and blocks.num_blocks:
             index.add_pending(

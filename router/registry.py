@@ -17,6 +17,7 @@ from router.scorers import Scorer
 from router.scorers.load import LoadScorer
 from router.scorers.prefix_cache import PrefixCacheScorer
 from router.scorers.session_affinity import SessionAffinityScorer
+from router.scorers.session_balance import SessionBalanceScorer
 
 ScorerFactory = Callable[[], Scorer]
 
@@ -69,6 +70,6 @@ def build_weighted_scorers(weights: Mapping[str, float]) -> list[tuple[Scorer, f
     return built
 
 
-for _factory in (PrefixCacheScorer, LoadScorer, SessionAffinityScorer):
+for _factory in (PrefixCacheScorer, LoadScorer, SessionAffinityScorer, SessionBalanceScorer):
     register_scorer(_factory.name, _factory)
 del _factory

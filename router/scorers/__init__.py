@@ -9,7 +9,7 @@ policy, so one scorer instance can serve every decision and every thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 from router.types import ReplicaId, ReplicaLoad, RoutingRequest
@@ -24,12 +24,14 @@ class ScoringState:
         prefix_blocks: leading request blocks each replica holds (absent: 0).
         loads: load of every candidate replica.
         session_replicas: session id -> replica its previous request went to.
+        active_sessions: replica -> recently active sessions it holds (absent: 0).
     """
 
     num_request_blocks: int
     prefix_blocks: Mapping[ReplicaId, int]
     loads: Mapping[ReplicaId, ReplicaLoad]
     session_replicas: Mapping[str, ReplicaId]
+    active_sessions: Mapping[ReplicaId, int] = field(default_factory=dict)
 
 
 class Scorer(Protocol):

@@ -137,13 +137,18 @@ def test_a_run_with_bounds_sees_the_same_cache_as_one_big_replica(is_output_reus
     assert result.bounds.placed_hit_rate == pytest.approx(result.summary.hit_rate)
 
 
+# The live run these traces stand for kept both sessions on one replica: a router configured
+# without session-balance (which would spread the two sessions), recorded in the run's JSON.
+STICKY = RouterConfig(scorer_weights={"prefix-cache": 1.0, "load": 1.0, "session-affinity": 1.0})
+
+
 def _fake_bench(records, block_size, measured_hit_rate=None):
     summary = summarize(records, ["a", "b"], block_size).to_json()
     if measured_hit_rate is not None:
         summary["hit_rate"] = measured_hit_rate
     return {
         "num_replicas": 2, "block_size_tokens": block_size, "kv_capacity_blocks": 10_000,
-        "model_id": "warmpath-tiny", "router_config": RouterConfig().model_dump(mode="json"),
+        "model_id": "warmpath-tiny", "router_config": STICKY.model_dump(mode="json"),
         "policies": {"warmpath": {"summary": summary, "records": [r.to_json() for r in records]}},
     }
 

@@ -226,3 +226,16 @@ def test_decisions_are_reproducible_with_a_seed(seed):
         ]
 
     assert run() == run()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_new_sessions_spread_over_replicas_holding_their_prefix_by_active_sessions(seed):
+    # Every replica caches the shared system prompt (6 blocks) and no request is in flight:
+    # only the sessions each replica already holds tell the replicas apart.
+    index, sessions, policy = make_index(), {}, make_policy(seed=seed)
+    for replica_id in IDS:
+        index.apply(replica_id, [stored_prefix(6)])
+    for i in range(8):
+        prompt = TOKENS[:24] + [5000 + i] * 8
+        policy.choose(RoutingRequest(prompt, MODEL, f"s{i}"), IDS, loads_of(0, 0, 0, 0), index, sessions, 0.1 * i)
+    assert sorted(list(sessions.values()).count(r) for r in IDS) == [2, 2, 2, 2]

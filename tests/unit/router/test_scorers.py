@@ -93,7 +93,7 @@ def test_register_rejects_duplicates_and_bad_keys(key, message):
 
 
 def test_unknown_key_lists_known_keys():
-    with pytest.raises(ValueError, match=r"known scorers: \['load', 'prefix-cache', 'session-affinity'\]"):
+    with pytest.raises(ValueError, match=r"known scorers: \['load', 'prefix-cache', 'session-affinity', 'session-balance'\]"):
         lookup_scorer("prefix-cahce")
 
 
@@ -116,4 +116,4 @@ def test_build_weighted_scorers_rejects_bad_entries(weights):
 
 
 def test_registry_holds_exactly_the_builtins():
-    assert sorted(SCORERS) == ["load", "prefix-cache", "session-affinity"]
+    assert sorted(SCORERS) == ["load", "prefix-cache", "session-affinity", "session-balance"]

@@ -1,0 +1,41 @@
+"""The "session-balance" scorer: prefer replicas holding fewer active sessions.
+
+Score = 1 - active sessions of the replica / (most active sessions of any
+candidate + 1). The +1 keeps a handful of sessions from swinging the score
+across its whole range: one session against none is 0.5 against 1.0, so an
+idle replica does not outweigh a replica that already caches a new session's
+entire prompt (a burst of identical new sessions still follows the first),
+while at realistic counts the score is the plain relative load. It matters where the
+prefix scorer ties, which is where a new session starts: every replica that
+cached the shared system prompt and tools looks the same to the prefix scorer,
+and in-flight counts (the "load" scorer) miss sessions waiting on a tool.
+See `router.session_activity` for what counts as active.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from router.scorers import ScoringState
+from router.types import ReplicaId, RoutingRequest
+
+
+class SessionBalanceScorer:
+    name = "session-balance"
+
+    def score(
+        self, request: RoutingRequest, replica_ids: Sequence[ReplicaId], state: ScoringState
+    ) -> dict[ReplicaId, float]:
+        """Relative spare session capacity of each candidate.
+
+        Args:
+            request: unused.
+            replica_ids: candidates.
+            state: `active_sessions` is read.
+
+        Returns:
+            Replica -> score for every candidate.
+        """
+        active = state.active_sessions
+        scale = 1.0 / (max((active.get(r, 0) for r in replica_ids), default=0) + 1)
+        return {r: 1.0 - active.get(r, 0) * scale for r in replica_ids}

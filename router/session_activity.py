@@ -1,0 +1,68 @@
+"""`SessionActivity`: how many recently active sessions each replica holds.
+
+Why: agent sessions are long-lived and mostly idle from the engine's point of
+view (a tool runs, the user reads), so a replica's in-flight request count says
+little about the load its sessions will bring. A session placed on the replica
+that looks idle right now keeps coming back there; placing new sessions by
+in-flight counts alone piles sessions onto replicas whose sessions happen to
+be between steps, and the load guard later has to move them off, at the cost
+of recomputing their history. Counting active sessions per replica lets the
+"session-balance" scorer spread new sessions the way a session hash would,
+while the prefix scorer still keeps every returning session where its cache is.
+
+A session counts for the replica of its latest request until `idle_s` seconds
+pass without a request. At most `max_sessions` are tracked (least recently
+active forgotten first). Not thread-safe; the router calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Mapping
+
+from router.types import ReplicaId
+
+
+class SessionActivity:
+    """Active sessions per replica, expired lazily in order of last activity."""
+
+    def __init__(self, idle_s: float, max_sessions: int) -> None:
+        if idle_s <= 0 or max_sessions < 1:
+            raise ValueError(f"idle_s={idle_s} must be > 0 and max_sessions={max_sessions} >= 1")
+        self._idle_s = idle_s
+        self._max_sessions = max_sessions
+        # session id -> (replica, last active), least recently active first
+        self._sessions: OrderedDict[str, tuple[ReplicaId, float]] = OrderedDict()
+        self._counts: dict[ReplicaId, int] = {}
+
+    def touch(self, session_id: str, replica_id: ReplicaId, now_s: float) -> None:
+        """Records a request of `session_id` on `replica_id` at `now_s` (times never decrease)."""
+        previous = self._sessions.pop(session_id, None)
+        if previous is not None:
+            self._drop(previous[0])
+        self._sessions[session_id] = (replica_id, now_s)
+        self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
+        if len(self._sessions) > self._max_sessions:
+            _, (oldest_replica, _) = self._sessions.popitem(last=False)
+            self._drop(oldest_replica)
+
+    def counts(self, now_s: float) -> Mapping[ReplicaId, int]:
+        """Replica -> sessions active within `idle_s` of `now_s` (replicas with none are absent)."""
+        sessions, horizon = self._sessions, now_s - self._idle_s
+        while sessions:
+            session_id, (replica_id, last_s) = next(iter(sessions.items()))
+            if last_s > horizon:
+                break
+            del sessions[session_id]
+            self._drop(replica_id)
+        return self._counts
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def _drop(self, replica_id: ReplicaId) -> None:
+        count = self._counts[replica_id] - 1
+        if count:
+            self._counts[replica_id] = count
+        else:
+            del self._counts[replica_id]

@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from itertools import repeat
 from collections import OrderedDict
+from itertools import repeat
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -424,8 +424,6 @@ class PrefixIndex:
 
     def _expire(self, now_s: float) -> None:
         expiries = self._expiries
-        if not expiries or expiries[0][0] > now_s:
-            return
         while expiries and expiries[0][0] <= now_s:
             _, _, state, block_hashes = heapq.heappop(expiries)
             if self._replicas.get(state.replica_id) is not state:

@@ -2,7 +2,8 @@
 
 Order of one `choose` call:
 1. hash the prompt's full blocks (`RequestBlockHashes`), reusing the hashes
-   of the session's previous turn for the prefix it shares; all of them,
+   of the session's previous turn (or else of the latest request with the
+   same first block) for the prefix it shares; all of them,
    since recording the placement needs every hash anyway, and one tight
    loop costs less than hashing block by block during the lookup;
 2. look the blocks up in the `PrefixIndex` (stops at the first block no
@@ -197,7 +198,8 @@ class PrefixAwarePolicy:
         first_block = blocks.first_block_key()
         if first_block is not None and self._num_cached_prefixes:
             shared = self._prefix_blocks.pop(first_block, None)
-            previous = previous or shared
+            if previous is None:
+                previous = shared
             self._prefix_blocks[first_block] = blocks
             if len(self._prefix_blocks) > self._num_cached_prefixes:
                 self._prefix_blocks.popitem(last=False)

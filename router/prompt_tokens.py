@@ -34,8 +34,6 @@ import json
 import threading
 from typing import Any, Optional
 
-from router.types import RoutingRequest
-
 SESSION_BODY_FIELD = "session_id"
 FORWARDED_IDS_KEY = "prompt_token_ids"
 
@@ -126,21 +124,6 @@ class PromptTokenizer:
             # proper 400; the router just has nothing to match on.
             return None
         return token_ids or None
-
-    def routing_request(self, pending_request: Any, model_id: str) -> Optional[RoutingRequest]:
-        """The `RoutingRequest` for a Serve pending request, or None if it carries no prompt."""
-        if not pending_request.args:
-            return None
-        request = pending_request.args[0]
-        token_ids = self.token_ids(request)
-        if token_ids is None:
-            return None
-        return RoutingRequest(
-            token_ids=token_ids,
-            model_id=model_id,
-            session_id=session_of(pending_request, request),
-            cache_salt=getattr(request, "cache_salt", None),
-        )
 
 
 def session_of(pending_request: Any, request: Any) -> Optional[str]:

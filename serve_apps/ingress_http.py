@@ -101,6 +101,7 @@ async def _recording_usage(
 
 
 def _frame_usage(frame: str) -> Any:
+    """The usage of the last `data:` chunk in `frame` that has one, shaped like the response model's."""
     usage_seen = None
     for line in frame.splitlines():
         if line.startswith("data: {"):

@@ -9,6 +9,7 @@ from array import array
 import pytest
 
 from bench.oracle import LruBlockCache, oracle_bounds
+from bench.report import simulation_report
 from bench.simulator import (
     CPU_PROFILE,
     GPU_PROFILE,
@@ -180,3 +181,9 @@ def test_grid_runs_every_policy_at_every_replica_count():
     assert [(r.num_replicas, r.policy) for r in runs] == [(2, "warmpath"), (2, "pow2"), (4, "warmpath"), (4, "pow2")]
     assert all(r.num_requests == runs[0].num_requests for r in runs)
     assert all(len(r.summary["prefill_tokens_by_replica"]) == r.num_replicas for r in runs)
+    # warmpath's runs carry the oracle bounds of their own trace, and the report prints them.
+    assert [r.bounds is not None for r in runs] == [True, False, True, False]
+    assert all(0 < r.bounds["infinite_hit_rate"] <= 1 and r.bounds["num_requests"] == r.num_requests
+               for r in runs if r.bounds)
+    text = simulation_report([r.to_json() for r in runs])
+    assert text.count("of the infinite shared cache") == 2

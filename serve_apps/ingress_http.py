@@ -126,6 +126,8 @@ TURN_ERROR_STATUS = {
     "compression_lost_values": 500,
     "model_error": 502,
     "stale_turn": 409,
+    "store_unavailable": 503,
+    "internal": 500,
 }
 
 

@@ -382,6 +382,9 @@ class Orchestrator:
         user_content: str | None = None,
         results: ToolResultsSubmission | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
+        # Before the 200 envelope a failure is an envelope of its own (an HTTP status);
+        # after it, the stream has begun and a failure can only be its last event.
+        has_started = False
         try:
             async with self._store.turn_lock(session_id):
                 record = await self._owned_record(session_id, caller)
@@ -392,6 +395,7 @@ class Orchestrator:
                 if idempotency_key is not None:
                     remembered = await self._store.lookup_turn_result(session_id, idempotency_key)
                     if remembered is not None:
+                        has_started = True
                         yield {"status": 200, "is_replay": True}
                         for event in json.loads(remembered):
                             yield event
@@ -412,6 +416,7 @@ class Orchestrator:
                     record, snapshot.messages, snapshot.length, self._store, self._model, self._tokenizer,
                     self._max_model_len_tokens, idempotency_key=idempotency_key,
                 )
+                has_started = True
                 yield {"status": 200}
                 async for event in runner.run(new, tool_choice):
                     yield event.model_dump(exclude_none=True)
@@ -420,7 +425,10 @@ class Orchestrator:
         except SessionBusy as err:
             yield _error(409, str(err), "session_busy")
         except StoreUnavailable as err:
-            yield _error(503, f"session store unavailable: {err}", "store_unavailable")
+            message = f"session store unavailable: {err}"
+            yield {"kind": "error", "code": "store_unavailable", "message": message} if has_started else _error(
+                503, message, "store_unavailable"
+            )
         except StaleTurn as err:
             yield {"kind": "error", "code": "stale_turn", "message": str(err)}
         except TurnFailed as err:

@@ -213,13 +213,14 @@ class TurnRunner:
             self._stats.append(stats)
             yield UsageEvent(stats=stats)
             choice = "auto" if self._tools_by_name else "none"
-            assistant = Message(role="assistant", content=reply.content or None, tool_calls=reply.tool_calls or None)
             if not reply.tool_calls:
-                self._new.append(assistant if assistant.content else Message(role="assistant", content=""))
+                # An empty answer (the model stopped at once) is still an answer: commit it as "".
+                self._new.append(Message(role="assistant", content=reply.content or ""))
                 final = FinalEvent(message=self._new[-1])
                 await self._commit(final)
                 yield final
                 return
+            assistant = Message(role="assistant", content=reply.content or None, tool_calls=reply.tool_calls)
             errors = [e for e in (validate_tool_call(c, self._request.tools) for c in reply.tool_calls) if isinstance(e, ToolCallError)]
             if errors:
                 num_repairs += 1

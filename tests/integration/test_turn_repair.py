@@ -85,3 +85,10 @@ def test_a_model_that_keeps_failing_ends_the_turn_and_commits_nothing(redis_url,
     assert events[-1].kind == "error" and events[-1].code == "invalid_tool_call"
     assert "$.order_id" in events[-1].message
     assert transcript.messages == () and transcript.length == 0
+
+
+def test_an_empty_answer_completes_the_turn_with_empty_text(redis_url, tokenizer):  # noqa: F811
+    # The model stopped at once: no text and no call (seen from the random-weight model).
+    events, transcript, _ = _run_turn(redis_url, tokenizer, [ModelReply(prompt_tokens=10)])
+    assert events[-1].kind == "final" and events[-1].message.content == ""
+    assert [(m.role, m.content) for m in transcript.messages] == [("user", "Where is my order?"), ("assistant", "")]

@@ -1,0 +1,34 @@
+"""How the HTTP ingress maps a turn's last event to a status code."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from serve_apps import ingress_http
+
+
+async def _events(*items):
+    for item in items:
+        yield item
+
+
+@pytest.mark.parametrize(
+    ("last", "status", "outcome"),
+    [
+        ({"kind": "final", "message": {"role": "assistant", "content": ""}}, 200, "completed"),
+        ({"kind": "error", "code": "max_steps", "message": "used all steps"}, 200, "max_steps"),
+        ({"kind": "error", "code": "model_error", "message": "engine failed"}, 502, "failed"),
+        ({"kind": "error", "code": "store_unavailable", "message": "redis down"}, 503, "failed"),
+        ({"kind": "error", "code": "internal", "message": "nothing was committed"}, 500, "failed"),
+    ],
+)
+def test_turn_outcomes_map_to_status_codes(last, status, outcome):
+    response = asyncio.run(ingress_http._turn_response("s1", _events({"status": 200}, last), is_streaming=False))
+    assert response.status_code == status
+    body = json.loads(response.body)
+    assert body["status"] == outcome
+    if outcome == "failed":
+        assert body["error"]["code"] == last["code"] and body["error"]["message"]

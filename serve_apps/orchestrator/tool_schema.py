@@ -74,6 +74,23 @@ def check_tool_parameters(value: dict[str, JsonValue]) -> None:
     _check_ref_chains(value, refs)
 
 
+def compact_json_utf8(value: JsonValue, what: str) -> bytes:
+    """`value` as compact, key-sorted JSON in UTF-8: the bytes the session store or a tool's HTTP body carries.
+
+    Raises:
+        ValueError: naming `what`, for a value JSON text cannot carry: a lone
+            surrogate (Python's `json.loads` turns `"\\ud800"` into one, and
+            pydantic's JsonValue keeps it) or an integer too long to print.
+    """
+    try:
+        return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        surrogate = err.object[err.start : err.end]
+        raise ValueError(f"{what} hold a lone surrogate {surrogate!r}, which is not Unicode text") from None
+    except ValueError as err:  # an integer too long to print
+        raise ValueError(f"{what} cannot be written as JSON: {err}") from None
+
+
 def _check_bounds(schema: dict[str, JsonValue]) -> None:
     """Size, depth and finiteness, checked iteratively before anything recurses into the schema.
 
@@ -83,14 +100,7 @@ def _check_bounds(schema: dict[str, JsonValue]) -> None:
     `"\\ud800"`, and pydantic's JsonValue keeps it) makes that write fail, and NaN or
     Infinity would be stored as null, so the schema re-read would not be the one sent.
     """
-    try:
-        text = json.dumps(schema, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
-        num_bytes = len(text.encode("utf-8"))
-    except UnicodeEncodeError as err:
-        surrogate = err.object[err.start : err.end]
-        raise ValueError(f"tool parameters hold a lone surrogate {surrogate!r}, which is not Unicode text") from None
-    except ValueError as err:  # an integer too long to print
-        raise ValueError(f"tool parameters cannot be written as JSON: {err}") from None
+    num_bytes = len(compact_json_utf8(schema, "tool parameters"))
     if num_bytes > MAX_SCHEMA_BYTES:
         raise ValueError(
             f"tool parameters schema is {num_bytes} bytes of compact JSON, "

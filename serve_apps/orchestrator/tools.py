@@ -17,7 +17,6 @@ import asyncio
 import copy
 import json
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NoReturn
@@ -28,6 +27,7 @@ from pydantic import JsonValue
 from referencing import Registry
 
 from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
+from serve_apps.orchestrator.tool_schema import compact_json_utf8
 
 # Bodies beyond this are refused rather than buffered: a tool cannot exhaust replica memory.
 MAX_TOOL_RESPONSE_BYTES = 8 * 1024 * 1024
@@ -36,7 +36,6 @@ MAX_REPORTED_VIOLATIONS = 16
 MAX_ARGUMENT_DEPTH = 64
 _ERROR_BODY_SNIPPET_BYTES = 512
 _DEFS_REF_PREFIX = "#/$defs/"
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 ToolCallErrorKind = Literal["unknown_tool", "invalid_json", "schema_violation"]
 ToolStatus = Literal["ok", "error", "timeout"]
@@ -87,20 +86,13 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _check_shape(value: JsonValue) -> None:
-    """Depth, and text that is Unicode: `json.loads` turns a lone `\\ud800` escape into a
-    surrogate that no UTF-8 writer (the session store, a tool's HTTP body) can encode."""
+def _check_depth(value: JsonValue) -> None:
     stack = [(value, 1)]
     while stack:
         node, level = stack.pop()
-        if isinstance(node, str):
-            if _SURROGATE.search(node):
-                raise ValueError("a string holds a lone UTF-16 surrogate escape, which is not Unicode text")
-        elif isinstance(node, (dict, list)):
+        if isinstance(node, (dict, list)):
             if level > MAX_ARGUMENT_DEPTH:
                 raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels")
-            if isinstance(node, dict):
-                stack.extend((key, level) for key in node)
             stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
 
 
@@ -114,7 +106,9 @@ def parse_arguments(arguments: str) -> JsonValue:
         value = json.loads(arguments, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels") from None
-    _check_shape(value)
+    _check_depth(value)
+    # A lone surrogate escape parses, but no UTF-8 writer (the session store, a tool's HTTP body) can carry it.
+    compact_json_utf8(value, "tool arguments")
     return value
 
 

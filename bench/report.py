@@ -62,6 +62,12 @@ def ratio_table(summaries: Mapping[str, Mapping], title: str = "") -> str:
     return "\n".join(lines)
 
 
+def oracle_section(result: Mapping) -> str:
+    """The report's oracle block (a leading newline), or "" when no run has bounds."""
+    lines = oracle_lines(result)
+    return "\nhit rate vs oracle bounds (same trace):\n  " + "\n  ".join(lines) if lines else ""
+
+
 def oracle_lines(result: Mapping) -> list[str]:
     """warmpath's hit rate as a fraction of each oracle bound of its own trace."""
     lines = []
@@ -82,10 +88,7 @@ def live_report(result: Mapping) -> str:
     title = (f"workload {result['workload']}: {result['num_sessions']} sessions, {result['num_requests']} requests, "
              f"{result['num_replicas']} replicas, time scale {result['time_scale']}")
     summaries = {p: run["summary"] for p, run in result["policies"].items()}
-    text = ratio_table(summaries, title)
-    oracle = oracle_lines(result)
-    if oracle:
-        text += "\nhit rate vs oracle bounds (same trace):\n  " + "\n  ".join(oracle)
+    text = ratio_table(summaries, title) + oracle_section(result)
     checks = result.get("simulator_check") or {}
     if checks:
         text += "\nsimulator replay of each trace (CPU cost model):\n  " + "\n  ".join(
@@ -106,12 +109,9 @@ def simulation_report(runs: Sequence[Mapping]) -> str:
         any_run = next(iter(by_policy.values()))
         title = (f"simulated {workload} on {num_replicas} replicas: {any_run['num_sessions']} sessions, "
                  f"{any_run['num_requests']} requests")
-        table = ratio_table({p: r["summary"] for p, r in by_policy.items()}, title)
-        oracle = oracle_lines({"policies": by_policy,
-                               "oracle": {p: r["bounds"] for p, r in by_policy.items() if r.get("bounds")}})
-        if oracle:
-            table += "\nhit rate vs oracle bounds (same trace):\n  " + "\n  ".join(oracle)
-        tables.append(table)
+        bounds = {p: r["bounds"] for p, r in by_policy.items() if r.get("bounds")}
+        tables.append(ratio_table({p: r["summary"] for p, r in by_policy.items()}, title)
+                      + oracle_section({"policies": by_policy, "oracle": bounds}))
     return "\n\n".join(tables)
 
 

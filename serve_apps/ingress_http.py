@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-from types import SimpleNamespace
 from typing import Any, AsyncIterator, Dict, Optional
 
 from fastapi import Request
@@ -68,13 +67,16 @@ def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optio
     return headers, logged
 
 
-def _record_usage(logged: Optional[decision_log.LoggedDecision], served_by: Optional[ServedBy], usage: Any) -> None:
-    """Per-replica token counters, and the prediction against vLLM's own cached-token count."""
-    details = getattr(usage, "prompt_tokens_details", None)
-    actual = getattr(details, "cached_tokens", None)
-    record_model_call(
-        logged, served_by.replica_id if served_by else "", getattr(usage, "prompt_tokens", 0) or 0, actual
-    )
+def _record_usage(
+    logged: Optional[decision_log.LoggedDecision], served_by: Optional[ServedBy], usage: Optional[dict]
+) -> None:
+    """Per-replica token counters, and the prediction against vLLM's own cached-token count.
+
+    `usage` is the response's `usage` object as JSON (None when the response had none).
+    """
+    usage = usage or {}
+    actual = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    record_model_call(logged, served_by.replica_id if served_by else "", usage.get("prompt_tokens") or 0, actual)
 
 
 async def _recording_usage(
@@ -100,8 +102,8 @@ async def _recording_usage(
             _record_usage(logged, served_by, usage)
 
 
-def _frame_usage(frame: str) -> Any:
-    """The usage of the last `data:` chunk in `frame` that has one, shaped like the response model's."""
+def _frame_usage(frame: str) -> Optional[dict]:
+    """The `usage` of the last `data:` chunk in `frame` that has one."""
     usage_seen = None
     for line in frame.splitlines():
         if line.startswith("data: {"):
@@ -110,11 +112,7 @@ def _frame_usage(frame: str) -> Any:
             except ValueError:
                 continue
             if isinstance(usage, dict):
-                details = usage.get("prompt_tokens_details") or {}
-                usage_seen = SimpleNamespace(
-                    prompt_tokens=usage.get("prompt_tokens"),
-                    prompt_tokens_details=SimpleNamespace(cached_tokens=details.get("cached_tokens")),
-                )
+                usage_seen = usage
     return usage_seen
 
 
@@ -332,7 +330,7 @@ class WarmpathIngress(OpenAiIngress):
             if span.is_recording():
                 _annotate(span, headers, usage)
             if isinstance(first_chunk, NON_STREAMING_RESPONSE_TYPES):
-                _record_usage(logged, served_by, usage)
+                _record_usage(logged, served_by, usage.model_dump() if usage is not None else None)
                 return JSONResponse(content=first_chunk.model_dump(), headers=headers)
             frames = _recording_usage(_openai_json_wrapper(gen), logged, served_by)
             return StreamingResponse(_ending_span(frames, span), media_type="text/event-stream", headers=headers)

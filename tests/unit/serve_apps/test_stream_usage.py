@@ -29,7 +29,9 @@ def test_usage_is_recorded_before_done_is_sent(monkeypatch, frames):
     events = []
     monkeypatch.setattr(
         ingress_http, "_record_usage",
-        lambda logged, served_by, usage: events.append(("record", usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)),
+        lambda logged, served_by, usage: events.append(
+            ("record", usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+        ),
     )
 
     async def source():

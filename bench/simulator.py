@@ -95,23 +95,24 @@ class CostProfile:
         return self.prefill_overhead_s + self.prefill_s_per_token * num_uncached_tokens
 
 
-# Measured on 2 CPU cores, 2 replicas of the small model, one request at a time:
-# a 2,218-token prompt prefills in 5.5 s cold and 0.09 s with 2,208 tokens cached, so
-# 5.5 = a + 2218 b and 0.09 = a + 10 b give b = 2.45 ms per uncached token and a = 65 ms.
-# Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens * 3,072 bytes per token:
-# 2 (K, V) * 6 layers * 2 KV heads * 64 dims * 2 bytes).
+# Measured on 2 CPU cores, 2 replicas of the small model (6 layers, hidden 384), from the
+# 265 requests of one `warmpath bench --workload shared-tools` run (all five policies, about
+# one request in flight): a least-squares fit of TTFT against uncached prompt tokens gives
+# 0.19 ms per uncached token plus 75 ms (HTTP, routing and the engine step included); decode
+# took a median 7.1 ms per output token. Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens
+# * 3,072 bytes per token: 2 (K, V) * 6 layers * 2 KV heads * 64 dims * 2 bytes).
 CPU_PROFILE = CostProfile(
     name="cpu-small-model",
     block_size_tokens=32,
     kv_capacity_blocks=(1 << 30) // (32 * 3072),
-    prefill_overhead_s=0.0655,
-    prefill_s_per_token=0.00245,
-    decode_s_per_token=0.025,
+    prefill_overhead_s=0.075,
+    prefill_s_per_token=0.00019,
+    decode_s_per_token=0.0071,
     is_decode_blocking=True,
     kv_event_lag_s=0.05,
     source=(
-        "measured on 2 CPU cores (README): 2,218-token cold prefill 5.5 s, cached 0.09 s "
-        "(2.45 ms per uncached token + 65 ms), decode ~25 ms per token with 2 replicas; "
+        "measured on 2 CPU cores: TTFT of 265 live shared-tools requests fitted as 75 ms + "
+        "0.19 ms per uncached token, decode 7.1 ms per token (median); "
         "KV capacity 1 GiB per replica at 3,072 bytes per token"
     ),
 )

@@ -125,7 +125,8 @@ class PrefixAwarePolicy:
         held = index.longest_prefix(blocks.hashes(), now_s)
         prefix_blocks = {r: held[r] for r in candidate_ids if r in held}
         kept, removed = apply_load_guard(candidate_ids, loads, self._load_guard_factor, self._load_guard_min_requests)
-        state = ScoringState(blocks.num_blocks, prefix_blocks, loads, sessions, self._activity.counts(now_s))
+        active = self._activity.counts_besides(request.session_id, now_s)
+        state = ScoringState(blocks.num_blocks, prefix_blocks, loads, sessions, active)
         weighted = [(weight, scorer.score(request, kept, state)) for scorer, weight in self._scorers]
         totals = total_scores(kept, weighted)
         tiers = rank_tiers(totals, self._rng)

@@ -57,6 +57,24 @@ class SessionActivity:
             self._drop(replica_id)
         return self._counts
 
+    def counts_besides(self, session_id: str | None, now_s: float) -> Mapping[ReplicaId, int]:
+        """`counts(now_s)` without `session_id` itself: the sessions a request of it would share a replica with.
+
+        Why: a returning session already counts for its own replica, which would
+        make that replica look busier than moving the session anywhere else by
+        exactly the one session a move would carry along.
+        """
+        counts = self.counts(now_s)
+        entry = self._sessions.get(session_id) if session_id is not None else None
+        if entry is None:
+            return counts
+        besides = dict(counts)
+        replica_id = entry[0]
+        besides[replica_id] -= 1
+        if not besides[replica_id]:
+            del besides[replica_id]
+        return besides
+
     def __len__(self) -> int:
         return len(self._sessions)
 

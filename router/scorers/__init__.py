@@ -24,7 +24,8 @@ class ScoringState:
         prefix_blocks: leading request blocks each replica holds (absent: 0).
         loads: load of every candidate replica.
         session_replicas: session id -> replica its previous request went to.
-        active_sessions: replica -> recently active sessions it holds (absent: 0).
+        active_sessions: replica -> recently active sessions it holds, the request's own
+            session left out (absent: 0).
     """
 
     num_request_blocks: int

@@ -239,3 +239,18 @@ def test_new_sessions_spread_over_replicas_holding_their_prefix_by_active_sessio
         prompt = TOKENS[:24] + [5000 + i] * 8
         policy.choose(RoutingRequest(prompt, MODEL, f"s{i}"), IDS, loads_of(0, 0, 0, 0), index, sessions, 0.1 * i)
     assert sorted(list(sessions.values()).count(r) for r in IDS) == [2, 2, 2, 2]
+
+
+def test_a_returning_session_is_not_counted_against_its_own_replica():
+    # A holds s1 and s3, B holds s2: moving s1 would leave one session on each side either
+    # way, so session-balance must not prefer B for s1's next turn (it would, counting s1).
+    index, sessions = make_index(), {}
+    policy = make_policy(scorer_weights={"session-balance": 1.0})
+    for session_id, replica_id in [("s1", A), ("s3", A), ("s2", B)]:
+        decision = policy.choose(RoutingRequest(TOKENS, MODEL, session_id), [A, B], loads_of(0, 0), index, sessions, 0.0)
+        policy.record(decision, replica_id, index, sessions, 0.0)
+    returning = policy.choose(RoutingRequest(TOKENS, MODEL, "s1"), [A, B], loads_of(0, 0), index, sessions, 1.0)
+    assert returning.scores[A] == pytest.approx(returning.scores[B])
+    policy.record(returning, A, index, sessions, 1.0)  # the tie may have been broken either way
+    new = policy.choose(RoutingRequest(TOKENS, MODEL, "s4"), [A, B], loads_of(0, 0), index, sessions, 1.0)
+    assert new.scores[B] > new.scores[A]  # a new session still sees A's two sessions

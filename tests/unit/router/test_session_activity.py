@@ -59,3 +59,15 @@ def test_session_balance_scores_relative_spare_sessions(active, expected):
     state = ScoringState(0, {}, idle, {}, active)
     scores = SessionBalanceScorer().score(RoutingRequest([1, 2], "m"), [A, B, C], state)
     assert scores == pytest.approx(expected)
+
+
+def test_counts_besides_leave_out_the_asking_session_only():
+    activity = SessionActivity(idle_s=10.0, max_sessions=100)
+    activity.touch("s1", A, 0.0)
+    activity.touch("s2", A, 1.0)
+    activity.touch("s3", B, 2.0)
+    assert dict(activity.counts_besides("s3", 3.0)) == {A: 2}
+    assert dict(activity.counts_besides("s1", 3.0)) == {A: 1, B: 1}
+    assert dict(activity.counts_besides("new", 3.0)) == {A: 2, B: 1}
+    assert dict(activity.counts_besides(None, 3.0)) == {A: 2, B: 1}
+    assert dict(activity.counts(3.0)) == {A: 2, B: 1}  # the table itself is unchanged

@@ -23,6 +23,10 @@ tokenization (added for disaggregated prefill; Ray's own KV-aware router uses
 it too). The engine then prefills exactly the tokens the router hashed, and a
 replica no longer spends CPU on rendering what the router already rendered.
 
+Chat prompts are encoded piece by piece between added tokens, with pieces
+seen before (earlier turns, the system prompt and tools) taken from a cache
+(`router.piece_encoder`), when the tokenizer allows it.
+
 The tokenizer loads lazily on first use (once per process) from the same
 folder or hub id the engines load.
 """
@@ -33,6 +37,8 @@ import copy
 import json
 import threading
 from typing import Any, Optional
+
+from router.piece_encoder import PieceEncoder
 
 SESSION_BODY_FIELD = "session_id"
 FORWARDED_IDS_KEY = "prompt_token_ids"
@@ -74,6 +80,7 @@ class PromptTokenizer:
     def __init__(self, model_source: str) -> None:
         self._model_source = model_source
         self._tokenizer = None
+        self._piece_encoder: Optional[PieceEncoder] = None
         self._lock = threading.Lock()
 
     @property
@@ -83,7 +90,9 @@ class PromptTokenizer:
                 if self._tokenizer is None:
                     from transformers import AutoTokenizer
 
-                    self._tokenizer = AutoTokenizer.from_pretrained(self._model_source)
+                    tokenizer = AutoTokenizer.from_pretrained(self._model_source)
+                    self._piece_encoder = PieceEncoder.for_tokenizer(tokenizer)
+                    self._tokenizer = tokenizer
         return self._tokenizer
 
     def chat_token_ids(self, request: Any) -> list[int]:
@@ -98,7 +107,11 @@ class PromptTokenizer:
             tokenize=False,
             **(getattr(request, "chat_template_kwargs", None) or {}),
         )
-        return self.tokenizer.encode(text, add_special_tokens=getattr(request, "add_special_tokens", False))
+        add_special_tokens = getattr(request, "add_special_tokens", False)
+        if self._piece_encoder is not None and not add_special_tokens:
+            # Earlier turns' messages come from the piece cache (router.piece_encoder).
+            return self._piece_encoder.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def completion_token_ids(self, request: Any) -> Optional[list[int]]:
         prompt = request.prompt

@@ -37,7 +37,8 @@ from typing import Callable, Sequence
 
 from bench.oracle import oracle_bounds
 from bench.trace import RequestRecord, summarize
-from bench.workloads import TokenizerRenderer, Workload, WorkloadName, generate, openai_request
+from bench.workload_render import TokenizerRenderer, openai_request
+from bench.workloads import Workload, WorkloadName, generate
 from cluster.api_keys import bearer_headers
 from cluster.config import ClusterConfig, RouterPolicy
 

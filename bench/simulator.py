@@ -16,18 +16,20 @@ What is real and what is modelled:
   cached), the least loaded of those replicas; below a 10% match, the replica
   that was sent the least. It matches whole KV blocks of the rendered prompt
   where Ray matches characters of the message contents.
-- a replica is an FCFS queue, a block cache and a cost model (`CostProfile`):
+- a replica is an FCFS queue, a block cache and a cost model (`CostProfile`,
+  in `bench.sim_cost` with the CPU and GPU profiles):
   prefill time = overhead + per-token time * uncached prompt tokens, one
   prefill at a time; decode time = tokens * per-token time, either holding the
   replica (`is_decode_blocking`, the CPU engine) or running beside the next
   prefills (continuous batching on a GPU, batch effects folded into the
   per-token time). TTFT = queueing + prefill + one decode step.
-- the block cache (`BlockCache`) is vLLM's prefix cache reduced to what decides
-  hits: full blocks, hits = longest cached leading run (at most all but the
-  last token), LRU eviction with a request's blocks freed tail first. Blocks of
-  running requests are not pinned. With `is_output_reused`, the blocks of a
-  step's generated tokens are cached too (a real agent's next prompt carries
-  the model's own output); live runs of the small model do not reuse them.
+- the block cache (`BlockCache`, in `bench.sim_cache` with the KV events) is
+  vLLM's prefix cache reduced to what decides hits: full blocks, hits =
+  longest cached leading run (at most all but the last token), LRU eviction
+  with a request's blocks freed tail first. Blocks of running requests are
+  not pinned. With `is_output_reused`, the blocks of a step's generated
+  tokens are cached too (a real agent's next prompt carries the model's own
+  output); live runs of the small model do not reuse them.
 
 - loads: routers see each replica's running plus queued requests at the
   instant of the decision (no routing-stats lag) and, for warmpath, the KV
@@ -41,13 +43,17 @@ latency after the previous response) or a recorded trace (open loop: requests
 at their recorded send times; `reproduce_live_run`).
 
 Ordering: events at equal times run in the order they were scheduled.
+
+Where the parts live: cost profiles in `bench.sim_cost`, the block cache and
+its KV events in `bench.sim_cache`, the routers (warmpath and the baselines,
+`make_router`) in `bench.sim_routers`. This module runs them: sources,
+`Simulation`, `simulate`, the grid and the live-run check; it re-exports the
+moved names its `__all__` lists.
 """
 
 from __future__ import annotations
 
-import bisect
 import gc
-import hashlib
 import heapq
 import itertools
 import random
@@ -58,416 +64,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Literal, Sequence
 
 from bench.oracle import OracleBounds, StreamingBounds
+from bench.sim_cache import BlockCache, BlockRemoved, BlockStored
+from bench.sim_cost import CPU_PROFILE, GPU_PROFILE, PROFILES, CostProfile
+from bench.sim_routers import POLICIES, SimRequest, SimRouter, WarmpathRouter, make_router
 from bench.trace import RequestRecord, TraceSummary, summarize
-from bench.workloads import (
-    PromptRenderer,
-    Session,
-    SyntheticRenderer,
-    Workload,
-    WorkloadName,
-    default_params,
-    generate,
-)
+from bench.workload_render import PromptRenderer, SyntheticRenderer
+from bench.workloads import Session, Workload, WorkloadName, default_params, generate
 from cluster.config import DEFAULT_MODEL_ID, RouterConfig, RouterPolicy
 from router.hashing import BlockHash, RequestBlockHashes, root_hash
-from router.index import PrefixIndex
-from router.policy import PrefixAwarePolicy
-from router.types import ReplicaId, ReplicaLoad, RoutingRequest
-
-POLICIES: tuple[RouterPolicy, ...] = ("warmpath", "pow2", "round-robin", "session-hash", "prefix-tree")
-
-
-@dataclass(frozen=True)
-class CostProfile:
-    """Replica speed and KV capacity. `source` says where the numbers come from."""
-
-    name: str
-    block_size_tokens: int
-    kv_capacity_blocks: int
-    prefill_overhead_s: float
-    prefill_s_per_token: float
-    decode_s_per_token: float
-    is_decode_blocking: bool
-    kv_event_lag_s: float
-    source: str
-
-    def prefill_s(self, num_uncached_tokens: int) -> float:
-        return self.prefill_overhead_s + self.prefill_s_per_token * num_uncached_tokens
-
-
-# Measured on 2 CPU cores, 2 replicas of the small model (6 layers, hidden 384), from the
-# 265 requests of one `warmpath bench --workload shared-tools` run (all five policies, about
-# one request in flight): a least-squares fit of TTFT against uncached prompt tokens gives
-# 0.19 ms per uncached token plus 75 ms (HTTP, routing and the engine step included); decode
-# took a median 7.1 ms per output token. Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens
-# * 3,072 bytes per token: 2 (K, V) * 6 layers * 2 KV heads * 64 dims * 2 bytes).
-CPU_PROFILE = CostProfile(
-    name="cpu-small-model",
-    block_size_tokens=32,
-    kv_capacity_blocks=(1 << 30) // (32 * 3072),
-    prefill_overhead_s=0.075,
-    prefill_s_per_token=0.00019,
-    decode_s_per_token=0.0071,
-    is_decode_blocking=True,
-    kv_event_lag_s=0.05,
-    source=(
-        "measured on 2 CPU cores: TTFT of 265 live shared-tools requests fitted as 75 ms + "
-        "0.19 ms per uncached token, decode 7.1 ms per token (median); "
-        "KV capacity 1 GiB per replica at 3,072 bytes per token"
-    ),
-)
-
-# Assumed, not measured: one H100 80GB per replica serving Qwen2.5-7B-Instruct in bf16 with vLLM.
-# Prefill: ~15 GFLOP per token (2 x 7.6B parameters) at ~30% of 989 dense bf16 TFLOP/s is
-# ~20k tokens/s, i.e. 0.05 ms per token, plus 15 ms scheduling and first-step overhead.
-# Decode: ~12 ms per output token at a moderate batch (15 GB of weights read per step at
-# 3.35 TB/s is 4.5 ms; KV reads and batching roughly double it). KV: 0.9 * 80 GB minus
-# 15.2 GB of weights and ~3 GB of activations leaves ~53 GB, at 57,344 bytes per token
-# (2 * 28 layers * 4 KV heads * 128 dims * 2 bytes) ~900k tokens = 56,250 blocks of 16.
-GPU_PROFILE = CostProfile(
-    name="gpu-h100-qwen2.5-7b",
-    block_size_tokens=16,
-    kv_capacity_blocks=56_250,
-    prefill_overhead_s=0.015,
-    prefill_s_per_token=0.00005,
-    decode_s_per_token=0.012,
-    is_decode_blocking=False,
-    kv_event_lag_s=0.01,
-    source=(
-        "assumed: H100 80GB, Qwen2.5-7B bf16; prefill 0.05 ms/token (~30% MFU) + 15 ms, "
-        "decode 12 ms/token with continuous batching, ~900k KV tokens per replica"
-    ),
-)
-
-PROFILES = {"cpu": CPU_PROFILE, "gpu": GPU_PROFILE}
-
-
-# --- block cache ----------------------------------------------------------------------------------
-
-
-class BlockCache:
-    """One replica's prefix cache: full blocks, LRU, a request's blocks freed tail first.
-
-    Same hits and evictions as `bench.oracle.LruBlockCache` (the reference
-    model), at O(log n) per lookup and O(new + evicted) per use instead of
-    O(prompt blocks): blocks form a tree (each block's parent is the block
-    before it), only leaves are evicted, and using a chain stamps only its
-    deepest block. A block's true last use is the latest stamp in its subtree,
-    which is what it carries when it becomes a leaf (an evicted child hands its
-    stamp to its parent), so leaves leave in exact LRU order.
-
-    Invariants: every cached block's parent is cached (prefix-closed), so
-    "is block i cached" is monotone along a chain; `len(self) <= capacity_blocks`
-    after every `use`.
-    """
-
-    __slots__ = ("capacity_blocks", "_nodes", "_heap", "_clock")
-
-    def __init__(self, capacity_blocks: int) -> None:
-        if capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
-        self.capacity_blocks = capacity_blocks
-        # block -> [parent block or None, number of cached children, stamp]
-        self._nodes: dict[BlockHash, list] = {}
-        self._heap: list[tuple[int, BlockHash]] = []
-        self._clock = 0
-
-    def __len__(self) -> int:
-        return len(self._nodes)
-
-    def longest_prefix(self, hashes: Sequence[BlockHash]) -> int:
-        """Number of leading `hashes` cached (binary search: the cache is prefix-closed)."""
-        nodes = self._nodes
-        n = len(hashes)
-        if n == 0 or hashes[0] not in nodes:
-            return 0
-        if hashes[n - 1] in nodes:
-            return n
-        low, high = 1, n - 1  # hashes[low - 1] cached, hashes[high] not
-        while low < high:
-            mid = (low + high) // 2
-            if hashes[mid] in nodes:
-                low = mid + 1
-            else:
-                high = mid
-        return low
-
-    def use(self, hashes: Sequence[BlockHash], num_cached: int | None = None) -> tuple[int, list[BlockHash]]:
-        """Caches the chain `hashes` as most recently used and evicts down to capacity.
-
-        Args:
-            hashes: a request's block hashes, in order.
-            num_cached: `longest_prefix(hashes)` if the caller has it.
-
-        Returns:
-            (index of the first newly stored block, evicted blocks in eviction order).
-        """
-        nodes = self._nodes
-        known = self.longest_prefix(hashes) if num_cached is None else num_cached
-        n = len(hashes)
-        if n == 0:
-            return 0, []
-        self._clock += 1
-        stamp = self._clock
-        if known == n:
-            node = nodes[hashes[-1]]
-            node[2] = stamp
-            if node[1] == 0:
-                heapq.heappush(self._heap, (stamp, hashes[-1]))
-        else:
-            parent = hashes[known - 1] if known else None
-            if parent is not None:
-                nodes[parent][1] += 1
-            new = hashes[known:n]
-            # One [parent, children, stamp] list per block, built without a Python-level loop.
-            nodes.update(zip(new, map(list, zip(itertools.chain((parent,), new), itertools.repeat(1),
-                                                 itertools.repeat(stamp)))))
-            nodes[new[-1]][1] = 0
-            heapq.heappush(self._heap, (stamp, new[-1]))
-        return known, self._evict()
-
-    def _evict(self) -> list[BlockHash]:
-        nodes, heap = self._nodes, self._heap
-        capacity = self.capacity_blocks
-        evicted: list[BlockHash] = []
-        while len(nodes) > capacity:
-            stamp, block_hash = heapq.heappop(heap)
-            node = nodes.get(block_hash)
-            if node is None or node[1] or node[2] != stamp:
-                continue  # stale entry: evicted, re-stamped, or no longer a leaf
-            while True:
-                del nodes[block_hash]
-                evicted.append(block_hash)
-                parent = node[0]
-                if parent is None:
-                    break
-                parent_node = nodes[parent]
-                parent_node[1] -= 1
-                if stamp > parent_node[2]:
-                    parent_node[2] = stamp
-                if parent_node[1]:
-                    break
-                # The parent is now a leaf. While it is still the least recent leaf,
-                # evict it right away instead of a round trip through the heap.
-                stamp = parent_node[2]
-                if len(nodes) > capacity and (not heap or (stamp, parent) < heap[0]):
-                    block_hash, node = parent, parent_node
-                    continue
-                heapq.heappush(heap, (stamp, parent))
-                break
-        if len(heap) > 4 * len(nodes) + 1024:
-            self._heap = [(node[2], h) for h, node in nodes.items() if node[1] == 0]
-            heapq.heapify(self._heap)
-        return evicted
-
-
-# --- synthetic KV events (the fields PrefixIndex.apply reads from vLLM's structs) ------------------
-
-
-@dataclass(slots=True)
-class BlockStored:
-    """vLLM `BlockStored`, as a replica publishes it for newly cached prompt blocks."""
-
-    block_hashes: list
-    parent_block_hash: bytes | None
-    token_ids: array
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = "GPU"
-    lora_name: str | None = None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-
-
-@dataclass(slots=True)
-class BlockRemoved:
-    """vLLM `BlockRemoved`, published when the cache evicts blocks."""
-
-    block_hashes: list
-    medium: str | None = "GPU"
-    group_idx: int | None = None
-
-
-# --- requests and routers -------------------------------------------------------------------------
-
-
-@dataclass(slots=True, eq=False)
-class SimRequest:
-    """One model call in flight."""
-
-    session_id: str
-    step_index: int
-    arrival_s: float
-    token_ids: array
-    num_output_tokens: int
-    is_last_of_session: bool
-    session: Session | None = None
-    blocks: RequestBlockHashes | None = None
-    replica: int | None = None
-    record: RequestRecord | None = None
-    num_blocks_held: int = 0
-    oracle_replica: int = 0
-
-
-class SimRouter:
-    """Base of the simulated routers: sees every replica's request count, and KV events if it asks.
-
-    `route` returns the index of the replica that takes the request. It may set
-    `request.blocks` (warmpath hashes the prompt itself) and the record's route
-    fields; otherwise the simulation hashes the prompt before routing.
-    """
-
-    wants_kv_events = False
-
-    def __init__(self, num_replicas: int, rng: random.Random) -> None:
-        self.num_requests = [0] * num_replicas
-        self.rng = rng
-
-    def route(self, request: SimRequest, now_s: float) -> int:
-        raise NotImplementedError
-
-    def on_load(self, replica: int, num_requests: int, kv_cache_usage: float) -> None:
-        self.num_requests[replica] = num_requests
-
-    def on_kv_events(self, replica: int, events: list, now_s: float) -> None:
-        return None
-
-    def _least_loaded(self, candidates: Sequence[int]) -> int:
-        loads = self.num_requests
-        best = min(loads[c] for c in candidates)
-        return self.rng.choice([c for c in candidates if loads[c] == best])
-
-
-class Pow2Router(SimRouter):
-    """Ray Serve's default: two replicas at random, the one with fewer requests."""
-
-    def route(self, request: SimRequest, now_s: float) -> int:
-        n = len(self.num_requests)
-        if n == 1:
-            return 0
-        a, b = self.rng.sample(range(n), 2)
-        loads = self.num_requests
-        if loads[a] != loads[b]:
-            return a if loads[a] < loads[b] else b
-        return a
-
-
-class RoundRobinRouter(SimRouter):
-    """Replicas in turn, whatever the request."""
-
-    def __init__(self, num_replicas: int, rng: random.Random) -> None:
-        super().__init__(num_replicas, rng)
-        self._next = 0
-
-    def route(self, request: SimRequest, now_s: float) -> int:
-        chosen = self._next
-        self._next = (chosen + 1) % len(self.num_requests)
-        return chosen
-
-
-def _hash64(data: str) -> int:
-    return int.from_bytes(hashlib.blake2b(data.encode("utf-8"), digest_size=8).digest(), "big")
-
-
-class SessionHashRouter(SimRouter):
-    """Consistent hashing of the session id on a ring with 100 virtual nodes per replica (no fallback)."""
-
-    NUM_VIRTUAL_NODES = 100
-
-    def __init__(self, num_replicas: int, rng: random.Random) -> None:
-        super().__init__(num_replicas, rng)
-        ring = sorted((_hash64(f"r{r}:{v}"), r) for r in range(num_replicas) for v in range(self.NUM_VIRTUAL_NODES))
-        self._points = [p for p, _ in ring]
-        self._owners = [r for _, r in ring]
-
-    def route(self, request: SimRequest, now_s: float) -> int:
-        i = bisect.bisect_left(self._points, _hash64(request.session_id))
-        return self._owners[i % len(self._owners)]
-
-
-class PrefixTreeRouter(SimRouter):
-    """Approximation of Ray's `PrefixCacheAffinityRouter` (see module docstring)."""
-
-    MATCH_RATE_THRESHOLD = 0.1
-
-    def __init__(self, num_replicas: int, rng: random.Random) -> None:
-        super().__init__(num_replicas, rng)
-        self._owners: dict[BlockHash, int] = {}  # block -> bitmask of replicas sent a prompt holding it
-        self._num_blocks = [0] * num_replicas
-
-    def route(self, request: SimRequest, now_s: float) -> int:
-        hashes = request.blocks.hashes()
-        owners = self._owners
-        # Every replica's set is prefix-closed (whole prompts are inserted), so
-        # "some replica holds block i" is monotone: binary search the longest match.
-        low, high = 0, len(hashes)
-        while low < high:
-            mid = (low + high) // 2
-            if owners.get(hashes[mid], 0):
-                low = mid + 1
-            else:
-                high = mid
-        matched = low
-        if hashes and matched / len(hashes) >= self.MATCH_RATE_THRESHOLD:
-            mask = owners[hashes[matched - 1]]
-            candidates = [r for r in range(len(self._num_blocks)) if mask >> r & 1]
-        else:
-            fewest = min(self._num_blocks)
-            candidates = [r for r, n in enumerate(self._num_blocks) if n == fewest]
-        chosen = self._least_loaded(candidates)
-        bit = 1 << chosen
-        added = 0
-        for block_hash in hashes:
-            mask = owners.get(block_hash, 0)
-            if not mask & bit:
-                owners[block_hash] = mask | bit
-                added += 1
-        self._num_blocks[chosen] += added
-        return chosen
-
-
-class WarmpathRouter(SimRouter):
-    """The production policy and index, driven by simulated loads and KV events."""
-
-    wants_kv_events = True
-
-    def __init__(self, num_replicas: int, rng: random.Random, config: RouterConfig, block_size_tokens: int,
-                 model_id: str) -> None:
-        super().__init__(num_replicas, rng)
-        self.replica_ids = [ReplicaId(f"r{i}") for i in range(num_replicas)]
-        self._slot = {r: i for i, r in enumerate(self.replica_ids)}
-        self.index = PrefixIndex(block_size_tokens, config.max_blocks_per_replica, model_id)
-        self.policy = PrefixAwarePolicy(config, block_size_tokens, rng=rng)
-        self.sessions: dict[str, ReplicaId] = {}
-        self.loads = {r: ReplicaLoad(0) for r in self.replica_ids}
-        self._model_id = model_id
-
-    def on_load(self, replica: int, num_requests: int, kv_cache_usage: float) -> None:
-        super().on_load(replica, num_requests, kv_cache_usage)
-        self.loads[self.replica_ids[replica]] = ReplicaLoad(num_requests, 0, min(max(kv_cache_usage, 0.0), 1.0))
-
-    def on_kv_events(self, replica: int, events: list, now_s: float) -> None:
-        self.index.apply(self.replica_ids[replica], events)
-
-    def route(self, request: SimRequest, now_s: float) -> int:
-        routing = RoutingRequest(request.token_ids, self._model_id, session_id=request.session_id)
-        decision = self.policy.choose(routing, self.replica_ids, self.loads, self.index, self.sessions, now_s)
-        request.blocks = decision.request_blocks
-        chosen = decision.replica_id
-        request.record.route = decision.reason
-        request.record.predicted_cached_tokens = decision.predicted_cached_tokens.get(chosen, 0)
-        return self._slot[chosen]
-
-
-def make_router(policy: RouterPolicy, num_replicas: int, rng: random.Random, config: RouterConfig,
-                block_size_tokens: int, model_id: str) -> SimRouter:
-    if policy == "warmpath":
-        return WarmpathRouter(num_replicas, rng, config, block_size_tokens, model_id)
-    routers = {"pow2": Pow2Router, "round-robin": RoundRobinRouter, "session-hash": SessionHashRouter,
-               "prefix-tree": PrefixTreeRouter}
-    if policy not in routers:
-        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    return routers[policy](num_replicas, rng)
 
 
 # --- sources --------------------------------------------------------------------------------------

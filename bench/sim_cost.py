@@ -1,0 +1,76 @@
+"""Replica cost models of the simulator, kept apart from the event loop that uses them.
+
+The numbers are what a simulated result rests on, each with where it comes from
+(a fit of live runs, or an estimate stated step by step): they are refitted and
+cited (the README points here) without reading the simulation.
+`bench.simulator` re-exports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Replica speed and KV capacity. `source` says where the numbers come from."""
+
+    name: str
+    block_size_tokens: int
+    kv_capacity_blocks: int
+    prefill_overhead_s: float
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    is_decode_blocking: bool
+    kv_event_lag_s: float
+    source: str
+
+    def prefill_s(self, num_uncached_tokens: int) -> float:
+        return self.prefill_overhead_s + self.prefill_s_per_token * num_uncached_tokens
+
+
+# Measured on 2 CPU cores, 2 replicas of the small model (6 layers, hidden 384), from the
+# 265 requests of one `warmpath bench --workload shared-tools` run (all five policies, about
+# one request in flight): a least-squares fit of TTFT against uncached prompt tokens gives
+# 0.19 ms per uncached token plus 75 ms (HTTP, routing and the engine step included); decode
+# took a median 7.1 ms per output token. Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens
+# * 3,072 bytes per token: 2 (K, V) * 6 layers * 2 KV heads * 64 dims * 2 bytes).
+CPU_PROFILE = CostProfile(
+    name="cpu-small-model",
+    block_size_tokens=32,
+    kv_capacity_blocks=(1 << 30) // (32 * 3072),
+    prefill_overhead_s=0.075,
+    prefill_s_per_token=0.00019,
+    decode_s_per_token=0.0071,
+    is_decode_blocking=True,
+    kv_event_lag_s=0.05,
+    source=(
+        "measured on 2 CPU cores: TTFT of 265 live shared-tools requests fitted as 75 ms + "
+        "0.19 ms per uncached token, decode 7.1 ms per token (median); "
+        "KV capacity 1 GiB per replica at 3,072 bytes per token"
+    ),
+)
+
+# Assumed, not measured: one H100 80GB per replica serving Qwen2.5-7B-Instruct in bf16 with vLLM.
+# Prefill: ~15 GFLOP per token (2 x 7.6B parameters) at ~30% of 989 dense bf16 TFLOP/s is
+# ~20k tokens/s, i.e. 0.05 ms per token, plus 15 ms scheduling and first-step overhead.
+# Decode: ~12 ms per output token at a moderate batch (15 GB of weights read per step at
+# 3.35 TB/s is 4.5 ms; KV reads and batching roughly double it). KV: 0.9 * 80 GB minus
+# 15.2 GB of weights and ~3 GB of activations leaves ~53 GB, at 57,344 bytes per token
+# (2 * 28 layers * 4 KV heads * 128 dims * 2 bytes) ~900k tokens = 56,250 blocks of 16.
+GPU_PROFILE = CostProfile(
+    name="gpu-h100-qwen2.5-7b",
+    block_size_tokens=16,
+    kv_capacity_blocks=56_250,
+    prefill_overhead_s=0.015,
+    prefill_s_per_token=0.00005,
+    decode_s_per_token=0.012,
+    is_decode_blocking=False,
+    kv_event_lag_s=0.01,
+    source=(
+        "assumed: H100 80GB, Qwen2.5-7B bf16; prefill 0.05 ms/token (~30% MFU) + 15 ms, "
+        "decode 12 ms/token with continuous batching, ~900k KV tokens per replica"
+    ),
+)
+
+PROFILES = {"cpu": CPU_PROFILE, "gpu": GPU_PROFILE}

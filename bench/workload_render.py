@@ -6,8 +6,7 @@ chat body (messages, tools); `TokenizerRenderer` turns it into token ids
 through the model's tokenizer and chat template exactly as the router and vLLM
 do (`router.prompt_tokens.template_messages` + `apply_chat_template`), for live
 runs; `SyntheticRenderer` gives token ids of the same prefix structure without
-a tokenizer, for simulations with thousands of sessions. `bench.workloads`
-still serves these names.
+a tokenizer, for simulations with thousands of sessions.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from array import array
 from functools import lru_cache
 from typing import Protocol
 
-from bench.workloads import Message, Part, Session, TextStyle, ToolSpec, _context_tokens
+from bench.workloads import Message, Part, Session, TextStyle, ToolSpec, context_tokens
 
 
 # --- content text ---------------------------------------------------------------------------------
@@ -203,7 +202,7 @@ def _name_id(name: str) -> int:
 
 def nominal_prompt_tokens(session: Session, step_index: int) -> int:
     """Prompt size in nominal tokens (what `SyntheticRenderer` produces, minus template ids)."""
-    return _context_tokens(session.prompt(step_index), session.tools)
+    return context_tokens(session.prompt(step_index), session.tools)
 
 
 __all__ = [

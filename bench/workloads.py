@@ -30,8 +30,7 @@ and times come from one `random.Random` per workload consumed in session
 order, so the first n sessions are the same whatever the session count.
 
 Rendering (the text of parts, OpenAI chat bodies, token ids: `openai_request`,
-`TokenizerRenderer`, `SyntheticRenderer`) lives in `bench.workload_render`;
-this module still serves its public names.
+`TokenizerRenderer`, `SyntheticRenderer`) lives in `bench.workload_render`.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import dataclasses
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal, Sequence, Union
+from typing import Callable, Literal, Sequence, Union
 
 Role = Literal["system", "user", "assistant", "tool"]
 TextStyle = Literal["prose", "json", "code"]
@@ -352,7 +351,8 @@ def shared_tools(seed: int, params: SharedToolsParams, arrival_rate_per_s: float
     return Workload("shared-tools", seed, params, arrival_rate_per_s, tuple(sessions))
 
 
-def _context_tokens(messages: Sequence[Message], tools: Sequence[ToolSpec]) -> int:
+def context_tokens(messages: Sequence[Message], tools: Sequence[ToolSpec]) -> int:
+    """Nominal tokens of a prompt (messages plus tool schemas), before any rendering."""
     return sum(m.num_tokens for m in messages) + sum(t.num_tokens for t in tools)
 
 
@@ -386,7 +386,7 @@ def coding(seed: int, params: CodingParams, arrival_rate_per_s: float) -> Worklo
             result_tokens = _uniform_int(rng, params.tool_result_tokens)
             call_tokens = _uniform_int(rng, params.tool_call_tokens)
             if (len(round_starts) > params.keep_last_rounds
-                    and _context_tokens(messages, tools) + call_tokens + result_tokens > compress_at_tokens):
+                    and context_tokens(messages, tools) + call_tokens + result_tokens > compress_at_tokens):
                 # The orchestrator's compression: one summarisation call over the whole
                 # history, then a new context: system, summary, the last rounds verbatim.
                 summarize = Message("user", (Part(f"{session_id}/summarize/{num_summaries}", 60),))
@@ -497,34 +497,7 @@ def generate(
     return _GENERATORS[name][1](seed, params, params.sessions_per_s_per_replica * num_replicas)
 
 
-# --- rendering ------------------------------------------------------------------------------------
-# `bench.workload_render` builds on the data model above, so this module serves its names on first
-# use (PEP 562) rather than importing it while either module is being initialised.
-
-if TYPE_CHECKING:
-    from bench.workload_render import (
-        PromptRenderer,
-        SyntheticRenderer,
-        TokenizerRenderer,
-        message_dict,
-        nominal_prompt_tokens,
-        openai_request,
-        part_text,
-        tool_dict,
-    )
-
-
-def __getattr__(name: str):
-    if name in __all__:  # exported but not defined here: a rendering name
-        from bench import workload_render
-
-        return getattr(workload_render, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
-    "CodingParams", "FanoutParams", "Message", "Part", "PromptRenderer", "Session", "SharedToolsParams", "Step",
-    "SyntheticRenderer", "TokenizerRenderer", "ToolSpec", "WORKLOAD_NAMES", "Workload", "WorkloadName",
-    "default_params", "generate", "message_dict", "nominal_prompt_tokens", "openai_request", "part_text",
-    "tool_dict",
+    "CodingParams", "FanoutParams", "Message", "Part", "Session", "SharedToolsParams", "Step", "ToolSpec",
+    "WORKLOAD_NAMES", "Workload", "WorkloadName", "context_tokens", "default_params", "generate",
 ]

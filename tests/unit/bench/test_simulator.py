@@ -23,7 +23,8 @@ from bench.simulator import (
     trace_requests,
 )
 from bench.trace import RequestRecord, summarize
-from bench.workloads import SyntheticRenderer, generate
+from bench.workload_render import SyntheticRenderer
+from bench.workloads import generate
 from cluster.config import RouterConfig
 
 TINY = dataclasses.replace(CPU_PROFILE, block_size_tokens=4, kv_capacity_blocks=10_000)

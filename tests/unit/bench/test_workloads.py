@@ -8,14 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.workloads import (
-    WORKLOAD_NAMES,
-    SyntheticRenderer,
-    default_params,
-    generate,
-    nominal_prompt_tokens,
-    openai_request,
-)
+from bench.workload_render import SyntheticRenderer, nominal_prompt_tokens, openai_request
+from bench.workloads import WORKLOAD_NAMES, default_params, generate
 
 MODEL_DIR = Path(__file__).resolve().parents[3] / ".warmpath" / "models" / "warmpath-tiny"
 
@@ -143,7 +137,7 @@ def test_synthetic_prompts_extend_the_previous_step_and_share_the_system_prefix(
 def tokenizer_renderer():
     if not (MODEL_DIR / "tokenizer.json").is_file():
         pytest.skip("the small model is not built (warmpath build-model)")
-    from bench.workloads import TokenizerRenderer
+    from bench.workload_render import TokenizerRenderer
 
     return TokenizerRenderer(str(MODEL_DIR))
 

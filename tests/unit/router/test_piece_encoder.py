@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.workloads import WORKLOAD_NAMES, generate, openai_request
+from bench.workload_render import openai_request
+from bench.workloads import WORKLOAD_NAMES, generate
 from cluster.model_builder import ModelShape, build_model
 from router.piece_encoder import PieceEncoder
 

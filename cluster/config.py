@@ -109,7 +109,7 @@ class RouterConfig(_Strict):
         ),
     )
     scorer_weights: dict[str, float] = Field(
-        default_factory=lambda: {"prefix-cache": 1.0, "load": 1.0, "session-affinity": 1.0, "session-balance": 1.0},
+        default_factory=lambda: {"prefix-cache": 1.0, "load": 2.0, "session-affinity": 1.0, "session-balance": 1.0},
         description="Weight per scorer (registry key); missing scorers are off.",
     )
     load_guard_factor: float = Field(

@@ -1,11 +1,18 @@
 """The "load" scorer: prefer replicas with fewer requests and free KV cache.
 
 Score = 1 - (request_share + kv_cache_usage) / 2, where request_share is the
-replica's running plus queued requests divided by the largest such count among
-the candidates (0 when every candidate is idle). Relative, because Ray Serve's
-routing stats give counts but the router is not told each replica's capacity;
-kv_cache_usage is already a fraction of capacity. Values lie in [0, 1]. The
-hard limit on load is `router.load_guard`; this only ranks.
+replica's running plus queued requests divided by one more than the largest
+such count among the candidates. Relative, because Ray Serve's routing stats
+give counts but the router is not told each replica's capacity; kv_cache_usage
+is already a fraction of capacity. Values lie in [0, 1]. The hard limit on
+load is `router.load_guard`; this only ranks.
+
+The +1 (as in "session-balance") keeps one request in flight against none
+from spanning the whole range: without it, at the default weight of 2, a
+replica holding a request's entire prompt but serving one other request would
+tie with an idle replica holding nothing, and stateless repeats of a long
+prompt would be recomputed to save a wait behind a single request. At the
+counts of a busy cluster the score is the plain relative load.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ class LoadScorer:
         """
         loads = state.loads
         max_requests = max((loads[r].num_requests for r in replica_ids), default=0)
-        scale = 1.0 / max_requests if max_requests else 0.0
+        scale = 1.0 / (max_requests + 1)
         return {
             r: 1.0 - (loads[r].num_requests * scale + loads[r].kv_cache_usage) / 2.0
             for r in replica_ids

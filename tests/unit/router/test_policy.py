@@ -254,3 +254,14 @@ def test_a_returning_session_is_not_counted_against_its_own_replica():
     policy.record(returning, A, index, sessions, 1.0)  # the tie may have been broken either way
     new = policy.choose(RoutingRequest(TOKENS, MODEL, "s4"), [A, B], loads_of(0, 0), index, sessions, 1.0)
     assert new.scores[B] > new.scores[A]  # a new session still sees A's two sessions
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_fully_cached_prompt_waits_behind_one_request_rather_than_being_recomputed(seed):
+    # Default weights (load counts double): one request in flight on the replica holding the
+    # whole prompt must not outweigh recomputing all of it on an idle replica.
+    index, sessions, policy = make_index(), {}, make_policy(seed=seed)
+    index.apply(A, [stored_prefix(8)])
+    decision = policy.choose(RoutingRequest(TOKENS, MODEL), [A, B], loads_of(1, 0), index, sessions, 0.0)
+    assert decision.replica_id == A
+    assert decision.reason == "prefix-hit"

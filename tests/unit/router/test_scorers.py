@@ -42,13 +42,14 @@ def test_prefix_cache(num_blocks, prefix, expected):
     ("loads", "expected"),
     [
         (IDLE, {A: 1.0, B: 1.0, C: 1.0}),
-        ({A: ReplicaLoad(4), B: ReplicaLoad(2), C: ReplicaLoad(0)}, {A: 0.5, B: 0.75, C: 1.0}),
-        ({A: ReplicaLoad(1, 3), B: ReplicaLoad(0, 2), C: ReplicaLoad(0)}, {A: 0.5, B: 0.75, C: 1.0}),
+        ({A: ReplicaLoad(1), B: ReplicaLoad(0), C: ReplicaLoad(0)}, {A: 0.75, B: 1.0, C: 1.0}),  # not the whole range
+        ({A: ReplicaLoad(4), B: ReplicaLoad(2), C: ReplicaLoad(0)}, {A: 0.6, B: 0.8, C: 1.0}),
+        ({A: ReplicaLoad(1, 3), B: ReplicaLoad(0, 2), C: ReplicaLoad(0)}, {A: 0.6, B: 0.8, C: 1.0}),
         (
             {A: ReplicaLoad(0, 0, 1.0), B: ReplicaLoad(0, 0, 0.5), C: ReplicaLoad(0)},
             {A: 0.5, B: 0.75, C: 1.0},
         ),
-        ({A: ReplicaLoad(2, 0, 1.0), B: ReplicaLoad(2), C: ReplicaLoad(0)}, {A: 0.0, B: 0.5, C: 1.0}),
+        ({A: ReplicaLoad(2, 0, 1.0), B: ReplicaLoad(2), C: ReplicaLoad(0)}, {A: 1 / 6, B: 2 / 3, C: 1.0}),
     ],
 )
 def test_load(loads, expected):

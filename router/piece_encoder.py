@@ -1,7 +1,7 @@
 """`PieceEncoder`: tokenizes a prompt piece by piece, reusing the pieces it has seen.
 
 Why: every agent turn re-sends the whole history, and the router tokenizes each
-prompt on the ingress's event loop (about 5 ms for a 4k-token prompt on one
+prompt on the ingress's event loop (4.4 ms for a 5.8k-token prompt on one
 core) although all but the newest messages were tokenized for the turn before.
 
 Why it is exact: a Hugging Face tokenizer first splits the text at its added

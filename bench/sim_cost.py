@@ -3,7 +3,6 @@
 The numbers are what a simulated result rests on, each with where it comes from
 (a fit of live runs, or an estimate stated step by step): they are refitted and
 cited (the README points here) without reading the simulation.
-`bench.simulator` re-exports them.
 """
 
 from __future__ import annotations
@@ -72,5 +71,3 @@ GPU_PROFILE = CostProfile(
         "decode 12 ms/token with continuous batching, ~900k KV tokens per replica"
     ),
 )
-
-PROFILES = {"cpu": CPU_PROFILE, "gpu": GPU_PROFILE}

@@ -47,8 +47,7 @@ Ordering: events at equal times run in the order they were scheduled.
 Where the parts live: cost profiles in `bench.sim_cost`, the block cache and
 its KV events in `bench.sim_cache`, the routers (warmpath and the baselines,
 `make_router`) in `bench.sim_routers`. This module runs them: sources,
-`Simulation`, `simulate`, the grid and the live-run check; it re-exports the
-moved names its `__all__` lists.
+`Simulation`, `simulate`, the grid and the live-run check.
 """
 
 from __future__ import annotations
@@ -65,8 +64,8 @@ from typing import Callable, Iterable, Literal, Sequence
 
 from bench.oracle import OracleBounds, StreamingBounds
 from bench.sim_cache import BlockCache, BlockRemoved, BlockStored
-from bench.sim_cost import CPU_PROFILE, GPU_PROFILE, PROFILES, CostProfile
-from bench.sim_routers import POLICIES, SimRequest, SimRouter, WarmpathRouter, make_router
+from bench.sim_cost import CPU_PROFILE, GPU_PROFILE, CostProfile
+from bench.sim_routers import POLICIES, SimRequest, WarmpathRouter, make_router
 from bench.trace import RequestRecord, TraceSummary, summarize
 from bench.workload_render import PromptRenderer, SyntheticRenderer
 from bench.workloads import Session, Workload, WorkloadName, default_params, generate
@@ -495,7 +494,6 @@ def reproduce_live_run(bench: dict, policy: RouterPolicy = "warmpath", tolerance
 
 
 __all__ = [
-    "BlockCache", "CPU_PROFILE", "CostProfile", "GPU_PROFILE", "GridRun", "POLICIES", "PROFILES",
-    "ReproductionCheck", "SimRouter", "Simulation", "SimulationResult", "reproduce_live_run", "run_grid",
-    "simulate", "trace_requests",
+    "GridRun", "ReproductionCheck", "Simulation", "SimulationResult", "WorkloadSource", "reproduce_live_run",
+    "run_grid", "simulate", "trace_requests",
 ]

@@ -312,7 +312,7 @@ def simulate(
     out: Path = typer.Option(Path("bench/results/simulate.json"), help="JSON output file."),
 ) -> None:
     """Simulate every routing policy at scale with the production router code (GPU cost profile)."""
-    from bench import report, simulator
+    from bench import report, sim_cost, simulator
     from bench.workloads import WORKLOAD_NAMES
 
     names = list(WORKLOAD_NAMES) if workload == "all" else [workload]
@@ -322,7 +322,7 @@ def simulate(
     runs = simulator.run_grid(names, replicas, sessions, seed=seed, progress=progress)
     document = {
         "kind": "warmpath-simulate",
-        "profile": simulator.GPU_PROFILE.__dict__,
+        "profile": sim_cost.GPU_PROFILE.__dict__,
         "seed": seed,
         "runs": [run.to_json() for run in runs],
     }

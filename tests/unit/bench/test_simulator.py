@@ -10,11 +10,10 @@ import pytest
 
 from bench.oracle import LruBlockCache, oracle_bounds
 from bench.report import simulation_report
+from bench.sim_cache import BlockCache
+from bench.sim_cost import CPU_PROFILE, GPU_PROFILE
+from bench.sim_routers import POLICIES
 from bench.simulator import (
-    CPU_PROFILE,
-    GPU_PROFILE,
-    POLICIES,
-    BlockCache,
     Simulation,
     WorkloadSource,
     reproduce_live_run,

@@ -69,6 +69,16 @@ class ReplicaConfig(_Strict):
         ),
     )
     block_size_tokens: int = Field(32, description="KV block size; a multiple of 32 on CPU.", ge=1)
+    stream_batching_interval_ms: float = Field(
+        50.0,
+        description=(
+            "How long a replica gathers streamed chunks after the first before sending them to the "
+            "ingress (Ray Serve LLM's stream_batching_interval_ms). The first chunk always leaves at "
+            "once; 0 sends every chunk alone (more items across the actor boundary)."
+        ),
+        ge=0,
+        le=1000,
+    )
     engine_kwargs: dict[str, EngineArgValue] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, passed through unchanged."
     )

@@ -122,6 +122,7 @@ def llm_config(cfg: ClusterConfig) -> LLMConfig:
         engine_kwargs=engine_kwargs(cfg),
         deployment_config=deployment_config,
         runtime_env={"env_vars": env_vars},
+        experimental_configs={"stream_batching_interval_ms": cfg.replicas.stream_batching_interval_ms},
         **extra,
     )
 

@@ -11,6 +11,8 @@ Why a subclass rather than plain `LLMServer`:
   caller having to trust the body.
 - It counts which chat prompts arrived with the router's token ids
   (`router.prompt_tokens`, forwarding) and which the engine rendered itself.
+- A stream's first chunk leaves as soon as it exists instead of at the end of
+  Ray's first batching interval (`serve_apps.stream_batches`).
 
 Everything else (engine start, OpenAI serving layer, placement groups, health
 checks) is Ray Serve LLM's.
@@ -31,6 +33,7 @@ from cluster.config import TelemetryConfig
 from ray import serve
 from router.prompt_tokens import FORWARDED_IDS_KEY
 from serve_apps.metrics import WarmpathMetrics
+from serve_apps.stream_batches import eager_first_batches
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.llm import LLMConfig
 
@@ -120,6 +123,9 @@ class WarmpathLLMServer(LLMServer):
         if span.is_recording():
             span.set_attribute("warmpath.prompt_ids_forwarded", is_forwarded)
         return self._tagged(await super().chat(request, raw_request_info), span)
+
+    def _batch_output_stream(self, generator: AsyncGenerator) -> AsyncGenerator[list, None]:
+        return eager_first_batches(generator, self._get_batch_interval_ms() / 1000)
 
     async def completions(self, request, raw_request_info=None):
         span = self._span("completions", request, raw_request_info)

@@ -19,6 +19,7 @@ Invariants `check_tool_parameters` holds for every accepted schema:
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -89,6 +90,30 @@ def compact_json_utf8(value: JsonValue, what: str) -> bytes:
         raise ValueError(f"{what} hold a lone surrogate {surrogate!r}, which is not Unicode text") from None
     except ValueError as err:  # an integer too long to print
         raise ValueError(f"{what} cannot be written as JSON: {err}") from None
+
+
+def prefix_def_refs(schema: JsonValue, prefix: str) -> JsonValue:
+    """A copy of `schema` whose `#/$defs/X...` references read `#/$defs/<prefix>X...`.
+
+    For hoisting a schema's `$defs` into a larger one under prefixed names. Only
+    subschema positions are rewritten: under `const`, `enum`, `default` or
+    `examples` a `{"$ref": ...}` is a value the arguments must equal, not a reference.
+    """
+    if not isinstance(schema, dict):
+        return copy.deepcopy(schema)
+    out: dict[str, JsonValue] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith(_LOCAL_REF_PREFIX):
+            out[key] = f"{_LOCAL_REF_PREFIX}{prefix}{value[len(_LOCAL_REF_PREFIX):]}"
+        elif key in _SUBSCHEMA_KEYWORDS:
+            out[key] = prefix_def_refs(value, prefix)
+        elif key in _SUBSCHEMA_LIST_KEYWORDS and isinstance(value, list):
+            out[key] = [prefix_def_refs(item, prefix) for item in value]
+        elif key in _SUBSCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+            out[key] = {name: prefix_def_refs(sub, prefix) for name, sub in value.items()}
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def _check_bounds(schema: dict[str, JsonValue]) -> None:

@@ -27,7 +27,7 @@ from pydantic import JsonValue
 from referencing import Registry
 
 from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
-from serve_apps.orchestrator.tool_schema import compact_json_utf8
+from serve_apps.orchestrator.tool_schema import compact_json_utf8, prefix_def_refs
 
 # Bodies beyond this are refused rather than buffered: a tool cannot exhaust replica memory.
 MAX_TOOL_RESPONSE_BYTES = 8 * 1024 * 1024
@@ -35,7 +35,6 @@ MAX_REPORTED_VIOLATIONS = 16
 # Tool arguments and tool replies nest at most this deep (real ones: a handful of levels).
 MAX_ARGUMENT_DEPTH = 64
 _ERROR_BODY_SNIPPET_BYTES = 512
-_DEFS_REF_PREFIX = "#/$defs/"
 
 ToolCallErrorKind = Literal["unknown_tool", "invalid_json", "schema_violation"]
 ToolStatus = Literal["ok", "error", "timeout"]
@@ -148,21 +147,6 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
     return ToolCallError(call.id, call.name, "schema_violation", detail, violations)
 
 
-def _rebase_refs(node: JsonValue, tool_name: str) -> JsonValue:
-    """Points `#/$defs/X...` at the hoisted `#/$defs/<tool>.X...` (tool names hold no '/' or '~')."""
-    if isinstance(node, dict):
-        out = {}
-        for key, value in node.items():
-            if key == "$ref" and isinstance(value, str) and value.startswith(_DEFS_REF_PREFIX):
-                out[key] = f"{_DEFS_REF_PREFIX}{tool_name}.{value[len(_DEFS_REF_PREFIX):]}"
-            else:
-                out[key] = _rebase_refs(value, tool_name)
-        return out
-    if isinstance(node, list):
-        return [_rebase_refs(item, tool_name) for item in node]
-    return node
-
-
 def tool_choice_schema(tools: Sequence[ToolSpec]) -> dict[str, JsonValue]:
     """JSON Schema of exactly one valid call, for the engine's structured outputs.
 
@@ -180,13 +164,13 @@ def tool_choice_schema(tools: Sequence[ToolSpec]) -> dict[str, JsonValue]:
         parameters = copy.deepcopy(tool.parameters)
         parameters.pop("$schema", None)
         for def_name, definition in (parameters.pop("$defs", None) or {}).items():
-            defs[f"{tool.name}.{def_name}"] = _rebase_refs(definition, tool.name)
+            defs[f"{tool.name}.{def_name}"] = prefix_def_refs(definition, f"{tool.name}.")
         branches.append(
             {
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [tool.name]},
-                    "arguments": _rebase_refs(parameters, tool.name),
+                    "arguments": prefix_def_refs(parameters, f"{tool.name}."),
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,

@@ -130,6 +130,42 @@ def test_tool_choice_schema_hoists_defs_per_tool():
     assert "$defs" not in json.dumps(schema["anyOf"]).replace("#/$defs/plot.point", "")
 
 
+LITERAL_REF_SCHEMA = {
+    "type": "object",
+    "$defs": {"mode": {"enum": ["fast", "safe"]}},
+    "properties": {
+        # A property may be called "default"; its value is a schema whose $ref must follow the hoisting.
+        "default": {"$ref": "#/$defs/mode"},
+        # Under const and enum a {"$ref": ...} object is data the arguments must equal.
+        "marker": {"const": {"$ref": "#/$defs/mode"}},
+        "choice": {"enum": [{"$ref": "#/$defs/mode"}, 1]},
+    },
+    "required": ["default", "marker", "choice"],
+}
+
+
+@pytest.mark.parametrize(
+    "arguments, is_valid",
+    [
+        ({"default": "fast", "marker": {"$ref": "#/$defs/mode"}, "choice": {"$ref": "#/$defs/mode"}}, True),
+        ({"default": "fast", "marker": {"$ref": "#/$defs/mode"}, "choice": 1}, True),
+        ({"default": "slow", "marker": {"$ref": "#/$defs/mode"}, "choice": 1}, False),
+        ({"default": "fast", "marker": {"$ref": "#/$defs/lit.mode"}, "choice": 1}, False),
+        ({"default": "fast", "marker": {"$ref": "#/$defs/mode"}, "choice": {"$ref": "#/$defs/lit.mode"}}, False),
+    ],
+)
+def test_tool_choice_schema_rewrites_references_but_not_data_that_looks_like_one(arguments, is_valid):
+    spec = _spec("lit", LITERAL_REF_SCHEMA)
+    schema = tool_choice_schema([spec])
+    Draft202012Validator.check_schema(schema)
+    properties = schema["anyOf"][0]["properties"]["arguments"]["properties"]
+    assert properties["default"] == {"$ref": "#/$defs/lit.mode"}
+    assert properties["marker"] == {"const": {"$ref": "#/$defs/mode"}}
+    # The combined schema and the tool's own validation agree on every call.
+    assert Draft202012Validator(schema).is_valid({"name": "lit", "arguments": arguments}) is is_valid
+    assert isinstance(validate_tool_call(_call("lit", json.dumps(arguments)), [spec]), ToolCallError) is not is_valid
+
+
 def test_tool_choice_schema_needs_tools():
     with pytest.raises(ValueError):
         tool_choice_schema([])

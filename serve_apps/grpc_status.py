@@ -23,6 +23,7 @@ module at start-up. The hooks into the proxy (`add_passthrough_service`,
 
 from __future__ import annotations
 
+import math
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import grpc
@@ -56,6 +57,8 @@ HTTP_TO_GRPC: Mapping[int, grpc.StatusCode] = {
 ABORTED_ERROR_CODES = frozenset({"session_busy", "stale_turn"})
 
 RAY_HEALTHZ_METHOD = "/ray.serve.RayServeAPIService/Healthz"
+# Trailing-metadata key of a failure's suggested wait, in whole seconds.
+RETRY_AFTER_KEY = "retry-after"
 
 
 def grpc_code(http_status: int, error_code: str | None = None) -> grpc.StatusCode:
@@ -76,11 +79,12 @@ def grpc_code(http_status: int, error_code: str | None = None) -> grpc.StatusCod
 class RpcFailure(Exception):
     """An expected failure of one RPC: gRPC code, the API's error code, and readable details."""
 
-    def __init__(self, status: grpc.StatusCode, code: str, message: str) -> None:
+    def __init__(self, status: grpc.StatusCode, code: str, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
     @classmethod
     def from_envelope(cls, envelope: Mapping[str, Any]) -> "RpcFailure":
@@ -91,9 +95,15 @@ class RpcFailure(Exception):
         return cls(grpc_code(int(envelope["status"]), code), code, message)
 
     def set_on(self, grpc_context) -> None:
-        """Writes the code and details onto a servicer context (grpc's or Ray Serve's)."""
+        """Writes the code and details onto a servicer context (grpc's or Ray Serve's).
+
+        A failure with a known wait (a rate limit) also carries `retry-after` in the
+        trailing metadata: whole seconds, at least 1, as HTTP's `Retry-After` header.
+        """
         grpc_context.set_code(self.status)
         grpc_context.set_details(self.message)
+        if self.retry_after_s is not None:
+            grpc_context.set_trailing_metadata([(RETRY_AFTER_KEY, str(max(1, math.ceil(self.retry_after_s))))])
 
 
 # Ray's proxy handler for one method: (request proto, servicer context) -> response bytes.

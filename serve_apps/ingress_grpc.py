@@ -501,7 +501,9 @@ class GrpcIngress:
         try:
             return await self._guard.admit(credentials_from(_string_metadata(grpc_context)))
         except AccessDenied as denied:
-            raise RpcFailure(grpc_code(denied.status, denied.code), denied.code, denied.message) from None
+            raise RpcFailure(
+                grpc_code(denied.status, denied.code), denied.code, denied.message, denied.retry_after_s
+            ) from None
 
     async def _unary(
         self, service: str, method: str, grpc_context, work: Callable[[Caller], Awaitable[ResponseT]], empty: ResponseT

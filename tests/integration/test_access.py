@@ -170,5 +170,6 @@ def test_grpc_calls_need_a_key_and_honour_ownership(cluster):
             with pytest.raises(grpc.RpcError) as err:
                 agent.CreateSession(agent_pb2.CreateSessionRequest(model=cluster.model_id), metadata=other, timeout=60)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in err.value.details()
+            assert 1 <= int(dict(err.value.trailing_metadata())["retry-after"]) <= 5
     finally:
         _revoke(cluster, record.key_id)

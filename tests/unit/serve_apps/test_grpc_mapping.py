@@ -136,6 +136,25 @@ def _exceptions():
     ]
 
 
+class _RecordingContext:
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+    def set_trailing_metadata(self, metadata):
+        self.trailing = list(metadata)
+
+
+@pytest.mark.parametrize("retry_after_s, expected", [(0.2, [("retry-after", "1")]), (2.01, [("retry-after", "3")]), (None, None)])
+def test_a_failure_with_a_known_wait_carries_retry_after_in_trailing_metadata(retry_after_s, expected):
+    context = _RecordingContext()
+    RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", "slow down", retry_after_s).set_on(context)
+    assert (context.code, context.details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down")
+    assert getattr(context, "trailing", None) == expected
+
+
 @pytest.mark.parametrize("err, expected", _exceptions())
 def test_failure_from_exception(err, expected):
     failure = failure_from_exception(err)

@@ -32,7 +32,10 @@ class CostProfile:
 # 265 requests of one `warmpath bench --workload shared-tools` run (all five policies, about
 # one request in flight): a least-squares fit of TTFT against uncached prompt tokens gives
 # 0.19 ms per uncached token plus 75 ms (HTTP, routing and the engine step included); decode
-# took a median 7.1 ms per output token. Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens
+# took a median 7.1 ms per output token. The 75 ms held up to 50 ms of Ray Serve LLM's stream
+# batching, which replicas no longer apply to the first chunk (idle cached TTFT 77 -> 44 ms); the
+# profile is kept until a low-load run refits it, since replays compare hit rates, which it does not
+# move. Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens
 # * 3,072 bytes per token: 2 (K, V) * 6 layers * 2 KV heads * 64 dims * 2 bytes).
 CPU_PROFILE = CostProfile(
     name="cpu-small-model",

@@ -9,6 +9,8 @@ for GitHub's tokens), and the plain key is shown once, to whoever created it.
 Layout (all under the `warmpath:` prefix):
 - `apikey:<sha256 hex>`  hash {record: ApiKeyRecord JSON}
 - `apikey-id:<key id>`   the sha256 hex, so a key can be listed and revoked by id
+A key created with an expiry has both entries expire at that instant (Redis'
+own expiry), so an expired key is unknown from then on, everywhere at once.
 - `ratelimit:<key id>`   hash {tokens, ts_ms}, the key's token bucket
 
 `authorize` looks the key up and takes one token in a single Lua script, so a
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -78,6 +81,7 @@ class ApiKeyRecord(BaseModel):
     requests_per_s: float = Field(description="Sustained request rate of the key's token bucket.", gt=0)
     burst: int = Field(description="Bucket size: requests allowed at once after idling.", ge=1)
     created_at_s: float = Field(description="Unix time of creation.")
+    expires_at_s: Optional[float] = Field(None, description="Unix time the key stops working; None: never.")
 
     def missing_permissions(self, required: Sequence[str]) -> list[str]:
         """Permissions in `required` this key lacks, in order (none when it holds '*')."""
@@ -146,19 +150,31 @@ class ApiKeyStore:
         await self._redis.aclose()
 
     async def create(
-        self, name: str, permissions: list[str], requests_per_s: float, burst: int, key: str | None = None
+        self, name: str, permissions: list[str], requests_per_s: float, burst: int, key: str | None = None,
+        expires_in_s: float | None = None,
     ) -> tuple[str, ApiKeyRecord]:
-        """Stores a new key (or registers `key`, e.g. one kept in a local state file); returns it and its record."""
+        """Stores a new key (or registers `key`, e.g. one kept in a local state file); returns it and its record.
+
+        `expires_in_s` (> 0) makes the key stop working that long after creation.
+        """
+        if expires_in_s is not None and not expires_in_s > 0:
+            raise ValueError(f"expires_in_s must be > 0, got {expires_in_s}")
         key = key or generate_api_key()
         key_hash = hash_api_key(key)
+        now_s = time.time()
         record = ApiKeyRecord(
             key_id=key_id_of(key_hash), name=name, permissions=tuple(permissions),
-            requests_per_s=requests_per_s, burst=burst, created_at_s=time.time(),
+            requests_per_s=requests_per_s, burst=burst, created_at_s=now_s,
+            expires_at_s=None if expires_in_s is None else now_s + expires_in_s,
         )
+        entries = (_NS + "apikey:" + key_hash, _NS + "apikey-id:" + record.key_id)
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(_NS + "apikey:" + key_hash, "record", record.model_dump_json())
-                pipe.set(_NS + "apikey-id:" + record.key_id, key_hash)
+                pipe.hset(entries[0], "record", record.model_dump_json())
+                pipe.set(entries[1], key_hash)
+                if record.expires_at_s is not None:
+                    for entry in entries:
+                        pipe.pexpireat(entry, math.ceil(record.expires_at_s * 1000))
                 await pipe.execute()
         except RedisError as err:
             raise StoreUnavailable(str(err)) from None

@@ -124,6 +124,7 @@ def keys_create(
     permission: list[str] = typer.Option([], "--permission", "-p", help="A permission the key holds (repeat; '*' = all)."),
     requests_per_s: Optional[float] = typer.Option(None, help="Sustained rate (default: access.default_requests_per_s)."),
     burst: Optional[int] = typer.Option(None, help="Bucket size (default: access.default_burst)."),
+    expires_in_days: Optional[float] = typer.Option(None, help="The key stops working this many days from now (default: never)."),
     config: Optional[Path] = ConfigOpt,
     redis_url: Optional[str] = typer.Option(None, help="Key store (default: the config's or the local cluster's)."),
 ) -> None:
@@ -134,8 +135,13 @@ def keys_create(
     if rate <= 0 or size < 1:
         typer.echo("--requests-per-s must be > 0 and --burst >= 1", err=True)
         raise typer.Exit(2)
+    if expires_in_days is not None and not expires_in_days > 0:
+        typer.echo("--expires-in-days must be > 0", err=True)
+        raise typer.Exit(2)
+    expires_in_s = None if expires_in_days is None else expires_in_days * 86400
     key, record = _with_key_store(
-        _keys_redis_url(config, redis_url), lambda store: store.create(name, permission, rate, size)
+        _keys_redis_url(config, redis_url),
+        lambda store: store.create(name, permission, rate, size, expires_in_s=expires_in_s),
     )
     typer.echo(json.dumps({"api_key": key, **record.model_dump(mode="json")}))
 

@@ -129,6 +129,28 @@ def test_rate_limit_answers_429_with_retry_after(cluster):
         _revoke(cluster, record.key_id)
 
 
+def test_an_expiring_key_works_until_redis_removes_it(cluster):
+    key, record = run_with_store(
+        cluster.redis_url, lambda store: store.create("expiring", ["*"], 100.0, 100, expires_in_s=3600))
+    try:
+        assert record.expires_at_s == pytest.approx(record.created_at_s + 3600)
+        with redis.Redis.from_url(cluster.redis_url) as store, cluster.http(api_key=key) as client:
+            for entry in (f"warmpath:apikey:{hash_api_key(key)}", f"warmpath:apikey-id:{record.key_id}"):
+                assert 3_500_000 < store.pttl(entry) <= 3_600_000, entry
+            assert client.get("/v1/models").status_code == 200
+            # Expiry is Redis' own: moving it to now is what the clock would do in an hour.
+            store.pexpireat(f"warmpath:apikey:{hash_api_key(key)}", 1)
+            refused = client.get("/v1/models")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    finally:
+        _revoke(cluster, record.key_id)
+
+
+def test_key_expiry_must_be_in_the_future(cluster):
+    with pytest.raises(ValueError, match="expires_in_s"):
+        run_with_store(cluster.redis_url, lambda store: store.create("never", ["*"], 1.0, 1, expires_in_s=0))
+
+
 def test_a_revoked_key_stops_working(cluster):
     key, record = _make_key(cluster, ["*"])
     with cluster.http(api_key=key) as client:

@@ -45,3 +45,20 @@ def test_denials_round_retry_after_up_to_whole_seconds(retry_after_s, header):
     denied = AccessDenied(429, "rate_limited", "slow down", retry_after_s)
     assert denied.headers().get("retry-after") == header
     assert denied.body()["error"] == {"message": "slow down", "type": "RateLimitError", "code": "rate_limited"}
+
+
+@pytest.mark.parametrize("days", ["0", "-1"])
+def test_keys_create_refuses_an_expiry_not_in_the_future_before_touching_the_store(days):
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    result = CliRunner().invoke(app, ["keys", "create", "--name", "x", "--expires-in-days", days,
+                                      "--redis-url", "redis://127.0.0.1:1/0"])
+    assert result.exit_code == 2
+    assert "--expires-in-days must be > 0" in result.output
+
+
+def test_records_written_before_expiry_existed_still_load():
+    raw = '{"key_id": "key_x", "name": "n", "permissions": ["*"], "requests_per_s": 1.0, "burst": 1, "created_at_s": 0}'
+    assert ApiKeyRecord.model_validate_json(raw).expires_at_s is None

@@ -9,9 +9,9 @@ for GitHub's tokens), and the plain key is shown once, to whoever created it.
 Layout (all under the `warmpath:` prefix):
 - `apikey:<sha256 hex>`  hash {record: ApiKeyRecord JSON}
 - `apikey-id:<key id>`   the sha256 hex, so a key can be listed and revoked by id
-A key created with an expiry has both entries expire at that instant (Redis'
-own expiry), so an expired key is unknown from then on, everywhere at once.
 - `ratelimit:<key id>`   hash {tokens, ts_ms}, the key's token bucket
+A key created with an expiry has its first two entries expire at that instant
+(Redis' own expiry), so an expired key is unknown from then on, everywhere at once.
 
 `authorize` looks the key up and takes one token in a single Lua script, so a
 request costs one round trip and two ingress replicas can never both spend the

@@ -39,12 +39,12 @@ class SessionActivity:
         """Records a request of `session_id` on `replica_id` at `now_s` (times never decrease)."""
         previous = self._sessions.pop(session_id, None)
         if previous is not None:
-            self._drop(previous[0])
+            _decrement(self._counts, previous[0])
         self._sessions[session_id] = (replica_id, now_s)
         self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
         if len(self._sessions) > self._max_sessions:
             _, (oldest_replica, _) = self._sessions.popitem(last=False)
-            self._drop(oldest_replica)
+            _decrement(self._counts, oldest_replica)
 
     def counts(self, now_s: float) -> Mapping[ReplicaId, int]:
         """Replica -> sessions active within `idle_s` of `now_s` (replicas with none are absent)."""
@@ -54,7 +54,7 @@ class SessionActivity:
             if last_s > horizon:
                 break
             del sessions[session_id]
-            self._drop(replica_id)
+            _decrement(self._counts, replica_id)
         return self._counts
 
     def counts_besides(self, session_id: str | None, now_s: float) -> Mapping[ReplicaId, int]:
@@ -69,18 +69,17 @@ class SessionActivity:
         if entry is None:
             return counts
         besides = dict(counts)
-        replica_id = entry[0]
-        besides[replica_id] -= 1
-        if not besides[replica_id]:
-            del besides[replica_id]
+        _decrement(besides, entry[0])
         return besides
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def _drop(self, replica_id: ReplicaId) -> None:
-        count = self._counts[replica_id] - 1
-        if count:
-            self._counts[replica_id] = count
-        else:
-            del self._counts[replica_id]
+
+def _decrement(counts: dict[ReplicaId, int], replica_id: ReplicaId) -> None:
+    """One session fewer on `replica_id`; replicas with none are absent."""
+    count = counts[replica_id] - 1
+    if count:
+        counts[replica_id] = count
+    else:
+        del counts[replica_id]

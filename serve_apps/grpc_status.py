@@ -23,8 +23,7 @@ module at start-up. The hooks into the proxy (`add_passthrough_service`,
 
 from __future__ import annotations
 
-import math
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -57,8 +56,6 @@ HTTP_TO_GRPC: Mapping[int, grpc.StatusCode] = {
 ABORTED_ERROR_CODES = frozenset({"session_busy", "stale_turn"})
 
 RAY_HEALTHZ_METHOD = "/ray.serve.RayServeAPIService/Healthz"
-# Trailing-metadata key of a failure's suggested wait, in whole seconds.
-RETRY_AFTER_KEY = "retry-after"
 
 
 def grpc_code(http_status: int, error_code: str | None = None) -> grpc.StatusCode:
@@ -79,12 +76,14 @@ def grpc_code(http_status: int, error_code: str | None = None) -> grpc.StatusCod
 class RpcFailure(Exception):
     """An expected failure of one RPC: gRPC code, the API's error code, and readable details."""
 
-    def __init__(self, status: grpc.StatusCode, code: str, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self, status: grpc.StatusCode, code: str, message: str, trailing_metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
-        self.retry_after_s = retry_after_s
+        self.trailing_metadata = tuple(trailing_metadata)
 
     @classmethod
     def from_envelope(cls, envelope: Mapping[str, Any]) -> "RpcFailure":
@@ -95,15 +94,11 @@ class RpcFailure(Exception):
         return cls(grpc_code(int(envelope["status"]), code), code, message)
 
     def set_on(self, grpc_context) -> None:
-        """Writes the code and details onto a servicer context (grpc's or Ray Serve's).
-
-        A failure with a known wait (a rate limit) also carries `retry-after` in the
-        trailing metadata: whole seconds, at least 1, as HTTP's `Retry-After` header.
-        """
+        """Writes the code, details and trailing metadata (if any) onto a servicer context (grpc's or Ray Serve's)."""
         grpc_context.set_code(self.status)
         grpc_context.set_details(self.message)
-        if self.retry_after_s is not None:
-            grpc_context.set_trailing_metadata([(RETRY_AFTER_KEY, str(max(1, math.ceil(self.retry_after_s))))])
+        if self.trailing_metadata:
+            grpc_context.set_trailing_metadata(list(self.trailing_metadata))
 
 
 # Ray's proxy handler for one method: (request proto, servicer context) -> response bytes.

@@ -312,6 +312,11 @@ def turn_error_status(code: str) -> grpc.StatusCode:
     return grpc_code(TURN_ERROR_STATUS.get(code, 500), code)
 
 
+def denial_failure(denied: AccessDenied) -> RpcFailure:
+    """The gRPC form of a refused call; HTTP's headers (`retry-after`) travel as trailing metadata."""
+    return RpcFailure(grpc_code(denied.status, denied.code), denied.code, denied.message, denied.headers().items())
+
+
 def failure_from_exception(err: Exception) -> RpcFailure:
     """The failure an exception raised while serving an RPC stands for."""
     if isinstance(err, RpcFailure):
@@ -501,9 +506,7 @@ class GrpcIngress:
         try:
             return await self._guard.admit(credentials_from(_string_metadata(grpc_context)))
         except AccessDenied as denied:
-            raise RpcFailure(
-                grpc_code(denied.status, denied.code), denied.code, denied.message, denied.retry_after_s
-            ) from None
+            raise denial_failure(denied) from None
 
     async def _unary(
         self, service: str, method: str, grpc_context, work: Callable[[Caller], Awaitable[ResponseT]], empty: ResponseT

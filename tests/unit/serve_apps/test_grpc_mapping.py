@@ -20,6 +20,7 @@ from google.protobuf import json_format
 from pydantic import ValidationError
 
 from serve_apps import ingress_grpc
+from serve_apps.access import AccessDenied
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.ingress_grpc import (
     GrpcIngress,
@@ -27,6 +28,7 @@ from serve_apps.ingress_grpc import (
     chat_completion_fields,
     chat_response_to_proto,
     create_session_body,
+    denial_failure,
     engine_failure,
     failure_from_exception,
     send_message_body,
@@ -150,7 +152,7 @@ class _RecordingContext:
 @pytest.mark.parametrize("retry_after_s, expected", [(0.2, [("retry-after", "1")]), (2.01, [("retry-after", "3")]), (None, None)])
 def test_a_failure_with_a_known_wait_carries_retry_after_in_trailing_metadata(retry_after_s, expected):
     context = _RecordingContext()
-    RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", "slow down", retry_after_s).set_on(context)
+    denial_failure(AccessDenied(429, "rate_limited", "slow down", retry_after_s)).set_on(context)
     assert (context.code, context.details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down")
     assert getattr(context, "trailing", None) == expected
 

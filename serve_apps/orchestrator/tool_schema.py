@@ -51,6 +51,8 @@ _SUBSCHEMA_KEYWORDS = frozenset(
 )
 _SUBSCHEMA_LIST_KEYWORDS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
 _SUBSCHEMA_MAP_KEYWORDS = frozenset({"$defs", "dependentSchemas", "patternProperties", "properties"})
+# Keywords whose value is instance data, never read as a schema: a `{"$ref": ...}` there is a value.
+_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})
 # Applicators that validate the instance they are given, not a part of it.
 _IN_PLACE_KEYWORDS = frozenset({"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas"})
 _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
@@ -153,7 +155,11 @@ def _check_bounds(schema: dict[str, JsonValue]) -> None:
 def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
     """Rejects keywords that leave the schema or switch dialect, and collects `$ref` values with where they occur.
 
-    Keyword values are strings and property names are not, so a property named `$ref` passes.
+    Data keywords (`const`, `enum`, `default`, `examples`) are not walked: what they
+    hold is a value the arguments are compared with, so `{"const": {"$ref": "x"}}` is
+    valid. Under a map of subschemas (`properties`, ...) the keys are names, so a
+    property named `const` or `$ref` is still checked as the schema it is. Anything
+    else, unknown keywords included, is walked as if it could hold schemas.
     """
     if isinstance(node, dict):
         for key, value in node.items():
@@ -166,7 +172,13 @@ def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
                 raise ValueError(f"{where}: {key} is not allowed in tool parameters")
             if key == "$schema" and isinstance(value, str) and value not in _DRAFT_2020_12_URIS:
                 raise ValueError(f"{where}: only Draft 2020-12 ({_DRAFT_2020_12_URIS[0]}) is supported, got {value!r}")
-            _check_keywords(value, where, refs)
+            if key in _DATA_KEYWORDS:
+                continue
+            if key in _SUBSCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+                for name, sub in value.items():
+                    _check_keywords(sub, f"{where}/{name}", refs)
+            else:
+                _check_keywords(value, where, refs)
     elif isinstance(node, list):
         for index, item in enumerate(node):
             _check_keywords(item, f"{path}/{index}", refs)

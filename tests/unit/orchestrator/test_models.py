@@ -231,6 +231,34 @@ def test_tool_parameters_local_defs_and_property_named_ref_accepted():
 
 
 @pytest.mark.parametrize(
+    "properties",
+    [
+        {"a": {"const": {"$ref": "https://example.com/s.json"}}},
+        {"a": {"enum": [{"$id": "https://example.com/root"}, 1]}},
+        {"a": {"type": "object", "default": {"$ref": "#/properties/b"}}},
+        {"a": {"examples": [{"$anchor": "x", "$schema": "http://json-schema.org/draft-07/schema#"}]}},
+    ],
+)
+def test_tool_parameters_with_reference_like_data_accepted(properties):
+    # Values under const/enum/default/examples are data the arguments are compared with, not schema.
+    parameters = {"type": "object", "properties": properties}
+    assert ToolSpec.model_validate(_tool(parameters=parameters)).parameters == parameters
+
+
+@pytest.mark.parametrize(
+    "properties",
+    [
+        {"const": {"$ref": "https://example.com/s.json"}},  # a property named const is a schema
+        {"enum": {"$id": "https://example.com/root"}},
+        {"a": {"x-annotation": {"$ref": "https://example.com/s.json"}}},  # unknown keywords stay checked
+    ],
+)
+def test_tool_parameters_checked_under_property_names_that_are_data_keywords(properties):
+    with pytest.raises(ValidationError):
+        ToolSpec.model_validate(_tool(parameters={"type": "object", "properties": properties}))
+
+
+@pytest.mark.parametrize(
     "execution, expected_type",
     [(HTTP, HttpExecution), ({"kind": "client"}, ClientExecution)],
 )

@@ -128,6 +128,15 @@ class RouterConfig(_Strict):
     load_guard_min_requests: int = Field(
         2, description="The load guard never removes a replica that would hold at most this many requests.", ge=1
     )
+    load_guard_tokens_per_excess_request: float | None = Field(
+        512.0,
+        description=(
+            "Prefill tokens one request over the load guard's limit is worth: a guarded replica stays a "
+            "candidate while the prefix only it holds saves more tokens than this times its excess requests. "
+            "null: the guard counts requests only."
+        ),
+        ge=0,
+    )
     session_idle_s: float = Field(
         120.0, description="A session counts toward its replica's active sessions (session-balance) until idle this long.",
         gt=0,

@@ -1,9 +1,12 @@
-"""Load guard: no replica takes more than `load_guard_factor` times the mean load.
+"""Load guard: no replica takes more than `load_guard_factor` times the mean load,
+unless the prefix only it holds is worth more than the queue a move avoids.
 
 Why: prefix affinity concentrates traffic. A hot prefix (one system prompt for
 every agent) would otherwise pile every request onto the replica that cached
 it first; past some imbalance recomputing the prefix elsewhere is cheaper than
-queueing.
+queueing. Past some imbalance, not at any: moving a session with a long history
+recomputes all of it, and on a replica that is only a request or two over the
+limit that prefill costs more than the wait it saves.
 
 Rule, counting the request being routed (loads are whole requests):
     mean_after = (sum of num_requests + 1) / number of replicas
@@ -12,6 +15,14 @@ Rule, counting the request being routed (loads are whole requests):
 Rounding the limit up keeps the guard from firing on tiny imbalances (one busy
 replica out of two); `min_requests` keeps it from firing at all while every
 replica is nearly idle, where a cache miss costs more than a short queue.
+
+Then, with `tokens_per_excess_request` set, a replica the rule removed comes
+back when
+    saved_tokens > excess_requests * tokens_per_excess_request
+    saved_tokens    = its cached prefix tokens - the longest among the kept replicas
+    excess_requests = its num_requests + 1 - limit   (>= 1 for a removed replica)
+so a replica a little over the limit keeps a request whose history only it
+holds, and one far over the limit keeps nothing but very long prefixes.
 
 Invariant: never removes every replica. The least-loaded replica holds at most
 floor(mean) requests, and factor > 1 makes limit >= floor(mean) + 1, so it
@@ -31,6 +42,8 @@ def apply_load_guard(
     loads: Mapping[ReplicaId, ReplicaLoad],
     load_guard_factor: float,
     min_requests: int = 1,
+    cached_tokens: Mapping[ReplicaId, int] | None = None,
+    tokens_per_excess_request: float | None = None,
 ) -> tuple[list[ReplicaId], list[ReplicaId]]:
     """Splits candidates into those under the limit and those over it.
 
@@ -39,6 +52,9 @@ def apply_load_guard(
         loads: current load per replica.
         load_guard_factor: multiple of the mean load allowed (> 1).
         min_requests: a replica may always hold this many requests, this one included.
+        cached_tokens: tokens of the request's prefix each replica holds (absent: none).
+        tokens_per_excess_request: prefill tokens one request over the limit is
+            worth; None keeps the count-only rule.
 
     Returns:
         (kept, removed), each in the input order; `kept` is non-empty when
@@ -52,9 +68,16 @@ def apply_load_guard(
     mean_after = (sum(counts) + 1) / len(counts)
     # The epsilon keeps float noise (1.1 * 10 = 11.000000000000002) from adding a request.
     limit = max(math.ceil(load_guard_factor * mean_after - 1e-9), min_requests)
-    kept = [r for r, n in zip(replica_ids, counts) if n + 1 <= limit]
-    if not kept:
+    is_kept = [n + 1 <= limit for n in counts]
+    if not any(is_kept):
         lightest = min(counts)
-        kept = [r for r, n in zip(replica_ids, counts) if n == lightest]
-    kept_set = set(kept)
-    return kept, [r for r in replica_ids if r not in kept_set]
+        is_kept = [n == lightest for n in counts]
+    if cached_tokens and tokens_per_excess_request is not None:
+        best_kept = max((cached_tokens.get(r, 0) for r, k in zip(replica_ids, is_kept) if k), default=0)
+        for i, (r, n) in enumerate(zip(replica_ids, counts)):
+            saved = cached_tokens.get(r, 0) - best_kept
+            if not is_kept[i] and saved > (n + 1 - limit) * tokens_per_excess_request:
+                is_kept[i] = True
+    kept = [r for r, k in zip(replica_ids, is_kept) if k]
+    removed = [r for r, k in zip(replica_ids, is_kept) if not k]
+    return kept, removed

@@ -8,7 +8,8 @@ Order of one `choose` call:
    loop costs less than hashing block by block during the lookup;
 2. look the blocks up in the `PrefixIndex` (stops at the first block no
    replica holds);
-3. drop overloaded replicas (`router.load_guard`);
+3. drop overloaded replicas, unless the prefix only they hold outweighs
+   their excess load (`router.load_guard`);
 4. score the rest with the configured scorers and rank them (`router.picker`);
 5. name the reason, then `record` the choice: the session's replica and
    pending blocks on the chosen replica (hashing the rest of the prompt).
@@ -82,6 +83,7 @@ class PrefixAwarePolicy:
         self._scorers = build_weighted_scorers(config.scorer_weights)
         self._load_guard_factor = config.load_guard_factor
         self._load_guard_min_requests = config.load_guard_min_requests
+        self._load_guard_tokens_per_excess_request = config.load_guard_tokens_per_excess_request
         self._pending_ttl_s = config.pending_ttl_s
         self._block_size_tokens = block_size_tokens
         self._rng = rng or random.Random()
@@ -124,7 +126,11 @@ class PrefixAwarePolicy:
         blocks = self._request_blocks(request)
         held = index.longest_prefix(blocks.hashes(), now_s)
         prefix_blocks = {r: held[r] for r in candidate_ids if r in held}
-        kept, removed = apply_load_guard(candidate_ids, loads, self._load_guard_factor, self._load_guard_min_requests)
+        cached_tokens = {r: n * self._block_size_tokens for r, n in prefix_blocks.items()}
+        kept, removed = apply_load_guard(
+            candidate_ids, loads, self._load_guard_factor, self._load_guard_min_requests,
+            cached_tokens, self._load_guard_tokens_per_excess_request,
+        )
         active = self._activity.counts_besides(request.session_id, now_s)
         state = ScoringState(blocks.num_blocks, prefix_blocks, loads, sessions, active)
         weighted = [(weight, scorer.score(request, kept, state)) for scorer, weight in self._scorers]

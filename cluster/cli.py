@@ -254,17 +254,10 @@ def bench(
 ) -> None:
     """Run agent workloads on the local cluster once per routing policy (redeploying between policies)."""
     from bench import live, report
-    from bench.workloads import WORKLOAD_NAMES
     from cluster import local
-    from cluster.config import RouterPolicy
 
     cfg = _load(config)
-    names = list(WORKLOAD_NAMES) if workload == "all" else [workload]
-    chosen = [p.strip() for p in policies.split(",") if p.strip()]
-    unknown = [n for n in names if n not in WORKLOAD_NAMES] + [p for p in chosen if p not in get_args(RouterPolicy)]
-    if unknown or not chosen:
-        typer.echo(f"unknown workload or policy: {', '.join(unknown) or '(no policy)'}", err=True)
-        raise typer.Exit(2)
+    names, chosen = _workloads_and_policies(workload, policies)
     for name in names:
         try:
             result = live.run_bench(cfg, name, chosen, seed, sessions, time_scale, progress)
@@ -309,23 +302,39 @@ def chaos(
         raise typer.Exit(1)
 
 
+def _workloads_and_policies(workload: str, policies: str) -> tuple[list[str], list[str]]:
+    """The workload names (`all` expanded) and comma-separated policies of `bench` and `simulate`; exit 2 on a bad one."""
+    from bench.workloads import WORKLOAD_NAMES
+    from cluster.config import RouterPolicy
+
+    names = list(WORKLOAD_NAMES) if workload == "all" else [workload]
+    chosen = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [n for n in names if n not in WORKLOAD_NAMES] + [p for p in chosen if p not in get_args(RouterPolicy)]
+    if unknown or not chosen:
+        typer.echo(f"unknown workload or policy: {', '.join(unknown) or '(no policy)'}", err=True)
+        raise typer.Exit(2)
+    return names, chosen
+
+
 @app.command()
 def simulate(
     workload: str = typer.Option("all", help="shared-tools, coding, fanout, or all."),
     replicas: list[int] = typer.Option([16], "--replicas", help="Replica count (repeatable)."),
     sessions: int = typer.Option(100, help="Sessions per workload."),
     seed: int = typer.Option(0, help="Workload and router seed."),
+    policies: str = typer.Option(
+        "warmpath,pow2,round-robin,session-hash,prefix-tree", help="Comma-separated routing policies, each run once."
+    ),
     out: Path = typer.Option(Path("bench/results/simulate.json"), help="JSON output file."),
 ) -> None:
-    """Simulate every routing policy at scale with the production router code (GPU cost profile)."""
+    """Simulate routing policies at scale with the production router code (GPU cost profile)."""
     from bench import report, sim_cost, simulator
-    from bench.workloads import WORKLOAD_NAMES
 
-    names = list(WORKLOAD_NAMES) if workload == "all" else [workload]
-    if any(name not in WORKLOAD_NAMES for name in names) or any(n < 1 for n in replicas) or sessions < 1:
-        typer.echo(f"workload must be one of {', '.join(WORKLOAD_NAMES)} or all; replicas and sessions >= 1", err=True)
+    names, chosen = _workloads_and_policies(workload, policies)
+    if any(n < 1 for n in replicas) or sessions < 1:
+        typer.echo("replicas and sessions must be >= 1", err=True)
         raise typer.Exit(2)
-    runs = simulator.run_grid(names, replicas, sessions, seed=seed, progress=progress)
+    runs = simulator.run_grid(names, replicas, sessions, seed=seed, policies=chosen, progress=progress)
     document = {
         "kind": "warmpath-simulate",
         "profile": sim_cost.GPU_PROFILE.__dict__,

@@ -131,9 +131,9 @@ class RouterConfig(_Strict):
     load_guard_tokens_per_excess_request: float | None = Field(
         512.0,
         description=(
-            "Prefill tokens one request over the load guard's limit is worth: a guarded replica stays a "
-            "candidate while the prefix only it holds saves more tokens than this times its excess requests. "
-            "null: the guard counts requests only."
+            "Prefill tokens one request over the load guard's limit is worth: a guarded replica that served "
+            "the request's session stays a candidate while the history only it holds saves more tokens than "
+            "this times its excess requests. null: the guard counts requests only."
         ),
         ge=0,
     )

@@ -1,12 +1,14 @@
 """Load guard: no replica takes more than `load_guard_factor` times the mean load,
-unless the prefix only it holds is worth more than the queue a move avoids.
+unless it holds the request's session and moving the session costs more than the queue.
 
 Why: prefix affinity concentrates traffic. A hot prefix (one system prompt for
-every agent) would otherwise pile every request onto the replica that cached
-it first; past some imbalance recomputing the prefix elsewhere is cheaper than
-queueing. Past some imbalance, not at any: moving a session with a long history
-recomputes all of it, and on a replica that is only a request or two over the
-limit that prefill costs more than the wait it saves.
+every agent, a popular document) would otherwise pile every request onto the
+replica that cached it first; past some imbalance recomputing the prefix
+elsewhere is cheaper than queueing, and the copy then serves later requests
+there too. A session's own history is different: nobody else reuses it, so
+moving a session recomputes all of it for this one request, and on a replica
+only a request or two over the limit that prefill costs more than the wait it
+saves.
 
 Rule, counting the request being routed (loads are whole requests):
     mean_after = (sum of num_requests + 1) / number of replicas
@@ -16,13 +18,13 @@ Rounding the limit up keeps the guard from firing on tiny imbalances (one busy
 replica out of two); `min_requests` keeps it from firing at all while every
 replica is nearly idle, where a cache miss costs more than a short queue.
 
-Then, with `tokens_per_excess_request` set, a replica the rule removed comes
-back when
+Then, with `tokens_per_excess_request` set, the session's replica comes back
+if the rule removed it and
     saved_tokens > excess_requests * tokens_per_excess_request
     saved_tokens    = its cached prefix tokens - the longest among the kept replicas
     excess_requests = its num_requests + 1 - limit   (>= 1 for a removed replica)
-so a replica a little over the limit keeps a request whose history only it
-holds, and one far over the limit keeps nothing but very long prefixes.
+so a session a little over the limit stays with its history, and one far over
+it stays only with a very long one.
 
 Invariant: never removes every replica. The least-loaded replica holds at most
 floor(mean) requests, and factor > 1 makes limit >= floor(mean) + 1, so it
@@ -44,6 +46,7 @@ def apply_load_guard(
     min_requests: int = 1,
     cached_tokens: Mapping[ReplicaId, int] | None = None,
     tokens_per_excess_request: float | None = None,
+    session_replica: ReplicaId | None = None,
 ) -> tuple[list[ReplicaId], list[ReplicaId]]:
     """Splits candidates into those under the limit and those over it.
 
@@ -55,6 +58,8 @@ def apply_load_guard(
         cached_tokens: tokens of the request's prefix each replica holds (absent: none).
         tokens_per_excess_request: prefill tokens one request over the limit is
             worth; None keeps the count-only rule.
+        session_replica: the replica that served the request's session last, the
+            only one the cost rule can bring back (None: no session, no exception).
 
     Returns:
         (kept, removed), each in the input order; `kept` is non-empty when
@@ -72,12 +77,12 @@ def apply_load_guard(
     if not any(is_kept):
         lightest = min(counts)
         is_kept = [n == lightest for n in counts]
-    if cached_tokens and tokens_per_excess_request is not None:
-        best_kept = max((cached_tokens.get(r, 0) for r, k in zip(replica_ids, is_kept) if k), default=0)
-        for i, (r, n) in enumerate(zip(replica_ids, counts)):
-            saved = cached_tokens.get(r, 0) - best_kept
-            if not is_kept[i] and saved > (n + 1 - limit) * tokens_per_excess_request:
-                is_kept[i] = True
+    if cached_tokens and tokens_per_excess_request is not None and session_replica in replica_ids:
+        i = replica_ids.index(session_replica)
+        if not is_kept[i]:
+            best_kept = max((cached_tokens.get(r, 0) for r, k in zip(replica_ids, is_kept) if k), default=0)
+            saved = cached_tokens.get(session_replica, 0) - best_kept
+            is_kept[i] = saved > (counts[i] + 1 - limit) * tokens_per_excess_request
     kept = [r for r, k in zip(replica_ids, is_kept) if k]
     removed = [r for r, k in zip(replica_ids, is_kept) if not k]
     return kept, removed

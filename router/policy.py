@@ -8,8 +8,8 @@ Order of one `choose` call:
    loop costs less than hashing block by block during the lookup;
 2. look the blocks up in the `PrefixIndex` (stops at the first block no
    replica holds);
-3. drop overloaded replicas, unless the prefix only they hold outweighs
-   their excess load (`router.load_guard`);
+3. drop overloaded replicas, unless it is the session's replica and the
+   history only it holds outweighs its excess load (`router.load_guard`);
 4. score the rest with the configured scorers and rank them (`router.picker`);
 5. name the reason, then `record` the choice: the session's replica and
    pending blocks on the chosen replica (hashing the rest of the prompt).
@@ -127,9 +127,10 @@ class PrefixAwarePolicy:
         held = index.longest_prefix(blocks.hashes(), now_s)
         prefix_blocks = {r: held[r] for r in candidate_ids if r in held}
         cached_tokens = {r: n * self._block_size_tokens for r, n in prefix_blocks.items()}
+        session_replica = sessions.get(request.session_id) if request.session_id is not None else None
         kept, removed = apply_load_guard(
             candidate_ids, loads, self._load_guard_factor, self._load_guard_min_requests,
-            cached_tokens, self._load_guard_tokens_per_excess_request,
+            cached_tokens, self._load_guard_tokens_per_excess_request, session_replica,
         )
         active = self._activity.counts_besides(request.session_id, now_s)
         state = ScoringState(blocks.num_blocks, prefix_blocks, loads, sessions, active)

@@ -96,23 +96,27 @@ def test_load_guard_floor(counts, min_requests, expected_removed):
 
 
 @pytest.mark.parametrize(
-    ("counts", "cached", "tokens_per_request", "expected_removed"),
+    ("counts", "cached", "session_replica", "tokens_per_request", "expected_removed"),
     [
-        ((3, 0), {A: 2000}, 512.0, []),  # one request over the limit; 2000 tokens saved outweigh it
-        ((3, 0), {A: 2000}, None, [A]),  # the count-only rule
-        ((3, 0), {A: 2000, B: 1600}, 512.0, [A]),  # B holds most of it too: a move saves only 400
-        ((3, 0), {A: 500}, 512.0, [A]),
-        ((3, 0), {A: 512}, 512.0, [A]),  # saving exactly the excess is not worth a pile-up
-        ((12, 0), {A: 2000}, 512.0, []),  # limit 10: three over, worth 1536 tokens < 2000 saved
-        ((20, 0), {A: 2000}, 512.0, [A]),  # limit 16: five over, worth 2560 tokens > 2000 saved
-        ((10, 10, 0, 0), {A: 4000, B: 100}, 512.0, [B]),  # only the replica with a long prefix comes back
-        ((3, 0), {A: 2000}, 0.0, []),  # 0: an excess request is worth nothing, any saving keeps A
+        ((3, 0), {A: 2000}, A, 512.0, []),  # one request over the limit; 2000 tokens of history outweigh it
+        ((3, 0), {A: 2000}, A, None, [A]),  # the count-only rule
+        ((3, 0), {A: 2000}, None, 512.0, [A]),  # no session: a shared prefix is worth copying elsewhere
+        ((3, 0), {A: 2000}, B, 512.0, [A]),  # the session is on B already
+        ((3, 0), {A: 2000, B: 1600}, A, 512.0, [A]),  # B holds most of it too: a move recomputes only 400
+        ((3, 0), {A: 500}, A, 512.0, [A]),
+        ((3, 0), {A: 512}, A, 512.0, [A]),  # saving exactly the excess is not worth a pile-up
+        ((12, 0), {A: 2000}, A, 512.0, []),  # limit 10: three over, worth 1536 tokens < 2000 saved
+        ((20, 0), {A: 2000}, A, 512.0, [A]),  # limit 16: five over, worth 2560 tokens > 2000 saved
+        ((10, 10, 0, 0), {A: 100, B: 4000}, A, 512.0, [A, B]),  # only the session's replica may come back
+        ((3, 0), {A: 2000}, A, 0.0, []),  # 0: an excess request is worth nothing, any saving keeps A
+        ((0, 3), {B: 2000}, ReplicaId("gone"), 512.0, [B]),  # the session's replica is not a candidate
     ],
 )
-def test_load_guard_spares_a_replica_whose_prefix_outweighs_its_excess(counts, cached, tokens_per_request,
-                                                                        expected_removed):
+def test_load_guard_keeps_a_session_whose_history_outweighs_the_excess_load(
+    counts, cached, session_replica, tokens_per_request, expected_removed
+):
     ids = IDS[: len(counts)]
-    kept, removed = apply_load_guard(ids, loads_of(*counts), 1.5, 2, cached, tokens_per_request)
+    kept, removed = apply_load_guard(ids, loads_of(*counts), 1.5, 2, cached, tokens_per_request, session_replica)
     assert removed == expected_removed
     assert kept == [r for r in ids if r not in expected_removed]
 
@@ -156,12 +160,17 @@ def test_reasons(cached_on, counts, sessions, expected_choice, expected_reason):
         assert A in decision.ranked_tiers[-1]  # the guarded prefix holder stays a last resort
 
 
-@pytest.mark.parametrize(("tokens_per_request", "expected_reason"), [(16.0, "prefix-hit"), (32.0, "load-guard"), (None, "load-guard")])
-def test_the_policy_weighs_the_cached_prefix_against_the_excess_load(tokens_per_request, expected_reason):
+@pytest.mark.parametrize(
+    ("tokens_per_request", "session_on", "expected_reason"),
+    [(16.0, A, "prefix-hit"), (32.0, A, "load-guard"), (None, A, "load-guard"), (16.0, None, "load-guard")],
+)
+def test_the_policy_weighs_the_sessions_history_against_the_excess_load(tokens_per_request, session_on,
+                                                                        expected_reason):
     index = make_index()
     index.apply(A, [stored_prefix(8)])  # 32 tokens on A, which is one request over the limit of 2
+    sessions = {"s": session_on} if session_on else {}
     policy = make_policy(load_guard_tokens_per_excess_request=tokens_per_request)
-    decision = policy.choose(RoutingRequest(TOKENS, MODEL), IDS, loads_of(2, 0, 0, 0), index, {}, 0.0)
+    decision = policy.choose(RoutingRequest(TOKENS, MODEL, "s"), IDS, loads_of(2, 0, 0, 0), index, sessions, 0.0)
     assert decision.reason == expected_reason
     assert (decision.replica_id == A) == (expected_reason == "prefix-hit")
 

@@ -15,7 +15,7 @@ from typing import Optional, get_args
 
 import typer
 
-from cluster.config import ClusterConfig, ConfigError, load_config
+from cluster.config import ClusterConfig, ConfigError, RouterPolicy, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="warmpath: a Ray Serve cluster for LLM agents.")
 render_app = typer.Typer(no_args_is_help=True, help="Render generated files from the cluster config.")
@@ -29,6 +29,7 @@ def progress(msg: str) -> None:
 
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="Cluster config YAML.")
+PoliciesOpt = typer.Option(",".join(get_args(RouterPolicy)), help="Comma-separated routing policies, each run once.")
 
 
 def _load(config: Optional[Path], **flags) -> ClusterConfig:
@@ -244,9 +245,7 @@ def render_k8s_cmd(
 def bench(
     config: Optional[Path] = ConfigOpt,
     workload: str = typer.Option("shared-tools", help="shared-tools, coding, fanout, or all."),
-    policies: str = typer.Option(
-        "warmpath,pow2,round-robin,session-hash,prefix-tree", help="Comma-separated routing policies, each run once."
-    ),
+    policies: str = PoliciesOpt,
     seed: int = typer.Option(0, help="Workload seed."),
     sessions: Optional[int] = typer.Option(None, help="Sessions per workload (default: the workload's CPU size)."),
     time_scale: float = typer.Option(1.0, help="Multiplies session arrival times and tool latencies."),
@@ -305,7 +304,6 @@ def chaos(
 def _workloads_and_policies(workload: str, policies: str) -> tuple[list[str], list[str]]:
     """The workload names (`all` expanded) and comma-separated policies of `bench` and `simulate`; exit 2 on a bad one."""
     from bench.workloads import WORKLOAD_NAMES
-    from cluster.config import RouterPolicy
 
     names = list(WORKLOAD_NAMES) if workload == "all" else [workload]
     chosen = [p.strip() for p in policies.split(",") if p.strip()]
@@ -322,9 +320,7 @@ def simulate(
     replicas: list[int] = typer.Option([16], "--replicas", help="Replica count (repeatable)."),
     sessions: int = typer.Option(100, help="Sessions per workload."),
     seed: int = typer.Option(0, help="Workload and router seed."),
-    policies: str = typer.Option(
-        "warmpath,pow2,round-robin,session-hash,prefix-tree", help="Comma-separated routing policies, each run once."
-    ),
+    policies: str = PoliciesOpt,
     out: Path = typer.Option(Path("bench/results/simulate.json"), help="JSON output file."),
 ) -> None:
     """Simulate routing policies at scale with the production router code (GPU cost profile)."""

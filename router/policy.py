@@ -146,7 +146,7 @@ class PrefixAwarePolicy:
             ranked.append(sorted(removed, key=lambda r: loads[r].num_requests))
         decision = Decision(
             ranked_tiers=ranked,
-            reason=self._reason(request, chosen, candidate_ids, prefix_blocks, removed, sessions),
+            reason=self._reason(chosen, candidate_ids, prefix_blocks, removed, session_replica),
             predicted_cached_tokens=self._predicted_tokens(request, ranked, prefix_blocks),
             scores=totals,
             session_id=request.session_id,
@@ -217,12 +217,11 @@ class PrefixAwarePolicy:
 
     @staticmethod
     def _reason(
-        request: RoutingRequest,
         chosen: ReplicaId,
         candidate_ids: Sequence[ReplicaId],
         prefix_blocks: Mapping[ReplicaId, int],
         removed: Sequence[ReplicaId],
-        sessions: Mapping[str, ReplicaId],
+        previous: ReplicaId | None,
     ) -> DecisionReason:
         longest = max(prefix_blocks.values(), default=0)
         if longest and removed:
@@ -231,7 +230,6 @@ class PrefixAwarePolicy:
                 return "load-guard"
         if prefix_blocks.get(chosen, 0):
             return "prefix-hit"
-        previous = sessions.get(request.session_id) if request.session_id is not None else None
         if previous == chosen:
             return "session-affinity"
         if not prefix_blocks and previous not in candidate_ids:

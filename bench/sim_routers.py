@@ -13,7 +13,7 @@ import hashlib
 import random
 from array import array
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, get_args
 
 from bench.trace import RequestRecord
 from bench.workloads import Session
@@ -23,7 +23,7 @@ from router.index import PrefixIndex
 from router.policy import PrefixAwarePolicy
 from router.types import ReplicaId, ReplicaLoad, RoutingRequest
 
-POLICIES: tuple[RouterPolicy, ...] = ("warmpath", "pow2", "round-robin", "session-hash", "prefix-tree")
+POLICIES: tuple[RouterPolicy, ...] = get_args(RouterPolicy)
 
 
 @dataclass(slots=True, eq=False)

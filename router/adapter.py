@@ -7,8 +7,10 @@ replica's KV events.
 
 Threads and ordering:
 - A daemon thread (`_EventPump`) owns the ZMQ sockets: it subscribes to each
-  replica as soon as the replica advertises its endpoints in its routing stats,
-  drains events into the `PrefixIndex`, expires pending placements (so that
+  replica as soon as the replica advertises its endpoints in its routing stats
+  (loading what the replica's replay buffer still holds), drains events into
+  the `PrefixIndex`, probes subscriptions that went quiet while their replica
+  served requests, expires pending placements (so that
   work stays off the decision path), and drops a replica's sockets and index
   entries when the replica leaves the running set.
 - `choose_replicas` runs on Serve's event loop. It tokenizes the request with
@@ -28,6 +30,7 @@ other code (the decision log) lives in other modules, imported by reference.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -43,6 +46,7 @@ from router.index import PrefixIndex
 from router.inflight import InflightRequests
 from router.policy import PrefixAwarePolicy
 from router.prompt_tokens import PromptTokenizer, forward_token_ids, is_forwardable, session_of
+from router.stream_watch import EventStreamWatch
 from router.types import Decision, ReplicaId, ReplicaLoad, RoutingRequest
 
 from ray.serve._private.request_router.common import PendingRequest
@@ -53,6 +57,8 @@ logger = logging.getLogger("ray.serve")
 
 MAX_SESSIONS = 100_000
 MAX_DECISIONS = 4096
+# Replayed batches applied per hold of the routing lock.
+REPLAY_SLICE_BATCHES = 256
 
 
 class RouterArgs(BaseModel):
@@ -77,12 +83,18 @@ class _BoundedSessions(OrderedDict):
 
 
 class _EventPump(threading.Thread):
-    """Keeps one ZMQ subscription per advertised replica and applies its events."""
+    """Keeps one ZMQ subscription per advertised replica and applies its events.
+
+    A new subscription first loads the replica's replay buffer (what it cached
+    before this router existed); a subscription that goes quiet while its
+    replica serves requests is probed through the same buffer (`router.stream_watch`).
+    """
 
     def __init__(self, router: "PrefixKVRouter") -> None:
         super().__init__(name="warmpath-kv-events", daemon=True)
         self._router = router
         self._sources: dict[ReplicaId, tuple[str, ZmqEventSource, ReplicaEventStream]] = {}
+        self.watch = EventStreamWatch()
         self.is_stopped = False
 
     def run(self) -> None:
@@ -90,6 +102,7 @@ class _EventPump(threading.Thread):
             try:
                 self._sync_subscriptions()
                 busy = self._drain()
+                self._probe_quiet_streams()
                 with self._router.lock:
                     self._router.index.expire_pending(time.monotonic())
             except Exception:  # never let one bad replica stop the pump
@@ -109,6 +122,7 @@ class _EventPump(threading.Thread):
         for replica_id in [r for r in self._sources if r not in advertised or advertised[r][0] != self._sources[r][0]]:
             _, source, _ = self._sources.pop(replica_id)
             source.close()
+            self.watch.forget(replica_id)
             with router.lock:
                 router.index.remove_replica(replica_id)
         for replica_id, (endpoint, replay_endpoint) in advertised.items():
@@ -117,17 +131,32 @@ class _EventPump(threading.Thread):
             source = ZmqEventSource(endpoint, replay_endpoint=replay_endpoint)
             stream = ReplicaEventStream(replica_id, router.index)
             self._sources[replica_id] = (endpoint, source, stream)
-            logger.info("subscribed to KV events of replica %s at %s", replica_id, endpoint)
+            self.watch.subscribed(replica_id)
+            history = source.fetch_buffered(0)
+            self._apply_replayed(stream, history.batches)
+            logger.info(
+                "subscribed to KV events of replica %s at %s (%d earlier batches from its replay buffer%s)",
+                replica_id, endpoint, len(history.batches), "" if history.is_complete else ", which did not answer",
+            )
+
+    def _apply_replayed(self, stream: ReplicaEventStream, batches: list) -> int:
+        """Applies fetched batches a slice at a time, so routing never waits on a long history."""
+        num_applied = 0
+        for start in range(0, len(batches), REPLAY_SLICE_BATCHES):
+            with self._router.lock:
+                num_applied += stream.accept_replayed(batches[start : start + REPLAY_SLICE_BATCHES])
+        return num_applied
 
     def _drain(self) -> bool:
         busy = False
-        for _, source, stream in list(self._sources.values()):
+        for replica_id, (_, source, stream) in list(self._sources.items()):
             batches = source.poll_batches(256)
             if not batches:
                 continue
             busy = True
+            self.watch.batch_received(replica_id, time.monotonic())
             last_seq = stream.snapshot().last_seq
-            if last_seq is not None and batches[0][0] != last_seq + 1:
+            if last_seq is not None and batches[0][0] > last_seq + 1:
                 # Fetch the missed batches before taking the lock that routing waits on;
                 # if the replay buffer cannot fill the gap, `accept` resynchronises.
                 first_seq = batches[0][0]
@@ -138,8 +167,45 @@ class _EventPump(threading.Thread):
                     stream.accept(seq, batch)
         return busy
 
+    def _probe_quiet_streams(self) -> None:
+        """Asks each replica that went quiet while serving for the batches after the last one received."""
+        for replica_id in self.watch.due_for_probe(time.monotonic()):
+            if replica_id not in self._sources:
+                continue
+            _, source, stream = self._sources[replica_id]
+            answer = source.fetch_buffered(stream.next_seq())
+            num_recovered = self._apply_replayed(stream, answer.batches)
+            if num_recovered:
+                outcome = "stalled"
+                logger.warning(
+                    "KV events of replica %s stopped arriving: recovered %d missed batches from its replay "
+                    "buffer and resubscribed", replica_id, num_recovered,
+                )
+                source.resubscribe()
+            elif answer.is_complete:
+                outcome = "quiet"
+            else:
+                outcome = "unreachable"
+                logger.warning(
+                    "KV events of replica %s: no batch since its last requests and its replay buffer does not "
+                    "answer; resubscribing", replica_id,
+                )
+                source.resubscribe()
+            self.watch.probed(replica_id, outcome, num_recovered, time.monotonic())
+
     def subscribed_replicas(self) -> list[str]:
         return sorted(self._sources)
+
+    def stream_states(self) -> dict[str, dict[str, Any]]:
+        """Per replica: stream position and gaps (pump thread's view) and subscription health."""
+        health = self.watch.health(time.monotonic())
+        states: dict[str, dict[str, Any]] = {}
+        for replica_id, (_, _, stream) in list(self._sources.items()):
+            state = dataclasses.asdict(stream.snapshot())
+            if replica_id in health:
+                state.update(dataclasses.asdict(health[replica_id]))
+            states[replica_id] = state
+        return states
 
 
 class PrefixKVRouter(FIFOMixin, RequestRouter):
@@ -234,6 +300,7 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._inflight.complete(internal_request_id)
+        self._pump.watch.request_completed(ReplicaId(replica_id.unique_id), time.monotonic())
 
     def snapshot(self) -> dict[str, Any]:
         """State for operators and tests: replicas, subscriptions and index counts."""
@@ -243,6 +310,7 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
             "policy": self.args.router.policy,
             "replicas": sorted(r.unique_id for r in self.curr_replicas),
             "subscribed_replicas": self._pump.subscribed_replicas(),
+            "event_streams": self._pump.stream_states(),
             "num_sessions": len(self.sessions),
             "index": {
                 "num_unique_blocks": index.num_unique_blocks,

@@ -19,6 +19,9 @@ Resync rule (`ReplicaEventStream.accept`):
   to clear) and the stream starts fresh from this batch. Blocks stored before
   the gap are then unknown and later blocks that extend them are skipped
   (unknown parent): the index under-predicts, never over-predicts.
+- After `accept_replayed` (history fetched when subscribing, or batches a
+  probe found the subscription had missed), the subscription's own copies of
+  those batches are dropped as duplicates until a newer one arrives.
 
 Importing this module does not import vLLM; `make_batch_decoder` does.
 """
@@ -43,7 +46,7 @@ END_SEQ_BYTES = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_MAX_REPLAY_BATCHES = 10_000
 
 ReplayFn = Callable[[int], Sequence[tuple[int, "KVEventBatch"]]]
-StreamOutcome = Literal["applied", "replayed", "resynced", "started"]
+StreamOutcome = Literal["applied", "replayed", "resynced", "started", "duplicate"]
 
 
 class EventDecodeError(ValueError):
@@ -93,6 +96,14 @@ class StreamSnapshot:
     num_replayed_gaps: int
 
 
+@dataclass(frozen=True, slots=True)
+class BufferedBatches:
+    """A replay answer: the batches received, and whether the publisher's end marker came too."""
+
+    batches: list[tuple[int, KVEventBatch]]
+    is_complete: bool
+
+
 class ReplicaEventStream:
     """Sequence tracking for one replica's event stream; see the module docstring for the rule.
 
@@ -122,6 +133,7 @@ class ReplicaEventStream:
         self._replay = replay
         self._max_replay_batches = max_replay_batches
         self._last_seq: int | None = None
+        self._replayed_through: int | None = None
         self._num_batches = 0
         self._num_gaps = 0
         self._num_replayed_gaps = 0
@@ -135,8 +147,13 @@ class ReplicaEventStream:
         Returns:
             "applied" (in order), "started" (first batch, nothing replayed),
             "replayed" (missing batches fetched and applied first) or
-            "resynced" (the replica's blocks were cleared).
+            "resynced" (the replica's blocks were cleared) or "duplicate"
+            (already applied from a replay; nothing done).
         """
+        if self._replayed_through is not None:
+            if seq <= self._replayed_through:
+                return "duplicate"
+            self._replayed_through = None
         is_first = self._last_seq is None
         expected = 0 if is_first else self._last_seq + 1
         outcome: StreamOutcome = "applied"
@@ -159,10 +176,31 @@ class ReplicaEventStream:
         self._last_seq = seq
         return outcome
 
+    def accept_replayed(self, batches: Sequence[tuple[int, KVEventBatch]]) -> int:
+        """Applies fetched batches newer than the stream's position, in seq order.
+
+        For batches fetched from the replay buffer outside the normal flow; the
+        subscription may still deliver its own copies of them, which `accept`
+        then drops. Returns how many batches were applied.
+        """
+        num_applied = 0
+        for seq, batch in sorted(batches, key=lambda item: item[0]):
+            if self._last_seq is None or seq > self._last_seq:
+                self.accept(seq, batch)
+                num_applied += 1
+        if num_applied:
+            self._replayed_through = self._last_seq
+        return num_applied
+
+    def next_seq(self) -> int:
+        """The sequence number this stream expects next (0 before the first batch)."""
+        return 0 if self._last_seq is None else self._last_seq + 1
+
     def reset(self) -> None:
         """Forgets the stream position and the replica's blocks (its engine restarted)."""
         self._index.clear_replica(self.replica_id)
         self._last_seq = None
+        self._replayed_through = None
 
     def snapshot(self) -> StreamSnapshot:
         """Position and gap counters, for metrics and tests."""
@@ -211,12 +249,18 @@ class ZmqEventSource:
         self._zmq = zmq
         self._ctx = context or zmq.Context.instance()
         self._decoder = decoder or make_batch_decoder()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
-        self._sub.connect(endpoint)
+        self._endpoint = endpoint
+        self._topic = topic
+        self._sub = self._new_sub()
         self._replay_endpoint = replay_endpoint
         self._dealer: zmq.Socket | None = None
         self.num_malformed_msgs = 0
+
+    def _new_sub(self) -> zmq.Socket:
+        sub = self._ctx.socket(self._zmq.SUB)
+        sub.setsockopt(self._zmq.SUBSCRIBE, self._topic.encode("utf-8"))
+        sub.connect(self._endpoint)
+        return sub
 
     def poll_batches(self, max_msgs: int) -> list[tuple[int, KVEventBatch]]:
         """Up to `max_msgs` batches already received; never blocks."""
@@ -234,14 +278,18 @@ class ZmqEventSource:
         return out
 
     def replay(self, start_seq: int, timeout_s: float = 0.5) -> list[tuple[int, KVEventBatch]]:
-        """Buffered batches with seq >= `start_seq` from the replay socket (blocks up to `timeout_s`).
+        """Buffered batches with seq >= `start_seq` (what `fetch_buffered` got, complete or not)."""
+        return self.fetch_buffered(start_seq, timeout_s).batches
 
-        Returns what arrived before the end marker or the deadline; an empty
-        list when no replay endpoint is configured. On a timeout the DEALER is
-        discarded, so late replies cannot leak into the next request.
+    def fetch_buffered(self, start_seq: int, timeout_s: float = 0.5) -> BufferedBatches:
+        """Asks the replay socket for every buffered batch with seq >= `start_seq` (blocks up to `timeout_s`).
+
+        Returns what arrived before the end marker or the deadline; nothing,
+        not complete, when no replay endpoint is configured. On a timeout the
+        DEALER is discarded, so late replies cannot leak into the next request.
         """
         if self._replay_endpoint is None:
-            return []
+            return BufferedBatches([], is_complete=False)
         zmq = self._zmq
         if self._dealer is None:
             self._dealer = self._ctx.socket(zmq.DEALER)
@@ -254,14 +302,19 @@ class ZmqEventSource:
                 continue
             frames = self._dealer.recv_multipart()
             if len(frames) == 4 and frames[2] == END_SEQ_BYTES:
-                return out
+                return BufferedBatches(out, is_complete=True)
             try:
                 out.append(decode_event_message(frames[1:], self._decoder))
             except EventDecodeError:
                 self.num_malformed_msgs += 1
         self._dealer.close(linger=0)
         self._dealer = None
-        return out
+        return BufferedBatches(out, is_complete=False)
+
+    def resubscribe(self) -> None:
+        """Replaces the SUB socket with a new connection; whatever the old one had queued is dropped."""
+        self._sub.close(linger=0)
+        self._sub = self._new_sub()
 
     def close(self) -> None:
         """Closes the sockets without waiting for unsent messages; the context stays open."""

@@ -47,6 +47,11 @@ class Caller:
 ANONYMOUS = Caller(key_id=ANONYMOUS_KEY_ID, permissions=(ALL_PERMISSIONS,))
 
 
+def retry_after_header(retry_after_s: float) -> tuple[str, str]:
+    """`retry-after` in whole seconds, at least 1 (HTTP's delay-seconds form; gRPC carries it as metadata)."""
+    return "retry-after", str(max(1, math.ceil(retry_after_s)))
+
+
 class AccessDenied(Exception):
     """A call refused before it reached any deployment."""
 
@@ -60,7 +65,7 @@ class AccessDenied(Exception):
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
             return {}
-        return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
+        return dict([retry_after_header(self.retry_after_s)])
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "Error"), "code": self.code}}

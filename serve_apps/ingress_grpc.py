@@ -59,7 +59,7 @@ from starlette.responses import JSONResponse
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
-from serve_apps.access import AccessDenied, AccessGuard, Caller, GuardSettings, credentials_from
+from serve_apps.access import AccessDenied, AccessGuard, Caller, GuardSettings, credentials_from, retry_after_header
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.ingress_http import TURN_ERROR_STATUS
 from serve_apps.orchestrator.deployment import sse_payloads
@@ -73,6 +73,8 @@ logger = logging.getLogger("ray.serve")
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name
 INTERNAL_MESSAGE = "internal error in the gRPC ingress; see the server logs"
+# Suggested wait before retrying a call refused by back-pressure when Serve names none.
+BACK_PRESSURE_RETRY_AFTER_S = 1.0
 IDEMPOTENCY_METADATA = "idempotency-key"
 NAMED_TOOL_CHOICES = frozenset({"auto", "none", "required"})
 
@@ -322,7 +324,11 @@ def failure_from_exception(err: Exception) -> RpcFailure:
     if isinstance(err, RpcFailure):
         return err
     if isinstance(err, BackPressureError):
-        return RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", err.message)
+        # Serve's HTTP proxy sends Retry-After only when Serve names a delay; a gRPC client gets a hint either way.
+        retry_after_s = err.retry_after_s if err.retry_after_s is not None else BACK_PRESSURE_RETRY_AFTER_S
+        return RpcFailure(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", err.message, [retry_after_header(retry_after_s)]
+        )
     if isinstance(err, DeploymentUnavailableError):
         return RpcFailure(grpc.StatusCode.UNAVAILABLE, "unavailable", err.message)
     if isinstance(err, RayActorError):

@@ -20,6 +20,7 @@ checks) is Ray Serve LLM's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -45,10 +46,13 @@ class ServedBy:
     replica_id: str
 
 
-def _free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+def _free_tcp_ports(count: int) -> list[int]:
+    """Distinct ports free right now: every socket stays bound until all are chosen, so no port comes twice."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def _node_ip() -> str:
@@ -62,7 +66,7 @@ class WarmpathLLMServer(LLMServer):
 
     async def __init__(self, llm_config: LLMConfig, **kwargs: Any):
         self._replica_id = serve.get_replica_context().replica_id.unique_id
-        port, replay_port = _free_tcp_port(), _free_tcp_port()
+        port, replay_port = _free_tcp_ports(2)
         host = _node_ip()
         llm_config.update_engine_kwargs(
             kv_events_config={

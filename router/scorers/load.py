@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from router.scorers import ScoringState
+from router.scorers import ScoringState, shares_of_busiest_plus_one
 from router.types import ReplicaId, RoutingRequest
 
 
@@ -40,9 +40,5 @@ class LoadScorer:
             Replica -> score for every candidate.
         """
         loads = state.loads
-        max_requests = max((loads[r].num_requests for r in replica_ids), default=0)
-        scale = 1.0 / (max_requests + 1)
-        return {
-            r: 1.0 - (loads[r].num_requests * scale + loads[r].kv_cache_usage) / 2.0
-            for r in replica_ids
-        }
+        shares = shares_of_busiest_plus_one({r: loads[r].num_requests for r in replica_ids}, replica_ids)
+        return {r: 1.0 - (shares[r] + loads[r].kv_cache_usage) / 2.0 for r in replica_ids}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from router.scorers import ScoringState
+from router.scorers import ScoringState, shares_of_busiest_plus_one
 from router.types import ReplicaId, RoutingRequest
 
 
@@ -36,6 +36,5 @@ class SessionBalanceScorer:
         Returns:
             Replica -> score for every candidate.
         """
-        active = state.active_sessions
-        scale = 1.0 / (max((active.get(r, 0) for r in replica_ids), default=0) + 1)
-        return {r: 1.0 - active.get(r, 0) * scale for r in replica_ids}
+        shares = shares_of_busiest_plus_one(state.active_sessions, replica_ids)
+        return {r: 1.0 - shares[r] for r in replica_ids}

@@ -137,6 +137,10 @@ def test_router_state_and_prediction_accuracy(warmpath_router):
     assert router is not None
     assert len(router["subscribed_replicas"]) == 2
     assert sum(router["index"]["num_blocks_by_replica"].values()) > 0
+    streams = router["event_streams"]
+    assert set(streams) == set(router["subscribed_replicas"])
+    assert sum(s["num_batches"] for s in streams.values()) > 0
+    assert all(s["num_stalls"] == 0 and s["num_unreachable"] == 0 for s in streams.values()), streams
     stats = state["stats"]
     assert stats["num_predictions"] >= 2
     assert stats["prediction_accuracy"] >= 0.5, stats

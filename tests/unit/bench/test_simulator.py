@@ -161,7 +161,6 @@ def test_reproduces_a_live_run_hit_rate_from_its_trace():
     prefix = [rng.randrange(8192) for _ in range(256)]
     histories = {s: list(prefix) for s in ("a", "b")}
     records = []
-    seen: set = set()
     for step in range(3):
         for j, session in enumerate(("a", "b")):
             histories[session] += [rng.randrange(8192) for _ in range(300)]

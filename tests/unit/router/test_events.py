@@ -202,6 +202,60 @@ def test_zmq_source_poll_is_non_blocking(tmp_path):
         start = time.monotonic()
         assert source.poll_batches(10) == []
         assert source.replay(0) == []  # no replay endpoint configured
+        assert not source.fetch_buffered(0).is_complete
         assert time.monotonic() - start < 0.5
     finally:
         source.close()
+
+
+def test_replayed_batches_are_applied_once(index):
+    """History fetched on subscribing, then the subscription's own copies of it: dropped, not a restart."""
+    stream = ReplicaEventStream(A, index)
+    history = [(1, batch(stored(2, 2, parent=1))), (0, batch(stored(0, 2)))]
+    assert stream.accept_replayed(history) == 2
+    assert stream.next_seq() == 2
+    assert [stream.accept(seq, b) for seq, b in history] == ["duplicate", "duplicate"]
+    assert stream.accept(2, batch(stored(4, 1, parent=3))) == "applied"
+    assert cached_blocks(index) == 5
+    # Once past the replayed range, a lower seq is a publisher restart again.
+    assert stream.accept(0, batch()) == "resynced"
+    assert cached_blocks(index) == 0
+
+
+def test_replayed_batches_older_than_the_stream_are_skipped(index):
+    stream = ReplicaEventStream(A, index)
+    stream.accept(0, batch(stored(0, 2)))
+    stream.accept(1, batch(stored(2, 2, parent=1)))
+    assert stream.accept_replayed([(0, batch()), (1, batch()), (2, batch(stored(4, 1, parent=3)))]) == 1
+    assert stream.next_seq() == 3
+    assert cached_blocks(index) == 5
+    assert stream.accept_replayed([]) == 0
+
+
+def test_fetch_buffered_reports_completeness_and_resubscribe_reconnects(tmp_path, index):
+    pub_ep, replay_ep = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv")
+    source = ZmqEventSource(pub_ep, topic="kv", replay_endpoint=replay_ep)
+    silent = ZmqEventSource(pub_ep, topic="kv", replay_endpoint=f"ipc://{tmp_path}/nobody")
+    try:
+        empty = source.fetch_buffered(0, timeout_s=5)
+        assert empty.batches == [] and empty.is_complete
+        publisher.publish(batch(stored(0, 2)))
+        deadline = time.monotonic() + 10
+        while not (answer := source.fetch_buffered(0, timeout_s=5)).batches and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [seq for seq, _ in answer.batches] == [0] and answer.is_complete
+        unanswered = silent.fetch_buffered(0, timeout_s=0.2)
+        assert unanswered.batches == [] and not unanswered.is_complete
+
+        source.resubscribe()
+        received: list[int] = []
+        while not received and time.monotonic() < deadline:
+            publisher.publish(batch())  # the new SUB may join after the first few; keep publishing
+            received = [seq for seq, _ in source.poll_batches(16)]
+            time.sleep(0.02)
+        assert received and received[0] >= 1
+    finally:
+        source.close()
+        silent.close()
+        publisher.shutdown()

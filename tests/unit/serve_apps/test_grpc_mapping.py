@@ -157,6 +157,16 @@ def test_a_failure_with_a_known_wait_carries_retry_after_in_trailing_metadata(re
     assert getattr(context, "trailing", None) == expected
 
 
+@pytest.mark.parametrize("retry_after_s, expected", [(None, ("retry-after", "1")), (4.5, ("retry-after", "5"))])
+def test_back_pressure_suggests_when_to_retry(retry_after_s, expected):
+    from ray.serve.exceptions import BackPressureError
+
+    err = BackPressureError(num_queued_requests=9, max_queued_requests=8, retry_after_s=retry_after_s)
+    context = _RecordingContext()
+    failure_from_exception(err).set_on(context)
+    assert (context.code, context.trailing) == (grpc.StatusCode.RESOURCE_EXHAUSTED, [expected])
+
+
 @pytest.mark.parametrize("err, expected", _exceptions())
 def test_failure_from_exception(err, expected):
     failure = failure_from_exception(err)

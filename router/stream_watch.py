@@ -1,0 +1,133 @@
+"""Notices a replica whose KV-event subscription has gone quiet while it serves requests.
+
+Why: a router that receives no events from a replica still routes, falling back
+on pending placements and session affinity, so a broken subscription hides
+behind a hit rate that looks fine while predictions for that replica go stale.
+Silence alone proves nothing (a fully cached prompt with a short answer stores
+no block), so silence only makes a replica *due for a probe*: the event pump
+asks the publisher's replay buffer for every batch after the last one it
+received. Batches coming back means the subscription missed them (a stall);
+the end marker alone means the replica had nothing to say (quiet); no answer
+means the publisher is unreachable.
+
+Threads: `request_completed` runs on Serve's event loop, everything else on the
+event pump's thread; one lock guards the table.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+from router.types import ReplicaId
+
+# A completion this old with no batch since makes its replica due for a probe.
+PROBE_GRACE_S = 2.0
+# At most one probe per replica per this interval.
+MIN_PROBE_INTERVAL_S = 10.0
+
+ProbeOutcome = Literal["quiet", "stalled", "unreachable"]
+
+
+@dataclass(slots=True)
+class _ReplicaWatch:
+    last_batch_at: float | None = None
+    num_completed_since_batch: int = 0
+    first_completed_at: float | None = None
+    last_probe_at: float | None = None
+    num_probes: int = 0
+    num_stalls: int = 0
+    num_unreachable: int = 0
+    num_recovered_batches: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamHealth:
+    """One replica's subscription as operators see it (`/v1/router`)."""
+
+    seconds_since_last_batch: float | None
+    num_completed_since_batch: int
+    num_probes: int
+    num_stalls: int
+    num_unreachable: int
+    num_recovered_batches: int
+
+
+class EventStreamWatch:
+    """Per replica: when its event stream last delivered, and what completed since."""
+
+    def __init__(self, probe_grace_s: float = PROBE_GRACE_S, min_probe_interval_s: float = MIN_PROBE_INTERVAL_S) -> None:
+        self._probe_grace_s = probe_grace_s
+        self._min_probe_interval_s = min_probe_interval_s
+        self._lock = threading.Lock()
+        self._replicas: dict[ReplicaId, _ReplicaWatch] = {}
+
+    def subscribed(self, replica_id: ReplicaId) -> None:
+        """Starts watching a replica, from a clean slate."""
+        with self._lock:
+            self._replicas[replica_id] = _ReplicaWatch()
+
+    def forget(self, replica_id: ReplicaId) -> None:
+        with self._lock:
+            self._replicas.pop(replica_id, None)
+
+    def batch_received(self, replica_id: ReplicaId, now: float) -> None:
+        with self._lock:
+            watch = self._replicas.get(replica_id)
+            if watch is not None:
+                watch.last_batch_at = now
+                watch.num_completed_since_batch = 0
+                watch.first_completed_at = None
+
+    def request_completed(self, replica_id: ReplicaId, now: float) -> None:
+        """A request this router sent to the replica finished; replicas not watched are ignored."""
+        with self._lock:
+            watch = self._replicas.get(replica_id)
+            if watch is not None:
+                watch.num_completed_since_batch += 1
+                if watch.first_completed_at is None:
+                    watch.first_completed_at = now
+
+    def due_for_probe(self, now: float) -> list[ReplicaId]:
+        """Replicas that finished a request at least the grace period ago with no batch since."""
+        with self._lock:
+            return [
+                replica_id
+                for replica_id, watch in self._replicas.items()
+                if watch.first_completed_at is not None
+                and now - watch.first_completed_at >= self._probe_grace_s
+                and (watch.last_probe_at is None or now - watch.last_probe_at >= self._min_probe_interval_s)
+            ]
+
+    def probed(self, replica_id: ReplicaId, outcome: ProbeOutcome, num_recovered_batches: int, now: float) -> None:
+        """Records a probe. Quiet or stalled: the replica waits for new completions before the next probe;
+        unreachable: it is probed again after the interval."""
+        with self._lock:
+            watch = self._replicas.get(replica_id)
+            if watch is None:
+                return
+            watch.last_probe_at = now
+            watch.num_probes += 1
+            watch.num_recovered_batches += num_recovered_batches
+            if outcome == "unreachable":
+                watch.num_unreachable += 1
+                return
+            if outcome == "stalled":
+                watch.num_stalls += 1
+            watch.num_completed_since_batch = 0
+            watch.first_completed_at = None
+
+    def health(self, now: float) -> dict[ReplicaId, StreamHealth]:
+        with self._lock:
+            return {
+                replica_id: StreamHealth(
+                    seconds_since_last_batch=None if watch.last_batch_at is None else now - watch.last_batch_at,
+                    num_completed_since_batch=watch.num_completed_since_batch,
+                    num_probes=watch.num_probes,
+                    num_stalls=watch.num_stalls,
+                    num_unreachable=watch.num_unreachable,
+                    num_recovered_batches=watch.num_recovered_batches,
+                )
+                for replica_id, watch in self._replicas.items()
+            }

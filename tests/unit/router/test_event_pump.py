@@ -1,0 +1,148 @@
+"""router.adapter._EventPump against vLLM's real publisher: history on subscribing, and the quiet-stream probe.
+
+The pump's methods are called one at a time (no thread), with a stand-in for
+the Serve router that holds only what the pump reads: the running replicas
+with their routing stats, the routing lock and the index.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import zmq
+from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+from router.adapter import _EventPump
+from router.index import PrefixIndex
+from router.types import ReplicaId
+
+BS = 4
+A = ReplicaId("a")
+
+
+def stored(first: int, count: int) -> KVEventBatch:
+    parent = None if first == 0 else first - 1
+    return KVEventBatch(ts=time.time(), events=[BlockStored(
+        block_hashes=[i.to_bytes(32, "big") for i in range(first, first + count)],
+        parent_block_hash=None if parent is None else parent.to_bytes(32, "big"),
+        token_ids=list(range(first * BS, (first + count) * BS)), block_size=BS, lora_id=None, medium="GPU",
+        lora_name=None,
+    )])
+
+
+def indexed_blocks(pump: _EventPump) -> int:
+    return pump._router.index.snapshot().num_blocks_by_replica.get(A, 0)
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture
+def publisher(tmp_path):
+    pub = ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay"
+    )
+    yield pub
+    pub.shutdown()
+
+
+def make_pump(tmp_path, replay_endpoint: str | None = None) -> _EventPump:
+    stats = {"kv_events_endpoint": f"ipc://{tmp_path}/pub",
+             "kv_events_replay_endpoint": replay_endpoint or f"ipc://{tmp_path}/replay"}
+    replica = SimpleNamespace(replica_id=SimpleNamespace(unique_id=A), routing_stats=stats)
+    router = SimpleNamespace(curr_replicas={A: replica}, lock=threading.Lock(), index=PrefixIndex(BS, 1000, "m"))
+    return _EventPump(router)
+
+
+def published(publisher: ZmqEventPublisher, count: int) -> None:
+    """Waits until the publisher's replay buffer holds `count` batches."""
+    assert wait_until(lambda: len(publisher._buffer) >= count)
+
+
+def test_subscribing_loads_the_replay_buffer(tmp_path, publisher):
+    publisher.publish(stored(0, 3))
+    publisher.publish(stored(3, 2))
+    published(publisher, 2)
+    pump = make_pump(tmp_path)
+    try:
+        pump._sync_subscriptions()
+        assert indexed_blocks(pump) == 5
+        state = pump.stream_states()[A]
+        assert state["last_seq"] == 1 and state["num_gaps"] == 0
+        publisher.publish(stored(5, 1))
+        assert wait_until(lambda: (pump._drain(), indexed_blocks(pump))[1] == 6)
+        assert pump.stream_states()[A]["num_gaps"] == 0
+    finally:
+        pump._sources[A][1].close()
+
+
+def test_a_stalled_subscription_is_recovered_and_resubscribed(tmp_path, publisher):
+    pump = make_pump(tmp_path)
+    try:
+        pump._sync_subscriptions()
+        _, source, _ = pump._sources[A]
+        # Break the subscription: its SUB now listens where nothing publishes.
+        source._sub.close(linger=0)
+        source._sub = zmq.Context.instance().socket(zmq.SUB)
+        source._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        source._sub.connect(f"ipc://{tmp_path}/nobody")
+        publisher.publish(stored(0, 4))
+        published(publisher, 1)
+        pump._drain()
+        assert indexed_blocks(pump) == 0
+        pump.watch.request_completed(A, time.monotonic() - 60)
+
+        pump._probe_quiet_streams()
+        assert indexed_blocks(pump) == 4
+        state = pump.stream_states()[A]
+        assert (state["num_probes"], state["num_stalls"], state["num_recovered_batches"]) == (1, 1, 1)
+        # The new subscription delivers what comes next.
+        publisher.publish(stored(4, 2))
+        assert wait_until(lambda: (pump._drain(), indexed_blocks(pump))[1] == 6)
+    finally:
+        pump._sources[A][1].close()
+
+
+def test_a_quiet_replica_is_probed_but_left_alone(tmp_path, publisher):
+    pump = make_pump(tmp_path)
+    try:
+        pump._sync_subscriptions()
+        sub_before = pump._sources[A][1]._sub
+        pump.watch.request_completed(A, time.monotonic() - 60)
+        pump._probe_quiet_streams()
+        state = pump.stream_states()[A]
+        assert (state["num_probes"], state["num_stalls"], state["num_unreachable"]) == (1, 0, 0)
+        assert pump._sources[A][1]._sub is sub_before
+    finally:
+        pump._sources[A][1].close()
+
+
+def test_an_unreachable_publisher_is_reported(tmp_path, publisher, caplog):
+    pump = make_pump(tmp_path, replay_endpoint=f"ipc://{tmp_path}/nobody")
+    try:
+        pump._sync_subscriptions()
+        pump.watch.request_completed(A, time.monotonic() - 60)
+        with caplog.at_level("WARNING", logger="ray.serve"):
+            pump._probe_quiet_streams()
+        assert pump.stream_states()[A]["num_unreachable"] == 1
+        assert "does not answer" in caplog.text
+    finally:
+        pump._sources[A][1].close()
+
+
+def test_a_replica_that_stops_advertising_is_dropped(tmp_path, publisher):
+    pump = make_pump(tmp_path)
+    pump._sync_subscriptions()
+    assert pump.subscribed_replicas() == [A]
+    pump._router.curr_replicas.clear()
+    pump._sync_subscriptions()
+    assert pump.subscribed_replicas() == [] and pump.stream_states() == {}

@@ -1,0 +1,67 @@
+"""router.stream_watch: when a quiet subscription is due for a probe, and what a probe's outcome resets."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.stream_watch import EventStreamWatch
+from router.types import ReplicaId
+
+A, B = ReplicaId("a"), ReplicaId("b")
+
+
+@pytest.fixture
+def watch() -> EventStreamWatch:
+    w = EventStreamWatch(probe_grace_s=2.0, min_probe_interval_s=10.0)
+    w.subscribed(A)
+    w.subscribed(B)
+    return w
+
+
+def test_a_replica_is_due_only_after_a_completion_outlives_the_grace(watch):
+    assert watch.due_for_probe(100.0) == []
+    watch.request_completed(A, 100.0)
+    watch.request_completed(A, 101.5)
+    assert watch.due_for_probe(101.9) == []
+    assert watch.due_for_probe(102.0) == [A]  # timed from the first completion since the last batch
+
+
+def test_a_batch_clears_the_completions(watch):
+    watch.request_completed(A, 100.0)
+    watch.batch_received(A, 100.5)
+    assert watch.due_for_probe(200.0) == []
+    assert watch.health(101.0)[A].seconds_since_last_batch == pytest.approx(0.5)
+    assert watch.health(101.0)[B].seconds_since_last_batch is None
+
+
+@pytest.mark.parametrize(
+    ("outcome", "due_at_interval", "stalls", "unreachable"),
+    [("quiet", [], 0, 0), ("stalled", [], 1, 0), ("unreachable", [A], 0, 1)],
+)
+def test_probe_outcomes(watch, outcome, due_at_interval, stalls, unreachable):
+    watch.request_completed(A, 100.0)
+    watch.probed(A, outcome, 3 if outcome == "stalled" else 0, 102.0)
+    assert watch.due_for_probe(105.0) == []  # never twice within the interval
+    assert watch.due_for_probe(112.0) == due_at_interval
+    health = watch.health(112.0)[A]
+    assert (health.num_probes, health.num_stalls, health.num_unreachable) == (1, stalls, unreachable)
+    assert health.num_recovered_batches == (3 if outcome == "stalled" else 0)
+
+
+def test_after_a_quiet_probe_new_completions_wait_for_the_interval(watch):
+    watch.request_completed(A, 100.0)
+    watch.probed(A, "quiet", 0, 102.0)
+    watch.request_completed(A, 103.0)
+    assert watch.due_for_probe(106.0) == []
+    assert watch.due_for_probe(112.0) == [A]
+
+
+def test_unwatched_and_forgotten_replicas_are_ignored(watch):
+    c = ReplicaId("c")
+    watch.request_completed(c, 100.0)
+    watch.batch_received(c, 100.0)
+    watch.probed(c, "stalled", 1, 100.0)
+    watch.forget(A)
+    watch.request_completed(A, 100.0)
+    assert watch.due_for_probe(200.0) == []
+    assert set(watch.health(200.0)) == {B}

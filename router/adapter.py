@@ -59,6 +59,10 @@ MAX_SESSIONS = 100_000
 MAX_DECISIONS = 4096
 # Replayed batches applied per hold of the routing lock.
 REPLAY_SLICE_BATCHES = 256
+# A batch published this recently may still be on its way to the subscription (publisher's clock).
+IN_FLIGHT_S = 1.0
+# How long a new subscription waits for the replica's replay buffer (up to 10 000 batches).
+HISTORY_TIMEOUT_S = 2.0
 
 
 class RouterArgs(BaseModel):
@@ -132,11 +136,13 @@ class _EventPump(threading.Thread):
             stream = ReplicaEventStream(replica_id, router.index)
             self._sources[replica_id] = (endpoint, source, stream)
             self.watch.subscribed(replica_id)
-            history = source.fetch_buffered(0)
-            self._apply_replayed(stream, history.batches)
+            # Only a whole answer: a cut-off one would end at an old state (blocks since evicted).
+            history = source.fetch_buffered(0, HISTORY_TIMEOUT_S)
+            num_applied = self._apply_replayed(stream, history.batches) if history.is_complete else 0
             logger.info(
-                "subscribed to KV events of replica %s at %s (%d earlier batches from its replay buffer%s)",
-                replica_id, endpoint, len(history.batches), "" if history.is_complete else ", which did not answer",
+                "subscribed to KV events of replica %s at %s (%s)", replica_id, endpoint,
+                f"{num_applied} earlier batches from its replay buffer" if history.is_complete
+                else "its replay buffer did not answer in time; starting from live events",
             )
 
     def _apply_replayed(self, stream: ReplicaEventStream, batches: list) -> int:
@@ -175,7 +181,9 @@ class _EventPump(threading.Thread):
             _, source, stream = self._sources[replica_id]
             answer = source.fetch_buffered(stream.next_seq())
             num_recovered = self._apply_replayed(stream, answer.batches)
-            if num_recovered:
+            # A batch published as the probe ran may still be on its way; only older ones prove a stall.
+            published_before_s = time.time() - IN_FLIGHT_S
+            if any(batch.ts < published_before_s for _, batch in answer.batches):
                 outcome = "stalled"
                 logger.warning(
                     "KV events of replica %s stopped arriving: recovered %d missed batches from its replay "

@@ -16,6 +16,7 @@ import zmq
 from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
 
 from router.adapter import _EventPump
+from router.events import BufferedBatches, ZmqEventSource
 from router.index import PrefixIndex
 from router.types import ReplicaId
 
@@ -23,9 +24,9 @@ BS = 4
 A = ReplicaId("a")
 
 
-def stored(first: int, count: int) -> KVEventBatch:
+def stored(first: int, count: int, age_s: float = 0.0) -> KVEventBatch:
     parent = None if first == 0 else first - 1
-    return KVEventBatch(ts=time.time(), events=[BlockStored(
+    return KVEventBatch(ts=time.time() - age_s, events=[BlockStored(
         block_hashes=[i.to_bytes(32, "big") for i in range(first, first + count)],
         parent_block_hash=None if parent is None else parent.to_bytes(32, "big"),
         token_ids=list(range(first * BS, (first + count) * BS)), block_size=BS, lora_id=None, medium="GPU",
@@ -95,7 +96,7 @@ def test_a_stalled_subscription_is_recovered_and_resubscribed(tmp_path, publishe
         source._sub = zmq.Context.instance().socket(zmq.SUB)
         source._sub.setsockopt(zmq.SUBSCRIBE, b"")
         source._sub.connect(f"ipc://{tmp_path}/nobody")
-        publisher.publish(stored(0, 4))
+        publisher.publish(stored(0, 4, age_s=30))
         published(publisher, 1)
         pump._drain()
         assert indexed_blocks(pump) == 0
@@ -108,6 +109,25 @@ def test_a_stalled_subscription_is_recovered_and_resubscribed(tmp_path, publishe
         # The new subscription delivers what comes next.
         publisher.publish(stored(4, 2))
         assert wait_until(lambda: (pump._drain(), indexed_blocks(pump))[1] == 6)
+    finally:
+        pump._sources[A][1].close()
+
+
+def test_a_batch_published_as_the_probe_runs_is_applied_without_a_stall(tmp_path, publisher):
+    pump = make_pump(tmp_path)
+    try:
+        pump._sync_subscriptions()
+        sub_before = pump._sources[A][1]._sub
+        publisher.publish(stored(0, 2))
+        published(publisher, 1)
+        pump.watch.request_completed(A, time.monotonic() - 60)
+        pump._probe_quiet_streams()  # before draining: the SUB may hold it already
+        assert indexed_blocks(pump) == 2
+        state = pump.stream_states()[A]
+        assert (state["num_stalls"], state["num_recovered_batches"]) == (0, 1)
+        assert pump._sources[A][1]._sub is sub_before
+        pump._drain()  # the subscription's own copy: a duplicate, not a restart
+        assert indexed_blocks(pump) == 2 and pump.stream_states()[A]["num_gaps"] == 0
     finally:
         pump._sources[A][1].close()
 
@@ -146,3 +166,21 @@ def test_a_replica_that_stops_advertising_is_dropped(tmp_path, publisher):
     pump._router.curr_replicas.clear()
     pump._sync_subscriptions()
     assert pump.subscribed_replicas() == [] and pump.stream_states() == {}
+
+
+def test_history_is_applied_only_when_whole(tmp_path, publisher, monkeypatch):
+    publisher.publish(stored(0, 3))
+    published(publisher, 1)
+    pump = make_pump(tmp_path)
+    cut_off = ZmqEventSource.fetch_buffered
+
+    def fetch_cut_off(self, start_seq, timeout_s=0.5):
+        return BufferedBatches(cut_off(self, start_seq, timeout_s).batches, is_complete=False)
+
+    monkeypatch.setattr(ZmqEventSource, "fetch_buffered", fetch_cut_off)
+    try:
+        pump._sync_subscriptions()
+        assert indexed_blocks(pump) == 0
+        assert pump.stream_states()[A]["last_seq"] is None
+    finally:
+        pump._sources[A][1].close()

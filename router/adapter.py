@@ -49,6 +49,7 @@ from router.prompt_tokens import PromptTokenizer, forward_token_ids, is_forwarda
 from router.stream_watch import EventStreamWatch
 from router.types import Decision, ReplicaId, ReplicaLoad, RoutingRequest
 
+from ray.util.metrics import Counter
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
@@ -61,8 +62,9 @@ MAX_DECISIONS = 4096
 REPLAY_SLICE_BATCHES = 256
 # A batch published this recently may still be on its way to the subscription (publisher's clock).
 IN_FLIGHT_S = 1.0
-# How long a new subscription waits for the replica's replay buffer (up to 10 000 batches).
-HISTORY_TIMEOUT_S = 2.0
+# How long a new subscription waits for the replica's replay buffer (up to 10 000 batches)
+# before starting from live events; the pump serves the other replicas meanwhile.
+HISTORY_TIMEOUT_S = 5.0
 
 
 class RouterArgs(BaseModel):
@@ -98,7 +100,13 @@ class _EventPump(threading.Thread):
         super().__init__(name="warmpath-kv-events", daemon=True)
         self._router = router
         self._sources: dict[ReplicaId, tuple[str, ZmqEventSource, ReplicaEventStream]] = {}
+        # Replicas whose replay buffer (the history before subscribing) is on its way, and until when to wait.
+        self._history_deadlines: dict[ReplicaId, float] = {}
         self.watch = EventStreamWatch()
+        self._probes = Counter(
+            "warmpath_kv_event_probes", "Probes of quiet KV-event subscriptions, by outcome (quiet, stalled, "
+            "unreachable).", tag_keys=("replica", "outcome"),
+        )
         self.is_stopped = False
 
     def run(self) -> None:
@@ -127,6 +135,7 @@ class _EventPump(threading.Thread):
             _, source, _ = self._sources.pop(replica_id)
             source.close()
             self.watch.forget(replica_id)
+            self._history_deadlines.pop(replica_id, None)
             with router.lock:
                 router.index.remove_replica(replica_id)
         for replica_id, (endpoint, replay_endpoint) in advertised.items():
@@ -136,14 +145,27 @@ class _EventPump(threading.Thread):
             stream = ReplicaEventStream(replica_id, router.index)
             self._sources[replica_id] = (endpoint, source, stream)
             self.watch.subscribed(replica_id)
-            # Only a whole answer: a cut-off one would end at an old state (blocks since evicted).
-            history = source.fetch_buffered(0, HISTORY_TIMEOUT_S)
-            num_applied = self._apply_replayed(stream, history.batches) if history.is_complete else 0
-            logger.info(
-                "subscribed to KV events of replica %s at %s (%s)", replica_id, endpoint,
-                f"{num_applied} earlier batches from its replay buffer" if history.is_complete
-                else "its replay buffer did not answer in time; starting from live events",
-            )
+            if source.request_buffered(0):
+                self._history_deadlines[replica_id] = time.monotonic() + HISTORY_TIMEOUT_S
+            logger.info("subscribed to KV events of replica %s at %s", replica_id, endpoint)
+
+    def _load_history(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream) -> bool:
+        """Applies the replica's replay buffer once it has all arrived; True while still waiting for it.
+
+        Live batches wait in the SUB socket meanwhile, so they follow the history in order. Only a whole
+        answer is applied: a cut-off one would end at an old state (blocks evicted since).
+        """
+        answer = source.collect_buffered()
+        if answer is None and time.monotonic() < self._history_deadlines[replica_id]:
+            return True
+        del self._history_deadlines[replica_id]
+        if answer is None:
+            source.abandon_buffered()
+            logger.warning("replay buffer of replica %s did not answer in time; starting from live events", replica_id)
+            return False
+        num_applied = self._apply_replayed(stream, answer.batches)
+        logger.info("loaded %d earlier KV-event batches of replica %s from its replay buffer", num_applied, replica_id)
+        return False
 
     def _apply_replayed(self, stream: ReplicaEventStream, batches: list) -> int:
         """Applies fetched batches a slice at a time, so routing never waits on a long history."""
@@ -156,6 +178,8 @@ class _EventPump(threading.Thread):
     def _drain(self) -> bool:
         busy = False
         for replica_id, (_, source, stream) in list(self._sources.items()):
+            if replica_id in self._history_deadlines and self._load_history(replica_id, source, stream):
+                continue
             batches = source.poll_batches(256)
             if not batches:
                 continue
@@ -176,7 +200,7 @@ class _EventPump(threading.Thread):
     def _probe_quiet_streams(self) -> None:
         """Asks each replica that went quiet while serving for the batches after the last one received."""
         for replica_id in self.watch.due_for_probe(time.monotonic()):
-            if replica_id not in self._sources:
+            if replica_id not in self._sources or replica_id in self._history_deadlines:
                 continue
             _, source, stream = self._sources[replica_id]
             answer = source.fetch_buffered(stream.next_seq())
@@ -200,6 +224,7 @@ class _EventPump(threading.Thread):
                 )
                 source.resubscribe()
             self.watch.probed(replica_id, outcome, num_recovered, time.monotonic())
+            self._probes.inc(tags={"replica": replica_id, "outcome": outcome})
 
     def subscribed_replicas(self) -> list[str]:
         return sorted(self._sources)
@@ -208,8 +233,9 @@ class _EventPump(threading.Thread):
         """Per replica: stream position and gaps (pump thread's view) and subscription health."""
         health = self.watch.health(time.monotonic())
         states: dict[str, dict[str, Any]] = {}
-        for replica_id, (_, _, stream) in list(self._sources.items()):
+        for replica_id, (_, source, stream) in list(self._sources.items()):
             state = dataclasses.asdict(stream.snapshot())
+            state["num_malformed_msgs"] = source.num_malformed_msgs
             if replica_id in health:
                 state.update(dataclasses.asdict(health[replica_id]))
             states[replica_id] = state

@@ -88,12 +88,19 @@ def decode_event_message(frames: Sequence[bytes], decoder: msgspec.msgpack.Decod
 
 @dataclass(frozen=True, slots=True)
 class StreamSnapshot:
-    """Stream position and counters. `num_gaps` excludes joining late (the first batch)."""
+    """Stream position and counters. `num_gaps` excludes joining late (the first batch).
+
+    `num_skipped_blocks` counts stored blocks the index could not place (their
+    parent unknown, e.g. stored before a gap): many of them against few
+    `num_stored_blocks` means the router is blind to that replica.
+    """
 
     last_seq: int | None
     num_batches: int
     num_gaps: int
     num_replayed_gaps: int
+    num_stored_blocks: int
+    num_skipped_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +142,8 @@ class ReplicaEventStream:
         self._last_seq: int | None = None
         self._replayed_through: int | None = None
         self._num_batches = 0
+        self._num_stored_blocks = 0
+        self._num_skipped_blocks = 0
         self._num_gaps = 0
         self._num_replayed_gaps = 0
 
@@ -204,11 +213,17 @@ class ReplicaEventStream:
 
     def snapshot(self) -> StreamSnapshot:
         """Position and gap counters, for metrics and tests."""
-        return StreamSnapshot(self._last_seq, self._num_batches, self._num_gaps, self._num_replayed_gaps)
+        return StreamSnapshot(
+            self._last_seq, self._num_batches, self._num_gaps, self._num_replayed_gaps,
+            self._num_stored_blocks, self._num_skipped_blocks,
+        )
 
     def _apply(self, batch: KVEventBatch) -> ApplyResult:
         self._num_batches += 1
-        return self._index.apply(self.replica_id, batch.events)
+        result = self._index.apply(self.replica_id, batch.events)
+        self._num_stored_blocks += result.num_stored_blocks
+        self._num_skipped_blocks += result.num_skipped_blocks
+        return result
 
     def _fetch_missing(self, start: int, stop: int) -> list[KVEventBatch] | None:
         """Batches [start, stop) from the replay buffer, or None unless all of them came back."""
@@ -226,7 +241,10 @@ class ZmqEventSource:
     Owns a SUB socket (and, when a replay endpoint is given, a DEALER for
     replay requests). ZMQ sockets are not thread-safe: one thread calls every
     method. Malformed messages are dropped and counted; the missing sequence
-    number then shows up as a gap in `ReplicaEventStream`.
+    number then shows up as a gap in `ReplicaEventStream`. One replay request
+    is answered at a time: `request_buffered` starts it (giving up on an
+    unfinished one), `collect_buffered` or `abandon_buffered` ends it, and
+    `fetch_buffered` does both, blocking.
     """
 
     def __init__(
@@ -254,6 +272,8 @@ class ZmqEventSource:
         self._sub = self._new_sub()
         self._replay_endpoint = replay_endpoint
         self._dealer: zmq.Socket | None = None
+        self._replayed: list[tuple[int, KVEventBatch]] = []
+        self._is_replay_pending = False
         self.num_malformed_msgs = 0
 
     def _new_sub(self) -> zmq.Socket:
@@ -285,31 +305,58 @@ class ZmqEventSource:
         """Asks the replay socket for every buffered batch with seq >= `start_seq` (blocks up to `timeout_s`).
 
         Returns what arrived before the end marker or the deadline; nothing,
-        not complete, when no replay endpoint is configured. On a timeout the
-        DEALER is discarded, so late replies cannot leak into the next request.
+        not complete, when no replay endpoint is configured.
         """
-        if self._replay_endpoint is None:
+        if not self.request_buffered(start_seq):
             return BufferedBatches([], is_complete=False)
-        zmq = self._zmq
-        if self._dealer is None:
-            self._dealer = self._ctx.socket(zmq.DEALER)
-            self._dealer.connect(self._replay_endpoint)
-        self._dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
         deadline = time.monotonic() + timeout_s
-        out: list[tuple[int, KVEventBatch]] = []
         while (left_s := deadline - time.monotonic()) > 0:
-            if not self._dealer.poll(int(left_s * 1000) + 1):
-                continue
-            frames = self._dealer.recv_multipart()
-            if len(frames) == 4 and frames[2] == END_SEQ_BYTES:
-                return BufferedBatches(out, is_complete=True)
+            assert self._dealer is not None
+            if self._dealer.poll(int(left_s * 1000) + 1) and (answer := self.collect_buffered()) is not None:
+                return answer
+        return self.abandon_buffered()
+
+    def request_buffered(self, start_seq: int) -> bool:
+        """Sends a replay request without waiting (False: no replay endpoint); collect with `collect_buffered`."""
+        if self._replay_endpoint is None:
+            return False
+        if self._is_replay_pending:
+            self.abandon_buffered()  # its late replies must not mix into this answer
+        if self._dealer is None:
+            self._dealer = self._ctx.socket(self._zmq.DEALER)
+            self._dealer.connect(self._replay_endpoint)
+        self._replayed = []
+        self._dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
+        self._is_replay_pending = True
+        return True
+
+    def collect_buffered(self) -> BufferedBatches | None:
+        """Takes the replies received so far without blocking; the whole answer once its end marker came, else None."""
+        zmq = self._zmq
+        while self._dealer is not None:
             try:
-                out.append(decode_event_message(frames[1:], self._decoder))
+                frames = self._dealer.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            if len(frames) == 4 and frames[2] == END_SEQ_BYTES:
+                answer, self._replayed = BufferedBatches(self._replayed, is_complete=True), []
+                self._is_replay_pending = False
+                return answer
+            try:
+                self._replayed.append(decode_event_message(frames[1:], self._decoder))
             except EventDecodeError:
                 self.num_malformed_msgs += 1
-        self._dealer.close(linger=0)
-        self._dealer = None
-        return BufferedBatches(out, is_complete=False)
+        return None
+
+    def abandon_buffered(self) -> BufferedBatches:
+        """Gives up on the pending answer: returns what came, and discards the DEALER so late replies cannot
+        leak into the next request."""
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+        answer, self._replayed = BufferedBatches(self._replayed, is_complete=False), []
+        self._is_replay_pending = False
+        return answer
 
     def resubscribe(self) -> None:
         """Replaces the SUB socket with a new connection; whatever the old one had queued is dropped."""

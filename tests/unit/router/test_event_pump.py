@@ -15,8 +15,9 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
 
+from router import adapter
 from router.adapter import _EventPump
-from router.events import BufferedBatches, ZmqEventSource
+from router.events import ZmqEventSource
 from router.index import PrefixIndex
 from router.types import ReplicaId
 
@@ -64,6 +65,12 @@ def make_pump(tmp_path, replay_endpoint: str | None = None) -> _EventPump:
     return _EventPump(router)
 
 
+def subscribe(pump: _EventPump) -> None:
+    """Subscribes to the advertised replicas and waits until their replay buffers are loaded (or given up on)."""
+    pump._sync_subscriptions()
+    assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1])
+
+
 def published(publisher: ZmqEventPublisher, count: int) -> None:
     """Waits until the publisher's replay buffer holds `count` batches."""
     assert wait_until(lambda: len(publisher._buffer) >= count)
@@ -75,10 +82,10 @@ def test_subscribing_loads_the_replay_buffer(tmp_path, publisher):
     published(publisher, 2)
     pump = make_pump(tmp_path)
     try:
-        pump._sync_subscriptions()
+        subscribe(pump)
         assert indexed_blocks(pump) == 5
         state = pump.stream_states()[A]
-        assert state["last_seq"] == 1 and state["num_gaps"] == 0
+        assert (state["last_seq"], state["num_gaps"], state["num_malformed_msgs"]) == (1, 0, 0)
         publisher.publish(stored(5, 1))
         assert wait_until(lambda: (pump._drain(), indexed_blocks(pump))[1] == 6)
         assert pump.stream_states()[A]["num_gaps"] == 0
@@ -89,7 +96,7 @@ def test_subscribing_loads_the_replay_buffer(tmp_path, publisher):
 def test_a_stalled_subscription_is_recovered_and_resubscribed(tmp_path, publisher):
     pump = make_pump(tmp_path)
     try:
-        pump._sync_subscriptions()
+        subscribe(pump)
         _, source, _ = pump._sources[A]
         # Break the subscription: its SUB now listens where nothing publishes.
         source._sub.close(linger=0)
@@ -116,7 +123,7 @@ def test_a_stalled_subscription_is_recovered_and_resubscribed(tmp_path, publishe
 def test_a_batch_published_as_the_probe_runs_is_applied_without_a_stall(tmp_path, publisher):
     pump = make_pump(tmp_path)
     try:
-        pump._sync_subscriptions()
+        subscribe(pump)
         sub_before = pump._sources[A][1]._sub
         publisher.publish(stored(0, 2))
         published(publisher, 1)
@@ -135,7 +142,7 @@ def test_a_batch_published_as_the_probe_runs_is_applied_without_a_stall(tmp_path
 def test_a_quiet_replica_is_probed_but_left_alone(tmp_path, publisher):
     pump = make_pump(tmp_path)
     try:
-        pump._sync_subscriptions()
+        subscribe(pump)
         sub_before = pump._sources[A][1]._sub
         pump.watch.request_completed(A, time.monotonic() - 60)
         pump._probe_quiet_streams()
@@ -149,7 +156,7 @@ def test_a_quiet_replica_is_probed_but_left_alone(tmp_path, publisher):
 def test_an_unreachable_publisher_is_reported(tmp_path, publisher, caplog):
     pump = make_pump(tmp_path, replay_endpoint=f"ipc://{tmp_path}/nobody")
     try:
-        pump._sync_subscriptions()
+        subscribe(pump)
         pump.watch.request_completed(A, time.monotonic() - 60)
         with caplog.at_level("WARNING", logger="ray.serve"):
             pump._probe_quiet_streams()
@@ -161,10 +168,10 @@ def test_an_unreachable_publisher_is_reported(tmp_path, publisher, caplog):
 
 def test_a_replica_that_stops_advertising_is_dropped(tmp_path, publisher):
     pump = make_pump(tmp_path)
-    pump._sync_subscriptions()
+    subscribe(pump)
     assert pump.subscribed_replicas() == [A]
     pump._router.curr_replicas.clear()
-    pump._sync_subscriptions()
+    subscribe(pump)
     assert pump.subscribed_replicas() == [] and pump.stream_states() == {}
 
 
@@ -172,15 +179,37 @@ def test_history_is_applied_only_when_whole(tmp_path, publisher, monkeypatch):
     publisher.publish(stored(0, 3))
     published(publisher, 1)
     pump = make_pump(tmp_path)
-    cut_off = ZmqEventSource.fetch_buffered
-
-    def fetch_cut_off(self, start_seq, timeout_s=0.5):
-        return BufferedBatches(cut_off(self, start_seq, timeout_s).batches, is_complete=False)
-
-    monkeypatch.setattr(ZmqEventSource, "fetch_buffered", fetch_cut_off)
+    monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(ZmqEventSource, "collect_buffered", lambda self: None)  # the end marker never comes
     try:
-        pump._sync_subscriptions()
+        subscribe(pump)
         assert indexed_blocks(pump) == 0
         assert pump.stream_states()[A]["last_seq"] is None
+    finally:
+        pump._sources[A][1].close()
+
+
+def test_live_batches_during_the_history_load_follow_it_in_order(tmp_path, publisher, monkeypatch):
+    publisher.publish(stored(0, 3))
+    published(publisher, 1)
+    pump = make_pump(tmp_path)
+    is_answer_held = True
+    collect = ZmqEventSource.collect_buffered
+    monkeypatch.setattr(ZmqEventSource, "collect_buffered", lambda self: None if is_answer_held else collect(self))
+    try:
+        pump._sync_subscriptions()
+        _, source, _ = pump._sources[A]
+        num_published = 1
+        while not source._sub.poll(50):  # until the subscription holds a live batch
+            publisher.publish(stored(2 + num_published, 1))
+            num_published += 1
+        pump._drain()
+        assert indexed_blocks(pump) == 0  # live batches wait for the history
+        is_answer_held = False
+        assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1])
+        pump._drain()
+        assert indexed_blocks(pump) == 3 + num_published - 1
+        state = pump.stream_states()[A]
+        assert (state["last_seq"], state["num_gaps"]) == (num_published - 1, 0)
     finally:
         pump._sources[A][1].close()

@@ -259,3 +259,42 @@ def test_fetch_buffered_reports_completeness_and_resubscribe_reconnects(tmp_path
         source.close()
         silent.close()
         publisher.shutdown()
+
+
+def test_a_new_replay_request_gives_up_on_the_unfinished_one(tmp_path):
+    pub_ep, replay_ep = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv")
+    source = ZmqEventSource(pub_ep, topic="kv", replay_endpoint=replay_ep)
+    try:
+        for first in range(3):
+            publisher.publish(batch(stored(first, 1)))
+        deadline = time.monotonic() + 10
+        while len(publisher._buffer) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert source.request_buffered(0)
+        assert source.request_buffered(2)
+        answer = None
+        while answer is None and time.monotonic() < deadline:
+            answer = source.collect_buffered()
+            time.sleep(0.01)
+        assert answer is not None and answer.is_complete
+        assert [seq for seq, _ in answer.batches] == [2]
+        assert source.collect_buffered() is None  # nothing of the first request leaks in later
+    finally:
+        source.close()
+        publisher.shutdown()
+
+
+def test_joining_after_the_first_batch_without_history_leaves_its_descendants_unplaced(index):
+    """Why a new subscription loads the replay buffer: batch 0 holds the shared prefix every later block extends."""
+    stream = ReplicaEventStream(A, index)
+    assert stream.accept(1, batch(stored(2, 2, parent=1))) == "started"
+    assert stream.accept(2, batch(stored(4, 2, parent=3))) == "applied"
+    snap = stream.snapshot()
+    assert (snap.num_stored_blocks, snap.num_skipped_blocks) == (0, 4)
+    assert cached_blocks(index) == 0
+
+    with_history = ReplicaEventStream(A, PrefixIndex(BS, 1000, MODEL))
+    with_history.accept_replayed([(0, batch(stored(0, 2)))])
+    with_history.accept(1, batch(stored(2, 2, parent=1)))
+    assert (with_history.snapshot().num_stored_blocks, with_history.snapshot().num_skipped_blocks) == (4, 0)

@@ -6,9 +6,10 @@ behind a hit rate that looks fine while predictions for that replica go stale.
 Silence alone proves nothing (a fully cached prompt with a short answer stores
 no block), so silence only makes a replica *due for a probe*: the event pump
 asks the publisher's replay buffer for every batch after the last one it
-received. Batches coming back means the subscription missed them (a stall);
-the end marker alone means the replica had nothing to say (quiet); no answer
-means the publisher is unreachable.
+received. Batches coming back that were published a while ago mean the
+subscription missed them (a stall; the pump decides, `router.adapter`); the
+end marker alone means the replica had nothing to say (quiet); no answer means
+the publisher is unreachable.
 
 Threads: `request_completed` runs on Serve's event loop, everything else on the
 event pump's thread; one lock guards the table.

@@ -160,6 +160,33 @@ def test_streamed_responses_count_toward_prediction_accuracy(warmpath_router):
     assert _router_state(cluster)["stats"]["num_predictions"] == before + 1
 
 
+def test_a_router_created_later_loads_what_the_replicas_cached_before(warmpath_router):
+    """A new handle (here, in the test process) gets its own router, which must not start blind."""
+    import ray
+    from ray import serve
+
+    from router import decision_log
+    from serve_apps.builders import llm_deployment_name
+
+    cluster = warmpath_router
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "cached before the new router"}]
+    served = _chat(cluster, messages).headers["x-warmpath-replica"]
+    ray.init(address="auto", ignore_reinit_error=True, logging_level="ERROR")
+    handle = serve.get_deployment_handle(llm_deployment_name(cluster.cfg), app_name=cluster.cfg.app_name)
+    handle.replica_info.remote().result(timeout_s=120)  # the first call creates this process's router
+    deadline = time.monotonic() + 120
+    while True:  # until its subscription to `served` has loaded the replay buffer (no new events come)
+        snapshots = [r.snapshot() for r in list(decision_log.LIVE_ROUTERS)]
+        streams = [s["event_streams"].get(served) for s in snapshots]
+        if any(stream and stream["last_seq"] is not None for stream in streams):
+            break
+        assert time.monotonic() < deadline, snapshots
+        time.sleep(0.2)
+    snapshot = next(s for s, stream in zip(snapshots, streams) if stream and stream["last_seq"] is not None)
+    assert snapshot["index"]["num_blocks_by_replica"][served] > 0
+    assert snapshot["event_streams"][served]["num_stored_blocks"] > 0
+
+
 @pytest.mark.disrupts_replicas
 def test_killing_a_replica_drops_its_index_and_routing_continues(warmpath_router):
     import ray

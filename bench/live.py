@@ -205,15 +205,8 @@ def warm_up(cfg: ClusterConfig, workload: Workload, prepared: dict[str, list[Pre
     progress(f"bench: warming up the cluster with {len(sessions)} unmeasured sessions")
     state = local.up(cfg, progress)
     asyncio.run(replay(
-        state.http_url, dataclasses.replace(workload, sessions=sessions), prepared, time_scale, local_api_key(cfg)
+        state.http_url, dataclasses.replace(workload, sessions=sessions), prepared, time_scale, local.local_api_key(cfg)
     ))
-
-
-def local_api_key(cfg: ClusterConfig) -> str | None:
-    """The admin key `warmpath up` keeps in the state directory, when keys are on."""
-    from cluster import local
-
-    return local.api_key_file(cfg).read_text().strip() if cfg.access.is_auth_enabled else None
 
 
 def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
@@ -228,7 +221,7 @@ def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
     state = local.up(policy_cfg, progress, redeploy=True)
     progress(f"bench: {policy}: replaying {len(workload.sessions)} sessions ({workload.num_requests} requests)")
     started = time.monotonic()
-    api_key = local_api_key(cfg)
+    api_key = local.local_api_key(cfg)
     records = asyncio.run(replay(state.http_url, workload, prepared, time_scale, api_key))
     wall_s = time.monotonic() - started
     try:

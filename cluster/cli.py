@@ -195,6 +195,26 @@ def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.
         typer.echo(f"http: {state.http_url}/v1")
     if state.redis_url:
         typer.echo(f"redis: {state.redis_url}")
+    if state.http_url and app_status == "RUNNING":
+        _echo_router_status(cfg, state.http_url)
+
+
+def _echo_router_status(cfg, http_url: str) -> None:
+    """The ingress's routers and their KV-event streams (`GET /v1/router`)."""
+    import httpx
+
+    from cluster import local
+    from cluster.api_keys import bearer_headers
+    from cluster.router_status import router_status_lines
+
+    try:
+        resp = httpx.get(f"{http_url}/v1/router", headers=bearer_headers(local.local_api_key(cfg)), timeout=10)
+        resp.raise_for_status()
+        lines = router_status_lines(resp.json())
+    except Exception as err:  # status must still print what it has
+        lines = [f"routing: unavailable ({err.__class__.__name__}: {err})"]
+    for line in lines:
+        typer.echo(line)
 
 
 @render_app.command("serve-config")
@@ -281,7 +301,6 @@ def chaos(
 ) -> None:
     """Break parts of the running local cluster (replica, orchestrator, Redis, tools, clients) and count lost turns."""
     from bench import chaos as chaos_mod
-    from bench.live import local_api_key
     from cluster import local
 
     cfg = _load(config)
@@ -293,7 +312,7 @@ def chaos(
     if not state.http_url:
         typer.echo("the local cluster is not up: run `warmpath up` first", err=True)
         raise typer.Exit(1)
-    results = chaos_mod.run_chaos(cfg, state.http_url, local_api_key(cfg), scenario or list(chaos_mod.SCENARIOS), progress)
+    results = chaos_mod.run_chaos(cfg, state.http_url, local.local_api_key(cfg), scenario or list(chaos_mod.SCENARIOS), progress)
     typer.echo(chaos_mod.report(results))
     out.write_text(json.dumps({"kind": "warmpath-chaos", "results": [r.to_json() for r in results]}, indent=2))
     typer.echo(f"wrote {out}")

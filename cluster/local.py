@@ -306,6 +306,11 @@ def api_key_file(cfg: ClusterConfig) -> Path:
     return state_dir_of(cfg) / "api-key"
 
 
+def local_api_key(cfg: ClusterConfig) -> Optional[str]:
+    """The admin key `warmpath up` keeps in the state directory, when keys are on."""
+    return api_key_file(cfg).read_text().strip() if cfg.access.is_auth_enabled else None
+
+
 def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress) -> str:
     """The local admin key (all permissions): kept in `<state_dir>/api-key` (mode 0600), registered in Redis.
 

@@ -1,0 +1,54 @@
+"""`warmpath status`'s view of the routers: `GET /v1/router` as a few readable lines.
+
+Why a module of its own: the lines flag the states an operator must act on (a
+replica the router cannot see, an event stream that stalled or does not
+answer), and that judgement is worth a unit test apart from the HTTP call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+# A replica with more skipped blocks than this and none stored: the router cannot see its cache.
+BLIND_MIN_SKIPPED_BLOCKS = 16
+
+
+def stream_problem(stream: Mapping[str, Any]) -> str | None:
+    """What is wrong with one replica's event stream, or None."""
+    if stream.get("num_unreachable"):
+        return "its replay buffer did not answer a probe"
+    if stream.get("num_skipped_blocks", 0) > BLIND_MIN_SKIPPED_BLOCKS and not stream.get("num_stored_blocks"):
+        return "blind: every stored block arrived without its parent"
+    if stream.get("num_stalls"):
+        return "its event stream stalled and was resubscribed"
+    return None
+
+
+def router_status_lines(state: Mapping[str, Any]) -> list[str]:
+    """Lines for `warmpath status` from a `/v1/router` response (the ingress's routers and its routing stats)."""
+    stats = state.get("stats") or {}
+    accuracy = stats.get("prediction_accuracy")
+    lines = [
+        "routing: " + (
+            f"prediction accuracy {accuracy:.2f} over {stats.get('num_predictions', 0)} calls"
+            if accuracy is not None else "no predictions yet"
+        )
+    ]
+    routers = state.get("routers") or []
+    if not routers:
+        lines.append("  no prefix-aware router in the ingress (another policy, or no request routed yet)")
+    for router in routers:
+        replicas = router.get("replicas") or []
+        subscribed = router.get("subscribed_replicas") or []
+        lines.append(f"  {router.get('policy')} router: {len(subscribed)}/{len(replicas)} replicas subscribed")
+        blocks = (router.get("index") or {}).get("num_blocks_by_replica") or {}
+        for replica_id, stream in sorted((router.get("event_streams") or {}).items()):
+            since = stream.get("seconds_since_last_batch")
+            problem = stream_problem(stream)
+            lines.append(
+                f"    {replica_id}: {blocks.get(replica_id, 0)} blocks indexed, "
+                + ("no event yet" if since is None else f"last event {since:.0f}s ago")
+                + f", {stream.get('num_probes', 0)} probes"
+                + (f"; PROBLEM: {problem}" if problem else "")
+            )
+    return lines

@@ -1,0 +1,49 @@
+"""cluster.router_status: `warmpath status` lines from a `/v1/router` response, problems flagged."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.router_status import router_status_lines, stream_problem
+
+HEALTHY = {"num_stored_blocks": 900, "num_skipped_blocks": 0, "num_probes": 2, "num_stalls": 0,
+           "num_unreachable": 0, "seconds_since_last_batch": 1.4}
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({}, None),
+        ({"num_stored_blocks": 0, "num_skipped_blocks": 500}, "blind: every stored block arrived without its parent"),
+        ({"num_stored_blocks": 0, "num_skipped_blocks": 3}, None),  # a few: a late join's first blocks
+        ({"num_stalls": 1}, "its event stream stalled and was resubscribed"),
+        ({"num_unreachable": 2, "num_stalls": 1}, "its replay buffer did not answer a probe"),
+    ],
+)
+def test_stream_problem(changes, problem):
+    assert stream_problem({**HEALTHY, **changes}) == problem
+
+
+def test_lines_name_each_replica_and_flag_the_blind_one():
+    state = {
+        "routers": [{
+            "policy": "warmpath", "replicas": ["a", "b"], "subscribed_replicas": ["a", "b"],
+            "index": {"num_blocks_by_replica": {"a": 900}},
+            "event_streams": {"b": {**HEALTHY, "num_stored_blocks": 0, "num_skipped_blocks": 812,
+                                    "seconds_since_last_batch": None}, "a": HEALTHY},
+        }],
+        "stats": {"prediction_accuracy": 0.675, "num_predictions": 203},
+    }
+    assert router_status_lines(state) == [
+        "routing: prediction accuracy 0.68 over 203 calls",
+        "  warmpath router: 2/2 replicas subscribed",
+        "    a: 900 blocks indexed, last event 1s ago, 2 probes",
+        "    b: 0 blocks indexed, no event yet, 2 probes; PROBLEM: blind: every stored block arrived without its parent",
+    ]
+
+
+def test_lines_without_a_prefix_aware_router():
+    assert router_status_lines({"routers": [], "stats": {"prediction_accuracy": None, "num_predictions": 0}}) == [
+        "routing: no predictions yet",
+        "  no prefix-aware router in the ingress (another policy, or no request routed yet)",
+    ]

@@ -150,21 +150,32 @@ class _EventPump(threading.Thread):
             logger.info("subscribed to KV events of replica %s at %s", replica_id, endpoint)
 
     def _load_history(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream) -> bool:
-        """Applies the replica's replay buffer once it has all arrived; True while still waiting for it.
+        """Applies the replica's replay buffer as whole answers arrive; True while still waiting for it.
 
-        Live batches wait in the SUB socket meanwhile, so they follow the history in order. Only a whole
-        answer is applied: a cut-off one would end at an old state (blocks evicted since).
+        Live batches wait in the SUB socket meanwhile, so they follow the history in order. An answer cut
+        off by the deadline is not applied (it would end at an old state, blocks evicted since); one with a
+        hole (replies the publisher dropped) is applied up to the hole and asked for again from there. If
+        the deadline passes between the two, the first live batch is a gap, which `_drain` fills from the
+        buffer or resolves by clearing the replica: the index may under-predict, never over-predict.
         """
         answer = source.collect_buffered()
         if answer is None and time.monotonic() < self._history_deadlines[replica_id]:
             return True
-        del self._history_deadlines[replica_id]
         if answer is None:
+            del self._history_deadlines[replica_id]
             source.abandon_buffered()
             logger.warning("replay buffer of replica %s did not answer in time; starting from live events", replica_id)
             return False
-        num_applied = self._apply_replayed(stream, answer.batches)
-        logger.info("loaded %d earlier KV-event batches of replica %s from its replay buffer", num_applied, replica_id)
+        run = answer.leading_run()
+        self._apply_replayed(stream, run)
+        if len(run) < len(answer.batches) and time.monotonic() < self._history_deadlines[replica_id]:
+            # The publisher dropped replies past its send queue's limit: ask again from the first one missing.
+            source.request_buffered(stream.next_seq())
+            return True
+        del self._history_deadlines[replica_id]
+        last_seq = stream.snapshot().last_seq
+        logger.info("KV events of replica %s: %s", replica_id, "replay buffer empty" if last_seq is None
+                    else f"loaded batches 0-{last_seq} from its replay buffer")
         return False
 
     def _apply_replayed(self, stream: ReplicaEventStream, batches: list) -> int:

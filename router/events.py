@@ -105,10 +105,24 @@ class StreamSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class BufferedBatches:
-    """A replay answer: the batches received, and whether the publisher's end marker came too."""
+    """A replay answer: the batches received, and whether the publisher's end marker came too.
+
+    Even a complete answer can have holes: vLLM's replay socket drops replies
+    once its send queue to one subscriber is full (1000 messages), and a full
+    buffer is 10 000. The first replies are never dropped (the queue starts
+    empty), so the answer starts at the oldest batch held from the asked seq on.
+    """
 
     batches: list[tuple[int, KVEventBatch]]
     is_complete: bool
+
+    def leading_run(self) -> list[tuple[int, KVEventBatch]]:
+        """The batches in seq order up to the first missing seq."""
+        ordered = sorted(self.batches, key=lambda item: item[0])
+        for i in range(1, len(ordered)):
+            if ordered[i][0] != ordered[i - 1][0] + 1:
+                return ordered[:i]
+        return ordered
 
 
 class ReplicaEventStream:
@@ -324,6 +338,7 @@ class ZmqEventSource:
             self.abandon_buffered()  # its late replies must not mix into this answer
         if self._dealer is None:
             self._dealer = self._ctx.socket(self._zmq.DEALER)
+            self._dealer.setsockopt(self._zmq.RCVHWM, 0)  # never drop replies on this side
             self._dealer.connect(self._replay_endpoint)
         self._replayed = []
         self._dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))

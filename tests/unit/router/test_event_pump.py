@@ -17,7 +17,7 @@ from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublis
 
 from router import adapter
 from router.adapter import _EventPump
-from router.events import ZmqEventSource
+from router.events import BufferedBatches, ZmqEventSource
 from router.index import PrefixIndex
 from router.types import ReplicaId
 
@@ -68,12 +68,21 @@ def make_pump(tmp_path, replay_endpoint: str | None = None) -> _EventPump:
 def subscribe(pump: _EventPump) -> None:
     """Subscribes to the advertised replicas and waits until their replay buffers are loaded (or given up on)."""
     pump._sync_subscriptions()
-    assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1])
+    assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1], timeout_s=90)
 
 
-def published(publisher: ZmqEventPublisher, count: int) -> None:
+def publish_and_drain(publisher: ZmqEventPublisher, pump: _EventPump, first_block: int) -> bool:
+    """Publishes block `first_block` (blocks before it published already) and drains; True once the index
+    holds every block published."""
+    publisher.publish(stored(first_block, 1))
+    time.sleep(0.02)
+    pump._drain()
+    return indexed_blocks(pump) == first_block + 1
+
+
+def published(publisher: ZmqEventPublisher, count: int, timeout_s: float = 10.0) -> None:
     """Waits until the publisher's replay buffer holds `count` batches."""
-    assert wait_until(lambda: len(publisher._buffer) >= count)
+    assert wait_until(lambda: len(publisher._buffer) >= count, timeout_s)
 
 
 def test_subscribing_loads_the_replay_buffer(tmp_path, publisher):
@@ -113,9 +122,9 @@ def test_a_stalled_subscription_is_recovered_and_resubscribed(tmp_path, publishe
         assert indexed_blocks(pump) == 4
         state = pump.stream_states()[A]
         assert (state["num_probes"], state["num_stalls"], state["num_recovered_batches"]) == (1, 1, 1)
-        # The new subscription delivers what comes next.
-        publisher.publish(stored(4, 2))
-        assert wait_until(lambda: (pump._drain(), indexed_blocks(pump))[1] == 6)
+        # The new subscription delivers what comes next (a batch sent before it connected: as a gap, replayed).
+        next_blocks = iter(range(4, 1000))
+        assert wait_until(lambda: publish_and_drain(publisher, pump, next(next_blocks)))
     finally:
         pump._sources[A][1].close()
 
@@ -211,5 +220,50 @@ def test_live_batches_during_the_history_load_follow_it_in_order(tmp_path, publi
         assert indexed_blocks(pump) == 3 + num_published - 1
         state = pump.stream_states()[A]
         assert (state["last_seq"], state["num_gaps"]) == (num_published - 1, 0)
+    finally:
+        pump._sources[A][1].close()
+
+
+def test_a_history_with_dropped_replies_is_asked_for_again_from_the_hole(tmp_path, publisher, monkeypatch):
+    for first in range(4):
+        publisher.publish(stored(first * 2, 2))
+    published(publisher, 4)
+    pump = make_pump(tmp_path)
+    collect = ZmqEventSource.collect_buffered
+    asked: list[int] = []
+    request = ZmqEventSource.request_buffered
+
+    def collect_dropping_seq_2(self):
+        answer = collect(self)
+        if answer is None or asked[-1] != 0:
+            return answer
+        return BufferedBatches([b for b in answer.batches if b[0] != 2], is_complete=True)
+
+    def record_request(self, start_seq):
+        asked.append(start_seq)
+        return request(self, start_seq)
+
+    monkeypatch.setattr(ZmqEventSource, "collect_buffered", collect_dropping_seq_2)
+    monkeypatch.setattr(ZmqEventSource, "request_buffered", record_request)
+    try:
+        subscribe(pump)
+        assert asked == [0, 2]
+        assert indexed_blocks(pump) == 8
+        assert pump.stream_states()[A]["last_seq"] == 3
+    finally:
+        pump._sources[A][1].close()
+
+
+def test_a_full_replay_buffer_loads_whole(tmp_path, publisher, monkeypatch):
+    """10 000 batches: more than vLLM's replay socket sends to one subscriber without dropping some."""
+    for first in range(10_000):
+        publisher.publish(stored(first, 1))
+    published(publisher, 10_000, timeout_s=60)
+    monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 60.0)  # correctness here, not speed on a busy machine
+    pump = make_pump(tmp_path)
+    try:
+        subscribe(pump)
+        state = pump.stream_states()[A]
+        assert (state["last_seq"], state["num_gaps"], state["num_stored_blocks"]) == (9_999, 0, 10_000)
     finally:
         pump._sources[A][1].close()

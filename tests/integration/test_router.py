@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-import httpx
 import pytest
 
 from router.prompt_tokens import PromptTokenizer

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-# A replica with more skipped blocks than this and none stored: the router cannot see its cache.
-BLIND_MIN_SKIPPED_BLOCKS = 16
+# A replica with more orphaned blocks than this and none stored: the router cannot see its cache.
+BLIND_MIN_ORPHANED_BLOCKS = 16
 
 
 def stream_problem(stream: Mapping[str, Any]) -> str | None:
     """What is wrong with one replica's event stream, or None."""
     if stream.get("num_unreachable"):
         return "its replay buffer did not answer a probe"
-    if stream.get("num_skipped_blocks", 0) > BLIND_MIN_SKIPPED_BLOCKS and not stream.get("num_stored_blocks"):
+    if stream.get("num_orphaned_blocks", 0) > BLIND_MIN_ORPHANED_BLOCKS and not stream.get("num_stored_blocks"):
         return "blind: every stored block arrived without its parent"
     if stream.get("num_stalls"):
         return "its event stream stalled and was resubscribed"
+    if stream.get("num_reloads"):
+        return "the router lost track of its blocks and reloaded them from its replay buffer"
     return None
 
 

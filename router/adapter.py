@@ -10,7 +10,7 @@ Threads and ordering:
   replica as soon as the replica advertises its endpoints in its routing stats
   (loading what the replica's replay buffer still holds), drains events into
   the `PrefixIndex`, probes subscriptions that went quiet while their replica
-  served requests, expires pending placements (so that
+  served requests, reloads a replica whose blocks keep arriving as orphans, expires pending placements (so that
   work stays off the decision path), and drops a replica's sockets and index
   entries when the replica leaves the running set.
 - `choose_replicas` runs on Serve's event loop. It tokenizes the request with
@@ -93,7 +93,9 @@ class _EventPump(threading.Thread):
 
     A new subscription first loads the replica's replay buffer (what it cached
     before this router existed); a subscription that goes quiet while its
-    replica serves requests is probed through the same buffer (`router.stream_watch`).
+    replica serves requests is probed through the same buffer, and a replica
+    whose stored blocks keep arriving as orphans is reloaded from it
+    (`router.stream_watch`).
     """
 
     def __init__(self, router: "PrefixKVRouter") -> None:
@@ -103,9 +105,9 @@ class _EventPump(threading.Thread):
         # Replicas whose replay buffer (the history before subscribing) is on its way, and until when to wait.
         self._history_deadlines: dict[ReplicaId, float] = {}
         self.watch = EventStreamWatch()
-        self._probes = Counter(
-            "warmpath_kv_event_probes", "Probes of quiet KV-event subscriptions, by outcome (quiet, stalled, "
-            "unreachable).", tag_keys=("replica", "outcome"),
+        self._checks = Counter(
+            "warmpath_kv_event_checks", "Checks of KV-event subscriptions by outcome: a probe of a quiet one "
+            "(quiet, stalled, unreachable) or a reload of a blind one (blind).", tag_keys=("replica", "outcome"),
         )
         self.is_stopped = False
 
@@ -206,7 +208,24 @@ class _EventPump(threading.Thread):
             with self._router.lock:
                 for seq, batch in batches:
                     stream.accept(seq, batch)
+            snapshot = stream.snapshot()
+            if self.watch.looks_blind(
+                replica_id, snapshot.num_stored_blocks, snapshot.num_orphaned_blocks, time.monotonic()
+            ):
+                self._reload(replica_id, source, stream)
         return busy
+
+    def _reload(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream) -> None:
+        """Forgets what the index holds of a replica and loads its state again from its replay buffer."""
+        logger.warning(
+            "KV events of replica %s: blocks keep arriving whose parents the router never saw; reloading its "
+            "state from its replay buffer", replica_id,
+        )
+        with self._router.lock:
+            stream.reset()
+        if source.request_buffered(0):
+            self._history_deadlines[replica_id] = time.monotonic() + HISTORY_TIMEOUT_S
+        self._checks.inc(tags={"replica": replica_id, "outcome": "blind"})
 
     def _probe_quiet_streams(self) -> None:
         """Asks each replica that went quiet while serving for the batches after the last one received."""
@@ -235,7 +254,7 @@ class _EventPump(threading.Thread):
                 )
                 source.resubscribe()
             self.watch.probed(replica_id, outcome, num_recovered, time.monotonic())
-            self._probes.inc(tags={"replica": replica_id, "outcome": outcome})
+            self._checks.inc(tags={"replica": replica_id, "outcome": outcome})
 
     def subscribed_replicas(self) -> list[str]:
         return sorted(self._sources)

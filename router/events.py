@@ -90,9 +90,10 @@ def decode_event_message(frames: Sequence[bytes], decoder: msgspec.msgpack.Decod
 class StreamSnapshot:
     """Stream position and counters. `num_gaps` excludes joining late (the first batch).
 
-    `num_skipped_blocks` counts stored blocks the index could not place (their
-    parent unknown, e.g. stored before a gap): many of them against few
-    `num_stored_blocks` means the router is blind to that replica.
+    `num_skipped_blocks` counts stored blocks the index did not place, and
+    `num_orphaned_blocks` those of them whose parent it does not know (stored
+    before a gap or before the router joined): orphans arriving while nothing
+    is stored mean the router is blind to that replica.
     """
 
     last_seq: int | None
@@ -101,6 +102,7 @@ class StreamSnapshot:
     num_replayed_gaps: int
     num_stored_blocks: int
     num_skipped_blocks: int
+    num_orphaned_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +160,7 @@ class ReplicaEventStream:
         self._num_batches = 0
         self._num_stored_blocks = 0
         self._num_skipped_blocks = 0
+        self._num_orphaned_blocks = 0
         self._num_gaps = 0
         self._num_replayed_gaps = 0
 
@@ -229,7 +232,7 @@ class ReplicaEventStream:
         """Position and gap counters, for metrics and tests."""
         return StreamSnapshot(
             self._last_seq, self._num_batches, self._num_gaps, self._num_replayed_gaps,
-            self._num_stored_blocks, self._num_skipped_blocks,
+            self._num_stored_blocks, self._num_skipped_blocks, self._num_orphaned_blocks,
         )
 
     def _apply(self, batch: KVEventBatch) -> ApplyResult:
@@ -237,6 +240,7 @@ class ReplicaEventStream:
         result = self._index.apply(self.replica_id, batch.events)
         self._num_stored_blocks += result.num_stored_blocks
         self._num_skipped_blocks += result.num_skipped_blocks
+        self._num_orphaned_blocks += result.num_orphaned_blocks
         return result
 
     def _fetch_missing(self, start: int, stop: int) -> list[KVEventBatch] | None:

@@ -84,6 +84,8 @@ class ApplyResult:
     num_skipped_blocks: int = 0
     num_skipped_events: int = 0
     is_cleared: bool = False
+    # Of the skipped blocks, those whose parent this replica's index does not know.
+    num_orphaned_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,14 +152,15 @@ class PrefixIndex:
             Counts of what was applied and skipped.
         """
         state = self._state(replica_id)
-        num_stored = num_removed = num_skipped_blocks = num_skipped_events = 0
+        num_stored = num_removed = num_skipped_blocks = num_skipped_events = num_orphaned = 0
         is_cleared = False
         for event in events:
             kind = type(event).__name__
             if kind == "BlockStored":
-                stored, skipped = self._store(state, event)
+                stored, skipped, orphaned = self._store(state, event)
                 num_stored += stored
                 num_skipped_blocks += skipped
+                num_orphaned += orphaned
             elif kind == "BlockRemoved":
                 if event.medium in _TRACKED_MEDIA and not event.group_idx:
                     num_removed += self._remove(state, event.block_hashes)
@@ -168,7 +171,7 @@ class PrefixIndex:
                 is_cleared = True
             else:
                 num_skipped_events += 1
-        return ApplyResult(num_stored, num_removed, num_skipped_blocks, num_skipped_events, is_cleared)
+        return ApplyResult(num_stored, num_removed, num_skipped_blocks, num_skipped_events, is_cleared, num_orphaned)
 
     def longest_prefix(self, block_hashes: Sequence[BlockHash], now_s: float) -> dict[ReplicaId, int]:
         """Number of leading request blocks each replica holds, indexed or pending.
@@ -338,8 +341,8 @@ class PrefixIndex:
         else:
             masks.pop(block_hash, None)
 
-    def _store(self, state: _ReplicaState, event) -> tuple[int, int]:
-        """Returns (blocks stored, blocks skipped) for one `BlockStored`."""
+    def _store(self, state: _ReplicaState, event) -> tuple[int, int, int]:
+        """Returns (blocks stored, blocks skipped, of those with an unknown parent) for one `BlockStored`."""
         num_blocks = len(event.block_hashes)
         block_size = self._block_size_tokens
         if (
@@ -348,20 +351,20 @@ class PrefixIndex:
             or event.block_size != block_size
             or len(event.token_ids) != num_blocks * block_size
         ):
-            return 0, num_blocks
+            return 0, num_blocks, 0
         extra_keys = event.extra_keys or ()
         lora_name = event.lora_name
         first = 0
         if event.parent_block_hash is None:
             salt = _root_salt(extra_keys[0] if extra_keys else None, lora_name)
             if salt is False:
-                return 0, num_blocks
+                return 0, num_blocks, 0
             parent = root_hash(lora_name or self._model_id, salt)
             first = 1
         else:
             parent = state.blocks.get(_engine_key(event.parent_block_hash))
             if parent is None:
-                return 0, num_blocks
+                return 0, num_blocks, num_blocks
         usable = num_blocks
         for offset, keys in enumerate(extra_keys[first:num_blocks], start=first):
             if keys and any(key != lora_name for key in keys):
@@ -386,7 +389,7 @@ class PrefixIndex:
                 extra_copies.pop(old_key, None)
                 self._drop_bit(owners, old_hash, bit)
                 state.num_evicted_blocks += 1
-        return usable, num_blocks - usable
+        return usable, num_blocks - usable, 0
 
     def _remove(self, state: _ReplicaState, engine_hashes: Sequence[bytes | int]) -> int:
         blocks, extra_copies = state.blocks, state.extra_copies

@@ -1,4 +1,4 @@
-"""Notices a replica whose KV-event subscription has gone quiet while it serves requests.
+"""Notices a replica whose KV-event stream went quiet while it serves requests, or delivers blocks the index cannot place.
 
 Why: a router that receives no events from a replica still routes, falling back
 on pending placements and session affinity, so a broken subscription hides
@@ -10,6 +10,12 @@ received. Batches coming back that were published a while ago mean the
 subscription missed them (a stall; the pump decides, `router.adapter`); the
 end marker alone means the replica had nothing to say (quiet); no answer means
 the publisher is unreachable.
+
+A stream can also deliver and still leave the router blind: when the index
+misses a replica's early blocks (a history that could not be loaded, a gap the
+buffer could not fill), every block stored later extends them and is skipped
+as an orphan. `looks_blind` notices orphans piling up while nothing is stored,
+and the pump then reloads the replica's state from its replay buffer.
 
 Threads: `request_completed` runs on Serve's event loop, everything else on the
 event pump's thread; one lock guards the table.
@@ -27,6 +33,12 @@ from router.types import ReplicaId
 PROBE_GRACE_S = 2.0
 # At most one probe per replica per this interval.
 MIN_PROBE_INTERVAL_S = 10.0
+# Orphaned blocks (parent unknown) arriving with none stored in between that call a stream blind.
+BLIND_ORPHANED_BLOCKS = 64
+# The wait before a replica's second reload; it doubles after each (a buffer that no longer holds the
+# replica's early blocks cannot cure it), up to MAX_RELOAD_INTERVAL_S.
+MIN_RELOAD_INTERVAL_S = 60.0
+MAX_RELOAD_INTERVAL_S = 3600.0
 
 ProbeOutcome = Literal["quiet", "stalled", "unreachable"]
 
@@ -41,6 +53,10 @@ class _ReplicaWatch:
     num_stalls: int = 0
     num_unreachable: int = 0
     num_recovered_batches: int = 0
+    stored_mark: int = 0
+    orphaned_mark: int = 0
+    last_reload_at: float | None = None
+    num_reloads: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +69,7 @@ class StreamHealth:
     num_stalls: int
     num_unreachable: int
     num_recovered_batches: int
+    num_reloads: int
 
 
 class EventStreamWatch:
@@ -119,6 +136,30 @@ class EventStreamWatch:
             watch.num_completed_since_batch = 0
             watch.first_completed_at = None
 
+    def looks_blind(self, replica_id: ReplicaId, num_stored_blocks: int, num_orphaned_blocks: int, now: float) -> bool:
+        """Whether to reload the replica's state: since the last block stored (or the last reload), at least
+        `BLIND_ORPHANED_BLOCKS` orphans arrived, and the wait after the previous reload has passed.
+
+        Args are the stream's running totals (`StreamSnapshot`); a True answer counts as a reload.
+        """
+        with self._lock:
+            watch = self._replicas.get(replica_id)
+            if watch is None:
+                return False
+            if num_stored_blocks != watch.stored_mark:
+                watch.stored_mark, watch.orphaned_mark = num_stored_blocks, num_orphaned_blocks
+                return False
+            if num_orphaned_blocks - watch.orphaned_mark < BLIND_ORPHANED_BLOCKS:
+                return False
+            if watch.last_reload_at is not None:
+                wait_s = min(MIN_RELOAD_INTERVAL_S * 2 ** (watch.num_reloads - 1), MAX_RELOAD_INTERVAL_S)
+                if now - watch.last_reload_at < wait_s:
+                    return False
+            watch.orphaned_mark = num_orphaned_blocks
+            watch.last_reload_at = now
+            watch.num_reloads += 1
+            return True
+
     def health(self, now: float) -> dict[ReplicaId, StreamHealth]:
         with self._lock:
             return {
@@ -129,6 +170,7 @@ class EventStreamWatch:
                     num_stalls=watch.num_stalls,
                     num_unreachable=watch.num_unreachable,
                     num_recovered_batches=watch.num_recovered_batches,
+                    num_reloads=watch.num_reloads,
                 )
                 for replica_id, watch in self._replicas.items()
             }

@@ -6,18 +6,19 @@ import pytest
 
 from cluster.router_status import router_status_lines, stream_problem
 
-HEALTHY = {"num_stored_blocks": 900, "num_skipped_blocks": 0, "num_probes": 2, "num_stalls": 0,
-           "num_unreachable": 0, "seconds_since_last_batch": 1.4}
+HEALTHY = {"num_stored_blocks": 900, "num_orphaned_blocks": 0, "num_probes": 2, "num_stalls": 0,
+           "num_unreachable": 0, "num_reloads": 0, "seconds_since_last_batch": 1.4}
 
 
 @pytest.mark.parametrize(
     ("changes", "problem"),
     [
         ({}, None),
-        ({"num_stored_blocks": 0, "num_skipped_blocks": 500}, "blind: every stored block arrived without its parent"),
-        ({"num_stored_blocks": 0, "num_skipped_blocks": 3}, None),  # a few: a late join's first blocks
+        ({"num_stored_blocks": 0, "num_orphaned_blocks": 500}, "blind: every stored block arrived without its parent"),
+        ({"num_stored_blocks": 0, "num_orphaned_blocks": 3}, None),  # a few: a late join's first blocks
         ({"num_stalls": 1}, "its event stream stalled and was resubscribed"),
         ({"num_unreachable": 2, "num_stalls": 1}, "its replay buffer did not answer a probe"),
+        ({"num_reloads": 1}, "the router lost track of its blocks and reloaded them from its replay buffer"),
     ],
 )
 def test_stream_problem(changes, problem):
@@ -29,7 +30,7 @@ def test_lines_name_each_replica_and_flag_the_blind_one():
         "routers": [{
             "policy": "warmpath", "replicas": ["a", "b"], "subscribed_replicas": ["a", "b"],
             "index": {"num_blocks_by_replica": {"a": 900}},
-            "event_streams": {"b": {**HEALTHY, "num_stored_blocks": 0, "num_skipped_blocks": 812,
+            "event_streams": {"b": {**HEALTHY, "num_stored_blocks": 0, "num_orphaned_blocks": 812,
                                     "seconds_since_last_batch": None}, "a": HEALTHY},
         }],
         "stats": {"prediction_accuracy": 0.675, "num_predictions": 203},

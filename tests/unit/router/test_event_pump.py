@@ -267,3 +267,26 @@ def test_a_full_replay_buffer_loads_whole(tmp_path, publisher, monkeypatch):
         assert (state["last_seq"], state["num_gaps"], state["num_stored_blocks"]) == (9_999, 0, 10_000)
     finally:
         pump._sources[A][1].close()
+
+
+def test_a_replica_whose_blocks_arrive_as_orphans_is_reloaded(tmp_path, publisher, monkeypatch):
+    """The history could not be loaded, and every block after the first batch extends blocks the index lacks."""
+    publisher.publish(stored(0, 4))
+    published(publisher, 1)
+    pump = make_pump(tmp_path)
+    monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 0.2)
+    collect = ZmqEventSource.collect_buffered
+    monkeypatch.setattr(ZmqEventSource, "collect_buffered", lambda self: None)
+    try:
+        subscribe(pump)  # gives up on the history
+        monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 30.0)
+        monkeypatch.setattr(ZmqEventSource, "collect_buffered", collect)
+        next_blocks = iter(range(4, 10_000, 16))
+        assert wait_until(lambda: (publisher.publish(stored(next(next_blocks), 16)), pump._drain(),
+                                   pump.stream_states()[A]["num_reloads"] >= 1)[2])
+        assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1], timeout_s=30)
+        state = pump.stream_states()[A]
+        assert state["num_orphaned_blocks"] >= 64
+        assert indexed_blocks(pump) == state["last_seq"] * 16 + 4  # the root batch and every batch after it
+    finally:
+        pump._sources[A][1].close()

@@ -291,7 +291,7 @@ def test_joining_after_the_first_batch_without_history_leaves_its_descendants_un
     assert stream.accept(1, batch(stored(2, 2, parent=1))) == "started"
     assert stream.accept(2, batch(stored(4, 2, parent=3))) == "applied"
     snap = stream.snapshot()
-    assert (snap.num_stored_blocks, snap.num_skipped_blocks) == (0, 4)
+    assert (snap.num_stored_blocks, snap.num_skipped_blocks, snap.num_orphaned_blocks) == (0, 4, 4)
     assert cached_blocks(index) == 0
 
     with_history = ReplicaEventStream(A, PrefixIndex(BS, 1000, MODEL))

@@ -65,3 +65,22 @@ def test_unwatched_and_forgotten_replicas_are_ignored(watch):
     watch.request_completed(A, 100.0)
     assert watch.due_for_probe(200.0) == []
     assert set(watch.health(200.0)) == {B}
+
+
+def test_a_stream_is_blind_when_orphans_pile_up_with_nothing_stored(watch, monkeypatch):
+    monkeypatch.setattr("router.stream_watch.BLIND_ORPHANED_BLOCKS", 10)
+    assert not watch.looks_blind(A, 0, 9, 100.0)
+    assert watch.looks_blind(A, 0, 10, 100.0)  # a reload
+    assert not watch.looks_blind(A, 0, 40, 130.0)  # then a minute's wait
+    assert watch.looks_blind(A, 0, 40, 160.0)
+    assert not watch.looks_blind(A, 0, 80, 270.0)  # then two minutes'
+    assert watch.looks_blind(A, 0, 80, 280.0)
+    assert watch.health(280.0)[A].num_reloads == 3
+
+
+def test_stored_blocks_restart_the_orphan_count(watch, monkeypatch):
+    monkeypatch.setattr("router.stream_watch.BLIND_ORPHANED_BLOCKS", 10)
+    assert not watch.looks_blind(A, 5, 9, 100.0)  # something was placed: the count starts here
+    assert not watch.looks_blind(A, 5, 18, 100.0)
+    assert watch.looks_blind(A, 5, 19, 100.0)
+    assert not watch.looks_blind(ReplicaId("unwatched"), 0, 1000, 100.0)

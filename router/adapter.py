@@ -10,9 +10,10 @@ Threads and ordering:
   replica as soon as the replica advertises its endpoints in its routing stats
   (loading what the replica's replay buffer still holds), drains events into
   the `PrefixIndex`, probes subscriptions that went quiet while their replica
-  served requests, reloads a replica whose blocks keep arriving as orphans, expires pending placements (so that
-  work stays off the decision path), and drops a replica's sockets and index
-  entries when the replica leaves the running set.
+  served requests, reloads a replica whose blocks keep arriving as orphans,
+  expires pending placements (so that work stays off the decision path), and
+  drops a replica's sockets and index entries when the replica leaves the
+  running set.
 - `choose_replicas` runs on Serve's event loop. It tokenizes the request with
   the engine's tokenizer and chat template, hands those ids to the engine
   with the request (`router.prompt_tokens.forward_token_ids`, a chat request
@@ -147,9 +148,13 @@ class _EventPump(threading.Thread):
             stream = ReplicaEventStream(replica_id, router.index)
             self._sources[replica_id] = (endpoint, source, stream)
             self.watch.subscribed(replica_id)
-            if source.request_buffered(0):
-                self._history_deadlines[replica_id] = time.monotonic() + HISTORY_TIMEOUT_S
+            self._request_history(replica_id, source)
             logger.info("subscribed to KV events of replica %s at %s", replica_id, endpoint)
+
+    def _request_history(self, replica_id: ReplicaId, source: ZmqEventSource) -> None:
+        """Asks for the replica's whole replay buffer; `_drain` holds its live batches until `_load_history` is done."""
+        if source.request_buffered(0):
+            self._history_deadlines[replica_id] = time.monotonic() + HISTORY_TIMEOUT_S
 
     def _load_history(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream) -> bool:
         """Applies the replica's replay buffer as whole answers arrive; True while still waiting for it.
@@ -223,8 +228,7 @@ class _EventPump(threading.Thread):
         )
         with self._router.lock:
             stream.reset()
-        if source.request_buffered(0):
-            self._history_deadlines[replica_id] = time.monotonic() + HISTORY_TIMEOUT_S
+        self._request_history(replica_id, source)
         self._checks.inc(tags={"replica": replica_id, "outcome": "blind"})
 
     def _probe_quiet_streams(self) -> None:

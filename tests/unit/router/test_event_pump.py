@@ -80,103 +80,103 @@ def publish_and_drain(publisher: ZmqEventPublisher, pump: _EventPump, first_bloc
     return indexed_blocks(pump) == first_block + 1
 
 
+@pytest.fixture
+def new_pump(tmp_path, publisher):
+    """Makes pumps subscribed to `publisher`'s endpoints; closes their sockets after the test."""
+    pumps: list[_EventPump] = []
+
+    def make(replay_endpoint: str | None = None) -> _EventPump:
+        pumps.append(make_pump(tmp_path, replay_endpoint))
+        return pumps[-1]
+
+    yield make
+    for pump in pumps:
+        for _, source, _ in pump._sources.values():
+            source.close()
+
+
 def published(publisher: ZmqEventPublisher, count: int, timeout_s: float = 10.0) -> None:
     """Waits until the publisher's replay buffer holds `count` batches."""
     assert wait_until(lambda: len(publisher._buffer) >= count, timeout_s)
 
 
-def test_subscribing_loads_the_replay_buffer(tmp_path, publisher):
+def test_subscribing_loads_the_replay_buffer(publisher, new_pump):
     publisher.publish(stored(0, 3))
     publisher.publish(stored(3, 2))
     published(publisher, 2)
-    pump = make_pump(tmp_path)
-    try:
-        subscribe(pump)
-        assert indexed_blocks(pump) == 5
-        state = pump.stream_states()[A]
-        assert (state["last_seq"], state["num_gaps"], state["num_malformed_msgs"]) == (1, 0, 0)
-        publisher.publish(stored(5, 1))
-        assert wait_until(lambda: (pump._drain(), indexed_blocks(pump))[1] == 6)
-        assert pump.stream_states()[A]["num_gaps"] == 0
-    finally:
-        pump._sources[A][1].close()
+    pump = new_pump()
+    subscribe(pump)
+    assert indexed_blocks(pump) == 5
+    state = pump.stream_states()[A]
+    assert (state["last_seq"], state["num_gaps"], state["num_malformed_msgs"]) == (1, 0, 0)
+    publisher.publish(stored(5, 1))
+    assert wait_until(lambda: (pump._drain(), indexed_blocks(pump))[1] == 6)
+    assert pump.stream_states()[A]["num_gaps"] == 0
 
 
-def test_a_stalled_subscription_is_recovered_and_resubscribed(tmp_path, publisher):
-    pump = make_pump(tmp_path)
-    try:
-        subscribe(pump)
-        _, source, _ = pump._sources[A]
-        # Break the subscription: its SUB now listens where nothing publishes.
-        source._sub.close(linger=0)
-        source._sub = zmq.Context.instance().socket(zmq.SUB)
-        source._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        source._sub.connect(f"ipc://{tmp_path}/nobody")
-        publisher.publish(stored(0, 4, age_s=30))
-        published(publisher, 1)
-        pump._drain()
-        assert indexed_blocks(pump) == 0
-        pump.watch.request_completed(A, time.monotonic() - 60)
+def test_a_stalled_subscription_is_recovered_and_resubscribed(tmp_path, publisher, new_pump):
+    pump = new_pump()
+    subscribe(pump)
+    _, source, _ = pump._sources[A]
+    # Break the subscription: its SUB now listens where nothing publishes.
+    source._sub.close(linger=0)
+    source._sub = zmq.Context.instance().socket(zmq.SUB)
+    source._sub.setsockopt(zmq.SUBSCRIBE, b"")
+    source._sub.connect(f"ipc://{tmp_path}/nobody")
+    publisher.publish(stored(0, 4, age_s=30))
+    published(publisher, 1)
+    pump._drain()
+    assert indexed_blocks(pump) == 0
+    pump.watch.request_completed(A, time.monotonic() - 60)
 
+    pump._probe_quiet_streams()
+    assert indexed_blocks(pump) == 4
+    state = pump.stream_states()[A]
+    assert (state["num_probes"], state["num_stalls"], state["num_recovered_batches"]) == (1, 1, 1)
+    # The new subscription delivers what comes next (a batch sent before it connected: as a gap, replayed).
+    next_blocks = iter(range(4, 1000))
+    assert wait_until(lambda: publish_and_drain(publisher, pump, next(next_blocks)))
+
+
+def test_a_batch_published_as_the_probe_runs_is_applied_without_a_stall(publisher, new_pump):
+    pump = new_pump()
+    subscribe(pump)
+    sub_before = pump._sources[A][1]._sub
+    publisher.publish(stored(0, 2))
+    published(publisher, 1)
+    pump.watch.request_completed(A, time.monotonic() - 60)
+    pump._probe_quiet_streams()  # before draining: the SUB may hold it already
+    assert indexed_blocks(pump) == 2
+    state = pump.stream_states()[A]
+    assert (state["num_stalls"], state["num_recovered_batches"]) == (0, 1)
+    assert pump._sources[A][1]._sub is sub_before
+    pump._drain()  # the subscription's own copy: a duplicate, not a restart
+    assert indexed_blocks(pump) == 2 and pump.stream_states()[A]["num_gaps"] == 0
+
+
+def test_a_quiet_replica_is_probed_but_left_alone(publisher, new_pump):
+    pump = new_pump()
+    subscribe(pump)
+    sub_before = pump._sources[A][1]._sub
+    pump.watch.request_completed(A, time.monotonic() - 60)
+    pump._probe_quiet_streams()
+    state = pump.stream_states()[A]
+    assert (state["num_probes"], state["num_stalls"], state["num_unreachable"]) == (1, 0, 0)
+    assert pump._sources[A][1]._sub is sub_before
+
+
+def test_an_unreachable_publisher_is_reported(tmp_path, publisher, new_pump, caplog):
+    pump = new_pump(replay_endpoint=f"ipc://{tmp_path}/nobody")
+    subscribe(pump)
+    pump.watch.request_completed(A, time.monotonic() - 60)
+    with caplog.at_level("WARNING", logger="ray.serve"):
         pump._probe_quiet_streams()
-        assert indexed_blocks(pump) == 4
-        state = pump.stream_states()[A]
-        assert (state["num_probes"], state["num_stalls"], state["num_recovered_batches"]) == (1, 1, 1)
-        # The new subscription delivers what comes next (a batch sent before it connected: as a gap, replayed).
-        next_blocks = iter(range(4, 1000))
-        assert wait_until(lambda: publish_and_drain(publisher, pump, next(next_blocks)))
-    finally:
-        pump._sources[A][1].close()
+    assert pump.stream_states()[A]["num_unreachable"] == 1
+    assert "does not answer" in caplog.text
 
 
-def test_a_batch_published_as_the_probe_runs_is_applied_without_a_stall(tmp_path, publisher):
-    pump = make_pump(tmp_path)
-    try:
-        subscribe(pump)
-        sub_before = pump._sources[A][1]._sub
-        publisher.publish(stored(0, 2))
-        published(publisher, 1)
-        pump.watch.request_completed(A, time.monotonic() - 60)
-        pump._probe_quiet_streams()  # before draining: the SUB may hold it already
-        assert indexed_blocks(pump) == 2
-        state = pump.stream_states()[A]
-        assert (state["num_stalls"], state["num_recovered_batches"]) == (0, 1)
-        assert pump._sources[A][1]._sub is sub_before
-        pump._drain()  # the subscription's own copy: a duplicate, not a restart
-        assert indexed_blocks(pump) == 2 and pump.stream_states()[A]["num_gaps"] == 0
-    finally:
-        pump._sources[A][1].close()
-
-
-def test_a_quiet_replica_is_probed_but_left_alone(tmp_path, publisher):
-    pump = make_pump(tmp_path)
-    try:
-        subscribe(pump)
-        sub_before = pump._sources[A][1]._sub
-        pump.watch.request_completed(A, time.monotonic() - 60)
-        pump._probe_quiet_streams()
-        state = pump.stream_states()[A]
-        assert (state["num_probes"], state["num_stalls"], state["num_unreachable"]) == (1, 0, 0)
-        assert pump._sources[A][1]._sub is sub_before
-    finally:
-        pump._sources[A][1].close()
-
-
-def test_an_unreachable_publisher_is_reported(tmp_path, publisher, caplog):
-    pump = make_pump(tmp_path, replay_endpoint=f"ipc://{tmp_path}/nobody")
-    try:
-        subscribe(pump)
-        pump.watch.request_completed(A, time.monotonic() - 60)
-        with caplog.at_level("WARNING", logger="ray.serve"):
-            pump._probe_quiet_streams()
-        assert pump.stream_states()[A]["num_unreachable"] == 1
-        assert "does not answer" in caplog.text
-    finally:
-        pump._sources[A][1].close()
-
-
-def test_a_replica_that_stops_advertising_is_dropped(tmp_path, publisher):
-    pump = make_pump(tmp_path)
+def test_a_replica_that_stops_advertising_is_dropped(publisher, new_pump):
+    pump = new_pump()
     subscribe(pump)
     assert pump.subscribed_replicas() == [A]
     pump._router.curr_replicas.clear()
@@ -184,51 +184,45 @@ def test_a_replica_that_stops_advertising_is_dropped(tmp_path, publisher):
     assert pump.subscribed_replicas() == [] and pump.stream_states() == {}
 
 
-def test_history_is_applied_only_when_whole(tmp_path, publisher, monkeypatch):
+def test_history_is_applied_only_when_whole(publisher, new_pump, monkeypatch):
     publisher.publish(stored(0, 3))
     published(publisher, 1)
-    pump = make_pump(tmp_path)
+    pump = new_pump()
     monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 0.2)
     monkeypatch.setattr(ZmqEventSource, "collect_buffered", lambda self: None)  # the end marker never comes
-    try:
-        subscribe(pump)
-        assert indexed_blocks(pump) == 0
-        assert pump.stream_states()[A]["last_seq"] is None
-    finally:
-        pump._sources[A][1].close()
+    subscribe(pump)
+    assert indexed_blocks(pump) == 0
+    assert pump.stream_states()[A]["last_seq"] is None
 
 
-def test_live_batches_during_the_history_load_follow_it_in_order(tmp_path, publisher, monkeypatch):
+def test_live_batches_during_the_history_load_follow_it_in_order(publisher, new_pump, monkeypatch):
     publisher.publish(stored(0, 3))
     published(publisher, 1)
-    pump = make_pump(tmp_path)
+    pump = new_pump()
     is_answer_held = True
     collect = ZmqEventSource.collect_buffered
     monkeypatch.setattr(ZmqEventSource, "collect_buffered", lambda self: None if is_answer_held else collect(self))
-    try:
-        pump._sync_subscriptions()
-        _, source, _ = pump._sources[A]
-        num_published = 1
-        while not source._sub.poll(50):  # until the subscription holds a live batch
-            publisher.publish(stored(2 + num_published, 1))
-            num_published += 1
-        pump._drain()
-        assert indexed_blocks(pump) == 0  # live batches wait for the history
-        is_answer_held = False
-        assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1])
-        pump._drain()
-        assert indexed_blocks(pump) == 3 + num_published - 1
-        state = pump.stream_states()[A]
-        assert (state["last_seq"], state["num_gaps"]) == (num_published - 1, 0)
-    finally:
-        pump._sources[A][1].close()
+    pump._sync_subscriptions()
+    _, source, _ = pump._sources[A]
+    num_published = 1
+    while not source._sub.poll(50):  # until the subscription holds a live batch
+        publisher.publish(stored(2 + num_published, 1))
+        num_published += 1
+    pump._drain()
+    assert indexed_blocks(pump) == 0  # live batches wait for the history
+    is_answer_held = False
+    assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1])
+    pump._drain()
+    assert indexed_blocks(pump) == 3 + num_published - 1
+    state = pump.stream_states()[A]
+    assert (state["last_seq"], state["num_gaps"]) == (num_published - 1, 0)
 
 
-def test_a_history_with_dropped_replies_is_asked_for_again_from_the_hole(tmp_path, publisher, monkeypatch):
+def test_a_history_with_dropped_replies_is_asked_for_again_from_the_hole(publisher, new_pump, monkeypatch):
     for first in range(4):
         publisher.publish(stored(first * 2, 2))
     published(publisher, 4)
-    pump = make_pump(tmp_path)
+    pump = new_pump()
     collect = ZmqEventSource.collect_buffered
     asked: list[int] = []
     request = ZmqEventSource.request_buffered
@@ -245,48 +239,39 @@ def test_a_history_with_dropped_replies_is_asked_for_again_from_the_hole(tmp_pat
 
     monkeypatch.setattr(ZmqEventSource, "collect_buffered", collect_dropping_seq_2)
     monkeypatch.setattr(ZmqEventSource, "request_buffered", record_request)
-    try:
-        subscribe(pump)
-        assert asked == [0, 2]
-        assert indexed_blocks(pump) == 8
-        assert pump.stream_states()[A]["last_seq"] == 3
-    finally:
-        pump._sources[A][1].close()
+    subscribe(pump)
+    assert asked == [0, 2]
+    assert indexed_blocks(pump) == 8
+    assert pump.stream_states()[A]["last_seq"] == 3
 
 
-def test_a_full_replay_buffer_loads_whole(tmp_path, publisher, monkeypatch):
+def test_a_full_replay_buffer_loads_whole(publisher, new_pump, monkeypatch):
     """10 000 batches: more than vLLM's replay socket sends to one subscriber without dropping some."""
     for first in range(10_000):
         publisher.publish(stored(first, 1))
     published(publisher, 10_000, timeout_s=60)
     monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 60.0)  # correctness here, not speed on a busy machine
-    pump = make_pump(tmp_path)
-    try:
-        subscribe(pump)
-        state = pump.stream_states()[A]
-        assert (state["last_seq"], state["num_gaps"], state["num_stored_blocks"]) == (9_999, 0, 10_000)
-    finally:
-        pump._sources[A][1].close()
+    pump = new_pump()
+    subscribe(pump)
+    state = pump.stream_states()[A]
+    assert (state["last_seq"], state["num_gaps"], state["num_stored_blocks"]) == (9_999, 0, 10_000)
 
 
-def test_a_replica_whose_blocks_arrive_as_orphans_is_reloaded(tmp_path, publisher, monkeypatch):
+def test_a_replica_whose_blocks_arrive_as_orphans_is_reloaded(publisher, new_pump, monkeypatch):
     """The history could not be loaded, and every block after the first batch extends blocks the index lacks."""
     publisher.publish(stored(0, 4))
     published(publisher, 1)
-    pump = make_pump(tmp_path)
+    pump = new_pump()
     monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 0.2)
     collect = ZmqEventSource.collect_buffered
     monkeypatch.setattr(ZmqEventSource, "collect_buffered", lambda self: None)
-    try:
-        subscribe(pump)  # gives up on the history
-        monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 30.0)
-        monkeypatch.setattr(ZmqEventSource, "collect_buffered", collect)
-        next_blocks = iter(range(4, 10_000, 16))
-        assert wait_until(lambda: (publisher.publish(stored(next(next_blocks), 16)), pump._drain(),
-                                   pump.stream_states()[A]["num_reloads"] >= 1)[2])
-        assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1], timeout_s=30)
-        state = pump.stream_states()[A]
-        assert state["num_orphaned_blocks"] >= 64
-        assert indexed_blocks(pump) == state["last_seq"] * 16 + 4  # the root batch and every batch after it
-    finally:
-        pump._sources[A][1].close()
+    subscribe(pump)  # gives up on the history
+    monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 30.0)
+    monkeypatch.setattr(ZmqEventSource, "collect_buffered", collect)
+    next_blocks = iter(range(4, 10_000, 16))
+    assert wait_until(lambda: (publisher.publish(stored(next(next_blocks), 16)), pump._drain(),
+                               pump.stream_states()[A]["num_reloads"] >= 1)[2])
+    assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1], timeout_s=30)
+    state = pump.stream_states()[A]
+    assert state["num_orphaned_blocks"] >= 64
+    assert indexed_blocks(pump) == state["last_seq"] * 16 + 4  # the root batch and every batch after it

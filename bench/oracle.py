@@ -22,15 +22,18 @@ bounds, not forecasts.
     eviction term, every request sharing a popular prefix would pile onto the
     replica that cached it first and evict each other there.
     LRU order follows vLLM: a request's blocks are freed tail first, so a prefix
-    always outlives its extensions (`LruBlockCache`).
+    always outlives its extensions (`LruBlockCache`, the reference model;
+    `StreamingBounds` runs `bench.sim_cache.BlockCache`, which evicts the same
+    blocks in the same order).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from bench.sim_cache import BlockCache
 from bench.trace import RequestRecord
 from router.hashing import BlockHash, hash_request_blocks, root_hash
 
@@ -110,10 +113,18 @@ def request_block_hashes(records: Sequence[RequestRecord], block_size_tokens: in
 class StreamingBounds:
     """Both bounds, fed one request at a time in send order, so a long simulation need not keep its trace.
 
-    The greedy placement finds every replica's longest prefix in one walk of
-    the chain: `_owners` maps a block to the bitmask of replicas caching it
-    (kept in step with each replica's `LruBlockCache`), so the cost per request
-    does not grow with the number of replicas.
+    Same answers as replaying `LruBlockCache`s and a set, at a cost per
+    request that grows with neither the prompt's length nor the number of
+    replicas (a long coding session re-sends thousands of blocks per turn):
+    - every cache involved is prefix-closed (a block is cached only with its
+      whole prefix: the infinite cache never drops a block, and each replica's
+      `BlockCache` evicts leaves only), so "is block i cached" is monotone along
+      a chain and its longest cached run is a binary search;
+    - `_owners` maps a block to the bitmask of replicas caching it, kept in step
+      with the replicas' caches from their new and evicted blocks only. Along a
+      chain the masks only lose bits, so every replica's longest prefix comes
+      from bisecting between positions whose masks differ: a few lookups per
+      replica that holds part of the chain, instead of one per block.
     """
 
     def __init__(self, block_size_tokens: int, num_replicas: int, capacity_blocks: int) -> None:
@@ -123,7 +134,7 @@ class StreamingBounds:
         self.num_replicas = num_replicas
         self.capacity_blocks = capacity_blocks
         self._seen: set[BlockHash] = set()
-        self._caches = [LruBlockCache(capacity_blocks) for _ in range(num_replicas)]
+        self._caches = [BlockCache(capacity_blocks) for _ in range(num_replicas)]
         self._owners: dict[BlockHash, int] = {}
         self.infinite_hits: list[int] = []
         self.placed_hits: list[int] = []
@@ -138,36 +149,64 @@ class StreamingBounds:
         """
         usable = _usable_blocks(num_tokens, self.block_size_tokens)
         self.prompt_tokens += num_tokens
-        seen = self._seen
-        count = 0
-        for block_hash in chain:
-            if block_hash not in seen:
-                break
-            count += 1
+        count = _leading_run(self._seen, chain)
         self.infinite_hits.append(min(count, usable) * self.block_size_tokens)
-        seen.update(chain)
+        self._seen.update(chain[count:])
 
         best, count = self._best_replica(chain)
         self.placed_hits.append(min(count, usable) * self.block_size_tokens)
         self.placement.append(best)
-        self._use(best, chain)
+        self._use(best, chain, count)
         return best
 
     def cache(self, chain: Sequence[BlockHash], replica: int) -> None:
         """Caches blocks computed without a prompt of their own (a response the next prompt carries)."""
-        self._seen.update(chain)
+        self._seen.update(chain[_leading_run(self._seen, chain):])
         self._use(replica, chain)
 
-    def _use(self, replica: int, chain: Sequence[BlockHash]) -> None:
+    def _use(self, replica: int, chain: Sequence[BlockHash], num_cached: int | None = None) -> None:
         bit, owners = 1 << replica, self._owners
-        for block_hash in chain:
+        first_new, evicted = self._caches[replica].use(chain, num_cached)
+        for block_hash in chain[first_new:]:
             owners[block_hash] = owners.get(block_hash, 0) | bit
-        for block_hash in self._caches[replica].use(chain):
+        for block_hash in evicted:
             mask = owners[block_hash] & ~bit
             if mask:
                 owners[block_hash] = mask
             else:
                 del owners[block_hash]
+
+    def _matched_blocks(self, chain: Sequence[BlockHash]) -> dict[int, int]:
+        """Replica -> leading blocks of `chain` it caches, for the replicas caching at least one."""
+        owners_get = self._owners.get
+        last = len(chain) - 1
+        first_mask = owners_get(chain[0], 0) if chain else 0
+        if not first_mask:
+            return {}
+        matched: dict[int, int] = {}
+
+        def credit(mask: int, num_blocks: int) -> None:
+            while mask:
+                low = mask & -mask
+                matched[low.bit_length() - 1] = num_blocks
+                mask ^= low
+
+        last_mask = owners_get(chain[last], 0)
+        credit(last_mask, last + 1)
+        # (low, its mask, high, its mask): the masks between are sandwiched by the two.
+        spans = [(0, first_mask, last, last_mask)]
+        while spans:
+            low, low_mask, high, high_mask = spans.pop()
+            if low_mask == high_mask:
+                continue
+            if high - low == 1:
+                credit(low_mask & ~high_mask, high)
+                continue
+            middle = (low + high) // 2
+            middle_mask = owners_get(chain[middle], 0)
+            spans.append((low, low_mask, middle, middle_mask))
+            spans.append((middle, middle_mask, high, high_mask))
+        return matched
 
     def _best_replica(self, chain: Sequence[BlockHash]) -> tuple[int, int]:
         """The placement of one request, and how many of its leading blocks that replica holds.
@@ -177,30 +216,12 @@ class StreamingBounds:
         longest match, then the fewest cached blocks, then the lowest index.
         Counting evictions keeps the greedy choice from piling every request
         that shares a popular prefix onto the one replica that cached it first.
+        Of the replicas caching none of the chain, only the emptiest can win.
         """
-        owners_get = self._owners.get
         caches = self._caches
         capacity = self.capacity_blocks
         num_blocks = len(chain)
-        matched: dict[int, int] = {}
-        alive = (1 << self.num_replicas) - 1
-        count = 0
-        for block_hash in chain:
-            mask = alive & owners_get(block_hash, 0)
-            if mask != alive:
-                dropped = alive & ~mask
-                while dropped and count:
-                    low = dropped & -dropped
-                    matched[low.bit_length() - 1] = count
-                    dropped ^= low
-                alive = mask
-                if not alive:
-                    break
-            count += 1
-        while alive and count:
-            low = alive & -alive
-            matched[low.bit_length() - 1] = count
-            alive ^= low
+        matched = self._matched_blocks(chain)
         emptiest = min(range(self.num_replicas), key=lambda i: (len(caches[i]), i))
         matched.setdefault(emptiest, 0)
 
@@ -214,6 +235,7 @@ class StreamingBounds:
 
     def result(self, num_requests: int | None = None) -> OracleBounds:
         prompt = self.prompt_tokens
+        by_replica = Counter(self.placement)
         return OracleBounds(
             num_requests=len(self.placement) if num_requests is None else num_requests,
             prompt_tokens=prompt,
@@ -221,8 +243,20 @@ class StreamingBounds:
             placed_hit_rate=sum(self.placed_hits) / prompt if prompt else None,
             num_replicas=self.num_replicas,
             capacity_blocks=self.capacity_blocks,
-            placed_requests_by_replica=[self.placement.count(i) for i in range(self.num_replicas)],
+            placed_requests_by_replica=[by_replica[i] for i in range(self.num_replicas)],
         )
+
+
+def _leading_run(blocks: set[BlockHash], chain: Sequence[BlockHash]) -> int:
+    """Leading `chain` blocks in `blocks`, which must be prefix-closed (binary search)."""
+    low, high = 0, len(chain)  # chain[:low] all in blocks; chain[high:] none
+    while low < high:
+        middle = (low + high) // 2
+        if chain[middle] in blocks:
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
 def oracle_bounds(

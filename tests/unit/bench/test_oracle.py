@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from array import array
 
 import pytest
 
-from bench.oracle import LruBlockCache, oracle_bounds
+from bench.oracle import LruBlockCache, StreamingBounds, oracle_bounds
 from bench.trace import RequestRecord, decode_token_ids, encode_token_ids, percentile, summarize
 
 BS = 4
@@ -71,13 +72,67 @@ def test_placement_weighs_evictions_against_a_shared_prefix():
 
 
 def test_streaming_bounds_count_cached_responses():
-    from bench.oracle import StreamingBounds
-
     stream = StreamingBounds(block_size_tokens=BS, num_replicas=2, capacity_blocks=8)
     replica = stream.observe(["p0", "p1"], 2 * BS + 1)
     stream.cache(["p0", "p1", "o2"], replica)  # the response's block, carried by the next prompt
     assert stream.observe(["p0", "p1", "o2", "n3"], 4 * BS + 1) == replica
     assert stream.infinite_hits == [0, 3 * BS] and stream.placed_hits == [0, 3 * BS]
+
+
+class ReferenceBounds:
+    """The bounds as the module docstring states them: a set, and every replica's LRU cache scanned block by block."""
+
+    def __init__(self, num_replicas: int, capacity: int) -> None:
+        self.seen: set[str] = set()
+        self.caches = [LruBlockCache(capacity) for _ in range(num_replicas)]
+        self.capacity = capacity
+        self.infinite_hits: list[int] = []
+        self.placed_hits: list[int] = []
+
+    def observe(self, chain: list[str], num_tokens: int) -> int:
+        usable = max(num_tokens - 1, 0) // BS
+        count = next((i for i, block in enumerate(chain) if block not in self.seen), len(chain))
+        self.infinite_hits.append(min(count, usable) * BS)
+        self.seen.update(chain)
+
+        def cost(i: int) -> tuple[int, int, int, int]:
+            matched = self.caches[i].longest_prefix(chain)
+            new = len(chain) - matched
+            return new + max(0, len(self.caches[i]) + new - self.capacity), -matched, len(self.caches[i]), i
+
+        best = min(range(len(self.caches)), key=cost)
+        self.placed_hits.append(min(self.caches[best].longest_prefix(chain), usable) * BS)
+        self.caches[best].use(chain)
+        return best
+
+    def cache(self, chain: list[str], replica: int) -> None:
+        self.seen.update(chain)
+        self.caches[replica].use(chain)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize(("num_replicas", "capacity"), [(1, 6), (3, 10), (5, 30), (70, 12)])
+def test_streaming_bounds_match_the_block_by_block_reference(seed, num_replicas, capacity):
+    # Sessions that extend their own chains and share prefixes with others, some with a
+    # cached response: placements and hits must agree request by request.
+    rng = random.Random(seed)
+    fast, reference = StreamingBounds(BS, num_replicas, capacity), ReferenceBounds(num_replicas, capacity)
+    chains: list[list[str]] = []
+    for i in range(300):
+        base = rng.choice(chains)[: rng.randint(0, 12)] if chains and rng.random() < 0.85 else []
+        chain = base + [f"{i}-{j}" for j in range(rng.randint(0, 5))]
+        chains.append(chain)
+        num_tokens = len(chain) * BS + rng.randint(0, 1)
+        replica = fast.observe(chain, num_tokens)
+        assert replica == reference.observe(chain, num_tokens)
+        if chain and rng.random() < 0.3:
+            response = chain + [f"{i}-out"]
+            fast.cache(response, replica)
+            reference.cache(response, replica)
+            chains.append(response)
+    assert fast.infinite_hits == reference.infinite_hits
+    assert fast.placed_hits == reference.placed_hits
+    assert sum(fast.placed_hits) > 0
 
 
 def test_lru_frees_a_request_tail_first_so_prefixes_outlive_extensions():

@@ -55,10 +55,13 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+import multiprocessing
 import random
+import sys
 import time
 from array import array
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Literal, Sequence
 
@@ -173,12 +176,20 @@ class Simulation:
     def _push(self, at_s: float, kind: int, item) -> None:
         heapq.heappush(self._events, (at_s, next(self._seq), kind, item))
 
-    def run(self, source: WorkloadSource | None = None, requests: Sequence[SimRequest] = ()) -> list[RequestRecord]:
+    def run(
+        self,
+        source: WorkloadSource | None = None,
+        requests: Sequence[SimRequest] = (),
+        progress: Callable[[str], None] | None = None,
+        progress_every_s: float = 60.0,
+    ) -> list[RequestRecord]:
         """Simulates until every request is done.
 
         Args:
             source: a closed-loop workload source, or None.
             requests: open-loop requests (a trace), sent at their `arrival_s`.
+            progress: told how far the run got, every `progress_every_s` of wall time.
+            progress_every_s: see `progress`.
 
         Returns:
             Records in send order.
@@ -188,7 +199,8 @@ class Simulation:
                 self._push(at_s, _SESSION, session)
         for request in requests:
             self._push(request.arrival_s, _ARRIVE, request)
-        events = self._events
+        events, records = self._events, self.records
+        next_report_s = time.perf_counter() + progress_every_s
         while events:
             now_s, _, kind, item = heapq.heappop(events)
             if kind == _SESSION:
@@ -199,6 +211,9 @@ class Simulation:
                 self._prefilled(item, now_s)
             elif kind == _DONE:
                 self._done(item, now_s, source)
+                if progress is not None and time.perf_counter() >= next_report_s:
+                    next_report_s = time.perf_counter() + progress_every_s
+                    progress(f"{len(records)} requests done, {now_s:.0f} s simulated")
             else:
                 replica, batch = item
                 self.router.on_kv_events(replica, batch, now_s)
@@ -343,6 +358,7 @@ def simulate(
     is_output_reused: bool = True,
     max_output_tokens: int | None = None,
     with_bounds: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> SimulationResult:
     """Runs one policy on one workload (closed loop) or one trace (open loop).
 
@@ -360,6 +376,7 @@ def simulate(
         max_output_tokens: cap on generated tokens per step.
         with_bounds: also compute the oracle bounds of this run's own trace
             (`bench.oracle.StreamingBounds`, replicas of `profile`'s capacity).
+        progress: told how far a long run got, about once a minute.
 
     Returns:
         Records, summary and the wall time the simulation took.
@@ -375,7 +392,7 @@ def simulate(
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        records = sim.run(source, [replace(r) for r in requests])
+        records = sim.run(source, [replace(r) for r in requests], progress)
     finally:
         if was_enabled:
             gc.enable()
@@ -411,6 +428,49 @@ class GridRun:
         return asdict(self)
 
 
+def print_progress(message: str) -> None:
+    """Progress of a grid cell in a worker process: straight to the inherited stderr."""
+    print(f"[simulate] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class GridCell:
+    """One (workload, replica count, policy) of a grid, with what regenerates its sessions."""
+
+    workload: WorkloadName
+    num_replicas: int
+    policy: RouterPolicy
+    num_sessions: int
+    seed: int
+    scale: Literal["cpu", "gpu"]
+
+
+def run_cell(
+    cell: GridCell,
+    profile: CostProfile,
+    base: Workload | None = None,
+    progress: Callable[[str], None] = print_progress,
+) -> GridRun:
+    """Runs one cell; sessions arrive at the workload's per-replica rate times the replica count.
+
+    Args:
+        cell: what to run.
+        profile: cost model and KV capacity.
+        base: the cell's workload at one replica's rate, if the caller has it (else generated).
+        progress: told how far a long run got, prefixed with the cell.
+    """
+    params = default_params(cell.workload, cell.scale)
+    if base is None:
+        base = generate(cell.workload, cell.seed, 1, params=params, num_sessions=cell.num_sessions)
+    workload = base.with_arrival_rate(params.sessions_per_s_per_replica * cell.num_replicas)
+    label = f"{cell.workload} x{cell.num_replicas} {cell.policy}"
+    result = simulate(cell.policy, cell.num_replicas, profile, workload=workload, seed=cell.seed,
+                      with_bounds=cell.policy == "warmpath", progress=lambda msg: progress(f"{label}: {msg}"))
+    return GridRun(cell.workload, cell.num_replicas, cell.policy, len(workload.sessions), len(result.records),
+                   result.summary.to_json(), result.num_decisions_by_route, result.wall_s, result.cpu_s,
+                   result.bounds.to_json() if result.bounds else None)
+
+
 def run_grid(
     workload_names: Sequence[WorkloadName],
     replica_counts: Sequence[int],
@@ -420,28 +480,43 @@ def run_grid(
     profile: CostProfile = GPU_PROFILE,
     scale: Literal["cpu", "gpu"] = "gpu",
     progress: Callable[[str], None] = lambda _msg: None,
+    jobs: int = 1,
 ) -> list[GridRun]:
-    """Every policy on every (workload, replica count); sessions arrive at the workload's per-replica rate.
+    """Every policy on every (workload, replica count), in that order; sessions arrive at the workload's per-replica rate.
 
     The same sessions (same seed) run at every replica count; only their arrival rate scales.
-    warmpath's run also computes the oracle bounds of its own trace.
+    warmpath's run also computes the oracle bounds of its own trace. Cells are
+    independent and deterministic, so `jobs` > 1 runs them in that many
+    processes with the same results (each process holds one simulation's
+    caches and index: up to a few GB at 256 replicas).
     """
-    runs = []
-    for name in workload_names:
-        params = default_params(name, scale)
-        base = generate(name, seed, 1, params=params, num_sessions=num_sessions)
-        for num_replicas in replica_counts:
-            workload = base.with_arrival_rate(params.sessions_per_s_per_replica * num_replicas)
-            for policy in policies:
-                result = simulate(policy, num_replicas, profile, workload=workload, seed=seed,
-                                  with_bounds=policy == "warmpath")
-                runs.append(GridRun(name, num_replicas, policy, len(workload.sessions), len(result.records),
-                                    result.summary.to_json(), result.num_decisions_by_route, result.wall_s,
-                                    result.cpu_s, result.bounds.to_json() if result.bounds else None))
-                hit = result.summary.hit_rate
-                progress(f"{name} x{num_replicas} {policy}: {len(result.records)} requests, "
-                         f"hit rate {hit if hit is None else round(hit, 3)}, {result.cpu_s:.1f} CPU-s")
-    return runs
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    cells = [GridCell(name, num_replicas, policy, num_sessions, seed, scale)
+             for name in workload_names for num_replicas in replica_counts for policy in policies]
+
+    def report(run: GridRun) -> None:
+        hit = run.summary["hit_rate"]
+        progress(f"{run.workload} x{run.num_replicas} {run.policy}: {run.num_requests} requests, "
+                 f"hit rate {hit if hit is None else round(hit, 3)}, {run.cpu_s:.1f} CPU-s")
+
+    if jobs == 1 or len(cells) == 1:
+        runs, bases = [], {}
+        for cell in cells:
+            if cell.workload not in bases:
+                params = default_params(cell.workload, scale)
+                bases[cell.workload] = generate(cell.workload, seed, 1, params=params, num_sessions=num_sessions)
+            runs.append(run_cell(cell, profile, bases[cell.workload], progress))
+            report(runs[-1])
+        return runs
+    # "spawn": a fresh interpreter per worker, whatever threads the caller has started.
+    with ProcessPoolExecutor(min(jobs, len(cells)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(run_cell, cell, profile): position for position, cell in enumerate(cells)}
+        done: dict[int, GridRun] = {}
+        for future in as_completed(futures):
+            done[futures[future]] = future.result()
+            report(done[futures[future]])
+    return [done[position] for position in range(len(cells))]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Every command validates the config once and exits 2 with one line per problem.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ render_app = typer.Typer(no_args_is_help=True, help="Render generated files from
 app.add_typer(render_app, name="render")
 
 _START = time.monotonic()
+# `simulate`'s default parallelism: each simulation at 256 replicas holds a few GB.
+MAX_DEFAULT_JOBS = 8
 
 
 def progress(msg: str) -> None:
@@ -341,15 +344,19 @@ def simulate(
     seed: int = typer.Option(0, help="Workload and router seed."),
     policies: str = PoliciesOpt,
     out: Path = typer.Option(Path("bench/results/simulate.json"), help="JSON output file."),
+    jobs: int = typer.Option(
+        0, help=f"Simulations run at once, one process each (0: one per CPU core, at most {MAX_DEFAULT_JOBS})."
+    ),
 ) -> None:
     """Simulate routing policies at scale with the production router code (GPU cost profile)."""
     from bench import report, sim_cost, simulator
 
     names, chosen = _workloads_and_policies(workload, policies)
-    if any(n < 1 for n in replicas) or sessions < 1:
-        typer.echo("replicas and sessions must be >= 1", err=True)
+    if any(n < 1 for n in replicas) or sessions < 1 or jobs < 0:
+        typer.echo("replicas and sessions must be >= 1, jobs >= 0", err=True)
         raise typer.Exit(2)
-    runs = simulator.run_grid(names, replicas, sessions, seed=seed, policies=chosen, progress=progress)
+    jobs = jobs or min(len(os.sched_getaffinity(0)), MAX_DEFAULT_JOBS)
+    runs = simulator.run_grid(names, replicas, sessions, seed=seed, policies=chosen, progress=progress, jobs=jobs)
     document = {
         "kind": "warmpath-simulate",
         "profile": sim_cost.GPU_PROFILE.__dict__,

@@ -107,6 +107,15 @@ def test_warmpath_index_mirrors_the_simulated_caches_through_kv_events():
     assert {r: index.num_blocks_by_replica.get(r, 0) for r in cached} == cached
 
 
+def test_a_long_run_reports_its_progress():
+    messages: list[str] = []
+    sim = Simulation("pow2", 2, CPU_PROFILE, seed=0)
+    records = sim.run(WorkloadSource(_tiny_workload("coding", 1), SyntheticRenderer()), progress=messages.append,
+                      progress_every_s=0.0)
+    assert len(messages) == len(records) > 0  # due after every request here
+    assert messages[-1].startswith(f"{len(records)} requests done, ")
+
+
 def _one_replica_trace_records(workload, renderer):
     records = []
     for session in workload.sessions:
@@ -186,3 +195,21 @@ def test_grid_runs_every_policy_at_every_replica_count():
                for r in runs if r.bounds)
     text = simulation_report([r.to_json() for r in runs])
     assert text.count("of the infinite shared cache") == 2
+
+
+def test_a_grid_in_parallel_processes_gives_the_serial_results_in_the_same_order():
+    kwargs = dict(num_sessions=6, policies=("warmpath", "session-hash"), profile=GPU_PROFILE)
+    serial = run_grid(["fanout", "coding"], [2, 3], **kwargs)
+    messages: list[str] = []
+    parallel = run_grid(["fanout", "coding"], [2, 3], progress=messages.append, jobs=2, **kwargs)
+
+    def figures(run):
+        return {k: v for k, v in run.to_json().items() if k not in ("wall_s", "cpu_s")}
+
+    assert [figures(r) for r in parallel] == [figures(r) for r in serial]
+    assert len(messages) == len(serial) == 8
+
+
+def test_a_grid_needs_at_least_one_job():
+    with pytest.raises(ValueError, match="jobs"):
+        run_grid(["fanout"], [2], num_sessions=1, jobs=0)

@@ -2,12 +2,21 @@
 
 The numbers are what a simulated result rests on, each with where it comes from
 (a fit of live runs, or an estimate stated step by step): they are refitted and
-cited (the README points here) without reading the simulation.
+cited (the README points here) without reading the simulation. `fit_cost`
+refits the CPU numbers from a `warmpath bench` JSON:
+`python -m bench.sim_cost bench/results/bench-shared-tools.json`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+from bench.trace import RequestRecord
 
 
 @dataclass(frozen=True)
@@ -74,3 +83,60 @@ GPU_PROFILE = CostProfile(
         "decode 12 ms/token with continuous batching, ~900k KV tokens per replica"
     ),
 )
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """Replica speed fitted from live records: TTFT = overhead + per-token time * uncached tokens."""
+
+    num_requests: int
+    prefill_overhead_s: float
+    prefill_s_per_token: float
+    decode_s_per_token: float | None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def fit_cost(records: Sequence[RequestRecord]) -> CostFit:
+    """Least-squares line of TTFT against uncached prompt tokens; median decode time per output token.
+
+    The intercept holds everything a request pays besides its prefill (HTTP,
+    routing, queueing, the engine step), so fit a run at low load: queueing
+    behind other requests would be counted as cost.
+
+    Raises:
+        ValueError: fewer than two successful requests with distinct uncached token counts.
+    """
+    ok = [r for r in records if r.error is None and r.ttft_s is not None]
+    xs = [r.prompt_tokens - r.cached_tokens for r in ok]
+    if len(set(xs)) < 2:
+        raise ValueError(f"need requests with at least two distinct uncached token counts, got {len(ok)} requests")
+    ys = [r.ttft_s for r in ok]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    decode = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1)
+              for r in ok if r.latency_s is not None and r.output_tokens > 1]
+    return CostFit(len(ok), mean_y - slope * mean_x, slope, statistics.median(decode) if decode else None)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Fit the CPU cost profile from a `warmpath bench` JSON.")
+    parser.add_argument("bench_json", type=Path)
+    parser.add_argument("--policy", action="append", help="policies whose records to pool (default: all)")
+    args = parser.parse_args(argv)
+    runs = json.loads(args.bench_json.read_text())["policies"]
+    chosen = args.policy or list(runs)
+    unknown = [p for p in chosen if p not in runs]
+    if unknown:
+        parser.error(f"no run of {', '.join(unknown)} in {args.bench_json} (has {', '.join(runs)})")
+    records = [RequestRecord.from_json(r) for p in chosen for r in runs[p]["records"]]
+    fit = fit_cost(records)
+    decode = "n/a" if fit.decode_s_per_token is None else f"{fit.decode_s_per_token * 1e3:.2f} ms"
+    print(f"{fit.num_requests} requests of {', '.join(chosen)}: TTFT = {fit.prefill_overhead_s * 1e3:.1f} ms + "
+          f"{fit.prefill_s_per_token * 1e3:.4f} ms per uncached token; decode {decode} per output token (median)")
+    print(json.dumps(fit.to_json()))
+
+
+if __name__ == "__main__":
+    main()

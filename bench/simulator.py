@@ -482,9 +482,10 @@ def run_grid(
     progress: Callable[[str], None] = lambda _msg: None,
     jobs: int = 1,
 ) -> list[GridRun]:
-    """Every policy on every (workload, replica count), in that order; sessions arrive at the workload's per-replica rate.
+    """Every policy on every (workload, replica count), in that order.
 
-    The same sessions (same seed) run at every replica count; only their arrival rate scales.
+    The same sessions (same seed) run at every replica count; only their arrival rate scales
+    (the workload's per-replica rate times the replica count).
     warmpath's run also computes the oracle bounds of its own trace. Cells are
     independent and deterministic, so `jobs` > 1 runs them in that many
     processes with the same results (each process holds one simulation's

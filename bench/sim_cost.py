@@ -37,27 +37,26 @@ class CostProfile:
         return self.prefill_overhead_s + self.prefill_s_per_token * num_uncached_tokens
 
 
-# Measured on 2 CPU cores, 2 replicas of the small model (6 layers, hidden 384), from the
-# 265 requests of one `warmpath bench --workload shared-tools` run (all five policies, about
-# one request in flight): a least-squares fit of TTFT against uncached prompt tokens gives
-# 0.19 ms per uncached token plus 75 ms (HTTP, routing and the engine step included); decode
-# took a median 7.1 ms per output token. The 75 ms held up to 50 ms of Ray Serve LLM's stream
-# batching, which replicas no longer apply to the first chunk (idle cached TTFT 77 -> 44 ms); the
-# profile is kept until a low-load run refits it, since replays compare hit rates, which it does not
-# move. Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens
+# Measured on 2 CPU cores, 2 replicas of the small model (6 layers, hidden 384), from the 204
+# requests of `warmpath bench --workload shared-tools --policies warmpath,pow2 --sessions 20
+# --time-scale 2` (about half a request in flight), refitted with `fit_cost`: TTFT = 89 ms (HTTP,
+# routing, the engine step and what queueing remains) + 0.177 ms per uncached token; decode a
+# median 11.6 ms per output token, counting the stream's 50 ms chunk gathering (Ray Serve LLM) that
+# the last chunk waits for. The previous fit (75 ms + 0.19 ms per token, decode 7.1 ms) predates
+# sending each stream's first chunk at once. Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens
 # * 3,072 bytes per token: 2 (K, V) * 6 layers * 2 KV heads * 64 dims * 2 bytes).
 CPU_PROFILE = CostProfile(
     name="cpu-small-model",
     block_size_tokens=32,
     kv_capacity_blocks=(1 << 30) // (32 * 3072),
-    prefill_overhead_s=0.075,
-    prefill_s_per_token=0.00019,
-    decode_s_per_token=0.0071,
+    prefill_overhead_s=0.089,
+    prefill_s_per_token=0.000177,
+    decode_s_per_token=0.0116,
     is_decode_blocking=True,
     kv_event_lag_s=0.05,
     source=(
-        "measured on 2 CPU cores: TTFT of 265 live shared-tools requests fitted as 75 ms + "
-        "0.19 ms per uncached token, decode 7.1 ms per token (median); "
+        "measured on 2 CPU cores: TTFT of 204 live shared-tools requests at about half a request in "
+        "flight fitted as 89 ms + 0.177 ms per uncached token, decode 11.6 ms per token (median); "
         "KV capacity 1 GiB per replica at 3,072 bytes per token"
     ),
 )

@@ -488,8 +488,8 @@ def run_grid(
     (the workload's per-replica rate times the replica count).
     warmpath's run also computes the oracle bounds of its own trace. Cells are
     independent and deterministic, so `jobs` > 1 runs them in that many
-    processes with the same results (each process holds one simulation's
-    caches and index: up to a few GB at 256 replicas).
+    processes with the same results (each process holds one whole
+    simulation: several GB at 10,000 sessions).
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from array import array
 
@@ -25,6 +26,11 @@ def trace(*prompts: list[int], **fields) -> list[RequestRecord]:
         RequestRecord(f"s{i}", 0, float(i), prompt_tokens=len(p), token_ids=array("I", p), **fields)
         for i, p in enumerate(prompts)
     ]
+
+
+def h(name: str) -> bytes:
+    """A stand-in block hash: 16 bytes, as `StreamingBounds` keeps them."""
+    return hashlib.md5(name.encode()).digest()
 
 
 def bounds(records, num_replicas=1, capacity=1000):
@@ -73,9 +79,10 @@ def test_placement_weighs_evictions_against_a_shared_prefix():
 
 def test_streaming_bounds_count_cached_responses():
     stream = StreamingBounds(block_size_tokens=BS, num_replicas=2, capacity_blocks=8)
-    replica = stream.observe(["p0", "p1"], 2 * BS + 1)
-    stream.cache(["p0", "p1", "o2"], replica)  # the response's block, carried by the next prompt
-    assert stream.observe(["p0", "p1", "o2", "n3"], 4 * BS + 1) == replica
+    p0, p1, o2, n3 = map(h, ["p0", "p1", "o2", "n3"])
+    replica = stream.observe([p0, p1], 2 * BS + 1)
+    stream.cache([p0, p1, o2], replica)  # the response's block, carried by the next prompt
+    assert stream.observe([p0, p1, o2, n3], 4 * BS + 1) == replica
     assert stream.infinite_hits == [0, 3 * BS] and stream.placed_hits == [0, 3 * BS]
 
 
@@ -83,13 +90,13 @@ class ReferenceBounds:
     """The bounds as the module docstring states them: a set, and every replica's LRU cache scanned block by block."""
 
     def __init__(self, num_replicas: int, capacity: int) -> None:
-        self.seen: set[str] = set()
+        self.seen: set[bytes] = set()
         self.caches = [LruBlockCache(capacity) for _ in range(num_replicas)]
         self.capacity = capacity
         self.infinite_hits: list[int] = []
         self.placed_hits: list[int] = []
 
-    def observe(self, chain: list[str], num_tokens: int) -> int:
+    def observe(self, chain: list[bytes], num_tokens: int) -> int:
         usable = max(num_tokens - 1, 0) // BS
         count = next((i for i, block in enumerate(chain) if block not in self.seen), len(chain))
         self.infinite_hits.append(min(count, usable) * BS)
@@ -105,7 +112,7 @@ class ReferenceBounds:
         self.caches[best].use(chain)
         return best
 
-    def cache(self, chain: list[str], replica: int) -> None:
+    def cache(self, chain: list[bytes], replica: int) -> None:
         self.seen.update(chain)
         self.caches[replica].use(chain)
 
@@ -117,16 +124,16 @@ def test_streaming_bounds_match_the_block_by_block_reference(seed, num_replicas,
     # cached response: placements and hits must agree request by request.
     rng = random.Random(seed)
     fast, reference = StreamingBounds(BS, num_replicas, capacity), ReferenceBounds(num_replicas, capacity)
-    chains: list[list[str]] = []
+    chains: list[list[bytes]] = []
     for i in range(300):
         base = rng.choice(chains)[: rng.randint(0, 12)] if chains and rng.random() < 0.85 else []
-        chain = base + [f"{i}-{j}" for j in range(rng.randint(0, 5))]
+        chain = base + [h(f"{i}-{j}") for j in range(rng.randint(0, 5))]
         chains.append(chain)
         num_tokens = len(chain) * BS + rng.randint(0, 1)
         replica = fast.observe(chain, num_tokens)
         assert replica == reference.observe(chain, num_tokens)
         if chain and rng.random() < 0.3:
-            response = chain + [f"{i}-out"]
+            response = chain + [h(f"{i}-out")]
             fast.cache(response, replica)
             reference.cache(response, replica)
             chains.append(response)

@@ -20,48 +20,105 @@ from router.hashing import BlockHash
 # --- block cache ----------------------------------------------------------------------------------
 
 
+class _Run:
+    """Consecutive blocks of one chain, stored together; blocks leave from its end only.
+
+    `hashes[i]` sits at chain position `depth + i`. Its in-run child is
+    `hashes[i + 1]`; other cached children start runs of their own, counted in
+    `branches[i]`. So only the last block can be a leaf, and only when no run
+    branches off it.
+
+    Recency, as `bench.oracle.LruBlockCache` orders blocks: a block was last
+    used at the latest stamp in its subtree. `stamp` is that for the last
+    block. `marks` hold the stamps of chains that ended below the last block,
+    as (index, stamp), index ascending and stamp descending: as the end comes
+    down to index i, the last block's stamp becomes the largest of `stamp` and
+    the marks at i or beyond.
+    """
+
+    __slots__ = ("hashes", "depth", "parent", "parent_index", "branches", "marks", "stamp")
+
+    def __init__(self, hashes: list[BlockHash], depth: int, parent: _Run | None, parent_index: int,
+                 stamp: int) -> None:
+        self.hashes = hashes
+        self.depth = depth
+        self.parent = parent
+        self.parent_index = parent_index
+        self.branches: dict[int, int] = {}
+        self.marks: list[tuple[int, int]] = []
+        self.stamp = stamp
+
+    def mark(self, index: int, stamp: int) -> None:
+        """Records that the block at `index` (not the last) was used at `stamp`."""
+        marks = self.marks
+        k = 0
+        while k < len(marks) and marks[k][0] < index:
+            k += 1
+        if k < len(marks) and marks[k][1] >= stamp:
+            return  # a block at or beyond index was used later: this stamp can never decide
+        j = k
+        while j and marks[j - 1][1] <= stamp:
+            j -= 1  # used earlier, nearer the start: this stamp decides before they could
+        marks[j:k + 1 if k < len(marks) and marks[k][0] == index else k] = [(index, stamp)]
+
+    def fold_marks(self) -> None:
+        """Takes the marks at or beyond the last block into `stamp`."""
+        last, marks = len(self.hashes) - 1, self.marks
+        while marks and marks[-1][0] >= last:
+            stamp = marks.pop()[1]
+            if stamp > self.stamp:
+                self.stamp = stamp
+
+    @property
+    def is_leaf(self) -> bool:
+        return bool(self.hashes) and len(self.hashes) - 1 not in self.branches
+
+
 class BlockCache:
     """One replica's prefix cache: full blocks, LRU, a request's blocks freed tail first.
 
     Same hits and evictions as `bench.oracle.LruBlockCache` (the reference
-    model), at O(log n) per lookup and O(new + evicted) per use instead of
-    O(prompt blocks): blocks form a tree (each block's parent is the block
-    before it), only leaves are evicted, and using a chain stamps only its
-    deepest block. A block's true last use is the latest stamp in its subtree,
-    which is what it carries when it becomes a leaf (an evicted child hands its
-    stamp to its parent), so leaves leave in exact LRU order.
+    model), at O(log n) per lookup and, per use, a few operations per run of
+    blocks plus one dict operation per new or evicted block, instead of work
+    per prompt block. Blocks form a tree (each block's parent is the block
+    before it) kept as runs (`_Run`): the new blocks of one `use` extend the
+    run whose last block they follow, or start a run branching off it. Only
+    leaves are evicted, a run's blocks from its end, and eviction continues
+    down a run while its end stays the least recently used leaf, so a long
+    stale history goes in a few slices.
 
     Invariants: every cached block's parent is cached (prefix-closed), so
     "is block i cached" is monotone along a chain; `len(self) <= capacity_blocks`
-    after every `use`.
+    after every `use`; every leaf run has a heap entry with its current stamp.
     """
 
-    __slots__ = ("capacity_blocks", "_nodes", "_heap", "_clock")
+    __slots__ = ("capacity_blocks", "_runs", "_heap", "_clock", "_seq", "_num_blocks")
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        # block -> [parent block or None, number of cached children, stamp]
-        self._nodes: dict[BlockHash, list] = {}
-        self._heap: list[tuple[int, BlockHash]] = []
+        self._runs: dict[BlockHash, _Run] = {}  # block -> the run holding it
+        self._heap: list[tuple[int, int, _Run]] = []  # (stamp, seq, run); stale entries are skipped
         self._clock = 0
+        self._seq = itertools.count()
+        self._num_blocks = 0
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return self._num_blocks
 
     def longest_prefix(self, hashes: Sequence[BlockHash]) -> int:
         """Number of leading `hashes` cached (binary search: the cache is prefix-closed)."""
-        nodes = self._nodes
+        runs = self._runs
         n = len(hashes)
-        if n == 0 or hashes[0] not in nodes:
+        if n == 0 or hashes[0] not in runs:
             return 0
-        if hashes[n - 1] in nodes:
+        if hashes[n - 1] in runs:
             return n
         low, high = 1, n - 1  # hashes[low - 1] cached, hashes[high] not
         while low < high:
             mid = (low + high) // 2
-            if hashes[mid] in nodes:
+            if hashes[mid] in runs:
                 low = mid + 1
             else:
                 high = mid
@@ -77,63 +134,102 @@ class BlockCache:
         Returns:
             (index of the first newly stored block, evicted blocks in eviction order).
         """
-        nodes = self._nodes
+        runs = self._runs
         known = self.longest_prefix(hashes) if num_cached is None else num_cached
         n = len(hashes)
         if n == 0:
             return 0, []
         self._clock += 1
         stamp = self._clock
+        run = runs[hashes[known - 1]] if known else None
+        index = known - 1 - run.depth if run is not None else -1
+        is_last = run is not None and index == len(run.hashes) - 1
         if known == n:
-            node = nodes[hashes[-1]]
-            node[2] = stamp
-            if node[1] == 0:
-                heapq.heappush(self._heap, (stamp, hashes[-1]))
+            if is_last:
+                run.stamp = stamp
+                run.marks.clear()  # all older, and below the last block
+                if run.is_leaf:
+                    self._push(run)
+            else:
+                run.mark(index, stamp)
         else:
-            parent = hashes[known - 1] if known else None
-            if parent is not None:
-                nodes[parent][1] += 1
-            new = hashes[known:n]
-            # One [parent, children, stamp] list per block, built without a Python-level loop.
-            nodes.update(zip(new, map(list, zip(itertools.chain((parent,), new), itertools.repeat(1),
-                                                 itertools.repeat(stamp)))))
-            nodes[new[-1]][1] = 0
-            heapq.heappush(self._heap, (stamp, new[-1]))
+            new = list(hashes[known:n])
+            if is_last:
+                run.hashes.extend(new)  # the old last block's stamp is older than its new descendants'
+                run.stamp = stamp
+                holder = run
+            else:
+                holder = _Run(new, known, run, index, stamp)
+                if run is not None:
+                    run.branches[index] = run.branches.get(index, 0) + 1
+            runs.update(zip(new, itertools.repeat(holder)))
+            self._num_blocks += len(new)
+            self._push(holder)
         return known, self._evict()
 
+    def _push(self, run: _Run) -> None:
+        heapq.heappush(self._heap, (run.stamp, next(self._seq), run))
+
     def _evict(self) -> list[BlockHash]:
-        nodes, heap = self._nodes, self._heap
-        capacity = self.capacity_blocks
+        runs, heap = self._runs, self._heap
+        excess = self._num_blocks - self.capacity_blocks
         evicted: list[BlockHash] = []
-        while len(nodes) > capacity:
-            stamp, block_hash = heapq.heappop(heap)
-            node = nodes.get(block_hash)
-            if node is None or node[1] or node[2] != stamp:
-                continue  # stale entry: evicted, re-stamped, or no longer a leaf
+        while excess > 0:
+            stamp, _, run = heapq.heappop(heap)
+            if stamp != run.stamp or not run.is_leaf:
+                continue  # stale entry: re-stamped, emptied, or no longer a leaf
             while True:
-                del nodes[block_hash]
-                evicted.append(block_hash)
-                parent = node[0]
-                if parent is None:
+                hashes = run.hashes
+                # Evict down to the next block where the order may change: a mark or a branch.
+                floor = run.marks[-1][0] if run.marks else -1
+                if run.branches:
+                    floor = max(floor, max(run.branches))
+                start = max(len(hashes) - excess, floor + 1)
+                gone = hashes[start:]
+                del hashes[start:]
+                gone.reverse()
+                for block_hash in gone:
+                    del runs[block_hash]
+                evicted += gone
+                excess -= len(gone)
+                self._num_blocks -= len(gone)
+                if hashes:
+                    run.fold_marks()
+                    leaf = run if run.is_leaf else None
+                else:
+                    leaf = self._detach(run)
+                if leaf is None:
                     break
-                parent_node = nodes[parent]
-                parent_node[1] -= 1
-                if stamp > parent_node[2]:
-                    parent_node[2] = stamp
-                if parent_node[1]:
-                    break
-                # The parent is now a leaf. While it is still the least recent leaf,
-                # evict it right away instead of a round trip through the heap.
-                stamp = parent_node[2]
-                if len(nodes) > capacity and (not heap or (stamp, parent) < heap[0]):
-                    block_hash, node = parent, parent_node
+                if excess > 0 and (not heap or leaf.stamp <= heap[0][0]):
+                    run = leaf  # still the least recently used leaf
                     continue
-                heapq.heappush(heap, (stamp, parent))
+                self._push(leaf)
                 break
-        if len(heap) > 4 * len(nodes) + 1024:
-            self._heap = [(node[2], h) for h, node in nodes.items() if node[1] == 0]
+        if len(heap) > 4 * self._num_blocks + 1024:
+            leaves = {id(r): r for r in runs.values() if r.is_leaf}.values()
+            self._heap = [(r.stamp, next(self._seq), r) for r in leaves]
             heapq.heapify(self._heap)
         return evicted
+
+    @staticmethod
+    def _detach(run: _Run) -> _Run | None:
+        """Hands an emptied run's stamp to its parent block; returns the parent run if that made it a leaf."""
+        parent = run.parent
+        if parent is None:
+            return None
+        index = run.parent_index
+        left = parent.branches[index] - 1
+        if left:
+            parent.branches[index] = left
+        else:
+            del parent.branches[index]
+        if index != len(parent.hashes) - 1:
+            # The parent's later blocks lead to leaves used no earlier than this run, the least
+            # recently used leaf: their stamps reach the parent block before this one could matter.
+            return None
+        if run.stamp > parent.stamp:
+            parent.stamp = run.stamp
+        return parent if not left else None
 
 
 # --- synthetic KV events (the fields PrefixIndex.apply reads from vLLM's structs) ------------------

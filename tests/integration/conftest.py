@@ -96,8 +96,10 @@ def cluster(otlp_receiver: OtlpReceiver) -> Cluster:
         build_model(MODEL_DIR)
     cfg = _test_config(otlp_receiver.endpoint)
     redeploy = os.environ.get("WARMPATH_TEST_REDEPLOY") == "1"
-    state = local.up(cfg, progress=lambda msg: print(f"[cluster] {msg}", flush=True), timeout_s=900, redeploy=redeploy)
     try:
+        # Inside the try: a bring-up that fails or times out still stops what it started.
+        state = local.up(cfg, progress=lambda msg: print(f"[cluster] {msg}", flush=True), timeout_s=900,
+                         redeploy=redeploy)
         api_key = local.api_key_file(cfg).read_text().strip()
         yield Cluster(
             cfg=cfg, base_url=f"http://127.0.0.1:{cfg.ports.http_port}", redis_url=state.redis_url, api_key=api_key

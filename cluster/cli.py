@@ -24,7 +24,7 @@ app.add_typer(render_app, name="render")
 
 _START = time.monotonic()
 # `simulate`'s default parallelism: each process holds one whole simulation (several GB for
-# 10,000 sessions; a 10,000-session coding run at 64 replicas passed 14 GB).
+# 10,000 sessions; a 10,000-session coding run at 256 replicas peaks at about 17 GB).
 MAX_DEFAULT_JOBS = 8
 
 

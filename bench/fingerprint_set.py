@@ -4,8 +4,8 @@ Why: the infinite-cache bound must remember every block a run ever made. At
 10,000 coding sessions that is over a hundred million blocks, and a Python set
 of 16-byte `bytes` costs about 90 bytes a block (object, slot, spare slots):
 over 10 GB for a bound. Here each block is kept as the first 8 bytes of its
-hash (a 64-bit fingerprint) in one sorted `numpy.uint64` array, plus a small
-Python set of the latest fingerprints that is merged into the array whenever
+hash (a 64-bit fingerprint) in one sorted `numpy.uint64` array, plus a
+Python set of the latest fingerprints, merged into the array whenever
 it reaches a sixteenth of it (numpy's stable sort merges the two sorted runs
 in linear time), so merges cost O(n) amortized per block.
 

@@ -1,3 +1,5 @@
+"""bench.fingerprint_set against a Python set, across the merges of its sorted array."""
+
 import random
 
 import pytest

@@ -251,7 +251,7 @@ class StreamingBounds:
         )
 
 
-def _leading_run(blocks: FingerprintSet | set[BlockHash], chain: Sequence[BlockHash]) -> int:
+def _leading_run(blocks: FingerprintSet, chain: Sequence[BlockHash]) -> int:
     """Leading `chain` blocks in `blocks`, which must be prefix-closed (binary search)."""
     low, high = 0, len(chain)  # chain[:low] all in blocks; chain[high:] none
     while low < high:

@@ -213,7 +213,10 @@ class BlockCache:
 
     @staticmethod
     def _detach(run: _Run) -> _Run | None:
-        """Hands an emptied run's stamp to its parent block; returns the parent run if that made it a leaf."""
+        """Unlinks an emptied run from its parent block, handing its stamp over if that block ends its run.
+
+        Returns the parent run if that made it a leaf.
+        """
         parent = run.parent
         if parent is None:
             return None

@@ -15,12 +15,15 @@ bounds, not forecasts.
 (b) `placed`: one LRU cache per replica of `capacity_blocks` blocks, and a
     greedy placement: each request goes to the replica where it costs least,
     counting the blocks to compute plus the cached blocks they would evict;
-    ties to the longest match, then the fewest cached blocks, then the lowest
-    index. No load limit. Greedy is not optimal in general (placement under
-    capacity limits is a hard packing problem), so (b) is "the best placement
-    we compute", and a router can beat it when capacity binds. Without the
+    ties to the longest match, then the fewest cached blocks, then the
+    replica whose least recently used block is oldest, then the lowest index.
+    No load limit. Greedy is not optimal in general (placement under capacity
+    limits is a hard packing problem), so (b) is "the best placement we
+    compute", and a router can beat it when capacity binds. Without the
     eviction term, every request sharing a popular prefix would pile onto the
-    replica that cached it first and evict each other there.
+    replica that cached it first and evict each other there; without the age
+    tie-break, once every cache is full (evictions then cost the same
+    everywhere), every new session would go to the lowest index.
     LRU order follows vLLM: a request's blocks are freed tail first, so a prefix
     always outlives its extensions (`LruBlockCache`, the reference model;
     `StreamingBounds` runs `bench.sim_cache.BlockCache`, which evicts the same
@@ -45,14 +48,16 @@ class LruBlockCache:
     Invariant: the cache is prefix-closed for every chain inserted through
     `use`, because `use` touches a request's blocks from last to first (vLLM
     frees them tail first), so a parent is always more recent than its children
-    and is evicted after them.
+    and is evicted after them. Each block keeps the stamp of the use that last
+    touched it.
     """
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[BlockHash, None] = OrderedDict()
+        self._blocks: OrderedDict[BlockHash, int] = OrderedDict()
+        self._clock = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -66,14 +71,18 @@ class LruBlockCache:
             count += 1
         return count
 
-    def use(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """Caches and touches all `hashes`; returns the evicted blocks, oldest first."""
+    def lru_stamp(self) -> int | None:
+        """Stamp of the least recently used block; None if empty."""
+        return next(iter(self._blocks.values()), None)
+
+    def use(self, hashes: Sequence[BlockHash], stamp: int | None = None) -> list[BlockHash]:
+        """Caches and touches all `hashes` at `stamp` (default: the next tick); returns the evicted blocks, oldest first."""
+        self._clock = self._clock + 1 if stamp is None else stamp
         blocks = self._blocks
         for block_hash in reversed(hashes):
             if block_hash in blocks:
                 blocks.move_to_end(block_hash)
-            else:
-                blocks[block_hash] = None
+            blocks[block_hash] = self._clock
         evicted = []
         while len(blocks) > self.capacity_blocks:
             evicted.append(blocks.popitem(last=False)[0])
@@ -140,6 +149,7 @@ class StreamingBounds:
         self._seen = FingerprintSet()  # every block the infinite cache holds: ~8 bytes each
         self._caches = [BlockCache(capacity_blocks) for _ in range(num_replicas)]
         self._owners: dict[BlockHash, int] = {}
+        self._clock = 0  # one clock for every replica's cache, so their LRU stamps compare
         self.infinite_hits: list[int] = []
         self.placed_hits: list[int] = []
         self.placement: list[int] = []
@@ -170,7 +180,8 @@ class StreamingBounds:
 
     def _use(self, replica: int, chain: Sequence[BlockHash], num_cached: int | None = None) -> None:
         bit, owners = 1 << replica, self._owners
-        first_new, evicted = self._caches[replica].use(chain, num_cached)
+        self._clock += 1
+        first_new, evicted = self._caches[replica].use(chain, num_cached, self._clock)
         for block_hash in chain[first_new:]:
             owners[block_hash] = owners.get(block_hash, 0) | bit
         for block_hash in evicted:
@@ -217,22 +228,28 @@ class StreamingBounds:
 
         Cheapest replica first, where the cost is the blocks it must compute
         plus the cached blocks it must evict to keep them; ties go to the
-        longest match, then the fewest cached blocks, then the lowest index.
+        longest match, then the fewest cached blocks, then the replica whose
+        least recently used block is the oldest, then the lowest index.
         Counting evictions keeps the greedy choice from piling every request
-        that shares a popular prefix onto the one replica that cached it first.
-        Of the replicas caching none of the chain, only the emptiest can win.
+        that shares a popular prefix onto the one replica that cached it first;
+        the age tie-break does the same once every cache is full, when the
+        evictions cost the same everywhere: the blocks evicted are then the
+        oldest of all replicas', as in one LRU cache of their joint capacity.
+        Of the replicas caching none of the chain, only the emptiest (then
+        oldest) can win.
         """
         caches = self._caches
         capacity = self.capacity_blocks
         num_blocks = len(chain)
         matched = self._matched_blocks(chain)
-        emptiest = min(range(self.num_replicas), key=lambda i: (len(caches[i]), i))
+        emptiest = min(range(self.num_replicas), key=lambda i: (len(caches[i]), caches[i].lru_stamp() or 0, i))
         matched.setdefault(emptiest, 0)
 
-        def cost(replica: int) -> tuple[int, int, int, int]:
+        def cost(replica: int) -> tuple[int, int, int, int, int]:
+            cache = caches[replica]
             new = num_blocks - matched[replica]
-            overflow = max(0, len(caches[replica]) + new - capacity)
-            return new + overflow, -matched[replica], len(caches[replica]), replica
+            overflow = max(0, len(cache) + new - capacity)
+            return new + overflow, -matched[replica], len(cache), cache.lru_stamp() or 0, replica
 
         best = min(matched, key=cost)
         return best, matched[best]

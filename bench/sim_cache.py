@@ -124,12 +124,29 @@ class BlockCache:
                 high = mid
         return low
 
-    def use(self, hashes: Sequence[BlockHash], num_cached: int | None = None) -> tuple[int, list[BlockHash]]:
+    def lru_stamp(self) -> int | None:
+        """Stamp of the use that last touched the least recently used block (the next to go); None if empty.
+
+        Stamps are `use`'s: compare them across caches that share a clock.
+        """
+        heap = self._heap
+        while heap:
+            stamp, _, run = heap[0]
+            if stamp == run.stamp and run.is_leaf:
+                return stamp
+            heapq.heappop(heap)  # stale entry: `_evict` would skip it too
+        return None
+
+    def use(self, hashes: Sequence[BlockHash], num_cached: int | None = None,
+            stamp: int | None = None) -> tuple[int, list[BlockHash]]:
         """Caches the chain `hashes` as most recently used and evicts down to capacity.
 
         Args:
             hashes: a request's block hashes, in order.
             num_cached: `longest_prefix(hashes)` if the caller has it.
+            stamp: when this use happens, on a clock shared with other caches
+                (`lru_stamp`); above every earlier stamp of this cache. Default:
+                this cache's next tick.
 
         Returns:
             (index of the first newly stored block, evicted blocks in eviction order).
@@ -139,8 +156,11 @@ class BlockCache:
         n = len(hashes)
         if n == 0:
             return 0, []
-        self._clock += 1
-        stamp = self._clock
+        if stamp is None:
+            stamp = self._clock + 1
+        elif stamp <= self._clock:
+            raise ValueError(f"stamp {stamp} is not after this cache's last use ({self._clock})")
+        self._clock = stamp
         run = runs[hashes[known - 1]] if known else None
         index = known - 1 - run.depth if run is not None else -1
         is_last = run is not None and index == len(run.hashes) - 1

@@ -77,6 +77,16 @@ def test_placement_weighs_evictions_against_a_shared_prefix():
     assert result.placed_hit_rate == pytest.approx(2 * 16 / 68)  # both repeats hit all 4 blocks
 
 
+def test_full_caches_take_new_chains_where_the_oldest_block_is():
+    # Replicas of 3 blocks, all full: a new chain costs the same everywhere, so it goes where the
+    # least recently used block is oldest (one LRU cache of the joint capacity would evict that one).
+    x, y, z, w = tokens(1, 2, 3), tokens(4, 5, 6), tokens(7, 8, 9), tokens(10, 11, 12)
+    result = bounds(trace(x, y, x, z, w), num_replicas=2, capacity=3)
+    # x -> r0, y -> r1 (emptier), x hits on r0 (now the newer), z evicts y on r1, w evicts x on r0.
+    assert result.placed_requests_by_replica == [3, 2]
+    assert result.placed_hit_rate == pytest.approx(12 / 65)
+
+
 def test_streaming_bounds_count_cached_responses():
     stream = StreamingBounds(block_size_tokens=BS, num_replicas=2, capacity_blocks=8)
     p0, p1, o2, n3 = map(h, ["p0", "p1", "o2", "n3"])
@@ -95,6 +105,11 @@ class ReferenceBounds:
         self.capacity = capacity
         self.infinite_hits: list[int] = []
         self.placed_hits: list[int] = []
+        self.clock = 0
+
+    def use(self, replica: int, chain: list[bytes]) -> None:
+        self.clock += 1
+        self.caches[replica].use(chain, self.clock)
 
     def observe(self, chain: list[bytes], num_tokens: int) -> int:
         usable = max(num_tokens - 1, 0) // BS
@@ -102,19 +117,20 @@ class ReferenceBounds:
         self.infinite_hits.append(min(count, usable) * BS)
         self.seen.update(chain)
 
-        def cost(i: int) -> tuple[int, int, int, int]:
-            matched = self.caches[i].longest_prefix(chain)
+        def cost(i: int) -> tuple[int, int, int, int, int]:
+            cache = self.caches[i]
+            matched = cache.longest_prefix(chain)
             new = len(chain) - matched
-            return new + max(0, len(self.caches[i]) + new - self.capacity), -matched, len(self.caches[i]), i
+            return new + max(0, len(cache) + new - self.capacity), -matched, len(cache), cache.lru_stamp() or 0, i
 
         best = min(range(len(self.caches)), key=cost)
         self.placed_hits.append(min(self.caches[best].longest_prefix(chain), usable) * BS)
-        self.caches[best].use(chain)
+        self.use(best, chain)
         return best
 
     def cache(self, chain: list[bytes], replica: int) -> None:
         self.seen.update(chain)
-        self.caches[replica].use(chain)
+        self.use(replica, chain)
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -47,11 +47,24 @@ def test_block_cache_matches_the_reference_lru(seed, capacity):
     for i, chain in enumerate(chains):
         # Chains must be paths of one tree: every block names its whole prefix.
         assert fast.longest_prefix(chain) == reference.longest_prefix(chain)
-        _, evicted = fast.use(chain)
-        assert evicted == reference.use(chain)  # the same blocks, in the same order
+        _, evicted = fast.use(chain, stamp=i + 1)
+        assert evicted == reference.use(chain, i + 1)  # the same blocks, in the same order
         assert len(fast) == len(reference) <= capacity
+        assert fast.lru_stamp() == reference.lru_stamp()  # the next to go was last used at the same use
         for earlier in rng.sample(chains[: i + 1], min(5, i + 1)):
             assert fast.longest_prefix(earlier) == reference.longest_prefix(earlier)
+
+
+def test_block_cache_stamps_come_from_a_shared_clock():
+    cache = BlockCache(2)
+    assert cache.lru_stamp() is None
+    cache.use(["a"], stamp=5)
+    cache.use(["b"], stamp=9)
+    assert cache.lru_stamp() == 5
+    assert cache.use(["c"], stamp=12) == (0, ["a"])
+    assert cache.lru_stamp() == 9
+    with pytest.raises(ValueError, match="not after"):
+        cache.use(["d"], stamp=12)
 
 
 def test_block_cache_reports_first_new_block():

@@ -5,9 +5,11 @@ Modules, in dependency order:
   from a seed.
 - `bench.workload_render`: their rendering to OpenAI requests and token ids.
 - `bench.trace`: one record per request and the figures a run is judged by.
-- `bench.oracle`: hit-rate bounds for a recorded trace.
-- `bench.sim_cost`, `bench.sim_cache`, `bench.sim_routers`: the simulator's
-  replica cost profiles, block cache and KV events, and routers.
+- `bench.fingerprint_set`, `bench.sim_cache`: a compact set of block hashes, and
+  a replica's LRU block cache with the KV events it publishes.
+- `bench.oracle`: hit-rate bounds for a recorded trace (built on the two above).
+- `bench.sim_cost`, `bench.sim_routers`: the simulator's replica cost profiles
+  and routers.
 - `bench.simulator`: a discrete-event simulation of N replicas driving the
   production router (`router.index.PrefixIndex`, `router.policy.PrefixAwarePolicy`).
 - `bench.live`: `warmpath bench`, the same workload against the real local cluster.

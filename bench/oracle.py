@@ -242,14 +242,18 @@ class StreamingBounds:
         capacity = self.capacity_blocks
         num_blocks = len(chain)
         matched = self._matched_blocks(chain)
-        emptiest = min(range(self.num_replicas), key=lambda i: (len(caches[i]), caches[i].lru_stamp() or 0, i))
+
+        def fill_then_age(replica: int) -> tuple[int, int, int]:
+            cache = caches[replica]
+            return len(cache), cache.lru_stamp() or 0, replica
+
+        emptiest = min(range(self.num_replicas), key=fill_then_age)
         matched.setdefault(emptiest, 0)
 
-        def cost(replica: int) -> tuple[int, int, int, int, int]:
-            cache = caches[replica]
+        def cost(replica: int) -> tuple[int, ...]:
             new = num_blocks - matched[replica]
-            overflow = max(0, len(cache) + new - capacity)
-            return new + overflow, -matched[replica], len(cache), cache.lru_stamp() or 0, replica
+            overflow = max(0, len(caches[replica]) + new - capacity)
+            return new + overflow, -matched[replica], *fill_then_age(replica)
 
         best = min(matched, key=cost)
         return best, matched[best]

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.api_keys import ALL_PERMISSIONS, ApiKeyStore, StoreUnavailable
 from cluster.config import AccessConfig
+from serve_apps.api_errors import error_body
 
 ANONYMOUS_KEY_ID = "anonymous"
 # Paths any client (or probe) may call without a key.
@@ -68,13 +69,7 @@ class AccessDenied(Exception):
         return dict([retry_after_header(self.retry_after_s)])
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "Error"), "code": self.code}}
-
-
-_ERROR_TYPES = {
-    401: "AuthenticationError", 403: "PermissionDeniedError", 413: "RequestTooLargeError",
-    429: "RateLimitError", 503: "ServiceUnavailableError",
-}
+        return error_body(self.status, self.message, code=self.code)
 
 
 class GuardSettings(BaseModel):

@@ -25,6 +25,7 @@ from cluster.config import ClusterConfig, RouterPolicy, validate_config
 from ray.llm._internal.serve.core.server.builder import _get_deployment_name
 from ray.serve.handle import DeploymentHandle
 
+from serve_apps import api_errors
 from serve_apps.access import AccessMiddleware, GuardSettings
 from serve_apps.ingress_grpc import GrpcIngress
 from serve_apps.ingress_http import ENDPOINTS, WarmpathIngress
@@ -132,6 +133,7 @@ def build_llm_app(cfg: ClusterConfig) -> Application:
     llm = llm_config(cfg)
     replicas = build_llm_deployment(llm, deployment_cls=WarmpathLLMServer)
     app = init_fastapi_app()
+    api_errors.install(app)
     # Every route but the public ones (health, OpenAPI) passes the API-key, rate and size checks first.
     app.add_middleware(AccessMiddleware, settings=GuardSettings(access=cfg.access, redis_url=cfg.redis_url))
     ingress_cls = make_fastapi_ingress(WarmpathIngress, endpoint_map=ENDPOINTS, app=app)

@@ -60,6 +60,7 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.access import AccessDenied, AccessGuard, Caller, GuardSettings, credentials_from, retry_after_header
+from serve_apps.api_errors import engine_error, error_type
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.ingress_http import TURN_ERROR_STATUS
 from serve_apps.orchestrator.deployment import sse_payloads
@@ -271,13 +272,15 @@ def chat_chunk_to_proto(payload: Mapping[str, Any], replica_id: str) -> inferenc
 
 
 def engine_failure(error: Mapping[str, Any]) -> RpcFailure:
-    """An engine error (`ErrorResponse.error`: message, type, HTTP `code`) as an RPC failure."""
-    status = error.get("code")
-    return RpcFailure(
-        grpc_code(status) if isinstance(status, int) else grpc.StatusCode.INTERNAL,
-        str(error.get("type") or "model_error"),
-        str(error.get("message") or "the engine failed"),
-    )
+    """An engine error (`ErrorResponse.error`: message, type, HTTP `code`) as an RPC failure.
+
+    The code names the status as the HTTP API's `error.type` does; the details are the
+    message without Ray Serve LLM's wrapping (`serve_apps.api_errors`).
+    """
+    status, message = engine_error(error)
+    if status is None:
+        return RpcFailure(grpc.StatusCode.INTERNAL, "model_error", message)
+    return RpcFailure(grpc_code(status), error_type(status), message)
 
 
 def session_event_to_proto(event: Mapping[str, Any]) -> agent_pb2.SessionEvent:

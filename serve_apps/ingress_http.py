@@ -38,6 +38,7 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.access import Caller
+from serve_apps.api_errors import error_body
 from serve_apps.metrics import record_model_call
 from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.vllm_replica import ServedBy
@@ -129,7 +130,7 @@ TURN_ERROR_STATUS = {
 }
 
 
-INTERNAL_ERROR = {"error": {"message": "internal error in the session service; see the server logs", "code": "internal"}}
+INTERNAL_ERROR = error_body(500, "internal error in the session service; see the server logs", code="internal")
 IDEMPOTENCY_HEADER = "idempotency-key"
 REPLAY_HEADER = "x-warmpath-idempotent-replay"
 MAX_IDEMPOTENCY_KEY_CHARS = 256
@@ -337,7 +338,7 @@ class WarmpathIngress(OpenAiIngress):
 
     def _sessions(self):
         if self._orchestrator is None:
-            raise OpenAIHTTPException(status_code=404, message="the session API is not deployed", type="NotFound")
+            raise OpenAIHTTPException(status_code=404, message="the session API is not deployed", type="NotFoundError")
         return self._orchestrator
 
     async def create_session(self, body: CreateSessionRequest, request: Request) -> Response:

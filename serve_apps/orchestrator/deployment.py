@@ -33,6 +33,7 @@ from cluster.config import validate_config
 from router import decision_log
 from cluster.api_keys import missing_permissions
 from serve_apps.access import Caller
+from serve_apps.api_errors import error_body, readable_message
 from serve_apps.metrics import WarmpathMetrics, record_model_call
 from serve_apps.orchestrator.models import (
     CreateSessionRequest,
@@ -59,7 +60,7 @@ MODEL_CALL_ATTEMPTS = 2
 
 
 def _error(status: int, message: str, code: str) -> dict[str, Any]:
-    return {"status": status, "body": {"error": {"message": message, "code": code}}}
+    return {"status": status, "body": error_body(status, message, code=code)}
 
 
 def _caller(caller: dict[str, Any]) -> Caller:
@@ -145,9 +146,10 @@ class HandleModelClient:
                     continue
                 for chunk in item if isinstance(item, list) else [item]:
                     if isinstance(chunk, ErrorResponse):
+                        message = readable_message(chunk.error.message)
                         if int(chunk.error.code or 500) >= 500:  # the engine failed, not the request
-                            raise ReplicaFailure(chunk.error.message)
-                        raise TurnFailed("model_error", chunk.error.message)
+                            raise ReplicaFailure(message)
+                        raise TurnFailed("model_error", message)
                     for data in sse_payloads(chunk):
                         text = _apply_chunk(data, reply, calls)
                         if text:
@@ -183,7 +185,7 @@ def sse_payloads(chunk: str) -> list[dict]:
 
 def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]) -> str:
     if "error" in data:
-        raise TurnFailed("model_error", str(data["error"].get("message", data["error"])))
+        raise TurnFailed("model_error", readable_message(str(data["error"].get("message", data["error"]))))
     usage = data.get("usage")
     if usage:
         reply.prompt_tokens = usage.get("prompt_tokens", 0)

@@ -138,14 +138,33 @@ def test_repeated_long_prompt_hits_the_prefix_cache(openai_client, cluster):
     assert all(h >= prompt_tokens - block for h in hits), (hits, prompt_tokens)
 
 
-def test_unknown_model_is_404(cluster):
-    resp = cluster.client.post(
-        "/v1/chat/completions",
-        json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
-        timeout=30,
-    )
-    assert resp.status_code == 404
-    assert "no-such-model" in resp.text
+def test_unknown_model_is_404(openai_client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as err:
+        openai_client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["type"] == "NotFoundError"
+    assert "no-such-model" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/no-such-route", "/v1/chat/completions"])
+def test_unknown_routes_and_methods_answer_openais_error_shape(cluster, path):
+    resp = cluster.client.get(path, timeout=30)
+    assert resp.status_code in (404, 405)
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_engine_refusals_reach_the_client_as_their_own_text(openai_client, cluster):
+    import openai
+
+    window = cluster.cfg.model.max_model_len_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.chat.completions.create(
+            model=cluster.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=window * 10)
+    error = err.value.body
+    assert error["type"] == "BadRequestError" and error["param"] == "max_tokens"
+    assert str(window * 10) in error["message"]
+    assert "Internal exception" not in error["message"] and "Request ID" not in error["message"]
 
 
 def test_prompt_longer_than_the_context_window_is_400_naming_both_lengths(cluster):
@@ -156,7 +175,8 @@ def test_prompt_longer_than_the_context_window_is_400_naming_both_lengths(cluste
         timeout=120,
     )
     assert resp.status_code == 400, resp.text
-    message = resp.json()["error"]["message"] if "error" in resp.json() else resp.text
+    message = resp.json()["error"]["message"]
+    assert not message.startswith("Message: "), message
     assert str(window) in message
     numbers = [int(n) for n in __import__("re").findall(r"\d+", message)]
     assert any(n > window for n in numbers), message

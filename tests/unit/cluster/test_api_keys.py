@@ -44,7 +44,7 @@ def test_credentials_from_headers_or_metadata(headers, key):
 def test_denials_round_retry_after_up_to_whole_seconds(retry_after_s, header):
     denied = AccessDenied(429, "rate_limited", "slow down", retry_after_s)
     assert denied.headers().get("retry-after") == header
-    assert denied.body()["error"] == {"message": "slow down", "type": "RateLimitError", "code": "rate_limited"}
+    assert denied.body()["error"] == {"message": "slow down", "type": "RateLimitError", "param": None, "code": "rate_limited"}
 
 
 @pytest.mark.parametrize("days", ["0", "-1"])

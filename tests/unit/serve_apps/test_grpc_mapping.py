@@ -175,16 +175,23 @@ def test_failure_from_exception(err, expected):
 
 
 @pytest.mark.parametrize(
-    "error, status, code",
+    "error, status, code, message",
     [
-        ({"message": "prompt too long", "type": "BadRequestError", "code": 400}, Code.INVALID_ARGUMENT, "BadRequestError"),
-        ({"message": "engine dead", "type": "InternalServerError", "code": 500}, Code.INTERNAL, "InternalServerError"),
-        ({"message": "odd"}, Code.INTERNAL, "model_error"),
+        ({"message": "prompt too long", "type": "BadRequestError", "code": 400}, Code.INVALID_ARGUMENT,
+         "BadRequestError", "prompt too long"),
+        ({"message": "engine dead", "type": "InternalServerError", "code": 500}, Code.INTERNAL,
+         "InternalServerError", "engine dead"),
+        ({"message": "odd"}, Code.INTERNAL, "model_error", "odd"),
+        # as Ray Serve LLM wraps an engine's refusal: the details carry the text alone
+        ({"message": "Message: max_tokens must be at least 1, got -1. (Request ID: 5f2a), Internal exception: "
+                     "ray.llm._internal.serve.core.configs.openai_api_models.OpenAIHTTPException (Request ID: 5f2a), "
+                     "original exception: ", "type": "OpenAIHTTPException", "code": 400},
+         Code.INVALID_ARGUMENT, "BadRequestError", "max_tokens must be at least 1, got -1."),
     ],
 )
-def test_engine_failure(error, status, code):
+def test_engine_failure(error, status, code, message):
     failure = engine_failure(error)
-    assert (failure.status, failure.code, failure.message) == (status, code, error["message"])
+    assert (failure.status, failure.code, failure.message) == (status, code, message)
 
 
 # ---- agent requests: protobuf -> HTTP API bodies ----

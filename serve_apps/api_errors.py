@@ -1,0 +1,83 @@
+"""One error shape for everything the ingresses refuse: OpenAI's, with a message a person can read.
+
+Why: an OpenAI client reads `error.message` and raises by status, so every
+refusal (our own checks, Ray Serve LLM's, the engine's, FastAPI's 404/405)
+should answer `{"error": {"message", "type", "param", "code"}}`. Ray Serve LLM
+wraps each failure as `Message: <text> (Request ID: ...), Internal exception:
+<class> (Request ID: ...), original exception: ...` with the wrapper's class
+name as `type`; clients get the text alone (the request id travels in the
+`x-request-id` header), `type` named by status as the openai SDK names its
+exceptions, and `param` when vLLM named the parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+ERROR_TYPES = {
+    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+    405: "MethodNotAllowedError", 408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError",
+    422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError", 502: "BadGatewayError",
+    503: "ServiceUnavailableError", 504: "GatewayTimeoutError",
+}
+
+_PREFIX = "Message: "
+_RAY_WRAPPED = re.compile(r"^Message: (?P<text>.*?)(?: \(Request ID: [^)]*\))?, Internal exception: ", re.DOTALL)
+_REQUEST_ID_SUFFIX = re.compile(r" \(Request ID: [^)]*\)$")
+_VLLM_PARAMETER = re.compile(r"\(parameter=(?P<param>[A-Za-z_][\w.\[\]]*)(?:, value=.*)?\)$", re.DOTALL)
+
+
+def error_type(status: int) -> str:
+    """The openai SDK's exception name for an HTTP status."""
+    return ERROR_TYPES.get(status) or ("InternalServerError" if status >= 500 else "BadRequestError")
+
+
+def readable_message(raw: str) -> str:
+    """The text of a failure without Ray Serve LLM's wrapping (applied as often as it was wrapped)."""
+    text = raw.strip()
+    while (match := _RAY_WRAPPED.match(text)) is not None:
+        # Wrapped twice, the first ", Internal exception: " ends the inner wrapping's text.
+        text = _REQUEST_ID_SUFFIX.sub("", match.group("text").strip())
+        if text.startswith(_PREFIX) and _RAY_WRAPPED.match(text) is None:
+            text = text[len(_PREFIX):]
+    return _REQUEST_ID_SUFFIX.sub("", text) or "the request failed"
+
+
+def error_body(status: int, message: str, code: Optional[str] = None, param: Optional[str] = None) -> dict[str, Any]:
+    """The JSON body of a refusal with this status; `param` defaults to the parameter vLLM's message names."""
+    text = readable_message(message)
+    if param is None and (match := _VLLM_PARAMETER.search(text)) is not None:
+        param = match.group("param")
+    return {"error": {"message": text, "type": error_type(status), "param": param, "code": code}}
+
+
+def engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:
+    """(HTTP status or None, readable message) of an engine `ErrorResponse.error` as a dict."""
+    status = error.get("code")
+    return (status if isinstance(status, int) else None), readable_message(str(error.get("message") or ""))
+
+
+async def _openai_http_exception(request: Request, err) -> JSONResponse:
+    return JSONResponse(error_body(err.status_code, err.message), status_code=err.status_code)
+
+
+async def _http_exception(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(error_body(err.status_code, str(err.detail)), status_code=err.status_code,
+                        headers=getattr(err, "headers", None))
+
+
+def install(app: FastAPI) -> None:
+    """Answers the app's HTTP and OpenAI exceptions in the one shape (before Ray's middleware re-wraps them)."""
+    # Imported here: Ray Serve LLM's API models import vLLM and torch, which the admission guard does without.
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+
+    app.add_exception_handler(OpenAIHTTPException, _openai_http_exception)
+    app.add_exception_handler(StarletteHTTPException, _http_exception)
+
+
+__all__ = ["ERROR_TYPES", "engine_error", "error_body", "error_type", "install", "readable_message"]

@@ -1,0 +1,102 @@
+"""Every refusal answers OpenAI's error shape with the failure's own text, whoever raised it."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from serve_apps import api_errors
+from serve_apps.api_errors import engine_error, error_body, error_type, readable_message
+
+# As Ray Serve LLM's `get_response_for_error` words them (captured from the running cluster).
+WRAPPED_MAX_TOKENS = (
+    "Message: max_tokens=10000000 cannot be greater than max_model_len=8192. Please request fewer output tokens. "
+    "(parameter=max_tokens, value=10000000) (Request ID: cf288097-94aa-447b-a71d-27ca9df831fe), Internal exception: "
+    "ray.llm._internal.serve.core.configs.openai_api_models.OpenAIHTTPException "
+    "(Request ID: cf288097-94aa-447b-a71d-27ca9df831fe), original exception: "
+)
+WRAPPED_EMPTY = (
+    "Message: Cannot apply chat template to an empty conversation. Provide at least one message. "
+    "(Request ID: f1e94d64), Internal exception: ray.llm._internal.serve.core.configs.openai_api_models."
+    "OpenAIHTTPException (Request ID: f1e94d64), original exception: "
+)
+
+
+@pytest.mark.parametrize("raw, text", [
+    (WRAPPED_MAX_TOKENS, "max_tokens=10000000 cannot be greater than max_model_len=8192. Please request fewer "
+                         "output tokens. (parameter=max_tokens, value=10000000)"),
+    (WRAPPED_EMPTY, "Cannot apply chat template to an empty conversation. Provide at least one message."),
+    # wrapped twice (an engine error re-raised at the ingress and wrapped again)
+    (f"Message: {WRAPPED_EMPTY} (Request ID: x), Internal exception: OpenAIHTTPException (Request ID: x), "
+     "original exception: ", "Cannot apply chat template to an empty conversation. Provide at least one message."),
+    ("Internal Server Error (Request ID: 1)", "Internal Server Error"),
+    ("prompt too long", "prompt too long"),
+    ("a, Internal exception: in plain text", "a, Internal exception: in plain text"),
+    ("", "the request failed"),
+])
+def test_readable_message_drops_rays_wrapping_only(raw, text):
+    assert readable_message(raw) == text
+
+
+def test_error_body_names_the_type_by_status_and_the_parameter_vllm_named():
+    assert error_body(400, WRAPPED_MAX_TOKENS)["error"] == {
+        "message": readable_message(WRAPPED_MAX_TOKENS), "type": "BadRequestError", "param": "max_tokens",
+        "code": None,
+    }
+    assert error_body(429, "slow down", code="rate_limited")["error"] == {
+        "message": "slow down", "type": "RateLimitError", "param": None, "code": "rate_limited",
+    }
+    assert [error_type(s) for s in (401, 404, 418, 500, 507)] == [
+        "AuthenticationError", "NotFoundError", "BadRequestError", "InternalServerError", "InternalServerError",
+    ]
+
+
+def test_engine_error_keeps_the_status_and_unwraps_the_message():
+    assert engine_error({"message": WRAPPED_EMPTY, "type": "OpenAIHTTPException", "code": 400}) == (
+        400, "Cannot apply chat template to an empty conversation. Provide at least one message.")
+    assert engine_error({"message": "odd"}) == (None, "odd")
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+    from ray.llm._internal.serve.core.ingress.ingress import init
+
+    app = init()  # Ray Serve LLM's app, with its own error middleware, as the ingress builds it
+    api_errors.install(app)
+
+    @app.post("/v1/engine")
+    async def engine():
+        raise OpenAIHTTPException(status_code=400, message=WRAPPED_MAX_TOKENS, type="OpenAIHTTPException")
+
+    @app.get("/v1/ours")
+    async def ours():
+        raise OpenAIHTTPException(status_code=400, message="idempotency-key must be 1-256 characters",
+                                  type="BadRequestError")
+
+    return TestClient(app)
+
+
+def test_an_engine_error_reaches_the_client_unwrapped(client):
+    response = client.post("/v1/engine")
+    assert response.status_code == 400
+    assert response.json() == {"error": {
+        "message": readable_message(WRAPPED_MAX_TOKENS), "type": "BadRequestError", "param": "max_tokens", "code": None,
+    }}
+
+
+def test_an_ingress_check_is_not_wrapped_by_rays_middleware(client):
+    response = client.get("/v1/ours")
+    assert (response.status_code, response.json()["error"]["message"]) == (
+        400, "idempotency-key must be 1-256 characters")
+
+
+def test_unknown_routes_and_methods_answer_the_same_shape(client):
+    missing = client.get("/v1/nothing")
+    assert (missing.status_code, missing.json()) == (
+        404, {"error": {"message": "Not Found", "type": "NotFoundError", "param": None, "code": None}})
+    wrong_method = client.get("/v1/engine")
+    assert wrong_method.status_code == 405
+    assert wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["type"] == "MethodNotAllowedError"

@@ -108,6 +108,7 @@ def test_error_codes(channel, metadata, cluster):
     with pytest.raises(grpc.RpcError) as err:
         stub.ChatCompletion(too_long, metadata=metadata, timeout=120)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(cluster.cfg.model.max_model_len_tokens) in err.value.details()
+    assert "Internal exception" not in err.value.details() and "Request ID" not in err.value.details()
 
     with pytest.raises(grpc.RpcError) as err:
         stub.ChatCompletion(_request(cluster, max_tokens=64), metadata=metadata, timeout=0.001)

@@ -38,7 +38,7 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.access import Caller
-from serve_apps.api_errors import error_body
+from serve_apps.api_errors import engine_error, error_body
 from serve_apps.metrics import record_model_call
 from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.vllm_replica import ServedBy
@@ -94,6 +94,8 @@ async def _recording_usage(
         async for frame in frames:
             if '"usage"' in frame:  # a frame may hold several batched chunks, [DONE] included
                 usage = _frame_usage(frame) or usage
+            if '"error"' in frame:  # an engine error after the first chunk (a quote in text is escaped)
+                frame = readable_error_frame(frame)
             if "data: [DONE]" in frame:
                 _record_usage(logged, served_by, usage)
                 is_recorded = True
@@ -115,6 +117,24 @@ def _frame_usage(frame: str) -> Optional[dict]:
             if isinstance(usage, dict):
                 usage_seen = usage
     return usage_seen
+
+
+def readable_error_frame(frame: str) -> str:
+    """`frame` with each `data:` chunk's `error` in the API's error shape (`serve_apps.api_errors`)."""
+    lines = frame.split("\n")
+    for position, line in enumerate(lines):
+        if not line.startswith("data: {"):
+            continue
+        try:
+            chunk = json.loads(line[len("data: "):])
+        except ValueError:
+            continue
+        error = chunk.get("error") if isinstance(chunk, dict) else None
+        if isinstance(error, dict):
+            status, message = engine_error(error)
+            chunk["error"] = error_body(status or 500, message)["error"]
+            lines[position] = "data: " + json.dumps(chunk)
+    return "\n".join(lines)
 
 
 # HTTP status of a turn that was accepted but ended in an error event.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -100,3 +102,18 @@ def test_unknown_routes_and_methods_answer_the_same_shape(client):
     assert wrong_method.status_code == 405
     assert wrong_method.headers["allow"] == "POST"
     assert wrong_method.json()["error"]["type"] == "MethodNotAllowedError"
+
+
+def test_an_error_chunk_mid_stream_is_rewritten_and_other_chunks_are_not():
+    from serve_apps.ingress_http import readable_error_frame
+
+    text = 'data: {"choices": [{"delta": {"content": "say \\"error\\": 1"}}]}\n\n'
+    assert readable_error_frame(text) == text
+    wrapped = {"error": {"message": WRAPPED_EMPTY, "type": "OpenAIHTTPException", "code": 400}}
+    frame = text + f"data: {json.dumps(wrapped)}\n\ndata: [DONE]\n\n"
+    lines = readable_error_frame(frame).split("\n")
+    assert lines[0] == text.split("\n")[0] and lines[-3:] == ["data: [DONE]", "", ""]
+    assert json.loads(lines[2][len("data: "):]) == {"error": {
+        "message": "Cannot apply chat template to an empty conversation. Provide at least one message.",
+        "type": "BadRequestError", "param": None, "code": None,
+    }}

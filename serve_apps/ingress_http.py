@@ -208,6 +208,20 @@ async def _call(remote) -> Response:
         return JSONResponse(INTERNAL_ERROR, status_code=500)
 
 
+def merged_deltas(events: list[Dict[str, Any]]) -> list[Dict[str, Any]]:
+    """The events with each run of consecutive `delta`s as one (a whole answer is one event, not one per token).
+
+    Only neighbours merge: a `model_retry` between two runs still tells the client to drop the first.
+    """
+    merged: list[Dict[str, Any]] = []
+    for event in events:
+        if event["kind"] == "delta" and merged and merged[-1]["kind"] == "delta":
+            merged[-1] = {**merged[-1], "text": merged[-1]["text"] + event["text"]}
+        else:
+            merged.append(event)
+    return merged
+
+
 async def _turn_response(session_id: str, stream_events, is_streaming: bool) -> Response:
     """Maps the orchestrator's turn stream (envelope first, then events) to HTTP."""
     events = stream_events.__aiter__()
@@ -226,6 +240,7 @@ async def _turn_response(session_id: str, stream_events, is_streaming: bool) -> 
     except Exception:
         logger.exception("turn of session %s broke off", session_id)
         return JSONResponse({"session_id": session_id, "status": "failed", "error": INTERRUPTED}, status_code=503)
+    collected = merged_deltas(collected)
     last = collected[-1] if collected else {"kind": "error", "code": "empty_turn", "message": "the turn produced nothing"}
     status_by_kind = {"final": "completed", "requires_action": "requires_action"}
     outcome = status_by_kind.get(last["kind"], "max_steps" if last.get("code") == "max_steps" else "failed")

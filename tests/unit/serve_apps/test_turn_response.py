@@ -32,3 +32,15 @@ def test_turn_outcomes_map_to_status_codes(last, status, outcome):
     assert body["status"] == outcome
     if outcome == "failed":
         assert body["error"]["code"] == last["code"] and body["error"]["message"]
+
+
+def test_a_whole_answer_is_one_delta_in_a_unary_turn_and_retries_keep_their_boundary():
+    deltas = [{"kind": "delta", "text": t} for t in ("Hel", "lo", " there")]
+    retry = {"kind": "model_retry", "step_index": 0, "reason": "replica died"}
+    final = {"kind": "final", "message": {"role": "assistant", "content": "Hello there"}}
+    events = [deltas[0], retry, *deltas, final]
+    response = asyncio.run(ingress_http._turn_response("s1", _events({"status": 200}, *events), is_streaming=False))
+    assert json.loads(response.body)["events"] == [
+        {"kind": "delta", "text": "Hel"}, retry, {"kind": "delta", "text": "Hello there"}, final,
+    ]
+    assert ingress_http.merged_deltas([]) == []

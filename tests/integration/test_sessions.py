@@ -88,6 +88,7 @@ def test_server_side_tool_turn_commits_every_message(cluster, tool_server):
     assert turn["status"] == "completed", turn
     kinds = [e["kind"] for e in turn["events"]]
     assert kinds.index("tool_call") < kinds.index("tool_result") < kinds.index("final")
+    assert all(not a == b == "delta" for a, b in zip(kinds, kinds[1:])), kinds  # one delta per answer
     call = next(e["call"] for e in turn["events"] if e["kind"] == "tool_call")
     assert call["name"] == "lookup_order"
     import jsonschema

@@ -6,7 +6,8 @@ Invariants:
   with status "error" or "timeout" whose content the model reads next step.
 - Arguments travel as the model's raw JSON text: the validator parses them only
   to check them, and the HTTP body embeds the original text, so numerals such as
-  `1284.50` reach the tool exactly as written.
+  `1284.50` reach the tool exactly as written. The one rewrite: raw control
+  characters inside strings (a literal newline) are escaped, which JSON requires.
 - A result larger than `max_bytes` keeps its first `max_bytes` bytes (cut on a
   UTF-8 character boundary) followed by a visible `…[truncated N bytes]` marker.
 """
@@ -111,6 +112,35 @@ def parse_arguments(arguments: str) -> JsonValue:
     return value
 
 
+_SHORT_ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def escape_raw_control_characters(text: str) -> str:
+    """`text` with every raw control character (U+0000-U+001F) inside a JSON string escaped.
+
+    Why: models write literal newlines and tabs into string arguments (file contents,
+    code), and vLLM's JSON grammar lets them through, but JSON forbids them raw.
+    Escaping them, and nothing else, keeps every other character of the model's
+    text as written (numerals included). Outside strings they are whitespace and stay.
+    """
+    out: list[str] = []
+    is_in_string = is_escaped = False
+    for char in text:
+        if is_in_string:
+            if is_escaped:
+                is_escaped = False
+            elif char == "\\":
+                is_escaped = True
+            elif char == '"':
+                is_in_string = False
+            elif char < " ":
+                char = _SHORT_ESCAPES.get(char) or f"\\u{ord(char):04x}"
+        elif char == '"':
+            is_in_string = True
+        out.append(char)
+    return "".join(out)
+
+
 def _validator(schema: dict) -> Draft202012Validator:
     # An empty registry: references resolve inside the schema only (models.ToolSpec
     # already refuses others), so validation never fetches anything.
@@ -125,8 +155,9 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
         tools: the session's tools.
 
     Returns:
-        The call unchanged when valid, else a `ToolCallError` naming every violated
-        path (up to MAX_REPORTED_VIOLATIONS, sorted by path).
+        The call when valid (unchanged, or with raw control characters in its
+        strings escaped: `escape_raw_control_characters`), else a `ToolCallError`
+        naming every violated path (up to MAX_REPORTED_VIOLATIONS, sorted by path).
     """
     spec = next((tool for tool in tools if tool.name == call.name), None)
     if spec is None:
@@ -135,7 +166,15 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
     try:
         arguments = parse_arguments(call.arguments)
     except ValueError as err:
-        return ToolCallError(call.id, call.name, "invalid_json", f"arguments are not a JSON document: {err}")
+        invalid = ToolCallError(call.id, call.name, "invalid_json", f"arguments are not a JSON document: {err}")
+        escaped = escape_raw_control_characters(call.arguments)
+        if escaped == call.arguments:
+            return invalid
+        try:
+            arguments = parse_arguments(escaped)
+        except ValueError:
+            return invalid
+        call = call.model_copy(update={"arguments": escaped})
     try:
         errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))
     except (RecursionError, OverflowError) as err:  # e.g. `multipleOf` on a number with hundreds of digits

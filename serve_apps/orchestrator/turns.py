@@ -212,7 +212,6 @@ class TurnRunner:
             )
             self._stats.append(stats)
             yield UsageEvent(stats=stats)
-            choice = "auto" if self._tools_by_name else "none"
             if not reply.tool_calls:
                 # An empty answer (the model stopped at once) is still an answer: commit it as "".
                 self._new.append(Message(role="assistant", content=reply.content or ""))
@@ -220,8 +219,8 @@ class TurnRunner:
                 await self._commit(final)
                 yield final
                 return
-            assistant = Message(role="assistant", content=reply.content or None, tool_calls=reply.tool_calls)
-            errors = [e for e in (validate_tool_call(c, self._request.tools) for c in reply.tool_calls) if isinstance(e, ToolCallError)]
+            checked = [validate_tool_call(c, self._request.tools) for c in reply.tool_calls]
+            errors = [e for e in checked if isinstance(e, ToolCallError)]
             if errors:
                 num_repairs += 1
                 if num_repairs > MAX_REPAIRS_PER_TURN:
@@ -229,16 +228,20 @@ class TurnRunner:
                 # Tell the model what was wrong; its next step may repair the call.
                 # Arguments that are not JSON are kept as `{}` in the history, as
                 # vLLM renders them; the error text quotes what the model wrote.
-                self._new.append(assistant.model_copy(update={"tool_calls": [_renderable(c) for c in reply.tool_calls]}))
+                self._new.append(Message(role="assistant", content=reply.content or None,
+                                         tool_calls=[c if isinstance(c, ToolCall) else _renderable(raw)
+                                                     for raw, c in zip(reply.tool_calls, checked)]))
                 rejected = {e.call_id: e.message for e in errors}
                 for call in reply.tool_calls:
                     content = rejected.get(call.id, "not run: another call in this step was invalid")
                     self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=content))
                     yield ToolResultEvent(tool_call_id=call.id, status="error", content=content)
+                # The repair step decodes under the same tool choice: a required call is still owed.
                 continue
-            self._new.append(assistant)
+            choice = "auto" if self._tools_by_name else "none"
+            self._new.append(Message(role="assistant", content=reply.content or None, tool_calls=checked))
             client_calls = []
-            for call in reply.tool_calls:
+            for call in checked:
                 yield ToolCallEvent(call=call)
                 spec = self._tools_by_name[call.name]
                 if spec.execution.kind == "client":

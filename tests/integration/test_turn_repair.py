@@ -1,7 +1,8 @@
 """The turn loop's handling of invalid tool calls, with a scripted model and a real Redis store.
 
-The model is scripted (a random-weight model under a grammar never emits an
-invalid call); tokenizer, chat template and store are the real ones.
+The model is scripted (under a grammar, a random-weight model rarely emits an
+invalid call: a raw control character in a string is the one seen); tokenizer,
+chat template and store are the real ones.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ class ScriptedModel:
     def __init__(self, replies: list[ModelReply]) -> None:
         self.replies = list(replies)
         self.prompts: list[list] = []
+        self.tool_choices: list = []
 
     async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
         self.prompts.append(messages)
+        self.tool_choices.append(tool_choice)
         yield self.replies.pop(0)
 
 
@@ -78,6 +81,16 @@ def test_an_invalid_call_goes_back_to_the_model_and_is_repaired(redis_url, token
     # The cut-off arguments are kept as {} (as vLLM renders them); the model saw the error texts.
     assert transcript.messages[3].tool_calls[0].arguments == "{}"
     assert "$.order_id" in str(model.prompts[1])
+    # A required call is still owed after an invalid one: the repair steps decode under the same choice.
+    assert model.tool_choices == ["required", "required", "required"]
+
+
+def test_a_raw_newline_in_a_string_argument_is_escaped_not_refused(redis_url, tokenizer):  # noqa: F811
+    events, transcript, model = _run_turn(redis_url, tokenizer, [_call('{"order_id": "ORD-1\nORD-2"}', "c1")])
+    assert events[-1].kind == "requires_action"
+    assert [c.arguments for c in events[-1].tool_calls] == ['{"order_id": "ORD-1\\nORD-2"}']
+    assert transcript.messages[-1].tool_calls[0].arguments == '{"order_id": "ORD-1\\nORD-2"}'
+    assert model.tool_choices == ["required"]
 
 
 def test_a_model_that_keeps_failing_ends_the_turn_and_commits_nothing(redis_url, tokenizer):  # noqa: F811

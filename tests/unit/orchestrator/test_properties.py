@@ -39,6 +39,7 @@ from serve_apps.orchestrator.tools import (
     MAX_REPORTED_VIOLATIONS,
     ToolCallError,
     ToolOutcome,
+    escape_raw_control_characters,
     parse_arguments,
     run_http_tool,
     tool_choice_schema,
@@ -356,12 +357,23 @@ def test_parse_arguments_returns_json_or_raises_value_error(text):
 
 
 @PROPERTY_SETTINGS
+@given(value=JSON, raw_whitespace=st.lists(st.sampled_from(["\n", "\t", "\r", "\x00", "\x1f"]), max_size=3))
+def test_escaping_raw_control_characters_keeps_valid_json_and_the_lenient_value(value, raw_whitespace):
+    text = json.dumps(value)
+    assert escape_raw_control_characters(text) == text  # valid JSON holds no raw control characters in strings
+    lax = '["' + "".join(raw_whitespace) + '", ' + text + "]"  # raw characters inside the first string
+    assert json.loads(escape_raw_control_characters(lax)) == json.loads(lax, strict=False)
+
+
+@PROPERTY_SETTINGS
 @given(name=st.sampled_from(["plot", "lookup", "missing"]) | TOOL_NAMES, arguments=ARGUMENT_TEXTS)
 def test_validate_tool_call_returns_the_call_or_an_error(name, arguments):
     call = ToolCall(id="call-1", name=name, arguments=arguments)
     outcome = validate_tool_call(call, SESSION_TOOLS)
-    if outcome is call:
+    if isinstance(outcome, ToolCall):
         assert name in {"plot", "lookup"}
+        # unchanged, or with raw control characters in strings escaped (same value)
+        assert outcome is call or json.loads(outcome.arguments) == json.loads(arguments, strict=False)
         return
     assert isinstance(outcome, ToolCallError)
     assert outcome.call_id == "call-1" and outcome.tool_name == name

@@ -12,6 +12,7 @@ from jsonschema import Draft202012Validator
 from serve_apps.orchestrator.models import ToolCall, ToolSpec
 from serve_apps.orchestrator.tools import (
     ToolCallError,
+    escape_raw_control_characters,
     run_http_tool,
     tool_choice_schema,
     truncate_text,
@@ -51,6 +52,22 @@ TOOLS = [_spec("create_order", ORDER_SCHEMA), _spec("plot", DEFS_SCHEMA)]
 
 def _call(name, arguments):
     return ToolCall(id="call-1", name=name, arguments=arguments)
+
+
+def test_raw_control_characters_in_strings_are_escaped_and_nothing_else_changes():
+    # A literal newline and tab in a string (as models write file contents), one after an escaped quote.
+    raw = '{"order_id": "ORD-1", "items": [{"sku": "line one\nline\ttwo \\"q\u0001", "qty": 1}]}'
+    call = validate_tool_call(_call("create_order", raw), TOOLS)
+    assert isinstance(call, ToolCall) and call.id == "call-1"
+    assert call.arguments == '{"order_id": "ORD-1", "items": [{"sku": "line one\\nline\\ttwo \\"q\\u0001", "qty": 1}]}'
+    assert json.loads(call.arguments) == json.loads(raw, strict=False)
+    # Whitespace between tokens is JSON's own and stays; numerals stay as written.
+    assert escape_raw_control_characters('{\n\t"x": 1284.50\r\n}') == '{\n\t"x": 1284.50\r\n}'
+
+
+def test_escaping_does_not_rescue_text_that_is_not_json():
+    error = validate_tool_call(_call("create_order", '{"order_id": "ORD-1\n'), TOOLS)
+    assert isinstance(error, ToolCallError) and error.kind == "invalid_json"
 
 
 @pytest.mark.parametrize(

@@ -193,6 +193,7 @@ def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]
         reply.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     text = ""
     for choice in data.get("choices") or ():
+        reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
         delta = choice.get("delta") or {}
         if delta.get("content"):
             text += delta["content"]

@@ -67,6 +67,7 @@ class ModelReply:
     cached_tokens: int = 0
     completion_tokens: int = 0
     replica_id: str = ""
+    finish_reason: str | None = None  # "length": the answer stopped at max_tokens
 
 
 @dataclass(frozen=True)
@@ -223,15 +224,18 @@ class TurnRunner:
             errors = [e for e in checked if isinstance(e, ToolCallError)]
             if errors:
                 num_repairs += 1
+                cut_off = "" if reply.finish_reason != "length" else (
+                    f" (the answer stopped at the step's {max_tokens}-token budget, limits.output_reserve_tokens)")
                 if num_repairs > MAX_REPAIRS_PER_TURN:
-                    raise TurnFailed("invalid_tool_call", "the model kept emitting invalid tool calls: " + errors[0].message)
+                    raise TurnFailed(
+                        "invalid_tool_call", "the model kept emitting invalid tool calls: " + errors[0].message + cut_off)
                 # Tell the model what was wrong; its next step may repair the call.
                 # Arguments that are not JSON are kept as `{}` in the history, as
                 # vLLM renders them; the error text quotes what the model wrote.
                 self._new.append(Message(role="assistant", content=reply.content or None,
                                          tool_calls=[c if isinstance(c, ToolCall) else _renderable(raw)
                                                      for raw, c in zip(reply.tool_calls, checked)]))
-                rejected = {e.call_id: e.message for e in errors}
+                rejected = {e.call_id: e.message + cut_off for e in errors}
                 for call in reply.tool_calls:
                     content = rejected.get(call.id, "not run: another call in this step was invalid")
                     self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=content))

@@ -100,6 +100,16 @@ def test_a_model_that_keeps_failing_ends_the_turn_and_commits_nothing(redis_url,
     assert transcript.messages == () and transcript.length == 0
 
 
+def test_a_call_cut_off_by_the_token_budget_says_so(redis_url, tokenizer):  # noqa: F811
+    cut = [ModelReply(tool_calls=[ToolCall(id=f"c{i}", name="lookup_order", arguments='{"order_id": "ORD-12')],
+                      prompt_tokens=10, finish_reason="length") for i in range(3)]
+    events, transcript, _ = _run_turn(redis_url, tokenizer, cut)
+    assert events[-1].kind == "error" and events[-1].code == "invalid_tool_call"
+    assert "limits.output_reserve_tokens" in events[-1].message
+    assert all("limits.output_reserve_tokens" in e.content for e in events if e.kind == "tool_result")
+    assert transcript.messages == ()
+
+
 def test_an_empty_answer_completes_the_turn_with_empty_text(redis_url, tokenizer):  # noqa: F811
     # The model stopped at once: no text and no call (seen from the random-weight model).
     events, transcript, _ = _run_turn(redis_url, tokenizer, [ModelReply(prompt_tokens=10)])

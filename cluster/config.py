@@ -17,12 +17,14 @@ Configs do no I/O beyond `load_config` reading the file, and hold no runtime sta
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Literal, Mapping
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_MODEL_ID = "warmpath-tiny"
 ENV_PREFIX = "WARMPATH_"
@@ -206,6 +208,38 @@ class AccessConfig(_Strict):
     )
 
 
+# Never a tool: link-local addresses (cloud metadata services answer there) and the other metadata endpoints.
+DEFAULT_BLOCKED_TOOL_NETWORKS = ("169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "100.100.100.200/32")
+
+
+class ToolNetworkConfig(_Strict):
+    """Where server-side (HTTP) tools may point: the orchestrator POSTs to whatever URL a session declares."""
+
+    allowed_url_prefixes: list[str] = Field(
+        default_factory=list,
+        description="When set, an HTTP tool's URL must start with one of these (e.g. `https://tools.internal/`).",
+    )
+    blocked_networks: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_BLOCKED_TOOL_NETWORKS),
+        description="CIDRs no HTTP tool may reach, checked on the URL's host and every address it resolves to.",
+    )
+
+    @field_validator("allowed_url_prefixes")
+    @classmethod
+    def _http_prefixes(cls, prefixes: list[str]) -> list[str]:
+        bad = [p for p in prefixes if urlsplit(p).scheme not in ("http", "https") or not urlsplit(p).hostname]
+        if bad:
+            raise ValueError(f"URL prefixes must be http(s)://host[...], got {bad}")
+        return prefixes
+
+    @field_validator("blocked_networks")
+    @classmethod
+    def _networks(cls, networks: list[str]) -> list[str]:
+        for network in networks:
+            ipaddress.ip_network(network, strict=False)  # ValueError names the bad one
+        return networks
+
+
 class ClusterConfig(_Strict):
     """The whole cluster: model, replicas, routing, state and ports."""
 
@@ -215,6 +249,9 @@ class ClusterConfig(_Strict):
     ports: PortsConfig = Field(default_factory=PortsConfig, description="Proxy ports.")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Tracing and metrics export.")
     access: AccessConfig = Field(default_factory=AccessConfig, description="API keys, rate limits, request size.")
+    tool_network: ToolNetworkConfig = Field(
+        default_factory=ToolNetworkConfig, description="Where server-side tools may send their calls."
+    )
     redis_url: str | None = Field(
         None, description="Session store. Unset: `warmpath up` starts a local redis-server with persistence."
     )

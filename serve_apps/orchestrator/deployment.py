@@ -51,6 +51,7 @@ from serve_apps.orchestrator.store import (
     StaleTurn,
     StoreUnavailable,
 )
+from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.turns import ModelReply, ModelRetry, TurnFailed, TurnRunner, pending_client_calls
 from serve_apps.vllm_replica import ServedBy
 
@@ -228,6 +229,7 @@ class Orchestrator:
         self._store = SessionStore.from_url(redis_url, ttl_s=cfg.session_ttl_s)
         self._tokenizer = AutoTokenizer.from_pretrained(cfg.model_source())
         self._model = HandleModelClient(llm_handle, cfg.model.model_id)
+        self._tool_network = ToolNetworkPolicy(cfg.tool_network)
         telemetry.setup_tracing(cfg.telemetry, "orchestrator")
 
     async def check_health(self) -> None:
@@ -249,6 +251,10 @@ class Orchestrator:
         denied = _missing_permission(who, request.tools)
         if denied is not None:
             return denied
+        for tool in request.tools:
+            refusal = self._tool_network.check_url(tool.execution.url) if tool.execution.kind == "http" else None
+            if refusal is not None:
+                return _error(403, f"tool {tool.name!r}: {refusal}", "tool_url_not_allowed")
         if request.model != self._model_id:
             return _error(404, f'model "{request.model}" is not served here (serving "{self._model_id}")', "model_not_found")
         try:
@@ -417,7 +423,7 @@ class Orchestrator:
                         return
                 runner = TurnRunner(
                     record, snapshot.messages, snapshot.length, self._store, self._model, self._tokenizer,
-                    self._max_model_len_tokens, idempotency_key=idempotency_key,
+                    self._max_model_len_tokens, idempotency_key=idempotency_key, tool_network=self._tool_network,
                 )
                 has_started = True
                 yield {"status": 200}

@@ -28,6 +28,7 @@ from pydantic import JsonValue
 from referencing import Registry
 
 from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
+from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.tool_schema import compact_json_utf8, prefix_def_refs
 
 # Bodies beyond this are refused rather than buffered: a tool cannot exhaust replica memory.
@@ -269,6 +270,7 @@ async def run_http_tool(
     max_bytes: int,
     *,
     client: httpx.AsyncClient | None = None,
+    network: ToolNetworkPolicy | None = None,
 ) -> ToolOutcome:
     """POSTs `{"name": ..., "arguments": ...}` to the tool and returns what the model should see.
 
@@ -278,6 +280,7 @@ async def run_http_tool(
         timeout_s: deadline for the whole exchange (usually `spec.execution.timeout_s` or less).
         max_bytes: results beyond this many bytes are truncated with a marker.
         client: a pooled client to reuse; a private one is opened and closed otherwise.
+        network: where tools may point; a refused URL is an error result, never a request.
 
     Returns:
         "ok" with the reply body (a JSON document), "timeout", or "error" with a
@@ -295,6 +298,9 @@ async def run_http_tool(
     http = client if client is not None else httpx.AsyncClient(trust_env=False)
     try:
         async with asyncio.timeout(timeout_s):
+            refusal = await network.check_destination(spec.execution.url) if network is not None else None
+            if refusal is not None:
+                return _error(spec.name, refusal)
             return await _post(http, spec.execution.url, body, spec.name, max_bytes)
     except (TimeoutError, httpx.TimeoutException):
         return _error(spec.name, f"no complete reply within {timeout_s:g} s", status="timeout")

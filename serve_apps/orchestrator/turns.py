@@ -51,6 +51,7 @@ from serve_apps.orchestrator.prompt import (
     effective_window_tokens,
 )
 from serve_apps.orchestrator.store import Compaction, SessionRecord, SessionStore
+from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.tools import ToolCallError, run_http_tool, validate_tool_call
 
 MAX_REPAIRS_PER_TURN = 2
@@ -138,8 +139,10 @@ class TurnRunner:
         tokenizer,
         max_model_len_tokens: int,
         idempotency_key: str | None = None,
+        tool_network: ToolNetworkPolicy | None = None,
     ) -> None:
         self._record = record
+        self._tool_network = tool_network
         self._idempotency_key = idempotency_key
         # What a replay under the idempotency key shows: every event but the text deltas
         # (the final message carries the text).
@@ -257,7 +260,8 @@ class TurnRunner:
                                 "gen_ai.tool.call.id": call.id},
                 ) as span:
                     outcome = await run_http_tool(
-                        spec, call.arguments, spec.execution.timeout_s, self._limits.max_tool_result_bytes
+                        spec, call.arguments, spec.execution.timeout_s, self._limits.max_tool_result_bytes,
+                        network=self._tool_network,
                     )
                     span.set_attribute("warmpath.tool.status", outcome.status)
                     span.set_attribute("warmpath.tool.is_truncated", outcome.is_truncated)

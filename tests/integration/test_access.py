@@ -96,6 +96,16 @@ def test_tool_permissions_are_checked_at_registration(cluster):
         _revoke(cluster, record.key_id)
 
 
+def test_a_tool_aimed_at_the_cloud_metadata_service_is_refused(cluster):
+    tool = {"name": "steal", "parameters": {"type": "object"},
+            "execution": {"kind": "http", "url": "http://169.254.169.254/latest/meta-data/"}}
+    refused = cluster.client.post("/v1/sessions", json={"model": cluster.model_id, "tools": [tool]}, timeout=60)
+    assert refused.status_code == 403, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "tool_url_not_allowed" and "169.254.169.254" in error["message"]
+    assert error["type"] == "PermissionDeniedError"
+
+
 def test_sessions_belong_to_the_key_that_created_them(cluster):
     created = cluster.client.post("/v1/sessions", json={"model": cluster.model_id, "system_prompt": "private"})
     assert created.status_code == 201, created.text

@@ -1,0 +1,73 @@
+"""Where a server-side tool may send its call: the operator's URL prefixes and blocked networks.
+
+Why: any key that may create a session names the URLs the orchestrator POSTs
+to, from inside the cluster. Without a check, a session could aim a "tool" at a
+cloud metadata service or an internal endpoint and read the reply back through
+the model's transcript. Two rules, from `cluster.config.ToolNetworkConfig`:
+- with `allowed_url_prefixes` set, a URL must start with one of them;
+- no URL may reach a `blocked_networks` address: its host is checked when the
+  session is created (a literal address) and, before every call, each address
+  the host resolves to. Redirects are never followed (`tools.run_http_tool`), so
+  the checked address is the one connected to, save for DNS answers that change
+  between the check and the connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from urllib.parse import urlsplit
+
+from cluster.config import ToolNetworkConfig
+
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class ToolNetworkPolicy:
+    """Checks HTTP tool URLs; every check returns a refusal message, or None when the URL may be called."""
+
+    def __init__(self, config: ToolNetworkConfig) -> None:
+        self._prefixes = tuple(config.allowed_url_prefixes)
+        self._blocked: tuple[IpNetwork, ...] = tuple(ipaddress.ip_network(n, strict=False) for n in config.blocked_networks)
+
+    def check_url(self, url: str) -> str | None:
+        """The refusal of `url` by prefix or by a literal blocked address (no DNS lookup)."""
+        if self._prefixes and not url.startswith(self._prefixes):
+            return f"tool URL {url} is outside the allowed prefixes (tool_network.allowed_url_prefixes)"
+        host = urlsplit(url).hostname
+        if host is None:
+            return f"tool URL {url} names no host"
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return None  # a name: checked on what it resolves to, before each call
+        return self._blocked_message(url, address)
+
+    async def check_destination(self, url: str) -> str | None:
+        """`check_url`, then every address the URL's host resolves to now."""
+        problem = self.check_url(url)
+        if problem is not None or not self._blocked:
+            return problem
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+        except OSError as err:
+            return f"tool URL {url}: its host does not resolve ({err})"
+        for info in infos:
+            problem = self._blocked_message(url, ipaddress.ip_address(info[4][0].split("%")[0]))
+            if problem is not None:
+                return problem
+        return None
+
+    def _blocked_message(self, url: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:169.254.169.254 is 169.254.169.254
+        for candidate in (address, mapped) if mapped is not None else (address,):
+            for network in self._blocked:
+                if candidate.version == network.version and candidate in network:
+                    return f"tool URL {url} reaches {candidate}, in blocked network {network} (tool_network.blocked_networks)"
+        return None
+
+
+__all__ = ["ToolNetworkPolicy"]

@@ -1,0 +1,91 @@
+"""Server-side tools reach only what the operator allows: URL prefixes and blocked networks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import ClusterConfig, ToolNetworkConfig
+from serve_apps.orchestrator.models import ToolSpec
+from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
+from serve_apps.orchestrator.tools import run_http_tool
+
+DEFAULT = ToolNetworkPolicy(ToolNetworkConfig())
+
+
+@pytest.mark.parametrize("url", [
+    "http://169.254.169.254/latest/meta-data/",  # AWS, GCP, Azure metadata
+    "http://[fd00:ec2::254]/latest/meta-data/",  # AWS over IPv6
+    "http://100.100.100.200/latest/meta-data/",  # Alibaba
+    "http://[fe80::1]:8080/x",
+    "http://[::ffff:169.254.169.254]/",  # IPv4-mapped
+])
+def test_metadata_and_link_local_addresses_are_refused_by_default(url):
+    refusal = DEFAULT.check_url(url)
+    assert refusal is not None and "tool_network.blocked_networks" in refusal
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9000/tool", "https://tools.internal/lookup", "http://10.0.0.7/x"])
+def test_other_addresses_and_names_pass_the_default(url):
+    assert DEFAULT.check_url(url) is None
+
+
+def test_allowed_prefixes_are_whole_url_prefixes():
+    policy = ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=["https://tools.internal/"]))
+    assert policy.check_url("https://tools.internal/lookup") is None
+    for url in ("https://tools.internal.evil.com/x", "http://tools.internal/x", "https://other/x"):
+        assert "allowed_url_prefixes" in policy.check_url(url)
+
+
+def test_a_name_is_refused_when_it_resolves_into_a_blocked_network():
+    policy = ToolNetworkPolicy(ToolNetworkConfig(blocked_networks=["127.0.0.0/8", "::1/128"]))
+    assert policy.check_url("http://localhost:1/x") is None  # a name: not resolved when the session is created
+    refusal = asyncio.run(policy.check_destination("http://localhost:1/x"))
+    assert refusal is not None and "blocked network" in refusal
+    assert asyncio.run(DEFAULT.check_destination("http://localhost:1/x")) is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("blocked_networks", ["not-a-network"]),
+    ("allowed_url_prefixes", ["tools.internal/"]),
+    ("allowed_url_prefixes", ["https://"]),
+])
+def test_bad_settings_are_refused_at_the_edge(field, value):
+    with pytest.raises(ValidationError):
+        ClusterConfig.model_validate({"tool_network": {field: value}})
+
+
+class _CountingHandler(BaseHTTPRequestHandler):
+    num_requests = 0
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        type(self).num_requests += 1
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+
+def test_a_blocked_tool_is_an_error_result_and_no_request_is_sent():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CountingHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://localhost:{server.server_address[1]}/tool"
+        spec = ToolSpec(name="lookup", parameters={"type": "object"}, execution={"kind": "http", "url": url})
+        blocked = ToolNetworkPolicy(ToolNetworkConfig(blocked_networks=["127.0.0.0/8", "::1/128"]))
+        outcome = asyncio.run(run_http_tool(spec, "{}", 5.0, 4096, network=blocked))
+        assert outcome.status == "error" and "blocked network" in json.loads(outcome.content)["error"]
+        assert _CountingHandler.num_requests == 0
+        allowed = asyncio.run(run_http_tool(spec, "{}", 5.0, 4096, network=DEFAULT))
+        assert allowed.status == "ok" and _CountingHandler.num_requests == 1
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from serve_apps import api_errors

@@ -1,8 +1,8 @@
 """One error shape for everything the ingresses refuse: OpenAI's, with a message a person can read.
 
 Why: an OpenAI client reads `error.message` and raises by status, so every
-refusal (our own checks, Ray Serve LLM's, the engine's, FastAPI's 404/405)
-should answer `{"error": {"message", "type", "param", "code"}}`. Ray Serve LLM
+refusal (our own checks, Ray Serve LLM's, the engine's, FastAPI's 404/405 and
+body validation) should answer `{"error": {"message", "type", "param", "code"}}`. Ray Serve LLM
 wraps each failure as `Message: <text> (Request ID: ...), Internal exception:
 <class> (Request ID: ...), original exception: ...` with the wrapper's class
 name as `type`; clients get the text alone (the request id travels in the
@@ -13,9 +13,10 @@ exceptions, and `param` when vLLM named the parameter.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
@@ -62,6 +63,45 @@ def engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:
     return (status if isinstance(status, int) else None), readable_message(str(error.get("message") or ""))
 
 
+def validation_error_body(errors: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A 400 body for a request that failed schema validation: the first problem, its field as `param`."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error")
+        return error_body(400, "the request body is not valid JSON" + (f": {detail}" if detail else ""),
+                          code="invalid_json")
+    where = _field_path(first.get("loc", ()))
+    message = f"{where or 'the request body'}: {first.get('msg', 'invalid value')}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    # A value that matches none of a union's forms fails once per form, each under the form's name:
+    # the field is where all those problems meet.
+    shared = _field_path(_common_prefix([e.get("loc", ()) for e in errors]))
+    return error_body(400, message, code="invalid_parameter", param=shared or where)
+
+
+def _common_prefix(locs: Sequence[Sequence[Any]]) -> tuple:
+    prefix: list = []
+    for parts in zip(*locs):
+        if any(part != parts[0] for part in parts):
+            break
+        prefix.append(parts[0])
+    return tuple(prefix)
+
+
+def _field_path(loc: Sequence[Any]) -> Optional[str]:
+    """`messages[0].role` for FastAPI's ("body", "messages", 0, "role")."""
+    parts = list(loc)[1:] if loc and loc[0] in ("body", "query", "path", "header") else list(loc)
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or None
+
+
+async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+    return JSONResponse(validation_error_body(err.errors()), status_code=400)
+
+
 async def _openai_http_exception(request: Request, err) -> JSONResponse:
     return JSONResponse(error_body(err.status_code, err.message), status_code=err.status_code)
 
@@ -78,6 +118,9 @@ def install(app: FastAPI) -> None:
 
     app.add_exception_handler(OpenAIHTTPException, _openai_http_exception)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_exception_handler(RequestValidationError, _validation_error)  # replaces Ray Serve LLM's
 
 
-__all__ = ["ERROR_TYPES", "engine_error", "error_body", "error_type", "install", "readable_message"]
+__all__ = [
+    "ERROR_TYPES", "engine_error", "error_body", "error_type", "install", "readable_message", "validation_error_body",
+]

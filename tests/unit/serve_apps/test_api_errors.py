@@ -6,6 +6,7 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import BaseModel
 
 from serve_apps import api_errors
 from serve_apps.api_errors import engine_error, error_body, error_type, readable_message
@@ -116,3 +117,38 @@ def test_an_error_chunk_mid_stream_is_rewritten_and_other_chunks_are_not():
         "message": "Cannot apply chat template to an empty conversation. Provide at least one message.",
         "type": "BadRequestError", "param": None, "code": None,
     }}
+
+
+class _Item(BaseModel):
+    role: str
+
+
+class _Body(BaseModel):
+    messages: list[_Item]
+    max_tokens: int = 1
+
+
+def test_body_validation_names_the_field_as_param():
+    from ray.llm._internal.serve.core.ingress.ingress import init
+
+    app = init()
+    api_errors.install(app)
+
+    @app.post("/v1/things")
+    async def things(body: _Body):
+        return {}
+
+    client = TestClient(app)
+    missing = client.post("/v1/things", json={"messages": [{}], "max_tokens": "many"})
+    assert missing.status_code == 400
+    assert missing.json()["error"] == {
+        "message": "messages[0].role: Field required (and 1 more problem)", "type": "BadRequestError",
+        "param": "messages[0].role", "code": "invalid_parameter",
+    }
+    both = client.post("/v1/things", json={"messages": [{"role": 1}, {"role": 2}]})
+    assert both.json()["error"]["param"] == "messages"  # where the two problems meet
+    broken = client.post("/v1/things", content=b"{bad", headers={"content-type": "application/json"})
+    assert broken.status_code == 400
+    error = broken.json()["error"]
+    assert error["message"].startswith("the request body is not valid JSON") and error["code"] == "invalid_json"
+    assert error["param"] is None

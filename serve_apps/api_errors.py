@@ -30,6 +30,8 @@ ERROR_TYPES = {
 _PREFIX = "Message: "
 _RAY_WRAPPED = re.compile(r"^Message: (?P<text>.*?)(?: \(Request ID: [^)]*\))?, Internal exception: ", re.DOTALL)
 _REQUEST_ID_SUFFIX = re.compile(r" \(Request ID: [^)]*\)$")
+# Ray names a non-HTTP exception in its message: "vllm.exceptions.VLLMValidationError: <text>".
+_EXCEPTION_NAME = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 _VLLM_PARAMETER = re.compile(r"\(parameter=(?P<param>[A-Za-z_][\w.\[\]]*)(?:, value=.*)?\)$", re.DOTALL)
 
 
@@ -46,7 +48,7 @@ def readable_message(raw: str) -> str:
         text = _REQUEST_ID_SUFFIX.sub("", match.group("text").strip())
         if text.startswith(_PREFIX) and _RAY_WRAPPED.match(text) is None:
             text = text[len(_PREFIX):]
-    return _REQUEST_ID_SUFFIX.sub("", text) or "the request failed"
+    return _EXCEPTION_NAME.sub("", _REQUEST_ID_SUFFIX.sub("", text)) or "the request failed"
 
 
 def error_body(status: int, message: str, code: Optional[str] = None, param: Optional[str] = None) -> dict[str, Any]:
@@ -55,6 +57,18 @@ def error_body(status: int, message: str, code: Optional[str] = None, param: Opt
     if param is None and (match := _VLLM_PARAMETER.search(text)) is not None:
         param = match.group("param")
     return {"error": {"message": text, "type": error_type(status), "param": param, "code": code}}
+
+
+def exception_body(err: Exception, request_id: str) -> tuple[int, dict[str, Any]]:
+    """Status and body for an exception that escaped a route, classified as Ray Serve LLM does.
+
+    vLLM's client errors (a `tool_choice` naming no tool) are 400s with their own text; anything
+    unexpected is a 500 whose message says no more than that (the log has the rest).
+    """
+    from ray.llm._internal.serve.utils.server_utils import get_response_for_error
+
+    error = get_response_for_error(err, request_id).error
+    return error.code, error_body(error.code, error.message)
 
 
 def engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:
@@ -102,6 +116,11 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
     return JSONResponse(validation_error_body(err.errors()), status_code=400)
 
 
+async def _client_error(request: Request, err: Exception) -> JSONResponse:
+    status, body = exception_body(err, getattr(request.state, "request_id", ""))
+    return JSONResponse(body, status_code=status)
+
+
 async def _openai_http_exception(request: Request, err) -> JSONResponse:
     return JSONResponse(error_body(err.status_code, err.message), status_code=err.status_code)
 
@@ -115,6 +134,10 @@ def install(app: FastAPI) -> None:
     """Answers the app's HTTP and OpenAI exceptions in the one shape (before Ray's middleware re-wraps them)."""
     # Imported here: Ray Serve LLM's API models import vLLM and torch, which the admission guard does without.
     from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+    from ray.llm._internal.serve.utils.server_utils import VLLM_CLIENT_ERRORS
+
+    for client_error in VLLM_CLIENT_ERRORS:  # raised while FastAPI parses a body (vLLM's request validators)
+        app.add_exception_handler(client_error, _client_error)
 
     app.add_exception_handler(OpenAIHTTPException, _openai_http_exception)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
@@ -122,5 +145,6 @@ def install(app: FastAPI) -> None:
 
 
 __all__ = [
-    "ERROR_TYPES", "engine_error", "error_body", "error_type", "install", "readable_message", "validation_error_body",
+    "ERROR_TYPES", "engine_error", "error_body", "error_type", "exception_body", "install", "readable_message",
+    "validation_error_body",
 ]

@@ -166,6 +166,18 @@ def test_engine_refusals_reach_the_client_as_their_own_text(openai_client, clust
     assert "Internal exception" not in error["message"] and "Request ID" not in error["message"]
 
 
+def test_a_tool_choice_naming_no_tool_is_a_clean_400(openai_client, cluster):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.chat.completions.create(
+            model=cluster.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4, tools=[LOOKUP_TOOL],
+            tool_choice={"type": "function", "function": {"name": "no_such_tool"}})
+    error = err.value.body
+    assert (error["type"], error["param"]) == ("BadRequestError", "tool_choice")
+    assert error["message"].startswith("The tool specified in `tool_choice`"), error["message"]
+
+
 def test_prompt_longer_than_the_context_window_is_400_naming_both_lengths(cluster):
     window = cluster.cfg.model.max_model_len_tokens
     resp = cluster.client.post(

@@ -72,6 +72,12 @@ def client() -> TestClient:
     async def engine():
         raise OpenAIHTTPException(status_code=400, message=WRAPPED_MAX_TOKENS, type="OpenAIHTTPException")
 
+    @app.post("/v1/vllm")
+    async def vllm_refusal():
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError("tool_choice names no tool", parameter="tool_choice")
+
     @app.get("/v1/ours")
     async def ours():
         raise OpenAIHTTPException(status_code=400, message="idempotency-key must be 1-256 characters",
@@ -86,6 +92,13 @@ def test_an_engine_error_reaches_the_client_unwrapped(client):
     assert response.json() == {"error": {
         "message": readable_message(WRAPPED_MAX_TOKENS), "type": "BadRequestError", "param": "max_tokens", "code": None,
     }}
+
+
+def test_a_vllm_client_error_is_a_400_in_the_same_shape(client):
+    response = client.post("/v1/vllm")
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": "tool_choice names no tool (parameter=tool_choice)",
+                                         "type": "BadRequestError", "param": "tool_choice", "code": None}
 
 
 def test_an_ingress_check_is_not_wrapped_by_rays_middleware(client):
@@ -152,3 +165,24 @@ def test_body_validation_names_the_field_as_param():
     error = broken.json()["error"]
     assert error["message"].startswith("the request body is not valid JSON") and error["code"] == "invalid_json"
     assert error["param"] is None
+
+
+def test_an_exception_from_vllm_is_a_400_with_its_own_text_and_anything_else_a_bare_500():
+    from vllm.exceptions import VLLMValidationError
+
+    from serve_apps.api_errors import exception_body
+
+    status, body = exception_body(VLLMValidationError(
+        "The tool specified in `tool_choice` does not match any of the specified `tools`", parameter="tool_choice"), "r1")
+    assert status == 400
+    assert body["error"]["message"].startswith("The tool specified in `tool_choice` does not match")
+    assert (body["error"]["type"], body["error"]["param"]) == ("BadRequestError", "tool_choice")
+    status, body = exception_body(RuntimeError("secret internals"), "r2")
+    assert status == 500 and body["error"]["message"] == "Internal Server Error"
+
+
+def test_readable_message_drops_a_leading_exception_name():
+    assert readable_message("Message: vllm.exceptions.VLLMValidationError: bad tool (Request ID: 1), Internal exception: "
+                            "x (Request ID: 1), original exception: bad tool") == "bad tool"
+    assert readable_message("ValueError: nope") == "nope"
+    assert readable_message("Errors: none of the above") == "Errors: none of the above"

@@ -77,6 +77,23 @@ def engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:
     return (status if isinstance(status, int) else None), readable_message(str(error.get("message") or ""))
 
 
+def validation_problem(errors: Sequence[Mapping[str, Any]], prefix: str = "") -> tuple[str, Optional[str]]:
+    """(message, field) for pydantic's `errors()`: the first problem, and the field at fault.
+
+    Pydantic's own text (one line per error, documentation links) is for developers; this
+    names the field as the request spells it (`tools[0].parameters`), under `prefix` if given.
+    """
+    first = errors[0] if errors else {}
+    where = _field_path(first.get("loc", ()), prefix)
+    message = f"{where or 'the request body'}: {first.get('msg', 'invalid value')}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    # A value that matches none of a union's forms fails once per form, each under the form's name:
+    # the field is where all those problems meet.
+    shared = _field_path(_common_prefix([e.get("loc", ()) for e in errors]), prefix)
+    return message, shared or where
+
+
 def validation_error_body(errors: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """A 400 body for a request that failed schema validation: the first problem, its field as `param`."""
     first = errors[0] if errors else {}
@@ -84,14 +101,8 @@ def validation_error_body(errors: Sequence[Mapping[str, Any]]) -> dict[str, Any]
         detail = (first.get("ctx") or {}).get("error")
         return error_body(400, "the request body is not valid JSON" + (f": {detail}" if detail else ""),
                           code="invalid_json")
-    where = _field_path(first.get("loc", ()))
-    message = f"{where or 'the request body'}: {first.get('msg', 'invalid value')}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    # A value that matches none of a union's forms fails once per form, each under the form's name:
-    # the field is where all those problems meet.
-    shared = _field_path(_common_prefix([e.get("loc", ()) for e in errors]))
-    return error_body(400, message, code="invalid_parameter", param=shared or where)
+    message, param = validation_problem(errors)
+    return error_body(400, message, code="invalid_parameter", param=param)
 
 
 def _common_prefix(locs: Sequence[Sequence[Any]]) -> tuple:
@@ -103,10 +114,10 @@ def _common_prefix(locs: Sequence[Sequence[Any]]) -> tuple:
     return tuple(prefix)
 
 
-def _field_path(loc: Sequence[Any]) -> Optional[str]:
+def _field_path(loc: Sequence[Any], prefix: str = "") -> Optional[str]:
     """`messages[0].role` for FastAPI's ("body", "messages", 0, "role")."""
     parts = list(loc)[1:] if loc and loc[0] in ("body", "query", "path", "header") else list(loc)
-    path = ""
+    path = prefix
     for part in parts:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path or None
@@ -146,5 +157,5 @@ def install(app: FastAPI) -> None:
 
 __all__ = [
     "ERROR_TYPES", "engine_error", "error_body", "error_type", "exception_body", "install", "readable_message",
-    "validation_error_body",
+    "validation_error_body", "validation_problem",
 ]

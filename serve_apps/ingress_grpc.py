@@ -60,7 +60,7 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.access import AccessDenied, AccessGuard, Caller, GuardSettings, credentials_from, retry_after_header
-from serve_apps.api_errors import engine_error, error_type
+from serve_apps.api_errors import engine_error, error_type, validation_problem
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.ingress_http import TURN_ERROR_STATUS
 from serve_apps.orchestrator.deployment import sse_payloads
@@ -190,7 +190,8 @@ def chat_completion_fields(request: inference_pb2.ChatCompletionRequest) -> dict
         try:
             messages.append(to_wire_message(Message.model_validate(chat_message_to_dict(message))))
         except ValidationError as err:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"messages[{index}]: {err}") from None
+            message, _ = validation_problem(err.errors(), prefix=f"messages[{index}]")
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", message) from None
     tools = []
     for index, tool in enumerate(request.tools):
         function: dict[str, Any] = {"name": tool.name, "description": tool.description}

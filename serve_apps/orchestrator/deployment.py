@@ -33,7 +33,7 @@ from cluster.config import validate_config
 from router import decision_log
 from cluster.api_keys import missing_permissions
 from serve_apps.access import Caller
-from serve_apps.api_errors import error_body, readable_message
+from serve_apps.api_errors import error_body, readable_message, validation_problem
 from serve_apps.metrics import WarmpathMetrics, record_model_call
 from serve_apps.orchestrator.models import (
     CreateSessionRequest,
@@ -60,8 +60,14 @@ logger = logging.getLogger("ray.serve")
 MODEL_CALL_ATTEMPTS = 2
 
 
-def _error(status: int, message: str, code: str) -> dict[str, Any]:
-    return {"status": status, "body": error_body(status, message, code=code)}
+def _error(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"status": status, "body": error_body(status, message, code=code, param=param)}
+
+
+def _invalid(err: ValidationError) -> dict[str, Any]:
+    """The 422 of a body that fails its model, naming the field at fault."""
+    message, param = validation_problem(err.errors())
+    return _error(422, message, "invalid_request", param)
 
 
 def _caller(caller: dict[str, Any]) -> Caller:
@@ -246,7 +252,7 @@ class Orchestrator:
         try:
             request = CreateSessionRequest.model_validate(body)
         except ValidationError as err:
-            return _error(422, str(err), "invalid_request")
+            return _invalid(err)
         who = _caller(caller)
         denied = _missing_permission(who, request.tools)
         if denied is not None:
@@ -337,7 +343,7 @@ class Orchestrator:
         try:
             turn = TurnRequest.model_validate(body)
         except ValidationError as err:
-            yield _error(422, str(err), "invalid_request")
+            yield _invalid(err)
             return
         async for item in self._traced_turn(
             session_id, trace_carrier, turn.tool_choice, _caller(caller), idempotency_key, user_content=turn.content
@@ -355,7 +361,7 @@ class Orchestrator:
         try:
             submission = ToolResultsSubmission.model_validate(body)
         except ValidationError as err:
-            yield _error(422, str(err), "invalid_request")
+            yield _invalid(err)
             return
         async for item in self._traced_turn(
             session_id, trace_carrier, "auto", _caller(caller), idempotency_key, results=submission

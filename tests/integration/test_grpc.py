@@ -85,7 +85,8 @@ def test_error_codes(channel, metadata, cluster):
             model=cluster.model_id,
             tools=[agent_pb2.Tool(name="x", description="d", parameters_json='{"type": "nope"}', client=agent_pb2.ClientExecution())],
         ), metadata=metadata, timeout=60)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("tools[0].parameters: ") and "\n" not in err.value.details()
 
     with pytest.raises(grpc.RpcError) as err:
         agent.CreateSession(agent_pb2.CreateSessionRequest(model="no-such-model"), metadata=metadata, timeout=60)

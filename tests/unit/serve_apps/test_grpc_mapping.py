@@ -480,9 +480,9 @@ def test_function_tool_without_schema_gets_an_empty_object_schema():
 @pytest.mark.parametrize(
     "messages, prefix",
     [
-        ([inference_pb2.ChatMessage(role="robot", content="x")], "messages[0]:"),
-        ([inference_pb2.ChatMessage(role="user", content="x"), inference_pb2.ChatMessage(role="tool", content="x")], "messages[1]:"),
-        ([inference_pb2.ChatMessage(role="user")], "messages[0]:"),
+        ([inference_pb2.ChatMessage(role="robot", content="x")], "messages[0].role: "),
+        ([inference_pb2.ChatMessage(role="user", content="x"), inference_pb2.ChatMessage(role="tool", content="x")], "messages[1]: "),
+        ([inference_pb2.ChatMessage(role="user")], "messages[0]: "),
     ],
     ids=["unknown-role", "tool-without-call-id", "user-without-content"],
 )
@@ -490,7 +490,8 @@ def test_invalid_chat_messages(messages, prefix):
     with pytest.raises(RpcFailure) as info:
         chat_completion_fields(inference_pb2.ChatCompletionRequest(messages=messages))
     assert info.value.status is Code.INVALID_ARGUMENT
-    assert info.value.message.startswith(prefix)
+    assert info.value.message.startswith(prefix), info.value.message
+    assert "\n" not in info.value.message and "errors.pydantic.dev" not in info.value.message  # one readable line
 
 
 OPENAI_RESPONSE = {

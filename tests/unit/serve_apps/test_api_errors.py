@@ -186,3 +186,35 @@ def test_readable_message_drops_a_leading_exception_name():
                             "x (Request ID: 1), original exception: bad tool") == "bad tool"
     assert readable_message("ValueError: nope") == "nope"
     assert readable_message("Errors: none of the above") == "Errors: none of the above"
+
+
+class _FailingIngress:
+    """Stands in for the ingress past its tracing wrapper: the engine call raises."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    async def _traced_llm_request(self, body, call_method, raw_request, span):
+        raise self.error
+
+
+def test_an_exception_escaping_an_openai_route_is_answered_in_the_same_shape():
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.exceptions import VLLMValidationError
+
+    from serve_apps.ingress_http import WarmpathIngress
+
+    def answer(error):
+        return asyncio.run(WarmpathIngress._process_llm_request(
+            _FailingIngress(error), SimpleNamespace(model="m"), "completions", None))
+
+    crashed = answer(RuntimeError("engine internals"))
+    assert crashed.status_code == 500
+    assert json.loads(crashed.body)["error"] == {
+        "message": "Internal Server Error", "type": "InternalServerError", "param": None, "code": None}
+    refused = answer(VLLMValidationError("n must be 1 here", parameter="n"))
+    assert refused.status_code == 400 and json.loads(refused.body)["error"]["param"] == "n"
+    with pytest.raises(asyncio.CancelledError):  # a cancelled request is not answered
+        answer(asyncio.CancelledError())

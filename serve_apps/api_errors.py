@@ -71,6 +71,12 @@ def exception_body(err: Exception, request_id: str) -> tuple[int, dict[str, Any]
     return error.code, error_body(error.code, error.message)
 
 
+def exception_response(err: Exception, request: Optional[Request]) -> JSONResponse:
+    """`exception_body` as the response, under the request id Ray's middleware gave `request`."""
+    status, body = exception_body(err, getattr(request.state, "request_id", "") if request is not None else "")
+    return JSONResponse(body, status_code=status)
+
+
 def engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:
     """(HTTP status or None, readable message) of an engine `ErrorResponse.error` as a dict."""
     status = error.get("code")
@@ -128,8 +134,7 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
 
 
 async def _client_error(request: Request, err: Exception) -> JSONResponse:
-    status, body = exception_body(err, getattr(request.state, "request_id", ""))
-    return JSONResponse(body, status_code=status)
+    return exception_response(err, request)
 
 
 async def _openai_http_exception(request: Request, err) -> JSONResponse:
@@ -156,6 +161,6 @@ def install(app: FastAPI) -> None:
 
 
 __all__ = [
-    "ERROR_TYPES", "engine_error", "error_body", "error_type", "exception_body", "install", "readable_message",
-    "validation_error_body", "validation_problem",
+    "ERROR_TYPES", "engine_error", "error_body", "error_type", "exception_body", "exception_response", "install",
+    "readable_message", "validation_error_body", "validation_problem",
 ]

@@ -38,7 +38,7 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.access import Caller
-from serve_apps.api_errors import engine_error, error_body, exception_body
+from serve_apps.api_errors import engine_error, error_body, exception_response
 from serve_apps.metrics import record_model_call
 from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.vllm_replica import ServedBy
@@ -341,8 +341,7 @@ class WarmpathIngress(OpenAiIngress):
             if not isinstance(err, Exception):  # cancellation
                 raise
             # Answered here, in the API's one error shape, not by Ray's middleware (`serve_apps.api_errors`).
-            status, error = exception_body(err, getattr(raw_request.state, "request_id", "") if raw_request else "")
-            return JSONResponse(error, status_code=status)
+            return exception_response(err, raw_request)
         finally:
             otel_context.detach(token)
         if not isinstance(response, StreamingResponse):

@@ -34,12 +34,14 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass
+from itertools import repeat
 from typing import Sequence
 
 from bench.fingerprint_set import FingerprintSet
 from bench.sim_cache import BlockCache
 from bench.trace import RequestRecord
 from router.hashing import BlockHash, hash_request_blocks, root_hash
+from router.index import leading_runs
 
 
 class LruBlockCache:
@@ -133,8 +135,9 @@ class StreamingBounds:
     - `_owners` maps a block to the bitmask of replicas caching it, kept in step
       with the replicas' caches from their new and evicted blocks only. Along a
       chain the masks only lose bits, so every replica's longest prefix comes
-      from bisecting between positions whose masks differ: a few lookups per
-      replica that holds part of the chain, instead of one per block.
+      from bisecting between positions whose masks differ
+      (`router.index.leading_runs`, the router's own lookup): a few lookups
+      per replica that holds part of the chain, instead of one per block.
     The infinite cache keeps every block the run made, so it is a
     `FingerprintSet` (about 8 bytes a block instead of about 90: a
     10,000-session coding run makes over a hundred million).
@@ -150,6 +153,8 @@ class StreamingBounds:
         self._caches = [BlockCache(capacity_blocks) for _ in range(num_replicas)]
         self._owners: dict[BlockHash, int] = {}
         self._clock = 0  # one clock for every replica's cache, so their LRU stamps compare
+        # Per replica (cached blocks, LRU stamp, index): the placement's tie-break, kept current by `_use`.
+        self._fill_then_age = [(0, 0, replica) for replica in range(num_replicas)]
         self.infinite_hits: list[int] = []
         self.placed_hits: list[int] = []
         self.placement: list[int] = []
@@ -181,9 +186,11 @@ class StreamingBounds:
     def _use(self, replica: int, chain: Sequence[BlockHash], num_cached: int | None = None) -> None:
         bit, owners = 1 << replica, self._owners
         self._clock += 1
-        first_new, evicted = self._caches[replica].use(chain, num_cached, self._clock)
-        for block_hash in chain[first_new:]:
-            owners[block_hash] = owners.get(block_hash, 0) | bit
+        cache = self._caches[replica]
+        first_new, evicted = cache.use(chain, num_cached, self._clock)
+        new = chain[first_new:]
+        owners.update(zip(new, list(map(bit.__or__, map(owners.get, new, repeat(0))))))
+        self._fill_then_age[replica] = (len(cache), cache.lru_stamp() or 0, replica)
         for block_hash in evicted:
             mask = owners[block_hash] & ~bit
             if mask:
@@ -193,34 +200,12 @@ class StreamingBounds:
 
     def _matched_blocks(self, chain: Sequence[BlockHash]) -> dict[int, int]:
         """Replica -> leading blocks of `chain` it caches, for the replicas caching at least one."""
-        owners_get = self._owners.get
-        last = len(chain) - 1
-        first_mask = owners_get(chain[0], 0) if chain else 0
-        if not first_mask:
-            return {}
         matched: dict[int, int] = {}
-
-        def credit(mask: int, num_blocks: int) -> None:
+        for mask, num_blocks in leading_runs(self._owners.get, chain):
             while mask:
                 low = mask & -mask
                 matched[low.bit_length() - 1] = num_blocks
                 mask ^= low
-
-        last_mask = owners_get(chain[last], 0)
-        credit(last_mask, last + 1)
-        # (low, its mask, high, its mask): the masks between are sandwiched by the two.
-        spans = [(0, first_mask, last, last_mask)]
-        while spans:
-            low, low_mask, high, high_mask = spans.pop()
-            if low_mask == high_mask:
-                continue
-            if high - low == 1:
-                credit(low_mask & ~high_mask, high)
-                continue
-            middle = (low + high) // 2
-            middle_mask = owners_get(chain[middle], 0)
-            spans.append((low, low_mask, middle, middle_mask))
-            spans.append((middle, middle_mask, high, high_mask))
         return matched
 
     def _best_replica(self, chain: Sequence[BlockHash]) -> tuple[int, int]:
@@ -242,18 +227,14 @@ class StreamingBounds:
         capacity = self.capacity_blocks
         num_blocks = len(chain)
         matched = self._matched_blocks(chain)
-
-        def fill_then_age(replica: int) -> tuple[int, int, int]:
-            cache = caches[replica]
-            return len(cache), cache.lru_stamp() or 0, replica
-
-        emptiest = min(range(self.num_replicas), key=fill_then_age)
+        fill_then_age = self._fill_then_age
+        emptiest = min(fill_then_age)[2]
         matched.setdefault(emptiest, 0)
 
         def cost(replica: int) -> tuple[int, ...]:
             new = num_blocks - matched[replica]
             overflow = max(0, len(caches[replica]) + new - capacity)
-            return new + overflow, -matched[replica], *fill_then_age(replica)
+            return new + overflow, -matched[replica], *fill_then_age[replica]
 
         best = min(matched, key=cost)
         return best, matched[best]

@@ -24,17 +24,30 @@ Data layout (chosen for bytes per block, see bench/router_decision.py):
   256, at the price of rounding a partial match of a pending placement down
   to the checkpoint before it (never more than PENDING_STRIDE_BLOCKS - 1).
 
+Lookups bisect (`leading_runs`). Along a request's chain, a replica's bit can
+only drop, never come back, because vLLM frees a request's blocks tail first,
+so it evicts a block only after the blocks that extend it, and every stored
+block extends one the index holds. A lookup then costs a few dict reads per
+replica that holds part of the chain instead of one per prompt block (a
+32k-token prompt is 2,048 blocks at block size 16). Event streams vLLM does
+not produce, removing a block before its extensions, would make a lookup step
+over the gap: the one way a lookup can credit a block the replica does not
+hold.
+
 Invariants:
 - Bit s of `_owners[h]` is set only if the replica in slot s has an entry in
   `blocks` whose value is h, and it is set for every such entry except when two
   engine keys of one replica map to the same h (engine-side keys the router
-  does not model) and one of them was removed: an under-prediction. Masks are
-  never 0 (the key is deleted instead).
+  does not model) and one of them was removed. Masks are never 0 (the key is
+  deleted instead).
 - `len(blocks) <= max_blocks_per_replica`; beyond it the least recently stored
   block is forgotten. This is a safety bound, not a model of the engine: the
   engine's `BlockRemoved` is the normal way blocks leave, and in vLLM's default
   report mode a cache hit announces nothing, so "recent" means recently stored,
   not recently used. Set the bound above the engine's number of KV blocks.
+  A block the bound forgets in the middle of a chain does not hide the
+  blocks after it from a lookup (the engine, which evicts extensions first,
+  still holds it unless a removal was lost); a forgotten first block does.
 - Bit s of `_pending_owners[h]` is set iff replica s has a pending entry for h
   that has not been confirmed by a `BlockStored` and not expired (expiry is
   applied by `expire_pending`, which the router's event thread calls, and by
@@ -42,7 +55,8 @@ Invariants:
 - Whatever goes wrong (unknown parent, lost events, unsupported extra keys),
   the index forgets blocks rather than invents them: it may under-predict a
   replica's cache, never over-predict it, except for pending entries (bounded
-  by their TTL) and the one case noted under `apply`.
+  by their TTL), the one case noted under `apply`, and the out-of-order
+  removals noted under the lookup.
 
 Tracked: the engine's own pool only (`medium` None or "GPU", which vLLM uses
 on every backend, CPU included), KV cache group 0, the index's block size.
@@ -55,9 +69,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from itertools import repeat
+from itertools import compress, repeat
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from router.hashing import BlockHash, chain_block_hashes, encode_tokens, root_hash
 from router.types import ReplicaId
@@ -73,6 +87,16 @@ def _engine_key(block_hash: bytes | int) -> int:
     if isinstance(block_hash, int):
         return block_hash & _MASK64
     return int.from_bytes(block_hash[-8:], "big")
+
+
+def _engine_keys(block_hashes: Sequence[bytes | int]) -> list[int]:
+    """`_engine_key` of each hash; one event's hashes share a type, so it is checked once."""
+    if not block_hashes:
+        return []
+    if isinstance(block_hashes[0], int):
+        return [block_hash & _MASK64 for block_hash in block_hashes]
+    from_bytes = int.from_bytes
+    return [from_bytes(block_hash[-8:], "big") for block_hash in block_hashes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,22 +208,9 @@ class PrefixIndex:
             Replica -> leading blocks held; replicas holding none are absent.
         """
         self._expire(now_s)
-        owners_get = self._owners.get
         result: dict[ReplicaId, int] = {}
-        # `alive`: bitmask of the replicas that hold every block seen so far.
-        alive = -1
-        num_matched = 0
-        for mask in map(owners_get, block_hashes, repeat(0)):  # the lookups run in C
-            if alive & mask != alive:
-                if num_matched:
-                    self._credit(result, alive & ~mask, num_matched)
-                alive &= mask
-                if not alive:
-                    break
-            num_matched += 1
-        else:
-            if num_matched:
-                self._credit(result, alive, num_matched)
+        for mask, num_blocks in leading_runs(self._owners.get, block_hashes):
+            self._credit(result, mask, num_blocks)
         if self._pending_owners:
             self._credit_pending(result, block_hashes)
         return result
@@ -207,15 +218,12 @@ class PrefixIndex:
     def _credit_pending(self, result: dict[ReplicaId, int], block_hashes: Sequence[BlockHash]) -> None:
         """Raises each replica's count to its furthest pending checkpoint the request shares."""
         masks = list(map(self._pending_owners.get, block_hashes, repeat(0)))
-        distinct = set(masks)
-        distinct.discard(0)
+        positions = list(compress(range(len(masks)), masks))  # where a pending checkpoint is
         remaining = 0
-        for mask in distinct:
+        for mask in set(map(masks.__getitem__, positions)):
             remaining |= mask
-        position = len(masks)
         slot_ids = self._slot_ids
-        while remaining and position:
-            position -= 1
+        for position in reversed(positions):
             mask = masks[position] & remaining
             if not mask:
                 continue
@@ -226,6 +234,8 @@ class PrefixIndex:
                 if replica_id is not None and result.get(replica_id, 0) <= position:
                     result[replica_id] = position + 1
                 mask ^= low
+            if not remaining:
+                return
 
     def add_pending(
         self,
@@ -366,16 +376,42 @@ class PrefixIndex:
             if parent is None:
                 return 0, num_blocks, num_blocks
         usable = num_blocks
-        for offset, keys in enumerate(extra_keys[first:num_blocks], start=first):
-            if keys and any(key != lora_name for key in keys):
+        for offset, block_keys in enumerate(extra_keys[first:num_blocks], start=first):
+            if block_keys and any(key != lora_name for key in block_keys):
                 usable = offset
                 break
         token_bytes = encode_tokens(event.token_ids[: usable * block_size])
         hashes = chain_block_hashes(parent, token_bytes, block_size)
+        keys = _engine_keys(event.block_hashes[:usable])
+        blocks = state.blocks
+        if blocks.keys().isdisjoint(keys):
+            self._store_new(state, keys, hashes)
+        else:
+            self._store_blockwise(state, keys, hashes)
+        excess = len(blocks) - self._max_blocks
+        for _ in range(max(excess, 0)):
+            old_key, old_hash = blocks.popitem(last=False)
+            extra_copies = state.extra_copies
+            extra_copies.pop(old_key, None)
+            self._drop_bit(self._owners, old_hash, state.bit)
+            state.num_evicted_blocks += 1
+        return usable, num_blocks - usable, 0
+
+    def _store_new(self, state: _ReplicaState, keys: list[int], hashes: list[BlockHash]) -> None:
+        """Indexes blocks none of which the replica holds (the usual event): `_store_blockwise` with the loops in C."""
+        bit, owners, pending = state.bit, self._owners, state.pending
+        state.blocks.update(zip(keys, hashes))
+        owners.update(zip(hashes, list(map(bit.__or__, map(owners.get, hashes, repeat(0))))))
+        if pending:
+            for block_hash in pending.keys() & hashes:
+                del pending[block_hash]
+                self._drop_bit(self._pending_owners, block_hash, bit)
+
+    def _store_blockwise(self, state: _ReplicaState, keys: list[int], hashes: list[BlockHash]) -> None:
+        """Indexes blocks one by one; those the replica holds already count as another copy."""
         blocks, extra_copies, pending = state.blocks, state.extra_copies, state.pending
         owners, bit = self._owners, state.bit
-        for raw_key, block_hash in zip(event.block_hashes, hashes):
-            engine_key = _engine_key(raw_key)
+        for engine_key, block_hash in zip(keys, hashes):
             if engine_key in blocks:
                 blocks.move_to_end(engine_key)
                 extra_copies[engine_key] = extra_copies.get(engine_key, 0) + 1
@@ -384,18 +420,11 @@ class PrefixIndex:
             owners[block_hash] = owners.get(block_hash, 0) | bit
             if pending and pending.pop(block_hash, None) is not None:
                 self._drop_bit(self._pending_owners, block_hash, bit)
-            if len(blocks) > self._max_blocks:
-                old_key, old_hash = blocks.popitem(last=False)
-                extra_copies.pop(old_key, None)
-                self._drop_bit(owners, old_hash, bit)
-                state.num_evicted_blocks += 1
-        return usable, num_blocks - usable, 0
 
     def _remove(self, state: _ReplicaState, engine_hashes: Sequence[bytes | int]) -> int:
         blocks, extra_copies = state.blocks, state.extra_copies
         num_removed = 0
-        for raw_key in engine_hashes:
-            engine_key = _engine_key(raw_key)
+        for engine_key in _engine_keys(engine_hashes):
             copies = extra_copies.get(engine_key)
             if copies:
                 if copies == 1:
@@ -442,6 +471,44 @@ class PrefixIndex:
                         pending_owners[block_hash] = mask
                     else:
                         del pending_owners[block_hash]
+
+
+def leading_runs(mask_of: Callable[[BlockHash, int], int], chain: Sequence[BlockHash]) -> list[tuple[int, int]]:
+    """(owners, n) pairs: the owners in `owners` hold exactly the first n blocks of `chain`.
+
+    `mask_of(block, 0)` is the bitmask of owners holding a block. Owners must
+    be prefix-closed along the chain (every owner of a block owns its
+    parent), so masks only lose bits along it and each owner's run ends where
+    its bit first drops: bisecting between probed positions whose masks differ
+    finds every such drop with a few lookups per owner instead of one lookup
+    per block.
+    """
+    last = len(chain) - 1
+    if last < 0:
+        return []
+    alive = mask_of(chain[0], 0)
+    if not alive:
+        return []
+    runs: list[tuple[int, int]] = []
+    # Spans (low, its mask, high, its mask), left to right: the masks between are sandwiched by the two.
+    spans = [(0, alive, last, mask_of(chain[last], 0))]
+    while spans:
+        low, low_mask, high, high_mask = spans.pop()
+        if not (low_mask ^ high_mask) & alive:
+            continue
+        if high - low == 1:
+            dropped = alive & ~high_mask
+            runs.append((dropped, high))
+            alive &= high_mask
+            if not alive:
+                return runs
+            continue
+        middle = (low + high) // 2
+        middle_mask = mask_of(chain[middle], 0)
+        spans.append((middle, middle_mask, high, high_mask))
+        spans.append((low, low_mask, middle, middle_mask))
+    runs.append((alive, last + 1))
+    return runs
 
 
 def _checkpoints(block_hashes: Sequence[BlockHash]) -> list[tuple[int, BlockHash]]:

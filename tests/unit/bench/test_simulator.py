@@ -24,7 +24,8 @@ from bench.simulator import (
 from bench.trace import RequestRecord, summarize
 from bench.workload_render import SyntheticRenderer
 from bench.workloads import generate
-from cluster.config import RouterConfig
+from cluster.config import DEFAULT_MODEL_ID, RouterConfig
+from router.hashing import hash_request_blocks, root_hash
 
 TINY = dataclasses.replace(CPU_PROFILE, block_size_tokens=4, kv_capacity_blocks=10_000)
 
@@ -110,14 +111,31 @@ def test_same_seed_same_simulation():
     assert [dataclasses.astuple(r) for r in first.records] == [dataclasses.astuple(r) for r in again.records]
 
 
-def test_warmpath_index_mirrors_the_simulated_caches_through_kv_events():
-    workload = _tiny_workload("coding", 1)
-    sim = Simulation("warmpath", 2, CPU_PROFILE, seed=0)
+@pytest.mark.parametrize("capacity_blocks", [CPU_PROFILE.kv_capacity_blocks, 300])
+def test_warmpath_index_mirrors_the_simulated_caches_through_kv_events(capacity_blocks):
+    workload = _tiny_workload("coding", 2)
+    profile = dataclasses.replace(CPU_PROFILE, kv_capacity_blocks=capacity_blocks)
+    sim = Simulation("warmpath", 2, profile, seed=0)
     sim.run(WorkloadSource(workload, SyntheticRenderer()))
     index = sim.router.index.snapshot(now_s=1e9)  # far future: every pending placement has expired
     cached = sim.snapshot()
     assert sum(cached.values()) > 0
     assert {r: index.num_blocks_by_replica.get(r, 0) for r in cached} == cached
+    if capacity_blocks == 300:  # small enough that the caches evict (and the index hears of it)
+        prompt_blocks = sum(r.prompt_tokens for r in sim.records) // profile.block_size_tokens
+        assert prompt_blocks > 5 * 2 * capacity_blocks
+        assert max(cached.values()) == capacity_blocks
+    # The caches evict a block's extensions first, as vLLM does, so the index's bisected lookups
+    # see what each cache holds.
+    renderer, root = SyntheticRenderer(), root_hash(DEFAULT_MODEL_ID, None)
+    num_held = 0
+    for session in workload.sessions:
+        for step in range(len(session.steps)):
+            chain = hash_request_blocks(renderer.token_ids(session, step), profile.block_size_tokens, root)
+            held = sim.router.index.longest_prefix(chain, 1e9)
+            assert held == {f"r{i}": n for i, c in enumerate(sim._caches) if (n := c.longest_prefix(chain))}
+            num_held += sum(held.values())
+    assert num_held > 0
 
 
 def test_a_long_run_reports_its_progress():

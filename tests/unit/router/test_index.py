@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from router.hashing import hash_request_blocks, root_hash
-from router.index import PrefixIndex
+from router.index import PrefixIndex, leading_runs
 from router.types import ReplicaId
 
 BS = 4
@@ -57,7 +58,7 @@ def index() -> PrefixIndex:
         ([stored(0, 3), stored(3, 2, parent=2)], {A: 5}),
         ([stored(0, 8)], {A: 8}),
         ([stored(0, 3), stored(4, 2, parent=3)], {A: 3}),  # parent 3 never stored: skipped
-        ([stored(0, 8), removed(5)], {A: 5}),
+        ([stored(0, 8), removed(7, 6, 5)], {A: 5}),  # vLLM evicts a chain from its end
         ([stored(0, 8), removed(0)], {}),
         ([stored(0, 8), AllBlocksCleared()], {}),
         ([stored(0, 8), AllBlocksCleared(), stored(0, 2)], {A: 2}),
@@ -135,8 +136,9 @@ def test_unknown_event_types_are_skipped(index):
     [
         (4, [stored(0, 6)], 4, 2, {}),  # blocks 0 and 1 forgotten: no leading match
         (6, [stored(0, 6)], 6, 0, {A: 6}),
-        # Re-storing block 0 refreshes it, so block 1 is the one forgotten.
-        (4, [stored(0, 4), stored(0, 1), stored(4, 1, parent=3)], 4, 1, {A: 1}),
+        # Re-storing block 0 refreshes it, so block 1 is the one forgotten. The engine still holds it
+        # (it evicts a block's extensions first), so the lookup steps over it.
+        (4, [stored(0, 4), stored(0, 1), stored(4, 1, parent=3)], 4, 1, {A: 5}),
     ],
 )
 def test_lru_bound_per_replica(max_blocks, events, num_indexed, num_evicted, expected_prefix):
@@ -213,7 +215,7 @@ def test_remove_replica_forgets_everything_and_frees_its_slot(index):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_lookup_matches_a_block_by_block_walk(seed):
-    """Chunked, bisected lookups agree with the plain definition, across chunk borders and holes."""
+    """Bisected lookups agree with the plain definition on caches vLLM produces (extensions evicted first)."""
     rng = random.Random(seed)
     index = PrefixIndex(BS, 10_000, MODEL)
     tokens = list(range(5000, 5000 + 200 * BS))
@@ -223,8 +225,8 @@ def test_lookup_matches_a_block_by_block_walk(seed):
         num_stored = rng.randrange(0, 201)
         if num_stored:
             index.apply(replica_id, [stored(0, num_stored, tokens=tokens)])
-        holes = rng.sample(range(200), rng.randrange(0, 3))
-        index.apply(replica_id, [removed(*holes)])
+        num_kept = rng.randrange(0, num_stored + 1)
+        index.apply(replica_id, [removed(*reversed(range(num_kept, num_stored)))])  # the tail, last block first
     owners = index._owners
     expected = {}
     for slot, replica_id in enumerate(index._slot_ids):
@@ -269,3 +271,111 @@ def test_pending_checkpoints_extend_an_indexed_prefix(index):
     assert index.add_pending(A, hashes, 0.0, 2.0, num_held_blocks=20) == 3  # 31, 47, 63: the indexed head is skipped
     assert index.longest_prefix(hashes, 1.0) == {A: 64}
     assert index.longest_prefix(hashes, 2.0) == {A: 20}  # expired; the indexed head stays
+
+
+# --- bisected lookups and detached blocks ------------------------------------------------------------
+
+
+class CountingDict(dict):
+    """A dict that counts `get` calls: how many blocks a lookup read."""
+
+    num_gets = 0
+
+    def get(self, key, default=None):
+        self.num_gets += 1
+        return super().get(key, default)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_leading_runs_credits_each_owner_with_its_prefix(seed):
+    rng = random.Random(seed)
+    num_blocks = rng.randrange(1, 500)
+    chain = [f"b{i}" for i in range(num_blocks)]
+    lengths = [rng.choice([0, num_blocks, rng.randrange(num_blocks + 1)]) for _ in range(rng.randrange(1, 9))]
+    masks = CountingDict()
+    for owner, length in enumerate(lengths):
+        for block in chain[:length]:
+            masks[block] = masks.get(block, 0) | 1 << owner
+    masks.num_gets = 0
+    credited = {}
+    for mask, n in leading_runs(masks.get, chain):
+        for owner in range(len(lengths)):
+            if mask >> owner & 1:
+                assert owner not in credited
+                credited[owner] = n
+    assert credited == {owner: n for owner, n in enumerate(lengths) if n}
+    # A few lookups per distinct run length, not one per block.
+    assert masks.num_gets <= 2 + len(set(lengths)) * (num_blocks.bit_length() + 1)
+
+
+def test_leading_runs_of_nothing():
+    assert leading_runs({}.get, []) == []
+    assert leading_runs({}.get, ["b0", "b1"]) == []
+
+
+def test_a_lookup_reads_a_few_blocks_per_replica_not_every_block():
+    tokens = list(range(5000, 5000 + 200 * BS))
+    index = PrefixIndex(BS, 10_000, MODEL)
+    index._owners = owners = CountingDict()
+    index.apply(A, [stored(0, 200, tokens=tokens)])
+    index.apply(B, [stored(0, 120, tokens=tokens)])
+    index.apply(C, [stored(0, 7, tokens=tokens)])
+    owners.num_gets = 0
+    assert index.longest_prefix(request_hashes(tokens), 0.0) == {A: 200, B: 120, C: 7}
+    assert owners.num_gets <= 3 * 9
+
+
+def test_a_removal_out_of_vllm_order_is_stepped_over():
+    """vLLM never removes a block before its extensions; if a stream did, the lookup would not see the gap."""
+    tokens = list(range(5000, 5000 + 200 * BS))
+    index = PrefixIndex(BS, 10_000, MODEL)
+    index.apply(A, [stored(0, 200, tokens=tokens), removed(50)])
+    assert index.longest_prefix(request_hashes(tokens), 0.0) == {A: 200}
+    index.apply(A, [removed(*range(199, 49, -1))])  # the rest of the tail: the chain ends at block 50
+    assert index.longest_prefix(request_hashes(tokens), 0.0) == {A: 50}
+
+
+BRANCH = TOKENS[: 3 * BS] + list(range(900, 900 + 5 * BS))  # shares blocks 0-2 with TOKENS, then differs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lookups_follow_any_vllm_order_of_events_on_branching_chains(seed):
+    """Random stores that extend what a replica holds, removals of blocks nothing extends: lookups match a model."""
+    rng = random.Random(seed)
+    index = PrefixIndex(BS, 1000, MODEL)
+    chains = [(TOKENS, lambda i: i), (BRANCH, lambda i: i if i < 3 else 100 + i)]  # (tokens, engine key of block i)
+    parent_of = {key_of(i): key_of(i - 1) for _, key_of in chains for i in range(1, 8)}
+    held: dict[ReplicaId, Counter[int]] = {A: Counter(), B: Counter()}  # engine key -> copies held
+    for _ in range(80):
+        replica_id = rng.choice([A, B])
+        copies = held[replica_id]
+        tokens, key_of = rng.choice(chains)
+        if rng.random() < 0.6:
+            length = 0
+            while length < 8 and key_of(length) in copies:
+                length += 1
+            first = rng.randrange(length + 1) if length < 8 else rng.randrange(8)
+            num = rng.randrange(1, 9 - first)
+            event = stored(first, num, tokens=tokens)
+            event.block_hashes = [ehash(key_of(i)) for i in range(first, first + num)]
+            event.parent_block_hash = ehash(key_of(first - 1)) if first else None
+            copies.update(key_of(i) for i in range(first, first + num))
+        else:
+            extended = {parent_of[k] for k in copies if k in parent_of}
+            leaves = sorted(k for k in copies if k not in extended)
+            if not leaves:
+                continue
+            key = rng.choice(leaves)
+            event = removed(key)
+            copies[key] -= 1
+            held[replica_id] = +copies
+        index.apply(replica_id, [event])
+        for tokens, key_of in chains:
+            expected = {}
+            for r, keys in held.items():
+                n = 0
+                while n < 8 and key_of(n) in keys:
+                    n += 1
+                if n:
+                    expected[r] = n
+            assert index.longest_prefix(request_hashes(tokens), 0.0) == expected

@@ -7,9 +7,10 @@ the model's transcript. Two rules, from `cluster.config.ToolNetworkConfig`:
 - with `allowed_url_prefixes` set, a URL must start with one of them;
 - no URL may reach a `blocked_networks` address: its host is checked when the
   session is created (a literal address) and, before every call, each address
-  the host resolves to. Redirects are never followed (`tools.run_http_tool`), so
-  the checked address is the one connected to, save for DNS answers that change
-  between the check and the connect.
+  the host resolves to. The call then connects to the first of those addresses
+  (`Destination`), not to the name: a DNS answer that changes after the check
+  (rebinding) cannot move it. Redirects are never followed
+  (`tools.run_http_tool`), so the checked address is the one connected to.
 """
 
 from __future__ import annotations
@@ -17,11 +18,27 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cluster.config import ToolNetworkConfig
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """Where a checked tool call connects.
+
+    Attributes:
+        url: the tool's URL, as the session gave it.
+        address: the checked address the host resolved to; None when the host
+            is an address itself, or no network is blocked (then the URL's host
+            is connected to as is).
+    """
+
+    url: str
+    address: str | None = None
 
 
 class ToolNetworkPolicy:
@@ -44,22 +61,32 @@ class ToolNetworkPolicy:
             return None  # a name: checked on what it resolves to, before each call
         return self._blocked_message(url, address)
 
-    async def check_destination(self, url: str) -> str | None:
-        """`check_url`, then every address the URL's host resolves to now."""
+    async def check_destination(self, url: str) -> Destination | str:
+        """`check_url`, then every address the URL's host resolves to now.
+
+        Returns:
+            The refusal, or where to connect: the first resolved address, so the
+            connection goes where the check looked.
+        """
         problem = self.check_url(url)
-        if problem is not None or not self._blocked:
+        if problem is not None:
             return problem
         parts = urlsplit(url)
+        if not self._blocked or _is_address(parts.hostname):
+            return Destination(url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
         except OSError as err:
             return f"tool URL {url}: its host does not resolve ({err})"
-        for info in infos:
-            problem = self._blocked_message(url, ipaddress.ip_address(info[4][0].split("%")[0]))
+        addresses = [info[4][0].split("%")[0] for info in infos]
+        for address in addresses:
+            problem = self._blocked_message(url, ipaddress.ip_address(address))
             if problem is not None:
                 return problem
-        return None
+        if not addresses:
+            return f"tool URL {url}: its host resolves to no address"
+        return Destination(url, addresses[0])
 
     def _blocked_message(self, url: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
         mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:169.254.169.254 is 169.254.169.254
@@ -70,4 +97,12 @@ class ToolNetworkPolicy:
         return None
 
 
-__all__ = ["ToolNetworkPolicy"]
+def _is_address(host: str | None) -> bool:
+    try:
+        ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    return True
+
+
+__all__ = ["Destination", "ToolNetworkPolicy"]

@@ -28,7 +28,7 @@ from pydantic import JsonValue
 from referencing import Registry
 
 from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
-from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
+from serve_apps.orchestrator.tool_network import Destination, ToolNetworkPolicy
 from serve_apps.orchestrator.tool_schema import compact_json_utf8, prefix_def_refs
 
 # Bodies beyond this are refused rather than buffered: a tool cannot exhaust replica memory.
@@ -240,9 +240,19 @@ def _error(tool_name: str, message: str, status: ToolStatus = "error") -> ToolOu
     return ToolOutcome(status, json.dumps({"error": message, "tool": tool_name}, ensure_ascii=False))
 
 
-async def _post(client: httpx.AsyncClient, url: str, body: bytes, tool_name: str, max_bytes: int) -> ToolOutcome:
+async def _post(client: httpx.AsyncClient, destination: Destination, body: bytes, tool_name: str,
+                max_bytes: int) -> ToolOutcome:
     headers = {"content-type": "application/json", "accept": "application/json"}
-    async with client.stream("POST", url, content=body, headers=headers) as response:
+    url = httpx.URL(destination.url)
+    extensions = {}
+    if destination.address is not None:
+        # Connect to the checked address; the name still goes in Host and, over TLS, in SNI and
+        # the certificate check.
+        headers["host"] = url.netloc.decode("ascii")
+        if url.scheme == "https":
+            extensions["sni_hostname"] = url.host
+        url = url.copy_with(host=destination.address)
+    async with client.stream("POST", url, content=body, headers=headers, extensions=extensions) as response:
         chunks: list[bytes] = []
         num_bytes = 0
         async for chunk in response.aiter_bytes():
@@ -298,10 +308,13 @@ async def run_http_tool(
     http = client if client is not None else httpx.AsyncClient(trust_env=False)
     try:
         async with asyncio.timeout(timeout_s):
-            refusal = await network.check_destination(spec.execution.url) if network is not None else None
-            if refusal is not None:
-                return _error(spec.name, refusal)
-            return await _post(http, spec.execution.url, body, spec.name, max_bytes)
+            if network is None:
+                destination: Destination | str = Destination(spec.execution.url)
+            else:
+                destination = await network.check_destination(spec.execution.url)
+            if isinstance(destination, str):
+                return _error(spec.name, destination)
+            return await _post(http, destination, body, spec.name, max_bytes)
     except (TimeoutError, httpx.TimeoutException):
         return _error(spec.name, f"no complete reply within {timeout_s:g} s", status="timeout")
     except (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL, OSError) as err:

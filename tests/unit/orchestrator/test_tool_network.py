@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
 from cluster.config import ClusterConfig, ToolNetworkConfig
 from serve_apps.orchestrator.models import ToolSpec
-from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
+from serve_apps.orchestrator.tool_network import Destination, ToolNetworkPolicy
 from serve_apps.orchestrator.tools import run_http_tool
 
 DEFAULT = ToolNetworkPolicy(ToolNetworkConfig())
@@ -47,7 +49,12 @@ def test_a_name_is_refused_when_it_resolves_into_a_blocked_network():
     assert policy.check_url("http://localhost:1/x") is None  # a name: not resolved when the session is created
     refusal = asyncio.run(policy.check_destination("http://localhost:1/x"))
     assert refusal is not None and "blocked network" in refusal
-    assert asyncio.run(DEFAULT.check_destination("http://localhost:1/x")) is None
+    destination = asyncio.run(DEFAULT.check_destination("http://localhost:1/x"))
+    assert isinstance(destination, Destination) and destination.address in {"127.0.0.1", "::1"}
+    # An address needs no lookup, and without blocked networks nothing is looked up.
+    assert asyncio.run(DEFAULT.check_destination("http://10.0.0.7/x")) == Destination("http://10.0.0.7/x")
+    open_policy = ToolNetworkPolicy(ToolNetworkConfig(blocked_networks=[]))
+    assert asyncio.run(open_policy.check_destination("http://localhost:1/x")) == Destination("http://localhost:1/x")
 
 
 @pytest.mark.parametrize("field, value", [
@@ -89,3 +96,70 @@ def test_a_blocked_tool_is_an_error_result_and_no_request_is_sent():
     finally:
         server.shutdown()
         server.server_close()
+
+
+class _HostRecordingHandler(BaseHTTPRequestHandler):
+    hosts: list[str] = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        type(self).hosts.append(self.headers["host"])
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+
+def test_a_call_connects_to_the_address_that_was_checked_not_to_a_later_dns_answer(monkeypatch):
+    """DNS rebinding: the name resolves to an allowed address for the check, then to a blocked one."""
+    answers = [[("127.0.0.1", 0)], [("169.254.169.254", 0)]]
+
+    async def getaddrinfo(self, host, port, **kwargs):
+        assert host == "tool.rebind.test"
+        address = answers.pop(0) if len(answers) > 1 else answers[0]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a, _ in address]
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _HostRecordingHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://tool.rebind.test:{server.server_address[1]}/tool"
+        spec = ToolSpec(name="lookup", parameters={"type": "object"}, execution={"kind": "http", "url": url})
+        outcome = asyncio.run(run_http_tool(spec, "{}", 5.0, 4096, network=DEFAULT))
+        # The name resolves nowhere outside this test: only the checked address could have answered.
+        assert outcome.status == "ok", outcome.content
+        assert _HostRecordingHandler.hosts == [f"tool.rebind.test:{server.server_address[1]}"]
+        # The next call's check sees the new answer and sends nothing.
+        again = asyncio.run(run_http_tool(spec, "{}", 5.0, 4096, network=DEFAULT))
+        assert again.status == "error" and "blocked network" in json.loads(again.content)["error"]
+        assert len(_HostRecordingHandler.hosts) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_pinned_https_call_keeps_the_name_for_host_sni_and_the_certificate(monkeypatch):
+    async def getaddrinfo(self, host, port, **kwargs):
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("2001:db8::7", port, 0, 0))]
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    seen: list[httpx.Request] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"ok": True})
+
+    spec = ToolSpec(name="lookup", parameters={"type": "object"},
+                    execution={"kind": "http", "url": "https://tools.example:8443/lookup?v=1"})
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
+            return await run_http_tool(spec, "{}", 5.0, 4096, client=client, network=DEFAULT)
+
+    assert asyncio.run(call()).status == "ok"
+    (request,) = seen
+    assert str(request.url) == "https://[2001:db8::7]:8443/lookup?v=1"
+    assert request.headers["host"] == "tools.example:8443"
+    assert request.extensions["sni_hostname"] == "tools.example"

@@ -6,7 +6,7 @@ Measures, at block size 32 with 16 replicas and an index of about 200k blocks:
   cold: a prompt no replica holds (hashing stops at block 0, but recording
         the placement hashes the whole prompt for its pending entries);
   warm: a prompt whose first N-256 tokens one replica holds, no session
-        (every held block is hashed and looked up);
+        (every held block is hashed; the lookup bisects);
   session: the same, but the previous turn of the same session went through
         this policy, so the shared prefix's hashes are reused.
   A decision includes hashing, lookup, load guard, scoring, ranking and

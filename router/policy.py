@@ -6,8 +6,8 @@ Order of one `choose` call:
    same first block) for the prefix it shares; all of them,
    since recording the placement needs every hash anyway, and one tight
    loop costs less than hashing block by block during the lookup;
-2. look the blocks up in the `PrefixIndex` (stops at the first block no
-   replica holds);
+2. look the blocks up in the `PrefixIndex` (a bisection: a few blocks per
+   replica that holds part of the prompt);
 3. drop overloaded replicas, unless it is the session's replica and the
    history only it holds outweighs its excess load (`router.load_guard`);
 4. score the rest with the configured scorers and rank them (`router.picker`);

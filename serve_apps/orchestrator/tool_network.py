@@ -19,7 +19,7 @@ import asyncio
 import ipaddress
 import socket
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from cluster.config import ToolNetworkConfig
 
@@ -50,14 +50,15 @@ class ToolNetworkPolicy:
 
     def check_url(self, url: str) -> str | None:
         """The refusal of `url` by prefix or by a literal blocked address (no DNS lookup)."""
+        return self._check_literal(url, urlsplit(url))
+
+    def _check_literal(self, url: str, parts: SplitResult) -> str | None:
         if self._prefixes and not url.startswith(self._prefixes):
             return f"tool URL {url} is outside the allowed prefixes (tool_network.allowed_url_prefixes)"
-        host = urlsplit(url).hostname
-        if host is None:
+        if parts.hostname is None:
             return f"tool URL {url} names no host"
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
+        address = _address(parts.hostname)
+        if address is None:
             return None  # a name: checked on what it resolves to, before each call
         return self._blocked_message(url, address)
 
@@ -68,11 +69,11 @@ class ToolNetworkPolicy:
             The refusal, or where to connect: the first resolved address, so the
             connection goes where the check looked.
         """
-        problem = self.check_url(url)
+        parts = urlsplit(url)
+        problem = self._check_literal(url, parts)
         if problem is not None:
             return problem
-        parts = urlsplit(url)
-        if not self._blocked or _is_address(parts.hostname):
+        if not self._blocked or _address(parts.hostname) is not None:
             return Destination(url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
@@ -97,12 +98,12 @@ class ToolNetworkPolicy:
         return None
 
 
-def _is_address(host: str | None) -> bool:
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address a URL's host spells, or None for a name."""
     try:
-        ipaddress.ip_address(host or "")
+        return ipaddress.ip_address(host)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 __all__ = ["Destination", "ToolNetworkPolicy"]

@@ -26,6 +26,14 @@ from router.hashing import DIGEST_SIZE_BYTES, BlockHash
 MIN_BUFFER_BLOCKS = 1 << 18
 
 
+def fingerprints(block_hashes: Sequence[BlockHash]) -> np.ndarray:
+    """The 64-bit fingerprint (first 8 bytes, little-endian) of each hash, as a uint64 array."""
+    joined = b"".join(block_hashes)
+    if len(joined) != len(block_hashes) * DIGEST_SIZE_BYTES:
+        raise ValueError(f"block hashes must be {DIGEST_SIZE_BYTES} bytes each")
+    return np.frombuffer(joined, dtype="<u8")[:: DIGEST_SIZE_BYTES // 8]
+
+
 class FingerprintSet:
     """Grow-only set of `BlockHash`es, held as 64-bit fingerprints (module docstring)."""
 
@@ -53,13 +61,9 @@ class FingerprintSet:
         """Adds `block_hashes` (each `DIGEST_SIZE_BYTES` long); those already held are no-ops."""
         if not block_hashes:
             return
-        joined = b"".join(block_hashes)
-        if len(joined) != len(block_hashes) * DIGEST_SIZE_BYTES:
-            raise ValueError(f"block hashes must be {DIGEST_SIZE_BYTES} bytes each")
-        words = np.frombuffer(joined, dtype="<u8")
         # Fingerprints already in the sorted array are dropped at the next merge, not here:
         # a lookup per block into a large array would cost more than the whole update.
-        self._recent.update(words[:: DIGEST_SIZE_BYTES // 8].tolist())
+        self._recent.update(fingerprints(block_hashes).tolist())
         if len(self._recent) >= max(self._min_buffer_blocks, len(self._sorted) >> 4):
             self._merge()
 
@@ -75,4 +79,4 @@ class FingerprintSet:
         self._recent = set()
 
 
-__all__ = ["FingerprintSet", "MIN_BUFFER_BLOCKS"]
+__all__ = ["FingerprintSet", "MIN_BUFFER_BLOCKS", "fingerprints"]

@@ -15,11 +15,12 @@ from array import array
 from dataclasses import dataclass
 from typing import Sequence, get_args
 
+from bench.fingerprint_masks import FingerprintMasks
 from bench.trace import RequestRecord
 from bench.workloads import Session
 from cluster.config import RouterConfig, RouterPolicy
-from router.hashing import BlockHash, RequestBlockHashes
-from router.index import PrefixIndex
+from router.hashing import RequestBlockHashes
+from router.index import PrefixIndex, leading_runs
 from router.policy import PrefixAwarePolicy
 from router.types import ReplicaId, ReplicaLoad, RoutingRequest
 
@@ -127,37 +128,27 @@ class PrefixTreeRouter(SimRouter):
 
     def __init__(self, num_replicas: int, rng: random.Random) -> None:
         super().__init__(num_replicas, rng)
-        self._owners: dict[BlockHash, int] = {}  # block -> bitmask of replicas sent a prompt holding it
+        # Block -> bitmask of the replicas sent a prompt holding it. Like Ray's tree with its
+        # defaults it never forgets, so it is kept as fingerprints (a hundred million blocks and more).
+        self._owners = FingerprintMasks(num_replicas)
         self._num_blocks = [0] * num_replicas
 
     def route(self, request: SimRequest, now_s: float) -> int:
         hashes = request.blocks.hashes()
-        owners = self._owners
-        # Every replica's set is prefix-closed (whole prompts are inserted), so
-        # "some replica holds block i" is monotone: binary search the longest match.
-        low, high = 0, len(hashes)
-        while low < high:
-            mid = (low + high) // 2
-            if owners.get(hashes[mid], 0):
-                low = mid + 1
-            else:
-                high = mid
-        matched = low
+        # Whole prompts are inserted, so every replica's set is prefix-closed along the chain:
+        # `leading_runs` bisects it into (replicas, blocks they hold), longest last.
+        runs = leading_runs(self._owners.get, hashes)
+        matched = runs[-1][1] if runs else 0
         if hashes and matched / len(hashes) >= self.MATCH_RATE_THRESHOLD:
-            mask = owners[hashes[matched - 1]]
+            mask = runs[-1][0]  # the replicas holding the longest match
             candidates = [r for r in range(len(self._num_blocks)) if mask >> r & 1]
         else:
             fewest = min(self._num_blocks)
             candidates = [r for r, n in enumerate(self._num_blocks) if n == fewest]
         chosen = self._least_loaded(candidates)
-        bit = 1 << chosen
-        added = 0
-        for block_hash in hashes:
-            mask = owners.get(block_hash, 0)
-            if not mask & bit:
-                owners[block_hash] = mask | bit
-                added += 1
-        self._num_blocks[chosen] += added
+        held = next((n for mask, n in runs if mask >> chosen & 1), 0)
+        self._owners.set_bit(hashes[held:], chosen)
+        self._num_blocks[chosen] += len(hashes) - held
         return chosen
 
 

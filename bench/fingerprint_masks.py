@@ -1,0 +1,98 @@
+"""`FingerprintMasks`: a grow-only map from block hash to a bitmask of replicas, at 8 bytes a block per 64 replicas plus 8.
+
+Why: the modelled `PrefixCacheAffinityRouter` never forgets a prompt it was
+sent (Ray's defaults), so at 10,000 coding sessions it remembers over a
+hundred million blocks. A dict of 16-byte `bytes` to Python ints costs over a
+hundred bytes a block and ran out of memory. Here, as in
+`bench.fingerprint_set`, a block is its hash's first 8 bytes (a 64-bit
+fingerprint): a sorted `numpy.uint64` array of fingerprints with a parallel
+array of masks (one uint64 word per 64 replicas), plus a dict of the
+fingerprints added since the last merge, merged into the arrays whenever it
+reaches a sixteenth of them. Setting a bit on blocks already merged is a
+vectorised search and an in-place OR.
+
+Exactness: as `bench.fingerprint_set` (a false match has probability about
+n / 2**64 per lookup at n blocks).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from bench.fingerprint_set import MIN_BUFFER_BLOCKS, fingerprints
+from router.hashing import BlockHash
+
+_WORD_BITS = 64
+_WORD_MASK = (1 << _WORD_BITS) - 1
+
+
+class FingerprintMasks:
+    """Grow-only map `BlockHash` -> bitmask of up to `num_bits` bits (module docstring)."""
+
+    def __init__(self, num_bits: int, min_buffer_blocks: int = MIN_BUFFER_BLOCKS) -> None:
+        if num_bits < 1 or min_buffer_blocks < 1:
+            raise ValueError(f"num_bits={num_bits}, min_buffer_blocks={min_buffer_blocks}: both must be >= 1")
+        self._num_words = -(-num_bits // _WORD_BITS)
+        self._num_bits = num_bits
+        self._min_buffer_blocks = min_buffer_blocks
+        self._keys = np.empty(0, dtype=np.uint64)
+        self._masks = np.empty((0, self._num_words), dtype=np.uint64)
+        self._recent: dict[int, int] = {}  # fingerprints not in `_keys` yet -> mask
+
+    def __len__(self) -> int:
+        return len(self._keys) + len(self._recent)
+
+    def get(self, block_hash: BlockHash, default: int = 0) -> int:
+        """The block's mask; `default` for a block never added."""
+        fingerprint = int.from_bytes(block_hash[:8], "little")
+        mask = self._recent.get(fingerprint)
+        if mask is not None:
+            return mask
+        keys = self._keys
+        position = int(keys.searchsorted(np.uint64(fingerprint)))
+        if position == len(keys) or int(keys[position]) != fingerprint:
+            return default
+        mask = 0
+        for word_index, word in enumerate(self._masks[position].tolist()):
+            mask |= word << (_WORD_BITS * word_index)
+        return mask
+
+    def set_bit(self, block_hashes: Sequence[BlockHash], bit: int) -> None:
+        """Sets bit `bit` in the mask of every block in `block_hashes`, adding the blocks not held."""
+        if not 0 <= bit < self._num_bits:
+            raise ValueError(f"bit {bit} is outside 0..{self._num_bits - 1}")
+        if not block_hashes:
+            return
+        words = fingerprints(block_hashes)
+        keys = self._keys
+        positions = keys.searchsorted(words)
+        found = positions < len(keys)
+        found[found] = keys[positions[found]] == words[found]
+        word_index, word_bit = divmod(bit, _WORD_BITS)
+        self._masks[positions[found], word_index] |= np.uint64(1 << word_bit)
+        recent, value = self._recent, 1 << bit
+        for fingerprint in words[~found].tolist():
+            recent[fingerprint] = recent.get(fingerprint, 0) | value
+        if len(recent) >= max(self._min_buffer_blocks, len(keys) >> 4):
+            self._merge()
+
+    def _merge(self) -> None:
+        recent = self._recent
+        count = len(recent)
+        new_keys = np.fromiter(recent.keys(), dtype=np.uint64, count=count)
+        new_masks = np.empty((count, self._num_words), dtype=np.uint64)
+        for word_index in range(self._num_words):
+            shift = _WORD_BITS * word_index
+            new_masks[:, word_index] = np.fromiter(
+                ((mask >> shift) & _WORD_MASK for mask in recent.values()), dtype=np.uint64, count=count
+            )
+        keys = np.concatenate((self._keys, new_keys))
+        order = keys.argsort(kind="stable")  # the new keys are not among the merged ones
+        self._keys = keys[order]
+        self._masks = np.concatenate((self._masks, new_masks))[order]
+        self._recent = {}
+
+
+__all__ = ["FingerprintMasks"]

@@ -5,8 +5,8 @@ sent (Ray's defaults), so at 10,000 coding sessions it remembers over a
 hundred million blocks. A dict of 16-byte `bytes` to Python ints costs over a
 hundred bytes a block and ran out of memory. Here, as in
 `bench.fingerprint_set`, a block is its hash's first 8 bytes (a 64-bit
-fingerprint): a sorted `numpy.uint64` array of fingerprints with a parallel
-array of masks (one uint64 word per 64 replicas), plus a dict of the
+fingerprint): a sorted `numpy.uint64` array of fingerprints with parallel
+arrays of mask words (one uint64 array per 64 replicas), plus a dict of the
 fingerprints added since the last merge, merged into the arrays whenever it
 reaches a sixteenth of them. Setting a bit on blocks already merged is a
 vectorised search and an in-place OR.
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from bench.fingerprint_set import MIN_BUFFER_BLOCKS, fingerprints
+from bench.fingerprint_set import MIN_BUFFER_BLOCKS, fingerprints, insert_sorted
 from router.hashing import BlockHash
 
 _WORD_BITS = 64
@@ -38,7 +38,7 @@ class FingerprintMasks:
         self._num_bits = num_bits
         self._min_buffer_blocks = min_buffer_blocks
         self._keys = np.empty(0, dtype=np.uint64)
-        self._masks = np.empty((0, self._num_words), dtype=np.uint64)
+        self._words = [np.empty(0, dtype=np.uint64) for _ in range(self._num_words)]
         self._recent: dict[int, int] = {}  # fingerprints not in `_keys` yet -> mask
 
     def __len__(self) -> int:
@@ -55,8 +55,8 @@ class FingerprintMasks:
         if position == len(keys) or int(keys[position]) != fingerprint:
             return default
         mask = 0
-        for word_index, word in enumerate(self._masks[position].tolist()):
-            mask |= word << (_WORD_BITS * word_index)
+        for word_index, words in enumerate(self._words):
+            mask |= int(words[position]) << (_WORD_BITS * word_index)
         return mask
 
     def set_bit(self, block_hashes: Sequence[BlockHash], bit: int) -> None:
@@ -65,15 +65,15 @@ class FingerprintMasks:
             raise ValueError(f"bit {bit} is outside 0..{self._num_bits - 1}")
         if not block_hashes:
             return
-        words = fingerprints(block_hashes)
+        added = fingerprints(block_hashes)
         keys = self._keys
-        positions = keys.searchsorted(words)
+        positions = keys.searchsorted(added)
         found = positions < len(keys)
-        found[found] = keys[positions[found]] == words[found]
+        found[found] = keys[positions[found]] == added[found]
         word_index, word_bit = divmod(bit, _WORD_BITS)
-        self._masks[positions[found], word_index] |= np.uint64(1 << word_bit)
+        self._words[word_index][positions[found]] |= np.uint64(1 << word_bit)
         recent, value = self._recent, 1 << bit
-        for fingerprint in words[~found].tolist():
+        for fingerprint in added[~found].tolist():
             recent[fingerprint] = recent.get(fingerprint, 0) | value
         if len(recent) >= max(self._min_buffer_blocks, len(keys) >> 4):
             self._merge()
@@ -82,16 +82,13 @@ class FingerprintMasks:
         recent = self._recent
         count = len(recent)
         new_keys = np.fromiter(recent.keys(), dtype=np.uint64, count=count)
-        new_masks = np.empty((count, self._num_words), dtype=np.uint64)
+        order = new_keys.argsort()
+        new_words = []
         for word_index in range(self._num_words):
             shift = _WORD_BITS * word_index
-            new_masks[:, word_index] = np.fromiter(
-                ((mask >> shift) & _WORD_MASK for mask in recent.values()), dtype=np.uint64, count=count
-            )
-        keys = np.concatenate((self._keys, new_keys))
-        order = keys.argsort(kind="stable")  # the new keys are not among the merged ones
-        self._keys = keys[order]
-        self._masks = np.concatenate((self._masks, new_masks))[order]
+            words = np.fromiter(((mask >> shift) & _WORD_MASK for mask in recent.values()), dtype=np.uint64, count=count)
+            new_words.append(words[order])
+        self._keys, *self._words = insert_sorted(self._keys, new_keys[order], *zip(self._words, new_words))
         self._recent = {}
 
 

@@ -6,8 +6,8 @@ of 16-byte `bytes` costs about 90 bytes a block (object, slot, spare slots):
 over 10 GB for a bound. Here each block is kept as the first 8 bytes of its
 hash (a 64-bit fingerprint) in one sorted `numpy.uint64` array, plus a
 Python set of the latest fingerprints, merged into the array whenever
-it reaches a sixteenth of it (numpy's stable sort merges the two sorted runs
-in linear time), so merges cost O(n) amortized per block.
+it reaches a sixteenth of it (`insert_sorted`: one pass and one allocation),
+so merges cost O(n) amortized per block.
 
 Exactness: a block hash is uniform over 128 bits (MurmurHash3), so two
 distinct blocks share a fingerprint with probability 2**-64; with n blocks
@@ -70,13 +70,28 @@ class FingerprintSet:
     def _merge(self) -> None:
         recent = np.fromiter(self._recent, dtype=np.uint64, count=len(self._recent))
         recent.sort()
-        merged = np.concatenate((self._sorted, recent))
-        merged.sort(kind="stable")  # two sorted runs: a linear merge
-        is_first = np.empty(len(merged), dtype=bool)
-        is_first[:1] = True
-        np.not_equal(merged[1:], merged[:-1], out=is_first[1:])
-        self._sorted = merged if is_first.all() else merged[is_first]
+        self._sorted = insert_sorted(self._sorted, recent)
         self._recent = set()
 
 
-__all__ = ["FingerprintSet", "MIN_BUFFER_BLOCKS", "fingerprints"]
+def insert_sorted(held: np.ndarray, new: np.ndarray, *rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray | tuple:
+    """`held` with the sorted `new` keys merged in, skipping those already held, in one allocation.
+
+    Each of `rows` is (an array parallel to `held`, rows parallel to `new`),
+    merged the same way; then the result is (keys, merged arrays...).
+    Memory: the result plus a byte per element, not the two or three copies
+    a concatenate-and-sort needs (the arrays run to gigabytes).
+    """
+    positions = held.searchsorted(new)
+    is_new = positions == len(held)
+    is_new[~is_new] = held[positions[~is_new]] != new[~is_new]
+    if not is_new.all():
+        new, positions = new[is_new], positions[is_new]
+        rows = tuple((array, added[is_new]) for array, added in rows)
+    keys = np.insert(held, positions, new)
+    if not rows:
+        return keys
+    return (keys, *(np.insert(array, positions, added, axis=0) for array, added in rows))
+
+
+__all__ = ["FingerprintSet", "MIN_BUFFER_BLOCKS", "fingerprints", "insert_sorted"]

@@ -388,10 +388,9 @@ class PrefixIndex:
             self._store_new(state, keys, hashes)
         else:
             self._store_blockwise(state, keys, hashes)
-        excess = len(blocks) - self._max_blocks
-        for _ in range(max(excess, 0)):
+        extra_copies = state.extra_copies
+        for _ in range(max(len(blocks) - self._max_blocks, 0)):
             old_key, old_hash = blocks.popitem(last=False)
-            extra_copies = state.extra_copies
             extra_copies.pop(old_key, None)
             self._drop_bit(self._owners, old_hash, state.bit)
             state.num_evicted_blocks += 1
@@ -474,7 +473,7 @@ class PrefixIndex:
 
 
 def leading_runs(mask_of: Callable[[BlockHash, int], int], chain: Sequence[BlockHash]) -> list[tuple[int, int]]:
-    """(owners, n) pairs: the owners in `owners` hold exactly the first n blocks of `chain`.
+    """(mask, n) pairs, n increasing: the owners in `mask` hold exactly the first n blocks of `chain`.
 
     `mask_of(block, 0)` is the bitmask of owners holding a block. Owners must
     be prefix-closed along the chain (every owner of a block owns its

@@ -42,7 +42,7 @@ class Destination:
 
 
 class ToolNetworkPolicy:
-    """Checks HTTP tool URLs; every check returns a refusal message, or None when the URL may be called."""
+    """Checks HTTP tool URLs: each check returns a refusal message, else None (`check_url`) or a `Destination`."""
 
     def __init__(self, config: ToolNetworkConfig) -> None:
         self._prefixes = tuple(config.allowed_url_prefixes)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from bench.fingerprint_set import MIN_BUFFER_BLOCKS, fingerprints, insert_sorted
+from bench.fingerprint_set import MIN_BUFFER_BLOCKS, fingerprint, fingerprints, insert_sorted, locate, position_of
 from router.hashing import BlockHash
 
 _WORD_BITS = 64
@@ -46,13 +46,12 @@ class FingerprintMasks:
 
     def get(self, block_hash: BlockHash, default: int = 0) -> int:
         """The block's mask; `default` for a block never added."""
-        fingerprint = int.from_bytes(block_hash[:8], "little")
-        mask = self._recent.get(fingerprint)
+        value = fingerprint(block_hash)
+        mask = self._recent.get(value)
         if mask is not None:
             return mask
-        keys = self._keys
-        position = int(keys.searchsorted(np.uint64(fingerprint)))
-        if position == len(keys) or int(keys[position]) != fingerprint:
+        position = position_of(self._keys, value)
+        if position is None:
             return default
         mask = 0
         for word_index, words in enumerate(self._words):
@@ -66,16 +65,13 @@ class FingerprintMasks:
         if not block_hashes:
             return
         added = fingerprints(block_hashes)
-        keys = self._keys
-        positions = keys.searchsorted(added)
-        found = positions < len(keys)
-        found[found] = keys[positions[found]] == added[found]
+        positions, found = locate(self._keys, added)
         word_index, word_bit = divmod(bit, _WORD_BITS)
         self._words[word_index][positions[found]] |= np.uint64(1 << word_bit)
         recent, value = self._recent, 1 << bit
-        for fingerprint in added[~found].tolist():
-            recent[fingerprint] = recent.get(fingerprint, 0) | value
-        if len(recent) >= max(self._min_buffer_blocks, len(keys) >> 4):
+        for new in added[~found].tolist():
+            recent[new] = recent.get(new, 0) | value
+        if len(recent) >= max(self._min_buffer_blocks, len(self._keys) >> 4):
             self._merge()
 
     def _merge(self) -> None:

@@ -26,6 +26,11 @@ from router.hashing import DIGEST_SIZE_BYTES, BlockHash
 MIN_BUFFER_BLOCKS = 1 << 18
 
 
+def fingerprint(block_hash: BlockHash) -> int:
+    """A hash's 64-bit fingerprint: its first 8 bytes, little-endian."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
 def fingerprints(block_hashes: Sequence[BlockHash]) -> np.ndarray:
     """The 64-bit fingerprint (first 8 bytes, little-endian) of each hash, as a uint64 array."""
     joined = b"".join(block_hashes)
@@ -50,12 +55,8 @@ class FingerprintSet:
         return len(self._sorted)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
-        fingerprint = int.from_bytes(block_hash[:8], "little")
-        if fingerprint in self._recent:
-            return True
-        held = self._sorted
-        position = int(held.searchsorted(np.uint64(fingerprint)))
-        return position < len(held) and int(held[position]) == fingerprint
+        value = fingerprint(block_hash)
+        return value in self._recent or position_of(self._sorted, value) is not None
 
     def update(self, block_hashes: Sequence[BlockHash]) -> None:
         """Adds `block_hashes` (each `DIGEST_SIZE_BYTES` long); those already held are no-ops."""
@@ -74,6 +75,20 @@ class FingerprintSet:
         self._recent = set()
 
 
+def position_of(held: np.ndarray, value: int) -> int | None:
+    """Where the sorted `held` holds `value`, or None."""
+    position = int(held.searchsorted(np.uint64(value)))
+    return position if position < len(held) and int(held[position]) == value else None
+
+
+def locate(held: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(where each of `values` is or would go in the sorted `held`, whether it is there)."""
+    positions = held.searchsorted(values)
+    found = positions < len(held)
+    found[found] = held[positions[found]] == values[found]
+    return positions, found
+
+
 def insert_sorted(held: np.ndarray, new: np.ndarray, *rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray | tuple:
     """`held` with the sorted `new` keys merged in, skipping those already held, in one allocation.
 
@@ -82,9 +97,8 @@ def insert_sorted(held: np.ndarray, new: np.ndarray, *rows: tuple[np.ndarray, np
     Memory: the result plus a byte per element, not the two or three copies
     a concatenate-and-sort needs (the arrays run to gigabytes).
     """
-    positions = held.searchsorted(new)
-    is_new = positions == len(held)
-    is_new[~is_new] = held[positions[~is_new]] != new[~is_new]
+    positions, found = locate(held, new)
+    is_new = ~found
     if not is_new.all():
         new, positions = new[is_new], positions[is_new]
         rows = tuple((array, added[is_new]) for array, added in rows)
@@ -94,4 +108,4 @@ def insert_sorted(held: np.ndarray, new: np.ndarray, *rows: tuple[np.ndarray, np
     return (keys, *(np.insert(array, positions, added, axis=0) for array, added in rows))
 
 
-__all__ = ["FingerprintSet", "MIN_BUFFER_BLOCKS", "fingerprints", "insert_sorted"]
+__all__ = ["FingerprintSet", "MIN_BUFFER_BLOCKS", "fingerprint", "fingerprints", "insert_sorted", "locate", "position_of"]

@@ -42,7 +42,6 @@ class SimRequest:
     replica: int | None = None
     record: RequestRecord | None = None
     num_blocks_held: int = 0
-    oracle_replica: int = 0
 
 
 class SimRouter:

@@ -56,6 +56,7 @@ import gc
 import heapq
 import itertools
 import multiprocessing
+import os
 import random
 import sys
 import time
@@ -65,7 +66,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Literal, Sequence
 
-from bench.oracle import OracleBounds, StreamingBounds
+from bench.bounds_feed import BoundsFeed, BoundsProcess, SessionBounds
+from bench.oracle import OracleBounds
 from bench.sim_cache import BlockCache, BlockRemoved, BlockStored
 from bench.sim_cost import CPU_PROFILE, GPU_PROFILE, CostProfile
 from bench.sim_routers import POLICIES, SimRequest, WarmpathRouter, make_router
@@ -150,7 +152,7 @@ class Simulation:
         router_config: RouterConfig | None = None,
         model_id: str = DEFAULT_MODEL_ID,
         is_output_reused: bool = True,
-        bounds: StreamingBounds | None = None,
+        bounds: BoundsFeed | None = None,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -246,7 +248,7 @@ class Simulation:
             request.blocks = self._blocks(request)
         self._session_blocks[request.session_id] = request.blocks
         if self.bounds is not None:
-            request.oracle_replica = self.bounds.observe(request.blocks.hashes(), len(request.token_ids))
+            self.bounds.observe(request.session_id, request.blocks.hashes(), len(request.token_ids))
         request.replica = replica
         request.record.replica_id = f"r{replica}"
         self._queues[replica].append(request)
@@ -324,6 +326,8 @@ class Simulation:
             self._push(following.arrival_s, _ARRIVE, following)
         elif request.is_last_of_session:
             self._session_blocks.pop(request.session_id, None)
+            if self.bounds is not None:
+                self.bounds.end(request.session_id)
 
     def _cache_output(self, request: SimRequest, following: SimRequest, now_s: float) -> None:
         """Caches the blocks of the generated tokens: the part of the next prompt they cover.
@@ -342,7 +346,7 @@ class Simulation:
         first_new, evicted = self._caches[request.replica].use(hashes)
         self._publish(request.replica, hashes, first_new, evicted, following.token_ids, now_s)
         if self.bounds is not None:
-            self.bounds.cache(hashes, request.oracle_replica)
+            self.bounds.cache(request.session_id, hashes)
 
 
 def simulate(
@@ -359,6 +363,7 @@ def simulate(
     max_output_tokens: int | None = None,
     with_bounds: bool = False,
     progress: Callable[[str], None] | None = None,
+    bounds_process: bool = False,
 ) -> SimulationResult:
     """Runs one policy on one workload (closed loop) or one trace (open loop).
 
@@ -377,12 +382,18 @@ def simulate(
         with_bounds: also compute the oracle bounds of this run's own trace
             (`bench.oracle.StreamingBounds`, replicas of `profile`'s capacity).
         progress: told how far a long run got, about once a minute.
+        bounds_process: compute the bounds in a child process, beside the
+            simulation (`bench.bounds_feed.BoundsProcess`): same figures, less
+            wall time where a core is spare.
 
     Returns:
         Records, summary and the wall time the simulation took.
     """
     start, start_cpu = time.perf_counter(), time.process_time()
-    bounds = StreamingBounds(profile.block_size_tokens, num_replicas, profile.kv_capacity_blocks) if with_bounds else None
+    bounds: BoundsFeed | None = None
+    if with_bounds:
+        feed = BoundsProcess if bounds_process else SessionBounds
+        bounds = feed(profile.block_size_tokens, num_replicas, profile.kv_capacity_blocks)
     sim = Simulation(policy, num_replicas, profile, seed, router_config, model_id, is_output_reused, bounds)
     source = None
     if workload is not None:
@@ -393,17 +404,19 @@ def simulate(
     gc.disable()
     try:
         records = sim.run(source, [replace(r) for r in requests], progress)
+        oracle = bounds.result(len(records)) if bounds is not None else None
     finally:
         if was_enabled:
             gc.enable()
+        if isinstance(bounds, BoundsProcess):
+            bounds.close()
     replica_ids = [f"r{i}" for i in range(num_replicas)]
     routes: dict[str, int] = {}
     for r in records:
         if r.route is not None:
             routes[r.route] = routes.get(r.route, 0) + 1
     return SimulationResult(records, replica_ids, summarize(records, replica_ids, profile.block_size_tokens),
-                            time.perf_counter() - start, time.process_time() - start_cpu, routes,
-                            bounds.result(len(records)) if bounds is not None else None)
+                            time.perf_counter() - start, time.process_time() - start_cpu, routes, oracle)
 
 
 # --- grids and the live-run check -----------------------------------------------------------------
@@ -428,6 +441,11 @@ class GridRun:
         return asdict(self)
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def print_progress(message: str) -> None:
     """Progress of a grid cell in a worker process: straight to the inherited stderr."""
     print(f"[simulate] {message}", file=sys.stderr, flush=True)
@@ -450,6 +468,7 @@ def run_cell(
     profile: CostProfile,
     base: Workload | None = None,
     progress: Callable[[str], None] = print_progress,
+    bounds_process: bool = False,
 ) -> GridRun:
     """Runs one cell; sessions arrive at the workload's per-replica rate times the replica count.
 
@@ -458,6 +477,7 @@ def run_cell(
         profile: cost model and KV capacity.
         base: the cell's workload at one replica's rate, if the caller has it (else generated).
         progress: told how far a long run got, prefixed with the cell.
+        bounds_process: warmpath's bounds in a child process (see `simulate`).
     """
     params = default_params(cell.workload, cell.scale)
     if base is None:
@@ -465,7 +485,8 @@ def run_cell(
     workload = base.with_arrival_rate(params.sessions_per_s_per_replica * cell.num_replicas)
     label = f"{cell.workload} x{cell.num_replicas} {cell.policy}"
     result = simulate(cell.policy, cell.num_replicas, profile, workload=workload, seed=cell.seed,
-                      with_bounds=cell.policy == "warmpath", progress=lambda msg: progress(f"{label}: {msg}"))
+                      with_bounds=cell.policy == "warmpath", progress=lambda msg: progress(f"{label}: {msg}"),
+                      bounds_process=bounds_process)
     return GridRun(cell.workload, cell.num_replicas, cell.policy, len(workload.sessions), len(result.records),
                    result.summary.to_json(), result.num_decisions_by_route, result.wall_s, result.cpu_s,
                    result.bounds.to_json() if result.bounds else None)
@@ -486,8 +507,9 @@ def run_grid(
 
     The same sessions (same seed) run at every replica count; only their arrival rate scales
     (the workload's per-replica rate times the replica count).
-    warmpath's run also computes the oracle bounds of its own trace. Cells are
-    independent and deterministic, so `jobs` > 1 runs them in that many
+    warmpath's run also computes the oracle bounds of its own trace, in a
+    process of its own when fewer cells run at once than there are cores. Cells
+    are independent and deterministic, so `jobs` > 1 runs them in that many
     processes with the same results (each process holds one whole
     simulation: several GB at 10,000 sessions).
     """
@@ -495,6 +517,7 @@ def run_grid(
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     cells = [GridCell(name, num_replicas, policy, num_sessions, seed, scale)
              for name in workload_names for num_replicas in replica_counts for policy in policies]
+    bounds_process = min(jobs, len(cells)) < available_cores()
 
     def report(run: GridRun) -> None:
         hit = run.summary["hit_rate"]
@@ -507,12 +530,13 @@ def run_grid(
             if cell.workload not in bases:
                 params = default_params(cell.workload, scale)
                 bases[cell.workload] = generate(cell.workload, seed, 1, params=params, num_sessions=num_sessions)
-            runs.append(run_cell(cell, profile, bases[cell.workload], progress))
+            runs.append(run_cell(cell, profile, bases[cell.workload], progress, bounds_process))
             report(runs[-1])
         return runs
     # "spawn": a fresh interpreter per worker, whatever threads the caller has started.
     with ProcessPoolExecutor(min(jobs, len(cells)), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(run_cell, cell, profile): position for position, cell in enumerate(cells)}
+        futures = {pool.submit(run_cell, cell, profile, None, print_progress, bounds_process): position
+                   for position, cell in enumerate(cells)}
         done: dict[int, GridRun] = {}
         for future in as_completed(futures):
             done[futures[future]] = future.result()
@@ -570,6 +594,7 @@ def reproduce_live_run(bench: dict, policy: RouterPolicy = "warmpath", tolerance
 
 
 __all__ = [
-    "GridRun", "ReproductionCheck", "Simulation", "SimulationResult", "WorkloadSource", "reproduce_live_run",
+    "GridRun", "ReproductionCheck", "Simulation", "SimulationResult", "WorkloadSource", "available_cores",
+    "reproduce_live_run",
     "run_grid", "simulate", "trace_requests",
 ]

@@ -8,7 +8,6 @@ Every command validates the config once and exits 2 with one line per problem.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -357,8 +356,7 @@ def simulate(
         typer.echo("replicas and sessions must be >= 1, jobs >= 0", err=True)
         raise typer.Exit(2)
     if not jobs:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        jobs = min(cores, MAX_DEFAULT_JOBS)
+        jobs = min(simulator.available_cores(), MAX_DEFAULT_JOBS)
     runs = simulator.run_grid(names, replicas, sessions, seed=seed, policies=chosen, progress=progress, jobs=jobs)
     document = {
         "kind": "warmpath-simulate",

@@ -68,8 +68,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from itertools import compress, repeat
+from operator import not_
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -421,9 +422,22 @@ class PrefixIndex:
                 self._drop_bit(self._pending_owners, block_hash, bit)
 
     def _remove(self, state: _ReplicaState, engine_hashes: Sequence[bytes | int]) -> int:
+        keys = _engine_keys(engine_hashes)
+        if state.extra_copies and not state.extra_copies.keys().isdisjoint(keys):
+            return self._remove_blockwise(state, keys)
+        # No copies involved (the usual event): `_remove_blockwise` with the loops in C.
+        gone = list(filter(None, map(state.blocks.pop, keys, repeat(None))))
+        owners = self._owners
+        masks = list(map((~state.bit).__and__, map(owners.get, gone, repeat(0))))
+        owners.update(zip(gone, masks))
+        deque(map(owners.pop, compress(gone, map(not_, masks)), repeat(None)), maxlen=0)
+        return len(gone)
+
+    def _remove_blockwise(self, state: _ReplicaState, keys: list[int]) -> int:
+        """Removes blocks one by one; a block held in several copies loses one copy."""
         blocks, extra_copies = state.blocks, state.extra_copies
         num_removed = 0
-        for engine_key in _engine_keys(engine_hashes):
+        for engine_key in keys:
             copies = extra_copies.get(engine_key)
             if copies:
                 if copies == 1:

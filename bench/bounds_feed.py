@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import time
 from multiprocessing.connection import Connection
 from typing import Protocol, Sequence
 
@@ -99,6 +100,7 @@ class BoundsProcess:
         self._sent: dict[str, Sequence[BlockHash]] = {}  # session -> the chain it sent last
         self._batch: list[tuple] = []
         self._batch_bytes = 0
+        self.cpu_s = 0.0  # the child's CPU time, known once `result` returned
 
     def observe(self, session_id: str, chain: Sequence[BlockHash], num_tokens: int) -> None:
         self._send_chain(_OBSERVE, session_id, chain, num_tokens)
@@ -118,9 +120,10 @@ class BoundsProcess:
         except EOFError:
             outcome = None
         self.close()
-        if not isinstance(outcome, OracleBounds):
+        if not isinstance(outcome, tuple):
             raise RuntimeError(f"the bounds process failed: {outcome or 'it exited without a result'}")
-        return outcome
+        bounds, self.cpu_s = outcome
+        return bounds
 
     def _child_error(self) -> str | None:
         """What the child reported before it exited, if anything."""
@@ -179,7 +182,7 @@ def _serve(conn: Connection, block_size_tokens: int, num_replicas: int, capacity
                     bounds.end(op[1])
                     continue
                 if kind == _RESULT:
-                    conn.send(bounds.result(op[1]))
+                    conn.send((bounds.result(op[1]), time.process_time()))
                     return
                 _, session_id, shared, blob, num_tokens = op
                 chain = chains[session_id][:shared] if shared else []

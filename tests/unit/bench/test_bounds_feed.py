@@ -68,6 +68,7 @@ def test_the_child_process_computes_the_bounds_computed_in_line(seed):
     expected = _replay(SessionBounds(4, 3, 12), ops)
     with BoundsProcess(4, 3, 12) as feed:
         assert _replay(feed, ops) == expected
+        assert feed.cpu_s > 0  # the child's CPU, which a simulation counts in its own
     assert 0 < expected.placed_hit_rate <= expected.infinite_hit_rate < 1
 
 
@@ -78,6 +79,7 @@ def test_a_simulation_gets_the_same_bounds_from_either_feed():
     in_line = simulate("warmpath", 2, profile, workload=workload, with_bounds=True)
     child = simulate("warmpath", 2, profile, workload=workload, with_bounds=True, bounds_process=True)
     assert child.bounds == in_line.bounds
+    assert child.cpu_s > 0 and in_line.cpu_s > 0
     assert in_line.bounds.placed_hit_rate < in_line.bounds.infinite_hit_rate  # capacity binds
     assert child.summary == in_line.summary
 

@@ -70,6 +70,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
+from array import array
 from collections import deque
 from itertools import compress, islice, repeat
 from operator import not_
@@ -83,6 +85,7 @@ _TRACKED_MEDIA = frozenset({None, "GPU"})
 PENDING_DENSE_BLOCKS = 16
 PENDING_STRIDE_BLOCKS = 16
 _MASK64 = (1 << 64) - 1
+_WORD_BYTES = array("Q").itemsize
 
 
 def _engine_key(block_hash: bytes | int) -> int:
@@ -93,11 +96,23 @@ def _engine_key(block_hash: bytes | int) -> int:
 
 
 def _engine_keys(block_hashes: Sequence[bytes | int]) -> list[int]:
-    """`_engine_key` of each hash; one event's hashes share a type, so it is checked once."""
+    """`_engine_key` of each hash; one event's hashes share a type, so it is checked once.
+
+    Hashes of one length, a multiple of 8 (vLLM's are 32 bytes), are read as one
+    array of 64-bit words, taking each hash's last word: a few C calls per event
+    instead of a slice and an int per block, on every block stored or removed.
+    """
     if not block_hashes:
         return []
-    if isinstance(block_hashes[0], int):
+    first = block_hashes[0]
+    if isinstance(first, int):
         return [block_hash & _MASK64 for block_hash in block_hashes]
+    size = len(first)
+    if size and size % 8 == 0 and _WORD_BYTES == 8 and set(map(len, block_hashes)) == {size}:
+        words = array("Q", b"".join(block_hashes))
+        if sys.byteorder == "little":
+            words.byteswap()  # the hash's bytes are big-endian
+        return words[size // 8 - 1:: size // 8].tolist()
     from_bytes = int.from_bytes
     return [from_bytes(block_hash[-8:], "big") for block_hash in block_hashes]
 

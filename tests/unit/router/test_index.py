@@ -9,7 +9,7 @@ import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from router.hashing import hash_request_blocks, root_hash
-from router.index import PrefixIndex, leading_runs
+from router.index import PrefixIndex, _engine_keys, leading_runs
 from router.types import ReplicaId
 
 BS = 4
@@ -379,3 +379,17 @@ def test_lookups_follow_any_vllm_order_of_events_on_branching_chains(seed):
                 if n:
                     expected[r] = n
             assert index.longest_prefix(request_hashes(tokens), 0.0) == expected
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[32] * 9, [16] * 5, [8], [4, 4], [16, 8, 24], [12] * 3, [40, 32], [33, 31]],
+)
+def test_engine_keys_are_the_low_64_bits_of_each_hash_whatever_the_lengths(lengths):
+    # One length, a multiple of 8, reads the event as one array of words; anything else goes hash by hash
+    # (16 + 8 + 24 bytes add up to three 16-byte hashes but must not be read as such).
+    rng = random.Random(sum(lengths))
+    hashes = [rng.randbytes(n) for n in lengths]
+    expected = [int.from_bytes(h, "big") & ((1 << 64) - 1) for h in hashes]
+    assert _engine_keys(hashes) == expected
+    assert _engine_keys([int.from_bytes(h, "big") for h in hashes]) == expected  # hashes as ints

@@ -25,6 +25,16 @@ Data layout (chosen for bytes per block, see bench/router_decision.py):
   recording and expiring an 8k-token placement to about 32 entries instead of
   256, at the price of rounding a partial match of a pending placement down
   to the checkpoint before it (never more than PENDING_STRIDE_BLOCKS - 1).
+  The checkpoints other than a placement's last lie on one grid of positions
+  (`_is_grid`), and a placement whose last is off the grid is also recorded at
+  the grid checkpoint before it, even where the replica holds that block. So a
+  lookup reads the grid (about one block in PENDING_STRIDE_BLOCKS) and then
+  one stride of blocks after each replica's furthest shared grid checkpoint
+  and after each indexed count: the only places a shared last checkpoint can
+  be. The one case it misses: a placement whose grid checkpoint before its
+  last was confirmed by a `BlockStored` and then removed while its last is
+  still pending; it is credited at most PENDING_STRIDE_BLOCKS - 1 blocks
+  short, until that entry expires.
 
 Lookups bisect (`leading_runs`). Along a request's chain, a replica's bit can
 only drop, never come back, because vLLM frees a request's blocks tail first,
@@ -84,6 +94,7 @@ from router.types import ReplicaId
 _TRACKED_MEDIA = frozenset({None, "GPU"})
 PENDING_DENSE_BLOCKS = 16
 PENDING_STRIDE_BLOCKS = 16
+_FIRST_SPARSE = PENDING_DENSE_BLOCKS + PENDING_STRIDE_BLOCKS - 1  # the first grid position past the dense head
 _MASK64 = (1 << 64) - 1
 _WORD_BYTES = array("Q").itemsize
 
@@ -234,15 +245,35 @@ class PrefixIndex:
         return result
 
     def _credit_pending(self, result: dict[ReplicaId, int], block_hashes: Sequence[BlockHash]) -> None:
-        """Raises each replica's count to its furthest pending checkpoint the request shares."""
-        masks = list(map(self._pending_owners.get, block_hashes, repeat(0)))
-        positions = list(compress(range(len(masks)), masks))  # where a pending checkpoint is
+        """Raises each replica's count to its furthest pending checkpoint the request shares.
+
+        Reads the checkpoint grid, then a stride of blocks after each replica's
+        furthest shared grid checkpoint and after each indexed count in
+        `result` (module docstring: where a shared last checkpoint can be).
+        """
+        num_blocks = len(block_hashes)
+        pending_get, at = self._pending_owners.get, block_hashes.__getitem__
+        positions = _grid_positions(num_blocks)
+        masks = list(map(pending_get, map(at, positions), repeat(0)))
+        starts = set(result.values())
+        seen = 0
+        for position, mask in zip(reversed(positions), reversed(masks)):
+            if mask & ~seen:
+                seen |= mask
+                starts.add(position + 1)  # the furthest shared grid checkpoint of the replicas new here
+        between = sorted({
+            position for start in starts for position in range(start, min(start + PENDING_STRIDE_BLOCKS, num_blocks))
+            if not _is_grid(position)
+        })
+        positions += between
+        masks += map(pending_get, map(at, between), repeat(0))
+        found = sorted(compress(zip(positions, masks), masks))  # (position, mask) where a checkpoint is
         remaining = 0
-        for mask in set(map(masks.__getitem__, positions)):
+        for _, mask in found:
             remaining |= mask
         slot_ids = self._slot_ids
-        for position in reversed(positions):
-            mask = masks[position] & remaining
+        for position, mask in reversed(found):
+            mask &= remaining
             if not mask:
                 continue
             remaining &= ~mask
@@ -296,13 +327,14 @@ class PrefixIndex:
             if not owners_get(block_hash, 0) & bit:
                 break
             start += 1
-        entries = [
-            block_hash
-            for position, block_hash in _checkpoints(block_hashes)
-            if position >= start or block_hash in pending
-        ]
-        if not entries:
+        checkpoints = _checkpoints(block_hashes)
+        kept = [(position, block_hash) for position, block_hash in checkpoints if position >= start or block_hash in pending]
+        last = num_blocks - 1
+        if kept and kept[-1][0] == last and not _is_grid(last) and (len(kept) == 1 or kept[-2] != checkpoints[-2]):
+            kept.insert(-1, checkpoints[-2])  # the grid checkpoint before an off-grid last (module docstring)
+        if not kept:
             return 0
+        entries = [block_hash for _, block_hash in kept]
         expiry_s = now_s + ttl_s
         pending_owners = self._pending_owners
         for block_hash in entries:
@@ -541,16 +573,23 @@ def leading_runs(mask_of: Callable[[BlockHash, int], int], chain: Sequence[Block
     return runs
 
 
+def _is_grid(position: int) -> bool:
+    """Whether a checkpoint sits at `position` in every placement that long: the dense head, then every stride."""
+    return position < PENDING_DENSE_BLOCKS or (position - _FIRST_SPARSE) % PENDING_STRIDE_BLOCKS == 0
+
+
+def _grid_positions(num_blocks: int) -> list[int]:
+    """The grid positions (`_is_grid`) below `num_blocks`, in order."""
+    return [*range(min(PENDING_DENSE_BLOCKS, num_blocks)), *range(_FIRST_SPARSE, num_blocks, PENDING_STRIDE_BLOCKS)]
+
+
 def _checkpoints(block_hashes: Sequence[BlockHash]) -> list[tuple[int, BlockHash]]:
-    """(position, hash) of the blocks a pending placement is recorded at."""
+    """(position, hash) of the blocks a pending placement is recorded at: the grid, and the last."""
     last = len(block_hashes) - 1
-    dense = min(PENDING_DENSE_BLOCKS, last + 1)
-    out = list(enumerate(block_hashes[:dense]))
-    first_sparse = dense + PENDING_STRIDE_BLOCKS - 1
-    out += zip(range(first_sparse, last + 1, PENDING_STRIDE_BLOCKS), block_hashes[first_sparse::PENDING_STRIDE_BLOCKS])
-    if out[-1][0] != last:
-        out.append((last, block_hashes[last]))
-    return out
+    positions = _grid_positions(last + 1)
+    if positions[-1] != last:
+        positions.append(last)
+    return list(zip(positions, map(block_hashes.__getitem__, positions)))
 
 
 def _root_salt(keys: tuple | None, lora_name: str | None) -> str | None | bool:

@@ -273,6 +273,77 @@ def test_pending_checkpoints_extend_an_indexed_prefix(index):
     assert index.longest_prefix(hashes, 2.0) == {A: 20}  # expired; the indexed head stays
 
 
+
+def _credited_by_every_block(index: PrefixIndex, hashes, now_s: float) -> dict:
+    """The plain definition: each replica's indexed prefix, raised to its furthest pending checkpoint anywhere."""
+    index.expire_pending(now_s)
+    result = {}
+    for slot, replica_id in enumerate(index._slot_ids):
+        count = 0
+        while count < len(hashes) and index._owners.get(hashes[count], 0) >> slot & 1:
+            count += 1
+        for position in reversed(range(count, len(hashes))):
+            if index._pending_owners.get(hashes[position], 0) >> slot & 1:
+                count = position + 1
+                break
+        if count and replica_id is not None:
+            result[replica_id] = count
+    return result
+
+
+def _store_through(index: PrefixIndex, replica_id, tokens, hashes, num_blocks: int) -> None:
+    """The engine caches the first `num_blocks` blocks (what it lacks of them), with engine hashes unique per block."""
+    held = 0
+    slot = index._replicas[replica_id].slot if replica_id in index._replicas else None
+    while slot is not None and held < num_blocks and index._owners.get(hashes[held], 0) >> slot & 1:
+        held += 1
+    if held < num_blocks:
+        index.apply(replica_id, [BlockStored(
+            block_hashes=[bytes(16) + h for h in hashes[held:num_blocks]],
+            parent_block_hash=bytes(16) + hashes[held - 1] if held else None,
+            token_ids=tokens[held * BS: num_blocks * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None,
+        )])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pending_lookups_credit_what_a_scan_of_every_block_credits(seed):
+    # Placements of every length branch off one long chain at random points, on replicas that hold
+    # random heads of it; the engine confirms random prefixes of them (a first prefill chunk, or all)
+    # before and after they are recorded, and some expire. No block is removed.
+    rng = random.Random(seed)
+    index = PrefixIndex(BS, 100_000, MODEL)
+    base = list(range(20_000, 20_000 + 300 * BS))
+    replicas = [ReplicaId(f"r{i}") for i in range(4)]
+
+    def prompt() -> list[int]:
+        num_blocks = rng.choice([rng.randrange(1, 40), rng.randrange(1, 300)])
+        branch = rng.randrange(num_blocks + 1)
+        fresh = [rng.randrange(10**6) for _ in range((num_blocks - branch) * BS)]
+        return base[: branch * BS] + fresh + [7]
+
+    for step in range(40):
+        now_s = float(step)
+        tokens = prompt()
+        hashes = request_hashes(tokens)
+        replica_id = rng.choice(replicas)
+        if rng.random() < 0.3:
+            _store_through(index, replica_id, tokens, hashes, rng.randrange(len(hashes) + 1))
+        held = index.longest_prefix(hashes, now_s).get(replica_id, 0)
+        index.add_pending(replica_id, hashes, now_s, rng.choice([0.5, 3.0, 20.0]), held)
+        if rng.random() < 0.4:
+            _store_through(index, replica_id, tokens, hashes, rng.randrange(len(hashes) + 1))
+        for _ in range(4):
+            query = request_hashes(prompt())
+            assert index.longest_prefix(query, now_s + 0.25) == _credited_by_every_block(index, query, now_s + 0.25)
+
+
+def test_a_placement_ending_off_the_grid_is_also_recorded_at_the_grid_before_it(index):
+    hashes = request_hashes(LONG[: 40 * BS])  # 40 blocks: the last, 39, lies between grid points 31 and 47
+    index.apply(A, [stored(0, 34, tokens=LONG)])
+    assert index.add_pending(A, hashes, 0.0, 2.0, num_held_blocks=34) == 2  # 39, and 31 though A holds it
+    sharing_all = request_hashes(LONG[: 40 * BS] + [7] * 20 * BS)
+    assert index.longest_prefix(sharing_all, 1.0) == {A: 40}
+
 # --- bisected lookups and detached blocks ------------------------------------------------------------
 
 

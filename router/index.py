@@ -31,10 +31,10 @@ Data layout (chosen for bytes per block, see bench/router_decision.py):
   lookup reads the grid (about one block in PENDING_STRIDE_BLOCKS) and then
   one stride of blocks after each replica's furthest shared grid checkpoint
   and after each indexed count: the only places a shared last checkpoint can
-  be. The one case it misses: a placement whose grid checkpoint before its
-  last was confirmed by a `BlockStored` and then removed while its last is
-  still pending; it is credited at most PENDING_STRIDE_BLOCKS - 1 blocks
-  short, until that entry expires.
+  be. The one case it misses: a placement's last checkpoint still pending
+  after the replica dropped the block of the grid checkpoint before it
+  (indexed, then removed); it is credited at most PENDING_STRIDE_BLOCKS - 1
+  blocks short until that entry expires.
 
 Lookups bisect (`leading_runs`). Along a request's chain, a replica's bit can
 only drop, never come back, because vLLM frees a request's blocks tail first,
@@ -83,9 +83,9 @@ import itertools
 import sys
 from array import array
 from collections import deque
+from dataclasses import dataclass
 from itertools import compress, islice, repeat
 from operator import not_
-from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from router.hashing import BlockHash, chain_block_hashes, encode_tokens, root_hash

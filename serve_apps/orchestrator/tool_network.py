@@ -7,10 +7,10 @@ the model's transcript. Two rules, from `cluster.config.ToolNetworkConfig`:
 - with `allowed_url_prefixes` set, a URL must start with one of them;
 - no URL may reach a `blocked_networks` address: its host is checked when the
   session is created (a literal address) and, before every call, each address
-  the host resolves to. The call then connects to the first of those addresses
-  (`Destination`), not to the name: a DNS answer that changes after the check
-  (rebinding) cannot move it. Redirects are never followed
-  (`tools.run_http_tool`), so the checked address is the one connected to.
+  the host resolves to. The call then connects to those addresses, in the
+  resolver's order (`Destination`), not to the name: a DNS answer that changes
+  after the check (rebinding) cannot move it. Redirects are never followed
+  (`tools.run_http_tool`), so a checked address is the one connected to.
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ class Destination:
 
     Attributes:
         url: the tool's URL, as the session gave it.
-        address: the checked address the host resolved to; None when the host
-            is an address itself, or no network is blocked (then the URL's host
-            is connected to as is).
+        addresses: the checked addresses the host resolved to, in the
+            resolver's order: a call tries the next only when it cannot connect
+            to one. Empty when the host is an address itself, or no network is
+            blocked (then the URL's host is connected to as is).
     """
 
     url: str
-    address: str | None = None
+    addresses: tuple[str, ...] = ()
 
 
 class ToolNetworkPolicy:
@@ -66,7 +67,7 @@ class ToolNetworkPolicy:
         """`check_url`, then every address the URL's host resolves to now.
 
         Returns:
-            The refusal, or where to connect: the first resolved address, so the
+            The refusal, or where to connect: the resolved addresses, so the
             connection goes where the check looked.
         """
         parts = urlsplit(url)
@@ -80,14 +81,14 @@ class ToolNetworkPolicy:
             infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
         except OSError as err:
             return f"tool URL {url}: its host does not resolve ({err})"
-        addresses = [info[4][0].split("%")[0] for info in infos]
+        addresses = list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
         for address in addresses:
             problem = self._blocked_message(url, ipaddress.ip_address(address))
             if problem is not None:
                 return problem
         if not addresses:
             return f"tool URL {url}: its host resolves to no address"
-        return Destination(url, addresses[0])
+        return Destination(url, tuple(addresses))
 
     def _blocked_message(self, url: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
         mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:169.254.169.254 is 169.254.169.254

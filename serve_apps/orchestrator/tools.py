@@ -245,13 +245,24 @@ async def _post(client: httpx.AsyncClient, destination: Destination, body: bytes
     headers = {"content-type": "application/json", "accept": "application/json"}
     url = httpx.URL(destination.url)
     extensions = {}
-    if destination.address is not None:
-        # Connect to the checked address; the name still goes in Host and, over TLS, in SNI and
+    targets = [url]
+    if destination.addresses:
+        # Connect to the checked addresses; the name still goes in Host and, over TLS, in SNI and
         # the certificate check.
         headers["host"] = url.netloc.decode("ascii")
         if url.scheme == "https":
             extensions["sni_hostname"] = url.host
-        url = url.copy_with(host=destination.address)
+        targets = [url.copy_with(host=address) for address in destination.addresses]
+    for target in targets[:-1]:
+        try:
+            return await _send(client, target, headers, extensions, body, tool_name, max_bytes)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            continue  # nothing was sent: the host's next checked address may answer
+    return await _send(client, targets[-1], headers, extensions, body, tool_name, max_bytes)
+
+
+async def _send(client: httpx.AsyncClient, url: httpx.URL, headers: dict, extensions: dict, body: bytes,
+                tool_name: str, max_bytes: int) -> ToolOutcome:
     async with client.stream("POST", url, content=body, headers=headers, extensions=extensions) as response:
         chunks: list[bytes] = []
         num_bytes = 0

@@ -50,7 +50,8 @@ def test_a_name_is_refused_when_it_resolves_into_a_blocked_network():
     refusal = asyncio.run(policy.check_destination("http://localhost:1/x"))
     assert refusal is not None and "blocked network" in refusal
     destination = asyncio.run(DEFAULT.check_destination("http://localhost:1/x"))
-    assert isinstance(destination, Destination) and destination.address in {"127.0.0.1", "::1"}
+    assert isinstance(destination, Destination) and set(destination.addresses) <= {"127.0.0.1", "::1"}
+    assert destination.addresses
     # An address needs no lookup, and without blocked networks nothing is looked up.
     assert asyncio.run(DEFAULT.check_destination("http://10.0.0.7/x")) == Destination("http://10.0.0.7/x")
     open_policy = ToolNetworkPolicy(ToolNetworkConfig(blocked_networks=[]))
@@ -122,6 +123,7 @@ def test_a_call_connects_to_the_address_that_was_checked_not_to_a_later_dns_answ
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a, _ in address]
 
     monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    _HostRecordingHandler.hosts = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _HostRecordingHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -163,3 +165,30 @@ def test_a_pinned_https_call_keeps_the_name_for_host_sni_and_the_certificate(mon
     assert str(request.url) == "https://[2001:db8::7]:8443/lookup?v=1"
     assert request.headers["host"] == "tools.example:8443"
     assert request.extensions["sni_hostname"] == "tools.example"
+
+
+def test_a_call_tries_the_next_checked_address_when_one_refuses_the_connection(monkeypatch):
+    # The name resolves to two loopback addresses; only the second has a server. Nothing reached the
+    # first, so trying the second cannot repeat a call. When every address refuses, the call is an error.
+    async def getaddrinfo(self, host, port, **kwargs):
+        assert host == "tool.pair.test"
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in ("127.0.0.2", "127.0.0.1")]
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    _HostRecordingHandler.hosts = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _HostRecordingHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    spec = ToolSpec(name="lookup", parameters={"type": "object"},
+                    execution={"kind": "http", "url": f"http://tool.pair.test:{port}/tool"})
+    try:
+        destination = asyncio.run(DEFAULT.check_destination(spec.execution.url))
+        assert destination == Destination(spec.execution.url, ("127.0.0.2", "127.0.0.1"))
+        outcome = asyncio.run(run_http_tool(spec, "{}", 5.0, 4096, network=DEFAULT))
+        assert outcome.status == "ok", outcome.content
+        assert _HostRecordingHandler.hosts == [f"tool.pair.test:{port}"]
+    finally:
+        server.shutdown()
+        server.server_close()
+    refused = asyncio.run(run_http_tool(spec, "{}", 5.0, 4096, network=DEFAULT))
+    assert refused.status == "error" and "ConnectError" in json.loads(refused.content)["error"]

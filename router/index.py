@@ -255,19 +255,19 @@ class PrefixIndex:
         pending_get, at = self._pending_owners.get, block_hashes.__getitem__
         positions = _grid_positions(num_blocks)
         masks = list(map(pending_get, map(at, positions), repeat(0)))
+        found = list(compress(zip(positions, masks), masks))  # (position, mask) where a checkpoint is
         starts = set(result.values())
         seen = 0
-        for position, mask in zip(reversed(positions), reversed(masks)):
+        for position, mask in reversed(found):
             if mask & ~seen:
                 seen |= mask
                 starts.add(position + 1)  # the furthest shared grid checkpoint of the replicas new here
-        between = sorted({
-            position for start in starts for position in range(start, min(start + PENDING_STRIDE_BLOCKS, num_blocks))
-            if not _is_grid(position)
-        })
-        positions += between
-        masks += map(pending_get, map(at, between), repeat(0))
-        found = sorted(compress(zip(positions, masks), masks))  # (position, mask) where a checkpoint is
+        windows = set().union(*(range(start, min(start + PENDING_STRIDE_BLOCKS, num_blocks)) for start in starts))
+        between = sorted(windows.difference(positions))
+        if between:
+            masks = list(map(pending_get, map(at, between), repeat(0)))
+            found += compress(zip(between, masks), masks)
+            found.sort()
         remaining = 0
         for _, mask in found:
             remaining |= mask

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass
-from itertools import repeat
 from typing import Sequence
 
 from bench.fingerprint_set import FingerprintSet
 from bench.sim_cache import BlockCache
 from bench.trace import RequestRecord
 from router.hashing import BlockHash, hash_request_blocks, root_hash
-from router.index import leading_runs
+from router.index import add_owner_bit, drop_owner_bit, leading_runs
 
 
 class LruBlockCache:
@@ -184,19 +183,13 @@ class StreamingBounds:
         self._use(replica, chain)
 
     def _use(self, replica: int, chain: Sequence[BlockHash], num_cached: int | None = None) -> None:
-        bit, owners = 1 << replica, self._owners
+        bit = 1 << replica
         self._clock += 1
         cache = self._caches[replica]
         first_new, evicted = cache.use(chain, num_cached, self._clock)
-        new = chain[first_new:]
-        owners.update(zip(new, list(map(bit.__or__, map(owners.get, new, repeat(0))))))
+        add_owner_bit(self._owners, chain[first_new:], bit)
         self._fill_then_age[replica] = (len(cache), cache.lru_stamp() or 0, replica)
-        for block_hash in evicted:
-            mask = owners[block_hash] & ~bit
-            if mask:
-                owners[block_hash] = mask
-            else:
-                del owners[block_hash]
+        drop_owner_bit(self._owners, evicted, bit)
 
     def _matched_blocks(self, chain: Sequence[BlockHash]) -> dict[int, int]:
         """Replica -> leading blocks of `chain` it caches, for the replicas caching at least one."""

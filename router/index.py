@@ -448,13 +448,13 @@ class PrefixIndex:
 
     def _store_new(self, state: _ReplicaState, keys: list[int], hashes: list[BlockHash]) -> None:
         """Indexes blocks none of which the replica holds (the usual event): `_store_blockwise` with the loops in C."""
-        bit, owners, pending = state.bit, self._owners, state.pending
+        pending = state.pending
         state.blocks.update(zip(keys, hashes))
-        owners.update(zip(hashes, list(map(bit.__or__, map(owners.get, hashes, repeat(0))))))
+        add_owner_bit(self._owners, hashes, state.bit)
         if pending:
-            for block_hash in pending.keys() & hashes:
-                del pending[block_hash]
-                self._drop_bit(self._pending_owners, block_hash, bit)
+            confirmed = list(pending.keys() & hashes)
+            deque(map(pending.__delitem__, confirmed), maxlen=0)
+            drop_owner_bit(self._pending_owners, confirmed, state.bit)
 
     def _store_blockwise(self, state: _ReplicaState, keys: list[int], hashes: list[BlockHash]) -> None:
         """Indexes blocks one by one; those the replica holds already count as another copy."""
@@ -476,10 +476,7 @@ class PrefixIndex:
             return self._remove_blockwise(state, keys)
         # No copies involved (the usual event): `_remove_blockwise` with the loops in C.
         gone = list(filter(None, map(state.blocks.pop, keys, repeat(None))))
-        owners = self._owners
-        masks = list(map((~state.bit).__and__, map(owners.get, gone, repeat(0))))
-        owners.update(zip(gone, masks))
-        deque(map(owners.pop, compress(gone, map(not_, masks)), repeat(None)), maxlen=0)
+        drop_owner_bit(self._owners, gone, state.bit)
         return len(gone)
 
     def _remove_blockwise(self, state: _ReplicaState, keys: list[int]) -> int:
@@ -501,9 +498,7 @@ class PrefixIndex:
         return num_removed
 
     def _clear_blocks(self, state: _ReplicaState) -> None:
-        owners, bit = self._owners, state.bit
-        for block_hash in state.blocks.values():
-            self._drop_bit(owners, block_hash, bit)
+        drop_owner_bit(self._owners, list(state.blocks.values()), state.bit)
         state.blocks.clear()
         state.extra_copies.clear()
 
@@ -571,6 +566,18 @@ def leading_runs(mask_of: Callable[[BlockHash, int], int], chain: Sequence[Block
         spans.append((low, low_mask, middle, middle_mask))
     runs.append((alive, last + 1))
     return runs
+
+
+def add_owner_bit(masks: dict[BlockHash, int], block_hashes: Sequence[BlockHash], bit: int) -> None:
+    """Sets `bit` in the owner mask of each block, adding the blocks not there (the loops in C)."""
+    masks.update(zip(block_hashes, list(map(bit.__or__, map(masks.get, block_hashes, repeat(0))))))
+
+
+def drop_owner_bit(masks: dict[BlockHash, int], block_hashes: Sequence[BlockHash], bit: int) -> None:
+    """Clears `bit` from the owner mask of each block; a block left with no owner is deleted (the loops in C)."""
+    left = list(map((~bit).__and__, map(masks.get, block_hashes, repeat(0))))
+    masks.update(compress(zip(block_hashes, left), left))
+    deque(map(masks.pop, compress(block_hashes, map(not_, left)), repeat(None)), maxlen=0)
 
 
 def _is_grid(position: int) -> bool:

@@ -36,6 +36,8 @@ _OBSERVE, _CACHE, _END, _RESULT = range(4)
 class BoundsFeed(Protocol):
     """What the simulation tells the bounds, in send order."""
 
+    cpu_s: float  # CPU time the bounds took outside this process, known once `result` returned
+
     def observe(self, session_id: str, chain: Sequence[BlockHash], num_tokens: int) -> None:
         """A request was sent: its prompt's block hashes and token count."""
 
@@ -48,9 +50,14 @@ class BoundsFeed(Protocol):
     def result(self, num_requests: int | None = None) -> OracleBounds:
         """Both bounds over everything observed; the feed takes nothing after this."""
 
+    def close(self) -> None:
+        """Releases what the feed holds, whether or not `result` was reached."""
+
 
 class SessionBounds:
     """`StreamingBounds` keyed by session, in this process."""
+
+    cpu_s = 0.0  # all of it in this process
 
     def __init__(self, block_size_tokens: int, num_replicas: int, capacity_blocks: int) -> None:
         self._bounds = StreamingBounds(block_size_tokens, num_replicas, capacity_blocks)
@@ -67,6 +74,9 @@ class SessionBounds:
 
     def result(self, num_requests: int | None = None) -> OracleBounds:
         return self._bounds.result(num_requests)
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 def shared_prefix(previous: Sequence[BlockHash], chain: Sequence[BlockHash]) -> int:

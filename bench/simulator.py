@@ -408,9 +408,9 @@ def simulate(
     finally:
         if was_enabled:
             gc.enable()
-        if isinstance(bounds, BoundsProcess):
+        if bounds is not None:
             bounds.close()
-    cpu_s = time.process_time() - start_cpu + (bounds.cpu_s if isinstance(bounds, BoundsProcess) else 0.0)
+    cpu_s = time.process_time() - start_cpu + (bounds.cpu_s if bounds is not None else 0.0)
     replica_ids = [f"r{i}" for i in range(num_replicas)]
     routes: dict[str, int] = {}
     for r in records:

@@ -13,7 +13,9 @@ Threads and ordering:
   served requests, reloads a replica whose blocks keep arriving as orphans,
   expires pending placements (so that work stays off the decision path), and
   drops a replica's sockets and index entries when the replica leaves the
-  running set.
+  running set. It never waits on one replica: a request to a replay buffer
+  (history, a gap to fill, a probe) is answered on a later pass, and until
+  then that replica's live batches stay queued in its socket, in order.
 - `choose_replicas` runs on Serve's event loop. It tokenizes the request with
   the engine's tokenizer and chat template, hands those ids to the engine
   with the request (`router.prompt_tokens.forward_token_ids`, a chat request
@@ -36,13 +38,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, List, Optional
+from typing import Any, List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import RouterConfig
 from router import decision_log
-from router.events import ReplicaEventStream, ZmqEventSource
+from router.events import BufferedBatches, ReplicaEventStream, ZmqEventSource
 from router.index import PrefixIndex
 from router.inflight import InflightRequests
 from router.policy import PrefixAwarePolicy
@@ -66,6 +68,8 @@ IN_FLIGHT_S = 1.0
 # How long a new subscription waits for the replica's replay buffer (up to 10 000 batches)
 # before starting from live events; the pump serves the other replicas meanwhile.
 HISTORY_TIMEOUT_S = 5.0
+# How long filling a gap or probing a quiet subscription waits for the replay buffer.
+REPLAY_TIMEOUT_S = 0.5
 
 
 class RouterArgs(BaseModel):
@@ -89,6 +93,19 @@ class _BoundedSessions(OrderedDict):
             self.popitem(last=False)
 
 
+@dataclasses.dataclass
+class _Fetch:
+    """A request to one replica's replay buffer that `_EventPump._drain` has yet to answer.
+
+    `history` loads the buffer on subscribing or reloading, `gap` fills the batches missing before
+    `held` (the live batches received after the gap), `probe` checks a subscription gone quiet.
+    """
+
+    kind: Literal["history", "gap", "probe"]
+    deadline: float
+    held: list = dataclasses.field(default_factory=list)
+
+
 class _EventPump(threading.Thread):
     """Keeps one ZMQ subscription per advertised replica and applies its events.
 
@@ -96,15 +113,15 @@ class _EventPump(threading.Thread):
     before this router existed); a subscription that goes quiet while its
     replica serves requests is probed through the same buffer, and a replica
     whose stored blocks keep arriving as orphans is reloaded from it
-    (`router.stream_watch`).
+    (`router.stream_watch`). A gap in a stream is filled from the buffer too.
     """
 
     def __init__(self, router: "PrefixKVRouter") -> None:
         super().__init__(name="warmpath-kv-events", daemon=True)
         self._router = router
         self._sources: dict[ReplicaId, tuple[str, ZmqEventSource, ReplicaEventStream]] = {}
-        # Replicas whose replay buffer (the history before subscribing) is on its way, and until when to wait.
-        self._history_deadlines: dict[ReplicaId, float] = {}
+        # Replicas waiting for an answer from their replay buffer; their live batches wait in the SUB socket.
+        self._fetches: dict[ReplicaId, _Fetch] = {}
         self.watch = EventStreamWatch()
         self._checks = Counter(
             "warmpath_kv_event_checks", "Checks of KV-event subscriptions by outcome: a probe of a quiet one "
@@ -138,7 +155,7 @@ class _EventPump(threading.Thread):
             _, source, _ = self._sources.pop(replica_id)
             source.close()
             self.watch.forget(replica_id)
-            self._history_deadlines.pop(replica_id, None)
+            self._fetches.pop(replica_id, None)
             with router.lock:
                 router.index.remove_replica(replica_id)
         for replica_id, (endpoint, replay_endpoint) in advertised.items():
@@ -154,10 +171,11 @@ class _EventPump(threading.Thread):
     def _request_history(self, replica_id: ReplicaId, source: ZmqEventSource) -> None:
         """Asks for the replica's whole replay buffer; `_drain` holds its live batches until `_load_history` is done."""
         if source.request_buffered(0):
-            self._history_deadlines[replica_id] = time.monotonic() + HISTORY_TIMEOUT_S
+            self._fetches[replica_id] = _Fetch("history", time.monotonic() + HISTORY_TIMEOUT_S)
 
-    def _load_history(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream) -> bool:
-        """Applies the replica's replay buffer as whole answers arrive; True while still waiting for it.
+    def _load_history(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
+                      answer: BufferedBatches) -> None:
+        """Applies the replica's replay buffer if it came whole; asks again from a hole in it.
 
         Live batches wait in the SUB socket meanwhile, so they follow the history in order. An answer cut
         off by the deadline is not applied (it would end at an old state, blocks evicted since); one with a
@@ -165,25 +183,20 @@ class _EventPump(threading.Thread):
         the deadline passes between the two, the first live batch is a gap, which `_drain` fills from the
         buffer or resolves by clearing the replica: the index may under-predict, never over-predict.
         """
-        answer = source.collect_buffered()
-        if answer is None and time.monotonic() < self._history_deadlines[replica_id]:
-            return True
-        if answer is None:
-            del self._history_deadlines[replica_id]
-            source.abandon_buffered()
+        deadline = self._fetches.pop(replica_id).deadline
+        if not answer.is_complete:
             logger.warning("replay buffer of replica %s did not answer in time; starting from live events", replica_id)
-            return False
+            return
         run = answer.leading_run()
         self._apply_replayed(stream, run)
-        if len(run) < len(answer.batches) and time.monotonic() < self._history_deadlines[replica_id]:
+        if len(run) < len(answer.batches) and time.monotonic() < deadline:
             # The publisher dropped replies past its send queue's limit: ask again from the first one missing.
             source.request_buffered(stream.next_seq())
-            return True
-        del self._history_deadlines[replica_id]
+            self._fetches[replica_id] = _Fetch("history", deadline)
+            return
         last_seq = stream.snapshot().last_seq
         logger.info("KV events of replica %s: %s", replica_id, "replay buffer empty" if last_seq is None
                     else f"loaded batches 0-{last_seq} from its replay buffer")
-        return False
 
     def _apply_replayed(self, stream: ReplicaEventStream, batches: list) -> int:
         """Applies fetched batches a slice at a time, so routing never waits on a long history."""
@@ -194,31 +207,58 @@ class _EventPump(threading.Thread):
         return num_applied
 
     def _drain(self) -> bool:
+        """One pass over the subscriptions: answers that arrived, then live batches; never waits on a replica."""
         busy = False
         for replica_id, (_, source, stream) in list(self._sources.items()):
-            if replica_id in self._history_deadlines and self._load_history(replica_id, source, stream):
-                continue
+            fetch = self._fetches.get(replica_id)
+            if fetch is not None:
+                answer = source.collect_buffered()
+                if answer is None and time.monotonic() < fetch.deadline:
+                    continue
+                busy = True
+                self._finish_fetch(replica_id, source, stream, fetch, answer or source.abandon_buffered())
+                if replica_id in self._fetches:
+                    continue
             batches = source.poll_batches(256)
             if not batches:
                 continue
             busy = True
             self.watch.batch_received(replica_id, time.monotonic())
             last_seq = stream.snapshot().last_seq
-            if last_seq is not None and batches[0][0] > last_seq + 1:
-                # Fetch the missed batches before taking the lock that routing waits on;
-                # if the replay buffer cannot fill the gap, `accept` resynchronises.
-                first_seq = batches[0][0]
-                replayed = [b for b in source.replay(last_seq + 1) if last_seq < b[0] < first_seq]
-                batches = replayed + batches
-            with self._router.lock:
-                for seq, batch in batches:
-                    stream.accept(seq, batch)
-            snapshot = stream.snapshot()
-            if self.watch.looks_blind(
-                replica_id, snapshot.num_stored_blocks, snapshot.num_orphaned_blocks, time.monotonic()
-            ):
-                self._reload(replica_id, source, stream)
+            if last_seq is not None and batches[0][0] > last_seq + 1 and source.request_buffered(last_seq + 1):
+                # Fill the gap from the replay buffer before applying what follows it, without waiting here.
+                self._fetches[replica_id] = _Fetch("gap", time.monotonic() + REPLAY_TIMEOUT_S, batches)
+                continue
+            self._apply_live(replica_id, source, stream, batches)
         return busy
+
+    def _finish_fetch(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
+                      fetch: _Fetch, answer: BufferedBatches) -> None:
+        """Uses a replay answer, whole or cut off by its deadline, for what it was asked for."""
+        if fetch.kind == "history":
+            self._load_history(replica_id, source, stream, answer)
+            return
+        del self._fetches[replica_id]
+        if fetch.kind == "probe":
+            self._end_probe(replica_id, source, stream, answer)
+            return
+        # A gap: what the buffer held of it, then the live batches after it. If the buffer could not fill
+        # the gap, `accept` resynchronises.
+        last_seq, first_seq = stream.snapshot().last_seq, fetch.held[0][0]
+        replayed = [b for b in answer.batches if last_seq is None or last_seq < b[0] < first_seq]
+        self._apply_live(replica_id, source, stream, replayed + fetch.held)
+
+    def _apply_live(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
+                    batches: list) -> None:
+        """Applies batches in order under the routing lock, then reloads the replica if it looks blind."""
+        with self._router.lock:
+            for seq, batch in batches:
+                stream.accept(seq, batch)
+        snapshot = stream.snapshot()
+        if self.watch.looks_blind(
+            replica_id, snapshot.num_stored_blocks, snapshot.num_orphaned_blocks, time.monotonic()
+        ):
+            self._reload(replica_id, source, stream)
 
     def _reload(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream) -> None:
         """Forgets what the index holds of a replica and loads its state again from its replay buffer."""
@@ -232,33 +272,43 @@ class _EventPump(threading.Thread):
         self._checks.inc(tags={"replica": replica_id, "outcome": "blind"})
 
     def _probe_quiet_streams(self) -> None:
-        """Asks each replica that went quiet while serving for the batches after the last one received."""
+        """Asks each replica that went quiet while serving for the batches after the last one received.
+
+        `_drain` takes the answer (`_end_probe`); a replica without a replay endpoint is unreachable at once.
+        """
         for replica_id in self.watch.due_for_probe(time.monotonic()):
-            if replica_id not in self._sources or replica_id in self._history_deadlines:
+            if replica_id not in self._sources or replica_id in self._fetches:
                 continue
             _, source, stream = self._sources[replica_id]
-            answer = source.fetch_buffered(stream.next_seq())
-            num_recovered = self._apply_replayed(stream, answer.batches)
-            # A batch published as the probe ran may still be on its way; only older ones prove a stall.
-            published_before_s = time.time() - IN_FLIGHT_S
-            if any(batch.ts < published_before_s for _, batch in answer.batches):
-                outcome = "stalled"
-                logger.warning(
-                    "KV events of replica %s stopped arriving: recovered %d missed batches from its replay "
-                    "buffer and resubscribed", replica_id, num_recovered,
-                )
-                source.resubscribe()
-            elif answer.is_complete:
-                outcome = "quiet"
+            if source.request_buffered(stream.next_seq()):
+                self._fetches[replica_id] = _Fetch("probe", time.monotonic() + REPLAY_TIMEOUT_S)
             else:
-                outcome = "unreachable"
-                logger.warning(
-                    "KV events of replica %s: no batch since its last requests and its replay buffer does not "
-                    "answer; resubscribing", replica_id,
-                )
-                source.resubscribe()
-            self.watch.probed(replica_id, outcome, num_recovered, time.monotonic())
-            self._checks.inc(tags={"replica": replica_id, "outcome": outcome})
+                self._end_probe(replica_id, source, stream, BufferedBatches([], is_complete=False))
+
+    def _end_probe(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
+                   answer: BufferedBatches) -> None:
+        """Applies what the probe recovered and names the outcome: stalled, quiet or unreachable."""
+        num_recovered = self._apply_replayed(stream, answer.batches)
+        # A batch published as the probe ran may still be on its way; only older ones prove a stall.
+        published_before_s = time.time() - IN_FLIGHT_S
+        if any(batch.ts < published_before_s for _, batch in answer.batches):
+            outcome = "stalled"
+            logger.warning(
+                "KV events of replica %s stopped arriving: recovered %d missed batches from its replay "
+                "buffer and resubscribed", replica_id, num_recovered,
+            )
+            source.resubscribe()
+        elif answer.is_complete:
+            outcome = "quiet"
+        else:
+            outcome = "unreachable"
+            logger.warning(
+                "KV events of replica %s: no batch since its last requests and its replay buffer does not "
+                "answer; resubscribing", replica_id,
+            )
+            source.resubscribe()
+        self.watch.probed(replica_id, outcome, num_recovered, time.monotonic())
+        self._checks.inc(tags={"replica": replica_id, "outcome": outcome})
 
     def subscribed_replicas(self) -> list[str]:
         return sorted(self._sources)

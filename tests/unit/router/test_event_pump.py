@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import zmq
@@ -65,10 +66,15 @@ def make_pump(tmp_path, replay_endpoint: str | None = None) -> _EventPump:
     return _EventPump(router)
 
 
+def answered(pump: _EventPump, timeout_s: float = 10.0) -> None:
+    """Drains until no request to a replay buffer is waiting for its answer."""
+    assert wait_until(lambda: (pump._drain(), not pump._fetches)[1], timeout_s)
+
+
 def subscribe(pump: _EventPump) -> None:
     """Subscribes to the advertised replicas and waits until their replay buffers are loaded (or given up on)."""
     pump._sync_subscriptions()
-    assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1], timeout_s=90)
+    answered(pump, timeout_s=90)
 
 
 def publish_and_drain(publisher: ZmqEventPublisher, pump: _EventPump, first_block: int) -> bool:
@@ -130,6 +136,7 @@ def test_a_stalled_subscription_is_recovered_and_resubscribed(tmp_path, publishe
     pump.watch.request_completed(A, time.monotonic() - 60)
 
     pump._probe_quiet_streams()
+    answered(pump)
     assert indexed_blocks(pump) == 4
     state = pump.stream_states()[A]
     assert (state["num_probes"], state["num_stalls"], state["num_recovered_batches"]) == (1, 1, 1)
@@ -146,11 +153,12 @@ def test_a_batch_published_as_the_probe_runs_is_applied_without_a_stall(publishe
     published(publisher, 1)
     pump.watch.request_completed(A, time.monotonic() - 60)
     pump._probe_quiet_streams()  # before draining: the SUB may hold it already
+    answered(pump)  # the answer first, then the subscription's own copy: a duplicate, not a restart
     assert indexed_blocks(pump) == 2
     state = pump.stream_states()[A]
     assert (state["num_stalls"], state["num_recovered_batches"]) == (0, 1)
     assert pump._sources[A][1]._sub is sub_before
-    pump._drain()  # the subscription's own copy: a duplicate, not a restart
+    pump._drain()
     assert indexed_blocks(pump) == 2 and pump.stream_states()[A]["num_gaps"] == 0
 
 
@@ -160,6 +168,7 @@ def test_a_quiet_replica_is_probed_but_left_alone(publisher, new_pump):
     sub_before = pump._sources[A][1]._sub
     pump.watch.request_completed(A, time.monotonic() - 60)
     pump._probe_quiet_streams()
+    answered(pump)
     state = pump.stream_states()[A]
     assert (state["num_probes"], state["num_stalls"], state["num_unreachable"]) == (1, 0, 0)
     assert pump._sources[A][1]._sub is sub_before
@@ -171,6 +180,7 @@ def test_an_unreachable_publisher_is_reported(tmp_path, publisher, new_pump, cap
     pump.watch.request_completed(A, time.monotonic() - 60)
     with caplog.at_level("WARNING", logger="ray.serve"):
         pump._probe_quiet_streams()
+        answered(pump)
     assert pump.stream_states()[A]["num_unreachable"] == 1
     assert "does not answer" in caplog.text
 
@@ -211,7 +221,7 @@ def test_live_batches_during_the_history_load_follow_it_in_order(publisher, new_
     pump._drain()
     assert indexed_blocks(pump) == 0  # live batches wait for the history
     is_answer_held = False
-    assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1])
+    assert wait_until(lambda: (pump._drain(), not pump._fetches)[1])
     pump._drain()
     assert indexed_blocks(pump) == 3 + num_published - 1
     state = pump.stream_states()[A]
@@ -271,7 +281,81 @@ def test_a_replica_whose_blocks_arrive_as_orphans_is_reloaded(publisher, new_pum
     next_blocks = iter(range(4, 10_000, 16))
     assert wait_until(lambda: (publisher.publish(stored(next(next_blocks), 16)), pump._drain(),
                                pump.stream_states()[A]["num_reloads"] >= 1)[2])
-    assert wait_until(lambda: (pump._drain(), not pump._history_deadlines)[1], timeout_s=30)
+    assert wait_until(lambda: (pump._drain(), not pump._fetches)[1], timeout_s=30)
     state = pump.stream_states()[A]
     assert state["num_orphaned_blocks"] >= 64
     assert indexed_blocks(pump) == state["last_seq"] * 16 + 4  # the root batch and every batch after it
+
+
+B = ReplicaId("b")
+
+
+@pytest.fixture
+def second_publisher(tmp_path):
+    pub = ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=f"ipc://{tmp_path}/pub-b", replay_endpoint=f"ipc://{tmp_path}/replay-b"
+    )
+    yield pub
+    pub.shutdown()
+
+
+def add_replica_b(pump: _EventPump, tmp_path) -> None:
+    stats = {"kv_events_endpoint": f"ipc://{tmp_path}/pub-b", "kv_events_replay_endpoint": f"ipc://{tmp_path}/replay-b"}
+    pump._router.curr_replicas[B] = SimpleNamespace(replica_id=SimpleNamespace(unique_id=B), routing_stats=stats)
+
+
+def lose_batch_1_of_a(pump: _EventPump, monkeypatch) -> Callable[[bool], None]:
+    """Replica A's subscription misses batch 1; returns a switch that holds back (True) or lets through
+    (False) the answers of A's replay buffer."""
+    source = pump._sources[A][1]
+    poll, collect = source.poll_batches, source.collect_buffered
+    is_held = [True]
+    monkeypatch.setattr(source, "poll_batches", lambda max_msgs: [b for b in poll(max_msgs) if b[0] != 1])
+    monkeypatch.setattr(source, "collect_buffered", lambda: None if is_held[0] else collect())
+    return lambda held: is_held.__setitem__(0, held)
+
+
+def test_a_gap_is_filled_from_the_replay_buffer_while_other_replicas_go_on(
+    tmp_path, publisher, second_publisher, new_pump, monkeypatch
+):
+    publisher.publish(stored(0, 1))
+    second_publisher.publish(stored(0, 1))
+    published(publisher, 1)
+    published(second_publisher, 1)
+    pump = new_pump()
+    add_replica_b(pump, tmp_path)
+    subscribe(pump)
+    index = pump._router.index
+    assert index.snapshot().num_blocks_by_replica == {A: 1, B: 1}
+    hold_answers = lose_batch_1_of_a(pump, monkeypatch)
+    monkeypatch.setattr(adapter, "REPLAY_TIMEOUT_S", 60.0)  # the answer is held back by the test, not lost
+    publisher.publish(stored(1, 1))
+    publisher.publish(stored(2, 1))
+    assert wait_until(lambda: (pump._drain(), A in pump._fetches)[1])
+    assert pump._fetches[A].kind == "gap"
+    # While A waits for its replay buffer, B's events are applied; A's live batch 2 waits for the gap.
+    second_publisher.publish(stored(1, 2))
+    assert wait_until(lambda: (pump._drain(), index.snapshot().num_blocks_by_replica[B] == 3)[1])
+    assert A in pump._fetches and index.snapshot().num_blocks_by_replica[A] == 1
+    hold_answers(False)
+    answered(pump)
+    assert index.snapshot().num_blocks_by_replica[A] == 3
+    state = pump.stream_states()[A]
+    assert (state["last_seq"], state["num_gaps"]) == (2, 0)
+
+
+def test_a_gap_the_replay_buffer_does_not_fill_in_time_resynchronises(publisher, new_pump, monkeypatch):
+    publisher.publish(stored(0, 1))
+    published(publisher, 1)
+    pump = new_pump()
+    subscribe(pump)
+    lose_batch_1_of_a(pump, monkeypatch)  # answers held back for good
+    monkeypatch.setattr(adapter, "REPLAY_TIMEOUT_S", 0.2)
+    publisher.publish(stored(1, 1))
+    publisher.publish(stored(2, 1))
+    assert wait_until(lambda: (pump._drain(), A in pump._fetches)[1])
+    answered(pump)
+    state = pump.stream_states()[A]
+    # The replica is cleared at the gap, and block 2, whose parent the index lost, is not indexed.
+    assert (state["last_seq"], state["num_gaps"]) == (2, 1)
+    assert indexed_blocks(pump) == 0

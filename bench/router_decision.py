@@ -14,6 +14,9 @@ Measures, at block size 32 with 16 replicas and an index of about 200k blocks:
   (list -> array), reported on its own as `request_build_us`, and the expiry
   of earlier pending placements, which the router's event thread sweeps
   between decisions (`expire_pending`), reported as `expiry_sweep_p50_us`.
+- the session case at 8k tokens with 16, 64 and 256 candidate replicas: the
+  policy's passes over every candidate (load guard, scorers, ranking) grow
+  with the replica count while hashing and the lookup do not.
 - index memory per (replica, block) entry, with tracemalloc.
 - event ingest rate: msgpack frames -> `decode_event_message` ->
   `ReplicaEventStream.accept` -> `PrefixIndex.apply`.
@@ -50,6 +53,8 @@ BLOCK_SIZE = 32
 NUM_REPLICAS = 16
 MODEL = "warmpath-tiny"
 PROMPT_SIZES = (1024, 8192, 32768)
+CASES = ("cold", "warm", "session")
+REPLICA_COUNTS = (16, 64, 256)
 SUFFIX_TOKENS = 256
 TARGET_P99_US_AT_8K = 200.0
 TARGET_INGEST_BLOCKS_PER_S = 50_000.0
@@ -137,9 +142,12 @@ def index_bytes(frames) -> tuple[int, int, int]:
     return current, sum(snap.num_blocks_by_replica.values()), snap.num_unique_blocks
 
 
-def bench_decisions(rng: random.Random, index: PrefixIndex, num_tokens: int, iterations: int) -> dict[str, dict]:
+def bench_decisions(
+    rng: random.Random, index: PrefixIndex, num_tokens: int, iterations: int,
+    num_replicas: int = NUM_REPLICAS, cases: tuple[str, ...] = CASES,
+) -> dict[str, dict]:
     policy = PrefixAwarePolicy(RouterConfig(), BLOCK_SIZE, rng=random.Random(rng.random()))
-    replica_ids = [ReplicaId(f"replica-{i}") for i in range(NUM_REPLICAS)]
+    replica_ids = [ReplicaId(f"replica-{i}") for i in range(num_replicas)]
     loads = {r: ReplicaLoad(rng.randrange(4), 0, rng.random() * 0.5) for r in replica_ids}
     sessions: dict[str, ReplicaId] = {}
     decoder = make_batch_decoder()
@@ -153,7 +161,7 @@ def bench_decisions(rng: random.Random, index: PrefixIndex, num_tokens: int, ite
         index.apply(replica_ids[i], decode_event_message([b"", bytes(8), payload], decoder)[1].events)
     now_s = 1000.0 * num_tokens  # each size starts after every earlier pending entry expired
     results: dict[str, dict] = {}
-    for case in ("cold", "warm", "session"):
+    for case in cases:
         samples: list[int] = []
         sweeps: list[int] = []
         reasons: dict[str, int] = {}
@@ -204,6 +212,10 @@ def main() -> int:
     index = PrefixIndex(BLOCK_SIZE, 500_000, MODEL)
     ingest_s = ingest(frames, index)
     decisions = {n: bench_decisions(rng, index, n, args.iterations) for n in PROMPT_SIZES}
+    by_replicas = {
+        n: bench_decisions(rng, index, 8192, args.iterations, num_replicas=n, cases=("session",))["session"]
+        for n in REPLICA_COUNTS
+    }
 
     result = {
         "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
@@ -214,8 +226,9 @@ def main() -> int:
         "index_bytes_per_unique_block": round(traced_bytes / num_unique, 1),
         "ingest_blocks_per_s": round(num_event_blocks / ingest_s),
         "decisions": {str(n): r for n, r in decisions.items()},
+        "session_8k_by_replicas": {str(n): r for n, r in by_replicas.items()},
     }
-    p99_8k = max(decisions[8192][case]["p99_us"] for case in ("cold", "warm", "session"))
+    p99_8k = max(decisions[8192][case]["p99_us"] for case in CASES)
     result["targets"] = {
         "p99_decision_us_at_8k": {"target": TARGET_P99_US_AT_8K, "worst_case": p99_8k,
                                   "met": p99_8k <= TARGET_P99_US_AT_8K},
@@ -227,10 +240,13 @@ def main() -> int:
           f"{result['index_bytes_per_entry']} B/entry; ingest {result['ingest_blocks_per_s']} blocks/s")
     print(f"{'tokens':>7} {'case':>8} {'p50 us':>9} {'p99 us':>9} {'sweep us':>9}  reasons")
     for n, per_case in decisions.items():
-        for case in ("cold", "warm", "session"):
+        for case in CASES:
             row = per_case[case]
             print(f"{n:>7} {case:>8} {row['p50_us']:>9} {row['p99_us']:>9} {row['expiry_sweep_p50_us']:>9}  {row['reasons']}")
         print(f"{n:>7} {'build':>8} {per_case['request_build_us']:>9}  (RoutingRequest from a list, excluded above)")
+    print(f"{'replicas':>8} {'p50 us':>9} {'p99 us':>9}  (session, 8k tokens)")
+    for n, row in by_replicas.items():
+        print(f"{n:>8} {row['p50_us']:>9} {row['p99_us']:>9}")
     for name, target in result["targets"].items():
         print(f"target {name}: {'met' if target['met'] else 'NOT met'} {target}")
 

@@ -18,6 +18,7 @@ Configs do no I/O beyond `load_config` reading the file, and hold no runtime sta
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 from pathlib import Path
 from typing import Literal, Mapping
@@ -159,9 +160,9 @@ class RouterConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_weights(self) -> "RouterConfig":
-        bad = {k: v for k, v in self.scorer_weights.items() if v < 0}
+        bad = {k: v for k, v in self.scorer_weights.items() if not 0 <= v < math.inf}
         if bad:
-            raise ValueError(f"router.scorer_weights must be >= 0, got {bad}")
+            raise ValueError(f"router.scorer_weights must be finite and >= 0, got {bad}")
         return self
 
 

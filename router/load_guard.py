@@ -73,6 +73,8 @@ def apply_load_guard(
     mean_after = (sum(counts) + 1) / len(counts)
     # The epsilon keeps float noise (1.1 * 10 = 11.000000000000002) from adding a request.
     limit = max(math.ceil(load_guard_factor * mean_after - 1e-9), min_requests)
+    if max(counts) < limit:  # the usual case: nobody is over it
+        return list(replica_ids), []
     is_kept = [n + 1 <= limit for n in counts]
     if not any(is_kept):
         lightest = min(counts)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from itertools import chain
 from typing import Mapping, MutableMapping, Sequence
 
 from cluster.config import RouterConfig
@@ -243,6 +244,8 @@ class PrefixAwarePolicy:
         # at most the blocks before it (e.g. 1184 of 1206 tokens at block 32).
         block_size = self._block_size_tokens
         usable_blocks = max(request.num_tokens - 1, 0) // block_size
-        return {
-            r: min(prefix_blocks.get(r, 0), usable_blocks) * block_size for tier in ranked for r in tier
-        }
+        predicted = dict.fromkeys(chain.from_iterable(ranked), 0)
+        for r, n in prefix_blocks.items():
+            if r in predicted:
+                predicted[r] = min(n, usable_blocks) * block_size
+        return predicted

@@ -56,6 +56,9 @@ class ReplicaLoad:
     num_ongoing_requests: int
     num_queued_requests: int = 0
     kv_cache_usage: float = 0.0
+    # Requests the replica holds, running or waiting: what the load guard compares. Stored, not a
+    # property, since every decision reads it for every candidate.
+    num_requests: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_ongoing_requests < 0 or self.num_queued_requests < 0:
@@ -65,11 +68,7 @@ class ReplicaLoad:
             )
         if not 0.0 <= self.kv_cache_usage <= 1.0:
             raise ValueError(f"kv_cache_usage must lie in [0, 1], got {self.kv_cache_usage}")
-
-    @property
-    def num_requests(self) -> int:
-        """Requests the replica holds, running or waiting: what the load guard compares."""
-        return self.num_ongoing_requests + self.num_queued_requests
+        object.__setattr__(self, "num_requests", self.num_ongoing_requests + self.num_queued_requests)
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,15 @@ class ScoringState:
     active_sessions: Mapping[ReplicaId, int] = field(default_factory=dict)
 
 
-def shares_of_busiest_plus_one(counts: Mapping[ReplicaId, int], replica_ids: Sequence[ReplicaId]) -> dict[ReplicaId, float]:
-    """Each candidate's count over one more than the largest candidate's count (absent: 0).
+def shares_of_busiest_plus_one(counts: Sequence[int]) -> list[float]:
+    """Each candidate's count over one more than the largest candidate's count, in the same order.
 
     Relative, because replicas do not report their capacity; the +1 keeps a
     single request or session against none from spanning the whole [0, 1) range.
+    Lists, not maps: the dense scorers run this over every candidate of every decision.
     """
-    scale = 1.0 / (max((counts.get(r, 0) for r in replica_ids), default=0) + 1)
-    return {r: counts.get(r, 0) * scale for r in replica_ids}
+    scale = 1.0 / (max(counts, default=0) + 1)
+    return [count * scale for count in counts]
 
 
 class Scorer(Protocol):

@@ -39,6 +39,8 @@ class LoadScorer:
         Returns:
             Replica -> score for every candidate.
         """
-        loads = state.loads
-        shares = shares_of_busiest_plus_one({r: loads[r].num_requests for r in replica_ids}, replica_ids)
-        return {r: 1.0 - (shares[r] + loads[r].kv_cache_usage) / 2.0 for r in replica_ids}
+        candidate_loads = list(map(state.loads.__getitem__, replica_ids))
+        shares = shares_of_busiest_plus_one([load.num_requests for load in candidate_loads])
+        return {
+            r: 1.0 - (share + load.kv_cache_usage) / 2.0 for r, share, load in zip(replica_ids, shares, candidate_loads)
+        }

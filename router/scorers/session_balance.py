@@ -14,6 +14,7 @@ See `router.session_activity` for what counts as active.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Sequence
 
 from router.scorers import ScoringState, shares_of_busiest_plus_one
@@ -36,5 +37,5 @@ class SessionBalanceScorer:
         Returns:
             Replica -> score for every candidate.
         """
-        shares = shares_of_busiest_plus_one(state.active_sessions, replica_ids)
-        return {r: 1.0 - shares[r] for r in replica_ids}
+        shares = shares_of_busiest_plus_one(list(map(state.active_sessions.get, replica_ids, repeat(0))))
+        return {r: 1.0 - share for r, share in zip(replica_ids, shares)}

@@ -63,6 +63,7 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"router": {"policy": "random"}}, "router.policy"),
         ({"router": {"load_guard_factor": 0.5}}, "router.load_guard_factor"),
         ({"router": {"scorer_weights": {"load": -1}}}, ">= 0"),
+        ({"router": {"scorer_weights": {"load": float("inf")}}}, "finite"),
         ({"ports": {"http_port": 9000}}, "both 9000"),
         ({"replicas": {"num_replica": 2}}, "replicas.num_replica"),
     ],

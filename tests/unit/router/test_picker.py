@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from router.picker import clamp_score, rank_tiers, total_scores
+from router.picker import rank_tiers, total_scores
 from router.types import ReplicaId
 
 A, B, C, D = (ReplicaId(x) for x in "abcd")
@@ -17,8 +17,8 @@ A, B, C, D = (ReplicaId(x) for x in "abcd")
     ("value", "expected"),
     [(-0.5, 0.0), (0.0, 0.0), (0.25, 0.25), (1.0, 1.0), (7.0, 1.0), (math.nan, 0.0), (math.inf, 1.0)],
 )
-def test_clamp(value, expected):
-    assert clamp_score(value) == expected
+def test_each_score_is_clamped_before_weighting(value, expected):
+    assert total_scores([A], [(2.0, {A: value})]) == {A: 2.0 * expected}
 
 
 @pytest.mark.parametrize(

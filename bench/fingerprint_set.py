@@ -71,7 +71,7 @@ class FingerprintSet:
     def _merge(self) -> None:
         recent = np.fromiter(self._recent, dtype=np.uint64, count=len(self._recent))
         recent.sort()
-        self._sorted = insert_sorted(self._sorted, recent)
+        (self._sorted,) = insert_sorted(self._sorted, recent)
         self._recent = set()
 
 
@@ -89,11 +89,13 @@ def locate(held: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return positions, found
 
 
-def insert_sorted(held: np.ndarray, new: np.ndarray, *rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray | tuple:
-    """`held` with the sorted `new` keys merged in, skipping those already held, in one allocation.
+def insert_sorted(
+    held: np.ndarray, new: np.ndarray, *rows: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, ...]:
+    """(`held` with the sorted `new` keys merged in, skipping those already held, in one allocation, *rows).
 
     Each of `rows` is (an array parallel to `held`, rows parallel to `new`),
-    merged the same way; then the result is (keys, merged arrays...).
+    merged the same way, in the result after the keys.
     Memory: the result plus a byte per element, not the two or three copies
     a concatenate-and-sort needs (the arrays run to gigabytes).
     """
@@ -102,10 +104,7 @@ def insert_sorted(held: np.ndarray, new: np.ndarray, *rows: tuple[np.ndarray, np
     if not is_new.all():
         new, positions = new[is_new], positions[is_new]
         rows = tuple((array, added[is_new]) for array, added in rows)
-    keys = np.insert(held, positions, new)
-    if not rows:
-        return keys
-    return (keys, *(np.insert(array, positions, added, axis=0) for array, added in rows))
+    return (np.insert(held, positions, new), *(np.insert(array, positions, added, axis=0) for array, added in rows))
 
 
 __all__ = ["FingerprintSet", "MIN_BUFFER_BLOCKS", "fingerprint", "fingerprints", "insert_sorted", "locate", "position_of"]

@@ -63,9 +63,9 @@ from serve_apps.access import AccessDenied, AccessGuard, Caller, GuardSettings, 
 from serve_apps.api_errors import engine_error, error_type, validation_problem
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.ingress_http import TURN_ERROR_STATUS
-from serve_apps.orchestrator.deployment import sse_payloads
 from serve_apps.orchestrator.models import Message
 from serve_apps.orchestrator.prompt import to_wire_message
+from serve_apps.sse_frames import sse_payloads
 from serve_apps.vllm_replica import ServedBy
 from warmpath.v1 import agent_pb2, inference_pb2
 

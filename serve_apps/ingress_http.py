@@ -40,6 +40,7 @@ from router import decision_log
 from serve_apps.access import Caller
 from serve_apps.api_errors import engine_error, error_body, exception_response
 from serve_apps.metrics import record_model_call
+from serve_apps.sse_frames import data_objects
 from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.vllm_replica import ServedBy
 
@@ -107,29 +108,15 @@ async def _recording_usage(
 
 def _frame_usage(frame: str) -> Optional[dict]:
     """The `usage` of the last `data:` chunk in `frame` that has one."""
-    usage_seen = None
-    for line in frame.splitlines():
-        if line.startswith("data: {"):
-            try:
-                usage = json.loads(line[len("data: "):]).get("usage")
-            except ValueError:
-                continue
-            if isinstance(usage, dict):
-                usage_seen = usage
-    return usage_seen
+    usages = [chunk["usage"] for _, chunk in data_objects(frame.splitlines()) if isinstance(chunk.get("usage"), dict)]
+    return usages[-1] if usages else None
 
 
 def readable_error_frame(frame: str) -> str:
     """`frame` with each `data:` chunk's `error` in the API's error shape (`serve_apps.api_errors`)."""
     lines = frame.split("\n")
-    for position, line in enumerate(lines):
-        if not line.startswith("data: {"):
-            continue
-        try:
-            chunk = json.loads(line[len("data: "):])
-        except ValueError:
-            continue
-        error = chunk.get("error") if isinstance(chunk, dict) else None
+    for position, chunk in data_objects(lines):
+        error = chunk.get("error")
         if isinstance(error, dict):
             status, message = engine_error(error)
             chunk["error"] = error_body(status or 500, message)["error"]

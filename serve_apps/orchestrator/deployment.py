@@ -53,6 +53,7 @@ from serve_apps.orchestrator.store import (
 )
 from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.turns import ModelReply, ModelRetry, TurnFailed, TurnRunner, pending_client_calls
+from serve_apps.sse_frames import sse_payloads
 from serve_apps.vllm_replica import ServedBy
 
 logger = logging.getLogger("ray.serve")
@@ -179,15 +180,6 @@ class HandleModelClient:
             _tool_call(index, call) for index, call in sorted(calls.items())
         ]
         yield reply
-
-
-def sse_payloads(chunk: str) -> list[dict]:
-    """The JSON payloads of one streamed engine output (`data: {...}` lines, `[DONE]` skipped)."""
-    out = []
-    for line in str(chunk).splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            out.append(json.loads(line[len("data: "):]))
-    return out
 
 
 def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]) -> str:

@@ -1,0 +1,39 @@
+"""Reading the `data: {...}` lines of vLLM's streamed chat output.
+
+Why one reader: the orchestrator, the gRPC ingress and the HTTP ingress all
+look inside the same server-sent-event text (chunks, usage, errors), and a
+replica may batch several chunks into one frame, `data: [DONE]` included.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterator, Sequence
+
+DATA_PREFIX = "data: "
+DONE_LINE = "data: [DONE]"
+
+
+def data_objects(lines: Sequence[str], *, is_strict: bool = False) -> Iterator[tuple[int, dict]]:
+    """(line number, parsed object) of each `data:` line but `[DONE]`.
+
+    A data line that is not a JSON object is skipped, or with `is_strict`
+    raises ValueError: a reader that rebuilds the reply from the chunks must
+    not lose one silently, while one that passes frames on untouched need not care.
+    """
+    for position, line in enumerate(lines):
+        if not line.startswith(DATA_PREFIX) or line == DONE_LINE:
+            continue
+        try:
+            payload = json.loads(line[len(DATA_PREFIX):])
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict):
+            yield position, payload
+        elif is_strict:
+            raise ValueError(f"a streamed output line is not a JSON object: {line[:200]!r}")
+
+
+def sse_payloads(frame: str) -> list[dict]:
+    """The JSON objects of one streamed engine output, in order; raises ValueError on a malformed data line."""
+    return [payload for _, payload in data_objects(str(frame).splitlines(), is_strict=True)]

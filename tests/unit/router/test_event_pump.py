@@ -49,19 +49,28 @@ def wait_until(predicate, timeout_s: float = 10.0) -> bool:
     return True
 
 
+def new_publisher(tmp_path, suffix: str = "") -> ZmqEventPublisher:
+    return ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=f"ipc://{tmp_path}/pub{suffix}", replay_endpoint=f"ipc://{tmp_path}/replay{suffix}"
+    )
+
+
+def advertised(replica_id: ReplicaId, tmp_path, suffix: str = "", replay_endpoint: str | None = None):
+    """A running replica as the router sees it, advertising `new_publisher(tmp_path, suffix)`'s endpoints."""
+    stats = {"kv_events_endpoint": f"ipc://{tmp_path}/pub{suffix}",
+             "kv_events_replay_endpoint": replay_endpoint or f"ipc://{tmp_path}/replay{suffix}"}
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=replica_id), routing_stats=stats)
+
+
 @pytest.fixture
 def publisher(tmp_path):
-    pub = ZmqEventPublisher(
-        data_parallel_rank=0, endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay"
-    )
+    pub = new_publisher(tmp_path)
     yield pub
     pub.shutdown()
 
 
 def make_pump(tmp_path, replay_endpoint: str | None = None) -> _EventPump:
-    stats = {"kv_events_endpoint": f"ipc://{tmp_path}/pub",
-             "kv_events_replay_endpoint": replay_endpoint or f"ipc://{tmp_path}/replay"}
-    replica = SimpleNamespace(replica_id=SimpleNamespace(unique_id=A), routing_stats=stats)
+    replica = advertised(A, tmp_path, replay_endpoint=replay_endpoint)
     router = SimpleNamespace(curr_replicas={A: replica}, lock=threading.Lock(), index=PrefixIndex(BS, 1000, "m"))
     return _EventPump(router)
 
@@ -292,16 +301,9 @@ B = ReplicaId("b")
 
 @pytest.fixture
 def second_publisher(tmp_path):
-    pub = ZmqEventPublisher(
-        data_parallel_rank=0, endpoint=f"ipc://{tmp_path}/pub-b", replay_endpoint=f"ipc://{tmp_path}/replay-b"
-    )
+    pub = new_publisher(tmp_path, "-b")
     yield pub
     pub.shutdown()
-
-
-def add_replica_b(pump: _EventPump, tmp_path) -> None:
-    stats = {"kv_events_endpoint": f"ipc://{tmp_path}/pub-b", "kv_events_replay_endpoint": f"ipc://{tmp_path}/replay-b"}
-    pump._router.curr_replicas[B] = SimpleNamespace(replica_id=SimpleNamespace(unique_id=B), routing_stats=stats)
 
 
 def lose_batch_1_of_a(pump: _EventPump, monkeypatch) -> Callable[[bool], None]:
@@ -323,7 +325,7 @@ def test_a_gap_is_filled_from_the_replay_buffer_while_other_replicas_go_on(
     published(publisher, 1)
     published(second_publisher, 1)
     pump = new_pump()
-    add_replica_b(pump, tmp_path)
+    pump._router.curr_replicas[B] = advertised(B, tmp_path, "-b")
     subscribe(pump)
     index = pump._router.index
     assert index.snapshot().num_blocks_by_replica == {A: 1, B: 1}

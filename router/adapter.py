@@ -216,7 +216,9 @@ class _EventPump(threading.Thread):
                 if answer is None and time.monotonic() < fetch.deadline:
                     continue
                 busy = True
-                self._finish_fetch(replica_id, source, stream, fetch, answer or source.abandon_buffered())
+                self._finish_fetch(
+                    replica_id, source, stream, fetch, answer if answer is not None else source.abandon_buffered()
+                )
                 if replica_id in self._fetches:
                     continue
             batches = source.poll_batches(256)

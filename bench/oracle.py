@@ -151,6 +151,7 @@ class StreamingBounds:
         self._seen = FingerprintSet()  # every block the infinite cache holds: ~8 bytes each
         self._caches = [BlockCache(capacity_blocks) for _ in range(num_replicas)]
         self._owners: dict[BlockHash, int] = {}
+        self._bits = [1 << replica for replica in range(num_replicas)]  # one object per replica, shared by masks
         self._clock = 0  # one clock for every replica's cache, so their LRU stamps compare
         # Per replica (cached blocks, LRU stamp, index): the placement's tie-break, kept current by `_use`.
         self._fill_then_age = [(0, 0, replica) for replica in range(num_replicas)]
@@ -183,7 +184,7 @@ class StreamingBounds:
         self._use(replica, chain)
 
     def _use(self, replica: int, chain: Sequence[BlockHash], num_cached: int | None = None) -> None:
-        bit = 1 << replica
+        bit = self._bits[replica]
         self._clock += 1
         cache = self._caches[replica]
         first_new, evicted = cache.use(chain, num_cached, self._clock)

@@ -40,8 +40,8 @@ from router import decision_log
 from serve_apps.access import Caller
 from serve_apps.api_errors import engine_error, error_body, exception_response
 from serve_apps.metrics import record_model_call
-from serve_apps.sse_frames import data_objects
 from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
+from serve_apps.sse_frames import data_objects
 from serve_apps.vllm_replica import ServedBy
 
 logger = logging.getLogger("ray.serve")

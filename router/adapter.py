@@ -174,7 +174,7 @@ class _EventPump(threading.Thread):
             self._fetches[replica_id] = _Fetch("history", time.monotonic() + HISTORY_TIMEOUT_S)
 
     def _load_history(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
-                      answer: BufferedBatches) -> None:
+                      answer: BufferedBatches, deadline: float) -> None:
         """Applies the replica's replay buffer if it came whole; asks again from a hole in it.
 
         Live batches wait in the SUB socket meanwhile, so they follow the history in order. An answer cut
@@ -183,7 +183,6 @@ class _EventPump(threading.Thread):
         the deadline passes between the two, the first live batch is a gap, which `_drain` fills from the
         buffer or resolves by clearing the replica: the index may under-predict, never over-predict.
         """
-        deadline = self._fetches.pop(replica_id).deadline
         if not answer.is_complete:
             logger.warning("replay buffer of replica %s did not answer in time; starting from live events", replica_id)
             return
@@ -237,10 +236,10 @@ class _EventPump(threading.Thread):
     def _finish_fetch(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
                       fetch: _Fetch, answer: BufferedBatches) -> None:
         """Uses a replay answer, whole or cut off by its deadline, for what it was asked for."""
-        if fetch.kind == "history":
-            self._load_history(replica_id, source, stream, answer)
-            return
         del self._fetches[replica_id]
+        if fetch.kind == "history":
+            self._load_history(replica_id, source, stream, answer, fetch.deadline)
+            return
         if fetch.kind == "probe":
             self._end_probe(replica_id, source, stream, answer)
             return

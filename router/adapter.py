@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import RouterConfig
 from router import decision_log
-from router.events import BufferedBatches, ReplicaEventStream, ZmqEventSource
+from router.events import DEFAULT_MAX_REPLAY_BATCHES, BufferedBatches, ReplicaEventStream, ZmqEventSource
 from router.index import PrefixIndex
 from router.inflight import InflightRequests
 from router.policy import PrefixAwarePolicy
@@ -162,7 +162,7 @@ class _EventPump(threading.Thread):
             if replica_id in self._sources:
                 continue
             source = ZmqEventSource(endpoint, replay_endpoint=replay_endpoint)
-            stream = ReplicaEventStream(replica_id, router.index)
+            stream = ReplicaEventStream(replica_id, router.index, DEFAULT_MAX_REPLAY_BATCHES if replay_endpoint else 0)
             self._sources[replica_id] = (endpoint, source, stream)
             self.watch.subscribed(replica_id)
             self._request_history(replica_id, source)
@@ -225,11 +225,6 @@ class _EventPump(threading.Thread):
                 continue
             busy = True
             self.watch.batch_received(replica_id, time.monotonic())
-            last_seq = stream.snapshot().last_seq
-            if last_seq is not None and batches[0][0] > last_seq + 1 and source.request_buffered(last_seq + 1):
-                # Fill the gap from the replay buffer before applying what follows it, without waiting here.
-                self._fetches[replica_id] = _Fetch("gap", time.monotonic() + REPLAY_TIMEOUT_S, batches)
-                continue
             self._apply_live(replica_id, source, stream, batches)
         return busy
 
@@ -243,18 +238,31 @@ class _EventPump(threading.Thread):
         if fetch.kind == "probe":
             self._end_probe(replica_id, source, stream, answer)
             return
-        # A gap: what the buffer held of it, then the live batches after it. If the buffer could not fill
-        # the gap, `accept` resynchronises.
-        last_seq, first_seq = stream.snapshot().last_seq, fetch.held[0][0]
-        replayed = [b for b in answer.batches if last_seq is None or last_seq < b[0] < first_seq]
-        self._apply_live(replica_id, source, stream, replayed + fetch.held)
+        self._apply_live(replica_id, source, stream, fetch.held, answer.batches)
 
     def _apply_live(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
-                    batches: list) -> None:
-        """Applies batches in order under the routing lock, then reloads the replica if it looks blind."""
+                    batches: list, replayed: list | None = None) -> None:
+        """Applies batches in order under the routing lock, then reloads the replica if it looks blind.
+
+        At a gap the replica's replay buffer may fill, it asks the buffer for the missing batches and holds
+        the rest in a `_Fetch` instead; `_finish_fetch` brings them back here with the answer as `replayed`,
+        which fills the gap before the first of them, or, if batches are missing from it, `accept`
+        resynchronises.
+        """
+        num_applied = 0
         with self._router.lock:
             for seq, batch in batches:
-                stream.accept(seq, batch)
+                if replayed is None and stream.fillable_gap_before(seq):
+                    break
+                stream.accept(seq, batch, replayed or ())
+                replayed, num_applied = None, num_applied + 1
+        if num_applied < len(batches):
+            held = batches[num_applied:]
+            if source.request_buffered(stream.next_seq()):
+                self._fetches[replica_id] = _Fetch("gap", time.monotonic() + REPLAY_TIMEOUT_S, held)
+            else:  # no replay socket after all: resynchronise at once
+                self._apply_live(replica_id, source, stream, held, [])
+            return
         snapshot = stream.snapshot()
         if self.watch.looks_blind(
             replica_id, snapshot.num_stored_blocks, snapshot.num_orphaned_blocks, time.monotonic()

@@ -12,25 +12,29 @@ socket is a ROUTER: a DEALER sends `[b"", start_seq]` and receives
 Resync rule (`ReplicaEventStream.accept`):
 - seq == expected (last + 1; 0 for the first batch): apply.
 - anything else (joining late, a jump forward, or a restart back to a lower
-  seq): the batches [expected, seq) are missing. If a replay function is configured, the
-  gap is at most `max_replay_batches` long (the publisher's buffer) and the
-  replay returns all of them, they are applied in order. Otherwise the replica's
-  indexed blocks are cleared (except on the first batch, when there is nothing
-  to clear) and the stream starts fresh from this batch. Blocks stored before
-  the gap are then unknown and later blocks that extend them are skipped
-  (unknown parent): the index under-predicts, never over-predicts.
+  seq): the batches [expected, seq) are missing. A gap the publisher's buffer
+  can hold (`fillable_gap_before`: at most `max_replay_batches` long) is worth
+  asking the replay socket for; if the caller passes the answer to `accept`
+  and it holds every missing batch, they are applied in order. Otherwise the
+  replica's indexed blocks are cleared (except on the first batch, when there
+  is nothing to clear) and the stream starts fresh from this batch. Blocks
+  stored before the gap are then unknown and later blocks that extend them are
+  skipped (unknown parent): the index under-predicts, never over-predicts.
 - After `accept_replayed` (history fetched when subscribing, or batches a
   probe found the subscription had missed), the subscription's own copies of
   those batches are dropped as duplicates until a newer one arrives.
+
+The stream never talks to the network: fetching from the replay socket
+(`ZmqEventSource.request_buffered` and `collect_buffered`) is the caller's,
+so that one replica's fetch never holds up another's events.
 
 Importing this module does not import vLLM; `make_batch_decoder` does.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import msgspec
 
@@ -45,7 +49,6 @@ END_SEQ_BYTES = (-1).to_bytes(8, "big", signed=True)
 # vLLM's default `KVEventsConfig.buffer_steps`: how many batches a publisher keeps for replay.
 DEFAULT_MAX_REPLAY_BATCHES = 10_000
 
-ReplayFn = Callable[[int], Sequence[tuple[int, "KVEventBatch"]]]
 StreamOutcome = Literal["applied", "replayed", "resynced", "started", "duplicate"]
 
 
@@ -88,7 +91,8 @@ def decode_event_message(frames: Sequence[bytes], decoder: msgspec.msgpack.Decod
 
 @dataclass(frozen=True, slots=True)
 class StreamSnapshot:
-    """Stream position and counters. `num_gaps` excludes joining late (the first batch).
+    """Stream position and counters. `num_gaps` excludes joining late (the first batch);
+    `num_replayed_gaps` counts those of them filled from the replay buffer.
 
     `num_skipped_blocks` counts stored blocks the index did not place, and
     `num_orphaned_blocks` those of them whose parent it does not know (stored
@@ -136,24 +140,17 @@ class ReplicaEventStream:
     """
 
     def __init__(
-        self,
-        replica_id: ReplicaId,
-        index: PrefixIndex,
-        replay: ReplayFn | None = None,
-        max_replay_batches: int = DEFAULT_MAX_REPLAY_BATCHES,
+        self, replica_id: ReplicaId, index: PrefixIndex, max_replay_batches: int = DEFAULT_MAX_REPLAY_BATCHES
     ) -> None:
         """Args:
         replica_id: whose events these are.
         index: where to apply them.
-        replay: optional; returns buffered batches with seq >= its argument
-            (e.g. `ZmqEventSource.replay`, which blocks up to its timeout).
-            Called only on a gap, from inside `accept`.
-        max_replay_batches: larger gaps are not even asked for (the
-            publisher's buffer holds this many batches: its `buffer_steps`).
+        max_replay_batches: how many batches the publisher's replay buffer
+            holds (its `buffer_steps`; 0 without a replay socket): a longer
+            gap is not worth asking for.
         """
         self.replica_id = replica_id
         self._index = index
-        self._replay = replay
         self._max_replay_batches = max_replay_batches
         self._last_seq: int | None = None
         self._replayed_through: int | None = None
@@ -164,15 +161,30 @@ class ReplicaEventStream:
         self._num_gaps = 0
         self._num_replayed_gaps = 0
 
-    def accept(self, seq: int, batch: KVEventBatch) -> StreamOutcome:
-        """Applies one received batch, resyncing first if batches are missing.
+    def fillable_gap_before(self, seq: int) -> bool:
+        """Whether batches are missing before `seq` that the replay buffer may still hold.
 
-        With a replay function, a gap makes this call block while the missing
-        batches are fetched: call it outside any lock the decision path takes.
+        False for the first batch (joining late: the history load is what covers that), a duplicate, a
+        batch in order, a restart (seq back down) and a gap longer than the buffer.
+        """
+        if self._last_seq is None or (self._replayed_through is not None and seq <= self._replayed_through):
+            return False
+        return 0 < seq - (self._last_seq + 1) <= self._max_replay_batches
+
+    def accept(
+        self, seq: int, batch: KVEventBatch, replayed: Sequence[tuple[int, KVEventBatch]] = ()
+    ) -> StreamOutcome:
+        """Applies one received batch, first filling a gap before it from `replayed` or resyncing.
+
+        Args:
+            seq, batch: as received.
+            replayed: what the replay buffer answered when asked for the
+                batches from `next_seq()` on (asked because
+                `fillable_gap_before(seq)`); ignored without a gap.
 
         Returns:
             "applied" (in order), "started" (first batch, nothing replayed),
-            "replayed" (missing batches fetched and applied first) or
+            "replayed" (missing batches taken from `replayed` and applied first),
             "resynced" (the replica's blocks were cleared) or "duplicate"
             (already applied from a replay; nothing done).
         """
@@ -186,7 +198,7 @@ class ReplicaEventStream:
         if seq != expected:
             if not is_first:
                 self._num_gaps += 1
-            missing = self._fetch_missing(expected, seq)
+            missing = self._missing_batches(replayed, expected, seq)
             if missing is not None:
                 for missing_batch in missing:
                     self._apply(missing_batch)
@@ -243,11 +255,13 @@ class ReplicaEventStream:
         self._num_orphaned_blocks += result.num_orphaned_blocks
         return result
 
-    def _fetch_missing(self, start: int, stop: int) -> list[KVEventBatch] | None:
-        """Batches [start, stop) from the replay buffer, or None unless all of them came back."""
-        if self._replay is None or not 0 < stop - start <= self._max_replay_batches:
+    def _missing_batches(
+        self, replayed: Sequence[tuple[int, KVEventBatch]], start: int, stop: int
+    ) -> list[KVEventBatch] | None:
+        """Batches [start, stop) taken from `replayed`, or None unless it holds every one of them."""
+        if not 0 < stop - start <= self._max_replay_batches:
             return None
-        wanted = {seq: batch for seq, batch in self._replay(start) if start <= seq < stop}
+        wanted = {seq: batch for seq, batch in replayed if start <= seq < stop}
         if len(wanted) != stop - start:
             return None
         return [wanted[seq] for seq in range(start, stop)]
@@ -261,8 +275,8 @@ class ZmqEventSource:
     method. Malformed messages are dropped and counted; the missing sequence
     number then shows up as a gap in `ReplicaEventStream`. One replay request
     is answered at a time: `request_buffered` starts it (giving up on an
-    unfinished one), `collect_buffered` or `abandon_buffered` ends it, and
-    `fetch_buffered` does both, blocking.
+    unfinished one), `collect_buffered` or `abandon_buffered` ends it; none of
+    them waits.
     """
 
     def __init__(
@@ -314,25 +328,6 @@ class ZmqEventSource:
             except EventDecodeError:
                 self.num_malformed_msgs += 1
         return out
-
-    def replay(self, start_seq: int, timeout_s: float = 0.5) -> list[tuple[int, KVEventBatch]]:
-        """Buffered batches with seq >= `start_seq` (what `fetch_buffered` got, complete or not)."""
-        return self.fetch_buffered(start_seq, timeout_s).batches
-
-    def fetch_buffered(self, start_seq: int, timeout_s: float = 0.5) -> BufferedBatches:
-        """Asks the replay socket for every buffered batch with seq >= `start_seq` (blocks up to `timeout_s`).
-
-        Returns what arrived before the end marker or the deadline; nothing,
-        not complete, when no replay endpoint is configured.
-        """
-        if not self.request_buffered(start_seq):
-            return BufferedBatches([], is_complete=False)
-        deadline = time.monotonic() + timeout_s
-        while (left_s := deadline - time.monotonic()) > 0:
-            assert self._dealer is not None
-            if self._dealer.poll(int(left_s * 1000) + 1) and (answer := self.collect_buffered()) is not None:
-                return answer
-        return self.abandon_buffered()
 
     def request_buffered(self, start_seq: int) -> bool:
         """Sends a replay request without waiting (False: no replay endpoint); collect with `collect_buffered`."""

@@ -343,7 +343,7 @@ def test_a_gap_is_filled_from_the_replay_buffer_while_other_replicas_go_on(
     answered(pump)
     assert index.snapshot().num_blocks_by_replica[A] == 3
     state = pump.stream_states()[A]
-    assert (state["last_seq"], state["num_gaps"]) == (2, 0)
+    assert (state["last_seq"], state["num_gaps"], state["num_replayed_gaps"]) == (2, 1, 1)
 
 
 def test_a_gap_the_replay_buffer_does_not_fill_in_time_resynchronises(publisher, new_pump, monkeypatch):
@@ -359,5 +359,43 @@ def test_a_gap_the_replay_buffer_does_not_fill_in_time_resynchronises(publisher,
     answered(pump)
     state = pump.stream_states()[A]
     # The replica is cleared at the gap, and block 2, whose parent the index lost, is not indexed.
-    assert (state["last_seq"], state["num_gaps"]) == (2, 1)
+    assert (state["last_seq"], state["num_gaps"], state["num_replayed_gaps"]) == (2, 1, 0)
     assert indexed_blocks(pump) == 0
+
+
+def test_a_gap_longer_than_the_replay_buffer_is_not_asked_for(publisher, new_pump, monkeypatch):
+    monkeypatch.setattr(adapter, "DEFAULT_MAX_REPLAY_BATCHES", 1)  # the publisher keeps one batch
+    publisher.publish(stored(0, 1))
+    published(publisher, 1)
+    pump = new_pump()
+    subscribe(pump)
+    source = pump._sources[A][1]
+    poll, request = source.poll_batches, source.request_buffered
+    asked: list[int] = []
+    monkeypatch.setattr(source, "poll_batches", lambda max_msgs: [b for b in poll(max_msgs) if b[0] not in (1, 2)])
+    monkeypatch.setattr(source, "request_buffered", lambda start_seq: (asked.append(start_seq), request(start_seq))[1])
+    for first in range(1, 4):
+        publisher.publish(stored(first, 1))
+    assert wait_until(lambda: (pump._drain(), pump.stream_states()[A]["last_seq"] == 3)[1])
+    assert asked == [] and not pump._fetches
+    state = pump.stream_states()[A]
+    assert (state["num_gaps"], state["num_replayed_gaps"]) == (1, 0)
+    assert indexed_blocks(pump) == 0
+
+
+def test_a_gap_in_the_middle_of_a_poll_is_filled_after_what_came_before_it(publisher, new_pump, monkeypatch):
+    publisher.publish(stored(0, 1))
+    published(publisher, 1)
+    pump = new_pump()
+    subscribe(pump)
+    _, source, stream = pump._sources[A]
+    monkeypatch.setattr(source, "poll_batches", lambda max_msgs: [])  # the test hands the pump its batches
+    for first in range(1, 4):
+        publisher.publish(stored(first, 1))
+    published(publisher, 4)
+    pump._apply_live(A, source, stream, [(1, stored(1, 1)), (3, stored(3, 1))])
+    assert indexed_blocks(pump) == 2 and pump._fetches[A].kind == "gap"  # batch 1 applied, 3 waits for 2
+    answered(pump)
+    assert indexed_blocks(pump) == 4
+    state = pump.stream_states()[A]
+    assert (state["last_seq"], state["num_gaps"], state["num_replayed_gaps"]) == (3, 1, 1)

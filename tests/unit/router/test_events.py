@@ -15,6 +15,7 @@ from vllm.distributed.kv_events import (
 )
 
 from router.events import (
+    BufferedBatches,
     EventDecodeError,
     ReplicaEventStream,
     ZmqEventSource,
@@ -58,6 +59,16 @@ def frames(seq: int, b: KVEventBatch, topic: bytes = b"kv") -> list[bytes]:
 
 def cached_blocks(index: PrefixIndex) -> int:
     return index.longest_prefix(hash_request_blocks(TOKENS, BS, root_hash(MODEL, None)), 0.0).get(A, 0)
+
+
+def fetch_buffered(source: ZmqEventSource, start_seq: int, timeout_s: float = 5.0) -> BufferedBatches:
+    """Asks `source`'s replay socket for the batches from `start_seq` on and waits for the end marker (or gives up
+    at the deadline, returning what came)."""
+    assert source.request_buffered(start_seq)
+    deadline = time.monotonic() + timeout_s
+    while (answer := source.collect_buffered()) is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return answer if answer is not None else source.abandon_buffered()
 
 
 @pytest.fixture(scope="module")
@@ -126,37 +137,60 @@ def test_stream_gap_rule(index, seqs_and_batches, outcomes, num_cached):
 
 
 @pytest.mark.parametrize(
-    ("buffer", "outcome", "num_cached"),
+    ("replayed", "outcome", "num_cached", "num_replayed_gaps"),
     [
-        # The replay buffer holds the missing batch 1: the gap is filled.
-        ({0: batch(stored(0, 2)), 1: batch(stored(2, 2, parent=1)), 2: batch(stored(4, 1, parent=3))}, "replayed", 5),
+        # The replay buffer's answer holds the missing batch 1: the gap is filled.
+        ([(0, batch(stored(0, 2))), (1, batch(stored(2, 2, parent=1))), (2, batch())], "replayed", 5, 1),
+        # In any order.
+        ([(1, batch(stored(2, 2, parent=1))), (0, batch())], "replayed", 5, 1),
         # Batch 1 is gone from the buffer: resync.
-        ({0: batch(stored(0, 2)), 2: batch(stored(4, 1, parent=3))}, "resynced", 0),
+        ([(0, batch(stored(0, 2))), (2, batch())], "resynced", 0, 0),
+        # Nothing asked for, or no answer.
+        ((), "resynced", 0, 0),
     ],
 )
-def test_stream_gap_filled_from_replay(index, buffer, outcome, num_cached):
-    def replay(start: int):
-        return [(seq, b) for seq, b in sorted(buffer.items()) if seq >= start]
-
-    stream = ReplicaEventStream(A, index, replay=replay)
-    assert stream.accept(0, buffer[0]) == "applied"
-    assert stream.accept(2, batch(stored(4, 1, parent=3))) == outcome
+def test_stream_gap_filled_from_replay(index, replayed, outcome, num_cached, num_replayed_gaps):
+    stream = ReplicaEventStream(A, index)
+    assert stream.accept(0, batch(stored(0, 2))) == "applied"
+    assert stream.fillable_gap_before(2)
+    assert stream.accept(2, batch(stored(4, 1, parent=3)), replayed) == outcome
     assert cached_blocks(index) == num_cached
-    assert stream.snapshot().num_gaps == 1
+    snapshot = stream.snapshot()
+    assert (snapshot.last_seq, snapshot.num_gaps, snapshot.num_replayed_gaps) == (2, 1, num_replayed_gaps)
 
 
-@pytest.mark.parametrize(("gap_seq", "max_replay_batches", "num_replay_calls"), [(5, 4, 1), (6, 4, 0)])
-def test_stream_asks_for_replay_only_within_the_buffer(index, gap_seq, max_replay_batches, num_replay_calls):
-    calls = []
+def test_stream_ignores_a_replay_answer_without_a_gap(index):
+    stream = ReplicaEventStream(A, index)
+    assert stream.accept(0, batch(stored(0, 2)), [(0, batch(stored(0, 4)))]) == "applied"
+    assert stream.accept(1, batch(stored(2, 1, parent=1)), [(5, batch())]) == "applied"
+    assert cached_blocks(index) == 3
 
-    def replay(start: int):
-        calls.append(start)
-        return []
 
-    stream = ReplicaEventStream(A, index, replay=replay, max_replay_batches=max_replay_batches)
+@pytest.mark.parametrize(
+    ("seq", "max_replay_batches", "is_fillable"),
+    [
+        (5, 4, True),  # batches 1-4 missing: as many as the buffer holds
+        (6, 4, False),  # one more than the buffer holds: the answer cannot fill it
+        (2, 0, False),  # no replay socket
+        (1, 4, False),  # in order
+        (0, 4, False),  # the publisher restarted
+    ],
+)
+def test_stream_finds_a_gap_worth_asking_for_only_within_the_buffer(index, seq, max_replay_batches, is_fillable):
+    stream = ReplicaEventStream(A, index, max_replay_batches=max_replay_batches)
+    assert not stream.fillable_gap_before(3)  # nothing received yet: joining late is for the history to cover
     stream.accept(0, batch(stored(0, 1)))
-    assert stream.accept(gap_seq, batch()) == "resynced"
-    assert len(calls) == num_replay_calls
+    assert stream.fillable_gap_before(seq) == is_fillable
+    # A longer gap is not filled even if an answer comes with it.
+    answer = [(s, batch()) for s in range(1, seq)]
+    assert stream.accept(seq, batch(), answer) == ("replayed" if is_fillable else "applied" if seq == 1 else "resynced")
+
+
+def test_stream_finds_no_gap_in_what_a_replay_already_applied(index):
+    stream = ReplicaEventStream(A, index)
+    stream.accept_replayed([(0, batch()), (1, batch()), (2, batch())])
+    assert not stream.fillable_gap_before(1)  # the subscription's own copy: a duplicate
+    assert stream.fillable_gap_before(4)
 
 
 def test_stream_reset_forgets_position_and_blocks(index):
@@ -177,7 +211,7 @@ def test_zmq_source_with_vllm_publisher_and_replay(tmp_path, index):
         sent = [batch(stored(0, 2)), batch(stored(2, 2, parent=1)), batch(stored(4, 4, parent=3))]
         for b in sent:
             publisher.publish(b)
-        stream = ReplicaEventStream(A, index, replay=source.replay)
+        stream = ReplicaEventStream(A, index)
         received = []
         deadline = time.monotonic() + 10
         while (not received or received[-1][0] < 2) and time.monotonic() < deadline:
@@ -187,7 +221,7 @@ def test_zmq_source_with_vllm_publisher_and_replay(tmp_path, index):
             time.sleep(0.01)
         assert received and received[-1][0] == 2
         assert cached_blocks(index) == 8
-        replayed = source.replay(0, timeout_s=5)
+        replayed = fetch_buffered(source, 0).batches
         assert [seq for seq, _ in replayed] == [0, 1, 2]
         assert [b.events for _, b in replayed] == [b.events for b in sent]
         assert source.num_malformed_msgs == 0
@@ -201,8 +235,9 @@ def test_zmq_source_poll_is_non_blocking(tmp_path):
     try:
         start = time.monotonic()
         assert source.poll_batches(10) == []
-        assert source.replay(0) == []  # no replay endpoint configured
-        assert not source.fetch_buffered(0).is_complete
+        assert not source.request_buffered(0)  # no replay endpoint configured
+        assert source.collect_buffered() is None
+        assert source.abandon_buffered() == BufferedBatches([], is_complete=False)
         assert time.monotonic() - start < 0.5
     finally:
         source.close()
@@ -232,20 +267,20 @@ def test_replayed_batches_older_than_the_stream_are_skipped(index):
     assert stream.accept_replayed([]) == 0
 
 
-def test_fetch_buffered_reports_completeness_and_resubscribe_reconnects(tmp_path, index):
+def test_a_replay_answer_reports_completeness_and_resubscribe_reconnects(tmp_path, index):
     pub_ep, replay_ep = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
     publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv")
     source = ZmqEventSource(pub_ep, topic="kv", replay_endpoint=replay_ep)
     silent = ZmqEventSource(pub_ep, topic="kv", replay_endpoint=f"ipc://{tmp_path}/nobody")
     try:
-        empty = source.fetch_buffered(0, timeout_s=5)
+        empty = fetch_buffered(source, 0)
         assert empty.batches == [] and empty.is_complete
         publisher.publish(batch(stored(0, 2)))
         deadline = time.monotonic() + 10
-        while not (answer := source.fetch_buffered(0, timeout_s=5)).batches and time.monotonic() < deadline:
+        while not (answer := fetch_buffered(source, 0)).batches and time.monotonic() < deadline:
             time.sleep(0.01)
         assert [seq for seq, _ in answer.batches] == [0] and answer.is_complete
-        unanswered = silent.fetch_buffered(0, timeout_s=0.2)
+        unanswered = fetch_buffered(silent, 0, timeout_s=0.2)
         assert unanswered.batches == [] and not unanswered.is_complete
 
         source.resubscribe()

@@ -329,9 +329,16 @@ def _workloads_and_policies(workload: str, policies: str) -> tuple[list[str], li
 
     names = list(WORKLOAD_NAMES) if workload == "all" else [workload]
     chosen = [p.strip() for p in policies.split(",") if p.strip()]
-    unknown = [n for n in names if n not in WORKLOAD_NAMES] + [p for p in chosen if p not in get_args(RouterPolicy)]
-    if unknown or not chosen:
-        typer.echo(f"unknown workload or policy: {', '.join(unknown) or '(no policy)'}", err=True)
+    known_policies = get_args(RouterPolicy)
+    problems = []
+    if bad_workloads := [n for n in names if n not in WORKLOAD_NAMES]:
+        problems.append(f"unknown workload {', '.join(bad_workloads)} (choose {', '.join(WORKLOAD_NAMES)} or all)")
+    if bad_policies := [p for p in chosen if p not in known_policies]:
+        problems.append(f"unknown policy {', '.join(bad_policies)} (choose from {', '.join(known_policies)})")
+    if not chosen:
+        problems.append(f"no policy given (choose from {', '.join(known_policies)})")
+    if problems:
+        typer.echo("; ".join(problems), err=True)
         raise typer.Exit(2)
     return names, chosen
 

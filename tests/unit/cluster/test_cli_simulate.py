@@ -27,3 +27,14 @@ def test_simulate_refuses_an_unknown_policy(tmp_path):
     assert result.exit_code == 2
     assert "fastest" in result.output
     assert not out.exists()
+
+
+def test_simulate_names_every_bad_choice_and_the_valid_ones(tmp_path):
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, ["simulate", "--workload", "chess", "--policies", "fastest", "--out", str(out)])
+    assert result.exit_code == 2
+    assert "unknown workload chess (choose shared-tools, coding, fanout or all)" in result.output
+    assert "unknown policy fastest (choose from warmpath, pow2" in result.output
+    result = CliRunner().invoke(app, ["simulate", "--policies", " , ", "--out", str(out)])
+    assert result.exit_code == 2 and "no policy given" in result.output
+    assert not out.exists()

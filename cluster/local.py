@@ -134,14 +134,26 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
 
 
 def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
-    """Joins `RAY_ADDRESS` if set, else starts a local Ray head with enough logical CPUs."""
+    """Joins `RAY_ADDRESS` if set, else starts a local Ray head with enough logical CPUs.
+
+    A local head that this state directory did not start is refused, not joined: deploying would
+    replace the application serving there (another `warmpath up`, the integration tests' cluster)
+    and `down` would delete it. `RAY_ADDRESS=auto` joins it deliberately.
+    """
     address = os.environ.get("RAY_ADDRESS")
     if address:
         progress(f"ray: joining {address}")
         state.ray_address = address
         return address
     if _ray_head_up():
-        progress("ray: a local head is already running; using it")
+        if not state.ray_started:
+            raise BringUpError(
+                "a Ray head is already running on this machine and was not started from this state directory "
+                f"({state_dir_of(cfg)}): another `warmpath up` (or the integration tests' cluster) may be serving "
+                "there, and deploying would replace its application. Stop it (`warmpath down` with its config, or "
+                "`ray stop`), or set RAY_ADDRESS=auto to deploy into it anyway."
+            )
+        progress("ray: the local head this state directory started is running; using it")
         state.ray_address = "auto"
         return "auto"
     # Logical CPUs: one bundle per replica plus room for the ingress and proxies.

@@ -1,4 +1,5 @@
-"""`warmpath down` stops vLLM engine processes orphaned by killed replicas, and only those."""
+"""`warmpath up` never deploys into a Ray head it did not start unless told to; `warmpath down` stops vLLM
+engine processes orphaned by killed replicas, and only those."""
 
 import os
 import subprocess
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.local import reap_orphaned_engines
+from cluster import local
+from cluster.config import load_config
+from cluster.local import BringUpError, LocalState, reap_orphaned_engines
 
 ORPHAN = """
 import os, sys, time, setproctitle
@@ -63,3 +66,35 @@ def test_orphaned_engines_are_reaped_and_other_processes_are_not():
                 os.kill(pid, 9)
             except OSError:
                 pass
+
+
+@pytest.fixture
+def head_up(monkeypatch):
+    """A Ray head answers `ray status` on this machine; `ray start` must not be run."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(local, "_ray_head_up", lambda: True)
+    monkeypatch.setattr(local.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}"))
+
+
+def test_a_head_this_state_dir_did_not_start_is_refused(tmp_path, head_up):
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    state = LocalState()
+    with pytest.raises(BringUpError, match=r"already running.*RAY_ADDRESS=auto") as err:
+        local.start_ray(cfg, state, progress=lambda msg: None)
+    assert str(tmp_path) in str(err.value)
+    assert state.ray_address is None  # so `down` deletes no application there
+
+
+def test_the_head_this_state_dir_started_is_used_again(tmp_path, head_up):
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    state = LocalState(ray_started=True)
+    assert local.start_ray(cfg, state, progress=lambda msg: None) == "auto"
+    assert state.ray_address == "auto" and state.ray_started
+
+
+def test_ray_address_joins_any_cluster_deliberately(tmp_path, head_up, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    state = LocalState()
+    assert local.start_ray(cfg, state, progress=lambda msg: None) == "auto"
+    assert state.ray_address == "auto" and not state.ray_started  # `down` leaves that head running

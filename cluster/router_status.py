@@ -21,6 +21,9 @@ def stream_problem(stream: Mapping[str, Any]) -> str | None:
         return "blind: every stored block arrived without its parent"
     if stream.get("num_stalls"):
         return "its event stream stalled and was resubscribed"
+    if (num_lost := stream.get("num_gaps", 0) - stream.get("num_replayed_gaps", 0)) > 0:
+        return (f"{num_lost} gap{'s' if num_lost > 1 else ''} in its event stream that its replay buffer did not "
+                "fill: the router forgot its blocks there")
     if stream.get("num_reloads"):
         return "the router lost track of its blocks and reloaded them from its replay buffer"
     return None

@@ -7,7 +7,8 @@ import pytest
 from cluster.router_status import router_status_lines, stream_problem
 
 HEALTHY = {"num_stored_blocks": 900, "num_orphaned_blocks": 0, "num_probes": 2, "num_stalls": 0,
-           "num_unreachable": 0, "num_reloads": 0, "seconds_since_last_batch": 1.4}
+           "num_unreachable": 0, "num_reloads": 0, "num_gaps": 1, "num_replayed_gaps": 1,
+           "seconds_since_last_batch": 1.4}
 
 
 @pytest.mark.parametrize(
@@ -19,6 +20,11 @@ HEALTHY = {"num_stored_blocks": 900, "num_orphaned_blocks": 0, "num_probes": 2, 
         ({"num_stalls": 1}, "its event stream stalled and was resubscribed"),
         ({"num_unreachable": 2, "num_stalls": 1}, "its replay buffer did not answer a probe"),
         ({"num_reloads": 1}, "the router lost track of its blocks and reloaded them from its replay buffer"),
+        ({"num_gaps": 2, "num_replayed_gaps": 2}, None),  # every gap filled from the replay buffer
+        ({"num_gaps": 3, "num_replayed_gaps": 1},
+         "2 gaps in its event stream that its replay buffer did not fill: the router forgot its blocks there"),
+        ({"num_gaps": 1, "num_replayed_gaps": 0, "num_reloads": 1},
+         "1 gap in its event stream that its replay buffer did not fill: the router forgot its blocks there"),
     ],
 )
 def test_stream_problem(changes, problem):

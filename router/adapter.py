@@ -238,7 +238,26 @@ class _EventPump(threading.Thread):
         if fetch.kind == "probe":
             self._end_probe(replica_id, source, stream, answer)
             return
-        self._apply_live(replica_id, source, stream, fetch.held, answer.batches)
+        if not self._fill_gap_in_part(replica_id, source, stream, fetch, answer):
+            self._apply_live(replica_id, source, stream, fetch.held, answer.batches)
+
+    def _fill_gap_in_part(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
+                          fetch: _Fetch, answer: BufferedBatches) -> bool:
+        """Applies the front of a gap from an answer with a hole in it, and asks again from the hole.
+
+        The publisher drops replies past its send queue's limit (1000), so an answer to a gap longer than
+        that holds its first batches only. False when the answer is no such front (it fills the gap whole,
+        or does not start where the gap does, or came too late): `_apply_live` then fills or resynchronises.
+        """
+        first_held = fetch.held[0][0]
+        run = [item for item in answer.leading_run() if item[0] < first_held]
+        if (not answer.is_complete or not run or run[0][0] != stream.next_seq() or run[-1][0] == first_held - 1
+                or time.monotonic() >= fetch.deadline):
+            return False
+        self._apply_replayed(stream, run)
+        source.request_buffered(stream.next_seq())
+        self._fetches[replica_id] = _Fetch("gap", fetch.deadline, fetch.held)
+        return True
 
     def _apply_live(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
                     batches: list, replayed: list | None = None) -> None:

@@ -363,6 +363,36 @@ def test_a_gap_the_replay_buffer_does_not_fill_in_time_resynchronises(publisher,
     assert indexed_blocks(pump) == 0
 
 
+def test_a_gap_fill_with_dropped_replies_is_asked_for_again_from_the_hole(publisher, new_pump, monkeypatch):
+    publisher.publish(stored(0, 1))
+    published(publisher, 1)
+    pump = new_pump()
+    subscribe(pump)
+    source = pump._sources[A][1]
+    poll, collect, request = source.poll_batches, source.collect_buffered, source.request_buffered
+    asked: list[int] = []
+
+    def collect_dropping_from_seq_3():
+        # The first answer to the gap [1, 5) loses its replies from seq 3 on, as past the publisher's send queue.
+        answer = collect()
+        if answer is None or asked[-1] != 1:
+            return answer
+        return BufferedBatches([b for b in answer.batches if b[0] < 3], is_complete=True)
+
+    monkeypatch.setattr(source, "poll_batches", lambda max_msgs: [b for b in poll(max_msgs) if not 1 <= b[0] <= 4])
+    monkeypatch.setattr(source, "collect_buffered", collect_dropping_from_seq_3)
+    monkeypatch.setattr(source, "request_buffered", lambda start_seq: (asked.append(start_seq), request(start_seq))[1])
+    monkeypatch.setattr(adapter, "REPLAY_TIMEOUT_S", 60.0)
+    for first in range(1, 6):
+        publisher.publish(stored(first, 1))
+    assert wait_until(lambda: (pump._drain(), A in pump._fetches)[1])
+    answered(pump)
+    assert asked == [1, 3]
+    assert indexed_blocks(pump) == 6
+    state = pump.stream_states()[A]
+    assert (state["last_seq"], state["num_gaps"], state["num_replayed_gaps"]) == (5, 1, 1)
+
+
 def test_a_gap_longer_than_the_replay_buffer_is_not_asked_for(publisher, new_pump, monkeypatch):
     monkeypatch.setattr(adapter, "DEFAULT_MAX_REPLAY_BATCHES", 1)  # the publisher keeps one batch
     publisher.publish(stored(0, 1))

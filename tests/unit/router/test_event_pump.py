@@ -306,13 +306,36 @@ def second_publisher(tmp_path):
     pub.shutdown()
 
 
+def subscribed_after_block_0(publisher: ZmqEventPublisher, new_pump) -> _EventPump:
+    """A pump subscribed to replica A once `publisher` published block 0 (loaded from its replay buffer)."""
+    publisher.publish(stored(0, 1))
+    published(publisher, 1)
+    pump = new_pump()
+    subscribe(pump)
+    return pump
+
+
+def lose_live_batches(source: ZmqEventSource, monkeypatch, seqs) -> None:
+    """The subscription of `source` misses the batches numbered in `seqs`."""
+    poll = source.poll_batches
+    monkeypatch.setattr(source, "poll_batches", lambda max_msgs: [b for b in poll(max_msgs) if b[0] not in seqs])
+
+
+def record_requests(source: ZmqEventSource, monkeypatch) -> list[int]:
+    """The start seqs of the replay requests `source` sends from now on."""
+    asked: list[int] = []
+    request = source.request_buffered
+    monkeypatch.setattr(source, "request_buffered", lambda start_seq: (asked.append(start_seq), request(start_seq))[1])
+    return asked
+
+
 def lose_batch_1_of_a(pump: _EventPump, monkeypatch) -> Callable[[bool], None]:
     """Replica A's subscription misses batch 1; returns a switch that holds back (True) or lets through
     (False) the answers of A's replay buffer."""
     source = pump._sources[A][1]
-    poll, collect = source.poll_batches, source.collect_buffered
+    collect = source.collect_buffered
     is_held = [True]
-    monkeypatch.setattr(source, "poll_batches", lambda max_msgs: [b for b in poll(max_msgs) if b[0] != 1])
+    lose_live_batches(source, monkeypatch, {1})
     monkeypatch.setattr(source, "collect_buffered", lambda: None if is_held[0] else collect())
     return lambda held: is_held.__setitem__(0, held)
 
@@ -347,10 +370,7 @@ def test_a_gap_is_filled_from_the_replay_buffer_while_other_replicas_go_on(
 
 
 def test_a_gap_the_replay_buffer_does_not_fill_in_time_resynchronises(publisher, new_pump, monkeypatch):
-    publisher.publish(stored(0, 1))
-    published(publisher, 1)
-    pump = new_pump()
-    subscribe(pump)
+    pump = subscribed_after_block_0(publisher, new_pump)
     lose_batch_1_of_a(pump, monkeypatch)  # answers held back for good
     monkeypatch.setattr(adapter, "REPLAY_TIMEOUT_S", 0.2)
     publisher.publish(stored(1, 1))
@@ -364,13 +384,11 @@ def test_a_gap_the_replay_buffer_does_not_fill_in_time_resynchronises(publisher,
 
 
 def test_a_gap_fill_with_dropped_replies_is_asked_for_again_from_the_hole(publisher, new_pump, monkeypatch):
-    publisher.publish(stored(0, 1))
-    published(publisher, 1)
-    pump = new_pump()
-    subscribe(pump)
+    pump = subscribed_after_block_0(publisher, new_pump)
     source = pump._sources[A][1]
-    poll, collect, request = source.poll_batches, source.collect_buffered, source.request_buffered
-    asked: list[int] = []
+    collect = source.collect_buffered
+    asked = record_requests(source, monkeypatch)
+    lose_live_batches(source, monkeypatch, {1, 2, 3, 4})
 
     def collect_dropping_from_seq_3():
         # The first answer to the gap [1, 5) loses its replies from seq 3 on, as past the publisher's send queue.
@@ -379,9 +397,7 @@ def test_a_gap_fill_with_dropped_replies_is_asked_for_again_from_the_hole(publis
             return answer
         return BufferedBatches([b for b in answer.batches if b[0] < 3], is_complete=True)
 
-    monkeypatch.setattr(source, "poll_batches", lambda max_msgs: [b for b in poll(max_msgs) if not 1 <= b[0] <= 4])
     monkeypatch.setattr(source, "collect_buffered", collect_dropping_from_seq_3)
-    monkeypatch.setattr(source, "request_buffered", lambda start_seq: (asked.append(start_seq), request(start_seq))[1])
     monkeypatch.setattr(adapter, "REPLAY_TIMEOUT_S", 60.0)
     for first in range(1, 6):
         publisher.publish(stored(first, 1))
@@ -395,15 +411,10 @@ def test_a_gap_fill_with_dropped_replies_is_asked_for_again_from_the_hole(publis
 
 def test_a_gap_longer_than_the_replay_buffer_is_not_asked_for(publisher, new_pump, monkeypatch):
     monkeypatch.setattr(adapter, "DEFAULT_MAX_REPLAY_BATCHES", 1)  # the publisher keeps one batch
-    publisher.publish(stored(0, 1))
-    published(publisher, 1)
-    pump = new_pump()
-    subscribe(pump)
+    pump = subscribed_after_block_0(publisher, new_pump)
     source = pump._sources[A][1]
-    poll, request = source.poll_batches, source.request_buffered
-    asked: list[int] = []
-    monkeypatch.setattr(source, "poll_batches", lambda max_msgs: [b for b in poll(max_msgs) if b[0] not in (1, 2)])
-    monkeypatch.setattr(source, "request_buffered", lambda start_seq: (asked.append(start_seq), request(start_seq))[1])
+    asked = record_requests(source, monkeypatch)
+    lose_live_batches(source, monkeypatch, {1, 2})
     for first in range(1, 4):
         publisher.publish(stored(first, 1))
     assert wait_until(lambda: (pump._drain(), pump.stream_states()[A]["last_seq"] == 3)[1])
@@ -414,10 +425,7 @@ def test_a_gap_longer_than_the_replay_buffer_is_not_asked_for(publisher, new_pum
 
 
 def test_a_gap_in_the_middle_of_a_poll_is_filled_after_what_came_before_it(publisher, new_pump, monkeypatch):
-    publisher.publish(stored(0, 1))
-    published(publisher, 1)
-    pump = new_pump()
-    subscribe(pump)
+    pump = subscribed_after_block_0(publisher, new_pump)
     _, source, stream = pump._sources[A]
     monkeypatch.setattr(source, "poll_batches", lambda max_msgs: [])  # the test hands the pump its batches
     for first in range(1, 4):

@@ -174,7 +174,7 @@ class _EventPump(threading.Thread):
             self._fetches[replica_id] = _Fetch("history", time.monotonic() + HISTORY_TIMEOUT_S)
 
     def _load_history(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
-                      answer: BufferedBatches, deadline: float) -> None:
+                      fetch: _Fetch, answer: BufferedBatches) -> None:
         """Applies the replica's replay buffer if it came whole; asks again from a hole in it.
 
         Live batches wait in the SUB socket meanwhile, so they follow the history in order. An answer cut
@@ -188,10 +188,9 @@ class _EventPump(threading.Thread):
             return
         run = answer.leading_run()
         self._apply_replayed(stream, run)
-        if len(run) < len(answer.batches) and time.monotonic() < deadline:
+        if len(run) < len(answer.batches) and time.monotonic() < fetch.deadline:
             # The publisher dropped replies past its send queue's limit: ask again from the first one missing.
-            source.request_buffered(stream.next_seq())
-            self._fetches[replica_id] = _Fetch("history", deadline)
+            self._ask_again_from_the_hole(replica_id, source, stream, fetch)
             return
         last_seq = stream.snapshot().last_seq
         logger.info("KV events of replica %s: %s", replica_id, "replay buffer empty" if last_seq is None
@@ -233,7 +232,7 @@ class _EventPump(threading.Thread):
         """Uses a replay answer, whole or cut off by its deadline, for what it was asked for."""
         del self._fetches[replica_id]
         if fetch.kind == "history":
-            self._load_history(replica_id, source, stream, answer, fetch.deadline)
+            self._load_history(replica_id, source, stream, fetch, answer)
             return
         if fetch.kind == "probe":
             self._end_probe(replica_id, source, stream, answer)
@@ -255,9 +254,15 @@ class _EventPump(threading.Thread):
                 or time.monotonic() >= fetch.deadline):
             return False
         self._apply_replayed(stream, run)
-        source.request_buffered(stream.next_seq())
-        self._fetches[replica_id] = _Fetch("gap", fetch.deadline, fetch.held)
+        self._ask_again_from_the_hole(replica_id, source, stream, fetch)
         return True
+
+    def _ask_again_from_the_hole(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
+                                 fetch: _Fetch) -> None:
+        """Asks the replay buffer again for what `fetch` wanted, from the first batch the stream lacks, by the
+        same deadline."""
+        source.request_buffered(stream.next_seq())
+        self._fetches[replica_id] = fetch
 
     def _apply_live(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
                     batches: list, replayed: list | None = None) -> None:

@@ -169,7 +169,7 @@ class ReplicaEventStream:
         """
         if self._last_seq is None or (self._replayed_through is not None and seq <= self._replayed_through):
             return False
-        return 0 < seq - (self._last_seq + 1) <= self._max_replay_batches
+        return self._fits_replay_buffer(seq - (self._last_seq + 1))
 
     def accept(
         self, seq: int, batch: KVEventBatch, replayed: Sequence[tuple[int, KVEventBatch]] = ()
@@ -255,11 +255,15 @@ class ReplicaEventStream:
         self._num_orphaned_blocks += result.num_orphaned_blocks
         return result
 
+    def _fits_replay_buffer(self, num_missing: int) -> bool:
+        """Whether a gap of `num_missing` batches is one the publisher's replay buffer can hold."""
+        return 0 < num_missing <= self._max_replay_batches
+
     def _missing_batches(
         self, replayed: Sequence[tuple[int, KVEventBatch]], start: int, stop: int
     ) -> list[KVEventBatch] | None:
         """Batches [start, stop) taken from `replayed`, or None unless it holds every one of them."""
-        if not 0 < stop - start <= self._max_replay_batches:
+        if not self._fits_replay_buffer(stop - start):
             return None
         wanted = {seq: batch for seq, batch in replayed if start <= seq < stop}
         if len(wanted) != stop - start:

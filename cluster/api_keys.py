@@ -13,6 +13,11 @@ Layout (all under the `warmpath:` prefix):
 A key created with an expiry has its first two entries expire at that instant
 (Redis' own expiry), so an expired key is unknown from then on, everywhere at once.
 
+A stored record that no longer validates (written by hand, or by a build that let a
+non-finite rate through) never takes a request down with it: `authorize` and
+`lookup` treat its key as unknown, and `list` reports it apart by id so it can be
+revoked.
+
 `authorize` looks the key up and takes one token in a single Lua script, so a
 request costs one round trip and two ingress replicas can never both spend the
 last token. The script reads Redis' own clock: ingress clocks need not agree.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 import secrets
 import time
@@ -29,22 +35,29 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional, Sequence, TypeVar
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.exceptions import RedisError
 
 T = TypeVar("T")
 KEY_PREFIX = "wp_"
 ALL_PERMISSIONS = "*"
+MAX_KEY_NAME_LENGTH = 128
 _NS = "warmpath:"
+logger = logging.getLogger(__name__)
 
 # KEYS[1] = apikey:<hash>; ARGV[1] = key id prefix for the bucket key
-# Returns {0} for an unknown key, else {1, record_json, is_allowed, retry_after_ms}.
+# Returns {0} for an unknown key, {2, record_json} for a record whose rate or burst is
+# unusable (the bucket arithmetic would fail or never refuse), else
+# {1, record_json, is_allowed, retry_after_ms}.
 _AUTHORIZE = """
 local raw = redis.call('HGET', KEYS[1], 'record')
 if not raw then return {0} end
 local record = cjson.decode(raw)
 local rate = tonumber(record['requests_per_s'])
 local burst = tonumber(record['burst'])
+if not rate or not burst or not (rate > 0) or rate == math.huge or not (burst >= 1) or burst == math.huge then
+  return {2, raw}
+end
 local bucket = ARGV[1] .. record['key_id']
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -70,18 +83,28 @@ class StoreUnavailable(RuntimeError):
     """Redis did not answer; callers answer 503 and never guess."""
 
 
+class InvalidStoreUrl(ValueError):
+    """The key store's URL is not a Redis URL (redis://, rediss:// or unix://)."""
+
+
 class ApiKeyRecord(BaseModel):
     """What is stored about a key (never the key itself)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     key_id: str = Field(description="Public id of the key (prefix of its hash); names it in logs and sessions.")
-    name: str = Field(description="Label given at creation.", max_length=128)
+    name: str = Field(description="Label given at creation.", max_length=MAX_KEY_NAME_LENGTH)
     permissions: tuple[str, ...] = Field(description="Permissions the key holds; '*' holds all.")
-    requests_per_s: float = Field(description="Sustained request rate of the key's token bucket.", gt=0)
+    # Finite only: JSON has no infinity (pydantic writes it as null), and the rate-limit
+    # script divides by the rate.
+    requests_per_s: float = Field(
+        description="Sustained request rate of the key's token bucket.", gt=0, allow_inf_nan=False
+    )
     burst: int = Field(description="Bucket size: requests allowed at once after idling.", ge=1)
-    created_at_s: float = Field(description="Unix time of creation.")
-    expires_at_s: Optional[float] = Field(None, description="Unix time the key stops working; None: never.")
+    created_at_s: float = Field(description="Unix time of creation.", allow_inf_nan=False)
+    expires_at_s: Optional[float] = Field(
+        None, description="Unix time the key stops working; None: never.", allow_inf_nan=False
+    )
 
     def missing_permissions(self, required: Sequence[str]) -> list[str]:
         """Permissions in `required` this key lacks, in order (none when it holds '*')."""
@@ -96,12 +119,47 @@ def missing_permissions(held: Sequence[str], required: Sequence[str]) -> list[st
 
 
 @dataclass(frozen=True)
+class UnreadableKey:
+    """A stored key whose record does not validate; it can only be revoked."""
+
+    key_id: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class KeyListing:
+    """Every stored key: readable records by creation time, then the unreadable ones by id."""
+
+    records: list[ApiKeyRecord]
+    unreadable: list[UnreadableKey]
+
+
+@dataclass(frozen=True)
 class Authorization:
     """Outcome of one `authorize`: `record` is None for an unknown key."""
 
     record: Optional[ApiKeyRecord]
     is_allowed: bool
     retry_after_s: float
+
+
+def _record_problem(err: ValidationError) -> str:
+    """The first problem of a record that does not validate, on one line."""
+    item = err.errors()[0]
+    where = ".".join(str(p) for p in item["loc"]) or "record"
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{where}: {item['msg']}{more}"
+
+
+def _parse_record(raw: str, key_hash: str) -> Optional[ApiKeyRecord]:
+    """The record stored as `raw` for the key hashed `key_hash`, or None (logged) when it does not validate."""
+    try:
+        return ApiKeyRecord.model_validate_json(raw)
+    except ValidationError as err:
+        logger.warning(
+            "API key %s has an unreadable record (%s); the key is refused", key_id_of(key_hash), _record_problem(err)
+        )
+        return None
 
 
 def hash_api_key(key: str) -> str:
@@ -144,7 +202,12 @@ class ApiKeyStore:
 
     @classmethod
     def from_url(cls, url: str) -> "ApiKeyStore":
-        return cls(aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2))
+        """A store on the Redis at `url`; raises InvalidStoreUrl when `url` cannot name one (nothing connects yet)."""
+        try:
+            client = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2)
+        except ValueError as err:
+            raise InvalidStoreUrl(str(err)) from None
+        return cls(client)
 
     async def aclose(self) -> None:
         await self._redis.aclose()
@@ -155,10 +218,12 @@ class ApiKeyStore:
     ) -> tuple[str, ApiKeyRecord]:
         """Stores a new key (or registers `key`, e.g. one kept in a local state file); returns it and its record.
 
-        `expires_in_s` (> 0) makes the key stop working that long after creation.
+        `expires_in_s` (> 0, finite) makes the key stop working that long after creation.
+        Raises ValueError (pydantic's ValidationError for the record's fields) before
+        anything is written.
         """
-        if expires_in_s is not None and not expires_in_s > 0:
-            raise ValueError(f"expires_in_s must be > 0, got {expires_in_s}")
+        if expires_in_s is not None and not (expires_in_s > 0 and math.isfinite(expires_in_s)):
+            raise ValueError(f"expires_in_s must be finite and > 0, got {expires_in_s}")
         key = key or generate_api_key()
         key_hash = hash_api_key(key)
         now_s = time.time()
@@ -182,34 +247,49 @@ class ApiKeyStore:
 
     async def lookup(self, key: str) -> Optional[ApiKeyRecord]:
         """The record of `key`, without spending a token."""
+        key_hash = hash_api_key(key)
         try:
-            raw = await self._redis.hget(_NS + "apikey:" + hash_api_key(key), "record")
+            raw = await self._redis.hget(_NS + "apikey:" + key_hash, "record")
         except RedisError as err:
             raise StoreUnavailable(str(err)) from None
-        return ApiKeyRecord.model_validate_json(raw) if raw else None
+        return _parse_record(raw, key_hash) if raw else None
 
     async def authorize(self, key: str) -> Authorization:
         """Looks `key` up and takes one token from its bucket, atomically."""
+        key_hash = hash_api_key(key)
         try:
-            reply = await self._authorize(keys=[_NS + "apikey:" + hash_api_key(key)], args=[_NS + "ratelimit:"])
+            reply = await self._authorize(keys=[_NS + "apikey:" + key_hash], args=[_NS + "ratelimit:"])
         except RedisError as err:
             raise StoreUnavailable(str(err)) from None
         if not reply or int(reply[0]) == 0:
             return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
-        record = ApiKeyRecord.model_validate_json(reply[1])
+        record = _parse_record(reply[1], key_hash)
+        if int(reply[0]) == 2 or record is None:  # refused as unknown: a bucket cannot be kept for it
+            if record is not None:
+                logger.warning("API key %s has an unusable rate or burst; the key is refused", record.key_id)
+            return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
         return Authorization(record=record, is_allowed=bool(int(reply[2])), retry_after_s=int(reply[3]) / 1000)
 
-    async def list(self) -> list[ApiKeyRecord]:
+    async def list(self) -> KeyListing:
+        """Every stored key; one whose record does not validate is listed apart, by id, not raised."""
         records = []
+        unreadable = []
+        id_prefix = _NS + "apikey-id:"
         try:
-            async for id_key in self._redis.scan_iter(match=_NS + "apikey-id:*", count=500):
+            async for id_key in self._redis.scan_iter(match=id_prefix + "*", count=500):
                 key_hash = await self._redis.get(id_key)
                 raw = await self._redis.hget(_NS + "apikey:" + key_hash, "record") if key_hash else None
-                if raw:
+                if not raw:
+                    continue  # revoked or expired between the scan and the reads
+                try:
                     records.append(ApiKeyRecord.model_validate_json(raw))
+                except ValidationError as err:
+                    unreadable.append(UnreadableKey(key_id=id_key[len(id_prefix):], problem=_record_problem(err)))
         except RedisError as err:
             raise StoreUnavailable(str(err)) from None
-        return sorted(records, key=lambda r: r.created_at_s)
+        return KeyListing(
+            records=sorted(records, key=lambda r: r.created_at_s), unreadable=sorted(unreadable, key=lambda u: u.key_id)
+        )
 
     async def revoke(self, key_id: str) -> bool:
         """Deletes a key by id; True if it existed. Requests with it fail from the next one on."""

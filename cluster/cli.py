@@ -3,19 +3,23 @@
 Config precedence: defaults < `--config` YAML (or `$WARMPATH_CONFIG`) < environment
 (`WARMPATH_SECTION__FIELD`, `REDIS_URL`, `OTEL_EXPORTER_OTLP_ENDPOINT`) < flags.
 Every command validates the config once and exits 2 with one line per problem.
+Bad flags exit 2 with one line as well, before any work: a command that writes
+files checks first that it can write them, so a long run never ends in a path
+error that loses its results.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional, get_args
+from typing import Callable, NoReturn, Optional, get_args
 
 import typer
 
-from cluster.config import ClusterConfig, ConfigError, RouterPolicy, load_config
+from cluster.config import ClusterConfig, ConfigError, RouterPolicy, check_redis_url, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="warmpath: a Ray Serve cluster for LLM agents.")
 render_app = typer.Typer(no_args_is_help=True, help="Render generated files from the cluster config.")
@@ -25,14 +29,74 @@ _START = time.monotonic()
 # `simulate`'s default parallelism: each process holds one whole simulation (several GB for
 # 10,000 sessions; a 10,000-session coding run at 256 replicas peaks at about 17 GB).
 MAX_DEFAULT_JOBS = 8
+# A key must outlive its own printing; and Redis expiry instants must fit in 64-bit milliseconds.
+MIN_KEY_LIFETIME_S = 60.0
+MAX_KEY_LIFETIME_DAYS = 36_500
 
 
 def progress(msg: str) -> None:
     typer.echo(f"[warmpath {time.monotonic() - _START:6.1f}s] {msg}", err=True)
 
 
+def _refuse(message: str) -> NoReturn:
+    """A bad flag: one line on stderr, exit 2."""
+    typer.echo(message, err=True)
+    raise typer.Exit(2)
+
+
+def _check_writable_file(path: Path, option: str = "--out") -> None:
+    """Exits 2 with one line unless `path` can be written as a file; runs before any work.
+
+    Creates missing parent folders (the write would). Leaves an existing file's content as is
+    and removes a file it created to probe.
+    """
+    if path.is_dir():
+        _refuse(f"{option} {path} is a directory; give a file path")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        _refuse(f"{option} {path}: {ancestor} is not a directory")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not existed or path.is_file():  # never open a FIFO or device just to probe it
+            with path.open("a"):
+                pass
+    except OSError as err:
+        _refuse(f"{option} {path} cannot be written ({err.strerror or err})")
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def _check_writable_dir(path: Path, file_names: list[str], option: str = "--out") -> None:
+    """Exits 2 with one line unless the files `file_names` can be written in folder `path` (created if missing)."""
+    if path.exists() and not path.is_dir():
+        _refuse(f"{option} {path} is not a directory")
+    for name in file_names:
+        _check_writable_file(path / name, option)
+
+
+def _write_or_exit(path: Path, write: Callable[[Path], None]) -> None:
+    """Runs `write(path)`; a failure (the path changed since it was checked) is one line and exit 1."""
+    try:
+        write(path)
+    except OSError as err:
+        typer.echo(f"error: cannot write {path} ({err.strerror or err})", err=True)
+        raise typer.Exit(1)
+
+
 ConfigOpt = typer.Option(None, "--config", "-c", help="Cluster config YAML.")
 PoliciesOpt = typer.Option(",".join(get_args(RouterPolicy)), help="Comma-separated routing policies, each run once.")
+
+
+def _check_redis_url_flag(redis_url: Optional[str]) -> None:
+    """Names the flag itself when `--redis-url` is bad (the config check would name the field)."""
+    if redis_url:
+        try:
+            check_redis_url(redis_url)
+        except ValueError as err:
+            _refuse(f"--redis-url {err}")
 
 
 def _load(config: Optional[Path], **flags) -> ClusterConfig:
@@ -63,6 +127,7 @@ def build_model_cmd(
 
     cfg = _load(config)
     target = out or Path(cfg.model_source())
+    _check_writable_dir(target, ["config.json"], "--out" if out else "model.source")
     manifest = build_model(target, seed=seed, progress=progress)
     typer.echo(json.dumps({"path": str(target), "num_params": manifest["num_params"]}))
 
@@ -82,6 +147,7 @@ def up(
     """Start Redis, a Ray head and the Serve application; print the endpoint and the API key."""
     from cluster import local
 
+    _check_redis_url_flag(redis_url)
     cfg = _load(
         config, replicas__num_replicas=replicas, router__policy=policy, ports__http_port=http_port,
         redis_url=redis_url, state_dir=state_dir, access__is_auth_enabled=False if no_auth else None,
@@ -104,6 +170,7 @@ app.add_typer(keys_app, name="keys")
 def _keys_redis_url(config: Optional[Path], redis_url: Optional[str]) -> str:
     from cluster import local
 
+    _check_redis_url_flag(redis_url)
     cfg = _load(config, redis_url=redis_url)
     url = cfg.redis_url or local.LocalState.load(local.state_dir_of(cfg)).redis_url
     if not url:
@@ -113,13 +180,42 @@ def _keys_redis_url(config: Optional[Path], redis_url: Optional[str]) -> str:
 
 
 def _with_key_store(url: str, work):
-    from cluster.api_keys import StoreUnavailable, run_with_store
+    from cluster.api_keys import InvalidStoreUrl, StoreUnavailable, run_with_store
 
     try:
         return run_with_store(url, work)
+    except InvalidStoreUrl as err:
+        _refuse(f"Redis URL {url!r} is not usable: {err}")
     except StoreUnavailable as err:
         typer.echo(f"error: Redis at {url} is unavailable: {err}", err=True)
         raise typer.Exit(1)
+
+
+def _key_problems(
+    name: str, permissions: list[str], requests_per_s: float, burst: int, expires_in_days: Optional[float]
+) -> list[str]:
+    """What is wrong with `keys create`'s flags, one item per flag (the record model would refuse the same)."""
+    from cluster.api_keys import MAX_KEY_NAME_LENGTH
+
+    problems = []
+    if not name.strip() or len(name) > MAX_KEY_NAME_LENGTH:
+        got = f"{len(name)} characters" if name.strip() else repr(name)
+        problems.append(f"--name must be 1 to {MAX_KEY_NAME_LENGTH} characters and not blank, got {got}")
+    if bad := [p for p in permissions if not p or any(c.isspace() for c in p)]:
+        problems.append(f"--permission must be non-empty and contain no whitespace, got {', '.join(map(repr, bad))}")
+    if not (math.isfinite(requests_per_s) and requests_per_s > 0):
+        problems.append(f"--requests-per-s must be a finite number > 0, got {requests_per_s}")
+    if burst < 1:
+        problems.append(f"--burst must be >= 1, got {burst}")
+    if expires_in_days is not None:
+        min_days = MIN_KEY_LIFETIME_S / 86400
+        if math.isnan(expires_in_days) or expires_in_days <= 0:
+            problems.append(f"--expires-in-days must be > 0, got {expires_in_days}")
+        elif expires_in_days < min_days:
+            problems.append(f"--expires-in-days must be at least 1 minute ({min_days:.6f} days), got {expires_in_days}")
+        elif expires_in_days > MAX_KEY_LIFETIME_DAYS:
+            problems.append(f"--expires-in-days must be at most {MAX_KEY_LIFETIME_DAYS} (100 years), got {expires_in_days}")
+    return problems
 
 
 @keys_app.command("create")
@@ -136,12 +232,8 @@ def keys_create(
     cfg = _load(config)
     rate = requests_per_s if requests_per_s is not None else cfg.access.default_requests_per_s
     size = burst if burst is not None else cfg.access.default_burst
-    if rate <= 0 or size < 1:
-        typer.echo("--requests-per-s must be > 0 and --burst >= 1", err=True)
-        raise typer.Exit(2)
-    if expires_in_days is not None and not expires_in_days > 0:
-        typer.echo("--expires-in-days must be > 0", err=True)
-        raise typer.Exit(2)
+    if problems := _key_problems(name, permission, rate, size, expires_in_days):
+        _refuse("; ".join(problems))
     expires_in_s = None if expires_in_days is None else expires_in_days * 86400
     key, record = _with_key_store(
         _keys_redis_url(config, redis_url),
@@ -152,9 +244,16 @@ def keys_create(
 
 @keys_app.command("list")
 def keys_list(config: Optional[Path] = ConfigOpt, redis_url: Optional[str] = typer.Option(None)) -> None:
-    """One JSON line per key: id, name, permissions, rate (never the key)."""
-    for record in _with_key_store(_keys_redis_url(config, redis_url), lambda store: store.list()):
+    """One JSON line per key: id, name, permissions, rate (never the key); a warning on stderr per unreadable key."""
+    listing = _with_key_store(_keys_redis_url(config, redis_url), lambda store: store.list())
+    for record in listing.records:
         typer.echo(record.model_dump_json())
+    for key in listing.unreadable:
+        typer.echo(
+            f"warning: key {key.key_id} has an unreadable record ({key.problem}); calls with it are refused: "
+            f"`warmpath keys revoke {key.key_id}`",
+            err=True,
+        )
 
 
 @keys_app.command("revoke")
@@ -228,11 +327,14 @@ def render_serve_config_cmd(
     """Render the Ray Serve config file (`serve deploy`-able)."""
     from cluster.serve_config import dump_serve_config
 
-    text = dump_serve_config(_load(config))
+    cfg = _load(config)
+    if out is not None:
+        _check_writable_file(out)
+    text = dump_serve_config(cfg)
     if out is None:
         sys.stdout.write(text)
     else:
-        out.write_text(text)
+        _write_or_exit(out, lambda path: path.write_text(text))
 
 
 @render_app.command("k8s")
@@ -280,17 +382,18 @@ def bench(
 
     cfg = _load(config)
     names, chosen = _workloads_and_policies(workload, policies)
+    _check_writable_dir(out, [f"bench-{name}.{ext}" for name in names for ext in ("json", "png")])
     for name in names:
         try:
             result = live.run_bench(cfg, name, chosen, seed, sessions, time_scale, progress)
         except local.BringUpError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(1)
+        typer.echo(report.live_report(result))  # before writing: a failed write still shows the results
         json_path = out / f"bench-{name}.json"
-        report.write_json(json_path, result)
-        typer.echo(report.live_report(result))
+        _write_or_exit(json_path, lambda path: report.write_json(path, result))
         try:
-            report.plot_live(result, out / f"bench-{name}.png")
+            _write_or_exit(out / f"bench-{name}.png", lambda path: report.plot_live(result, path))
         except ImportError:
             progress("matplotlib is not installed (pip install -e '.[bench]'): no plot")
         typer.echo(f"wrote {json_path}")
@@ -311,13 +414,15 @@ def chaos(
     if unknown:
         typer.echo(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(chaos_mod.SCENARIOS)}", err=True)
         raise typer.Exit(2)
+    _check_writable_file(out)
     state = local.LocalState.load(local.state_dir_of(cfg))
     if not state.http_url:
         typer.echo("the local cluster is not up: run `warmpath up` first", err=True)
         raise typer.Exit(1)
     results = chaos_mod.run_chaos(cfg, state.http_url, local.local_api_key(cfg), scenario or list(chaos_mod.SCENARIOS), progress)
     typer.echo(chaos_mod.report(results))
-    out.write_text(json.dumps({"kind": "warmpath-chaos", "results": [r.to_json() for r in results]}, indent=2))
+    document = json.dumps({"kind": "warmpath-chaos", "results": [r.to_json() for r in results]}, indent=2)
+    _write_or_exit(out, lambda path: path.write_text(document))
     typer.echo(f"wrote {out}")
     if any(r.num_lost for r in results):
         raise typer.Exit(1)
@@ -362,6 +467,7 @@ def simulate(
     if any(n < 1 for n in replicas) or sessions < 1 or jobs < 0:
         typer.echo("replicas and sessions must be >= 1, jobs >= 0", err=True)
         raise typer.Exit(2)
+    _check_writable_file(out)
     if not jobs:
         jobs = min(simulator.available_cores(), MAX_DEFAULT_JOBS)
     runs = simulator.run_grid(names, replicas, sessions, seed=seed, policies=chosen, progress=progress, jobs=jobs)
@@ -371,8 +477,8 @@ def simulate(
         "seed": seed,
         "runs": [run.to_json() for run in runs],
     }
-    report.write_json(out, document)
-    typer.echo(report.simulation_report(document["runs"]))
+    typer.echo(report.simulation_report(document["runs"]))  # before writing: a failed write still shows the results
+    _write_or_exit(out, lambda path: report.write_json(path, document))
     typer.echo(f"wrote {out}")
 
 

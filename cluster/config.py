@@ -201,7 +201,7 @@ class AccessConfig(_Strict):
         True, description="Require an API key (Authorization: Bearer, x-api-key, or gRPC metadata) on every call."
     )
     default_requests_per_s: float = Field(
-        20.0, description="Sustained request rate of keys created without their own.", gt=0
+        20.0, description="Sustained request rate of keys created without their own.", gt=0, allow_inf_nan=False
     )
     default_burst: int = Field(40, description="Token bucket size of keys created without their own.", ge=1)
     max_request_bytes: int = Field(
@@ -262,11 +262,29 @@ class ClusterConfig(_Strict):
     state_dir: str = Field(".warmpath", description="Local state: model, Redis data, logs, pid files.")
     app_name: str = Field("warmpath", description="Ray Serve application name.")
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str | None) -> str | None:
+        if url:
+            check_redis_url(url)
+        return url
+
     def model_source(self) -> str:
         """Folder or Hugging Face id the engines load."""
         if self.model.source:
             return self.model.source
         return str(Path(self.state_dir).expanduser().resolve() / "models" / self.model.model_id)
+
+
+def check_redis_url(url: str) -> None:
+    """Raises ValueError unless `url` is a URL the Redis client accepts (redis://, rediss://, unix://)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {url!r}")
+    try:
+        _ = parts.port  # reading it parses it
+    except ValueError:
+        raise ValueError(f"has a port that is not a number: {url!r}") from None
 
 
 class ConfigError(ValueError):
@@ -282,14 +300,38 @@ def _set_path(target: dict, path: list[str], value: object) -> None:
     target[path[-1]] = value
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where (PyYAML's own text spans several lines)."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        mark = err.problem_mark or err.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return f"{err.problem or err.context or 'unreadable'}{where}"
+    return " ".join(str(err).split())
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict:
-    """Turns `WARMPATH_SECTION__FIELD=value` (YAML-typed values) into a nested dict."""
+    """Turns `WARMPATH_SECTION__FIELD=value` (YAML-typed values) into a nested dict.
+
+    A variable is configuration when its first part names a section or field of
+    the config, or when it has the `__` of a nested one (a misspelt section is
+    then an error, not ignored). Other `WARMPATH_*` variables belong to the
+    shell or the tests (`WARMPATH_KEY`, `WARMPATH_TEST_KEEP_CLUSTER`) and are left alone.
+
+    Raises:
+        ConfigError: a variable names no field, or its value is not valid YAML.
+    """
     out: dict = {}
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX) or name == "WARMPATH_CONFIG":
             continue
         path = [part.lower() for part in name[len(ENV_PREFIX):].split("__") if part]
-        _set_path(out, path, yaml.safe_load(raw) if raw else raw)
+        if not path or (path[0] not in ClusterConfig.model_fields and "__" not in name):
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw else raw
+        except yaml.YAMLError as err:
+            raise ConfigError(f"environment variable {name} is not valid YAML: {_yaml_problem(err)}") from None
+        _set_path(out, path, value)
     if environ.get("REDIS_URL"):
         out.setdefault("redis_url", environ["REDIS_URL"])
     if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
@@ -351,7 +393,7 @@ def load_config(
         try:
             loaded = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"config file {file} is not valid YAML: {err}") from None
+            raise ConfigError(f"config file {file} is not valid YAML: {_yaml_problem(err)}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {file} must hold a mapping at the top level")
         data = loaded

@@ -1,6 +1,21 @@
-import pytest
+import asyncio
+import json
 
-from cluster.api_keys import ApiKeyRecord, generate_api_key, hash_api_key, key_id_of
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from cluster.api_keys import (
+    ApiKeyRecord,
+    ApiKeyStore,
+    InvalidStoreUrl,
+    KeyListing,
+    UnreadableKey,
+    generate_api_key,
+    hash_api_key,
+    key_id_of,
+)
+from cluster.cli import app
 from serve_apps.access import AccessDenied, credentials_from
 
 
@@ -49,10 +64,6 @@ def test_denials_round_retry_after_up_to_whole_seconds(retry_after_s, header):
 
 @pytest.mark.parametrize("days", ["0", "-1"])
 def test_keys_create_refuses_an_expiry_not_in_the_future_before_touching_the_store(days):
-    from typer.testing import CliRunner
-
-    from cluster.cli import app
-
     result = CliRunner().invoke(app, ["keys", "create", "--name", "x", "--expires-in-days", days,
                                       "--redis-url", "redis://127.0.0.1:1/0"])
     assert result.exit_code == 2
@@ -62,3 +73,143 @@ def test_keys_create_refuses_an_expiry_not_in_the_future_before_touching_the_sto
 def test_records_written_before_expiry_existed_still_load():
     raw = '{"key_id": "key_x", "name": "n", "permissions": ["*"], "requests_per_s": 1.0, "burst": 1, "created_at_s": 0}'
     assert ApiKeyRecord.model_validate_json(raw).expires_at_s is None
+
+
+UNREACHABLE_REDIS = "redis://127.0.0.1:1/0"  # nothing listens: a flag check that lets a call through exits 1, not 2
+
+
+@pytest.mark.parametrize("field, value", [
+    ("requests_per_s", float("inf")),
+    ("requests_per_s", float("nan")),
+    ("requests_per_s", 0),
+    ("created_at_s", float("inf")),
+    ("expires_at_s", float("inf")),
+    ("expires_at_s", float("nan")),
+])
+def test_records_refuse_non_finite_and_non_positive_values(field, value):
+    fields = {"key_id": "key_x", "name": "n", "permissions": ("*",), "requests_per_s": 1, "burst": 1, "created_at_s": 0}
+    with pytest.raises(ValidationError, match=field):
+        ApiKeyRecord(**{**fields, field: value})
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--requests-per-s", "inf"], "--requests-per-s must be a finite number > 0, got inf"),
+    (["--requests-per-s", "nan"], "--requests-per-s must be a finite number > 0, got nan"),
+    (["--requests-per-s", "0"], "--requests-per-s must be a finite number > 0"),
+    (["--burst", "0"], "--burst must be >= 1, got 0"),
+    (["--expires-in-days", "inf"], "--expires-in-days must be at most 36500"),
+    (["--expires-in-days", "nan"], "--expires-in-days must be > 0, got nan"),
+    (["--expires-in-days", "1e-12"], "--expires-in-days must be at least 1 minute"),
+    (["-p", ""], "--permission must be non-empty and contain no whitespace, got ''"),
+    (["-p", "orders:read", "-p", "a b"], "--permission must be non-empty and contain no whitespace, got 'a b'"),
+    (["-p", " "], "got ' '"),
+])
+def test_keys_create_refuses_bad_flags_on_one_line_before_touching_the_store(flags, message):
+    result = CliRunner().invoke(app, ["keys", "create", "--name", "x", *flags, "--redis-url", UNREACHABLE_REDIS])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["", "   ", "n" * 129])
+def test_keys_create_refuses_names_the_record_cannot_hold(name):
+    result = CliRunner().invoke(app, ["keys", "create", "--name", name, "--redis-url", UNREACHABLE_REDIS])
+    assert result.exit_code == 2 and "--name must be 1 to 128 characters" in result.output
+
+
+@pytest.mark.parametrize("command", [["keys", "list"], ["keys", "revoke", "key_x"], ["keys", "create", "--name", "x"]])
+def test_keys_commands_refuse_a_redis_url_that_is_not_one(command):
+    result = CliRunner().invoke(app, [*command, "--redis-url", "notaurl"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert result.output.strip() == "--redis-url must be a redis://, rediss:// or unix:// URL, got 'notaurl'"
+
+
+def test_the_store_refuses_a_url_that_is_not_redis():
+    with pytest.raises(InvalidStoreUrl):
+        ApiKeyStore.from_url("notaurl")
+
+
+class _RecordsOnlyRedis:
+    """Just enough of redis.asyncio.Redis for `list`, `lookup` and `authorize` over fixed records."""
+
+    def __init__(self, records_by_hash: dict[str, str], authorize_reply: list | None = None) -> None:
+        self._records = records_by_hash
+        self._authorize_reply = authorize_reply
+
+    def register_script(self, _source):
+        async def run(keys, args):
+            return self._authorize_reply
+
+        return run
+
+    async def scan_iter(self, match, count):
+        for key_hash, raw in self._records.items():
+            yield "warmpath:apikey-id:" + json.loads(raw)["key_id"]
+
+    async def get(self, id_key):
+        key_id = id_key.rpartition(":")[2]
+        return next((h for h, raw in self._records.items() if json.loads(raw)["key_id"] == key_id), None)
+
+    async def hget(self, key, field):
+        return self._records.get(key.rpartition(":")[2])
+
+    def pipeline(self, transaction):
+        raise AssertionError("nothing may be written")
+
+    async def aclose(self):
+        pass
+
+
+GOOD_RAW = '{"key_id": "key_good", "name": "g", "permissions": ["*"], "requests_per_s": 5.0, "burst": 2, "created_at_s": 1}'
+# What pydantic wrote for `requests_per_s=inf` before records refused it: JSON has no infinity.
+NULL_RATE_RAW = '{"key_id": "key_nullrate", "name": "b", "permissions": ["*"], "requests_per_s": null, "burst": 2, "created_at_s": 2}'
+
+
+def test_list_reports_unreadable_records_apart_instead_of_raising():
+    store = ApiKeyStore(_RecordsOnlyRedis({"h1": NULL_RATE_RAW, "h2": GOOD_RAW}))
+    listing = asyncio.run(store.list())
+    assert [r.key_id for r in listing.records] == ["key_good"]
+    assert listing.unreadable == [UnreadableKey(key_id="key_nullrate", problem="requests_per_s: Input should be a valid number")]
+
+
+def test_keys_list_prints_the_readable_keys_and_one_warning_per_unreadable_one(monkeypatch):
+    redis = _RecordsOnlyRedis({"h1": NULL_RATE_RAW, "h2": GOOD_RAW})
+    monkeypatch.setattr(ApiKeyStore, "from_url", classmethod(lambda cls, url: cls(redis)))
+    result = CliRunner().invoke(app, ["keys", "list", "--redis-url", UNREACHABLE_REDIS])
+    assert result.exit_code == 0 and result.exception is None, result.output
+    lines = result.output.strip().splitlines()
+    assert json.loads(lines[0])["key_id"] == "key_good"
+    assert lines[1].startswith("warning: key key_nullrate has an unreadable record (requests_per_s:")
+    assert "warmpath keys revoke key_nullrate" in lines[1] and len(lines) == 2
+
+
+@pytest.mark.parametrize("reply", [
+    [2, NULL_RATE_RAW],  # the script found no usable rate or burst
+    [1, NULL_RATE_RAW, 1, 0],  # a record the script could use but the model refuses
+    [2, GOOD_RAW],
+])
+def test_authorize_refuses_a_key_whose_record_is_unusable_as_unknown(reply):
+    store = ApiKeyStore(_RecordsOnlyRedis({}, authorize_reply=reply))
+    outcome = asyncio.run(store.authorize("wp_any"))
+    assert outcome.record is None and not outcome.is_allowed
+
+
+def test_lookup_treats_an_unreadable_record_as_no_record():
+    store = ApiKeyStore(_RecordsOnlyRedis({hash_api_key("wp_k"): NULL_RATE_RAW}))
+    assert asyncio.run(store.lookup("wp_k")) is None
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"requests_per_s": float("inf")}, ValidationError),
+    ({"requests_per_s": float("nan")}, ValidationError),
+    ({"expires_in_s": float("inf")}, ValueError),
+    ({"expires_in_s": float("nan")}, ValueError),
+])
+def test_create_refuses_non_finite_values_before_writing(kwargs, error):
+    store = ApiKeyStore(_RecordsOnlyRedis({}))
+    with pytest.raises(error):
+        asyncio.run(store.create("n", ["*"], **{"requests_per_s": 1.0, "burst": 1, **kwargs}))
+
+
+def test_key_listing_is_empty_for_an_empty_store():
+    assert asyncio.run(ApiKeyStore(_RecordsOnlyRedis({})).list()) == KeyListing(records=[], unreadable=[])

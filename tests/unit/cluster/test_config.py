@@ -100,3 +100,63 @@ def test_serve_config_embeds_the_whole_validated_config():
     again = ClusterConfig.model_validate(app["args"])
     assert again.replicas.num_replicas == 3
     assert again.model.source == cfg.model_source()
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"WARMPATH_REPLICAS__NUM_REPLICAS": "[1"}, "environment variable WARMPATH_REPLICAS__NUM_REPLICAS is not valid YAML"),
+    ({"WARMPATH_ROUTER__SCORER_WEIGHTS": "{load: 1"}, "environment variable WARMPATH_ROUTER__SCORER_WEIGHTS is not valid YAML"),
+    ({"WARMPATH_STATE_DIR": "a: b: c"}, "environment variable WARMPATH_STATE_DIR is not valid YAML"),
+])
+def test_bad_environment_variables_are_one_line_config_errors(environ, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(environ=environ)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_warmpath_variables_that_name_no_config_field_are_not_config():
+    """README's `export WARMPATH_KEY=...` and the tests' switches must not break every command."""
+    environ = {"WARMPATH_KEY": "wp_x", "WARMPATH_TEST_KEEP_CLUSTER": "1", "WARMPATH_": "1",
+               "WARMPATH_REPLICAS__NUM_REPLICAS": "3"}
+    assert load_config(environ=environ).replicas.num_replicas == 3
+    with pytest.raises(ConfigError) as err:  # the `__` of a nested field: a misspelt section is an error
+        load_config(environ={"WARMPATH_REPLICA__NUM_REPLICAS": "3"})
+    assert "replica" in str(err.value)
+
+
+def test_a_file_that_is_not_yaml_is_named_on_one_line(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("replicas:\n  num_replicas: [1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad, environ={})
+    assert str(err.value).startswith(f"config file {bad} is not valid YAML: ") and "line " in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"redis_url": "notaurl"}, "redis_url"),
+    ({"redis_url": "http://r:6379/0"}, "redis://"),
+    ({"redis_url": "redis://r:port/0"}, "port that is not a number"),
+    ({"access": {"default_requests_per_s": float("inf")}}, "access.default_requests_per_s"),
+    ({"access": {"default_requests_per_s": float("nan")}}, "access.default_requests_per_s"),
+])
+def test_values_the_key_store_cannot_use_are_config_errors(data, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(environ={}, overrides=data)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("url", ["redis://r:6379/0", "rediss://u:p@r:6380/1", "unix:///run/redis.sock", ""])
+def test_redis_urls_the_client_accepts_are_kept(url):
+    assert load_config(environ={}, overrides={"redis_url": url}).redis_url == url
+
+
+def test_every_command_stops_on_an_environment_variable_that_is_not_yaml(monkeypatch):
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    monkeypatch.setenv("WARMPATH_REPLICAS__NUM_REPLICAS", "[1")
+    result = CliRunner().invoke(app, ["render", "serve-config"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert result.output.startswith("environment variable WARMPATH_REPLICAS__NUM_REPLICAS is not valid YAML: ")
+    assert len(result.output.strip().splitlines()) == 1

@@ -1,0 +1,127 @@
+"""Commands that write files check the path before any work: a bad one is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cluster.cli import app
+
+SIMULATE = ["simulate", "--workload", "fanout", "--sessions", "2", "--replicas", "2", "--policies", "warmpath", "--jobs", "1"]
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the command did work before checking its output path")
+
+
+def _bad_file_paths(tmp_path: Path) -> list[tuple[Path, str]]:
+    """(path, expected message) pairs that no command can write a file at."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    return [
+        (tmp_path, "is a directory"),
+        (a_file / "x.json", f"{a_file} is not a directory"),
+        (a_file / "deeper" / "x.json", f"{a_file} is not a directory"),
+    ]
+
+
+def _assert_refused(result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_render_serve_config_refuses_a_path_it_cannot_write(tmp_path, case):
+    out, message = _bad_file_paths(tmp_path)[case]
+    _assert_refused(CliRunner().invoke(app, ["render", "serve-config", "--out", str(out)]), message)
+
+
+def test_render_serve_config_creates_missing_parent_folders(tmp_path):
+    out = tmp_path / "new" / "dir" / "serve.yaml"
+    result = CliRunner().invoke(app, ["render", "serve-config", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "import_path" in out.read_text()
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_simulate_refuses_a_bad_out_before_simulating(tmp_path, monkeypatch, case):
+    from bench import simulator
+
+    monkeypatch.setattr(simulator, "run_grid", _never)
+    out, message = _bad_file_paths(tmp_path)[case]
+    _assert_refused(CliRunner().invoke(app, [*SIMULATE, "--out", str(out)]), message)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_simulate_refuses_a_folder_where_files_cannot_be_created(monkeypatch):
+    from bench import simulator
+
+    monkeypatch.setattr(simulator, "run_grid", _never)
+    _assert_refused(CliRunner().invoke(app, [*SIMULATE, "--out", "/proc/warmpath-x.json"]), "cannot be written")
+
+
+def test_simulate_probe_leaves_no_file_behind_and_keeps_an_existing_one(tmp_path, monkeypatch):
+    from bench import simulator
+
+    def refuse_after_check(*args, **kwargs):
+        raise SystemExit(3)
+
+    monkeypatch.setattr(simulator, "run_grid", refuse_after_check)
+    new = tmp_path / "new.json"
+    CliRunner().invoke(app, [*SIMULATE, "--out", str(new)])
+    assert not new.exists()
+    old = tmp_path / "old.json"
+    old.write_text("keep")
+    CliRunner().invoke(app, [*SIMULATE, "--out", str(old)])
+    assert old.read_text() == "keep"
+
+
+def test_simulate_that_cannot_write_at_the_end_prints_the_results_and_one_error_line(tmp_path, monkeypatch):
+    from bench import report
+
+    def fail(path, document):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(report, "write_json", fail)
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, [*SIMULATE, "--out", str(out)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"error: cannot write {out} (Permission denied)" in result.output
+    assert "warmpath" in result.output.split("error:")[0]  # the report came first
+
+
+@pytest.mark.parametrize("case", range(2))
+def test_bench_refuses_a_bad_out_before_running(tmp_path, monkeypatch, case):
+    from bench import live
+
+    monkeypatch.setattr(live, "run_bench", _never)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    taken = tmp_path / "taken"
+    (taken / "bench-fanout.json").mkdir(parents=True)  # a folder where the results file goes
+    out, message = [(a_file, "is not a directory"), (taken, "is a directory")][case]
+    _assert_refused(CliRunner().invoke(app, ["bench", "--workload", "fanout", "--out", str(out)]), message)
+
+
+def test_chaos_refuses_a_bad_out_before_breaking_anything(tmp_path, monkeypatch):
+    from bench import chaos
+
+    monkeypatch.setattr(chaos, "run_chaos", _never)
+    _assert_refused(CliRunner().invoke(app, ["chaos", "--out", str(tmp_path)]), "is a directory")
+
+
+def test_build_model_refuses_an_out_that_is_a_file(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    _assert_refused(CliRunner().invoke(app, ["build-model", "--out", str(a_file)]), "is not a directory")
+
+
+def test_simulate_still_writes_its_results(tmp_path):
+    out = tmp_path / "deep" / "sim.json"
+    result = CliRunner().invoke(app, [*SIMULATE, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["kind"] == "warmpath-simulate"

@@ -9,6 +9,12 @@ Two concerns that both decide what a gRPC client sees as "status":
   any other state conflict (pending tool calls, no calls pending) is
   FAILED_PRECONDITION. Statuses without a row map to UNKNOWN, as gRPC's own
   HTTP mapping does.
+- Details. A status' details travel percent-encoded in the `grpc-message`
+  trailer, and clients drop a call whose trailers pass 8 KiB (soft limit)
+  or 16 KiB (hard): `status_details` cuts every long token of a message (an
+  id or a name the caller sent, echoed back) to `MAX_ECHOED_CHARS` and the
+  whole to `MAX_DETAILS_BYTES`, so no request can turn a readable failure
+  into RESOURCE_EXHAUSTED. Every `RpcFailure` message passes through it.
 - Health. `add_health_servicer_to_server` is a `grpc_servicer_functions` entry
   that hosts the standard `grpc.health.v1.Health` service inside Ray Serve's
   gRPC proxy (not in a replica), so probes need no `application` metadata and
@@ -23,6 +29,7 @@ module at start-up. The hooks into the proxy (`add_passthrough_service`,
 
 from __future__ import annotations
 
+import re
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import grpc
@@ -57,6 +64,35 @@ ABORTED_ERROR_CODES = frozenset({"session_busy", "stale_turn"})
 
 RAY_HEALTHZ_METHOD = "/ray.serve.RayServeAPIService/Healthz"
 
+# Longest token (an id, a name: anything between spaces and quotes) a status message echoes whole.
+MAX_ECHOED_CHARS = 64
+# Details as UTF-8; percent-encoding at most triples them, which stays under gRPC's 8 KiB metadata soft limit.
+MAX_DETAILS_BYTES = 2048
+ELLIPSIS = "..."
+_LONG_TOKEN = re.compile(r"[^\s'\"`]{%d,}" % (MAX_ECHOED_CHARS + 1))
+
+
+def shorten(text: str, max_chars: int = MAX_ECHOED_CHARS) -> str:
+    """`text`, or its first `max_chars` characters and "..." when longer."""
+    return text if len(text) <= max_chars else text[:max_chars] + ELLIPSIS
+
+
+def status_details(message: str) -> str:
+    """`message` fit for a status' details: long tokens shortened, at most `MAX_DETAILS_BYTES` of UTF-8.
+
+    Args:
+        message: A readable failure, possibly echoing what the caller sent (a 100 KB session id).
+
+    Returns:
+        The message with each token over `MAX_ECHOED_CHARS` cut by `shorten`, then cut (with "...")
+        to `MAX_DETAILS_BYTES` bytes of UTF-8, never inside a character.
+    """
+    text = _LONG_TOKEN.sub(lambda match: shorten(match.group()), message)
+    encoded = text.encode("utf-8")
+    if len(encoded) <= MAX_DETAILS_BYTES:
+        return text
+    return encoded[: MAX_DETAILS_BYTES - len(ELLIPSIS)].decode("utf-8", errors="ignore") + ELLIPSIS
+
 
 def grpc_code(http_status: int, error_code: str | None = None) -> grpc.StatusCode:
     """The gRPC code for an HTTP-style status and, for 409, the API's machine-readable error code.
@@ -74,11 +110,16 @@ def grpc_code(http_status: int, error_code: str | None = None) -> grpc.StatusCod
 
 
 class RpcFailure(Exception):
-    """An expected failure of one RPC: gRPC code, the API's error code, and readable details."""
+    """An expected failure of one RPC: gRPC code, the API's error code, and readable details.
+
+    `message` is the given text through `status_details`, so the status details and the
+    stream's last message (which carries the same text) stay bounded whatever the caller sent.
+    """
 
     def __init__(
         self, status: grpc.StatusCode, code: str, message: str, trailing_metadata: Sequence[tuple[str, str]] = ()
     ) -> None:
+        message = status_details(message)
         super().__init__(message)
         self.status = status
         self.code = code
@@ -121,7 +162,7 @@ class ProxyHealthServicer(health_pb2_grpc.HealthServicer):
 
     async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext):
         if request.service not in self._service_names:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, status_details(f"unknown service {request.service!r}"))
         await self._ray_healthz(HealthzRequest(), context)
         code = context.code()
         if code is not None and code != grpc.StatusCode.OK:

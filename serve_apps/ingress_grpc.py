@@ -29,8 +29,14 @@ Status and ordering rules:
   (`SessionEvent.error`, `ChatCompletionChunk.error`), then the status;
 - a turn's own `error` event ends the stream with the code its HTTP status
   maps to, except `max_steps` (OK: the turn's messages are committed);
-- unexpected exceptions become INTERNAL with a generic message; Ray's
-  overload, unavailability and timeout errors keep their meaning.
+- Ray's overload, unavailability and timeout errors keep their meaning;
+  any other exception is classified as the HTTP ingress classifies it (Ray
+  Serve LLM's `get_response_for_error`, through `api_errors.exception_body`):
+  a client error (vLLM's `VLLMClientError`, a request model's validation
+  error) is INVALID_ARGUMENT with its readable text, the rest INTERNAL with a
+  generic message;
+- details never echo more than a bounded part of what the caller sent
+  (`grpc_status.status_details`).
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.access import AccessDenied, AccessGuard, Caller, GuardSettings, credentials_from, retry_after_header
-from serve_apps.api_errors import engine_error, error_type, validation_problem
+from serve_apps.api_errors import engine_error, error_type, exception_body, validation_problem
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.ingress_http import TURN_ERROR_STATUS
 from serve_apps.orchestrator.models import Message
@@ -195,7 +201,14 @@ def chat_completion_fields(request: inference_pb2.ChatCompletionRequest) -> dict
     tools = []
     for index, tool in enumerate(request.tools):
         function: dict[str, Any] = {"name": tool.name, "description": tool.description}
-        parameters = _schema(tool.parameters_json, f"tools[{index}].parameters_json")
+        where = f"tools[{index}].parameters_json"
+        parameters = _schema(tool.parameters_json, where)
+        if tool.parameters_json and not isinstance(parameters, dict):
+            # Named here: the engine's model would name `tools[0].function.parameters`, a field gRPC lacks.
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+                f"{where}: must be a JSON object (a JSON Schema), not {_json_kind(parameters)}",
+            )
         function["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
         tools.append({"type": "function", "function": function})
     fields: dict[str, Any] = {"messages": messages, "tools": tools or None}
@@ -206,6 +219,19 @@ def chat_completion_fields(request: inference_pb2.ChatCompletionRequest) -> dict
     if request.HasField("temperature"):
         fields["temperature"] = request.temperature
     return fields
+
+
+def _json_kind(value: Any) -> str:
+    """How JSON names the type of a parsed value ("an array", "a number", ...)."""
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if value is None:
+        return "null"
+    return "a number"
 
 
 # ---- plain data -> protobuf (responses and events) ----
@@ -323,8 +349,23 @@ def denial_failure(denied: AccessDenied) -> RpcFailure:
     return RpcFailure(grpc_code(denied.status, denied.code), denied.code, denied.message, denied.headers().items())
 
 
-def failure_from_exception(err: Exception) -> RpcFailure:
-    """The failure an exception raised while serving an RPC stands for."""
+def failure_from_exception(err: Exception, request_id: str = "") -> RpcFailure:
+    """The failure an exception raised while serving an RPC stands for.
+
+    Ray's own errors keep their meaning (overload, unavailability, cancellation, timeout). A
+    request model's validation error names its first problem and field in one line, as the HTTP
+    API's 400 does. Anything else is classified as the HTTP ingress classifies it
+    (`api_errors.exception_body`, i.e. Ray Serve LLM's `get_response_for_error`), which logs it:
+    a client error (`vllm.exceptions.VLLMClientError` and the like) keeps its status and readable
+    text; a server error is INTERNAL with a generic message, its details left to the log.
+
+    Args:
+        err: The exception.
+        request_id: Serve's id of the request, for Ray Serve LLM's log line.
+
+    Returns:
+        The failure to report.
+    """
     if isinstance(err, RpcFailure):
         return err
     if isinstance(err, BackPressureError):
@@ -341,7 +382,16 @@ def failure_from_exception(err: Exception) -> RpcFailure:
         return RpcFailure(grpc.StatusCode.CANCELLED, "cancelled", "the request was cancelled")
     if isinstance(err, TimeoutError):
         return RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", f"the request timed out: {err}")
-    return RpcFailure(grpc.StatusCode.INTERNAL, "internal", INTERNAL_MESSAGE)
+    if isinstance(err, ValidationError):
+        # Ray Serve LLM calls these 400s too, but in pydantic's multi-line developer text.
+        message, _ = validation_problem(err.errors())
+        return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", message)
+    http_status, body = exception_body(err, request_id)
+    status = grpc_code(http_status)
+    if status in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        return RpcFailure(grpc.StatusCode.INTERNAL, "internal", INTERNAL_MESSAGE)
+    error = body["error"]
+    return RpcFailure(status, error["code"] or error["type"], error["message"])
 
 
 # ---- the deployment ----
@@ -469,16 +519,14 @@ class GrpcIngress:
                 grpc.StatusCode.NOT_FOUND, "model_not_found",
                 f'model "{request.model}" is not served here (serving "{self._model_id}")',
             )
-        fields = chat_completion_fields(request)
-        try:
-            return ChatCompletionRequest(
-                model=self._model_id,
-                stream=is_streaming,
-                stream_options={"include_usage": True} if is_streaming else None,
-                **fields,
-            )
-        except ValueError as err:  # pydantic's ValidationError, raised by the engine's request model
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", str(err)) from None
+        # The engine's request model validates the rest: its pydantic and vLLM client errors (an unknown
+        # `tool_choice`, one without tools) become INVALID_ARGUMENT in `failure_from_exception`.
+        return ChatCompletionRequest(
+            model=self._model_id,
+            stream=is_streaming,
+            stream_options={"include_usage": True} if is_streaming else None,
+            **chat_completion_fields(request),
+        )
 
     async def _engine_outputs(self, chat_request: ChatCompletionRequest, session_id: str) -> AsyncIterator[tuple[str, Any]]:
         """(serving replica id, engine output) pairs of one chat call, routed by session id when there is one."""
@@ -564,7 +612,7 @@ def _metadata(grpc_context, name: str) -> str | None:
 
 def _fail(grpc_context, span: trace.Span, method: str, err: Exception) -> RpcFailure:
     """Records a failed RPC: status onto the context and span, unexpected errors into the log."""
-    failure = failure_from_exception(err)
+    failure = failure_from_exception(err, _get_serve_request_context().request_id)
     if failure is not err and failure.status == grpc.StatusCode.INTERNAL:
         logger.exception("gRPC %s failed", method)
     elif failure is not err:

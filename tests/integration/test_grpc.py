@@ -114,3 +114,73 @@ def test_error_codes(channel, metadata, cluster):
     with pytest.raises(grpc.RpcError) as err:
         stub.ChatCompletion(_request(cluster, max_tokens=64), metadata=metadata, timeout=0.001)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+LOOKUP_TOOL = inference_pb2.FunctionTool(name="lookup_order", description="Look up an order.", parameters_json=json.dumps(LOOKUP_SCHEMA))
+NAMED_NOPE = {"type": "function", "function": {"name": "nope"}}
+
+
+def _failures(stub, request, metadata) -> list[tuple[grpc.StatusCode, str, str]]:
+    """(code, details, text of the last message) of `request` refused by ChatCompletion and by StreamChatCompletion."""
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ChatCompletion(request, metadata=metadata, timeout=120)
+    unary = (err.value.code(), err.value.details(), err.value.details())
+    chunks = []
+    with pytest.raises(grpc.RpcError) as err:
+        for chunk in stub.StreamChatCompletion(request, metadata=metadata, timeout=120):
+            chunks.append(chunk)
+    return [unary, (err.value.code(), err.value.details(), chunks[-1].error.message if chunks else "")]
+
+
+@pytest.mark.parametrize(
+    "tool_choice, tools, http_tool_choice, phrase",
+    [
+        ("bogus", [], None, "`tools` must be set"),
+        ("", [], None, "`tools` must be set"),
+        ("required", [], "required", "`tools` must be set"),
+        ("nope", [LOOKUP_TOOL], NAMED_NOPE, "does not match any of the specified `tools`"),
+    ],
+    ids=["bogus", "empty", "required-without-tools", "unknown-tool"],
+)
+def test_invalid_tool_choice_is_invalid_argument_as_over_http(channel, metadata, cluster, tool_choice, tools, http_tool_choice, phrase):
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    request = _request(cluster)
+    request.tool_choice = tool_choice
+    request.tools.extend(tools)
+    for code, details, last_message in _failures(stub, request, metadata):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert phrase in details and "\n" not in details and "Internal" not in details
+        assert last_message == details
+    if http_tool_choice is not None:  # the same request in OpenAI form: the same refusal over HTTP
+        body = {"model": cluster.model_id, "messages": [{"role": "user", "content": "hello over grpc"}], "max_tokens": 6,
+                "tool_choice": http_tool_choice}
+        if tools:
+            body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                               "parameters": json.loads(t.parameters_json)}} for t in tools]
+        resp = cluster.client.post("/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["message"] == details
+
+
+@pytest.mark.parametrize("parameters_json, kind", [("[1, 2]", "an array"), ("5", "a number")])
+def test_tool_schema_that_is_not_an_object_is_one_line_naming_the_field(channel, metadata, cluster, parameters_json, kind):
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    request = _request(cluster)
+    request.tools.append(inference_pb2.FunctionTool(name="x", description="d", parameters_json=parameters_json))
+    message = f"tools[0].parameters_json: must be a JSON object (a JSON Schema), not {kind}"
+    assert _failures(stub, request, metadata) == [(grpc.StatusCode.INVALID_ARGUMENT, message, message)] * 2
+
+
+def test_a_huge_session_id_is_not_found_with_the_id_shortened(channel, metadata):
+    agent = agent_pb2_grpc.AgentStub(channel)
+    session_id = "x" * 100_000
+    calls = [
+        lambda: agent.GetSession(agent_pb2.GetSessionRequest(session_id=session_id), metadata=metadata, timeout=60),
+        lambda: agent.DeleteSession(agent_pb2.DeleteSessionRequest(session_id=session_id), metadata=metadata, timeout=60),
+        lambda: list(agent.SendMessage(agent_pb2.SendMessageRequest(session_id=session_id, content="hi"), metadata=metadata, timeout=60)),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+        assert "x" * 64 + "..." in err.value.details() and "x" * 65 not in err.value.details()
+        assert len(err.value.details().encode()) <= 2048

@@ -32,6 +32,8 @@ _RAY_WRAPPED = re.compile(r"^Message: (?P<text>.*?)(?: \(Request ID: [^)]*\))?, 
 _REQUEST_ID_SUFFIX = re.compile(r" \(Request ID: [^)]*\)$")
 # Ray names a non-HTTP exception in its message: "vllm.exceptions.VLLMValidationError: <text>".
 _EXCEPTION_NAME = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
+# The grammar compiler's log prefix inside vLLM's message: "[10:37:09] /path/json_schema_converter.cc:4950: ".
+_NATIVE_LOG_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] [^\s:]+:\d+: ")
 _VLLM_PARAMETER = re.compile(r"\(parameter=(?P<param>[A-Za-z_][\w.\[\]]*)(?:, value=.*)?\)$", re.DOTALL)
 
 
@@ -48,7 +50,8 @@ def readable_message(raw: str) -> str:
         text = _REQUEST_ID_SUFFIX.sub("", match.group("text").strip())
         if text.startswith(_PREFIX) and _RAY_WRAPPED.match(text) is None:
             text = text[len(_PREFIX):]
-    return _EXCEPTION_NAME.sub("", _REQUEST_ID_SUFFIX.sub("", text)) or "the request failed"
+    text = _NATIVE_LOG_PREFIX.sub("", _REQUEST_ID_SUFFIX.sub("", text))
+    return _EXCEPTION_NAME.sub("", text) or "the request failed"
 
 
 def error_body(status: int, message: str, code: Optional[str] = None, param: Optional[str] = None) -> dict[str, Any]:
@@ -89,14 +92,16 @@ def validation_problem(errors: Sequence[Mapping[str, Any]], prefix: str = "") ->
     Pydantic's own text (one line per error, documentation links) is for developers; this
     names the field as the request spells it (`tools[0].parameters`), under `prefix` if given.
     """
+    errors = _closest_union_member(list(errors))
     first = errors[0] if errors else {}
     where = _field_path(first.get("loc", ()), prefix)
     message = f"{where or 'the request body'}: {first.get('msg', 'invalid value')}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    num_more = len({_field_path(e.get("loc", ()), prefix) for e in errors} - {where})
+    if num_more:
+        message += f" (and {num_more} more problem{'s' if num_more > 1 else ''})"
     # A value that matches none of a union's forms fails once per form, each under the form's name:
     # the field is where all those problems meet.
-    shared = _field_path(_common_prefix([e.get("loc", ()) for e in errors]), prefix)
+    shared = _field_path(_common_prefix([_without_tags(e.get("loc", ())) for e in errors]), prefix)
     return message, shared or where
 
 
@@ -120,11 +125,66 @@ def _common_prefix(locs: Sequence[Sequence[Any]]) -> tuple:
     return tuple(prefix)
 
 
+# Names pydantic puts in an error's location for a type it tried, not a field of the request:
+# union members (`ChatCompletionUserMessageParam`, `str`, `list[constrained-int]`) and
+# validators (`function-wrap[...]`).
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", "set", "none", "any"})
+
+
+def _is_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part[:1].isupper() or any(c in part for c in "[(-") or part in _TYPE_NAMES)
+
+
+def _without_tags(loc: Sequence[Any]) -> tuple:
+    return tuple(part for part in loc if not _is_tag(part))
+
+
+def _closest_union_member(errors: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The errors of the union member the value came closest to, where it matched none.
+
+    Pydantic reports every member's failures (22 for a user message whose
+    content is null); of the members whose literals matched (the `role`), the one
+    with the fewest is what the client most likely meant (a user message, whose
+    content must be a string). When several tie, a field all
+    of them refused as a literal (the `type` of a content part) is the one to name,
+    with every value the members accept.
+    """
+    loc = tuple(errors[0].get("loc", ())) if errors else ()
+    at = next((i for i, part in enumerate(loc) if _is_tag(part)), None)
+    if at is None:
+        return errors
+    members: dict[str, list[Mapping[str, Any]]] = {}
+    others = []
+    for error in errors:
+        where = tuple(error.get("loc", ()))
+        if where[:at] == loc[:at] and len(where) > at and _is_tag(where[at]):
+            members.setdefault(where[at], []).append(error)
+        else:
+            others.append(error)
+    if len(members) < 2:
+        return errors
+    # A member that refused a literal (a message's `role`) is one the client did not mean, if any other is left.
+    members = {tag: member for tag, member in members.items()
+               if not any(error.get("type") == "literal_error" for error in member)} or members
+    fewest = min(map(len, members.values()))
+    closest = [member for member in members.values() if len(member) == fewest]
+    if len(closest) > 1:
+        literals: dict[tuple, list[str]] = {}
+        for member in closest:
+            for error in member:
+                if error.get("type") == "literal_error":
+                    literals.setdefault(_without_tags(error["loc"]), []).append(str(error["ctx"]["expected"]))
+        for where, expected in literals.items():
+            if len(expected) == len(closest):
+                return [{"loc": where, "msg": f"Input should be {', '.join(expected)}", "type": "literal_error"}] + others
+    return closest[0] + others
+
+
 def _field_path(loc: Sequence[Any], prefix: str = "") -> Optional[str]:
-    """`messages[0].role` for FastAPI's ("body", "messages", 0, "role")."""
+    """`messages[0].role` for FastAPI's ("body", "messages", 0, "role"), without pydantic's type names."""
     parts = list(loc)[1:] if loc and loc[0] in ("body", "query", "path", "header") else list(loc)
     path = prefix
-    for part in parts:
+    for part in _without_tags(parts):
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path or None
 

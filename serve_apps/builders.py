@@ -72,10 +72,10 @@ def engine_kwargs(cfg: ClusterConfig) -> dict[str, Any]:
         "block_size": cfg.replicas.block_size_tokens,
         "enable_prefix_caching": True,
         "tensor_parallel_size": cfg.replicas.tensor_parallel_size,
-        # Frontend options: cached-token counts and usage on every response,
-        # and tool calls parsed back out of the model's text.
+        # Frontend options: cached-token counts in usage, and tool calls parsed
+        # back out of the model's text. Streams carry usage when the request
+        # asks (`stream_options.include_usage`); the ingresses ask for the router.
         "enable_prompt_tokens_details": True,
-        "enable_force_include_usage": True,
         "enable_auto_tool_choice": True,
         "tool_call_parser": cfg.model.tool_call_parser,
         # Compact JSON under grammars: without this a weak model fills every

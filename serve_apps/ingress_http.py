@@ -28,6 +28,7 @@ from ray.llm._internal.serve.core.ingress.ingress import (
     router_request_timeout,
 )
 from ray.llm._internal.serve.constants import DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
+from vllm.entrypoints.generate.base.protocol import StreamOptions
 from ray.llm._internal.serve.core.ingress.utils import (
     NON_STREAMING_RESPONSE_TYPES,
     _openai_json_wrapper,
@@ -38,8 +39,9 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.access import Caller
-from serve_apps.api_errors import engine_error, error_body, exception_response
+from serve_apps.api_errors import engine_error, error_body, error_type, exception_response
 from serve_apps.metrics import record_model_call
+from serve_apps.request_checks import chat_request_problem, completion_request_problem
 from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.sse_frames import data_objects
 from serve_apps.vllm_replica import ServedBy
@@ -82,12 +84,18 @@ def _record_usage(
 
 
 async def _recording_usage(
-    frames: AsyncIterator[str], logged: Optional[decision_log.LoggedDecision], served_by: Optional[ServedBy]
+    frames: AsyncIterator[str],
+    logged: Optional[decision_log.LoggedDecision],
+    served_by: Optional[ServedBy],
+    is_usage_asked: bool = True,
+    span=None,
 ) -> AsyncIterator[str]:
     """Passes SSE frames through and records the last usage seen (vLLM sends it in the last data frame).
 
     Recorded before `[DONE]` goes out, so a client that reads the router's
-    statistics after its stream ends sees this call counted.
+    statistics after its stream ends sees this call counted. A client that did
+    not ask for usage (`stream_options.include_usage`) does not get the
+    usage-only chunk the ingress asked the engine for.
     """
     usage = None
     is_recorded = False
@@ -95,21 +103,64 @@ async def _recording_usage(
         async for frame in frames:
             if '"usage"' in frame:  # a frame may hold several batched chunks, [DONE] included
                 usage = _frame_usage(frame) or usage
+                if not is_usage_asked:
+                    frame = without_usage_chunks(frame)
+                    if not frame:
+                        continue
             if '"error"' in frame:  # an engine error after the first chunk (a quote in text is escaped)
                 frame = readable_error_frame(frame)
             if "data: [DONE]" in frame:
                 _record_usage(logged, served_by, usage)
+                _annotate_usage(span, usage)
                 is_recorded = True
             yield frame
     finally:
         if not is_recorded:  # the stream broke off or ended without [DONE]
             _record_usage(logged, served_by, usage)
+            _annotate_usage(span, usage)
 
 
 def _frame_usage(frame: str) -> Optional[dict]:
     """The `usage` of the last `data:` chunk in `frame` that has one."""
     usages = [chunk["usage"] for _, chunk in data_objects(frame.splitlines()) if isinstance(chunk.get("usage"), dict)]
     return usages[-1] if usages else None
+
+
+def stream_leading_error(chunk: Any) -> Optional[dict]:
+    """The `error` of a stream whose first data chunk is an error (vLLM refused it after the stream began)."""
+    if not isinstance(chunk, str) or '"error"' not in chunk:
+        return None
+    for _, payload in data_objects(chunk.split("\n")):
+        error = payload.get("error")
+        return error if isinstance(error, dict) else None
+    return None
+
+
+def asks_for_usage(body: Any) -> bool:
+    """Whether a streamed request asked for the usage-only last chunk (a non-streamed answer always has usage)."""
+    options = getattr(body, "stream_options", None)
+    return bool(options is not None and options.include_usage)
+
+
+def without_usage_chunks(frame: str) -> str:
+    """`frame` without its usage-only `data:` chunks (no choices, only usage), each with its blank line."""
+    lines = frame.split("\n")
+    dropped = {position for position, chunk in data_objects(lines)
+               if not chunk.get("choices") and isinstance(chunk.get("usage"), dict)}
+    if not dropped:
+        return frame
+    kept = []
+    skip_blank = False
+    for position, line in enumerate(lines):
+        if position in dropped:
+            skip_blank = True
+            continue
+        if skip_blank and line == "":
+            skip_blank = False
+            continue
+        skip_blank = False
+        kept.append(line)
+    return "\n".join(kept) if any(kept) else ""
 
 
 def readable_error_frame(frame: str) -> str:
@@ -226,7 +277,8 @@ async def _turn_response(session_id: str, stream_events, is_streaming: bool) -> 
         collected = [event async for event in events]
     except Exception:
         logger.exception("turn of session %s broke off", session_id)
-        return JSONResponse({"session_id": session_id, "status": "failed", "error": INTERRUPTED}, status_code=503)
+        error = error_body(503, INTERRUPTED["message"], code=INTERRUPTED["code"])["error"]
+        return JSONResponse({"session_id": session_id, "status": "failed", "error": error}, status_code=503)
     collected = merged_deltas(collected)
     last = collected[-1] if collected else {"kind": "error", "code": "empty_turn", "message": "the turn produced nothing"}
     status_by_kind = {"final": "completed", "requires_action": "requires_action"}
@@ -236,9 +288,9 @@ async def _turn_response(session_id: str, stream_events, is_streaming: bool) -> 
         body["message"] = last["message"]
     if last["kind"] == "requires_action":
         body["required_action"] = {"tool_calls": last["tool_calls"]}
-    if outcome == "failed":
-        body["error"] = {"code": last.get("code"), "message": last.get("message")}
-    status = TURN_ERROR_STATUS.get(last.get("code"), 200) if outcome == "failed" else 200
+    status = TURN_ERROR_STATUS.get(last.get("code"), 500) if outcome == "failed" else 200
+    if outcome == "failed":  # the API's error shape, beside the turn's events
+        body["error"] = error_body(status, str(last.get("message") or "the turn failed"), code=last.get("code"))["error"]
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -260,18 +312,23 @@ def _forward_trace_context(raw_request: Request) -> None:
     raw_request.__dict__.pop("_headers", None)
 
 
-def _annotate(span, headers: Dict[str, str], usage: Optional[Any]) -> None:
+def _annotate(span, headers: Dict[str, str]) -> None:
     for header, attribute in ((REPLICA_HEADER, "warmpath.replica"), (ROUTE_HEADER, "warmpath.route.reason")):
         if header in headers:
             span.set_attribute(attribute, headers[header])
     if PREDICTED_CACHED_HEADER in headers:
         span.set_attribute("warmpath.route.predicted_cached_tokens", int(headers[PREDICTED_CACHED_HEADER]))
-    if usage is not None:
-        span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens or 0)
-        details = getattr(usage, "prompt_tokens_details", None)
-        if details is not None and details.cached_tokens is not None:
-            span.set_attribute("warmpath.cached_tokens", details.cached_tokens)
+
+
+def _annotate_usage(span, usage: Optional[dict]) -> None:
+    """Token counts on the call's span, from the response's `usage` as JSON (a stream's last usage)."""
+    if span is None or not usage or not span.is_recording():
+        return
+    span.set_attribute("gen_ai.usage.input_tokens", usage.get("prompt_tokens") or 0)
+    span.set_attribute("gen_ai.usage.output_tokens", usage.get("completion_tokens") or 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is not None:
+        span.set_attribute("warmpath.cached_tokens", cached)
 
 
 async def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
@@ -280,24 +337,6 @@ async def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
             yield frame
     finally:
         span.end()
-
-
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-
-def check_chat_messages(messages: Any) -> None:
-    """Rejects message lists the engine would crash on (it indexes `message["role"]` unchecked).
-
-    Ray Serve LLM's request model types messages loosely, so a message without
-    a role reaches vLLM's renderer and fails there as a KeyError (a 500).
-    """
-    for index, message in enumerate(messages or ()):
-        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
-        if role not in CHAT_ROLES:
-            raise OpenAIHTTPException(
-                status_code=400, type="BadRequestError",
-                message=f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
-            )
 
 
 class WarmpathIngress(OpenAiIngress):
@@ -309,8 +348,14 @@ class WarmpathIngress(OpenAiIngress):
         telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "ingress")
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
-        if call_method == "chat":
-            check_chat_messages(body.messages)
+        problem = chat_request_problem(body) if call_method == "chat" else completion_request_problem(body)
+        if problem is not None:
+            message, param = problem
+            return JSONResponse(error_body(400, message, code="invalid_parameter", param=param), status_code=400)
+        is_usage_asked = asks_for_usage(body)
+        if getattr(body, "stream", False) and not is_usage_asked:
+            # The router's per-replica counters read the stream's usage; the client did not ask for it.
+            body.stream_options = StreamOptions(include_usage=True)
         parent = telemetry.extract(dict(raw_request.headers)) if raw_request is not None else None
         span = telemetry.tracer().start_span(
             f"{call_method} {body.model}", context=parent, kind=trace.SpanKind.SERVER,
@@ -320,7 +365,7 @@ class WarmpathIngress(OpenAiIngress):
         try:
             if raw_request is not None and span.is_recording():
                 _forward_trace_context(raw_request)
-            response = await self._traced_llm_request(body, call_method, raw_request, span)
+            response = await self._traced_llm_request(body, call_method, raw_request, span, is_usage_asked)
         except BaseException as err:
             span.record_exception(err)
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)[:200]))
@@ -335,7 +380,9 @@ class WarmpathIngress(OpenAiIngress):
             span.end()
         return response
 
-    async def _traced_llm_request(self, body, call_method: str, raw_request: Optional[Request], span) -> Response:
+    async def _traced_llm_request(
+        self, body, call_method: str, raw_request: Optional[Request], span, is_usage_asked: bool
+    ) -> Response:
         async with router_request_timeout(DEFAULT_LLM_ROUTER_HTTP_TIMEOUT):
             gen = self._get_response(body=body, call_method=call_method, raw_request=raw_request)
             served_by: Optional[ServedBy] = None
@@ -351,14 +398,20 @@ class WarmpathIngress(OpenAiIngress):
                     status_code=first_chunk.error.code,
                     type=first_chunk.error.type,
                 )
-            usage = getattr(first_chunk, "usage", None)
+            leading_error = stream_leading_error(first_chunk)
+            if leading_error is not None:  # refused before any token: a status, not a 200 with an error frame
+                status, message = engine_error(leading_error)
+                raise OpenAIHTTPException(message=message, status_code=status or 500, type=error_type(status or 500))
             headers, logged = _route_headers(served_by)
             if span.is_recording():
-                _annotate(span, headers, usage)
+                _annotate(span, headers)
             if isinstance(first_chunk, NON_STREAMING_RESPONSE_TYPES):
-                _record_usage(logged, served_by, usage.model_dump() if usage is not None else None)
+                usage = getattr(first_chunk, "usage", None)
+                usage = usage.model_dump() if usage is not None else None
+                _annotate_usage(span, usage)
+                _record_usage(logged, served_by, usage)
                 return JSONResponse(content=first_chunk.model_dump(), headers=headers)
-            frames = _recording_usage(_openai_json_wrapper(gen), logged, served_by)
+            frames = _recording_usage(_openai_json_wrapper(gen), logged, served_by, is_usage_asked, span)
             return StreamingResponse(_ending_span(frames, span), media_type="text/event-stream", headers=headers)
 
     def _sessions(self):

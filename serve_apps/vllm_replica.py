@@ -61,6 +61,18 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _attach_tokenization(engine: Any) -> None:
+    """Gives Ray Serve LLM's engine vLLM's tokenization service, so `/tokenize` and `/detokenize` work.
+
+    Ray Serve LLM reads it from vLLM's app state as `openai_serving_tokenization`;
+    this vLLM names it `serving_tokenization`, so Ray found none and answered
+    every call with "This model does not support the 'tokenization' task".
+    """
+    if engine is None or getattr(engine, "_oai_serving_tokenization", True) is not None:
+        return
+    engine._oai_serving_tokenization = getattr(getattr(engine, "_app_state", None), "serving_tokenization", None)
+
+
 class WarmpathLLMServer(LLMServer):
     """LLMServer that publishes KV events on its own ports and tags its responses."""
 
@@ -88,6 +100,10 @@ class WarmpathLLMServer(LLMServer):
             service = os.environ.get("OTEL_SERVICE_NAME", "warmpath")
             telemetry.setup_tracing(TelemetryConfig(otlp_endpoint=endpoint, service_name=service), "replica")
         await super().__init__(llm_config, **kwargs)
+
+    async def _start_engine(self):
+        await super()._start_engine()
+        _attach_tokenization(self.engine)
 
     async def _tagged(self, stream: AsyncGenerator, span) -> AsyncGenerator:
         """Tags the stream with this replica and times it (first item = time to first token)."""

@@ -69,16 +69,33 @@ def test_chat_completion_reports_replica_and_cached_tokens(openai_client, cluste
     assert completion.usage.prompt_tokens_details.cached_tokens >= 0
 
 
-def test_streamed_chat_completion_ends_with_usage(openai_client, cluster):
+def test_streamed_chat_completion_ends_with_usage_when_asked(openai_client, cluster):
     stream = openai_client.chat.completions.create(
-        model=cluster.model_id, messages=[{"role": "user", "content": "Count to three."}], max_tokens=6, stream=True
+        model=cluster.model_id, messages=[{"role": "user", "content": "Count to three."}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
     usage = chunks[-1].usage
-    assert usage is not None and usage.completion_tokens == 6
+    assert usage is not None and usage.completion_tokens == 6 and chunks[-1].choices == []
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens >= 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_a_stream_that_did_not_ask_for_usage_has_a_choice_in_every_chunk(openai_client, cluster, kind):
+    """As OpenAI's: `chunk.choices[0]` holds for every chunk; the router still counts the call."""
+    before = cluster.client.get("/v1/router", timeout=30).json()["stats"].get("num_predictions", 0)
+    if kind == "chat":
+        stream = openai_client.chat.completions.create(
+            model=cluster.model_id, messages=[{"role": "user", "content": "Count."}], max_tokens=4, stream=True)
+    else:
+        stream = openai_client.completions.create(model=cluster.model_id, prompt="Count.", max_tokens=4, stream=True)
+    chunks = list(stream)
+    assert chunks and all(c.choices and c.usage is None for c in chunks)
+    if cluster.cfg.router.policy == "warmpath":
+        assert cluster.client.get("/v1/router", timeout=30).json()["stats"]["num_predictions"] > before
 
 
 @pytest.mark.parametrize(
@@ -196,7 +213,10 @@ def test_prompt_longer_than_the_context_window_is_400_naming_both_lengths(cluste
 @pytest.mark.parametrize(
     "body, field",
     [
-        ({"model": "warmpath-tiny", "messages": [{"role": "user", "content": 5}]}, "messages[0]"),  # no form fits
+        # No message form fits; the user form, whose role matched, is the one the client meant.
+        ({"model": "warmpath-tiny", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": "warmpath-tiny", "messages": [{"role": "user", "content": [{"type": "bogus"}]}]},
+         "messages[0].content[0].type"),
         ({"model": "warmpath-tiny"}, "messages"),
         ({"model": "warmpath-tiny", "messages": "not a list"}, "messages"),
         ({"model": "warmpath-tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, "max_tokens"),
@@ -207,6 +227,39 @@ def test_malformed_bodies_are_rejected_with_the_field(cluster, body, field):
     resp = cluster.client.post("/v1/chat/completions", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == field and field in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", '{"model":"warmpath-tiny","messages":[{"role":"user","content":"a\\ud800"}],"max_tokens":2}',
+     "messages[0].content"),
+    ("/v1/completions", '{"model":"warmpath-tiny","prompt":"a\\udc00","max_tokens":2}', "prompt"),
+])
+def test_text_that_is_not_valid_unicode_is_a_400_naming_the_field(cluster, path, body, field):
+    resp = cluster.client.post(path, content=body.encode(), headers={"content-type": "application/json"}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == field and "not valid Unicode" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_the_grammar_cannot_compile_is_a_400_without_the_compilers_log_prefix(cluster, stream):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}
+    resp = cluster.client.post("/v1/chat/completions", json={
+        "model": cluster.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream,
+        "tools": [tool], "tool_choice": "required"}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert message.startswith("Failed to transform json schema into a grammar: ") and ".cc:" not in message
+
+
+def test_tokenize_and_detokenize_round_trip(cluster):
+    tokens = cluster.client.post("/tokenize", json={"model": cluster.model_id, "prompt": "hello world"}, timeout=30)
+    assert tokens.status_code == 200, tokens.text
+    ids = tokens.json()["tokens"]
+    assert ids and tokens.json()["count"] == len(ids)
+    text = cluster.client.post("/detokenize", json={"model": cluster.model_id, "tokens": ids}, timeout=30)
+    assert text.status_code == 200 and text.json()["prompt"] == "hello world", text.text
 
 
 def test_invalid_json_is_400_or_422(cluster):

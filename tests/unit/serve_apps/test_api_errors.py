@@ -194,7 +194,7 @@ class _FailingIngress:
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
-    async def _traced_llm_request(self, body, call_method, raw_request, span):
+    async def _traced_llm_request(self, body, call_method, raw_request, span, is_usage_asked):
         raise self.error
 
 
@@ -218,3 +218,34 @@ def test_an_exception_escaping_an_openai_route_is_answered_in_the_same_shape():
     assert refused.status_code == 400 and json.loads(refused.body)["error"]["param"] == "n"
     with pytest.raises(asyncio.CancelledError):  # a cancelled request is not answered
         answer(asyncio.CancelledError())
+
+
+@pytest.mark.parametrize("body, message, param", [
+    # Null content fails every message form (22 problems); the user form, whose role matched, is the one meant.
+    ({"model": "m", "messages": [{"role": "user", "content": None}]},
+     "messages[0].content: Input should be a valid string", "messages[0].content"),
+    ({"model": "m", "messages": [{"content": "x"}]}, "messages[0].role: Field required", "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format.type: Input should be 'text', 'json_object' or 'json_schema'", "response_format"),
+])
+def test_union_and_validator_names_never_reach_the_client(body, message, param):
+    from pydantic import ValidationError
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
+
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate(body)
+    error = api_errors.validation_error_body([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])["error"]
+    assert error["message"].startswith(message) and error["param"] == param
+    assert "Param" not in error["message"] and "function-wrap" not in error["message"]
+
+
+def test_a_list_members_type_name_is_not_part_of_the_path():
+    errors = [{"loc": ("body", "prompt", "list[constrained-int]", 0), "msg": "Input should be >= 0", "type": "x"},
+              {"loc": ("body", "prompt", "str"), "msg": "Input should be a valid string", "type": "string_type"}]
+    assert api_errors.validation_error_body(errors)["error"]["message"].startswith("prompt[0]: Input should be >= 0")
+
+
+def test_the_grammar_compilers_log_prefix_is_not_part_of_the_message():
+    raw = ("Failed to transform json schema into a grammar: [10:37:09] /project/cpp/json_schema_converter.cc:4950: "
+           "Cannot find field nope")
+    assert readable_message(raw) == "Failed to transform json schema into a grammar: Cannot find field nope"

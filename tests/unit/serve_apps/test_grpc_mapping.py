@@ -1,6 +1,6 @@
 """gRPC mapping: protobuf <-> the session/OpenAI plain data, status codes, and the RPC contract.
 
-Covers `serve_apps.grpc_status` (HTTP -> gRPC codes, health in Ray's proxy) and
+Covers `serve_apps.grpc_status` (HTTP -> gRPC codes, bounded details, health in Ray's proxy) and
 the conversions and status ordering of `serve_apps.ingress_grpc.GrpcIngress`,
 driven through fake handles. No Ray cluster: the proxy test runs Ray Serve's
 own gRPC server start-up (`start_grpc_server`, a real `gRPCProxy`) in-process.
@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from serve_apps import ingress_grpc
 from serve_apps.access import AccessDenied
-from serve_apps.grpc_status import RpcFailure, grpc_code
+from serve_apps.grpc_status import MAX_DETAILS_BYTES, MAX_ECHOED_CHARS, RpcFailure, grpc_code, shorten, status_details
 from serve_apps.ingress_grpc import (
     GrpcIngress,
     chat_chunk_to_proto,
@@ -192,6 +192,120 @@ def test_failure_from_exception(err, expected):
 def test_engine_failure(error, status, code, message):
     failure = engine_failure(error)
     assert (failure.status, failure.code, failure.message) == (status, code, message)
+
+
+def _client_errors():
+    from ray.exceptions import RayTaskError
+    from vllm.exceptions import VLLMNotFoundError, VLLMValidationError
+
+    def wrapped_by_ray(err: Exception) -> Exception:
+        """`err` as a handle call re-raises it from another process."""
+        return RayTaskError("chat", f"Traceback (most recent call last):\n  ...\n{err}", err).as_instanceof_cause()
+
+    try:
+        ingress_grpc.ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "a", "parameters": [1]}}],
+        )
+    except ValidationError as err:
+        schema_error = err
+    choice = VLLMValidationError("The tool specified in `tool_choice` does not match any of the specified `tools`",
+                                 parameter="tool_choice")
+    return [
+        pytest.param(choice, Code.INVALID_ARGUMENT, "BadRequestError",
+                     "The tool specified in `tool_choice` does not match any of the specified `tools` (parameter=tool_choice)",
+                     id="vllm-validation"),
+        pytest.param(VLLMValidationError("When using `tool_choice`, `tools` must be set."), Code.INVALID_ARGUMENT,
+                     "BadRequestError", "When using `tool_choice`, `tools` must be set.", id="vllm-validation-no-param"),
+        pytest.param(VLLMNotFoundError("no adapter named x"), Code.INVALID_ARGUMENT, "BadRequestError", "no adapter named x",
+                     id="vllm-client-error"),
+        pytest.param(wrapped_by_ray(VLLMValidationError("bad tool_choice")), Code.INVALID_ARGUMENT, "BadRequestError",
+                     "bad tool_choice", id="raised-in-a-replica"),
+        pytest.param(schema_error, Code.INVALID_ARGUMENT, "invalid_request",
+                     "tools[0].function.parameters: Input should be a valid dictionary", id="pydantic"),
+    ]
+
+
+@pytest.mark.parametrize("err, status, code, message", _client_errors())
+def test_client_errors_are_classified_as_over_http(err, status, code, message):
+    """What Ray Serve LLM calls a client error is the caller's fault, with the same one-line text as HTTP's 400."""
+    failure = failure_from_exception(err, "req-1")
+    assert (failure.status, failure.code, failure.message) == (status, code, message)
+
+
+# ---- status details: bounded whatever the caller sent ----
+
+LONG_ID = "x" * 100_000
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ("no session s1", "no session s1"),
+        (f"no session {LONG_ID}", f"no session {'x' * MAX_ECHOED_CHARS}..."),
+        (f"unknown service '{LONG_ID}'", f"unknown service '{'x' * MAX_ECHOED_CHARS}...'"),
+        (f"tool `{LONG_ID}` and tool `{LONG_ID}`", f"tool `{'x' * 64}...` and tool `{'x' * 64}...`"),
+        ("y" * MAX_ECHOED_CHARS, "y" * MAX_ECHOED_CHARS),
+        ("tools[0].parameters_json: must be a JSON object", "tools[0].parameters_json: must be a JSON object"),
+    ],
+    ids=["short", "long-id", "quoted-long-id", "two-long-names", "at-the-limit", "field-path"],
+)
+def test_status_details_shorten_echoed_tokens(message, expected):
+    assert status_details(message) == expected
+
+
+@pytest.mark.parametrize("message", ["word " * 10_000, "é " * 10_000, "€ü " * 5_000], ids=["ascii", "2-byte", "3-byte"])
+def test_status_details_fit_grpc_metadata_limits(message):
+    details = status_details(message)
+    assert len(details.encode()) <= MAX_DETAILS_BYTES and details.endswith("...")
+    assert message.startswith(details[: -len("...")])
+    assert 3 * len(details.encode()) < 8192  # percent-encoded in `grpc-message`: under the 8 KiB soft limit
+
+
+@pytest.mark.parametrize("text, expected", [("abc", "abc"), ("a" * 65, "a" * 64 + "...")])
+def test_shorten(text, expected):
+    assert shorten(text) == expected
+
+
+def test_failure_from_an_envelope_echoing_a_long_id_is_bounded():
+    failure = RpcFailure.from_envelope(_error(404, f"no session {LONG_ID}", "session_not_found"))
+    context = _RecordingContext()
+    failure.set_on(context)
+    assert (context.code, context.details) == (Code.NOT_FOUND, f"no session {'x' * 64}...")
+    assert failure.message == context.details  # a stream's last message says the same
+
+
+async def _served_status(failure: RpcFailure) -> tuple[grpc.StatusCode, str]:
+    """Code and details a grpcio client receives from a grpcio server that sets `failure` on its context."""
+    async def handler(request, context):
+        failure.set_on(context)
+        return b""
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("test.Echo", {"Fail": grpc.unary_unary_rpc_method_handler(handler)})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary("/test.Echo/Fail")(b"", timeout=10)
+    finally:
+        await server.stop(None)
+    return info.value.code(), info.value.details()
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [(f"no session {LONG_ID}", f"no session {'x' * 64}..."), ("é " * 50_000, None)],
+    ids=["long-id", "long-non-ascii-text"],
+)
+def test_long_details_reach_a_real_client_with_their_code(message, expected):
+    """Unbounded, these details would exceed the client's metadata limit: RESOURCE_EXHAUSTED instead of NOT_FOUND."""
+    code, details = _run(_served_status(RpcFailure(Code.NOT_FOUND, "session_not_found", message)))
+    assert code is Code.NOT_FOUND
+    assert details == (expected or status_details(message))
 
 
 # ---- agent requests: protobuf -> HTTP API bodies ----
@@ -760,6 +874,84 @@ def _llm_stream(*items):
     return lambda request, raw_request_info: _items(*items)
 
 
+SEARCH_TOOL = inference_pb2.FunctionTool(name="search", description="find", parameters_json=OBJECT_SCHEMA)
+
+
+def _user_request(**overrides) -> inference_pb2.ChatCompletionRequest:
+    return inference_pb2.ChatCompletionRequest(messages=[inference_pb2.ChatMessage(role="user", content="hi")], **overrides)
+
+
+async def _unary_and_streamed_failures(ingress: GrpcIngress, request) -> list[tuple[grpc.StatusCode, str, str]]:
+    """(status code, details, last message's error text) of `ChatCompletion` and of `StreamChatCompletion`."""
+    unary = FakeContext()
+    await ingress.ChatCompletion(request, unary)
+    streamed = FakeContext()
+    chunks = [chunk async for chunk in ingress.StreamChatCompletion(request, streamed)]
+    return [(unary.code, unary.details, unary.details), (streamed.code, streamed.details, chunks[-1].error.message)]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"tool_choice": "bogus"}, "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)"),
+        ({"tool_choice": ""}, "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)"),
+        ({"tool_choice": "required"}, "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)"),
+        ({"tools": [SEARCH_TOOL], "tool_choice": "lookup"},
+         "The tool specified in `tool_choice` does not match any of the specified `tools` (parameter=tool_choice)"),
+        ({"tools": [SEARCH_TOOL], "tool_choice": ""},
+         'Invalid `name` in `function`: `` in `tool_choice`! Correct usage: `{"type": "function", "function": '
+         '{"name": "my_function"}}` (parameter=tool_choice.function.name)'),
+    ],
+    ids=["bogus", "empty", "required-without-tools", "unknown-tool", "empty-with-tools"],
+)
+def test_invalid_tool_choice_is_invalid_argument(overrides, message):
+    """vLLM refuses these while the request is built (`VLLMValidationError`): the caller's fault, with vLLM's text."""
+    llm = FakeHandle()
+    got = _run(_unary_and_streamed_failures(_ingress(llm=llm), _user_request(**overrides)))
+    assert got == [(Code.INVALID_ARGUMENT, message, message)] * 2
+    assert llm.options_calls == []  # refused before any engine call
+
+
+@pytest.mark.parametrize(
+    "parameters_json, kind",
+    [("[1, 2]", "an array"), ("5", "a number"), ('"s"', "a string"), ("true", "a boolean"), ("null", "null")],
+)
+def test_function_tool_schema_that_is_not_an_object_is_one_line_naming_the_field(parameters_json, kind):
+    tools = [SEARCH_TOOL, inference_pb2.FunctionTool(name="x", description="d", parameters_json=parameters_json)]
+    message = f"tools[1].parameters_json: must be a JSON object (a JSON Schema), not {kind}"
+    got = _run(_unary_and_streamed_failures(_ingress(), _user_request(tools=tools)))
+    assert got == [(Code.INVALID_ARGUMENT, message, message)] * 2
+
+
+def test_engine_client_error_raised_by_the_replica_is_invalid_argument():
+    from vllm.exceptions import VLLMValidationError
+
+    def chat(request, raw_request_info):
+        raise VLLMValidationError("`max_tokens` is too large", parameter="max_tokens")
+
+    got = _run(_unary_and_streamed_failures(_ingress(llm=FakeHandle(chat=chat)), _user_request()))
+    message = "`max_tokens` is too large (parameter=max_tokens)"
+    assert got == [(Code.INVALID_ARGUMENT, message, message)] * 2
+
+
+@pytest.mark.parametrize("rpc", ["GetSession", "DeleteSession"])
+def test_unknown_long_session_id_is_not_found_with_the_id_shortened(rpc):
+    envelope = _error(404, f"no session {LONG_ID}", "session_not_found")
+    method = {"GetSession": "get_session", "DeleteSession": "delete_session"}[rpc]
+    context = FakeContext()
+    request = getattr(agent_pb2, f"{rpc}Request")(session_id=LONG_ID)
+    _run(getattr(_ingress(orchestrator=FakeHandle(**{method: envelope})), rpc)(request, context))
+    assert (context.code, context.details) == (Code.NOT_FOUND, f"no session {'x' * 64}...")
+
+
+def test_turn_on_an_unknown_long_session_id_ends_with_the_id_shortened():
+    orchestrator = FakeHandle(send_message=_turn(_error(404, f"no session {LONG_ID}", "session_not_found")))
+    context = FakeContext()
+    request = agent_pb2.SendMessageRequest(session_id=LONG_ID, content="hi")
+    [(event, code)] = _run(_collect(_ingress(orchestrator=orchestrator).SendMessage(request, context), context))
+    assert (code, context.details, event.error.message) == (Code.NOT_FOUND, f"no session {'x' * 64}...", context.details)
+
+
 def test_chat_completion_unary():
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionResponse
 
@@ -870,6 +1062,9 @@ async def _proxy_checks() -> dict:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await status("no.such.Service")
             seen["unknown"] = info.value.code()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await status("x" * 100_000)  # echoed whole, the details would pass the metadata limit
+            seen["unknown_long"] = (info.value.code(), info.value.details())
             proxy.update_draining(True)
             seen["draining"] = await status("warmpath.v1.Inference")
             reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -890,26 +1085,6 @@ def test_health_and_reflection_in_ray_grpc_proxy():
     assert seen["routed"][0] is Code.NOT_FOUND and "Application metadata not set" in seen["routed"][1]
     assert (seen["ready"], seen["ready_agent"]) == (serving, serving)
     assert seen["unknown"] is Code.NOT_FOUND
+    assert seen["unknown_long"] == (Code.NOT_FOUND, f"unknown service '{'x' * 64}...'")
     assert seen["draining"] == not_serving
     assert {"warmpath.v1.Inference", "warmpath.v1.Agent", "grpc.health.v1.Health"} <= seen["reflected"]
-
-
-@pytest.mark.parametrize("messages, is_ok", [
-    ([{"role": "user", "content": "hi"}], True),
-    ([{"role": "tool", "tool_call_id": "c", "content": "x"}, {"role": "developer", "content": "y"}], True),
-    ([{"content": "no role"}], False),
-    ([{"role": "wizard", "content": "x"}], False),
-    (["not a message"], False),
-    ([{"role": None}], False),
-])
-def test_chat_messages_without_a_known_role_are_a_400(messages, is_ok):
-    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
-
-    from serve_apps.ingress_http import check_chat_messages
-
-    if is_ok:
-        check_chat_messages(messages)
-        return
-    with pytest.raises(OpenAIHTTPException) as err:
-        check_chat_messages(messages)
-    assert err.value.status_code == 400 and "role" in err.value.message

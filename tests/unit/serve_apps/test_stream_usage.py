@@ -62,3 +62,40 @@ def test_a_stream_that_breaks_off_is_still_recorded(monkeypatch):
 
     asyncio.run(consume())
     assert recorded == [None]
+
+
+def test_a_client_that_did_not_ask_for_usage_gets_no_usage_chunk(monkeypatch):
+    """The ingress asks the engine for usage (the router's counters); the client did not, so it never sees it."""
+    recorded = []
+    monkeypatch.setattr(ingress_http, "_record_usage", lambda logged, served_by, usage: recorded.append(usage))
+    frames = [_chunk(), _chunk(USAGE), _chunk() + _chunk(USAGE) + "data: [DONE]\n\n"]
+
+    async def source():
+        for frame in frames:
+            yield frame
+
+    async def consume(is_usage_asked):
+        return [frame async for frame in ingress_http._recording_usage(source(), None, None, is_usage_asked)]
+
+    sent = asyncio.run(consume(False))
+    assert sent == [_chunk(), _chunk() + "data: [DONE]\n\n"]
+    assert recorded == [USAGE]
+    assert asyncio.run(consume(True)) == frames
+
+
+@pytest.mark.parametrize("options, is_asked", [(None, False), ({"include_usage": False}, False), ({"include_usage": True}, True)])
+def test_usage_is_asked_for_only_by_include_usage(options, is_asked):
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    assert ingress_http.asks_for_usage(ChatCompletionRequest.model_validate(body)) is is_asked
+
+
+def test_a_stream_refused_before_its_first_token_is_an_error_status():
+    error = {"message": "Failed to transform json schema into a grammar", "type": "BadRequestError", "code": 400}
+    assert ingress_http.stream_leading_error("data: " + json.dumps({"error": error}) + "\n\n") == error
+    assert ingress_http.stream_leading_error(_chunk() + "data: " + json.dumps({"error": error}) + "\n\n") is None
+    assert ingress_http.stream_leading_error(_chunk()) is None
+    assert ingress_http.stream_leading_error(["not a frame"]) is None

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from serve_apps import ingress_http
+from serve_apps import api_errors, ingress_http
 
 
 async def _events(*items):
@@ -31,7 +31,8 @@ def test_turn_outcomes_map_to_status_codes(last, status, outcome):
     body = json.loads(response.body)
     assert body["status"] == outcome
     if outcome == "failed":
-        assert body["error"]["code"] == last["code"] and body["error"]["message"]
+        assert body["error"]["code"] == last["code"] and body["error"]["message"] == last["message"]
+        assert body["error"]["type"] == api_errors.error_type(status) and "param" in body["error"]
 
 
 def test_a_whole_answer_is_one_delta_in_a_unary_turn_and_retries_keep_their_boundary():

@@ -1,0 +1,108 @@
+"""Refusals of OpenAI requests the engine would otherwise fail on as internal errors.
+
+Why here: Ray Serve LLM's request models type messages loosely, and vLLM
+checks some inputs only deep in the replica, where a bad value surfaces as a
+`KeyError`, a `TypeError` from the tokenizer or a `ValueError` that the error
+mapping cannot tell from a bug, so the client got a 500 for its own mistake.
+Each check returns `(message, param)` for a 400, or None.
+
+- A message without a known role (vLLM's renderer indexes `message["role"]`).
+- Message content or tool calls that fail validation: pydantic validates an
+  `Iterable` field lazily, so a content part of an unknown type raised only
+  when Ray Serve LLM materialised the list. Materialising it here, with the
+  message's index, names the field; Ray's own pass then finds lists.
+- More than `MAX_CHOICES` choices (`n`), OpenAI's own limit: vLLM takes any
+  number, and one request with n=1000 holds an engine for as long as a
+  thousand would.
+- Text that cannot be encoded as UTF-8 (a lone surrogate, from a `\\ud800`
+  escape or from invalid bytes JSON decoding let through): the tokenizer
+  raises a `TypeError` on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+MAX_CHOICES = 128
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+Problem = tuple[str, Optional[str]]
+
+
+def chat_request_problem(body: Any) -> Optional[Problem]:
+    """The first thing wrong with a chat request's messages and tools, or None."""
+    if (problem := _choices_problem(body)) is not None:
+        return problem
+    messages = body.messages or []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+        if role not in CHAT_ROLES:
+            return f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"messages[{index}].role"
+        if isinstance(message, dict):
+            for field in ("content", "tool_calls"):
+                value = message.get(field)
+                if value is None or isinstance(value, (str, list)):
+                    continue
+                try:
+                    message[field] = list(value)
+                except (TypeError, ValueError) as err:
+                    return _invalid_part(f"messages[{index}].{field}", err)
+    return unencodable_text_problem(messages, "messages") or unencodable_text_problem(
+        getattr(body, "tools", None), "tools"
+    )
+
+
+def completion_request_problem(body: Any) -> Optional[Problem]:
+    """The first thing wrong with a completion request's prompt, or None."""
+    return _choices_problem(body) or unencodable_text_problem(getattr(body, "prompt", None), "prompt")
+
+
+def _choices_problem(body: Any) -> Optional[Problem]:
+    n = getattr(body, "n", None)
+    if isinstance(n, int) and n > MAX_CHOICES:
+        return f"n must be at most {MAX_CHOICES}, got {n}", "n"
+    return None
+
+
+def unencodable_text_problem(value: Any, path: str) -> Optional[Problem]:
+    """A 400 for the first string under `value` that UTF-8 cannot encode, naming where it is."""
+    found = _first_unencodable(value, path)
+    if found is None:
+        return None
+    where, position = found
+    return (f"{where}: the text is not valid Unicode (a lone surrogate at character {position}); "
+            "send UTF-8 text, with surrogate pairs only in pairs", where)
+
+
+def _first_unencodable(value: Any, path: str) -> Optional[tuple[str, int]]:
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return path, err.start
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    elif hasattr(value, "__pydantic_fields__"):
+        items = vars(value).items()
+    else:
+        return None
+    for key, item in items:
+        found = _first_unencodable(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}")
+        if found is not None:
+            return found
+    return None
+
+
+def _invalid_part(where: str, err: Exception) -> Problem:
+    from pydantic import ValidationError
+
+    from serve_apps.api_errors import validation_problem
+
+    if isinstance(err, ValidationError):
+        return validation_problem(err.errors(), prefix=where)
+    return f"{where}: {err}", where

@@ -1,0 +1,69 @@
+"""OpenAI requests the engine would fail on as internal errors are refused as 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
+
+from serve_apps.request_checks import chat_request_problem, completion_request_problem
+
+
+def _chat(raw: str) -> ChatCompletionRequest:
+    # Parsed from JSON text as the ingress does: "\ud800" escapes become lone surrogates.
+    return ChatCompletionRequest.model_validate(json.loads(raw))
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "tool", "tool_call_id": "c", "content": "x"}, {"role": "developer", "content": "y"}],
+    [{"role": "user", "content": [{"type": "text", "text": "fine \U0001F600"}]}],
+])
+def test_well_formed_messages_pass(messages):
+    assert chat_request_problem(_chat(json.dumps({"model": "m", "messages": messages}))) is None
+
+
+@pytest.mark.parametrize("messages", [[{"content": "no role"}], [{"role": "wizard", "content": "x"}], [{"role": None}]])
+def test_a_message_without_a_known_role_is_refused(messages):
+    body = ChatCompletionRequest.model_construct(model="m", messages=messages)
+    message, param = chat_request_problem(body)
+    assert param == "messages[0].role" and "must be one of" in message
+
+
+def test_a_content_part_of_an_unknown_type_names_the_part_and_the_types_there_are():
+    body = _chat('{"model":"m","messages":[{"role":"user","content":"ok"},{"role":"user","content":[{"type":"bogus"}]}]}')
+    message, param = chat_request_problem(body)
+    assert param == "messages[1].content[0].type"
+    assert message.startswith("messages[1].content[0].type: Input should be 'text', 'image_url'")
+
+
+@pytest.mark.parametrize("raw, param, position", [
+    ('{"model":"m","messages":[{"role":"user","content":"\\ud800"}]}', "messages[0].content", 0),
+    ('{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"ok \\udc00"}]}]}',
+     "messages[0].content[0].text", 3),
+    ('{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":'
+     '{"name":"f","description":"a\\ud800","parameters":{"type":"object"}}}]}', "tools[0].function.description", 1),
+])
+def test_text_utf8_cannot_encode_is_refused_where_it_is(raw, param, position):
+    message, where = chat_request_problem(_chat(raw))
+    assert where == param
+    assert message.startswith(f"{param}: the text is not valid Unicode") and f"character {position}" in message
+
+
+def test_a_surrogate_pair_is_text_like_any_other():
+    assert chat_request_problem(_chat('{"model":"m","messages":[{"role":"user","content":"\\ud83d\\ude00"}]}')) is None
+
+
+def test_a_completion_prompt_with_a_lone_surrogate_is_refused():
+    body = CompletionRequest.model_validate(json.loads('{"model":"m","prompt":["a","b\\udfff"]}'))
+    assert completion_request_problem(body)[1] == "prompt[1]"
+    assert completion_request_problem(CompletionRequest.model_validate({"model": "m", "prompt": "fine"})) is None
+
+
+def test_more_choices_than_openai_allows_are_refused():
+    many = _chat('{"model":"m","messages":[{"role":"user","content":"x"}],"n":129}')
+    assert chat_request_problem(many) == ("n must be at most 128, got 129", "n")
+    assert chat_request_problem(_chat('{"model":"m","messages":[{"role":"user","content":"x"}],"n":128}')) is None
+    prompt = CompletionRequest.model_validate({"model": "m", "prompt": "x", "n": 1000})
+    assert completion_request_problem(prompt)[1] == "n"

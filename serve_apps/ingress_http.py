@@ -179,6 +179,7 @@ def readable_error_frame(frame: str) -> str:
 TURN_ERROR_STATUS = {
     "context_overflow": 400,
     "unknown_tool": 400,
+    "invalid_tool_schema": 400,
     "invalid_tool_call": 422,
     "compression_lost_values": 500,
     "model_error": 502,
@@ -191,7 +192,6 @@ TURN_ERROR_STATUS = {
 INTERNAL_ERROR = error_body(500, "internal error in the session service; see the server logs", code="internal")
 IDEMPOTENCY_HEADER = "idempotency-key"
 REPLAY_HEADER = "x-warmpath-idempotent-replay"
-MAX_IDEMPOTENCY_KEY_CHARS = 256
 # The orchestrator replica died (or was replaced) while running the turn.
 INTERRUPTED = {
     "code": "turn_interrupted",
@@ -206,16 +206,6 @@ def _caller(request: Request) -> Caller:
     if caller is None:
         raise OpenAIHTTPException(status_code=401, message="no authenticated caller", type="AuthenticationError")
     return caller
-
-
-def _idempotency_key(request: Request) -> Optional[str]:
-    key = request.headers.get(IDEMPOTENCY_HEADER)
-    if key is not None and not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS:
-        raise OpenAIHTTPException(
-            status_code=400, message=f"{IDEMPOTENCY_HEADER} must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} characters",
-            type="BadRequestError",
-        )
-    return key
 
 
 def _unary(result: Dict[str, Any]) -> Response:
@@ -439,7 +429,7 @@ class WarmpathIngress(OpenAiIngress):
         With an `Idempotency-Key` header, a retry of a turn that already committed
         gets the committed turn back (header `x-warmpath-idempotent-replay: true`) instead of a second turn.
         """
-        idempotency_key = _idempotency_key(request)
+        idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)  # checked by the orchestrator, for every ingress
         handle = self._sessions().options(stream=True)
         with _session_span(request, "POST /v1/sessions/{session_id}/messages", session_id):
             events = handle.send_message.remote(
@@ -449,7 +439,7 @@ class WarmpathIngress(OpenAiIngress):
 
     async def post_tool_results(self, session_id: str, body: ToolResultsSubmission, request: Request) -> Response:
         """Answer a `requires_action` pause with client tool results and continue the turn (same idempotency rule)."""
-        idempotency_key = _idempotency_key(request)
+        idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)  # checked by the orchestrator, for every ingress
         handle = self._sessions().options(stream=True)
         with _session_span(request, "POST /v1/sessions/{session_id}/tool_results", session_id):
             events = handle.submit_tool_results.remote(

@@ -19,7 +19,6 @@ expected outcome.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -42,16 +41,28 @@ from serve_apps.orchestrator.models import (
     ToolResultsSubmission,
     TurnRequest,
 )
-from serve_apps.orchestrator.prompt import build_chat_request, count_tokens, effective_window_tokens, prefix_fingerprint, SessionState
+from serve_apps.orchestrator.prompt import (
+    SessionState,
+    build_chat_request,
+    count_tokens,
+    effective_window_tokens,
+    prefix_overflow,
+    prefix_token_ids,
+    token_ids_fingerprint,
+)
 from serve_apps.orchestrator.store import (
+    RememberedTurn,
     SessionBusy,
     SessionNotFound,
     SessionRecord,
     SessionStore,
     StaleTurn,
     StoreUnavailable,
+    idempotency_key_problem,
+    request_fingerprint,
 )
 from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
+from serve_apps.orchestrator.tool_schema import grammar_failure_message
 from serve_apps.orchestrator.turns import ModelReply, ModelRetry, TurnFailed, TurnRunner, pending_client_calls
 from serve_apps.sse_frames import sse_payloads
 from serve_apps.vllm_replica import ServedBy
@@ -85,6 +96,12 @@ def _missing_permission(caller: Caller, tools) -> dict[str, Any] | None:
                 "missing_permission",
             )
     return None
+
+
+def _bad_idempotency_key(key: str | None) -> dict[str, Any] | None:
+    """The 400 of an idempotency key out of bounds, checked here so every ingress refuses alike."""
+    problem = None if key is None else idempotency_key_problem(key)
+    return None if problem is None else _error(400, problem, "invalid_parameter", "idempotency-key")
 
 
 def _not_found(session_id: str) -> dict[str, Any]:
@@ -154,10 +171,7 @@ class HandleModelClient:
                     continue
                 for chunk in item if isinstance(item, list) else [item]:
                     if isinstance(chunk, ErrorResponse):
-                        message = readable_message(chunk.error.message)
-                        if int(chunk.error.code or 500) >= 500:  # the engine failed, not the request
-                            raise ReplicaFailure(message)
-                        raise TurnFailed("model_error", message)
+                        raise engine_failure(readable_message(chunk.error.message), int(chunk.error.code or 500))
                     for data in sse_payloads(chunk):
                         text = _apply_chunk(data, reply, calls)
                         if text:
@@ -182,9 +196,29 @@ class HandleModelClient:
         yield reply
 
 
+def engine_failure(message: str, status: int) -> Exception:
+    """What an engine error means for the turn: the request's fault, or a replica's (worth one retry).
+
+    A tool schema the grammar compiler refuses fails the same way on every replica,
+    whatever status the engine gives it, so it ends the turn as `invalid_tool_schema`.
+    """
+    grammar_problem = grammar_failure_message(message)
+    if grammar_problem is not None:
+        return TurnFailed(
+            "invalid_tool_schema",
+            f"the tools' parameter schemas cannot be compiled into the grammar of a forced tool call: {grammar_problem}",
+        )
+    if status >= 500:  # the engine failed, not the request
+        return ReplicaFailure(message)
+    return TurnFailed("model_error", message)
+
+
 def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]) -> str:
     if "error" in data:
-        raise TurnFailed("model_error", readable_message(str(data["error"].get("message", data["error"]))))
+        error = data["error"]
+        message = readable_message(str(error.get("message", error)))
+        # An error inside the stream ends the turn (as `model_error` unless it names a schema problem): no retry.
+        raise engine_failure(message, 400)
     usage = data.get("usage")
     if usage:
         reply.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -256,10 +290,15 @@ class Orchestrator:
         if request.model != self._model_id:
             return _error(404, f'model "{request.model}" is not served here (serving "{self._model_id}")', "model_not_found")
         try:
-            effective_window_tokens(request.limits, self._max_model_len_tokens)
+            window = effective_window_tokens(request.limits, self._max_model_len_tokens)
         except ValueError as err:
             return _error(400, str(err), "invalid_limits")
-        fingerprint = prefix_fingerprint(self._tokenizer, request.system_prompt, request.tools)
+        prefix_ids = prefix_token_ids(self._tokenizer, request.system_prompt, request.tools)
+        overflow = prefix_overflow(len(prefix_ids), window, request.limits.output_reserve_tokens)
+        if overflow is not None:
+            # Every turn of such a session would fail with context_overflow: refuse it now.
+            return _error(400, overflow, "context_overflow")
+        fingerprint = token_ids_fingerprint(prefix_ids)
         try:
             record = await self._store.create(request, who.key_id, fingerprint)
         except StoreUnavailable as err:
@@ -331,14 +370,23 @@ class Orchestrator:
         trace_carrier: dict[str, str] | None = None,
         idempotency_key: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Runs a user turn. With an idempotency key, a turn that already committed is replayed, not rerun."""
+        """Runs a user turn. With an idempotency key, a turn that already committed is replayed, not rerun.
+
+        The key's record keeps a fingerprint of the request (`store.request_fingerprint`):
+        the same key with a different request answers 422 `idempotency_key_reused`.
+        """
+        refusal = _bad_idempotency_key(idempotency_key)
+        if refusal is not None:
+            yield refusal
+            return
         try:
             turn = TurnRequest.model_validate(body)
         except ValidationError as err:
             yield _invalid(err)
             return
         async for item in self._traced_turn(
-            session_id, trace_carrier, turn.tool_choice, _caller(caller), idempotency_key, user_content=turn.content
+            session_id, trace_carrier, turn.tool_choice, _caller(caller), idempotency_key,
+            request_sha256=request_fingerprint("messages", turn), user_content=turn.content,
         ):
             yield item
 
@@ -350,13 +398,19 @@ class Orchestrator:
         trace_carrier: dict[str, str] | None = None,
         idempotency_key: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
+        """Resumes a turn with client tool results; idempotency keys behave as in `send_message`."""
+        refusal = _bad_idempotency_key(idempotency_key)
+        if refusal is not None:
+            yield refusal
+            return
         try:
             submission = ToolResultsSubmission.model_validate(body)
         except ValidationError as err:
             yield _invalid(err)
             return
         async for item in self._traced_turn(
-            session_id, trace_carrier, "auto", _caller(caller), idempotency_key, results=submission
+            session_id, trace_carrier, "auto", _caller(caller), idempotency_key,
+            request_sha256=request_fingerprint("tool_results", submission), results=submission,
         ):
             yield item
 
@@ -386,6 +440,7 @@ class Orchestrator:
         tool_choice: str,
         caller: Caller,
         idempotency_key: str | None,
+        request_sha256: str,
         user_content: str | None = None,
         results: ToolResultsSubmission | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
@@ -400,11 +455,18 @@ class Orchestrator:
                     yield denied
                     return
                 if idempotency_key is not None:
-                    remembered = await self._store.lookup_turn_result(session_id, idempotency_key)
-                    if remembered is not None:
+                    stored = await self._store.lookup_turn_result(session_id, idempotency_key)
+                    if stored is not None:
+                        remembered = RememberedTurn.from_stored(stored)
+                        if remembered.request_sha256 not in (None, request_sha256):
+                            yield _error(
+                                422, "this Idempotency-Key was already used with a different request on this "
+                                "session; send a new key for a new request", "idempotency_key_reused",
+                            )
+                            return
                         has_started = True
                         yield {"status": 200, "is_replay": True}
-                        for event in json.loads(remembered):
+                        for event in remembered.events:
                             yield event
                         return
                 snapshot = await self._store.transcript(session_id)
@@ -422,6 +484,7 @@ class Orchestrator:
                 runner = TurnRunner(
                     record, snapshot.messages, snapshot.length, self._store, self._model, self._tokenizer,
                     self._max_model_len_tokens, idempotency_key=idempotency_key, tool_network=self._tool_network,
+                    request_sha256=request_sha256 if idempotency_key is not None else None,
                 )
                 has_started = True
                 yield {"status": 200}

@@ -9,14 +9,18 @@ Invariants the validators hold:
   Draft 2020-12 object schema whose references stay inside it);
 - tool names are unique within a session;
 - a message carries exactly the fields its role allows (a `tool` message answers
-  one `tool_call_id`, only `assistant` messages carry `tool_calls`).
+  one `tool_call_id`, only `assistant` messages carry `tool_calls`);
+- every text field is `Text`: Unicode that UTF-8 can encode. Python's `json.loads`
+  turns `"\\ud800"` into a lone surrogate, which neither the tokenizer nor the
+  store's JSON can take, so it is refused here with the field's name (a 400 at
+  the ingress) instead of failing later (a 500).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal, NewType
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
 
 from serve_apps.orchestrator.tool_schema import check_tool_parameters
 
@@ -31,6 +35,21 @@ MAX_TOOL_RESULT_BYTES_CEILING = 1_048_576
 Role = Literal["system", "user", "assistant", "tool"]
 
 
+def _check_utf8(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        surrogate = err.object[err.start : err.end]
+        raise ValueError(
+            f"text must be valid Unicode, but holds a lone surrogate {surrogate!r} at index {err.start}"
+        ) from None
+    return value
+
+
+# Every free-text field of the API: a string UTF-8 can encode (no lone surrogates).
+Text = Annotated[str, AfterValidator(_check_utf8)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -39,7 +58,7 @@ class HttpExecution(_Strict):
     """The orchestrator POSTs `{"name", "arguments"}` as JSON to `url` and feeds the reply to the model."""
 
     kind: Literal["http"] = Field(description="Executed by the orchestrator over HTTP.")
-    url: str = Field(description="http(s) endpoint of the tool.", pattern=r"^https?://\S+$", max_length=2048)
+    url: Text = Field(description="http(s) endpoint of the tool.", pattern=r"^https?://\S+$", max_length=2048)
     timeout_s: float = Field(10.0, description="Deadline of one call, connect to last byte.", gt=0, le=300)
 
 
@@ -55,13 +74,13 @@ ToolExecution = Annotated[HttpExecution | ClientExecution, Field(discriminator="
 class ToolSpec(_Strict):
     """One tool as the client declares it. Only name, description and parameters reach the model."""
 
-    name: str = Field(description="Tool name the model calls.", pattern=TOOL_NAME_PATTERN)
-    description: str = Field("", description="What the tool does, shown to the model.", max_length=8192)
+    name: Text = Field(description="Tool name the model calls.", pattern=TOOL_NAME_PATTERN)
+    description: Text = Field("", description="What the tool does, shown to the model.", max_length=8192)
     parameters: dict[str, JsonValue] = Field(
         default_factory=lambda: {"type": "object", "properties": {}},
         description="Draft 2020-12 JSON Schema of the arguments object.",
     )
-    required_permissions: list[str] = Field(
+    required_permissions: list[Text] = Field(
         default_factory=list, description="Permissions the caller must hold before the tool runs."
     )
     execution: ToolExecution = Field(description="Where the tool runs.")
@@ -102,8 +121,8 @@ class SessionLimits(_Strict):
 class CreateSessionRequest(_Strict):
     """Body of session creation. System prompt and tools are fixed for the session's life: they are the cached prefix."""
 
-    model: str = Field(description="Served model id.", min_length=1)
-    system_prompt: str = Field("", description="System prompt, first in every request.")
+    model: Text = Field(description="Served model id.", min_length=1)
+    system_prompt: Text = Field("", description="System prompt, first in every request.")
     tools: list[ToolSpec] = Field(default_factory=list, description="Tools the model may call.", max_length=128)
     limits: SessionLimits = Field(default_factory=SessionLimits, description="Session bounds.")
 
@@ -126,19 +145,19 @@ class CreateSessionResponse(_Strict):
 class ToolCall(_Strict):
     """A call the model made. `arguments` is the raw JSON text, validated by `tools.validate_tool_call`."""
 
-    id: str = Field(description="Call id, echoed by the tool result.", min_length=1, max_length=128)
-    name: str = Field(description="Tool name as the model wrote it.", min_length=1, max_length=256)
-    arguments: str = Field(description="Arguments as a JSON string.")
+    id: Text = Field(description="Call id, echoed by the tool result.", min_length=1, max_length=128)
+    name: Text = Field(description="Tool name as the model wrote it.", min_length=1, max_length=256)
+    arguments: Text = Field(description="Arguments as a JSON string.")
 
 
 class Message(_Strict):
     """One transcript entry, in OpenAI chat roles."""
 
     role: Role = Field(description="Author role.")
-    content: str | None = Field(None, description="Text; None only on assistant messages that call tools.")
+    content: Text | None = Field(None, description="Text; None only on assistant messages that call tools.")
     tool_calls: list[ToolCall] | None = Field(None, description="Assistant only: tool calls made.")
-    tool_call_id: str | None = Field(None, description="Tool only: the call this message answers.")
-    name: str | None = Field(None, description="Tool name (tool role) or a marker of generated messages.")
+    tool_call_id: Text | None = Field(None, description="Tool only: the call this message answers.")
+    name: Text | None = Field(None, description="Tool name (tool role) or a marker of generated messages.")
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> "Message":
@@ -154,8 +173,8 @@ class Message(_Strict):
 class TurnRequest(_Strict):
     """A user turn: one user message, answered by up to `max_steps_per_turn` model calls."""
 
-    content: str = Field(description="User message text.", min_length=1, max_length=MAX_TURN_CONTENT_CHARS)
-    tool_choice: str = Field(
+    content: Text = Field(description="User message text.", min_length=1, max_length=MAX_TURN_CONTENT_CHARS)
+    tool_choice: Text = Field(
         "auto",
         description=(
             "First step only: 'auto', 'none', 'required' (a call, grammar-constrained to the tools' "
@@ -170,8 +189,8 @@ class TurnRequest(_Strict):
 class ToolResult(_Strict):
     """Result of a client-executed tool call."""
 
-    tool_call_id: str = Field(description="Id of the call answered.", min_length=1, max_length=128)
-    content: str = Field(description="Result text shown to the model.")
+    tool_call_id: Text = Field(description="Id of the call answered.", min_length=1, max_length=128)
+    content: Text = Field(description="Result text shown to the model.")
     is_error: bool = Field(False, description="True when the tool failed; the model sees the content either way.")
 
 

@@ -246,6 +246,27 @@ def prefix_fingerprint(tokenizer: ChatTokenizer, system_prompt: str, tools: Sequ
     return _digest(prefix_token_ids(tokenizer, system_prompt, tools))
 
 
+def token_ids_fingerprint(token_ids: Sequence[int]) -> PrefixFingerprint:
+    """The fingerprint of already computed prefix token ids (as `prefix_fingerprint`)."""
+    return _digest(token_ids)
+
+
+def prefix_overflow(num_prefix_tokens: int, context_window_tokens: int, output_reserve_tokens: int) -> str | None:
+    """Why no turn of a session with this prefix can fit its window, or None when one can.
+
+    A turn's prompt is the prefix plus at least one message token, and
+    `output_reserve_tokens` stay free for the answer, so a prefix that leaves
+    no room for a single message token fails every turn with `context_overflow`.
+    """
+    if num_prefix_tokens + output_reserve_tokens < context_window_tokens:
+        return None
+    return (
+        f"the system prompt and tools take {num_prefix_tokens} tokens; with output_reserve_tokens="
+        f"{output_reserve_tokens} kept for the answer, no message fits the session's "
+        f"{context_window_tokens}-token window"
+    )
+
+
 def prompt_token_ids(tokenizer: ChatTokenizer, messages: Sequence[WireMessage], tools: list[WireTool]) -> list[int]:
     """Token ids the engine prefills for these messages, generation prompt included."""
     result = tokenizer.apply_chat_template(

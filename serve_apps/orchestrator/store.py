@@ -15,11 +15,18 @@ Invariants:
   (compare-and-delete), so a holder whose lock expired cannot free another's.
 - Redis being unreachable surfaces as `StoreUnavailable`, never as a redis-py
   exception, so the HTTP layer maps it to 503 in one place.
+- An idempotency key's record (`RememberedTurn`) holds the fingerprint of the
+  request that ran under it and every event the turn produced (runs of text
+  deltas joined, as the HTTP API's unstreamed body shows them), so a retry of
+  the same request replays exactly that, and another request under the same
+  key is recognised and refused instead of silently answered with the first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import secrets
 import time
@@ -28,7 +35,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -36,6 +43,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from serve_apps.orchestrator.models import CreateSessionRequest, Message, PrefixFingerprint, SessionId, StepStats
 
 logger = logging.getLogger(__name__)
+
+# What the HTTP ingress accepts in `Idempotency-Key`; the orchestrator checks it again for every ingress.
+MAX_IDEMPOTENCY_KEY_CHARS = 256
 
 _COMMIT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
@@ -121,6 +131,43 @@ class SessionRecord(BaseModel):
     request: CreateSessionRequest = Field(description="The validated creation request.")
     prefix_fingerprint: PrefixFingerprint = Field(description="Fingerprint of the cacheable prefix.")
     created_at_s: float = Field(description="Unix time of creation.")
+
+
+class RememberedTurn(BaseModel):
+    """What an idempotency key remembers of the turn that committed under it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_sha256: str | None = Field(
+        description="`request_fingerprint` of the request that ran; None in records written before it was kept."
+    )
+    events: list[dict[str, JsonValue]] = Field(description="The turn's events as the client got them, deltas joined.")
+
+    @classmethod
+    def from_stored(cls, raw: str) -> "RememberedTurn":
+        """Parses a stored record; a bare list of events (the older form) has no fingerprint."""
+        value = json.loads(raw)
+        if isinstance(value, list):
+            return cls(request_sha256=None, events=value)
+        return cls.model_validate(value)
+
+
+def idempotency_key_problem(key: str) -> str | None:
+    """Why `key` cannot be an idempotency key, or None when it can."""
+    if 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+        return None
+    return f"idempotency-key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} characters"
+
+
+def request_fingerprint(endpoint: str, request: BaseModel) -> str:
+    """sha256 of what defines a turn: the endpoint and the request body, less its `stream` flag.
+
+    A retry may switch between streamed and unstreamed answers and is still the
+    same turn; any other difference (the message, `tool_choice`, a result) is not.
+    """
+    body = request.model_dump(mode="json", exclude={"stream"})
+    text = json.dumps({"endpoint": endpoint, "request": body}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)

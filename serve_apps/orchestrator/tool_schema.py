@@ -14,7 +14,16 @@ Invariants `check_tool_parameters` holds for every accepted schema:
   makes `tools.validate_tool_call` recurse without end or fail on the schema
   (how deep the arguments may nest is for tools.py to bound);
 - `$schema`, where present, names Draft 2020-12: jsonschema switches dialect on a
-  nested `$schema`, and older dialects read 2020-12 keywords differently.
+  nested `$schema`, and older dialects read 2020-12 keywords differently;
+- every number in it fits what vLLM's grammar compiler (xgrammar) reads numbers
+  as: every number is within the float64 range, an integer a keyword holds
+  (a bound, a length; not a `const`/`enum` value) fits int64, and the bounds
+  (`minimum`, `maximum`, ...) of an `integer` schema lie within int64. A schema
+  that breaks this is accepted by JSON Schema but fails every turn forced to call
+  a tool (`tool_choice: "required"` or a tool name), so it is refused at creation.
+
+What the compiler still refuses at a turn is the request's fault, not a replica's:
+`grammar_failure_message` recognises the engine's error for it.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import copy
 import json
 import math
 import re
+import sys
 from urllib.parse import unquote
 
 from jsonschema import Draft202012Validator
@@ -56,6 +66,19 @@ _DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})
 # Applicators that validate the instance they are given, not a part of it.
 _IN_PLACE_KEYWORDS = frozenset({"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas"})
 _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
+# The range the grammar compiler parses integers into.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+_FLOAT64_MAX = int(sys.float_info.max)
+_INTEGER_BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# vLLM's messages when xgrammar cannot compile a structured-output request
+# (vllm/v1/structured_output/backend_xgrammar.py).
+_GRAMMAR_FAILURE = re.compile(
+    r"Failed to transform (?:json schema|regex|choices) into a grammar"
+    r"|The provided JSON schema contains features not supported by xgrammar"
+)
+# xgrammar's log prefix inside its messages: "[10:37:09] /path/file.cc:4950: ".
+_NATIVE_LOG_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
 
 SchemaLocation = tuple[str | int, ...]
 
@@ -122,7 +145,8 @@ def _check_bounds(schema: dict[str, JsonValue]) -> None:
     """Size, depth and finiteness, checked iteratively before anything recurses into the schema.
 
     Size goes first: it is measured in C, so a huge body is refused before a Python
-    walk over it. What JSON cannot carry is refused here too, because the session
+    walk over it. Integers beyond the float64 range are refused here, wherever they
+    are: the grammar compiler fails on such a number, even as a `const` value. What JSON cannot carry is refused here too, because the session
     store writes the schema as JSON: a lone surrogate (Python's `json.loads` accepts
     `"\\ud800"`, and pydantic's JsonValue keeps it) makes that write fail, and NaN or
     Infinity would be stored as null, so the schema re-read would not be the one sent.
@@ -145,6 +169,11 @@ def _check_bounds(schema: dict[str, JsonValue]) -> None:
             stack.extend((item, level + 1, f"{path}/{index}") for index, item in enumerate(node))
         elif isinstance(node, float) and not math.isfinite(node):
             raise ValueError(f"{path or '/'}: {node} is not a JSON number")
+        elif isinstance(node, int) and not isinstance(node, bool) and abs(node) > _FLOAT64_MAX:
+            raise ValueError(
+                f"{path or '/'}: an integer of {len(str(abs(node)))} digits is beyond the float64 range, "
+                "which the grammar of forced tool calls needs"
+            )
     if depth > MAX_SCHEMA_DEPTH:
         raise ValueError(
             f"tool parameters schema nests {depth} levels of objects and arrays, "
@@ -162,6 +191,7 @@ def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
     else, unknown keywords included, is walked as if it could hold schemas.
     """
     if isinstance(node, dict):
+        _check_integer_bounds(node, path)
         for key, value in node.items():
             where = f"{path}/{key}"
             if key == "$ref" and isinstance(value, str):
@@ -182,6 +212,38 @@ def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
     elif isinstance(node, list):
         for index, item in enumerate(node):
             _check_keywords(item, f"{path}/{index}", refs)
+    elif isinstance(node, int) and not isinstance(node, bool) and not INT64_MIN <= node <= INT64_MAX:
+        # A keyword's number (a bound, a length): the grammar compiler reads it as int64.
+        raise ValueError(
+            f"{path}: an integer of {len(str(abs(node)))} digits does not fit in 64 bits, "
+            "which the grammar of forced tool calls needs"
+        )
+
+
+def _check_integer_bounds(schema: dict[str, JsonValue], path: str) -> None:
+    """The bounds of a schema that admits integers lie within int64, where the grammar compiler keeps them."""
+    types = schema.get("type")
+    if not (types == "integer" or (isinstance(types, list) and "integer" in types)):
+        return
+    for key in _INTEGER_BOUND_KEYWORDS:
+        bound = schema.get(key)
+        if isinstance(bound, float) and not INT64_MIN <= bound <= INT64_MAX:
+            raise ValueError(
+                f"{path}/{key}: {bound} is outside the 64-bit integer range, which the grammar of "
+                "forced tool calls needs for an integer's bounds"
+            )
+
+
+def grammar_failure_message(message: str) -> str | None:
+    """The engine's error text when the grammar compiler refused the tools' schemas, else None.
+
+    Such a failure is the request's fault (a schema the compiler cannot handle),
+    so it is not worth a retry. The compiler's log prefixes (clock time, source
+    file and line) are removed: they say nothing to the client.
+    """
+    if _GRAMMAR_FAILURE.search(message) is None:
+        return None
+    return _NATIVE_LOG_PREFIX.sub("", message).strip()
 
 
 def _resolve_ref(root: dict[str, JsonValue], ref: str) -> tuple[SchemaLocation, JsonValue]:

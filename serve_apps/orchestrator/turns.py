@@ -12,6 +12,11 @@ one `SessionStore.commit_turn` call, or none:
 - an error (model failure, repeated invalid tool calls, context overflow):
   nothing is committed and the turn ends with an `error` event.
 
+A step under a forced `tool_choice` (`required` or a tool name) that ends
+without a call is never a final answer: it counts as an invalid call (the step
+runs again, at most MAX_REPAIRS_PER_TURN times per turn, then the turn fails
+with `invalid_tool_call`).
+
 Ordering of one step: account tokens -> compress if under the threshold (only
 messages committed by earlier turns are ever compressed; the system prompt and
 tools are never touched) -> call the model with the cache-first prompt ->
@@ -50,7 +55,7 @@ from serve_apps.orchestrator.prompt import (
     count_tokens,
     effective_window_tokens,
 )
-from serve_apps.orchestrator.store import Compaction, SessionRecord, SessionStore
+from serve_apps.orchestrator.store import Compaction, RememberedTurn, SessionRecord, SessionStore
 from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.tools import ToolCallError, run_http_tool, validate_tool_call
 
@@ -106,6 +111,11 @@ def _wire_tool_choice(tool_choice: str, tool_names: Sequence[str]) -> object:
     return {"type": "function", "function": {"name": tool_choice}}
 
 
+def _is_forced(wire_choice: object) -> bool:
+    """True when the step must call a tool: `required`, or a named tool."""
+    return wire_choice == "required" or isinstance(wire_choice, dict)
+
+
 def _renderable(call: ToolCall) -> ToolCall:
     try:
         json.loads(call.arguments)
@@ -140,12 +150,16 @@ class TurnRunner:
         max_model_len_tokens: int,
         idempotency_key: str | None = None,
         tool_network: ToolNetworkPolicy | None = None,
+        request_sha256: str | None = None,
     ) -> None:
+        if (idempotency_key is None) != (request_sha256 is None):
+            raise ValueError("idempotency_key and request_sha256 go together")
         self._record = record
         self._tool_network = tool_network
         self._idempotency_key = idempotency_key
-        # What a replay under the idempotency key shows: every event but the text deltas
-        # (the final message carries the text).
+        self._request_sha256 = request_sha256
+        # What a replay under the idempotency key shows: every event, each run of text deltas
+        # joined into one (as the unstreamed HTTP body shows them; a `model_retry` between runs stays).
         self._replayable: list[SessionEvent] = []
         self._request = record.request
         self._limits = record.request.limits
@@ -176,7 +190,10 @@ class TurnRunner:
         self._new.extend(new_messages)
         try:
             async for event in self._steps(tool_choice):
-                if not isinstance(event, DeltaEvent):
+                previous = self._replayable[-1] if self._replayable else None
+                if isinstance(event, DeltaEvent) and isinstance(previous, DeltaEvent):
+                    self._replayable[-1] = DeltaEvent(text=previous.text + event.text)
+                else:
                     self._replayable.append(event)
                 yield event
         except TurnFailed as err:
@@ -216,6 +233,19 @@ class TurnRunner:
             )
             self._stats.append(stats)
             yield UsageEvent(stats=stats)
+            cut_off = "" if reply.finish_reason != "length" else (
+                f" (the answer stopped at the step's {max_tokens}-token budget, limits.output_reserve_tokens)")
+            if not reply.tool_calls and _is_forced(choice):
+                # A forced step that produced no call (cut off by the budget, say) is not an answer:
+                # the call is still owed. Nothing of it enters the history; the step runs again
+                # (sampled again: a retry may fit the budget).
+                num_repairs += 1
+                if num_repairs > MAX_REPAIRS_PER_TURN:
+                    raise TurnFailed(
+                        "invalid_tool_call",
+                        f"tool_choice {tool_choice!r} requires a tool call, but the model answered without one" + cut_off,
+                    )
+                continue
             if not reply.tool_calls:
                 # An empty answer (the model stopped at once) is still an answer: commit it as "".
                 self._new.append(Message(role="assistant", content=reply.content or ""))
@@ -227,8 +257,6 @@ class TurnRunner:
             errors = [e for e in checked if isinstance(e, ToolCallError)]
             if errors:
                 num_repairs += 1
-                cut_off = "" if reply.finish_reason != "length" else (
-                    f" (the answer stopped at the step's {max_tokens}-token budget, limits.output_reserve_tokens)")
                 if num_repairs > MAX_REPAIRS_PER_TURN:
                     raise TurnFailed(
                         "invalid_tool_call", "the model kept emitting invalid tool calls: " + errors[0].message + cut_off)
@@ -309,7 +337,11 @@ class TurnRunner:
         result_json = None
         if self._idempotency_key is not None:
             events = [*self._replayable, outcome]
-            result_json = json.dumps([e.model_dump(mode="json", exclude_none=True) for e in events])
+            remembered = RememberedTurn(
+                request_sha256=self._request_sha256,
+                events=[e.model_dump(mode="json", exclude_none=True) for e in events],
+            )
+            result_json = remembered.model_dump_json()
         await self._store.commit_turn(
             self._record.session_id, self._stored_len, self._new, self._stats, compaction=self._compaction,
             idem_key=self._idempotency_key, result_json=result_json,

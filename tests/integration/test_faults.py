@@ -36,6 +36,25 @@ def test_a_retried_turn_with_the_same_idempotency_key_is_replayed_not_rerun(clus
     assert "x-warmpath-idempotent-replay" not in first.headers
     assert again.headers["x-warmpath-idempotent-replay"] == "true"
     assert again.json()["message"] == first.json()["message"]
+    # The replay carries every event the turn produced, text deltas included.
+    assert again.json()["events"] == first.json()["events"]
+    assert [m["role"] for m in client.transcript(sid)] == ["user", "assistant"]
+
+
+def test_an_idempotency_key_reused_with_another_request_is_refused(cluster, client):
+    sid = client.create_session(cluster.model_id)
+    key = str(uuid.uuid4())
+    first = cluster.client.post(f"/v1/sessions/{sid}/messages", json={"content": "once only"}, headers={"idempotency-key": key})
+    assert first.status_code == 200, first.text
+    for body in ({"content": "something else"}, {"content": "once only", "tool_choice": "none"}):
+        other = cluster.client.post(f"/v1/sessions/{sid}/messages", json=body, headers={"idempotency-key": key})
+        assert other.status_code == 422, other.text
+        assert other.json()["error"]["code"] == "idempotency_key_reused"
+    # Streaming or not is the same request: still a replay.
+    again = cluster.client.post(
+        f"/v1/sessions/{sid}/messages", json={"content": "once only", "stream": True}, headers={"idempotency-key": key}
+    )
+    assert again.status_code == 200 and again.headers["x-warmpath-idempotent-replay"] == "true"
     assert [m["role"] for m in client.transcript(sid)] == ["user", "assistant"]
 
 

@@ -235,3 +235,68 @@ def test_operator_metrics_on_rays_prometheus_endpoint(cluster, tool_server):
         assert time.monotonic() < deadline, missing
         time.sleep(1)
     assert 'status="ok"' in text and 'tool="lookup_order"' in text
+
+
+def test_text_that_is_not_unicode_is_refused_naming_the_field(cluster):
+    # Raw JSON: "\ud800" decodes to a lone surrogate, which neither the tokenizer nor Redis can take.
+    headers = {"content-type": "application/json"}
+    raw = '{"model": "%s", "system_prompt": "\\ud800"}' % cluster.model_id
+    resp = cluster.client.post("/v1/sessions", content=raw, headers=headers, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "system_prompt"
+    sid = _create(cluster, [_tool("lookup_order")])["session_id"]
+    paused = _send(cluster, sid, "Check ORD-12345 for me.", tool_choice="required").json()
+    assert paused["status"] == "requires_action", paused
+    call_id = paused["required_action"]["tool_calls"][0]["id"]
+    raw = '{"results": [{"tool_call_id": "%s", "content": "bad \\ud800"}]}' % call_id
+    resp = cluster.client.post(f"/v1/sessions/{sid}/tool_results", content=raw, headers=headers, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "results[0].content"
+    # The session still waits for its results.
+    assert [c["id"] for c in _get(cluster, sid)["pending_tool_calls"]] == [call_id]
+
+
+def test_a_prefix_over_the_window_is_refused_at_creation(cluster):
+    body = {"model": cluster.model_id, "system_prompt": "You are a support agent. " * 200,
+            "limits": {"context_budget_tokens": 512, "output_reserve_tokens": 64}}
+    resp = cluster.client.post("/v1/sessions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "context_overflow"
+    assert "tokens" in error["message"] and "512-token window" in error["message"] and "output_reserve_tokens=64" in error["message"]
+
+
+def test_a_number_the_grammar_cannot_hold_is_refused_at_creation(cluster):
+    schema = {"type": "object", "properties": {"a": {"type": "number", "maximum": 10**400}}, "required": ["a"]}
+    tool = {"name": "t", "description": "d", "parameters": schema, "execution": {"kind": "client"}}
+    resp = cluster.client.post("/v1/sessions", json={"model": cluster.model_id, "tools": [tool]}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert "float64" in resp.json()["error"]["message"] and "maximum" in resp.json()["error"]["message"]
+
+
+def test_a_schema_the_grammar_compiler_refuses_fails_the_forced_turn_as_the_requests_fault(cluster):
+    # Valid JSON Schema that passes creation, but xgrammar takes no minLength over 2**31 - 1.
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 2**40}}, "required": ["a"]}
+    tool = {"name": "t", "description": "d", "parameters": schema, "execution": {"kind": "client"}}
+    sid = _create(cluster, [tool])["session_id"]
+    resp = _send(cluster, sid, "Call t.", tool_choice="required")
+    assert resp.status_code == 400, resp.text
+    body = resp.json()
+    assert body["error"]["code"] == "invalid_tool_schema", body
+    assert "minLength" in body["error"]["message"]
+    assert ".cc:" not in body["error"]["message"]
+    # Not taken for a dead replica: no retry.
+    assert not any(e["kind"] == "model_retry" for e in body["events"])
+    assert _get(cluster, sid)["transcript"] == []
+
+
+def test_a_required_turn_cut_off_by_the_budget_is_no_answer(cluster):
+    # Four tokens cannot hold a call under the grammar: the turn fails, nothing is committed.
+    sid = _create(cluster, [_tool("lookup_order")], output_reserve_tokens=4)["session_id"]
+    resp = _send(cluster, sid, "Where is ORD-98231?", tool_choice="required")
+    body = resp.json()
+    assert body["status"] == "failed", body
+    assert body["error"]["code"] == "invalid_tool_call"
+    assert "limits.output_reserve_tokens" in body["error"]["message"]
+    assert not any(e["kind"] == "final" for e in body["events"])
+    assert _get(cluster, sid)["transcript"] == []

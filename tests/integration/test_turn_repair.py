@@ -46,17 +46,18 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(MODEL_DIR)
 
 
-def _run_turn(redis_url, tokenizer, replies):  # noqa: F811
+def _run_turn(redis_url, tokenizer, replies, tool_choice="required", output_reserve_tokens=512):  # noqa: F811
     async def main():
         store = SessionStore.from_url(redis_url)
         request = CreateSessionRequest.model_validate({
             "model": "warmpath-tiny", "system_prompt": "Support agent.",
             "tools": [{"name": "lookup_order", "description": "d", "parameters": SCHEMA, "execution": {"kind": "client"}}],
+            "limits": {"output_reserve_tokens": output_reserve_tokens},
         })
         record = await store.create(request, "owner", prefix_fingerprint(tokenizer, request.system_prompt, request.tools))
         model = ScriptedModel(replies)
         runner = TurnRunner(record, (), 0, store, model, tokenizer, 8192)
-        events = [e async for e in runner.run([Message(role="user", content="Where is my order?")], "required")]
+        events = [e async for e in runner.run([Message(role="user", content="Where is my order?")], tool_choice)]
         transcript = await store.transcript(record.session_id)
         await store.aclose()
         return events, transcript, model
@@ -112,6 +113,27 @@ def test_a_call_cut_off_by_the_token_budget_says_so(redis_url, tokenizer):  # no
 
 def test_an_empty_answer_completes_the_turn_with_empty_text(redis_url, tokenizer):  # noqa: F811
     # The model stopped at once: no text and no call (seen from the random-weight model).
-    events, transcript, _ = _run_turn(redis_url, tokenizer, [ModelReply(prompt_tokens=10)])
+    events, transcript, _ = _run_turn(redis_url, tokenizer, [ModelReply(prompt_tokens=10)], tool_choice="auto")
     assert events[-1].kind == "final" and events[-1].message.content == ""
     assert [(m.role, m.content) for m in transcript.messages] == [("user", "Where is my order?"), ("assistant", "")]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "lookup_order"])
+def test_a_forced_step_without_a_call_is_retried_then_fails_and_commits_nothing(redis_url, tokenizer, tool_choice):  # noqa: F811
+    # Cut off by a 16-token budget before any call was parsed: no call, finish_reason "length".
+    cut = [ModelReply(prompt_tokens=10, finish_reason="length") for _ in range(3)]
+    events, transcript, model = _run_turn(redis_url, tokenizer, cut, tool_choice=tool_choice, output_reserve_tokens=16)
+    assert events[-1].kind == "error" and events[-1].code == "invalid_tool_call"
+    assert "limits.output_reserve_tokens" in events[-1].message
+    assert not any(e.kind == "final" for e in events)
+    assert transcript.messages == () and transcript.length == 0
+    assert len(model.tool_choices) == 3 and all(c == model.tool_choices[0] for c in model.tool_choices)
+
+
+def test_a_forced_step_without_a_call_is_repaired_by_a_later_call(redis_url, tokenizer):  # noqa: F811
+    events, transcript, model = _run_turn(redis_url, tokenizer, [ModelReply(prompt_tokens=10), _call('{"order_id": "ORD-1"}', "c1")])
+    assert events[-1].kind == "requires_action" and [c.id for c in events[-1].tool_calls] == ["c1"]
+    # The empty reply left nothing in the history: the retry saw the same prompt.
+    assert [m.role for m in transcript.messages] == ["user", "assistant"]
+    assert model.prompts[0] == model.prompts[1]
+    assert model.tool_choices == ["required", "required"]

@@ -402,3 +402,75 @@ def test_session_event_round_trips_by_kind(event):
     parsed = SESSION_EVENT_ADAPTER.validate_python(event)
     assert parsed.kind == event["kind"]
     assert SESSION_EVENT_ADAPTER.validate_json(SESSION_EVENT_ADAPTER.dump_json(parsed)) == parsed
+
+
+# Python's json.loads turns "\ud800" into a lone surrogate; every text field refuses it, naming the field.
+LONE = "bad \ud800"
+
+
+@pytest.mark.parametrize(
+    "model, body, location",
+    [
+        (CreateSessionRequest, {"model": "m", "system_prompt": LONE}, "system_prompt"),
+        (CreateSessionRequest, {"model": LONE}, "model"),
+        (CreateSessionRequest, {"model": "m", "tools": [_tool(description=LONE)]}, "tools.0.description"),
+        (CreateSessionRequest, {"model": "m", "tools": [_tool(required_permissions=["ok", LONE])]},
+         "tools.0.required_permissions.1"),
+        (CreateSessionRequest, {"model": "m", "tools": [_tool(parameters={**OBJECT_SCHEMA, "description": LONE})]},
+         "tools.0.parameters"),
+        (CreateSessionRequest, {"model": "m", "tools": [_tool(execution={**HTTP, "url": "http://h/\udc00"})]},
+         "tools.0.execution.http.url"),
+        (TurnRequest, {"content": LONE}, "content"),
+        (TurnRequest, {"content": "x", "tool_choice": LONE}, "tool_choice"),
+        (ToolResultsSubmission, {"results": [{"tool_call_id": "c1", "content": LONE}]}, "results.0.content"),
+        (ToolResultsSubmission, {"results": [{"tool_call_id": LONE, "content": "x"}]}, "results.0.tool_call_id"),
+        (Message, {"role": "user", "content": LONE}, "content"),
+        (Message, {"role": "tool", "tool_call_id": "c1", "name": LONE, "content": "x"}, "name"),
+    ],
+)
+def test_text_that_utf8_cannot_encode_is_refused_naming_the_field(model, body, location):
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    assert _error_locations(info.value) == [location]
+
+
+def test_text_with_any_valid_unicode_is_accepted():
+    text = "é 中文 \U0001F600 \x00 \u200b"
+    request = CreateSessionRequest.model_validate({"model": "m", "system_prompt": text})
+    assert request.system_prompt == text
+    assert ToolResultsSubmission.model_validate({"results": [{"tool_call_id": "c", "content": text}]}).results[0].content == text
+
+
+@pytest.mark.parametrize(
+    "properties, fragment",
+    [
+        # The grammar of forced calls parses integers into int64 and numbers into float64.
+        ({"a": {"type": "number", "maximum": 10**400}}, "/properties/a/maximum: an integer of 401 digits"),
+        ({"a": {"enum": [1, 10**400]}}, "/properties/a/enum/1: an integer of 401 digits is beyond the float64 range"),
+        ({"a": {"type": "integer", "maximum": 2**63}}, "/properties/a/maximum"),
+        ({"a": {"type": "integer", "minimum": -(2**63) - 1}}, "/properties/a/minimum"),
+        ({"a": {"type": "string", "minLength": 10**20}}, "/properties/a/minLength"),
+        ({"a": {"type": "integer", "maximum": 1e300}}, "/properties/a/maximum: 1e+300 is outside"),
+        ({"a": {"type": ["integer", "null"], "exclusiveMinimum": -1e19}}, "/properties/a/exclusiveMinimum"),
+    ],
+)
+def test_tool_parameters_with_numbers_the_grammar_cannot_hold_rejected(properties, fragment):
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters={"type": "object", "properties": properties}))
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "properties",
+    [
+        {"a": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}},
+        {"a": {"type": "number", "maximum": 1e300, "minimum": -1.5e308}},
+        {"a": {"type": "integer", "maximum": 1e18}},
+        {"a": {"type": "string", "maxLength": 2**31 - 1}},
+        # Values the arguments are compared with are not read as int64.
+        {"a": {"const": 10**19}},
+        {"a": {"enum": [2**64, -(10**300)]}},
+    ],
+)
+def test_tool_parameters_with_numbers_in_range_accepted(properties):
+    ToolSpec.model_validate(_tool(parameters={"type": "object", "properties": properties}))

@@ -24,9 +24,11 @@ from serve_apps.orchestrator.prompt import (
     count_tokens,
     effective_window_tokens,
     prefix_fingerprint,
+    prefix_overflow,
     prefix_token_ids,
     prompt_token_ids,
     render_tools,
+    token_ids_fingerprint,
 )
 
 LOCAL_TEMPLATE = (
@@ -286,3 +288,28 @@ def test_effective_window(budget, reserve, model_len, expected):
 def test_effective_window_refuses_a_reserve_that_fills_it():
     with pytest.raises(ValueError):
         effective_window_tokens(SessionLimits(output_reserve_tokens=4096), 4096)
+
+
+@pytest.mark.parametrize(
+    "num_prefix_tokens, window, reserve, fits",
+    [(100, 4096, 512, True), (3583, 4096, 512, True), (3584, 4096, 512, False), (5000, 4096, 16, False)],
+)
+def test_prefix_overflow_leaves_room_for_a_message(num_prefix_tokens, window, reserve, fits):
+    problem = prefix_overflow(num_prefix_tokens, window, reserve)
+    if fits:
+        assert problem is None
+    else:
+        assert f"take {num_prefix_tokens} tokens" in problem
+        assert f"output_reserve_tokens={reserve}" in problem and f"{window}-token window" in problem
+
+
+def test_prefix_overflow_matches_the_turn_accounting(tokenizer):
+    # Where prefix_overflow refuses a prefix, the turn accounting finds no room even for a one-character message.
+    prefix = len(prefix_token_ids(tokenizer, "s" * 50, []))
+    account = count_tokens(
+        tokenizer, [{"role": "system", "content": "s" * 50}, {"role": "user", "content": "x"}], [],
+        context_window_tokens=prefix + 1, output_reserve_tokens=1,
+    )
+    assert prefix_overflow(prefix, prefix + 1, 1) is not None
+    assert account.remaining_tokens < 0
+    assert token_ids_fingerprint(prefix_token_ids(tokenizer, "s", [])) == prefix_fingerprint(tokenizer, "s", [])

@@ -1,0 +1,26 @@
+"""How the orchestrator classifies an engine error: the request's fault ends the turn, a replica's is retried."""
+
+import pytest
+
+from serve_apps.orchestrator.deployment import ReplicaFailure, engine_failure
+from serve_apps.orchestrator.turns import TurnFailed
+
+GRAMMAR = "Failed to transform json schema into a grammar: [10:37:09] /project/cpp/json_schema_converter.cc:4950: Cannot find field nope"
+
+
+@pytest.mark.parametrize("status", [400, 500, 503])
+def test_a_grammar_failure_is_the_requests_fault_whatever_the_status(status):
+    failure = engine_failure(GRAMMAR, status)
+    assert isinstance(failure, TurnFailed) and failure.code == "invalid_tool_schema"
+    assert str(failure).endswith("Failed to transform json schema into a grammar: Cannot find field nope")
+    assert "json_schema_converter.cc" not in str(failure) and "10:37:09" not in str(failure)
+
+
+@pytest.mark.parametrize(
+    "status, expected_type, expected_code",
+    [(500, ReplicaFailure, None), (503, ReplicaFailure, None), (400, TurnFailed, "model_error")],
+)
+def test_other_engine_errors_keep_their_meaning(status, expected_type, expected_code):
+    failure = engine_failure("the engine said no", status)
+    assert isinstance(failure, expected_type)
+    assert getattr(failure, "code", None) == expected_code

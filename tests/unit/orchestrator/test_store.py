@@ -1,0 +1,53 @@
+"""The idempotency pieces of the session store that need no Redis: key bounds, request fingerprints, records."""
+
+import json
+
+import pytest
+
+from serve_apps.orchestrator.models import ToolResultsSubmission, TurnRequest
+from serve_apps.orchestrator.store import (
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    RememberedTurn,
+    idempotency_key_problem,
+    request_fingerprint,
+)
+
+
+@pytest.mark.parametrize(
+    "key, is_accepted",
+    [("k", True), ("x" * MAX_IDEMPOTENCY_KEY_CHARS, True), ("", False), ("x" * (MAX_IDEMPOTENCY_KEY_CHARS + 1), False)],
+)
+def test_idempotency_key_bounds(key, is_accepted):
+    problem = idempotency_key_problem(key)
+    if is_accepted:
+        assert problem is None
+    else:
+        assert problem == f"idempotency-key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} characters"
+
+
+def _results(content: str, is_error: bool = False) -> ToolResultsSubmission:
+    return ToolResultsSubmission(results=[{"tool_call_id": "c1", "content": content, "is_error": is_error}])
+
+
+@pytest.mark.parametrize(
+    "first, second, is_same",
+    [
+        (("messages", TurnRequest(content="hi")), ("messages", TurnRequest(content="hi", stream=True)), True),
+        (("messages", TurnRequest(content="hi")), ("messages", TurnRequest(content="hello")), False),
+        (("messages", TurnRequest(content="hi")), ("messages", TurnRequest(content="hi", tool_choice="required")), False),
+        (("tool_results", _results("ok")), ("tool_results", _results("ok")), True),
+        (("tool_results", _results("ok")), ("tool_results", _results("ok", is_error=True)), False),
+        (("tool_results", _results("ok")), ("tool_results", _results("other")), False),
+        (("messages", TurnRequest(content="hi")), ("tool_results", TurnRequest(content="hi")), False),
+    ],
+)
+def test_request_fingerprint_covers_everything_but_streaming(first, second, is_same):
+    assert (request_fingerprint(*first) == request_fingerprint(*second)) == is_same
+
+
+def test_remembered_turn_round_trips_and_reads_the_older_bare_list():
+    remembered = RememberedTurn(request_sha256="ab", events=[{"kind": "delta", "text": "é"}, {"kind": "final"}])
+    assert RememberedTurn.from_stored(remembered.model_dump_json()) == remembered
+    older = json.dumps([{"kind": "final", "message": {"role": "assistant", "content": "x"}}])
+    parsed = RememberedTurn.from_stored(older)
+    assert parsed.request_sha256 is None and parsed.events[0]["kind"] == "final"

@@ -1,0 +1,34 @@
+"""Recognising the engine's grammar-compile failures: the request's fault, with the compiler's log prefixes removed."""
+
+import pytest
+
+from serve_apps.orchestrator.tool_schema import grammar_failure_message
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        (
+            "Failed to transform json schema into a grammar: [10:37:09] /project/cpp/json_schema_converter.cc:4950: "
+            "Cannot find field nope\n",
+            "Failed to transform json schema into a grammar: Cannot find field nope",
+        ),
+        ("Failed to transform json schema into a grammar:", "Failed to transform json schema into a grammar:"),
+        (
+            "Failed to transform json schema into a grammar: [09:01:02] /a/b.cc:929: Check failed: (false) is false: "
+            "Integer exceeds maximum limit",
+            "Failed to transform json schema into a grammar: Check failed: (false) is false: Integer exceeds maximum limit",
+        ),
+        (
+            "The provided JSON schema contains features not supported by xgrammar.",
+            "The provided JSON schema contains features not supported by xgrammar.",
+        ),
+    ],
+)
+def test_grammar_failures_are_recognised_without_log_prefixes(message, expected):
+    assert grammar_failure_message(message) == expected
+
+
+@pytest.mark.parametrize("message", ["EngineDeadError: the engine died", "This model's maximum context length is 4096", ""])
+def test_other_engine_errors_are_not_grammar_failures(message):
+    assert grammar_failure_message(message) is None

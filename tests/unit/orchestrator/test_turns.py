@@ -1,0 +1,136 @@
+"""The turn loop with a scripted model, a character-level tokenizer and an in-memory store.
+
+No Ray, Redis or model: the tokenizer renders a fixed template and maps each
+character to one token id, which is append-only by construction, so the loop's
+token accounting runs unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from serve_apps.orchestrator.models import CreateSessionRequest, Message, ToolCall
+from serve_apps.orchestrator.store import RememberedTurn, SessionRecord, request_fingerprint
+from serve_apps.orchestrator.models import TurnRequest
+from serve_apps.orchestrator.turns import MAX_REPAIRS_PER_TURN, ModelReply, TurnRunner
+
+SCHEMA = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
+
+
+class CharTokenizer:
+    """One token per character of a ChatML-like rendering."""
+
+    def apply_chat_template(self, conversation, tools=None, tokenize=False, add_generation_prompt=False):
+        text = ""
+        for message in conversation:
+            text += f"<{message['role']}>{message.get('content') or ''}"
+            if message["role"] == "system" and tools:
+                text += json.dumps(tools, sort_keys=True)
+            for call in message.get("tool_calls") or ():
+                text += json.dumps(call["function"], sort_keys=True)
+            text += "</>"
+        if add_generation_prompt:
+            text += "<assistant>"
+        return [ord(c) for c in text] if tokenize else text
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+class ScriptedModel:
+    """Answers each call with the next script entry: a list of text deltas and a reply."""
+
+    def __init__(self, script: list[tuple[list[str], ModelReply]]) -> None:
+        self.script = list(script)
+        self.tool_choices: list[object] = []
+        self.prompts: list[list] = []
+
+    async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
+        self.tool_choices.append(tool_choice)
+        self.prompts.append(messages)
+        deltas, reply = self.script.pop(0)
+        for text in deltas:
+            yield text
+        yield reply
+
+
+class MemoryStore:
+    """Records commits instead of writing them."""
+
+    def __init__(self) -> None:
+        self.commits: list[dict] = []
+
+    async def commit_turn(self, session_id, expected_len, new_messages, stats, *, compaction=None, idem_key=None,
+                          result_json=None):
+        self.commits.append({"messages": list(new_messages), "idem_key": idem_key, "result_json": result_json})
+        return expected_len + len(new_messages)
+
+
+def _record(output_reserve_tokens: int = 64) -> SessionRecord:
+    request = CreateSessionRequest.model_validate({
+        "model": "m", "system_prompt": "Support agent.",
+        "tools": [{"name": "lookup_order", "parameters": SCHEMA, "execution": {"kind": "client"}}],
+        "limits": {"output_reserve_tokens": output_reserve_tokens, "context_budget_tokens": 4096},
+    })
+    return SessionRecord(session_id="s1", owner_key_id="k", request=request, prefix_fingerprint="f", created_at_s=0.0)
+
+
+def _run(script, tool_choice, **runner_kwargs):
+    store, model = MemoryStore(), ScriptedModel(script)
+    runner = TurnRunner(_record(), (), 0, store, model, CharTokenizer(), 8192, **runner_kwargs)
+
+    async def main():
+        return [e async for e in runner.run([Message(role="user", content="Where is ORD-1?")], tool_choice)]
+
+    return asyncio.run(main()), store, model
+
+
+def _call(call_id: str) -> ModelReply:
+    return ModelReply(tool_calls=[ToolCall(id=call_id, name="lookup_order", arguments='{"order_id": "ORD-1"}')])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "lookup_order"])
+@pytest.mark.parametrize("finish_reason, has_budget_note", [("length", True), ("stop", False)])
+def test_a_forced_step_without_a_call_is_never_a_final_answer(tool_choice, finish_reason, has_budget_note):
+    script = [([], ModelReply(finish_reason=finish_reason)) for _ in range(MAX_REPAIRS_PER_TURN + 1)]
+    events, store, model = _run(script, tool_choice)
+    assert events[-1].kind == "error" and events[-1].code == "invalid_tool_call"
+    assert ("limits.output_reserve_tokens" in events[-1].message) == has_budget_note
+    assert not any(e.kind == "final" for e in events)
+    assert store.commits == []
+    # Every retry decodes under the same forced choice.
+    assert len(model.tool_choices) == MAX_REPAIRS_PER_TURN + 1
+    assert all(choice == model.tool_choices[0] for choice in model.tool_choices)
+
+
+def test_a_forced_step_without_a_call_runs_again_and_a_later_call_counts():
+    events, store, model = _run([([], ModelReply(finish_reason="length")), ([], _call("c1"))], "required")
+    assert events[-1].kind == "requires_action" and [c.id for c in events[-1].tool_calls] == ["c1"]
+    assert [m.role for m in store.commits[0]["messages"]] == ["user", "assistant"]
+    assert model.prompts[0] == model.prompts[1]
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none"])
+def test_an_unforced_step_without_a_call_is_the_answer(tool_choice):
+    events, store, _ = _run([(["Hel", "lo"], ModelReply(content="Hello", finish_reason="length"))], tool_choice)
+    assert events[-1].kind == "final" and events[-1].message.content == "Hello"
+    assert [m.role for m in store.commits[0]["messages"]] == ["user", "assistant"]
+
+
+def test_an_idempotent_commit_keeps_the_request_fingerprint_and_every_event():
+    sha = request_fingerprint("messages", TurnRequest(content="Where is ORD-1?"))
+    events, store, _ = _run([(["Hel", "lo"], ModelReply(content="Hello"))], "auto", idempotency_key="k1", request_sha256=sha)
+    remembered = RememberedTurn.from_stored(store.commits[0]["result_json"])
+    assert remembered.request_sha256 == sha
+    # The deltas are kept, joined into one run, as the unstreamed HTTP body shows them.
+    assert [e["kind"] for e in remembered.events] == ["delta", "usage", "final"]
+    assert remembered.events[0]["text"] == "Hello"
+    assert [e.kind for e in events] == ["delta", "delta", "usage", "final"]
+
+
+def test_an_idempotency_key_needs_its_request_fingerprint():
+    with pytest.raises(ValueError, match="go together"):
+        TurnRunner(_record(), (), 0, MemoryStore(), ScriptedModel([]), CharTokenizer(), 8192, idempotency_key="k1")

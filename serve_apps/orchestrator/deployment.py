@@ -171,7 +171,7 @@ class HandleModelClient:
                     continue
                 for chunk in item if isinstance(item, list) else [item]:
                     if isinstance(chunk, ErrorResponse):
-                        raise engine_failure(readable_message(chunk.error.message), int(chunk.error.code or 500))
+                        raise engine_failure(chunk.error.message, int(chunk.error.code or 500))
                     for data in sse_payloads(chunk):
                         text = _apply_chunk(data, reply, calls)
                         if text:
@@ -201,7 +201,9 @@ def engine_failure(message: str, status: int) -> Exception:
 
     A tool schema the grammar compiler refuses fails the same way on every replica,
     whatever status the engine gives it, so it ends the turn as `invalid_tool_schema`.
+    `message` is the engine's, as sent; the failure carries its readable text.
     """
+    message = readable_message(message)
     grammar_problem = grammar_failure_message(message)
     if grammar_problem is not None:
         return TurnFailed(
@@ -216,9 +218,8 @@ def engine_failure(message: str, status: int) -> Exception:
 def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]) -> str:
     if "error" in data:
         error = data["error"]
-        message = readable_message(str(error.get("message", error)))
         # An error inside the stream ends the turn (as `model_error` unless it names a schema problem): no retry.
-        raise engine_failure(message, 400)
+        raise engine_failure(str(error.get("message", error)), 400)
     usage = data.get("usage")
     if usage:
         reply.prompt_tokens = usage.get("prompt_tokens", 0)

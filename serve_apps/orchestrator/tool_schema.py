@@ -77,8 +77,6 @@ _GRAMMAR_FAILURE = re.compile(
     r"Failed to transform (?:json schema|regex|choices) into a grammar"
     r"|The provided JSON schema contains features not supported by xgrammar"
 )
-# xgrammar's log prefix inside its messages: "[10:37:09] /path/file.cc:4950: ".
-_NATIVE_LOG_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
 
 SchemaLocation = tuple[str | int, ...]
 
@@ -238,12 +236,12 @@ def grammar_failure_message(message: str) -> str | None:
     """The engine's error text when the grammar compiler refused the tools' schemas, else None.
 
     Such a failure is the request's fault (a schema the compiler cannot handle),
-    so it is not worth a retry. The compiler's log prefixes (clock time, source
-    file and line) are removed: they say nothing to the client.
+    so it is not worth a retry. `message` is the readable text
+    (`api_errors.readable_message`, which also drops the compiler's log prefix).
     """
     if _GRAMMAR_FAILURE.search(message) is None:
         return None
-    return _NATIVE_LOG_PREFIX.sub("", message).strip()
+    return message.strip()
 
 
 def _resolve_ref(root: dict[str, JsonValue], ref: str) -> tuple[SchemaLocation, JsonValue]:

@@ -218,7 +218,8 @@ class ToolNetworkConfig(_Strict):
 
     allowed_url_prefixes: list[str] = Field(
         default_factory=list,
-        description="When set, an HTTP tool's URL must start with one of these (e.g. `https://tools.internal/`).",
+        description="When set, an HTTP tool's URL must fall under one of these (e.g. `https://tools.internal/`): "
+        "same scheme, host and port, and a path at or below the prefix's.",
     )
     blocked_networks: list[str] = Field(
         default_factory=lambda: list(DEFAULT_BLOCKED_TOOL_NETWORKS),
@@ -228,9 +229,16 @@ class ToolNetworkConfig(_Strict):
     @field_validator("allowed_url_prefixes")
     @classmethod
     def _http_prefixes(cls, prefixes: list[str]) -> list[str]:
-        bad = [p for p in prefixes if urlsplit(p).scheme not in ("http", "https") or not urlsplit(p).hostname]
+        def is_http_url(prefix: str) -> bool:
+            try:
+                parts = urlsplit(prefix)
+                return parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 1) > 0
+            except ValueError:  # a port out of range, a bracketed host that is no address
+                return False
+
+        bad = [p for p in prefixes if not is_http_url(p)]
         if bad:
-            raise ValueError(f"URL prefixes must be http(s)://host[...], got {bad}")
+            raise ValueError(f"URL prefixes must be http(s)://host[:port][/path], got {bad}")
         return prefixes
 
     @field_validator("blocked_networks")

@@ -4,10 +4,13 @@ Why: any key that may create a session names the URLs the orchestrator POSTs
 to, from inside the cluster. Without a check, a session could aim a "tool" at a
 cloud metadata service or an internal endpoint and read the reply back through
 the model's transcript. Two rules, from `cluster.config.ToolNetworkConfig`:
-- with `allowed_url_prefixes` set, a URL must start with one of them;
+- with `allowed_url_prefixes` set, a URL must fall under one of them: same
+  scheme, host and port, and a path at or below the prefix's (compared parsed,
+  so `http://tools.internal@evil/` is evil's, and a `..` segment is refused);
 - no URL may reach a `blocked_networks` address: its host is checked when the
   session is created (a literal address) and, before every call, each address
-  the host resolves to. The call then connects to those addresses, in the
+  the host resolves to, with the IPv4 address an IPv6 one embeds and the
+  loopback that 0.0.0.0 and :: connect to. The call then connects to those addresses, in the
   resolver's order (`Destination`), not to the name: a DNS answer that changes
   after the check (rebinding) cannot move it. Redirects are never followed
   (`tools.run_http_tool`), so a checked address is the one connected to.
@@ -19,7 +22,7 @@ import asyncio
 import ipaddress
 import socket
 from dataclasses import dataclass
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from cluster.config import ToolNetworkConfig
 
@@ -46,19 +49,18 @@ class ToolNetworkPolicy:
     """Checks HTTP tool URLs: each check returns a refusal message, else None (`check_url`) or a `Destination`."""
 
     def __init__(self, config: ToolNetworkConfig) -> None:
-        self._prefixes = tuple(config.allowed_url_prefixes)
+        self._prefixes = tuple(_UrlPrefix.parse(prefix) for prefix in config.allowed_url_prefixes)
         self._blocked: tuple[IpNetwork, ...] = tuple(ipaddress.ip_network(n, strict=False) for n in config.blocked_networks)
 
     def check_url(self, url: str) -> str | None:
         """The refusal of `url` by prefix or by a literal blocked address (no DNS lookup)."""
-        return self._check_literal(url, urlsplit(url))
+        parsed = _parse(url)
+        return parsed if isinstance(parsed, str) else self._check_literal(url, parsed)
 
-    def _check_literal(self, url: str, parts: SplitResult) -> str | None:
-        if self._prefixes and not url.startswith(self._prefixes):
+    def _check_literal(self, url: str, parsed: "_ParsedUrl") -> str | None:
+        if self._prefixes and not any(prefix.admits(parsed) for prefix in self._prefixes):
             return f"tool URL {url} is outside the allowed prefixes (tool_network.allowed_url_prefixes)"
-        if parts.hostname is None:
-            return f"tool URL {url} names no host"
-        address = _address(parts.hostname)
+        address = _address(parsed.host)
         if address is None:
             return None  # a name: checked on what it resolves to, before each call
         return self._blocked_message(url, address)
@@ -70,16 +72,17 @@ class ToolNetworkPolicy:
             The refusal, or where to connect: the resolved addresses, so the
             connection goes where the check looked.
         """
-        parts = urlsplit(url)
-        problem = self._check_literal(url, parts)
+        parsed = _parse(url)
+        if isinstance(parsed, str):
+            return parsed
+        problem = self._check_literal(url, parsed)
         if problem is not None:
             return problem
-        if not self._blocked or _address(parts.hostname) is not None:
+        if not self._blocked or _address(parsed.host) is not None:
             return Destination(url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
-        except OSError as err:
+            infos = await asyncio.get_running_loop().getaddrinfo(parsed.host, parsed.port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as err:  # UnicodeError: a name IDNA cannot encode (an empty label)
             return f"tool URL {url}: its host does not resolve ({err})"
         addresses = list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
         for address in addresses:
@@ -91,12 +94,97 @@ class ToolNetworkPolicy:
         return Destination(url, tuple(addresses))
 
     def _blocked_message(self, url: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
-        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:169.254.169.254 is 169.254.169.254
-        for candidate in (address, mapped) if mapped is not None else (address,):
+        for candidate in _reached(address):
             for network in self._blocked:
                 if candidate.version == network.version and candidate in network:
                     return f"tool URL {url} reaches {candidate}, in blocked network {network} (tool_network.blocked_networks)"
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class _ParsedUrl:
+    scheme: str
+    host: str
+    port: int
+    path: str
+
+
+def _parse(url: str) -> _ParsedUrl | str:
+    """The URL's scheme, host, port (the scheme's default if none) and path, or the refusal of a URL that has none.
+
+    A path with a `.` or `..` segment is refused: the HTTP client removes them,
+    so the path a prefix was checked against would not be the one requested.
+    """
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError as err:  # a bracketed host that is no IPv6 address, a port out of range
+        return f"tool URL {url} cannot be parsed ({err})"
+    if not host:
+        return f"tool URL {url} names no host"
+    if any(unquote(segment) in (".", "..") for segment in parts.path.split("/")):
+        return f"tool URL {url} has a '.' or '..' path segment"
+    return _ParsedUrl(parts.scheme, host, port or _DEFAULT_PORTS.get(parts.scheme, 80), parts.path)
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True, slots=True)
+class _UrlPrefix:
+    """An allowed URL prefix, compared by parts: a string prefix would admit `http://tools.internal@evil/`."""
+
+    scheme: str
+    host: str
+    port: int
+    path: str
+
+    @classmethod
+    def parse(cls, prefix: str) -> "_UrlPrefix":
+        parsed = _parse(prefix)
+        if isinstance(parsed, str):
+            raise ValueError(f"tool_network.allowed_url_prefixes: {parsed}")
+        return cls(parsed.scheme, parsed.host, parsed.port, parsed.path)
+
+    def admits(self, url: _ParsedUrl) -> bool:
+        """Same scheme, host and port; the path is the prefix's or under it (`/api` admits `/api/x`, not `/apix`)."""
+        if (url.scheme, url.host, url.port) != (self.scheme, self.host, self.port):
+            return False
+        if not self.path or self.path.endswith("/"):
+            return url.path.startswith(self.path)
+        return url.path == self.path or url.path.startswith(self.path + "/")
+
+
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_IPV4_TRANSLATED = ipaddress.ip_network("::ffff:0:0:0/96")
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
+
+
+def _reached(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """`address` and what a connection to it may reach instead: the IPv4 address an IPv6 one
+    embeds (mapped, compatible, translated, NAT64, 6to4, Teredo), and this host's loopback for an
+    unspecified address (Linux connects 0.0.0.0 and :: to it)."""
+    reached = [address]
+    if isinstance(address, ipaddress.IPv6Address):
+        low32 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        if address.ipv4_mapped is not None:
+            reached.append(address.ipv4_mapped)
+        elif address in _NAT64 or address in _IPV4_TRANSLATED:
+            reached.append(low32)
+        elif address in _IPV4_COMPATIBLE and int(address) > 1:
+            reached.append(low32)
+        if address.sixtofour is not None:
+            reached.append(address.sixtofour)
+        if address.teredo is not None:
+            reached.append(address.teredo[1])
+        if address.is_unspecified:
+            reached.append(ipaddress.IPv6Address("::1"))
+    elif address in _THIS_NETWORK:
+        reached.append(ipaddress.IPv4Address("127.0.0.1"))
+    return reached
 
 
 def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

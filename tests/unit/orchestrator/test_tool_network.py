@@ -44,6 +44,59 @@ def test_allowed_prefixes_are_whole_url_prefixes():
         assert "allowed_url_prefixes" in policy.check_url(url)
 
 
+@pytest.mark.parametrize("prefix, url", [
+    ("http://tools.internal", "http://tools.internal@evil.com/"),  # userinfo: the host is evil.com
+    ("http://tools.internal", "http://tools.internal\\@evil.com/"),
+    ("http://tools.internal", "http://tools.internal.evil.com/"),
+    ("http://tools.internal:8080", "http://tools.internal:8080@evil.com/"),
+    ("http://tools.internal:8080", "http://tools.internal:8081/"),
+    ("https://tools.internal/api/", "https://tools.internal/api/../admin"),  # the client would send /admin
+    ("https://tools.internal/api/", "https://tools.internal/api/%2e%2e/admin"),
+    ("https://tools.internal/api/", "https://tools.internal/api/./../../x"),
+    ("https://tools.internal/api", "https://tools.internal/apix"),
+])
+def test_a_prefix_admits_its_own_host_port_and_path_only(prefix, url):
+    policy = ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=[prefix]))
+    assert policy.check_url(url) is not None, url
+
+
+@pytest.mark.parametrize("prefix, url", [
+    ("http://tools.internal", "http://tools.internal/x"),
+    ("http://tools.internal", "http://TOOLS.internal:80/x"),  # same host and default port
+    ("https://tools.internal/api", "https://tools.internal/api"),
+    ("https://tools.internal/api", "https://tools.internal/api/lookup?q=1"),
+    ("https://tools.internal/api/", "https://user:pw@tools.internal/api/x"),
+])
+def test_a_prefix_admits_urls_under_it(prefix, url):
+    assert ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=[prefix])).check_url(url) is None
+
+
+@pytest.mark.parametrize("url", [
+    "http://[::169.254.169.254]/",  # IPv4-compatible
+    "http://[::ffff:0:a9fe:a9fe]/",  # IPv4-translated
+    "http://[64:ff9b::a9fe:a9fe]/",  # NAT64
+    "http://[2002:a9fe:a9fe::]/",  # 6to4
+])
+def test_an_ipv6_address_embedding_a_blocked_ipv4_one_is_refused(url):
+    refusal = DEFAULT.check_url(url)
+    assert refusal is not None and "169.254.169.254" in refusal
+
+
+@pytest.mark.parametrize("url", ["http://0.0.0.0:9/", "http://0:9/", "http://[::]:9/"])
+def test_an_unspecified_address_counts_as_this_hosts_loopback(url):
+    policy = ToolNetworkPolicy(ToolNetworkConfig(blocked_networks=["127.0.0.0/8", "::1/128"]))
+    assert "blocked network" in asyncio.run(policy.check_destination(url))
+    assert DEFAULT.check_url(url) is None  # loopback is not blocked by default
+
+
+@pytest.mark.parametrize("url", [
+    "http://example.com:99999/", "http://localhost:-1/", "http://localhost:abc/", "http://a..b/", "http://.a/",
+    f"http://{'a' * 64}.example/", "http://[1.2.3.4]/", "http://[zz]/", "http://[::1/", "http://x]/",
+])
+def test_a_url_the_check_cannot_read_is_refused_never_raised(url):
+    assert isinstance(DEFAULT.check_url(url) or asyncio.run(DEFAULT.check_destination(url)), str)
+
+
 def test_a_name_is_refused_when_it_resolves_into_a_blocked_network():
     policy = ToolNetworkPolicy(ToolNetworkConfig(blocked_networks=["127.0.0.0/8", "::1/128"]))
     assert policy.check_url("http://localhost:1/x") is None  # a name: not resolved when the session is created
@@ -62,6 +115,7 @@ def test_a_name_is_refused_when_it_resolves_into_a_blocked_network():
     ("blocked_networks", ["not-a-network"]),
     ("allowed_url_prefixes", ["tools.internal/"]),
     ("allowed_url_prefixes", ["https://"]),
+    ("allowed_url_prefixes", ["http://tools.internal:99999/"]),
 ])
 def test_bad_settings_are_refused_at_the_edge(field, value):
     with pytest.raises(ValidationError):

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator, Dict, Optional
+from typing import Any, AsyncIterator, Awaitable, Dict, Optional
 
 from fastapi import Request
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse, OpenAIHTTPException
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    DetokenizeRequest,
+    ErrorResponse,
+    OpenAIHTTPException,
+    TokenizeCompletionRequest,
+)
 from ray.llm._internal.serve.core.ingress.ingress import (
     DEFAULT_ENDPOINTS,
     OpenAiIngress,
@@ -41,7 +46,12 @@ from router import decision_log
 from serve_apps.access import Caller
 from serve_apps.api_errors import engine_error, error_body, error_type, exception_response
 from serve_apps.metrics import record_model_call
-from serve_apps.request_checks import chat_request_problem, completion_request_problem
+from serve_apps.request_checks import (
+    chat_request_problem,
+    completion_request_problem,
+    detokenize_request_problem,
+    tokenize_request_problem,
+)
 from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.sse_frames import data_objects
 from serve_apps.vllm_replica import ServedBy
@@ -329,6 +339,21 @@ async def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
         span.end()
 
 
+def _bad_request(problem: tuple[str, Optional[str]]) -> JSONResponse:
+    message, param = problem
+    return JSONResponse(error_body(400, message, code="invalid_parameter", param=param), status_code=400)
+
+
+async def _answered(response: Awaitable[Response], request: Request) -> Response:
+    """`response`, or the API's error shape for an exception it raised (Ray's middleware would wrap it unreadably)."""
+    try:
+        return await response
+    except OpenAIHTTPException:
+        raise  # answered by `api_errors.install`'s handler
+    except Exception as err:
+        return exception_response(err, request)
+
+
 class WarmpathIngress(OpenAiIngress):
     """OpenAI routes that report the serving replica in response headers, plus the session API."""
 
@@ -340,8 +365,7 @@ class WarmpathIngress(OpenAiIngress):
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
         problem = chat_request_problem(body) if call_method == "chat" else completion_request_problem(body)
         if problem is not None:
-            message, param = problem
-            return JSONResponse(error_body(400, message, code="invalid_parameter", param=param), status_code=400)
+            return _bad_request(problem)
         is_usage_asked = asks_for_usage(body)
         if getattr(body, "stream", False) and not is_usage_asked:
             # The router's per-replica counters read the stream's usage; the client did not ask for it.
@@ -403,6 +427,20 @@ class WarmpathIngress(OpenAiIngress):
                 return JSONResponse(content=first_chunk.model_dump(), headers=headers)
             frames = _recording_usage(_openai_json_wrapper(gen), logged, served_by, is_usage_asked, span)
             return StreamingResponse(_ending_span(frames, span), media_type="text/event-stream", headers=headers)
+
+    async def tokenize(self, body: TokenizeCompletionRequest, request: Request) -> Response:
+        """Token ids of a prompt, as the engine's tokenizer gives them."""
+        problem = tokenize_request_problem(body)
+        if problem is not None:
+            return _bad_request(problem)
+        return await _answered(super().tokenize(body, request), request)
+
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
+        """Text of token ids, as the engine's tokenizer decodes them."""
+        problem = detokenize_request_problem(body)
+        if problem is not None:
+            return _bad_request(problem)
+        return await _answered(super().detokenize(body, request), request)
 
     def _sessions(self):
         if self._orchestrator is None:

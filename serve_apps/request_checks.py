@@ -14,6 +14,8 @@ Each check returns `(message, param)` for a 400, or None.
 - More than `MAX_CHOICES` choices (`n`), OpenAI's own limit: vLLM takes any
   number, and one request with n=1000 holds an engine for as long as a
   thousand would.
+- A `/detokenize` token id of 32 bits or more: the tokenizer raises an
+  `OverflowError` on it.
 - Text that cannot be encoded as UTF-8 (a lone surrogate, from a `\\ud800`
   escape or from invalid bytes JSON decoding let through): the tokenizer
   raises a `TypeError` on it.
@@ -24,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 MAX_CHOICES = 128
+MAX_TOKEN_ID_EXCLUSIVE = 2**32
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 Problem = tuple[str, Optional[str]]
@@ -55,6 +58,21 @@ def chat_request_problem(body: Any) -> Optional[Problem]:
 def completion_request_problem(body: Any) -> Optional[Problem]:
     """The first thing wrong with a completion request's prompt, or None."""
     return _choices_problem(body) or unencodable_text_problem(getattr(body, "prompt", None), "prompt")
+
+
+def tokenize_request_problem(body: Any) -> Optional[Problem]:
+    """The first thing wrong with a `/tokenize` request's text, or None."""
+    return unencodable_text_problem(getattr(body, "prompt", None), "prompt") or unencodable_text_problem(
+        getattr(body, "messages", None), "messages"
+    )
+
+
+def detokenize_request_problem(body: Any) -> Optional[Problem]:
+    """A 400 for a `/detokenize` id no tokenizer has: the request model allows 63 bits, the tokenizer 32."""
+    for index, token in enumerate(body.tokens or ()):
+        if not 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
+            return f"tokens[{index}]: {token} is not a token id (token ids fit in 32 bits)", f"tokens[{index}]"
+    return None
 
 
 def _choices_problem(body: Any) -> Optional[Problem]:

@@ -67,3 +67,23 @@ def test_more_choices_than_openai_allows_are_refused():
     assert chat_request_problem(_chat('{"model":"m","messages":[{"role":"user","content":"x"}],"n":128}')) is None
     prompt = CompletionRequest.model_validate({"model": "m", "prompt": "x", "n": 1000})
     assert completion_request_problem(prompt)[1] == "n"
+
+
+def test_a_detokenize_id_beyond_32_bits_is_refused_naming_it():
+    from ray.llm._internal.serve.core.configs.openai_api_models import DetokenizeRequest
+
+    from serve_apps.request_checks import detokenize_request_problem
+
+    assert detokenize_request_problem(DetokenizeRequest(tokens=[0, 8191, 2**32 - 1])) is None
+    message, param = detokenize_request_problem(DetokenizeRequest(tokens=[5, 59783278860121480]))
+    assert param == "tokens[1]" and "59783278860121480 is not a token id" in message
+
+
+def test_a_tokenize_prompt_with_a_lone_surrogate_is_refused():
+    from ray.llm._internal.serve.core.configs.openai_api_models import TokenizeCompletionRequest
+
+    from serve_apps.request_checks import tokenize_request_problem
+
+    body = TokenizeCompletionRequest.model_validate(json.loads('{"model":"m","prompt":"a\\ud800"}'))
+    assert tokenize_request_problem(body)[1] == "prompt"
+    assert tokenize_request_problem(TokenizeCompletionRequest(model="m", prompt="fine")) is None

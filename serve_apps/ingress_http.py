@@ -7,7 +7,10 @@ names itself in the first item of its stream (`serve_apps.vllm_replica.ServedBy`
 this class strips that record and turns it into headers, a span and metrics.
 The session routes (`/v1/sessions...`) forward to the orchestrator deployment
 and map its envelopes to HTTP. Request parsing, model lookup (404 for unknown
-models), error mapping and SSE framing of the OpenAI routes are Ray Serve LLM's.
+models), error mapping and SSE framing of the OpenAI routes are Ray Serve LLM's;
+this class adds the refusals the engine would fail on (`serve_apps.request_checks`),
+and asks every stream for usage (the router counts it) while passing the
+usage-only chunk on only to clients that asked for it.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ from ray.llm._internal.serve.core.ingress.ingress import (
     router_request_timeout,
 )
 from ray.llm._internal.serve.constants import DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
-from vllm.entrypoints.generate.base.protocol import StreamOptions
 from ray.llm._internal.serve.core.ingress.utils import (
     NON_STREAMING_RESPONSE_TYPES,
     _openai_json_wrapper,
     _peek_at_generator,
 )
+from vllm.entrypoints.generate.base.protocol import StreamOptions
 
 from cluster import telemetry
 from cluster.config import TelemetryConfig

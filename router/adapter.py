@@ -60,6 +60,8 @@ from ray.serve._private.request_router.request_router import FIFOMixin, RequestR
 logger = logging.getLogger("ray.serve")
 
 MAX_SESSIONS = 100_000
+# The replica methods whose requests prefill a prompt (LLMServer.chat, .completions).
+PREFIX_ROUTED_METHODS = frozenset({"chat", "completions"})
 MAX_DECISIONS = 4096
 # Replayed batches applied per hold of the routing lock.
 REPLAY_SLICE_BATCHES = 256
@@ -415,6 +417,8 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
     ) -> List[List[RunningReplica]]:
         start_ns = time.time_ns()
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if pending_request is not None and pending_request.metadata.call_method not in PREFIX_ROUTED_METHODS:
+            request = None  # /tokenize and the like prefill nothing: no prefix to match, no placement to record
         token_ids = self.tokenizer.token_ids(request) if request is not None else None
         loads = self._loads(candidate_replicas)
         if token_ids is None:

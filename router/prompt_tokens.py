@@ -34,6 +34,7 @@ folder or hub id the engines load.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import threading
 from typing import Any, Optional
@@ -41,6 +42,9 @@ from typing import Any, Optional
 from router.piece_encoder import PieceEncoder
 
 SESSION_BODY_FIELD = "session_id"
+MAX_SESSION_ID_CHARS = 256
+# Set by the renderer itself; a request's `chat_template_kwargs` cannot override them (vLLM drops them too).
+_RENDERER_ARGUMENTS = frozenset({"tokenize", "tools", "add_generation_prompt", "continue_final_message", "conversation"})
 FORWARDED_IDS_KEY = "prompt_token_ids"
 
 
@@ -99,13 +103,16 @@ class PromptTokenizer:
         """Token ids of a chat completion request as vLLM renders it."""
         tools = None if not getattr(request, "tools", None) else [t.model_dump() for t in request.tools]
         messages = template_messages(list(request.messages))
+        # Arguments the renderer sets itself win over the request's `chat_template_kwargs`, as in vLLM.
+        extra = {k: v for k, v in (getattr(request, "chat_template_kwargs", None) or {}).items()
+                 if k not in _RENDERER_ARGUMENTS}
         text = self.tokenizer.apply_chat_template(
             messages,
             tools=tools,
             add_generation_prompt=getattr(request, "add_generation_prompt", True),
             continue_final_message=getattr(request, "continue_final_message", False),
             tokenize=False,
-            **(getattr(request, "chat_template_kwargs", None) or {}),
+            **extra,
         )
         add_special_tokens = getattr(request, "add_special_tokens", False)
         if self._piece_encoder is not None and not add_special_tokens:
@@ -115,16 +122,23 @@ class PromptTokenizer:
 
     def completion_token_ids(self, request: Any) -> Optional[list[int]]:
         prompt = request.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a batch of one
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=getattr(request, "add_special_tokens", True))
         return None  # batched prompts: no single prefix to route on
 
     def token_ids(self, request: Any) -> Optional[list[int]]:
-        """The prompt's token ids, or None if it has no single prompt or does not render."""
+        """The prompt's token ids, or None if it has no single prompt, does not render, or skips the cache.
+
+        vLLM computes a request that asks for prompt logprobs (`prompt_logprobs`,
+        or `echo` with logprobs) without reading the prefix cache, so no replica's
+        cache is worth routing it to.
+        """
+        if getattr(request, "prompt_logprobs", None) is not None or getattr(request, "echo", False):
+            return None
         try:
             if hasattr(request, "messages"):
                 token_ids = self.chat_token_ids(request)
@@ -140,9 +154,19 @@ class PromptTokenizer:
 
 
 def session_of(pending_request: Any, request: Any) -> Optional[str]:
-    """The session id from the handle's options (`x-session-id`) or the request body."""
+    """The session id from the handle's options (`x-session-id`) or the request body.
+
+    An id longer than `MAX_SESSION_ID_CHARS` is kept as its sha256: the router
+    remembers up to `adapter.MAX_SESSIONS` sessions, so a client's id length must
+    not set how much memory that takes.
+    """
     session_id = pending_request.metadata.session_id or getattr(request, SESSION_BODY_FIELD, None) or None
-    return str(session_id) if session_id else None
+    if not session_id:
+        return None
+    session_id = str(session_id)
+    if len(session_id) > MAX_SESSION_ID_CHARS:
+        return "sha256:" + hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return session_id
 
 
 def is_forwardable(request: Any) -> bool:

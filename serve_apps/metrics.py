@@ -6,8 +6,13 @@ and Prometheus scrape; no second exporter to run or secure.
 
 Each process creates the instruments on first use (`WarmpathMetrics.get()`),
 so importing this module costs nothing and workers that never record create
-nothing. Tags are bounded sets: replica ids, decision reasons, tool names
-(fixed per session), outcomes.
+nothing. Tags are bounded sets: replica ids, decision reasons, outcomes. Never
+a name a client chooses (a tool name, a session id): any key that may create
+sessions could then mint series without end; tool names are on the spans.
+
+`warmpath_routing_decisions` counts the decisions of model calls that returned
+(with their usage), so it agrees with `warmpath_route_predictions`; `/v1/router`
+also counts decisions of calls the engine refused.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class WarmpathMetrics:
         from ray.util.metrics import Counter, Histogram
 
         self.routing_decisions = Counter(
-            "warmpath_routing_decisions", "Routing decisions by reason.", tag_keys=("reason",)
+            "warmpath_routing_decisions", "Routing decisions of model calls that returned, by reason.", tag_keys=("reason",)
         )
         self.predictions = Counter(
             "warmpath_route_predictions", "Predicted vs actual cached tokens: within one block or not.",
@@ -53,7 +58,7 @@ class WarmpathMetrics:
             "warmpath_turn_seconds", "Agent turn latency by outcome.", boundaries=TURN_BOUNDARIES_S,
             tag_keys=("outcome",),
         )
-        self.tool_calls = Counter("warmpath_tool_calls", "Server-side tool calls by status.", tag_keys=("tool", "status"))
+        self.tool_calls = Counter("warmpath_tool_calls", "Server-side tool calls by status.", tag_keys=("status",))
         self.compressions = Counter("warmpath_compressions", "Context compressions.")
         self.model_retries = Counter("warmpath_model_retries", "Model calls retried after their replica failed.")
         self.access_denials = Counter(

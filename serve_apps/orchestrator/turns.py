@@ -293,7 +293,7 @@ class TurnRunner:
                     )
                     span.set_attribute("warmpath.tool.status", outcome.status)
                     span.set_attribute("warmpath.tool.is_truncated", outcome.is_truncated)
-                WarmpathMetrics.get().tool_calls.inc(tags={"tool": call.name, "status": outcome.status})
+                WarmpathMetrics.get().tool_calls.inc(tags={"status": outcome.status})
                 self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=outcome.content))
                 yield ToolResultEvent(
                     tool_call_id=call.id, status=outcome.status, content=outcome.content, is_truncated=outcome.is_truncated

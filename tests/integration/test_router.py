@@ -159,6 +159,21 @@ def test_streamed_responses_count_toward_prediction_accuracy(warmpath_router):
     assert _router_state(cluster)["stats"]["num_predictions"] == before + 1
 
 
+def test_requests_that_prefill_nothing_or_skip_the_cache_record_no_placement(warmpath_router):
+    """/tokenize and prompt-logprob requests must not count as cached prompts for the next request."""
+    cluster = warmpath_router
+    text = f"{SYSTEM} placement check {cluster.model_id} " * 8
+    before = sum(_router_state(cluster)["stats"]["decisions_by_reason"].values())
+    tokens = cluster.client.post("/tokenize", json={"model": cluster.model_id, "prompt": text}, timeout=60)
+    assert tokens.status_code == 200, tokens.text
+    assert sum(_router_state(cluster)["stats"]["decisions_by_reason"].values()) == before  # no decision made
+    logprobs = cluster.client.post("/v1/completions", json={
+        "model": cluster.model_id, "prompt": text, "max_tokens": 1, "prompt_logprobs": 1}, timeout=120)
+    assert logprobs.status_code == 200, logprobs.text
+    assert logprobs.headers.get("x-warmpath-route") is None  # routed by load: no cache is worth aiming at
+    assert sum(_router_state(cluster)["stats"]["decisions_by_reason"].values()) == before
+
+
 def test_a_router_created_later_loads_what_the_replicas_cached_before(warmpath_router):
     """A new handle (here, in the test process) gets its own router, which must not start blind."""
     import ray

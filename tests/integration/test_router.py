@@ -162,7 +162,7 @@ def test_streamed_responses_count_toward_prediction_accuracy(warmpath_router):
 def test_requests_that_prefill_nothing_or_skip_the_cache_record_no_placement(warmpath_router):
     """/tokenize and prompt-logprob requests must not count as cached prompts for the next request."""
     cluster = warmpath_router
-    text = f"{SYSTEM} placement check {cluster.model_id} " * 8
+    text = f"placement check {cluster.model_id} " * 60  # a few hundred tokens, several blocks
     before = sum(_router_state(cluster)["stats"]["decisions_by_reason"].values())
     tokens = cluster.client.post("/tokenize", json={"model": cluster.model_id, "prompt": text}, timeout=60)
     assert tokens.status_code == 200, tokens.text

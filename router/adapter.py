@@ -453,6 +453,14 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
         with self.lock:
             self.policy.record(decision, ReplicaId(replica_id.unique_id), self.index, self.sessions, time.monotonic())
 
+    def withdraw(self, decision: Decision, replica_id: Optional[str] = None) -> None:
+        """Forgets the placement of a decision whose request the engine refused (`PrefixIndex.withdraw_pending`)."""
+        blocks = decision.request_blocks
+        if blocks is None or not blocks.num_blocks:
+            return
+        with self.lock:
+            self.index.withdraw_pending(ReplicaId(replica_id or decision.replica_id), blocks.hashes())
+
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._inflight.complete(internal_request_id)
         self._pump.watch.request_completed(ReplicaId(replica_id.unique_id), time.monotonic())

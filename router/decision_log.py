@@ -96,6 +96,14 @@ STATS = RoutingStats()
 LIVE_ROUTERS: "weakref.WeakSet" = weakref.WeakSet()
 
 
+def withdraw_placement(logged: Optional[LoggedDecision], served_replica_id: Optional[str]) -> None:
+    """Tells this process's routers that the decision's request was refused before prefill: it caches nothing."""
+    if logged is None:
+        return
+    for router in list(LIVE_ROUTERS):
+        router.withdraw(logged.decision, served_replica_id)
+
+
 def record_route_span(logged: Optional[LoggedDecision], served_replica_id: Optional[str]) -> None:
     """A `warmpath.route` span (child of the current span) for a decision made on Serve's routing task.
 

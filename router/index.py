@@ -343,6 +343,25 @@ class PrefixIndex:
         heapq.heappush(self._expiries, (expiry_s, next(self._expiry_seq), state, tuple(entries)))
         return len(entries)
 
+    def withdraw_pending(self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash]) -> int:
+        """Drops the replica's pending entries at the checkpoints of `block_hashes`.
+
+        Why: a request the engine refused before prefill (a prompt over the
+        window) never caches its blocks, so its placement would otherwise count
+        them as held until it expires. An entry another request placed at the
+        same block is dropped too: the index then under-predicts, never over.
+
+        Returns:
+            Number of pending entries dropped.
+        """
+        state = self._replicas.get(replica_id)
+        if state is None or not state.pending or not block_hashes:
+            return 0
+        pending = state.pending
+        dropped = [block_hash for _, block_hash in _checkpoints(block_hashes) if pending.pop(block_hash, None) is not None]
+        drop_owner_bit(self._pending_owners, dropped, state.bit)
+        return len(dropped)
+
     def clear_replica(self, replica_id: ReplicaId) -> None:
         """Forgets every indexed block of the replica (resync); pending entries stay until they expire."""
         state = self._replicas.get(replica_id)

@@ -84,6 +84,19 @@ def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optio
     return headers, logged
 
 
+def _withdraw_placement() -> None:
+    """A call that failed before its response started: the router's placement for it is withdrawn.
+
+    The decision is still in the log only when no headers were built, i.e. the
+    engine refused the request (or it broke off) before its first token, so it
+    cached nothing the router should count on.
+    """
+    from ray.serve.context import _get_serve_request_context
+
+    logged = decision_log.DECISIONS.pop(_get_serve_request_context().request_id)
+    decision_log.withdraw_placement(logged, None)
+
+
 def _record_usage(
     logged: Optional[decision_log.LoggedDecision], served_by: Optional[ServedBy], usage: Optional[dict]
 ) -> None:
@@ -384,6 +397,7 @@ class WarmpathIngress(OpenAiIngress):
                 _forward_trace_context(raw_request)
             response = await self._traced_llm_request(body, call_method, raw_request, span, is_usage_asked)
         except BaseException as err:
+            _withdraw_placement()
             span.record_exception(err)
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)[:200]))
             span.end()

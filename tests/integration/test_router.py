@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import uuid
 
 import pytest
 
@@ -172,6 +173,21 @@ def test_requests_that_prefill_nothing_or_skip_the_cache_record_no_placement(war
     assert logprobs.status_code == 200, logprobs.text
     assert logprobs.headers.get("x-warmpath-route") is None  # routed by load: no cache is worth aiming at
     assert sum(_router_state(cluster)["stats"]["decisions_by_reason"].values()) == before
+
+
+def test_a_request_the_engine_refuses_leaves_no_placement(warmpath_router):
+    """A prompt over the window is refused before prefill; its prefix must not then count as cached."""
+    cluster = warmpath_router
+    prompt = f"refused placement {uuid.uuid4().hex} " * 40
+    padding = " pad" * (cluster.cfg.model.max_model_len_tokens + 100)
+    over = cluster.client.post("/v1/completions", json={
+        "model": cluster.model_id, "prompt": prompt + padding, "max_tokens": 1}, timeout=120)
+    assert over.status_code == 400, over.text
+    follow = cluster.client.post("/v1/completions", json={"model": cluster.model_id, "prompt": prompt, "max_tokens": 1},
+                                 timeout=120)
+    assert follow.status_code == 200, follow.text
+    assert follow.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert int(follow.headers["x-warmpath-predicted-cached-tokens"]) == 0, follow.headers
 
 
 def test_a_router_created_later_loads_what_the_replicas_cached_before(warmpath_router):

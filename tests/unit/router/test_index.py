@@ -189,6 +189,18 @@ def test_pending_and_indexed_blocks_combine_across_replicas(index):
     assert index.longest_prefix(hashes, 1.0) == {A: 8, B: 4}
 
 
+def test_a_withdrawn_placement_counts_no_more_and_indexed_blocks_stay(index):
+    hashes = request_hashes()
+    index.apply(A, [stored(0, 2)])
+    index.add_pending(A, hashes, 0.0, 2.0)
+    index.add_pending(B, hashes, 0.0, 2.0)
+    assert index.withdraw_pending(A, hashes) == 6
+    assert index.longest_prefix(hashes, 1.0) == {A: 2, B: 8}  # A's indexed blocks and B's placement stay
+    assert index.snapshot(1.0).num_pending_blocks_by_replica[A] == 0
+    assert index.withdraw_pending(A, hashes) == 0 and index.withdraw_pending("unknown", hashes) == 0
+    assert index.longest_prefix(hashes, 3.0) == {A: 2}  # the expiry of the withdrawn entries finds nothing
+
+
 def test_clear_replica_keeps_pending(index):
     index.apply(A, [stored(0, 8)])
     index.add_pending(A, request_hashes(tokens=list(range(8))), 0.0, 2.0)

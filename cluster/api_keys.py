@@ -42,6 +42,9 @@ T = TypeVar("T")
 KEY_PREFIX = "wp_"
 ALL_PERMISSIONS = "*"
 MAX_KEY_NAME_LENGTH = 128
+# How long a key check waits for Redis' reply before calling it unreachable (503). A Redis that is
+# down refuses the connection at once; a busy host can delay a healthy reply past 2 s.
+REDIS_REPLY_TIMEOUT_S = 5.0
 _NS = "warmpath:"
 logger = logging.getLogger(__name__)
 
@@ -204,7 +207,9 @@ class ApiKeyStore:
     def from_url(cls, url: str) -> "ApiKeyStore":
         """A store on the Redis at `url`; raises InvalidStoreUrl when `url` cannot name one (nothing connects yet)."""
         try:
-            client = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2)
+            client = aioredis.Redis.from_url(
+                url, decode_responses=True, socket_timeout=REDIS_REPLY_TIMEOUT_S, socket_connect_timeout=2
+            )
         except ValueError as err:
             raise InvalidStoreUrl(str(err)) from None
         return cls(client)

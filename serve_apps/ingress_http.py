@@ -210,6 +210,7 @@ TURN_ERROR_STATUS = {
     "compression_lost_values": 500,
     "model_error": 502,
     "stale_turn": 409,
+    "session_not_found": 404,
     "store_unavailable": 503,
     "internal": 500,
 }

@@ -492,7 +492,11 @@ class Orchestrator:
                 async for event in runner.run(new, tool_choice):
                     yield event.model_dump(exclude_none=True)
         except SessionNotFound:
-            yield _not_found(session_id)
+            if has_started:  # deleted (or expired) while the turn ran: nothing of it was committed
+                yield {"kind": "error", "code": "session_not_found",
+                       "message": f"session {session_id} was deleted while the turn ran; nothing of the turn was saved"}
+            else:
+                yield _not_found(session_id)
         except SessionBusy as err:
             yield _error(409, str(err), "session_busy")
         except StoreUnavailable as err:

@@ -23,10 +23,17 @@ LOOKUP_SCHEMA = {
 
 class _ToolHandler(http.server.BaseHTTPRequestHandler):
     calls: list = []
+    # `/gate` answers only once the test opens it, after telling the test the call arrived.
+    gate_reached = threading.Event()
+    gate_open = threading.Event()
 
     def do_POST(self):  # noqa: N802 - http.server naming
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         _ToolHandler.calls.append((self.path, body))
+        if self.path == "/gate":
+            _ToolHandler.gate_reached.set()
+            _ToolHandler.gate_open.wait(60)
+            self.path = "/lookup"
         if self.path == "/fail":
             self.send_response(500)
             self.end_headers()
@@ -77,6 +84,26 @@ def _get(cluster, session_id):
     resp = cluster.client.get(f"/v1/sessions/{session_id}", timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()
+
+
+def test_a_session_deleted_while_its_turn_runs_ends_the_turn_as_not_found(cluster, tool_server):
+    """The turn's commit finds the session gone: a 404 with the API's shape, nothing saved (was a 500)."""
+    _ToolHandler.gate_reached.clear()
+    _ToolHandler.gate_open.clear()
+    sid = _create(cluster, [_tool("lookup_order", f"{tool_server}/gate")])["session_id"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        turn = pool.submit(_send, cluster, sid, "Where is my order ORD-98231?", "required")
+        try:
+            assert _ToolHandler.gate_reached.wait(240), "the turn never called its tool"
+            assert cluster.client.delete(f"/v1/sessions/{sid}", timeout=60).status_code == 204
+        finally:
+            _ToolHandler.gate_open.set()
+        resp = turn.result(timeout=300)
+    assert resp.status_code == 404, resp.text
+    body = resp.json()
+    assert body["status"] == "failed" and body["error"]["code"] == "session_not_found", body
+    assert body["error"]["type"] == "NotFoundError"
+    assert cluster.client.get(f"/v1/sessions/{sid}", timeout=60).status_code == 404
 
 
 def test_server_side_tool_turn_commits_every_message(cluster, tool_server):

@@ -23,6 +23,8 @@ async def _events(*items):
         ({"kind": "error", "code": "model_error", "message": "engine failed"}, 502, "failed"),
         ({"kind": "error", "code": "store_unavailable", "message": "redis down"}, 503, "failed"),
         ({"kind": "error", "code": "internal", "message": "nothing was committed"}, 500, "failed"),
+        ({"kind": "error", "code": "session_not_found", "message": "deleted while the turn ran"}, 404, "failed"),
+        ({"kind": "error", "code": "invalid_tool_schema", "message": "no grammar"}, 400, "failed"),
     ],
 )
 def test_turn_outcomes_map_to_status_codes(last, status, outcome):

@@ -274,7 +274,11 @@ def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.Op
     """Stop what `warmpath up` started."""
     from cluster import local
 
-    local.down(_load(config, state_dir=state_dir), progress)
+    try:
+        local.down(_load(config, state_dir=state_dir), progress)
+    except local.BringUpError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -283,8 +287,8 @@ def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.
     from cluster import local
 
     cfg = _load(config, state_dir=state_dir)
-    state = local.LocalState.load(local.state_dir_of(cfg))
     try:
+        state = local.LocalState.load(local.state_dir_of(cfg))
         details = local.serve_details(state)
     except Exception as err:
         typer.echo(f"not running ({err.__class__.__name__}: {err})", err=True)

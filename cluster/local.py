@@ -54,12 +54,27 @@ class LocalState:
         file = cls.path(state_dir)
         if not file.is_file():
             return cls()
+        try:
+            recorded = json.loads(file.read_text())
+        except ValueError as err:
+            raise BringUpError(
+                f"{file} is not valid JSON ({err}); stop what it recorded by hand (redis-server, `ray stop`) "
+                "and delete it"
+            ) from None
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in json.loads(file.read_text()).items() if k in known})
+        return cls(**{k: v for k, v in recorded.items() if k in known})
 
     def save(self, state_dir: Path) -> None:
+        """Writes the state whole or not at all (a temporary file renamed over the old one)."""
         state_dir.mkdir(parents=True, exist_ok=True)
-        self.path(state_dir).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        target = self.path(state_dir)
+        partial = target.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(partial, target)
+
+    def is_empty(self) -> bool:
+        """Nothing recorded as started."""
+        return self.redis_pid is None and not self.ray_started and self.ray_address is None
 
 
 def _bin(name: str) -> str:
@@ -102,6 +117,16 @@ def _redis_ping(url: str, timeout_s: float) -> bool:
     return False
 
 
+def _redis_pid(url: str) -> Optional[int]:
+    """The process id of the Redis answering at `url` (its `INFO server`), or None."""
+    import redis
+
+    try:
+        return int(redis.Redis.from_url(url, socket_timeout=2).info("server")["process_id"])
+    except (redis.exceptions.RedisError, KeyError, ValueError):
+        return None
+
+
 def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     """Uses `cfg.redis_url`, else starts redis-server with AOF persistence in the state dir."""
     if cfg.redis_url:
@@ -111,7 +136,7 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
         return cfg.redis_url
     port = cfg.ports.local_redis_port
     url = f"redis://127.0.0.1:{port}/0"
-    if state.redis_pid and _alive(state.redis_pid) and _redis_ping(url, 2):
+    if state.redis_pid and _is_redis_process(state.redis_pid) and _redis_ping(url, 2):
         progress(f"redis: already running at {url} (pid {state.redis_pid})")
         return url
     server = shutil.which("redis-server")
@@ -126,7 +151,18 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
          "--logfile", str(data_dir / "redis.log")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
-    if not _redis_ping(url, 10):
+    try:
+        is_answering = _redis_ping(url, 10)
+    except BaseException:  # Ctrl-C while waiting: stop what was started, leave nothing behind
+        proc.kill()
+        raise
+    if is_answering and _redis_pid(url) != proc.pid:  # the port answered, but not our server: it could not bind
+        proc.kill()
+        raise BringUpError(
+            f"port {port} is in use by another process (a Redis this state directory did not start); "
+            f"stop it or set ports.local_redis_port (see {data_dir / 'redis.log'})"
+        )
+    if not is_answering:
         proc.kill()
         raise BringUpError(f"redis-server did not answer on {url}; see {data_dir / 'redis.log'}")
     state.redis_pid, state.redis_url = proc.pid, url
@@ -184,6 +220,17 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _is_redis_process(pid: int) -> bool:
+    """Whether `pid` is alive and a redis-server: after a reboot a recorded pid can name anything."""
+    if not _alive(pid):
+        return False
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc to ask (not Linux): the pid alone
+    return b"redis-server" in command
 
 
 def _serve_client(state: LocalState):
@@ -350,15 +397,26 @@ def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress)
     return key
 
 
-def stop_redis(state: LocalState, progress: Progress, timeout_s: float = 10) -> None:
-    """Stops the redis-server `up` started, waiting up to `timeout_s` for it to exit (it writes its AOF first)."""
-    if not (state.redis_pid and _alive(state.redis_pid)):
-        return
+def stop_redis(state: LocalState, progress: Progress, timeout_s: float = 10) -> bool:
+    """Stops the redis-server `up` started, waiting up to `timeout_s` for it to exit (it writes its AOF first).
+
+    Returns:
+        False when it is still running (it is then left to the operator, and stays recorded).
+    """
+    if not state.redis_pid:
+        return True
+    if not _is_redis_process(state.redis_pid):
+        progress(f"redis: pid {state.redis_pid} is no longer the redis-server `up` started; nothing to stop")
+        return True
     os.kill(state.redis_pid, signal.SIGTERM)  # redis flushes its AOF on SIGTERM
     deadline = time.monotonic() + timeout_s
     while _alive(state.redis_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
+    if _alive(state.redis_pid):
+        progress(f"redis: pid {state.redis_pid} still running {timeout_s:.0f} s after SIGTERM; stop it by hand")
+        return False
     progress(f"redis: stopped (pid {state.redis_pid})")
+    return True
 
 
 def reap_orphaned_engines() -> list[int]:
@@ -391,6 +449,9 @@ def down(cfg: ClusterConfig, progress: Progress) -> None:
     """Stops the Serve app, and the Ray head and Redis if `up` started them."""
     state_dir = state_dir_of(cfg)
     state = LocalState.load(state_dir)
+    if state.is_empty():
+        progress(f"nothing to stop: {LocalState.path(state_dir)} records nothing started")
+        return
     if state.ray_address and _ray_head_up():
         try:
             _serve_client(state).delete_applications()
@@ -403,5 +464,5 @@ def down(cfg: ClusterConfig, progress: Progress) -> None:
         reaped = reap_orphaned_engines()
         if reaped:
             progress(f"vllm: stopped {len(reaped)} engine processes left behind by their replicas")
-    stop_redis(state, progress)
-    LocalState().save(state_dir)
+    is_redis_stopped = stop_redis(state, progress)
+    LocalState(redis_pid=None if is_redis_stopped else state.redis_pid).save(state_dir)

@@ -181,6 +181,8 @@ def build_model(
         The manifest written to `out_dir/manifest.json` (file name -> sha256, sizes).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Written last, so a build that stops part way (Ctrl-C, a full disk) never counts as built.
+    (out_dir / "manifest.json").unlink(missing_ok=True)
     progress(f"training byte-level BPE tokenizer (vocab {shape.vocab_size}) on standard-library sources")
     tokenizer = _train_tokenizer(shape, corpus_bytes)
     tokenizer.save_pretrained(out_dir)

@@ -98,3 +98,59 @@ def test_ray_address_joins_any_cluster_deliberately(tmp_path, head_up, monkeypat
     state = LocalState()
     assert local.start_ray(cfg, state, progress=lambda msg: None) == "auto"
     assert state.ray_address == "auto" and not state.ray_started  # `down` leaves that head running
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_down_never_signals_a_recorded_pid_that_is_not_redis(tmp_path):
+    """After a reboot the recorded pid can name anything: `down` must leave it alone."""
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        LocalState(redis_pid=bystander.pid, redis_url="redis://127.0.0.1:1/0").save(tmp_path)
+        lines = []
+        local.down(load_config(environ={}, overrides={"state_dir": str(tmp_path)}), lines.append)
+        assert bystander.poll() is None
+        assert any("no longer the redis-server" in line for line in lines), lines
+        assert LocalState.load(tmp_path).is_empty()
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_down_with_nothing_recorded_says_so_and_writes_nothing(tmp_path):
+    lines = []
+    local.down(load_config(environ={}, overrides={"state_dir": str(tmp_path / "never-up")}), lines.append)
+    assert lines and lines[0].startswith("nothing to stop") and not (tmp_path / "never-up").exists()
+
+
+def test_a_broken_state_file_is_one_error_naming_it(tmp_path):
+    LocalState.path(tmp_path).write_text('{"redis_pid": 12')
+    with pytest.raises(BringUpError, match="local.json is not valid JSON"):
+        LocalState.load(tmp_path)
+    LocalState(redis_pid=5).save(tmp_path)  # written whole, by rename
+    assert LocalState.load(tmp_path).redis_pid == 5 and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.skipif(local.shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_a_redis_port_another_server_holds_is_refused_not_adopted(tmp_path):
+    port = _free_port()
+    other = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert local._redis_ping(f"redis://127.0.0.1:{port}/0", 10)
+        cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path / "state"),
+                                                 "ports": {"local_redis_port": port}})
+        state = LocalState()
+        with pytest.raises(BringUpError, match=f"port {port} is in use by another process"):
+            local.start_redis(cfg, state, progress=lambda msg: None)
+        assert state.redis_pid is None and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

@@ -49,3 +49,18 @@ def test_chat_template_renders_tools_calls_and_results(built):
     assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n")
     for token in TOOL_TOKENS:  # single tokens, so vLLM's hermes parser finds them
         assert len(tok.encode(token, add_special_tokens=False)) == 1
+
+
+def test_a_rebuild_that_stops_part_way_no_longer_counts_as_built(tmp_path: Path, monkeypatch):
+    from cluster import model_builder
+
+    build_model(tmp_path, seed=7, shape=SMALL, corpus_bytes=300_000)
+    assert is_built(tmp_path)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_builder, "_build_weights", full_disk)
+    with pytest.raises(OSError):
+        build_model(tmp_path, seed=7, shape=SMALL, corpus_bytes=300_000)
+    assert not is_built(tmp_path)  # `up` rebuilds instead of serving a half-written model

@@ -56,6 +56,12 @@ install_redis() {
 
 cmd="${1:-up}"
 shift || true
+case "$cmd" in
+  install|up|test) ;;
+  *) say "unknown command '$cmd' (use: up, test, install)"; exit 2 ;;  # before minutes of installing
+esac
+"$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null \
+  || say "warning: $PY is not Python 3.11, which warmpath requires (set PYTHON=/path/to/python3.11)"
 install_python
 install_redis
 case "$cmd" in

@@ -156,11 +156,30 @@ def up(
         state = local.up(cfg, progress, timeout_s=timeout_s, redeploy=redeploy)
     except local.BringUpError as err:
         typer.echo(f"error: {err}", err=True)
+        _echo_left_running(cfg)
         raise typer.Exit(1)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        _echo_left_running(cfg)
+        raise typer.Exit(130)
     typer.echo(f"warmpath is up: {state.http_url}/v1 (OpenAI-compatible; model \"{cfg.model.model_id}\")")
     if cfg.access.is_auth_enabled:
         key_file = local.api_key_file(cfg)
         typer.echo(f"api key: {key_file.read_text().strip()} (send 'Authorization: Bearer <key>'; kept in {key_file})")
+
+
+def _echo_left_running(cfg: ClusterConfig) -> None:
+    """After a failed or interrupted `up`: what it left running, and how to stop it."""
+    from cluster import local
+
+    try:
+        state = local.LocalState.load(local.state_dir_of(cfg))
+    except local.BringUpError:
+        return
+    parts = ([f"redis-server (pid {state.redis_pid})"] if state.redis_pid else []) + (
+        ["the Ray head"] if state.ray_started else [])
+    if parts:
+        typer.echo(f"left running: {', '.join(parts)}; `warmpath down` stops them", err=True)
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke API keys (stored hashed in Redis).")
@@ -293,9 +312,15 @@ def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.
     except Exception as err:
         typer.echo(f"not running ({err.__class__.__name__}: {err})", err=True)
         raise typer.Exit(1)
+    from cluster.serve_config import grpc_app_name
+
     app_status, lines = local.summarize(details, cfg.app_name)
     typer.echo(f"application {cfg.app_name}: {app_status}")
     for line in lines:
+        typer.echo(f"  {line}")
+    grpc_status, grpc_lines = local.summarize(details, grpc_app_name(cfg))
+    typer.echo(f"application {grpc_app_name(cfg)}: {grpc_status}")
+    for line in grpc_lines:
         typer.echo(f"  {line}")
     if state.http_url:
         typer.echo(f"http: {state.http_url}/v1")

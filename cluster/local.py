@@ -202,7 +202,12 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     ]
     if cfg.replicas.accelerator == "cpu":
         cmd.append("--num-gpus=0")
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    except BaseException:  # Ctrl-C while the head starts: recorded, so `down` stops whatever came up
+        state.ray_started, state.ray_address = True, "auto"
+        state.save(state_dir_of(cfg))
+        raise
     if result.returncode != 0:
         raise BringUpError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
     state.ray_started, state.ray_address = True, "auto"

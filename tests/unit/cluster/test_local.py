@@ -154,3 +154,51 @@ def test_a_redis_port_another_server_holds_is_refused_not_adopted(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_status_lists_the_http_and_the_grpc_application(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    details = {"applications": {
+        "warmpath": {"status": "RUNNING", "deployments": {
+            "OpenAiIngress": {"status": "HEALTHY", "replicas": [{"state": "RUNNING"}]}}},
+        "warmpath-grpc": {"status": "RUNNING", "deployments": {
+            "GrpcIngress": {"status": "HEALTHY", "replicas": [{"state": "RUNNING"}]}}},
+    }}
+    monkeypatch.setattr(local, "serve_details", lambda state: details)
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "application warmpath: RUNNING" in result.output
+    assert "application warmpath-grpc: RUNNING" in result.output and "GrpcIngress: HEALTHY (1 RUNNING)" in result.output
+
+
+def test_an_interrupted_ray_start_is_recorded_so_down_stops_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(local, "_ray_head_up", lambda: False)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local.subprocess, "run", interrupted)
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    with pytest.raises(KeyboardInterrupt):
+        local.start_ray(cfg, LocalState(), progress=lambda msg: None)
+    assert LocalState.load(tmp_path).ray_started
+
+
+@pytest.mark.parametrize("failure, exit_code", [(BringUpError("deploy failed"), 1), (KeyboardInterrupt(), 130)])
+def test_a_failed_up_says_what_it_left_running(tmp_path, monkeypatch, failure, exit_code):
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    def failing_up(cfg, progress, **kwargs):
+        LocalState(redis_pid=4242, ray_started=True).save(local.state_dir_of(cfg))
+        raise failure
+
+    monkeypatch.setattr(local, "up", failing_up)
+    result = CliRunner().invoke(app, ["up", "--state-dir", str(tmp_path)])
+    assert result.exit_code == exit_code
+    assert "left running: redis-server (pid 4242), the Ray head; `warmpath down` stops them" in result.output

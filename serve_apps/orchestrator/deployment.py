@@ -425,15 +425,21 @@ class Orchestrator:
                         "gen_ai.request.model": self._model_id},
         ) as span:
             start = time.monotonic()
-            outcome = "rejected"
-            async for item in self._turn(session_id, tool_choice, caller, idempotency_key, **kwargs):
-                if item.get("kind") in ("final", "requires_action", "error"):
-                    outcome = item.get("code") or item["kind"]
-                    span.set_attribute("warmpath.turn.outcome", outcome)
-                elif span.is_recording() and item.get("kind") == "compression":
-                    span.add_event("compression", {k: v for k, v in item["report"].items() if v is not None})
-                yield item
-            WarmpathMetrics.get().turn_latency.observe(time.monotonic() - start, tags={"outcome": outcome})
+            outcome = None
+            is_finished = False
+            try:
+                async for item in self._turn(session_id, tool_choice, caller, idempotency_key, **kwargs):
+                    if item.get("kind") in ("final", "requires_action", "error"):
+                        outcome = item.get("code") or item["kind"]
+                        span.set_attribute("warmpath.turn.outcome", outcome)
+                    elif span.is_recording() and item.get("kind") == "compression":
+                        span.add_event("compression", {k: v for k, v in item["report"].items() if v is not None})
+                    yield item
+                is_finished = True
+            finally:
+                # A turn the client hung up on before its last event still counts, as "cancelled".
+                outcome = outcome or ("rejected" if is_finished else "cancelled")
+                WarmpathMetrics.get().turn_latency.observe(time.monotonic() - start, tags={"outcome": outcome})
 
     async def _turn(
         self,

@@ -24,3 +24,34 @@ def test_other_engine_errors_keep_their_meaning(status, expected_type, expected_
     failure = engine_failure("the engine said no", status)
     assert isinstance(failure, expected_type)
     assert getattr(failure, "code", None) == expected_code
+
+
+def test_a_turn_the_client_hangs_up_on_is_timed_as_cancelled(monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    from serve_apps import metrics
+    from serve_apps.orchestrator.deployment import Orchestrator
+
+    observed = []
+    monkeypatch.setattr(metrics.WarmpathMetrics, "get", classmethod(lambda cls: SimpleNamespace(
+        turn_latency=SimpleNamespace(observe=lambda value, tags: observed.append(tags["outcome"])))))
+
+    async def turn(*args, **kwargs):
+        yield {"status": 200}
+        yield {"kind": "delta", "text": "Hel"}
+        yield {"kind": "final", "message": {"role": "assistant", "content": "Hello"}}
+
+    orchestrator = Orchestrator.__new__(Orchestrator)
+    orchestrator._model_id = "m"
+    orchestrator._turn = turn
+
+    async def hang_up_after(num_items):
+        stream = orchestrator._traced_turn("s1", None, "auto", None, None)
+        for _ in range(num_items):
+            await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(hang_up_after(2))  # before the last event
+    asyncio.run(hang_up_after(3))  # after it
+    assert observed == ["cancelled", "final"]

@@ -117,6 +117,15 @@ def _redis_ping(url: str, timeout_s: float) -> bool:
     return False
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    """Kills a child and reaps it (no zombie left to the caller's process)."""
+    proc.kill()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def _redis_pid(url: str) -> Optional[int]:
     """The process id of the Redis answering at `url` (its `INFO server`), or None."""
     import redis
@@ -154,16 +163,16 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
     try:
         is_answering = _redis_ping(url, 10)
     except BaseException:  # Ctrl-C while waiting: stop what was started, leave nothing behind
-        proc.kill()
+        _kill(proc)
         raise
     if is_answering and _redis_pid(url) != proc.pid:  # the port answered, but not our server: it could not bind
-        proc.kill()
+        _kill(proc)
         raise BringUpError(
             f"port {port} is in use by another process (a Redis this state directory did not start); "
             f"stop it or set ports.local_redis_port (see {data_dir / 'redis.log'})"
         )
     if not is_answering:
-        proc.kill()
+        _kill(proc)
         raise BringUpError(f"redis-server did not answer on {url}; see {data_dir / 'redis.log'}")
     state.redis_pid, state.redis_url = proc.pid, url
     return url

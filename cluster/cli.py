@@ -314,14 +314,13 @@ def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.
         raise typer.Exit(1)
     from cluster.serve_config import grpc_app_name
 
-    app_status, lines = local.summarize(details, cfg.app_name)
-    typer.echo(f"application {cfg.app_name}: {app_status}")
-    for line in lines:
-        typer.echo(f"  {line}")
-    grpc_status, grpc_lines = local.summarize(details, grpc_app_name(cfg))
-    typer.echo(f"application {grpc_app_name(cfg)}: {grpc_status}")
-    for line in grpc_lines:
-        typer.echo(f"  {line}")
+    statuses = {}
+    for name in (cfg.app_name, grpc_app_name(cfg)):
+        statuses[name], lines = local.summarize(details, name)
+        typer.echo(f"application {name}: {statuses[name]}")
+        for line in lines:
+            typer.echo(f"  {line}")
+    app_status = statuses[cfg.app_name]
     if state.http_url:
         typer.echo(f"http: {state.http_url}/v1")
     if state.redis_url:

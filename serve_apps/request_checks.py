@@ -61,10 +61,8 @@ def completion_request_problem(body: Any) -> Optional[Problem]:
 
 
 def tokenize_request_problem(body: Any) -> Optional[Problem]:
-    """The first thing wrong with a `/tokenize` request's text, or None."""
-    return unencodable_text_problem(getattr(body, "prompt", None), "prompt") or unencodable_text_problem(
-        getattr(body, "messages", None), "messages"
-    )
+    """The first thing wrong with a `/tokenize` request's prompt, or None."""
+    return unencodable_text_problem(getattr(body, "prompt", None), "prompt")
 
 
 def detokenize_request_problem(body: Any) -> Optional[Problem]:
@@ -82,25 +80,37 @@ def _choices_problem(body: Any) -> Optional[Problem]:
     return None
 
 
+def lone_surrogate_at(text: str) -> Optional[int]:
+    """Where `text` holds a lone surrogate (the one thing a Python str has that UTF-8 cannot encode), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return err.start
+    return None
+
+
 def unencodable_text_problem(value: Any, path: str) -> Optional[Problem]:
     """A 400 for the first string under `value` that UTF-8 cannot encode, naming where it is."""
-    found = _first_unencodable(value, path)
+    found = _first_unencodable(value)
     if found is None:
         return None
-    where, position = found
+    keys, position = found
+    where = path + "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in reversed(keys))
     return (f"{where}: the text is not valid Unicode (a lone surrogate at character {position}); "
             "send UTF-8 text, with surrogate pairs only in pairs", where)
 
 
-def _first_unencodable(value: Any, path: str) -> Optional[tuple[str, int]]:
+def _first_unencodable(value: Any) -> Optional[tuple[list, int]]:
+    """(keys from `value` down to the string, innermost first; position in it), or None.
+
+    The keys are collected on the way back from a find only: every request walks
+    its messages and tools here, and almost none holds a surrogate.
+    """
     if isinstance(value, str):
-        if value.isascii():
-            return None
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as err:
-            return path, err.start
-        return None
+        position = lone_surrogate_at(value)
+        return None if position is None else ([], position)
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, (list, tuple)):
@@ -110,8 +120,9 @@ def _first_unencodable(value: Any, path: str) -> Optional[tuple[str, int]]:
     else:
         return None
     for key, item in items:
-        found = _first_unencodable(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}")
+        found = _first_unencodable(item)
         if found is not None:
+            found[0].append(key)
             return found
     return None
 

@@ -23,6 +23,7 @@ from typing import Annotated, Literal, NewType
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
 
 from serve_apps.orchestrator.tool_schema import check_tool_parameters
+from serve_apps.request_checks import lone_surrogate_at
 
 SessionId = NewType("SessionId", str)
 PrefixFingerprint = NewType("PrefixFingerprint", str)
@@ -36,13 +37,9 @@ Role = Literal["system", "user", "assistant", "tool"]
 
 
 def _check_utf8(value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        surrogate = err.object[err.start : err.end]
-        raise ValueError(
-            f"text must be valid Unicode, but holds a lone surrogate {surrogate!r} at index {err.start}"
-        ) from None
+    position = lone_surrogate_at(value)
+    if position is not None:
+        raise ValueError(f"text must be valid Unicode, but holds a lone surrogate {value[position]!r} at index {position}")
     return value
 
 

@@ -49,7 +49,7 @@ class ToolNetworkPolicy:
     """Checks HTTP tool URLs: each check returns a refusal message, else None (`check_url`) or a `Destination`."""
 
     def __init__(self, config: ToolNetworkConfig) -> None:
-        self._prefixes = tuple(_UrlPrefix.parse(prefix) for prefix in config.allowed_url_prefixes)
+        self._prefixes = tuple(_parse_prefix(prefix) for prefix in config.allowed_url_prefixes)
         self._blocked: tuple[IpNetwork, ...] = tuple(ipaddress.ip_network(n, strict=False) for n in config.blocked_networks)
 
     def check_url(self, url: str) -> str | None:
@@ -103,10 +103,21 @@ class ToolNetworkPolicy:
 
 @dataclass(frozen=True, slots=True)
 class _ParsedUrl:
+    """A URL by parts; an allowed prefix is one too, compared by parts: a string prefix would admit
+    `http://tools.internal@evil/`."""
+
     scheme: str
     host: str
     port: int
     path: str
+
+    def admits(self, url: "_ParsedUrl") -> bool:
+        """As a prefix: same scheme, host and port; the path is this one or under it (`/api` admits `/api/x`, not `/apix`)."""
+        if (url.scheme, url.host, url.port) != (self.scheme, self.host, self.port):
+            return False
+        if not self.path or self.path.endswith("/"):
+            return url.path.startswith(self.path)
+        return url.path == self.path or url.path.startswith(self.path + "/")
 
 
 def _parse(url: str) -> _ParsedUrl | str:
@@ -130,29 +141,11 @@ def _parse(url: str) -> _ParsedUrl | str:
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-@dataclass(frozen=True, slots=True)
-class _UrlPrefix:
-    """An allowed URL prefix, compared by parts: a string prefix would admit `http://tools.internal@evil/`."""
-
-    scheme: str
-    host: str
-    port: int
-    path: str
-
-    @classmethod
-    def parse(cls, prefix: str) -> "_UrlPrefix":
-        parsed = _parse(prefix)
-        if isinstance(parsed, str):
-            raise ValueError(f"tool_network.allowed_url_prefixes: {parsed}")
-        return cls(parsed.scheme, parsed.host, parsed.port, parsed.path)
-
-    def admits(self, url: _ParsedUrl) -> bool:
-        """Same scheme, host and port; the path is the prefix's or under it (`/api` admits `/api/x`, not `/apix`)."""
-        if (url.scheme, url.host, url.port) != (self.scheme, self.host, self.port):
-            return False
-        if not self.path or self.path.endswith("/"):
-            return url.path.startswith(self.path)
-        return url.path == self.path or url.path.startswith(self.path + "/")
+def _parse_prefix(prefix: str) -> _ParsedUrl:
+    parsed = _parse(prefix)
+    if isinstance(parsed, str):
+        raise ValueError(f"tool_network.allowed_url_prefixes: {parsed}")
+    return parsed
 
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")

@@ -87,6 +87,7 @@ def _write_or_exit(path: Path, write: Callable[[Path], None]) -> None:
 
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="Cluster config YAML.")
+StateDirOpt = typer.Option(None, help="State directory of the local cluster (default: the config's state_dir).")
 PoliciesOpt = typer.Option(",".join(get_args(RouterPolicy)), help="Comma-separated routing policies, each run once.")
 
 
@@ -139,13 +140,14 @@ def up(
     policy: Optional[str] = typer.Option(None, help="Router policy."),
     http_port: Optional[int] = typer.Option(None, help="HTTP ingress port."),
     redis_url: Optional[str] = typer.Option(None, help="Use this Redis instead of starting one."),
-    state_dir: Optional[str] = typer.Option(None, help="State directory."),
+    state_dir: Optional[str] = StateDirOpt,
     timeout_s: float = typer.Option(900, help="How long to wait for the replicas."),
     redeploy: bool = typer.Option(False, help="Delete the running application first (pick up new code)."),
     no_auth: bool = typer.Option(False, "--no-auth", help="Turn API keys off (local experiments only)."),
 ) -> None:
     """Start Redis, a Ray head and the Serve application; print the endpoint and the API key."""
     from cluster import local
+    from cluster.serve_config import grpc_app_name
 
     _check_redis_url_flag(redis_url)
     cfg = _load(
@@ -163,6 +165,7 @@ def up(
         _echo_left_running(cfg)
         raise typer.Exit(130)
     typer.echo(f"warmpath is up: {state.http_url}/v1 (OpenAI-compatible; model \"{cfg.model.model_id}\")")
+    typer.echo(f"grpc: {state.grpc_address} (application metadata \"{grpc_app_name(cfg)}\"; see protos/README.md)")
     if cfg.access.is_auth_enabled:
         key_file = local.api_key_file(cfg)
         typer.echo(f"api key: {key_file.read_text().strip()} (send 'Authorization: Bearer <key>'; kept in {key_file})")
@@ -186,16 +189,39 @@ keys_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke API k
 app.add_typer(keys_app, name="keys")
 
 
-def _keys_redis_url(config: Optional[Path], redis_url: Optional[str]) -> str:
-    from cluster import local
-
+def _keys_redis_url(config: Optional[Path], redis_url: Optional[str], state_dir: Optional[str]) -> str:
     _check_redis_url_flag(redis_url)
-    cfg = _load(config, redis_url=redis_url)
-    url = cfg.redis_url or local.LocalState.load(local.state_dir_of(cfg)).redis_url
+    cfg = _load(config, redis_url=redis_url, state_dir=state_dir)
+    url = cfg.redis_url or _load_state(cfg).redis_url
     if not url:
-        typer.echo("no Redis: pass --redis-url (or set REDIS_URL), or run `warmpath up` first", err=True)
+        typer.echo(
+            "no Redis: pass --redis-url (or set REDIS_URL), or run `warmpath up` first "
+            f"({_where_state_is(cfg)})",
+            err=True,
+        )
         raise typer.Exit(2)
     return url
+
+
+def _load_state(cfg: ClusterConfig):
+    """What `warmpath up` recorded in the config's state directory; a broken record is one line, exit 1."""
+    from cluster import local
+
+    try:
+        return local.LocalState.load(local.state_dir_of(cfg))
+    except local.BringUpError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1)
+
+
+def _where_state_is(cfg: ClusterConfig) -> str:
+    """Where the local cluster's record is looked for, for messages that found none."""
+    from cluster import local
+
+    return (
+        f"no local cluster is recorded in {local.LocalState.path(local.state_dir_of(cfg))}; the state directory "
+        "is relative to where `warmpath up` ran unless --state-dir or WARMPATH_STATE_DIR says otherwise"
+    )
 
 
 def _with_key_store(url: str, work):
@@ -246,6 +272,7 @@ def keys_create(
     expires_in_days: Optional[float] = typer.Option(None, help="The key stops working this many days from now (default: never)."),
     config: Optional[Path] = ConfigOpt,
     redis_url: Optional[str] = typer.Option(None, help="Key store (default: the config's or the local cluster's)."),
+    state_dir: Optional[str] = StateDirOpt,
 ) -> None:
     """Create a key; prints it once (only its hash is stored)."""
     cfg = _load(config)
@@ -255,16 +282,20 @@ def keys_create(
         _refuse("; ".join(problems))
     expires_in_s = None if expires_in_days is None else expires_in_days * 86400
     key, record = _with_key_store(
-        _keys_redis_url(config, redis_url),
+        _keys_redis_url(config, redis_url, state_dir),
         lambda store: store.create(name, permission, rate, size, expires_in_s=expires_in_s),
     )
     typer.echo(json.dumps({"api_key": key, **record.model_dump(mode="json")}))
 
 
 @keys_app.command("list")
-def keys_list(config: Optional[Path] = ConfigOpt, redis_url: Optional[str] = typer.Option(None)) -> None:
+def keys_list(
+    config: Optional[Path] = ConfigOpt,
+    redis_url: Optional[str] = typer.Option(None),
+    state_dir: Optional[str] = StateDirOpt,
+) -> None:
     """One JSON line per key: id, name, permissions, rate (never the key); a warning on stderr per unreadable key."""
-    listing = _with_key_store(_keys_redis_url(config, redis_url), lambda store: store.list())
+    listing = _with_key_store(_keys_redis_url(config, redis_url, state_dir), lambda store: store.list())
     for record in listing.records:
         typer.echo(record.model_dump_json())
     for key in listing.unreadable:
@@ -280,16 +311,17 @@ def keys_revoke(
     key_id: str = typer.Argument(..., help="Id of the key (key_...)."),
     config: Optional[Path] = ConfigOpt,
     redis_url: Optional[str] = typer.Option(None),
+    state_dir: Optional[str] = StateDirOpt,
 ) -> None:
     """Delete a key; calls with it fail from the next one on."""
-    if not _with_key_store(_keys_redis_url(config, redis_url), lambda store: store.revoke(key_id)):
+    if not _with_key_store(_keys_redis_url(config, redis_url, state_dir), lambda store: store.revoke(key_id)):
         typer.echo(f"no key {key_id}", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {key_id}")
 
 
 @app.command()
-def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.Option(None)) -> None:
+def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateDirOpt) -> None:
     """Stop what `warmpath up` started."""
     from cluster import local
 
@@ -301,13 +333,15 @@ def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.Op
 
 
 @app.command()
-def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.Option(None)) -> None:
+def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateDirOpt) -> None:
     """Show the application, its deployments and their replicas."""
     from cluster import local
 
     cfg = _load(config, state_dir=state_dir)
+    state = _load_state(cfg)
+    if state.is_empty():
+        typer.echo(f"note: {_where_state_is(cfg)}", err=True)
     try:
-        state = local.LocalState.load(local.state_dir_of(cfg))
         details = local.serve_details(state)
     except Exception as err:
         typer.echo(f"not running ({err.__class__.__name__}: {err})", err=True)
@@ -323,6 +357,8 @@ def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = typer.
     app_status = statuses[cfg.app_name]
     if state.http_url:
         typer.echo(f"http: {state.http_url}/v1")
+    if state.grpc_address:
+        typer.echo(f"grpc: {state.grpc_address}")
     if state.redis_url:
         typer.echo(f"redis: {state.redis_url}")
     if state.http_url and app_status == "RUNNING":

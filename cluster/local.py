@@ -17,17 +17,31 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional
+from urllib.parse import urlsplit
 
 from cluster.config import ClusterConfig
 from cluster.model_builder import build_model, is_built
-from cluster.serve_config import render_serve_config
+from cluster.serve_config import (
+    own_application_names,
+    render_serve_config,
+    with_other_applications,
+    without_own_applications,
+)
 
 Progress = Callable[[str], None]
 DASHBOARD_PORT = 8265
+LOCAL_DASHBOARD_URL = f"http://127.0.0.1:{DASHBOARD_PORT}"
+# `ray status` answers in a few seconds; a head that takes longer is not usable, and `up` must not hang on it.
+RAY_STATUS_TIMEOUT_S = 60
+RAY_START_TIMEOUT_S = 300
+RAY_STOP_TIMEOUT_S = 120
+# How often a wait that sees no change says it is still waiting.
+STILL_WAITING_EVERY_S = 30
 
 
 class BringUpError(RuntimeError):
@@ -41,9 +55,13 @@ class LocalState:
     redis_pid: Optional[int] = None
     redis_url: Optional[str] = None
     ray_started: bool = False
+    # The session folder of the head `up` started (`session_<date>_<pid>`): a head started later by
+    # anyone else has another, so `down` never stops a head it did not start.
+    ray_session: Optional[str] = None
     ray_address: Optional[str] = None
-    dashboard_url: str = f"http://127.0.0.1:{DASHBOARD_PORT}"
+    dashboard_url: str = LOCAL_DASHBOARD_URL
     http_url: Optional[str] = None
+    grpc_address: Optional[str] = None
 
     @staticmethod
     def path(state_dir: Path) -> Path:
@@ -183,14 +201,23 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
 
     A local head that this state directory did not start is refused, not joined: deploying would
     replace the application serving there (another `warmpath up`, the integration tests' cluster)
-    and `down` would delete it. `RAY_ADDRESS=auto` joins it deliberately.
+    and `down` would delete it. `RAY_ADDRESS=auto` joins it deliberately; `down` then removes only
+    warmpath's applications from it and leaves the head running.
     """
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        progress(f"ray: joining {address}")
+        state.dashboard_url = dashboard_url_for(address)
+        progress(f"ray: joining {address} (dashboard {state.dashboard_url})")
         state.ray_address = address
         return address
+    state.dashboard_url = LOCAL_DASHBOARD_URL
     if _ray_head_up():
+        if state.ray_started and not is_started_head(state):
+            progress(
+                f"ray: the head this state directory started (session {state.ray_session}) is gone; "
+                f"the one running now ({head_session()}) was started elsewhere"
+            )
+            state.ray_started, state.ray_session, state.ray_address = False, None, None
         if not state.ray_started:
             raise BringUpError(
                 "a Ray head is already running on this machine and was not started from this state directory "
@@ -212,20 +239,63 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     if cfg.replicas.accelerator == "cpu":
         cmd.append("--num-gpus=0")
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True)
-    except BaseException:  # Ctrl-C while the head starts: recorded, so `down` stops whatever came up
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S)
+    except BaseException as err:  # Ctrl-C or a hung start: recorded, so `down` stops whatever came up
         state.ray_started, state.ray_address = True, "auto"
+        state.ray_session = head_session()
         state.save(state_dir_of(cfg))
+        if isinstance(err, subprocess.TimeoutExpired):
+            raise BringUpError(f"`ray start --head` did not finish in {RAY_START_TIMEOUT_S} s") from None
         raise
     if result.returncode != 0:
         raise BringUpError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
     state.ray_started, state.ray_address = True, "auto"
+    state.ray_session = head_session()
     return "auto"
 
 
 def _ray_head_up() -> bool:
-    result = subprocess.run([_bin("ray"), "status"], capture_output=True, text=True)
+    """Whether `ray status` finds a head (the local one, or `RAY_ADDRESS`'s)."""
+    try:
+        result = subprocess.run([_bin("ray"), "status"], capture_output=True, text=True, timeout=RAY_STATUS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise BringUpError(
+            f"`ray status` did not answer in {RAY_STATUS_TIMEOUT_S} s: a Ray head on this machine is not "
+            "responding; stop it (`ray stop --force`) and try again"
+        ) from None
     return result.returncode == 0
+
+
+def head_session() -> Optional[str]:
+    """Name of the newest local Ray session folder (`session_<date>_<pid>`, new at every `ray start`)."""
+    latest = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "session_latest"
+    try:
+        return Path(os.readlink(latest)).name
+    except OSError:
+        return None
+
+
+def is_started_head(state: LocalState) -> bool:
+    """Whether the local head running now is the one `up` started (not one started after it stopped).
+
+    A state file from before sessions were recorded trusts any head, as it always did.
+    """
+    return state.ray_started and (state.ray_session is None or state.ray_session == head_session())
+
+
+def dashboard_url_for(address: str) -> str:
+    """The dashboard (Serve's REST API) of the cluster at `RAY_ADDRESS` `address`.
+
+    `RAY_DASHBOARD_ADDRESS` wins, as for Ray's own `serve deploy`; else the address's host on the
+    dashboard's default port (a KubeRay head service serves both); `auto` is this machine.
+    """
+    explicit = os.environ.get("RAY_DASHBOARD_ADDRESS")
+    if explicit:
+        return explicit.rstrip("/") if "://" in explicit else f"http://{explicit.rstrip('/')}"
+    host = urlsplit(address if "://" in address else f"ray://{address}").hostname
+    if address in ("auto", "local") or not host or host in ("127.0.0.1", "localhost", "::1"):
+        return LOCAL_DASHBOARD_URL
+    return f"http://{host}:{DASHBOARD_PORT}" if ":" not in host else f"http://[{host}]:{DASHBOARD_PORT}"
 
 
 def _alive(pid: int) -> bool:
@@ -261,12 +331,25 @@ def deploy(cfg: ClusterConfig, state: LocalState, progress: Progress) -> None:
 
     out.write_text(yaml.safe_dump(doc, sort_keys=True))
     progress(f"serve: deploying {out}")
-    deploy_document(state, doc)
+    deploy_document(state, doc, progress)
 
 
-def deploy_document(state: LocalState, doc: dict) -> None:
-    """`serve deploy` of a Serve config document through the dashboard."""
-    _when_dashboard_ready(lambda: _serve_client(state).deploy_applications(doc), "serve deploy")
+def deploy_document(state: LocalState, doc: dict, progress: Progress = lambda msg: None) -> None:
+    """`serve deploy` of a Serve config document through the dashboard.
+
+    The applications others deployed the same way on that head are deployed along, unchanged: a
+    document is the head's whole desired state, and leaving them out would delete them.
+    """
+    own = {app["name"] for app in doc["applications"]}
+
+    def put() -> None:
+        client = _serve_client(state)
+        merged = with_other_applications(doc, client.get_serve_details(), own)
+        if kept := [app["name"] for app in merged["applications"] if app["name"] not in own]:
+            progress(f"serve: keeping the head's other applications as they are: {', '.join(kept)}")
+        client.deploy_applications(merged)
+
+    _when_dashboard_ready(put, "serve deploy")
 
 
 def _when_dashboard_ready(call: Callable[[], object], what: str, timeout_s: float = 60) -> None:
@@ -306,40 +389,95 @@ def summarize(details: dict, app_name: str) -> tuple[str, list[str]]:
 
 
 def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, timeout_s: float) -> None:
-    """Polls the Serve status until every application runs, one fails, or `timeout_s` passes."""
+    """Polls the Serve status until warmpath's applications run, one fails, or `timeout_s` passes.
+
+    Other applications on a shared head are not waited for. A wait that sees no change still
+    reports every `STILL_WAITING_EVERY_S` (replicas load a model for minutes).
+    """
     start = time.monotonic()
-    last = None
+    last, last_said = None, start
+    own = [cfg.app_name] + sorted(own_application_names(cfg) - {cfg.app_name})
     while True:
         details = serve_details(state)
-        status, lines = summarize(details, cfg.app_name)
-        for name in sorted(details.get("applications", {})):
-            if name != cfg.app_name:
-                other_status, other_lines = summarize(details, name)
-                lines += other_lines
-                status = other_status if status == "RUNNING" else status
+        status, lines = "RUNNING", []
+        for name in own:
+            app_status, app_lines = summarize(details, name)
+            lines += app_lines
+            status = app_status if status == "RUNNING" else status
         line = f"serve: {status}; " + "; ".join(l for l in lines if not l.startswith("  "))
-        if line != last:
-            progress(f"[{time.monotonic() - start:5.0f}s] {line}")
-            last = line
+        now = time.monotonic()
+        if line != last or now - last_said >= STILL_WAITING_EVERY_S:
+            progress(f"[{now - start:5.0f}s] {line}" + (" (still waiting)" if line == last else ""))
+            last, last_said = line, now
         if status == "RUNNING":
             return
         if status == "DEPLOY_FAILED":
             raise BringUpError("the Serve application failed to deploy:\n" + "\n".join(lines))
-        if time.monotonic() - start > timeout_s:
+        if now - start > timeout_s:
             raise BringUpError(f"not running after {timeout_s:.0f}s:\n" + "\n".join(lines))
         time.sleep(2)
 
 
-def delete_app(state: LocalState, progress: Progress, timeout_s: float = 120) -> None:
-    """Deletes the Serve applications and waits until they are gone (code changes need a fresh app)."""
-    client = _serve_client(state)
-    client.delete_applications()
+def serving_ports(details: dict) -> tuple[int, int]:
+    """The HTTP and gRPC ports Serve's proxies listen on (fixed when Serve first started on the head)."""
+    return details["http_options"]["port"], details["grpc_options"]["port"]
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _accepts(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def wait_proxies(state: LocalState, progress: Progress, timeout_s: float = 120) -> None:
+    """Waits until Serve's proxies take calls: HTTP health answers and the gRPC port accepts.
+
+    Why: applications report RUNNING before a proxy has bound its ports (a fresh head starts them
+    last), and `up` must not print an endpoint that refuses the first call.
+    """
+    host = urlsplit(state.http_url).hostname
+    grpc_port = int(state.grpc_address.rsplit(":", 1)[1])
     deadline = time.monotonic() + timeout_s
-    while client.get_serve_details().get("applications"):
+    while not (_answers(f"{state.http_url}/-/healthz") and _accepts(host, grpc_port)):
+        if time.monotonic() > deadline:
+            raise BringUpError(
+                f"the applications run, but Serve's proxies do not take calls after {timeout_s:.0f} s "
+                f"({state.http_url}/-/healthz, gRPC {state.grpc_address}); see `warmpath status`"
+            )
+        time.sleep(1)
+    progress(f"serve: proxies take calls (http {state.http_url}, grpc {state.grpc_address})")
+
+
+def remove_applications(state: LocalState, own: set[str], progress: Progress, timeout_s: float = 120) -> None:
+    """Removes warmpath's applications and waits until they are gone (code changes need fresh ones).
+
+    On a head `up` started, Serve is shut down whole (its applications are all warmpath's); on a
+    joined head only `own` go, and whatever else runs there stays.
+    """
+    client = _serve_client(state)
+    if state.ray_started:
+        client.delete_applications()
+    else:
+        client.deploy_applications(without_own_applications(client.get_serve_details(), own))
+    deadline = time.monotonic() + timeout_s
+    while own & set(client.get_serve_details().get("applications", {})):
         if time.monotonic() > deadline:
             raise BringUpError(f"applications still shutting down after {timeout_s:.0f}s")
         time.sleep(1)
-    progress("serve: previous applications deleted")
+    progress(f"serve: applications {', '.join(sorted(own))} deleted")
 
 
 def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy: bool = False) -> LocalState:
@@ -361,12 +499,23 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
         progress("API keys are off (access.is_auth_enabled=false): anyone who reaches the ports can call")
     start_ray(cfg, state, progress)
     state.save(state_dir)
+    own = own_application_names(cfg)
     if redeploy:
-        _when_dashboard_ready(lambda: delete_app(state, progress), "deleting the running application")
+        _when_dashboard_ready(lambda: remove_applications(state, own, progress), "deleting the running application")
     deploy(cfg, state, progress)
     wait_running(cfg, state, progress, timeout_s)
-    state.http_url = f"http://127.0.0.1:{cfg.ports.http_port}"
+    http_port, grpc_port = serving_ports(serve_details(state))
+    if (http_port, grpc_port) != (cfg.ports.http_port, cfg.ports.grpc_port):
+        progress(
+            f"serve: the head's proxies were started on ports {http_port} (HTTP) and {grpc_port} (gRPC), "
+            f"not the {cfg.ports.http_port} and {cfg.ports.grpc_port} asked for; Serve keeps its first ports "
+            "until it stops (`warmpath down`, then `warmpath up`)"
+        )
+    host = urlsplit(state.dashboard_url).hostname or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    state.http_url, state.grpc_address = f"http://{host}:{http_port}", f"{host}:{grpc_port}"
     state.save(state_dir)
+    wait_proxies(state, progress)
     return state
 
 
@@ -459,24 +608,52 @@ def reap_orphaned_engines() -> list[int]:
     return reaped
 
 
+def _stop_started_head(state: LocalState, progress: Progress) -> None:
+    """Deletes the applications and stops the local head `up` started, if that head still runs."""
+    if not _ray_head_up():
+        progress("ray: the head `up` started is not running")
+    elif not is_started_head(state):
+        progress(
+            f"ray: the head `up` started (session {state.ray_session}) is gone; the one running now "
+            f"({head_session()}) was started elsewhere and is left running"
+        )
+        return
+    else:
+        try:
+            _serve_client(state).delete_applications()  # replicas stop their engines before the head goes
+            progress("serve: applications deleted")
+        except Exception as err:
+            progress(f"serve: could not delete applications ({err})")
+        try:
+            subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True, timeout=RAY_STOP_TIMEOUT_S)
+            progress("ray: head stopped")
+        except subprocess.TimeoutExpired:
+            progress(f"ray: `ray stop --force` did not finish in {RAY_STOP_TIMEOUT_S} s; run it by hand")
+    reaped = reap_orphaned_engines()
+    if reaped:
+        progress(f"vllm: stopped {len(reaped)} engine processes left behind by their replicas")
+
+
 def down(cfg: ClusterConfig, progress: Progress) -> None:
-    """Stops the Serve app, and the Ray head and Redis if `up` started them."""
+    """Stops the Serve applications, and the Ray head and Redis if `up` started them.
+
+    A joined head (`RAY_ADDRESS`) keeps running with everything but warmpath's applications. A
+    local head that is not the one `up` started (it stopped, and someone started another) is left
+    alone entirely.
+    """
     state_dir = state_dir_of(cfg)
     state = LocalState.load(state_dir)
     if state.is_empty():
         progress(f"nothing to stop: {LocalState.path(state_dir)} records nothing started")
         return
-    if state.ray_address and _ray_head_up():
-        try:
-            _serve_client(state).delete_applications()
-            progress("serve: applications deleted")
-        except Exception as err:
-            progress(f"serve: could not delete applications ({err})")
     if state.ray_started:
-        subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True)
-        progress("ray: head stopped")
-        reaped = reap_orphaned_engines()
-        if reaped:
-            progress(f"vllm: stopped {len(reaped)} engine processes left behind by their replicas")
+        _stop_started_head(state, progress)
+    elif state.ray_address:
+        own = own_application_names(cfg)
+        try:
+            remove_applications(state, own, progress)
+        except Exception as err:
+            progress(f"serve: could not delete applications {', '.join(sorted(own))} ({err})")
+        progress(f"ray: {state.ray_address} was joined, not started: left running")
     is_redis_stopped = stop_redis(state, progress)
     LocalState(redis_pid=None if is_redis_stopped else state.redis_pid).save(state_dir)

@@ -59,3 +59,38 @@ def render_serve_config(cfg: ClusterConfig) -> dict[str, Any]:
 def dump_serve_config(cfg: ClusterConfig) -> str:
     """YAML text of `render_serve_config`, stable across runs (sorted keys)."""
     return yaml.safe_dump(render_serve_config(cfg), sort_keys=True, default_flow_style=False)
+
+
+def own_application_names(cfg: ClusterConfig) -> set[str]:
+    """The Serve applications `warmpath up` deploys and `warmpath down` removes."""
+    return {cfg.app_name, grpc_app_name(cfg)}
+
+
+def other_applications(details: dict[str, Any], own: set[str]) -> list[dict[str, Any]]:
+    """Configs of the applications others deployed through Serve's REST API (`serve deploy`, another tool).
+
+    Why: a Serve config document is the whole desired state of a head; applications it leaves out
+    that were deployed the same way are deleted. Deploying into (or removing from) a shared head
+    must carry them along. Applications deployed from Python (`serve.run`) are never deleted by a
+    document, so they are not carried.
+    """
+    return [
+        app["deployed_app_config"]
+        for name, app in sorted(details.get("applications", {}).items())
+        if name not in own and app.get("source") != "imperative" and app.get("deployed_app_config")
+    ]
+
+
+def with_other_applications(doc: dict[str, Any], details: dict[str, Any], own: set[str]) -> dict[str, Any]:
+    """`doc` with the other applications running on the head (`other_applications`) added after its own."""
+    return {**doc, "applications": doc["applications"] + other_applications(details, own)}
+
+
+def without_own_applications(details: dict[str, Any], own: set[str]) -> dict[str, Any]:
+    """The document that removes `own` from a running head and keeps everything else as it runs."""
+    return {
+        "proxy_location": details.get("proxy_location", "EveryNode"),
+        "http_options": details.get("http_options", {}),
+        "grpc_options": details.get("grpc_options", {}),
+        "applications": other_applications(details, own),
+    }

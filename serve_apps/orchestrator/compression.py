@@ -11,9 +11,11 @@ Invariants:
   so the cached prefix and its fingerprint survive compression.
 - A round starts at a user message; the last `keep_last_rounds` rounds stay
   verbatim, so a tool call is never separated from its result.
-- Ledger entries hold no newline; a previous summary's ledger is carried forward
-  entry by entry when it is compressed again.
-- `CompressionReport.ledger_retained_fraction` is measured on the new messages.
+- One ledger line per message or tool call, labelled with where its values came
+  from (`get_order#c81f2a9e result={...}`); lines hold no newline; a previous
+  summary's ledger is carried forward line by line when it is compressed again.
+- `CompressionReport.ledger_retained_fraction` is measured against the dropped
+  messages' own values, not against the ledger.
 """
 
 from __future__ import annotations
@@ -40,30 +42,42 @@ __all__ = [
 SUMMARY_MESSAGE_NAME = "warmpath-context-summary"
 FACTS_HEADER = "Facts:"
 _MAX_INLINE_STRING_CHARS = 200
+# A run of value characters longer than this is a blob (base64, minified code), not a key value.
+_MAX_VALUE_CHARS = 256
+# What values are written with: ASCII letters and digits, signs and separators, currency, degree and
+# per-mille signs, the dashes and minus of other scripts, and CJK date units (2026年11月30日). Every
+# other character (spaces, brackets, quotes, CJK words) ends a value, so `金额¥1,200元` yields `¥1,200`.
+_VALUE_CHARS = "0-9A-Za-z_.,:/#%+=@~$€£¥₹°µ‰\\-\u2010-\u2015\u2212年月日時分秒"
+_RUN = re.compile(f"[{_VALUE_CHARS}]+")
+_EDGE = ".,:;="
+_DOT_LEADS = frozenset("0123456789./")
 _UNITS = (
     r"%|‰|[KMGT]i?B|B|ns|µs|us|ms|s|sec|secs|min|mins|h|hr|hrs|days?|weeks?|months?|years?|"
     r"kg|g|mg|t|lbs?|oz|km|m|cm|mm|mi|ft|L|ml|°C|°F|USD|EUR|GBP|CNY|JPY|RMB|tokens?|x"
 )
-# Earlier-listed patterns win ties between matches of equal start and length.
+_UNIT_AFTER = re.compile(rf" ?(?:{_UNITS})(?![0-9A-Za-z_])")
+_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}", re.ASCII)
+_ZONE = r"(?:Z|UTC|GMT|CET|EET|WET|[A-Z]{1,3}[SD]T|[+-]\d{2}:?\d{2})"
+_MERIDIEM = r"(?: ?[AaPp]\.?[Mm]\.?(?![A-Za-z]))"
+# Values a run of value characters cannot hold whole (spaces, `?`, `&`); the longest match at a start wins.
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
-    (name, re.compile(pattern))
-    for name, pattern in (
-        ("json_field", r'"([\w.$@-]{1,64})"\s*:\s*(?:"([^"\\\n]{0,200})"|(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null))'),
-        ("url", r"https?://[^\s<>\"'`]+[^\s<>\"'`.,;:!?)\]}]"),
-        ("email", r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"),
-        ("uuid", r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"),
-        ("datetime", r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?(?![\w:])"),
-        ("time", r"\b\d{1,2}:\d{2}(?::\d{2})?\b"),
-        ("id", r"\b(?=[A-Za-z0-9_/-]*\d)[A-Za-z][A-Za-z0-9]*(?:[-_/][A-Za-z0-9]+)+\b"),
-        ("hex", r"\b0x[0-9a-fA-F]+\b|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{8,128}\b"),
-        ("quoted", r'"([^"\n]{1,200})"|“([^”\n]{1,200})”|(?<!\w)\'([^\'\n]{1,200})\'(?!\w)'),
-        ("number", rf"(?<![\w.])(?:[$€£¥]\s?)?-?(?:\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.\d+)?(?:\s?(?:{_UNITS}))?(?![\w])"),
+    (name, re.compile(pattern, flags))
+    for name, pattern, flags in (
+        ("json_field", r'"([\w.$@-]{1,64})"\s*:\s*(?:"([^"\\\n]{0,200})"|(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null))', 0),
+        ("url", r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]{0,15}://[^\s<>\"'`]+[^\s<>\"'`.,;:!?)\]}]", re.ASCII),
+        ("datetime", rf"(?<![0-9])\d{{4}}-\d{{2}}-\d{{2}} \d{{1,2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?{_MERIDIEM}?(?: ?{_ZONE}(?![A-Za-z]))?", re.ASCII),
+        ("time", rf"(?<![0-9:])\d{{1,2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?(?:{_MERIDIEM}(?: {_ZONE}(?![A-Za-z]))?| {_ZONE}(?![A-Za-z]))", re.ASCII),
+        ("quoted", r'"([^"\n]{1,200})"|“([^”\n]{1,200})”|(?<!\w)\'([^\'\n]{1,200})\'(?!\w)', 0),
     )
 )
 
 
 class _Numeral(str):
     """A JSON number kept as the exact text the tool wrote (`1284.50` stays `1284.50`)."""
+
+
+class _Members(list):
+    """A JSON object's members in order, duplicates kept (`{"id": 1, "id": 2}` keeps both)."""
 
 
 def _reject_constant(name: str) -> NoReturn:
@@ -75,78 +89,131 @@ def _is_single_line(text: str) -> bool:
     return text.splitlines() == [text]
 
 
+def _trimmed(text: str, start: int, end: int) -> tuple[int, int]:
+    """A run without the punctuation around it (`5.` is `5`; `.5` and `./src` keep their dot)."""
+    while end > start and text[end - 1] in _EDGE:
+        end -= 1
+    while start < end and text[start] in _EDGE and not (text[start] == "." and text[start + 1 : start + 2] in _DOT_LEADS):
+        start += 1
+    return start, end
+
+
+def _is_value(run: str) -> bool:
+    """A number, id, date, version, hash or amount (it has a digit), an email, or a file path."""
+    if len(run) > _MAX_VALUE_CHARS:
+        return False
+    if any("0" <= c <= "9" for c in run):
+        return True
+    if "@" in run:
+        return _EMAIL.fullmatch(run) is not None
+    return run.startswith(("/", "./", "../", "~/")) and len(run.strip("/.~")) > 0
+
+
+def _run_values(text: str) -> list[tuple[int, int]]:
+    """Spans of the value runs in `text`, a number's unit included (`250 ms`, `5 °C`, `1,200 USD`).
+
+    One pass of a character-class regex: linear in the text, whatever it holds.
+    """
+    spans = []
+    for run in _RUN.finditer(text):
+        start, end = _trimmed(text, run.start(), run.end())
+        if start < end and _is_value(text[start:end]):
+            if text[end - 1].isdigit() and (unit := _UNIT_AFTER.match(text, end)):
+                end = unit.end()
+            spans.append((start, end))
+    return spans
+
+
 def _fact_from_match(name: str, match: re.Match[str]) -> str:
     if name == "json_field":
         key, string_value, literal = match.groups()
         return f"{key}={string_value if string_value is not None else literal}"
     if name == "quoted":
         return next(group for group in match.groups() if group is not None)
+    if name == "url" and match.group(0).count("(") > match.group(0).count(")"):
+        after = match.string[match.end() : match.end() + 1]
+        return match.group(0) + (after if after == ")" else "")
     return match.group(0)
 
 
 def _regex_facts(text: str) -> list[str]:
-    """Non-overlapping matches, earliest first; at one start the longest (then earliest pattern) wins."""
-    candidates = []
+    """Non-overlapping values, earliest first; at one start the longest (then earliest pattern) wins.
+
+    A quoted string that spans lines is not a value: the values inside it are found instead.
+    """
+    candidates = [(start, start - end, len(_PATTERNS), text[start:end]) for start, end in _run_values(text)]
     for priority, (name, pattern) in enumerate(_PATTERNS):
         for match in pattern.finditer(text):
-            if match.end() > match.start():
-                candidates.append((match.start(), -(match.end() - match.start()), priority, name, match))
+            fact = _fact_from_match(name, match)
+            if fact and _is_single_line(fact):
+                candidates.append((match.start(), match.start() - match.end(), priority, fact))
     candidates.sort(key=lambda c: c[:3])
     facts, taken_until = [], 0
-    for start, _neg_len, _priority, name, match in candidates:
+    for start, neg_len, _priority, fact in candidates:
         if start >= taken_until:
-            facts.append(_fact_from_match(name, match))
-            taken_until = match.end()
+            facts.append(fact)
+            taken_until = start - neg_len
     return facts
 
 
-def _flatten(node: object, path: str, out: list[str]) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            _flatten(value, f"{path}.{key}" if path else str(key), out)
-    elif isinstance(node, list):
-        for index, item in enumerate(node):
-            _flatten(item, f"{path}[{index}]", out)
-    elif isinstance(node, str) and not isinstance(node, _Numeral):
-        if len(node) <= _MAX_INLINE_STRING_CHARS and (not node or _is_single_line(node)):
-            out.append(f"{path}={node}" if path else node)
-        else:
-            out.extend(_regex_facts(node))
-    else:
-        literal = node if isinstance(node, _Numeral) else json.dumps(node)
-        out.append(f"{path}={literal}" if path else literal)
+def _json_string(text: str) -> str:
+    """A JSON string literal on one line (the separators `str.splitlines` honours are escaped too)."""
+    encoded = json.dumps(text, ensure_ascii=False)
+    return encoded.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
 
 
-def extract_facts(text: str, *, key_prefix: str = "") -> list[str]:
+def _compact(node: object) -> str:
+    """A parsed document as compact JSON: numbers as written, every member kept, long strings by their values.
+
+    Why JSON and not one `path=value` line per field: a result's structure (which total belongs to
+    which order) survives, and it is shorter than the tool's own output, not several times longer.
+    """
+    if isinstance(node, _Members):
+        return "{" + ",".join(f"{_json_string(key)}:{_compact(value)}" for key, value in node) + "}"
+    if isinstance(node, list):
+        return "[" + ",".join(_compact(item) for item in node) + "]"
+    if isinstance(node, _Numeral):
+        return str(node)
+    if isinstance(node, str):
+        if len(node) <= _MAX_INLINE_STRING_CHARS:
+            return _json_string(node)
+        values = " | ".join(dict.fromkeys(_regex_facts(node)))
+        return _json_string(f"[{len(node)} characters; values: {values}]" if values else f"[{len(node)} characters]")
+    return json.dumps(node)
+
+
+def _parsed_json(text: str) -> object | None:
+    """The JSON document `text` holds, or None (not JSON, truncated, or nested too deep to walk)."""
+    stripped = text.strip()
+    if stripped[:1] not in ("{", "["):
+        return None
+    try:
+        return json.loads(
+            stripped, parse_float=_Numeral, parse_int=_Numeral, parse_constant=_reject_constant, object_pairs_hook=_Members
+        )
+    except (ValueError, RecursionError):
+        return None
+
+
+def extract_facts(text: str) -> list[str]:
     """Exact values in `text`, in order of first appearance, without duplicates.
 
-    A text holding one JSON object or array is flattened into `path=value`
-    entries (`order.items[0].sku=A-1`, numbers as written); anything else, and
-    JSON that does not parse (a truncated tool result), is scanned for numbers
-    with optional units, ids, UUIDs, hex hashes, ISO dates and times, emails,
-    URLs, quoted strings and `"key": value` pairs.
-
-    Args:
-        text: message content or tool-call arguments.
-        key_prefix: prepended to JSON paths, e.g. the tool name.
+    A text holding one JSON object or array is one value: its compact form (`_compact`). Anything
+    else, and JSON that does not parse (a truncated tool result), is scanned for numbers with
+    their signs, currencies and units, ids, versions, addresses, hashes, dates and times (with
+    zones), emails, URLs of any scheme, file paths, quoted strings and `"key": value` pairs. The
+    scan is linear in the text.
 
     Returns:
-        Ledger entries; none contains a newline.
+        Ledger values; none contains a newline.
     """
-    facts: list[str] = []
-    stripped = text.strip()
-    parsed = False
-    if stripped[:1] in ("{", "["):
+    document = _parsed_json(text)
+    if document is not None:
         try:
-            document = json.loads(stripped, parse_float=_Numeral, parse_int=_Numeral, parse_constant=_reject_constant)
-            parsed = True
-        except ValueError:
-            parsed = False
-    if parsed:
-        _flatten(document, key_prefix.rstrip("."), facts)
-    else:
-        facts = _regex_facts(text)
-    return list(dict.fromkeys(fact for fact in facts if fact and _is_single_line(fact)))
+            return [_compact(document)]
+        except RecursionError:
+            pass
+    return list(dict.fromkeys(fact for fact in _regex_facts(text) if fact))
 
 
 def _previous_ledger(message: Message) -> list[str]:
@@ -159,23 +226,78 @@ def _previous_ledger(message: Message) -> list[str]:
 
 
 def _is_summary(message: Message) -> bool:
-    return message.name == SUMMARY_MESSAGE_NAME
+    """Only a user message carries a summary: a tool's output can never pose as one and forge its ledger."""
+    return message.role == "user" and message.name == SUMMARY_MESSAGE_NAME
+
+
+def _call_label(name: str, call_id: str) -> str:
+    """`get_order#c81f2a9e`: the tool and the end of its call id, so a result pairs with its arguments."""
+    return f"{name}#{call_id[-8:]}"
+
+
+def _entry(label: str, values: Sequence[str]) -> str | None:
+    """One ledger line: where the values came from, then the values."""
+    if not values:
+        return None
+    if len(values) == 1 and values[0][:1] in ("{", "["):
+        return f"{label}={values[0]}"
+    return f"{label}: {' | '.join(values)}"
+
+
+def _message_entries(message: Message) -> list[str | None]:
+    if message.role == "tool":
+        label = f"{_call_label(message.name or 'tool', message.tool_call_id or '')} result"
+    else:
+        label = message.role
+    entries = [_entry(label, extract_facts(message.content)) if message.content else None]
+    for call in message.tool_calls or ():
+        entries.append(_entry(f"{_call_label(call.name, call.id)} arguments", extract_facts(call.arguments)))
+    return entries
 
 
 def build_ledger(messages: Sequence[Message]) -> list[str]:
-    """Every exact value in `messages`, carried-forward ledgers first in their original order."""
-    facts: list[str] = []
+    """Every exact value in `messages`, one line per message or call, carried-forward ledgers as they were."""
+    lines: list[str | None] = []
     for message in messages:
         if _is_summary(message):
-            facts.extend(_previous_ledger(message))
+            lines.extend(_previous_ledger(message))
+        else:
+            lines.extend(_message_entries(message))
+    return list(dict.fromkeys(line for line in lines if line))
+
+
+def source_values(messages: Sequence[Message]) -> list[str]:
+    """What compression must keep verbatim, read from the messages themselves, not from a ledger.
+
+    A carried ledger's lines; every JSON number and every value in a JSON string; every value a scan
+    of plain text finds.
+    """
+    values: list[str] = []
+    for message in messages:
+        if _is_summary(message):
+            values.extend(_previous_ledger(message))
             continue
-        # Paths say which call a value came from and in which direction it went.
-        prefix = f"{message.name}.result." if message.role == "tool" and message.name else ""
-        if message.content:
-            facts.extend(extract_facts(message.content, key_prefix=prefix))
-        for call in message.tool_calls or ():
-            facts.extend(extract_facts(call.arguments, key_prefix=f"{call.name}.arguments."))
-    return list(dict.fromkeys(facts))
+        for text in [message.content or "", *(call.arguments for call in message.tool_calls or ())]:
+            document = _parsed_json(text)
+            if document is None:
+                values.extend(_regex_facts(text))
+            else:
+                _leaf_values(document, values)
+    return list(dict.fromkeys(values))
+
+
+def _leaf_values(node: object, out: list[str]) -> None:
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _Members):
+            stack.extend(value for _key, value in item)
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, _Numeral):
+            out.append(str(item))
+        elif isinstance(item, str):
+            out.extend(text for start, end in _run_values(item) if _is_single_line(text := item[start:end]))
 
 
 @dataclass(frozen=True)
@@ -262,8 +384,9 @@ def apply_compression(
 ) -> tuple[list[Message], CompressionReport]:
     """Replaces the planned messages by one summary message with a facts ledger.
 
-    The ledger is extracted again from the messages actually dropped, so the
-    report measures what was kept, not what was planned.
+    The report measures what was kept: the fraction of the dropped messages' own values
+    (`source_values`) found verbatim in the new context, and the tokens of the new prompt. The
+    caller keeps the result only when that fraction is 1 and the prompt got shorter.
 
     Args:
         messages: the history the plan was made for.
@@ -277,16 +400,16 @@ def apply_compression(
     cut = plan.num_messages_compressed
     if not 0 < cut < len(messages):
         raise ValueError(f"cannot compress {cut} of {len(messages)} messages")
-    ledger = build_ledger(messages[:cut])
-    summary = Message(role="user", content=_summary_content(summary_text, cut, ledger), name=SUMMARY_MESSAGE_NAME)
+    summary = Message(role="user", content=_summary_content(summary_text, cut, plan.ledger), name=SUMMARY_MESSAGE_NAME)
     new_messages = [summary, *messages[cut:]]
     context = _context_text(new_messages)
-    retained = sum(1 for fact in ledger if fact in context)
+    values = source_values(messages[:cut])
+    retained = sum(1 for value in values if value in context)
     report = CompressionReport(
         num_messages_compressed=cut,
         tokens_before=plan.tokens_before,
         tokens_after=recount(new_messages).total_tokens,
-        ledger_size=len(ledger),
-        ledger_retained_fraction=retained / len(ledger) if ledger else 1.0,
+        ledger_size=len(plan.ledger),
+        ledger_retained_fraction=retained / len(values) if values else 1.0,
     )
     return new_messages, report

@@ -38,6 +38,7 @@ from serve_apps.orchestrator.models import (
     CreateSessionRequest,
     CreateSessionResponse,
     Message,
+    TURN_ERROR_STATUS,
     ToolResultsSubmission,
     TurnRequest,
 )
@@ -48,6 +49,7 @@ from serve_apps.orchestrator.prompt import (
     effective_window_tokens,
     prefix_overflow,
     prefix_token_ids,
+    smallest_prompt_tokens,
     token_ids_fingerprint,
 )
 from serve_apps.orchestrator.store import (
@@ -74,6 +76,15 @@ MODEL_CALL_ATTEMPTS = 2
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
     return {"status": status, "body": error_body(status, message, code=code, param=param)}
+
+
+def _mark_failure(span: trace.Span, code: str, status: int, message: str) -> None:
+    """Records why a turn failed on its span; ERROR only for the service's own failures (5xx), as for HTTP."""
+    if status < 400:
+        return
+    span.set_attribute("error.type", code)
+    if status >= 500:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, message[:200]))
 
 
 def _invalid(err: ValidationError) -> dict[str, Any]:
@@ -295,7 +306,8 @@ class Orchestrator:
         except ValueError as err:
             return _error(400, str(err), "invalid_limits")
         prefix_ids = prefix_token_ids(self._tokenizer, request.system_prompt, request.tools)
-        overflow = prefix_overflow(len(prefix_ids), window, request.limits.output_reserve_tokens)
+        smallest = smallest_prompt_tokens(self._tokenizer, request.system_prompt, request.tools)
+        overflow = prefix_overflow(len(prefix_ids), smallest, window, request.limits.output_reserve_tokens)
         if overflow is not None:
             # Every turn of such a session would fail with context_overflow: refuse it now.
             return _error(400, overflow, "context_overflow")
@@ -429,9 +441,14 @@ class Orchestrator:
             is_finished = False
             try:
                 async for item in self._turn(session_id, tool_choice, caller, idempotency_key, **kwargs):
-                    if item.get("kind") in ("final", "requires_action", "error"):
-                        outcome = item.get("code") or item["kind"]
-                        span.set_attribute("warmpath.turn.outcome", outcome)
+                    if item.get("kind") in ("final", "requires_action"):
+                        outcome = item["kind"]
+                    elif item.get("kind") == "error":
+                        outcome = item["code"]
+                        _mark_failure(span, outcome, TURN_ERROR_STATUS.get(outcome, 500), item["message"])
+                    elif item.get("status", 200) >= 400:
+                        error = item["body"]["error"]
+                        _mark_failure(span, error.get("code") or "rejected", item["status"], error["message"])
                     elif span.is_recording() and item.get("kind") == "compression":
                         span.add_event("compression", {k: v for k, v in item["report"].items() if v is not None})
                     yield item
@@ -439,6 +456,7 @@ class Orchestrator:
             finally:
                 # A turn the client hung up on before its last event still counts, as "cancelled".
                 outcome = outcome or ("rejected" if is_finished else "cancelled")
+                span.set_attribute("warmpath.turn.outcome", outcome)
                 WarmpathMetrics.get().turn_latency.observe(time.monotonic() - start, tags={"outcome": outcome})
 
     async def _turn(
@@ -518,7 +536,10 @@ class Orchestrator:
             # Nothing was committed (commits are the last step of each outcome);
             # the client gets a clean error, the log gets the traceback.
             logger.exception("turn of session %s failed", session_id)
-            yield {"kind": "error", "code": "internal", "message": "the turn failed inside the orchestrator; nothing was committed"}
+            message = "the turn failed inside the orchestrator; nothing was committed"
+            yield {"kind": "error", "code": "internal", "message": message} if has_started else _error(
+                500, message, "internal"
+            )
 
 
 def _result_messages(pending, results: ToolResultsSubmission) -> tuple[list[Message], str | None]:

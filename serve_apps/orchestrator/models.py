@@ -281,6 +281,22 @@ class ErrorEvent(_Strict):
     message: str = Field(description="Human-readable explanation.")
 
 
+# HTTP status of a turn that was accepted but ended in an error event (gRPC maps it on to a code).
+# A 5xx is the service's own failure; the rest are the caller's or the session's.
+TURN_ERROR_STATUS = {
+    "context_overflow": 400,
+    "unknown_tool": 400,
+    "invalid_tool_schema": 400,
+    "invalid_tool_call": 422,
+    "compression_lost_values": 500,
+    "model_error": 502,
+    "stale_turn": 409,
+    "session_not_found": 404,
+    "store_unavailable": 503,
+    "internal": 500,
+}
+
+
 class CompressionEvent(_Strict):
     """Old rounds were replaced by a summary plus a facts ledger."""
 

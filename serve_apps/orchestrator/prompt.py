@@ -251,19 +251,32 @@ def token_ids_fingerprint(token_ids: Sequence[int]) -> PrefixFingerprint:
     return _digest(token_ids)
 
 
-def prefix_overflow(num_prefix_tokens: int, context_window_tokens: int, output_reserve_tokens: int) -> str | None:
+def smallest_prompt_tokens(tokenizer: ChatTokenizer, system_prompt: str, tools: Sequence[ToolSpec]) -> int:
+    """Tokens of the shortest prompt a turn can send: the prefix, a one-character user message, and
+    the generation prompt (the template's tokens around a message count as much as its text)."""
+    result = tokenizer.apply_chat_template(
+        [{"role": "system", "content": system_prompt}, {"role": "user", "content": "?"}],
+        tools=render_tools(tools) or None,
+        tokenize=True,
+        add_generation_prompt=True,
+    )
+    return len(_token_ids(result))
+
+
+def prefix_overflow(
+    num_prefix_tokens: int, num_smallest_prompt_tokens: int, context_window_tokens: int, output_reserve_tokens: int
+) -> str | None:
     """Why no turn of a session with this prefix can fit its window, or None when one can.
 
-    A turn's prompt is the prefix plus at least one message token, and
-    `output_reserve_tokens` stay free for the answer, so a prefix that leaves
-    no room for a single message token fails every turn with `context_overflow`.
+    The shortest turn (`smallest_prompt_tokens`) plus `output_reserve_tokens` kept for the answer
+    must fit; a session where it does not would fail every turn with `context_overflow`.
     """
-    if num_prefix_tokens + output_reserve_tokens < context_window_tokens:
+    if num_smallest_prompt_tokens + output_reserve_tokens <= context_window_tokens:
         return None
     return (
-        f"the system prompt and tools take {num_prefix_tokens} tokens; with output_reserve_tokens="
-        f"{output_reserve_tokens} kept for the answer, no message fits the session's "
-        f"{context_window_tokens}-token window"
+        f"the system prompt and tools take {num_prefix_tokens} tokens ({num_smallest_prompt_tokens} with the "
+        f"shortest message); with output_reserve_tokens={output_reserve_tokens} kept for the answer, no message "
+        f"fits the session's {context_window_tokens}-token window"
     )
 
 

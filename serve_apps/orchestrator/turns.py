@@ -30,6 +30,8 @@ import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
+from opentelemetry import trace
+
 from cluster import telemetry
 from serve_apps.metrics import WarmpathMetrics
 from serve_apps.orchestrator.compression import apply_compression, plan_compression, summarization_input
@@ -293,6 +295,9 @@ class TurnRunner:
                     )
                     span.set_attribute("warmpath.tool.status", outcome.status)
                     span.set_attribute("warmpath.tool.is_truncated", outcome.is_truncated)
+                    if outcome.status != "ok":
+                        span.set_attribute("error.type", outcome.status)
+                        span.set_status(trace.Status(trace.StatusCode.ERROR, outcome.content[:200]))
                 WarmpathMetrics.get().tool_calls.inc(tags={"status": outcome.status})
                 self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=outcome.content))
                 yield ToolResultEvent(
@@ -327,6 +332,10 @@ class TurnRunner:
         compressed, report = apply_compression(history, plan, summary.content, recount=self._account)
         if report.ledger_retained_fraction < 1.0:
             raise TurnFailed("compression_lost_values", f"compression would drop exact values: {report}")
+        if report.tokens_after >= report.tokens_before:
+            # Values dense enough that their ledger is no shorter than the messages: keep the messages.
+            # The prompt is then refused only if it does not fit uncompressed either.
+            return
         self._compaction = Compaction(num_messages_replaced=plan.num_messages_compressed, summary=compressed[0])
         self._stored = compressed[: len(compressed) - len(self._new)]
         WarmpathMetrics.get().compressions.inc()

@@ -55,3 +55,74 @@ def test_a_turn_the_client_hangs_up_on_is_timed_as_cancelled(monkeypatch):
     asyncio.run(hang_up_after(2))  # before the last event
     asyncio.run(hang_up_after(3))  # after it
     assert observed == ["cancelled", "final"]
+
+
+@pytest.mark.parametrize(
+    "items, outcome, error_type, is_error",
+    [
+        ([{"status": 200}, {"kind": "final", "message": {"role": "assistant", "content": "Hi"}}], "final", None, False),
+        ([{"status": 200}, {"kind": "error", "code": "internal", "message": "boom"}], "internal", "internal", True),
+        ([{"status": 200}, {"kind": "error", "code": "model_error", "message": "bad"}], "model_error", "model_error", True),
+        ([{"status": 200}, {"kind": "error", "code": "context_overflow", "message": "long"}], "context_overflow",
+         "context_overflow", False),
+        ([{"status": 503, "body": {"error": {"message": "store down", "code": "store_unavailable"}}}], "rejected",
+         "store_unavailable", True),
+        ([{"status": 404, "body": {"error": {"message": "no session", "code": "session_not_found"}}}], "rejected",
+         "session_not_found", False),
+    ],
+)
+def test_the_turn_span_is_an_error_only_for_the_services_own_failures(monkeypatch, items, outcome, error_type, is_error):
+    import asyncio
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from cluster import telemetry
+    from serve_apps.orchestrator.deployment import Orchestrator
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(telemetry, "tracer", lambda: provider.get_tracer("test"))
+
+    async def turn(*args, **kwargs):
+        for item in items:
+            yield item
+
+    orchestrator = Orchestrator.__new__(Orchestrator)
+    orchestrator._model_id = "m"
+    orchestrator._turn = turn
+
+    async def run():
+        return [item async for item in orchestrator._traced_turn("s1", None, "auto", None, None)]
+
+    assert asyncio.run(run()) == items
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["warmpath.turn.outcome"] == outcome
+    assert span.attributes.get("error.type") == error_type
+    assert (span.status.status_code == StatusCode.ERROR) == is_error
+
+
+def test_a_failure_before_the_turn_starts_is_an_error_status_not_an_event():
+    """The ingress reads the first item as the HTTP status: an event there was a bare 500 from the proxy."""
+    import asyncio
+    import contextlib
+
+    from serve_apps.orchestrator.deployment import Orchestrator
+
+    class RefusingStore:
+        @contextlib.asynccontextmanager
+        async def turn_lock(self, session_id):
+            raise RuntimeError("OOM command not allowed when used memory > 'maxmemory'")
+            yield
+
+    orchestrator = Orchestrator.__new__(Orchestrator)
+    orchestrator._store = RefusingStore()
+
+    async def run():
+        return [item async for item in orchestrator._turn("s1", "auto", None, None, "sha", user_content="hi")]
+
+    (item,) = asyncio.run(run())
+    assert item["status"] == 500 and item["body"]["error"]["code"] == "internal"

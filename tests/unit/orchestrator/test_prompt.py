@@ -25,6 +25,7 @@ from serve_apps.orchestrator.prompt import (
     effective_window_tokens,
     prefix_fingerprint,
     prefix_overflow,
+    smallest_prompt_tokens,
     prefix_token_ids,
     prompt_token_ids,
     render_tools,
@@ -291,25 +292,29 @@ def test_effective_window_refuses_a_reserve_that_fills_it():
 
 
 @pytest.mark.parametrize(
-    "num_prefix_tokens, window, reserve, fits",
-    [(100, 4096, 512, True), (3583, 4096, 512, True), (3584, 4096, 512, False), (5000, 4096, 16, False)],
+    "smallest, window, reserve, fits",
+    [(100, 4096, 512, True), (3584, 4096, 512, True), (3585, 4096, 512, False), (5000, 4096, 16, False)],
 )
-def test_prefix_overflow_leaves_room_for_a_message(num_prefix_tokens, window, reserve, fits):
-    problem = prefix_overflow(num_prefix_tokens, window, reserve)
+def test_prefix_overflow_leaves_room_for_the_shortest_turn(smallest, window, reserve, fits):
+    problem = prefix_overflow(smallest - 12, smallest, window, reserve)
     if fits:
         assert problem is None
     else:
-        assert f"take {num_prefix_tokens} tokens" in problem
+        assert f"take {smallest - 12} tokens ({smallest} with the shortest message)" in problem
         assert f"output_reserve_tokens={reserve}" in problem and f"{window}-token window" in problem
 
 
-def test_prefix_overflow_matches_the_turn_accounting(tokenizer):
-    # Where prefix_overflow refuses a prefix, the turn accounting finds no room even for a one-character message.
+@pytest.mark.parametrize("room", [-1, 0])
+def test_prefix_overflow_matches_the_turn_accounting(tokenizer, room):
+    """A session refused at creation is one whose shortest turn the turn accounting refuses, and no other."""
     prefix = len(prefix_token_ids(tokenizer, "s" * 50, []))
+    smallest = smallest_prompt_tokens(tokenizer, "s" * 50, [])
+    reserve = 7
+    window = smallest + reserve + room
     account = count_tokens(
         tokenizer, [{"role": "system", "content": "s" * 50}, {"role": "user", "content": "x"}], [],
-        context_window_tokens=prefix + 1, output_reserve_tokens=1,
+        context_window_tokens=window, output_reserve_tokens=reserve,
     )
-    assert prefix_overflow(prefix, prefix + 1, 1) is not None
-    assert account.remaining_tokens < 0
+    assert smallest > prefix + 1  # the template's tokens around the message count
+    assert (prefix_overflow(prefix, smallest, window, reserve) is None) == (account.remaining_tokens >= 0)
     assert token_ids_fingerprint(prefix_token_ids(tokenizer, "s", [])) == prefix_fingerprint(tokenizer, "s", [])

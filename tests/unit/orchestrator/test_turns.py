@@ -65,7 +65,8 @@ class MemoryStore:
 
     async def commit_turn(self, session_id, expected_len, new_messages, stats, *, compaction=None, idem_key=None,
                           result_json=None):
-        self.commits.append({"messages": list(new_messages), "idem_key": idem_key, "result_json": result_json})
+        self.commits.append({"messages": list(new_messages), "idem_key": idem_key, "result_json": result_json,
+                             "compaction": compaction})
         return expected_len + len(new_messages)
 
 
@@ -134,3 +135,44 @@ def test_an_idempotent_commit_keeps_the_request_fingerprint_and_every_event():
 def test_an_idempotency_key_needs_its_request_fingerprint():
     with pytest.raises(ValueError, match="go together"):
         TurnRunner(_record(), (), 0, MemoryStore(), ScriptedModel([]), CharTokenizer(), 8192, idempotency_key="k1")
+
+
+def _stored_rounds(result_content) -> list[Message]:
+    """Five finished rounds of one client tool call each; `result_content(i)` is round i's tool result."""
+    history = []
+    for i in range(5):
+        call = ToolCall(id=f"call-{i}", name="lookup_order", arguments=json.dumps({"order_id": f"ORD-{i}"}))
+        history += [
+            Message(role="user", content=f"q{i}"),
+            Message(role="assistant", content=None, tool_calls=[call]),
+            Message(role="tool", tool_call_id=f"call-{i}", name="lookup_order", content=result_content(i)),
+            Message(role="assistant", content="ok"),
+        ]
+    return history
+
+
+def _turn_after(history: list[Message]):
+    store = MemoryStore()
+    model = ScriptedModel([([], ModelReply(content="a summary")), (["Hi"], ModelReply(content="Hi"))])
+    runner = TurnRunner(_record(), history, len(history), store, model, CharTokenizer(), 8192)
+
+    async def main():
+        return [e async for e in runner.run([Message(role="user", content="next")], "auto")]
+
+    return asyncio.run(main()), store
+
+
+def test_a_compression_that_would_not_shorten_the_prompt_is_dropped():
+    """Results that are all exact values (compact JSON) make a ledger no shorter than themselves."""
+    dense = lambda i: json.dumps([{"sku": f"A-{i}-{j}", "qty": j} for j in range(24)], separators=(",", ":"))
+    events, store = _turn_after(_stored_rounds(dense))
+    assert not any(e.kind == "compression" for e in events)
+    assert events[-1].kind == "final" and store.commits[0]["compaction"] is None
+
+
+def test_a_compression_that_shortens_the_prompt_is_kept():
+    prose = lambda i: f"Order ORD-{i} is moving through the regional hub. " + "Tracking updates daily. " * 28
+    events, store = _turn_after(_stored_rounds(prose))
+    (compression,) = [e for e in events if e.kind == "compression"]
+    assert compression.report.tokens_after < compression.report.tokens_before
+    assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None

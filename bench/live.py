@@ -19,6 +19,11 @@ request to the first streamed chunk that has choices (vLLM sends it after the
 prefill and the first token). The x-warmpath-* headers give the replica, and
 with warmpath's router the route and predicted cached tokens.
 
+A policy whose run raises (a redeploy that fails, a lost connection) is kept
+in the result as `{"error": "Type: message"}` and the next policy runs; Ctrl-C
+raises `BenchInterrupted` carrying the policies that finished, so the caller
+can still write them.
+
 Prompt token ids are rendered before the run with the model's tokenizer and
 chat template (`TokenizerRenderer`, identical to what the engines compute),
 kept in the trace for the oracle and the simulator, and checked against
@@ -30,12 +35,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 from bench.oracle import oracle_bounds
+from bench.report import error_line
 from bench.trace import RequestRecord, summarize
 from bench.workload_render import TokenizerRenderer, openai_request
 from bench.workloads import Workload, WorkloadName, generate
@@ -241,6 +248,21 @@ def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
             "records": [r.to_json() for r in records]}
 
 
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the policies, carrying the result of those that finished (marked `interrupted`)."""
+
+    def __init__(self, result: dict) -> None:
+        super().__init__()
+        self.result = result
+
+
+def failures(result: dict) -> list[str]:
+    """`policy: error` for every part of the result that failed: a policy's run, its bounds, its replay check."""
+    return [f"{policy}: {part['error']}"
+            for key in ("policies", "oracle", "simulator_check")
+            for policy, part in result.get(key, {}).items() if part.get("error")]
+
+
 def run_bench(
     cfg: ClusterConfig,
     workload_name: WorkloadName,
@@ -259,15 +281,19 @@ def run_bench(
         policies: routing policies, each run once on fresh replicas.
         seed: workload seed.
         num_sessions: overrides the workload's CPU-sized session count.
-        time_scale: multiplies arrival times and tool latencies.
+        time_scale: multiplies arrival times and tool latencies (finite, > 0).
         progress: one line per step.
         max_output_tokens: generation cap per call.
 
     Returns:
-        The result document `bench.report` prints, plots and `bench.simulator.reproduce_live_run` reads.
+        The result document `bench.report` prints, plots and `bench.simulator.reproduce_live_run` reads;
+        a policy that failed has only an `error` (see `failures`).
+
+    Raises:
+        BenchInterrupted: Ctrl-C after the warm-up, with the policies that finished.
     """
-    if time_scale <= 0:
-        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
     workload = generate(workload_name, seed, cfg.replicas.num_replicas, num_sessions=num_sessions)
     progress(f"bench: rendering {workload.num_requests} prompts of {workload_name} with the model's tokenizer")
     renderer = TokenizerRenderer(cfg.model_source())
@@ -292,25 +318,61 @@ def run_bench(
         "simulator_check": {},
     }
     warm_up(cfg, workload, prepared, time_scale, progress)
-    for policy in policies:
-        run = run_policy(cfg, policy, workload, prepared, time_scale, progress)
-        result["policies"][policy] = run
-        if capacity is not None:
-            records = [RequestRecord.from_json(r) for r in run["records"]]
-            bounds = oracle_bounds(records, cfg.replicas.block_size_tokens, cfg.model.model_id,
-                                   cfg.replicas.num_replicas, capacity)
-            result["oracle"][policy] = bounds.to_json()
-    if capacity is not None and cfg.replicas.accelerator == "cpu":
-        # The simulator, replaying each trace with the CPU cost model, should land within a
-        # few points of the measured hit rate; the report prints both.
-        from bench.simulator import reproduce_live_run
-
-        for policy, run in result["policies"].items():
-            if run["summary"]["hit_rate"] is not None:
-                check = reproduce_live_run(result, policy)
-                result["simulator_check"][policy] = {
-                    "measured_hit_rate": check.measured_hit_rate, "simulated_hit_rate": check.simulated_hit_rate,
-                    "difference": check.difference, "tolerance": check.tolerance,
-                    "is_within_tolerance": check.is_within_tolerance,
-                }
+    try:
+        for policy in policies:
+            _run_and_bound(result, cfg, policy, workload, prepared, time_scale, capacity, progress)
+        if capacity is not None and cfg.replicas.accelerator == "cpu":
+            _check_simulator(result, progress)
+    except KeyboardInterrupt:
+        result["interrupted"] = True
+        raise BenchInterrupted(result) from None
     return result
+
+
+def _run_and_bound(result: dict, cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
+                   prepared: dict[str, list[PreparedRequest]], time_scale: float, capacity: int | None,
+                   progress: Progress) -> None:
+    """Runs one policy into `result`, with its trace's oracle bounds when the KV capacity is known.
+
+    Why the catch: a policy that fails (its redeploy, the replay) must not lose
+    the policies that finished; its entry holds the error instead of figures.
+    """
+    try:
+        run = run_policy(cfg, policy, workload, prepared, time_scale, progress)
+    except Exception as err:
+        result["policies"][policy] = {"error": error_line(err)}
+        progress(f"bench: {policy}: FAILED: {result['policies'][policy]['error']}")
+        return
+    result["policies"][policy] = run
+    if capacity is None:
+        return
+    try:
+        records = [RequestRecord.from_json(r) for r in run["records"]]
+        bounds = oracle_bounds(records, cfg.replicas.block_size_tokens, cfg.model.model_id,
+                               cfg.replicas.num_replicas, capacity)
+        result["oracle"][policy] = bounds.to_json()
+    except Exception as err:
+        result["oracle"][policy] = {"error": error_line(err)}
+
+
+def _check_simulator(result: dict, progress: Progress) -> None:
+    """Replays each finished trace in the simulator with the CPU cost model; a failed replay is recorded.
+
+    The simulated hit rate should land within a few points of the measured one; the report prints both.
+    """
+    from bench.simulator import reproduce_live_run
+
+    for policy, run in result["policies"].items():
+        if run.get("error") or run["summary"]["hit_rate"] is None:
+            continue
+        try:
+            check = reproduce_live_run(result, policy)
+        except Exception as err:
+            result["simulator_check"][policy] = {"error": error_line(err)}
+            progress(f"bench: {policy}: simulator replay FAILED: {result['simulator_check'][policy]['error']}")
+            continue
+        result["simulator_check"][policy] = {
+            "measured_hit_rate": check.measured_hit_rate, "simulated_hit_rate": check.simulated_hit_rate,
+            "difference": check.difference, "tolerance": check.tolerance,
+            "is_within_tolerance": check.is_within_tolerance,
+        }

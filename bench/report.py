@@ -4,12 +4,15 @@ Table cells read `ratio (value)`: the policy's figure divided by pow2's, then
 the figure itself. Lower is better for times, prefill tokens and imbalance;
 higher for turns per second, hit rate and prediction accuracy. A ratio is "-"
 when either figure is missing (no successful request, no prediction) and the
-baseline row reads 1.00. Without a pow2 run the first policy is the baseline.
+baseline row reads 1.00. Without a pow2 run that finished, the first policy
+that finished is the baseline. A policy that failed has a row that says so and
+why (its `error`), so a run that lost one policy still reports the others.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -35,28 +38,52 @@ def _cell(value: float | None, base: float | None, fmt: str) -> str:
     return f"{value / base:.2f} ({shown})"
 
 
-def ratio_table(summaries: Mapping[str, Mapping], title: str = "") -> str:
+def error_line(err: BaseException, limit: int = 300) -> str:
+    """`Type: message` on one line, cut to `limit` characters: the `error` field of a failed run.
+
+    Why one line: it is a row of the printed table and a field of the JSON, and a
+    traceback's worth of text would bury both.
+    """
+    text = " ".join(str(err).split())
+    line = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def ratio_table(summaries: Mapping[str, Mapping | None], title: str = "",
+                errors: Mapping[str, str] | None = None) -> str:
     """Fixed-width table, one row per policy, each figure as `ratio to pow2 (value)`.
 
     Args:
-        summaries: policy -> `TraceSummary.to_json()`.
+        summaries: policy -> `TraceSummary.to_json()`, or None for a policy that failed.
         title: printed above the table.
+        errors: policy -> why it failed; its row says so instead of figures.
 
     Returns:
         The table as text.
     """
     if not summaries:
         return f"{title}\n(no runs)"
-    baseline = BASELINE_POLICY if BASELINE_POLICY in summaries else next(iter(summaries))
+    errors = errors or {}
+    finished = [p for p, summary in summaries.items() if summary is not None]
+    lines = [title] if title else []
+    if not finished:
+        lines.append("(no run finished)")
+        lines += [f"{policy}  FAILED: {errors.get(policy, 'no result')}" for policy in summaries]
+        return "\n".join(lines)
+    baseline = BASELINE_POLICY if BASELINE_POLICY in finished else finished[0]
     base = summaries[baseline]
     rows = [["policy"] + [name for _, name, _ in METRICS]]
-    for policy, summary in summaries.items():
-        rows.append([policy] + [_cell(summary.get(key), base.get(key), fmt) for key, _, fmt in METRICS])
+    for policy in finished:
+        rows.append([policy] + [_cell(summaries[policy].get(key), base.get(key), fmt) for key, _, fmt in METRICS])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [title] if title else []
+    widths[0] = max([widths[0]] + [len(p) for p in summaries])
     lines.append(f"(ratio to {baseline}, value in parentheses)")
-    for i, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    by_policy = {row[0]: row for row in rows[1:]}
+    for i, row in enumerate([rows[0]] + [by_policy.get(p) or [p] for p in summaries]):
+        if len(row) == 1:
+            lines.append(f"{row[0].ljust(widths[0])}  FAILED: {errors.get(row[0], 'no result')}")
+        else:
+            lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * width for width in widths))
     return "\n".join(lines)
@@ -69,10 +96,13 @@ def oracle_section(result: Mapping) -> str:
 
 
 def oracle_lines(result: Mapping) -> list[str]:
-    """warmpath's hit rate as a fraction of each oracle bound of its own trace."""
+    """warmpath's hit rate as a fraction of each oracle bound of its own trace (or why the bounds failed)."""
     lines = []
     for policy, bounds in result.get("oracle", {}).items():
-        hit = result["policies"][policy]["summary"].get("hit_rate")
+        if bounds.get("error"):
+            lines.append(f"{policy}: bounds FAILED: {bounds['error']}")
+            continue
+        hit = (result["policies"][policy].get("summary") or {}).get("hit_rate")
         parts = []
         for key, name in (("infinite_hit_rate", "infinite shared cache"), ("placed_hit_rate", "greedy placement")):
             bound = bounds.get(key)
@@ -83,41 +113,70 @@ def oracle_lines(result: Mapping) -> list[str]:
     return lines
 
 
+def _check_line(policy: str, check: Mapping) -> str:
+    """One policy's simulator replay: both hit rates, or why the replay failed."""
+    if check.get("error"):
+        return f"{policy}: FAILED: {check['error']}"
+    return (f"{policy}: measured {check['measured_hit_rate']:.3f}, simulated {check['simulated_hit_rate']:.3f} "
+            f"({'within' if check['is_within_tolerance'] else 'OUTSIDE'} +-{check['tolerance']:.2f})")
+
+
 def live_report(result: Mapping) -> str:
-    """The text `warmpath bench` prints: the ratio table and the oracle fractions."""
+    """The text `warmpath bench` prints: the ratio table (failed policies marked) and the oracle fractions."""
     title = (f"workload {result['workload']}: {result['num_sessions']} sessions, {result['num_requests']} requests, "
              f"{result['num_replicas']} replicas, time scale {result['time_scale']}")
-    summaries = {p: run["summary"] for p, run in result["policies"].items()}
-    text = ratio_table(summaries, title) + oracle_section(result)
+    runs = result["policies"]
+    summaries = {p: run.get("summary") for p, run in runs.items()}
+    errors = {p: run["error"] for p, run in runs.items() if run.get("error")}
+    text = ratio_table(summaries, title, errors) + oracle_section(result)
     checks = result.get("simulator_check") or {}
     if checks:
         text += "\nsimulator replay of each trace (CPU cost model):\n  " + "\n  ".join(
-            f"{policy}: measured {c['measured_hit_rate']:.3f}, simulated {c['simulated_hit_rate']:.3f} "
-            f"({'within' if c['is_within_tolerance'] else 'OUTSIDE'} +-{c['tolerance']:.2f})"
-            for policy, c in checks.items()
+            _check_line(policy, c) for policy, c in checks.items()
         )
+    if result.get("interrupted"):
+        text += "\n(interrupted: the policies not shown did not run)"
     return text
 
 
 def simulation_report(runs: Sequence[Mapping]) -> str:
-    """One ratio table per (workload, replica count) of a simulation grid."""
+    """One ratio table per (workload, replica count) of a simulation grid; failed cells are marked."""
     groups: dict[tuple[str, int], dict[str, Mapping]] = {}
     for run in runs:
         groups.setdefault((run["workload"], run["num_replicas"]), {})[run["policy"]] = run
     tables = []
     for (workload, num_replicas), by_policy in groups.items():
-        any_run = next(iter(by_policy.values()))
-        title = (f"simulated {workload} on {num_replicas} replicas: {any_run['num_sessions']} sessions, "
-                 f"{any_run['num_requests']} requests")
+        finished = [r for r in by_policy.values() if not r.get("error")]
+        title = f"simulated {workload} on {num_replicas} replicas"
+        if finished:
+            title += f": {finished[0]['num_sessions']} sessions, {finished[0]['num_requests']} requests"
         bounds = {p: r["bounds"] for p, r in by_policy.items() if r.get("bounds")}
-        tables.append(ratio_table({p: r["summary"] for p, r in by_policy.items()}, title)
-                      + oracle_section({"policies": by_policy, "oracle": bounds}))
+        errors = {p: r["error"] for p, r in by_policy.items() if r.get("error")}
+        summaries = {p: None if r.get("error") else r["summary"] for p, r in by_policy.items()}
+        tables.append(ratio_table(summaries, title, errors) + oracle_section({"policies": by_policy, "oracle": bounds}))
     return "\n\n".join(tables)
 
 
+def finite_or_none(value):
+    """`value` with every NaN or infinite float replaced by None (JSON null), in nested dicts and lists.
+
+    Why: `json.dumps` writes them as `NaN`/`Infinity`, which no strict JSON
+    reader accepts; a figure that has no finite value is missing.
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(item) for item in value]
+    return value
+
+
 def write_json(path: Path, document: Mapping) -> None:
+    """Writes `document` as strict JSON: non-finite figures become null, never `NaN`."""
+    text = json.dumps(finite_or_none(document), indent=1, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1) + "\n")
+    path.write_text(text + "\n")
 
 
 def plot_live(result: Mapping, path: Path) -> None:
@@ -132,7 +191,7 @@ def plot_live(result: Mapping, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_ttft, ax_hit) = plt.subplots(1, 2, figsize=(12, 4.5))
-    policies = list(result["policies"])
+    policies = [p for p, run in result["policies"].items() if not run.get("error")]  # failed ones have no records
     for policy in policies:
         ttfts = sorted(r["ttft_s"] for r in result["policies"][policy]["records"]
                        if r.get("error") is None and r.get("ttft_s") is not None)
@@ -142,7 +201,8 @@ def plot_live(result: Mapping, path: Path) -> None:
     ax_ttft.set_xlabel("TTFT (s, log scale)")
     ax_ttft.set_ylabel("fraction of requests")
     ax_ttft.set_title("TTFT distribution")
-    ax_ttft.legend()
+    if policies:
+        ax_ttft.legend()
     hits = [result["policies"][p]["summary"].get("hit_rate") or 0.0 for p in policies]
     ax_hit.bar(policies, hits, color="tab:blue")
     oracle = result.get("oracle", {}).get("warmpath")

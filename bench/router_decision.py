@@ -198,13 +198,45 @@ def bench_decisions(
     return results
 
 
-def main() -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 iterations left no samples to rank; 0 blocks divided by zero)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def check_writable(parser: argparse.ArgumentParser, out: Path) -> None:
+    """`parser.error` unless `out` can be written as a file; runs before the benchmark, not after it.
+
+    Creates missing parent folders (the write would); removes a file it created to probe.
+    """
+    if out.is_dir():
+        parser.error(f"--out {out} is a directory; give a file path")
+    existed = out.exists()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not existed or out.is_file():  # never open a FIFO or device just to probe it
+            with out.open("a"):
+                pass
+    except OSError as err:
+        parser.error(f"--out {out} cannot be written ({err.strerror or err})")
+    if not existed:
+        out.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/router_decision.json", help="JSON results path")
-    parser.add_argument("--iterations", type=int, default=1000, help="decisions per (size, case)")
+    parser.add_argument("--iterations", type=positive_int, default=1000, help="decisions per (size, case)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--index-blocks", type=int, default=200_000, help="(replica, block) entries to fill")
-    args = parser.parse_args()
+    parser.add_argument("--index-blocks", type=positive_int, default=200_000, help="(replica, block) entries to fill")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    check_writable(parser, out)
     rng = random.Random(args.seed)
 
     frames, num_event_blocks = fill_frames(rng, args.index_blocks)
@@ -250,7 +282,6 @@ def main() -> int:
     for name, target in result["targets"].items():
         print(f"target {name}: {'met' if target['met'] else 'NOT met'} {target}")
 
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

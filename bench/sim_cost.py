@@ -119,18 +119,62 @@ def fit_cost(records: Sequence[RequestRecord]) -> CostFit:
     return CostFit(len(ok), mean_y - slope * mean_x, slope, statistics.median(decode) if decode else None)
 
 
+def _read_bench_runs(parser: argparse.ArgumentParser, path: Path) -> dict:
+    """The `policies` of a `warmpath bench` JSON; anything else is a one-line `parser.error` naming the file.
+
+    Why: the file is often missing (it exists only after a live bench) or another
+    JSON (`warmpath simulate` writes figures, not the records a fit needs).
+    """
+    if not path.exists():
+        parser.error(f"{path} does not exist: run `warmpath bench` first (it writes bench/results/bench-<workload>.json)")
+    if path.is_dir():
+        parser.error(f"{path} is a directory: give a `warmpath bench` JSON file")
+    try:
+        document = json.loads(path.read_text())
+    except OSError as err:
+        parser.error(f"cannot read {path} ({err.strerror or err})")
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        parser.error(f"{path} is not JSON ({' '.join(str(err).split())})")
+    kind = document.get("kind") if isinstance(document, dict) else None
+    if kind == "warmpath-simulate":
+        parser.error(f"{path} is a `warmpath simulate` result, which has no request records: "
+                     "give a `warmpath bench` JSON")
+    runs = document.get("policies") if isinstance(document, dict) else None
+    if not isinstance(runs, dict) or not all(isinstance(run, dict) for run in runs.values()):
+        parser.error(f"{path} is not a `warmpath bench` result (no \"policies\" with runs)")
+    return runs
+
+
+def _records(parser: argparse.ArgumentParser, path: Path, runs: dict, chosen: Sequence[str]) -> list[RequestRecord]:
+    """The request records of the `chosen` runs; a failed or malformed run is a one-line `parser.error`."""
+    records = []
+    for policy in chosen:
+        run = runs[policy]
+        if run.get("error"):
+            parser.error(f"the {policy} run in {path} failed ({run['error']}): it has no records")
+        try:
+            records += [RequestRecord.from_json(r) for r in run["records"]]
+        except (KeyError, TypeError, ValueError) as err:
+            parser.error(f"the {policy} run in {path} has malformed records ({type(err).__name__}: {err})")
+    return records
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Fit the CPU cost profile from a `warmpath bench` JSON.")
     parser.add_argument("bench_json", type=Path)
-    parser.add_argument("--policy", action="append", help="policies whose records to pool (default: all)")
+    parser.add_argument("--policy", action="append", help="policies whose records to pool (default: all that ran)")
     args = parser.parse_args(argv)
-    runs = json.loads(args.bench_json.read_text())["policies"]
-    chosen = args.policy or list(runs)
+    runs = _read_bench_runs(parser, args.bench_json)
+    chosen = args.policy or [p for p, run in runs.items() if not run.get("error")]
     unknown = [p for p in chosen if p not in runs]
     if unknown:
         parser.error(f"no run of {', '.join(unknown)} in {args.bench_json} (has {', '.join(runs)})")
-    records = [RequestRecord.from_json(r) for p in chosen for r in runs[p]["records"]]
-    fit = fit_cost(records)
+    if not chosen:
+        parser.error(f"{args.bench_json} has no run that finished")
+    try:
+        fit = fit_cost(_records(parser, args.bench_json, runs, chosen))
+    except ValueError as err:
+        parser.error(f"cannot fit {args.bench_json}: {err}")
     decode = "n/a" if fit.decode_s_per_token is None else f"{fit.decode_s_per_token * 1e3:.2f} ms"
     print(f"{fit.num_requests} requests of {', '.join(chosen)}: TTFT = {fit.prefill_overhead_s * 1e3:.1f} ms + "
           f"{fit.prefill_s_per_token * 1e3:.4f} ms per uncached token; decode {decode} per output token (median)")

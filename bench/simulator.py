@@ -68,6 +68,7 @@ from typing import Callable, Iterable, Literal, Sequence
 
 from bench.bounds_feed import BoundsFeed, BoundsProcess, SessionBounds
 from bench.oracle import OracleBounds
+from bench.report import error_line
 from bench.sim_cache import BlockCache, BlockRemoved, BlockStored
 from bench.sim_cost import CPU_PROFILE, GPU_PROFILE, CostProfile
 from bench.sim_routers import POLICIES, SimRequest, WarmpathRouter, make_router
@@ -431,15 +432,24 @@ class GridRun:
     num_replicas: int
     policy: str
     num_sessions: int
-    num_requests: int
-    summary: dict
+    num_requests: int | None  # None when the cell failed
+    summary: dict | None  # None when the cell failed
     decisions_by_route: dict[str, int]
     wall_s: float
     cpu_s: float
     bounds: dict | None = None
+    error: str | None = None  # why the cell failed (`Type: message`), None when it ran
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+class GridInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a grid, carrying the runs that finished (grid order) so the caller can still write them."""
+
+    def __init__(self, runs: list[GridRun]) -> None:
+        super().__init__()
+        self.runs = runs
 
 
 def available_cores() -> int:
@@ -481,16 +491,38 @@ def run_cell(
         bounds_process: warmpath's bounds in a child process (see `simulate`).
     """
     params = default_params(cell.workload, cell.scale)
-    if base is None:
-        base = generate(cell.workload, cell.seed, 1, params=params, num_sessions=cell.num_sessions)
-    workload = base.with_arrival_rate(params.sessions_per_s_per_replica * cell.num_replicas)
     label = f"{cell.workload} x{cell.num_replicas} {cell.policy}"
+    if base is None:
+        base = generate_base(cell, lambda msg: progress(f"{label}: {msg}"))
+    workload = base.with_arrival_rate(params.sessions_per_s_per_replica * cell.num_replicas)
     result = simulate(cell.policy, cell.num_replicas, profile, workload=workload, seed=cell.seed,
                       with_bounds=cell.policy == "warmpath", progress=lambda msg: progress(f"{label}: {msg}"),
                       bounds_process=bounds_process)
     return GridRun(cell.workload, cell.num_replicas, cell.policy, len(workload.sessions), len(result.records),
                    result.summary.to_json(), result.num_decisions_by_route, result.wall_s, result.cpu_s,
                    result.bounds.to_json() if result.bounds else None)
+
+
+# Generating a workload of this many sessions or more gets a progress line first: coding's
+# 10,000 sessions take about 18 s, so a big grid would otherwise sit silent before its first cell.
+GENERATION_PROGRESS_MIN_SESSIONS = 1000
+
+
+def generate_base(cell: GridCell, progress: Callable[[str], None]) -> Workload:
+    """The cell's sessions at one replica's rate; says so first when that takes seconds (a large workload)."""
+    if cell.num_sessions >= GENERATION_PROGRESS_MIN_SESSIONS:
+        progress(f"generating {cell.num_sessions} {cell.workload} sessions")
+    params = default_params(cell.workload, cell.scale)
+    return generate(cell.workload, cell.seed, 1, params=params, num_sessions=cell.num_sessions)
+
+
+def failed_run(cell: GridCell, err: BaseException) -> GridRun:
+    """The grid's record of a cell that raised: its coordinates and the error, no figures.
+
+    Why: one cell running out of memory must not lose the cells that finished.
+    """
+    return GridRun(cell.workload, cell.num_replicas, cell.policy, cell.num_sessions, None, None, {}, 0.0, 0.0,
+                   error=error_line(err))
 
 
 def run_grid(
@@ -513,6 +545,9 @@ def run_grid(
     are independent and deterministic, so `jobs` > 1 runs them in that many
     processes with the same results (each process holds one whole
     simulation: several GB at 10,000 sessions).
+
+    A cell that raises is returned as a `failed_run` (its `error` set) and the
+    others still run. Ctrl-C raises `GridInterrupted` with the runs that finished.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
@@ -521,28 +556,72 @@ def run_grid(
     bounds_process = min(jobs, len(cells)) < available_cores()
 
     def report(run: GridRun) -> None:
+        label = f"{run.workload} x{run.num_replicas} {run.policy}"
+        if run.error is not None:
+            progress(f"{label}: FAILED: {run.error}")
+            return
         hit = run.summary["hit_rate"]
-        progress(f"{run.workload} x{run.num_replicas} {run.policy}: {run.num_requests} requests, "
-                 f"hit rate {hit if hit is None else round(hit, 3)}, {run.cpu_s:.1f} CPU-s")
+        progress(f"{label}: {run.num_requests} requests, hit rate {hit if hit is None else round(hit, 3)}, "
+                 f"{run.cpu_s:.1f} CPU-s")
 
     if jobs == 1 or len(cells) == 1:
-        runs, bases = [], {}
-        for cell in cells:
+        return _run_serially(cells, profile, progress, bounds_process, report)
+    return _run_in_processes(cells, profile, min(jobs, len(cells)), bounds_process, report)
+
+
+def _run_serially(cells: Sequence[GridCell], profile: CostProfile, progress: Callable[[str], None],
+                  bounds_process: bool, report: Callable[[GridRun], None]) -> list[GridRun]:
+    """The grid in this process, each workload generated once; a failed cell is recorded and the rest run."""
+    runs: list[GridRun] = []
+    bases: dict[str, Workload] = {}
+    for cell in cells:
+        try:
             if cell.workload not in bases:
-                params = default_params(cell.workload, scale)
-                bases[cell.workload] = generate(cell.workload, seed, 1, params=params, num_sessions=num_sessions)
-            runs.append(run_cell(cell, profile, bases[cell.workload], progress, bounds_process))
-            report(runs[-1])
-        return runs
+                bases[cell.workload] = generate_base(cell, progress)
+            run = run_cell(cell, profile, bases[cell.workload], progress, bounds_process)
+        except KeyboardInterrupt:
+            raise GridInterrupted(runs) from None
+        except Exception as err:  # MemoryError included: the finished cells are kept
+            run = failed_run(cell, err)
+        runs.append(run)
+        report(run)
+    return runs
+
+
+def _run_in_processes(cells: Sequence[GridCell], profile: CostProfile, num_processes: int, bounds_process: bool,
+                      report: Callable[[GridRun], None]) -> list[GridRun]:
+    """The grid in `num_processes` processes, results in grid order; a failed cell is recorded and the rest run."""
     # "spawn": a fresh interpreter per worker, whatever threads the caller has started.
-    with ProcessPoolExecutor(min(jobs, len(cells)), mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(num_processes, mp_context=multiprocessing.get_context("spawn"))
+    done: dict[int, GridRun] = {}
+    try:
         futures = {pool.submit(run_cell, cell, profile, None, print_progress, bounds_process): position
                    for position, cell in enumerate(cells)}
-        done: dict[int, GridRun] = {}
         for future in as_completed(futures):
-            done[futures[future]] = future.result()
-            report(done[futures[future]])
+            position = futures[future]
+            try:
+                done[position] = future.result()
+            except Exception as err:  # the worker's error, or a worker killed (BrokenProcessPool)
+                done[position] = failed_run(cells[position], err)
+            report(done[position])
+    except KeyboardInterrupt:
+        _stop_workers(pool)
+        raise GridInterrupted([done[position] for position in sorted(done)]) from None
+    finally:
+        pool.shutdown(cancel_futures=True)
     return [done[position] for position in range(len(cells))]
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Cancels the cells not started and ends the running ones, so Ctrl-C does not wait minutes for them.
+
+    ProcessPoolExecutor has no public way to end its workers before Python 3.14
+    (`terminate_workers`); its `_processes` is what that method ends.
+    """
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        worker.terminate()
 
 
 @dataclass(frozen=True)
@@ -595,6 +674,6 @@ def reproduce_live_run(bench: dict, policy: RouterPolicy = "warmpath", tolerance
 
 
 __all__ = [
-    "GridRun", "ReproductionCheck", "Simulation", "SimulationResult", "WorkloadSource", "available_cores",
+    "GridInterrupted", "GridRun", "ReproductionCheck", "Simulation", "SimulationResult", "WorkloadSource", "available_cores",
     "reproduce_live_run", "run_grid", "simulate", "trace_requests",
 ]

@@ -430,6 +430,18 @@ def render_k8s_cmd(
         raise typer.Exit(2)
 
 
+def _check_bench_flags(time_scale: float, sessions: Optional[int]) -> None:
+    """Exits 2 with one line on a time scale or session count no run can use.
+
+    Why: 0 or a negative scale crashed in the run, and NaN or infinity would make
+    every session wait forever (asyncio.sleep(nan)) after writing `NaN` JSON.
+    """
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        _refuse(f"--time-scale must be a finite number > 0, got {time_scale}")
+    if sessions is not None and sessions < 1:
+        _refuse(f"--sessions must be >= 1, got {sessions}")
+
+
 @app.command()
 def bench(
     config: Optional[Path] = ConfigOpt,
@@ -440,27 +452,62 @@ def bench(
     time_scale: float = typer.Option(1.0, help="Multiplies session arrival times and tool latencies."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for bench-<workload>.json and .png."),
 ) -> None:
-    """Run agent workloads on the local cluster once per routing policy (redeploying between policies)."""
-    from bench import live, report
+    """Run agent workloads on the local cluster once per routing policy (redeploying between policies).
+
+    A policy that fails is marked in the table and the JSON and the others run (exit 1);
+    Ctrl-C writes the policies that finished (exit 130).
+    """
+    from bench import live
     from cluster import local
 
     cfg = _load(config)
     names, chosen = _workloads_and_policies(workload, policies)
+    _check_bench_flags(time_scale, sessions)
     _check_writable_dir(out, [f"bench-{name}.{ext}" for name in names for ext in ("json", "png")])
+    failed: list[str] = []
     for name in names:
         try:
             result = live.run_bench(cfg, name, chosen, seed, sessions, time_scale, progress)
+        except live.BenchInterrupted as stop:
+            _write_bench(out, name, stop.result)
+            _stop_interrupted()
+        except KeyboardInterrupt:
+            _stop_interrupted()
         except local.BringUpError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(1)
-        typer.echo(report.live_report(result))  # before writing: a failed write still shows the results
-        json_path = out / f"bench-{name}.json"
-        _write_or_exit(json_path, lambda path: report.write_json(path, result))
-        try:
-            _write_or_exit(out / f"bench-{name}.png", lambda path: report.plot_live(result, path))
-        except ImportError:
-            progress("matplotlib is not installed (pip install -e '.[bench]'): no plot")
-        typer.echo(f"wrote {json_path}")
+        _write_bench(out, name, result)
+        failed += [f"{name} {failure}" for failure in live.failures(result)]
+    _exit_if_failed(failed)
+
+
+def _write_bench(out: Path, name: str, result: dict) -> None:
+    """Prints one workload's report, then writes its JSON and PNG (nothing when no policy finished)."""
+    from bench import report
+
+    typer.echo(report.live_report(result))  # before writing: a failed write still shows the results
+    if not result["policies"]:
+        return  # interrupted before the first policy finished: keep any earlier file
+    json_path = out / f"bench-{name}.json"
+    _write_or_exit(json_path, lambda path: report.write_json(path, result))
+    try:
+        _write_or_exit(out / f"bench-{name}.png", lambda path: report.plot_live(result, path))
+    except ImportError:
+        progress("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+    typer.echo(f"wrote {json_path}")
+
+
+def _stop_interrupted() -> NoReturn:
+    """Ctrl-C: what finished is written by now; one line, exit 130 (the shell's code for SIGINT)."""
+    typer.echo("interrupted: stopped after the runs reported above", err=True)
+    raise typer.Exit(130)
+
+
+def _exit_if_failed(failed: list[str]) -> None:
+    """Exit 1 with one line naming the failed runs (their rows are marked above), after everything was written."""
+    if failed:
+        typer.echo(f"error: {len(failed)} failed: " + "; ".join(failed), err=True)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -497,7 +544,8 @@ def _workloads_and_policies(workload: str, policies: str) -> tuple[list[str], li
     from bench.workloads import WORKLOAD_NAMES
 
     names = list(WORKLOAD_NAMES) if workload == "all" else [workload]
-    chosen = [p.strip() for p in policies.split(",") if p.strip()]
+    # A policy named twice runs once: a second run would only overwrite the first in the results.
+    chosen = list(dict.fromkeys(p.strip() for p in policies.split(",") if p.strip()))
     known_policies = get_args(RouterPolicy)
     problems = []
     if bad_workloads := [n for n in names if n not in WORKLOAD_NAMES]:
@@ -512,10 +560,24 @@ def _workloads_and_policies(workload: str, policies: str) -> tuple[list[str], li
     return names, chosen
 
 
+# `simulate --replicas` above this is refused: the replicas' state is allocated up front, so
+# a mistyped count ended in a MemoryError (or an OverflowError) after the flags were taken.
+MAX_SIM_REPLICAS = 4096
+
+
+def _replica_counts(replicas: list[int]) -> list[int]:
+    """The distinct `--replicas` counts in order; exits 2 with one line on one out of 1..MAX_SIM_REPLICAS."""
+    if bad := [n for n in replicas if not 1 <= n <= MAX_SIM_REPLICAS]:
+        _refuse(f"--replicas must be between 1 and {MAX_SIM_REPLICAS}, got {bad[0]}")
+    return list(dict.fromkeys(replicas))  # a count given twice runs once
+
+
 @app.command()
 def simulate(
     workload: str = typer.Option("all", help="shared-tools, coding, fanout, or all."),
-    replicas: list[int] = typer.Option([16], "--replicas", help="Replica count (repeatable)."),
+    replicas: list[int] = typer.Option(
+        [16], "--replicas", help=f"Replica count, 1 to {MAX_SIM_REPLICAS} (repeatable)."
+    ),
     sessions: int = typer.Option(100, help="Sessions per workload."),
     seed: int = typer.Option(0, help="Workload and router seed."),
     policies: str = PoliciesOpt,
@@ -524,26 +586,40 @@ def simulate(
         0, help=f"Simulations run at once, one process each (0: one per CPU core, at most {MAX_DEFAULT_JOBS})."
     ),
 ) -> None:
-    """Simulate routing policies at scale with the production router code (GPU cost profile)."""
+    """Simulate routing policies at scale with the production router code (GPU cost profile).
+
+    A cell that fails is marked in the table and the JSON and the others run (exit 1);
+    Ctrl-C writes the cells that finished (exit 130).
+    """
     from bench import report, sim_cost, simulator
 
     names, chosen = _workloads_and_policies(workload, policies)
-    if any(n < 1 for n in replicas) or sessions < 1 or jobs < 0:
-        typer.echo("replicas and sessions must be >= 1, jobs >= 0", err=True)
-        raise typer.Exit(2)
+    if sessions < 1 or jobs < 0:
+        _refuse("sessions must be >= 1, jobs >= 0")
+    counts = _replica_counts(replicas)
     _check_writable_file(out)
     if not jobs:
         jobs = min(simulator.available_cores(), MAX_DEFAULT_JOBS)
-    runs = simulator.run_grid(names, replicas, sessions, seed=seed, policies=chosen, progress=progress, jobs=jobs)
+    interrupted = False
+    try:
+        runs = simulator.run_grid(names, counts, sessions, seed=seed, policies=chosen, progress=progress, jobs=jobs)
+    except simulator.GridInterrupted as stop:
+        runs, interrupted = stop.runs, True
     document = {
         "kind": "warmpath-simulate",
         "profile": sim_cost.GPU_PROFILE.__dict__,
         "seed": seed,
         "runs": [run.to_json() for run in runs],
     }
+    if interrupted:
+        document["interrupted"] = True
     typer.echo(report.simulation_report(document["runs"]))  # before writing: a failed write still shows the results
-    _write_or_exit(out, lambda path: report.write_json(path, document))
-    typer.echo(f"wrote {out}")
+    if runs:  # interrupted before the first cell finished: keep any earlier file
+        _write_or_exit(out, lambda path: report.write_json(path, document))
+        typer.echo(f"wrote {out}")
+    if interrupted:
+        _stop_interrupted()
+    _exit_if_failed([f"{r.workload} x{r.num_replicas} {r.policy}: {r.error}" for r in runs if r.error])
 
 
 if __name__ == "__main__":

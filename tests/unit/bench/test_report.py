@@ -1,12 +1,14 @@
-"""`warmpath bench`'s PNG: drawn from a result document, with or without oracle bounds."""
+"""`warmpath bench`'s report: the PNG (with or without oracle bounds), strict JSON, and tables that mark
+the policies that failed."""
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
 
-from bench.report import plot_live
+from bench.report import error_line, live_report, plot_live, ratio_table, write_json
 
 
 def _result(with_oracle: bool) -> dict:
@@ -32,3 +34,63 @@ def test_plot_is_a_png_of_the_figures_size(tmp_path, with_oracle):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
     assert (width, height) == (12 * 110, int(4.5 * 110))
+
+
+def test_plot_skips_a_policy_that_failed(tmp_path):
+    result = _result(with_oracle=False)
+    result["policies"]["pow2"] = {"error": "RuntimeError: redeploy failed"}  # no records, no summary
+    path = tmp_path / "bench.png"
+    plot_live(result, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_json_is_strict_non_finite_figures_become_null(tmp_path):
+    path = tmp_path / "out" / "result.json"
+    write_json(path, {"time_scale": float("nan"), "runs": [{"turns_per_s": float("inf"), "hit": 0.5}],
+                      "pair": (float("-inf"), 1)})
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    assert json.loads(path.read_text(), parse_constant=refuse) == {
+        "time_scale": None, "runs": [{"turns_per_s": None, "hit": 0.5}], "pair": [None, 1]
+    }
+
+
+def _summary(hit_rate: float) -> dict:
+    return {"hit_rate": hit_rate, "ttft_p50_s": 1.0}
+
+
+def test_table_marks_a_failed_policy_and_falls_back_to_the_first_that_finished():
+    text = ratio_table({"pow2": None, "warmpath": _summary(0.8), "round-robin": _summary(0.4)}, "title",
+                       {"pow2": "MemoryError"})
+    lines = text.splitlines()
+    assert lines[:2] == ["title", "(ratio to warmpath, value in parentheses)"]
+    assert [line.split()[0] for line in lines[4:]] == ["pow2", "warmpath", "round-robin"]  # the given order
+    assert lines[4] == "pow2         FAILED: MemoryError"
+    assert "0.50 (0.400)" in lines[6]
+
+
+def test_table_of_runs_that_all_failed_says_so():
+    text = ratio_table({"pow2": None, "warmpath": None}, "title", {"pow2": "MemoryError", "warmpath": "OSError: x"})
+    assert text.splitlines() == ["title", "(no run finished)", "pow2  FAILED: MemoryError",
+                                 "warmpath  FAILED: OSError: x"]
+
+
+def test_live_report_marks_a_failed_policy_and_a_failed_replay():
+    result = {
+        "workload": "fanout", "num_sessions": 2, "num_requests": 6, "num_replicas": 2, "time_scale": 1.0,
+        "policies": {"pow2": {"error": "RuntimeError: boom"}, "warmpath": {"summary": _summary(0.8)}},
+        "oracle": {"warmpath": {"error": "MemoryError"}},
+        "simulator_check": {"warmpath": {"error": "ValueError: bad trace"}},
+    }
+    text = live_report(result)
+    assert "pow2      FAILED: RuntimeError: boom" in text
+    assert "warmpath: bounds FAILED: MemoryError" in text
+    assert "warmpath: FAILED: ValueError: bad trace" in text
+
+
+def test_error_line_is_one_short_line():
+    assert error_line(MemoryError()) == "MemoryError"
+    assert error_line(RuntimeError("a\n  b")) == "RuntimeError: a b"
+    assert len(error_line(ValueError("x" * 1000))) == 300

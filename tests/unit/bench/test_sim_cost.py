@@ -40,3 +40,59 @@ def test_fit_from_a_bench_file(tmp_path, capsys):
     assert fitted["prefill_overhead_s"] == pytest.approx(0.05) and fitted["num_requests"] == 2
     with pytest.raises(SystemExit):
         main([str(path), "--policy", "fastest"])
+
+
+def _error_of(argv: list[str], capsys) -> str:
+    """The one error line `main` exits 2 with (argparse's usage line aside)."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("usage:") and len(lines) == 2
+    return lines[1]
+
+
+def _bad_files(tmp_path) -> dict[str, tuple[object, str]]:
+    """name -> (file content, or a folder, or nothing; what the error must say)."""
+    ok_run = {"records": [_record(100, 0.1).to_json()]}
+    return {
+        "missing": (None, "does not exist: run `warmpath bench` first"),
+        "folder": ("folder", "is a directory"),
+        "text": ("not json {", "is not JSON"),
+        "binary": (b"\xff\xfe\x00", "is not JSON"),
+        "list": ([1, 2], "is not a `warmpath bench` result"),
+        "simulate": ({"kind": "warmpath-simulate", "runs": []}, "is a `warmpath simulate` result"),
+        "no-requests": ({"policies": {"pow2": {"records": [_record(100, 0.1, error="HTTP 500").to_json()]}}},
+                        "cannot fit"),
+        "one-size": ({"policies": {"pow2": ok_run}}, "need requests with at least two distinct"),
+        "all-failed": ({"policies": {"pow2": {"error": "RuntimeError: boom"}}}, "has no run that finished"),
+        "malformed": ({"policies": {"pow2": {"records": [{"send_s": 1.0}]}}}, "has malformed records"),
+    }
+
+
+@pytest.mark.parametrize("name", ["missing", "folder", "text", "binary", "list", "simulate", "no-requests",
+                                  "one-size", "all-failed", "malformed"])
+def test_a_file_that_cannot_be_fitted_is_one_error_line_naming_it(tmp_path, capsys, name):
+    content, message = _bad_files(tmp_path)[name]
+    path = tmp_path / f"{name}.json"
+    if content == "folder":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif isinstance(content, str):
+        path.write_text(content)
+    elif content is not None:
+        path.write_text(json.dumps(content))
+    line = _error_of([str(path)], capsys)
+    assert str(path) in line and message in line
+
+
+def test_a_failed_policy_is_skipped_by_default_and_named_when_chosen(tmp_path, capsys):
+    runs = {"pow2": {"error": "RuntimeError: boom"},
+            "warmpath": {"records": [_record(n, 0.05 + 0.0002 * n).to_json() for n in (100, 400)]}}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"policies": runs}))
+    main([str(path)])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["num_requests"] == 2
+    line = _error_of([str(path), "--policy", "pow2"], capsys)
+    assert "the pow2 run in" in line and "failed (RuntimeError: boom)" in line

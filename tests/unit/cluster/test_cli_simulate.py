@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from cluster.cli import app
@@ -38,3 +40,70 @@ def test_simulate_names_every_bad_choice_and_the_valid_ones(tmp_path):
     result = CliRunner().invoke(app, ["simulate", "--policies", " , ", "--out", str(out)])
     assert result.exit_code == 2 and "no policy given" in result.output
     assert not out.exists()
+
+
+SIMULATE = ["simulate", "--workload", "fanout", "--sessions", "3", "--jobs", "1"]
+
+
+def test_simulate_runs_a_policy_or_replica_count_named_twice_once(tmp_path):
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, [*SIMULATE, "--replicas", "2", "--replicas", "3", "--replicas", "2",
+                                      "--policies", "pow2,round-robin,pow2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["num_replicas"], r["policy"]) for r in runs] == [
+        (2, "pow2"), (2, "round-robin"), (3, "pow2"), (3, "round-robin")
+    ]
+
+
+@pytest.mark.parametrize("count", ["4097", "100000000", "99999999999999999999", "0"])
+def test_simulate_refuses_a_replica_count_out_of_range(tmp_path, monkeypatch, count):
+    from bench import simulator
+
+    def never(*args, **kwargs):
+        raise AssertionError("simulated with a replica count out of range")
+
+    monkeypatch.setattr(simulator, "run_grid", never)
+    result = CliRunner().invoke(app, [*SIMULATE, "--replicas", count, "--out", str(tmp_path / "sim.json")])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip() == f"--replicas must be between 1 and 4096, got {count}"
+
+
+def _failing_cell(monkeypatch, fail_policy: str, error: BaseException) -> None:
+    """Makes the cells of `fail_policy` raise `error`; the others run for real."""
+    from bench import simulator
+
+    real = simulator.run_cell
+
+    def run_cell(cell, *args, **kwargs):
+        if cell.policy == fail_policy:
+            raise error
+        return real(cell, *args, **kwargs)
+
+    monkeypatch.setattr(simulator, "run_cell", run_cell)
+
+
+def test_simulate_keeps_the_cells_that_finished_when_one_fails(tmp_path, monkeypatch):
+    _failing_cell(monkeypatch, "pow2", MemoryError())
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, [*SIMULATE, "--replicas", "2", "--policies", "pow2,warmpath,round-robin",
+                                      "--out", str(out)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "FAILED: MemoryError" in result.output
+    assert "(ratio to warmpath, value in parentheses)" in result.output  # the baseline failed
+    assert "error: 1 failed: fanout x2 pow2: MemoryError" in result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["policy"], r["error"]) for r in runs] == [("pow2", "MemoryError"), ("warmpath", None),
+                                                         ("round-robin", None)]
+    assert runs[1]["summary"]["hit_rate"] is not None and runs[0]["summary"] is None
+
+
+def test_simulate_interrupted_writes_the_cells_that_finished_and_exits_130(tmp_path, monkeypatch):
+    _failing_cell(monkeypatch, "round-robin", KeyboardInterrupt())
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, [*SIMULATE, "--replicas", "2", "--policies", "pow2,round-robin,warmpath",
+                                      "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    assert "interrupted" in result.output.splitlines()[-1]
+    document = json.loads(out.read_text())
+    assert [r["policy"] for r in document["runs"]] == ["pow2"] and document["interrupted"] is True

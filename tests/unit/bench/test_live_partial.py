@@ -1,0 +1,141 @@
+"""`warmpath bench` without a cluster: bad flags exit 2 before any work; a policy that fails or a Ctrl-C
+keeps the policies that finished (in the table and the JSON), with exit 1 or 130."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from bench import live
+from cluster.cli import app
+
+BENCH = ["bench", "--workload", "fanout", "--policies", "pow2,warmpath,round-robin"]
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the command did work before checking its flags")
+
+
+def _summary(hit_rate: float) -> dict:
+    return {"num_requests": 4, "num_errors": 0, "hit_rate": hit_rate, "ttft_p50_s": 0.5, "ttft_p99_s": 1.0,
+            "latency_p50_s": 1.0, "latency_p99_s": 2.0, "turns_per_s": 2.0, "prefill_tokens": 100,
+            "load_imbalance": 1.1, "prediction_accuracy": None}
+
+
+def _fake_run(hit_rate: float = 0.8) -> dict:
+    return {"summary": _summary(hit_rate), "wall_s": 1.0, "replica_ids": ["a"], "num_prompt_token_mismatches": 0,
+            "router_state": {}, "records": [{"ttft_s": 0.5, "error": None}]}
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """run_bench with everything that needs the model or the cluster replaced; returns the policies' outcomes."""
+    outcomes: dict[str, object] = {}
+
+    def run_policy(cfg, policy, workload, prepared, time_scale, progress):
+        outcome = outcomes.get(policy, _fake_run())
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(live, "TokenizerRenderer", lambda source: None)
+    monkeypatch.setattr(live, "prepare_requests", lambda *args: {})
+    monkeypatch.setattr(live, "kv_capacity_blocks", lambda cfg: None)
+    monkeypatch.setattr(live, "warm_up", lambda *args: None)
+    monkeypatch.setattr(live, "run_policy", run_policy)
+    return outcomes
+
+
+def _run_bench(policies=("pow2", "warmpath", "round-robin")) -> dict:
+    from cluster.config import ClusterConfig
+
+    return live.run_bench(ClusterConfig(), "fanout", list(policies), 0, 2, 1.0, lambda msg: None)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "-inf"])
+def test_bench_refuses_a_time_scale_no_run_can_use(monkeypatch, tmp_path, value):
+    monkeypatch.setattr(live, "run_bench", _never)
+    result = CliRunner().invoke(app, [*BENCH, f"--time-scale={value}", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "--time-scale must be a finite number > 0" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_bench_refuses_fewer_than_one_session(monkeypatch, tmp_path, value):
+    monkeypatch.setattr(live, "run_bench", _never)
+    result = CliRunner().invoke(app, [*BENCH, f"--sessions={value}", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip() == f"--sessions must be >= 1, got {value}"
+
+
+def test_run_bench_refuses_a_non_finite_time_scale():
+    from cluster.config import ClusterConfig
+
+    with pytest.raises(ValueError, match="finite"):
+        live.run_bench(ClusterConfig(), "fanout", ["pow2"], 0, 2, float("nan"), lambda msg: None)
+
+
+def test_bench_runs_a_policy_named_twice_once(monkeypatch, tmp_path):
+    seen = []
+
+    def run_bench(cfg, name, policies, *args):
+        seen.append(list(policies))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(live, "run_bench", run_bench)
+    CliRunner().invoke(app, ["bench", "--workload", "fanout", "--policies", "pow2, warmpath,pow2",
+                             "--out", str(tmp_path)])
+    assert seen == [["pow2", "warmpath"]]
+
+
+def test_a_failed_policy_keeps_the_others(no_cluster):
+    no_cluster["warmpath"] = RuntimeError("redeploy failed:\n  replica died")
+    result = _run_bench()
+    assert list(result["policies"]) == ["pow2", "warmpath", "round-robin"]
+    assert result["policies"]["warmpath"] == {"error": "RuntimeError: redeploy failed: replica died"}
+    assert result["policies"]["round-robin"]["summary"]["hit_rate"] == 0.8
+    assert live.failures(result) == ["warmpath: RuntimeError: redeploy failed: replica died"]
+
+
+def test_ctrl_c_carries_the_policies_that_finished(no_cluster):
+    no_cluster["warmpath"] = KeyboardInterrupt()
+    with pytest.raises(live.BenchInterrupted) as stop:
+        _run_bench()
+    assert list(stop.value.result["policies"]) == ["pow2"] and stop.value.result["interrupted"] is True
+
+
+def test_bench_writes_what_finished_marks_the_failure_and_exits_1(no_cluster, tmp_path):
+    no_cluster["pow2"] = MemoryError()  # the baseline: ratios fall back to the first policy that finished
+    no_cluster["warmpath"] = _fake_run(0.9)
+    no_cluster["round-robin"] = _fake_run(0.45)
+    result = CliRunner().invoke(app, [*BENCH, "--sessions", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "(ratio to warmpath, value in parentheses)" in result.output
+    assert "pow2" in result.output and "FAILED: MemoryError" in result.output
+    assert "0.50 (0.450)" in result.output  # round-robin's hit rate over warmpath's
+    assert "error: 1 failed: fanout pow2: MemoryError" in result.output
+    document = json.loads((tmp_path / "bench-fanout.json").read_text())
+    assert document["policies"]["pow2"] == {"error": "MemoryError"}
+    assert document["policies"]["warmpath"]["summary"]["hit_rate"] == 0.9
+
+
+def test_bench_interrupted_writes_what_finished_and_exits_130(no_cluster, tmp_path):
+    no_cluster["warmpath"] = KeyboardInterrupt()
+    result = CliRunner().invoke(app, [*BENCH, "--sessions", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 130, result.output
+    assert "interrupted" in result.output.splitlines()[-1]
+    document = json.loads((tmp_path / "bench-fanout.json").read_text())
+    assert list(document["policies"]) == ["pow2"] and document["interrupted"] is True
+
+
+def test_bench_interrupted_before_any_policy_keeps_an_earlier_file(no_cluster, tmp_path):
+    no_cluster["pow2"] = KeyboardInterrupt()
+    earlier = tmp_path / "bench-fanout.json"
+    earlier.write_text("{}")
+    result = CliRunner().invoke(app, [*BENCH, "--sessions", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 130, result.output
+    assert "interrupted" in result.output.splitlines()[-1]
+    assert earlier.read_text() == "{}"

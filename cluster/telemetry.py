@@ -11,10 +11,17 @@ Configuration: `TelemetryConfig.otlp_endpoint` (from the cluster config or
 variables the SDK reads itself (sampler, resource attributes, headers). With
 no endpoint, no provider is installed: the API's no-op tracer creates
 non-recording spans, so tracing costs a few attribute checks per request.
+
+Shutdown: spans wait in the `BatchSpanProcessor` queue for up to half a
+second. Ray Serve stops a replica by calling its deployment's `__del__` and
+then killing the actor (no `atexit`), so every deployment's `__del__` calls
+`flush_spans` (bounded: it must not hold up the stop when the collector is down).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 from typing import Mapping, MutableMapping, Optional
 
@@ -22,7 +29,11 @@ from opentelemetry import context, propagate, trace
 
 from cluster.config import TelemetryConfig
 
+logger = logging.getLogger(__name__)
+
 TRACER_NAME = "warmpath"
+# Longest a stopping replica waits for its queued spans to be exported.
+SHUTDOWN_FLUSH_TIMEOUT_S = 2.0
 _configured = threading.Lock()
 _is_configured = False
 
@@ -72,3 +83,37 @@ def force_flush(timeout_ms: int = 5000) -> None:
     flush = getattr(provider, "force_flush", None)
     if flush is not None:
         flush(timeout_ms)
+
+
+def flush_spans(timeout_s: float = SHUTDOWN_FLUSH_TIMEOUT_S) -> bool:
+    """Exports the spans still queued in this process, waiting at most `timeout_s`; for a deployment's `__del__`.
+
+    Why a thread: the SDK's `force_flush(timeout)` waits for an export already
+    under way, and the OTLP exporter retries an unreachable collector far past
+    that timeout (31 s for `force_flush(2000)` against a refused port). The
+    flush runs in a daemon thread that is abandoned, not joined, when the wait
+    ends, so stopping a replica never waits on the collector longer than `timeout_s`.
+
+    Returns:
+        Whether every queued span was exported in time (True without a provider that buffers).
+    """
+    flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+    if flush is None:
+        return True
+    outcome: list[bool] = []
+
+    def run() -> None:
+        try:
+            outcome.append(bool(flush(int(timeout_s * 1000))))
+        except Exception:  # noqa: BLE001 - a failed export must not fail the replica's stop
+            logger.warning("flushing spans at shutdown failed", exc_info=True)
+
+    worker = threading.Thread(target=run, name="otel-shutdown-flush", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return outcome == [True]
+
+
+async def flush_spans_async(timeout_s: float = SHUTDOWN_FLUSH_TIMEOUT_S) -> bool:
+    """`flush_spans` for an `async def __del__`: the event loop keeps running while spans are exported."""
+    return await asyncio.to_thread(flush_spans, timeout_s)

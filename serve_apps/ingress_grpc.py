@@ -37,14 +37,17 @@ Status and ordering rules:
   generic message;
 - details never echo more than a bounded part of what the caller sent
   (`grpc_status.status_details`).
+
+Tracing: every RPC has a server span, child of the W3C context in its
+metadata, that ends with the RPC's final status (`record_rpc_status`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from contextlib import contextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, TypeVar
+from contextlib import AbstractContextManager, aclosing, contextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Optional, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -68,8 +71,7 @@ from router import decision_log
 from serve_apps.access import AccessDenied, AccessGuard, Caller, GuardSettings, credentials_from, retry_after_header
 from serve_apps.api_errors import engine_error, error_type, exception_body, validation_problem
 from serve_apps.grpc_status import RpcFailure, grpc_code
-from serve_apps.ingress_http import TURN_ERROR_STATUS
-from serve_apps.orchestrator.models import Message
+from serve_apps.orchestrator.models import TURN_ERROR_STATUS, Message
 from serve_apps.orchestrator.prompt import to_wire_message
 from serve_apps.sse_frames import sse_payloads
 from serve_apps.vllm_replica import ServedBy
@@ -86,6 +88,12 @@ IDEMPOTENCY_METADATA = "idempotency-key"
 NAMED_TOOL_CHOICES = frozenset({"auto", "none", "required"})
 
 ResponseT = TypeVar("ResponseT", bound=ProtoMessage)
+
+# The codes OTel's RPC conventions count as the server's failure; any other code is the caller's (or OK).
+SERVER_ERROR_CODES = frozenset({
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
+})
 
 
 # ---- protobuf -> plain data (requests) ----
@@ -420,6 +428,11 @@ class GrpcIngress:
         self._guard = AccessGuard(GuardSettings.model_validate(guard_settings))
         telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "grpc-ingress")
 
+    def __del__(self) -> None:
+        """Ray Serve's shutdown hook (then it kills the actor): the queued spans go out first, within a bound."""
+        if telemetry is not None:  # None when the interpreter exits and has cleared module globals
+            telemetry.flush_spans()
+
     # Inference
 
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, grpc_context):
@@ -431,10 +444,13 @@ class GrpcIngress:
 
     async def StreamChatCompletion(self, request: inference_pb2.ChatCompletionRequest, grpc_context):
         """One completion, streamed chunk by chunk; a failure ends it with an `error` chunk."""
-        async for chunk in self._streamed(
-            INFERENCE_SERVICE, "StreamChatCompletion", grpc_context, lambda caller: self._chat_chunks(request), error_chunk
-        ):
-            yield chunk
+        chunks = self._streamed(
+            INFERENCE_SERVICE, "StreamChatCompletion", grpc_context, lambda caller, rpc: self._chat_chunks(request),
+            error_chunk,
+        )
+        async with aclosing(chunks):  # closed with this stream, so the RPC's span ends when the caller leaves
+            async for chunk in chunks:
+                yield chunk
 
     # Agent
 
@@ -464,29 +480,33 @@ class GrpcIngress:
 
     async def SendMessage(self, request: agent_pb2.SendMessageRequest, grpc_context):
         """`Orchestrator.send_message`: the turn's events, as they happen."""
-        def events(caller: Caller) -> AsyncIterator[agent_pb2.SessionEvent]:
+        def events(caller: Caller, rpc: _RpcSpan) -> AsyncIterator[agent_pb2.SessionEvent]:
             handle = self._orchestrator.options(stream=True)
             stream = handle.send_message.remote(
                 request.session_id, send_message_body(request), caller.to_dict(), telemetry.inject(),
                 _metadata(grpc_context, IDEMPOTENCY_METADATA),
             )
-            return self._turn_events(stream, grpc_context)
+            return self._turn_events(stream, grpc_context, rpc)
 
-        async for event in self._streamed(AGENT_SERVICE, "SendMessage", grpc_context, events, error_event):
-            yield event
+        stream = self._streamed(AGENT_SERVICE, "SendMessage", grpc_context, events, error_event)
+        async with aclosing(stream):  # closed with this stream, so the RPC's span ends when the caller leaves
+            async for event in stream:
+                yield event
 
     async def SubmitToolResults(self, request: agent_pb2.SubmitToolResultsRequest, grpc_context):
         """`Orchestrator.submit_tool_results`: the resumed turn's events, as they happen."""
-        def events(caller: Caller) -> AsyncIterator[agent_pb2.SessionEvent]:
+        def events(caller: Caller, rpc: _RpcSpan) -> AsyncIterator[agent_pb2.SessionEvent]:
             handle = self._orchestrator.options(stream=True)
             stream = handle.submit_tool_results.remote(
                 request.session_id, tool_results_body(request), caller.to_dict(), telemetry.inject(),
                 _metadata(grpc_context, IDEMPOTENCY_METADATA),
             )
-            return self._turn_events(stream, grpc_context)
+            return self._turn_events(stream, grpc_context, rpc)
 
-        async for event in self._streamed(AGENT_SERVICE, "SubmitToolResults", grpc_context, events, error_event):
-            yield event
+        stream = self._streamed(AGENT_SERVICE, "SubmitToolResults", grpc_context, events, error_event)
+        async with aclosing(stream):  # closed with this stream, so the RPC's span ends when the caller leaves
+            async for event in stream:
+                yield event
 
     async def __call__(self, request) -> JSONResponse:
         """Plain HTTP reaching this application's route prefix: point the caller at the gRPC port."""
@@ -547,8 +567,11 @@ class GrpcIngress:
         logged = decision_log.DECISIONS.pop(_get_serve_request_context().request_id)
         decision_log.record_route_span(logged, replica_id or None)
 
-    async def _turn_events(self, stream, grpc_context) -> AsyncIterator[agent_pb2.SessionEvent]:
-        """An orchestrator turn stream (envelope, then event dicts) as `SessionEvent`s."""
+    async def _turn_events(self, stream, grpc_context, rpc: _RpcSpan) -> AsyncIterator[agent_pb2.SessionEvent]:
+        """An orchestrator turn stream (envelope, then event dicts) as `SessionEvent`s.
+
+        A turn's own `error` event sets the RPC's status (context and span) before it is yielded.
+        """
         events = stream.__aiter__()
         envelope_body(await anext(events), 200)
         async for event in events:
@@ -556,7 +579,9 @@ class GrpcIngress:
             if event["kind"] == "error":
                 status = turn_error_status(event["code"])
                 if status != grpc.StatusCode.OK:
-                    RpcFailure(status, event["code"], event["message"]).set_on(grpc_context)
+                    failure = RpcFailure(status, event["code"], event["message"])
+                    failure.set_on(grpc_context)
+                    rpc.record(failure.status, failure.message)
             yield message
 
     async def _admit(self, grpc_context) -> Caller:
@@ -569,11 +594,12 @@ class GrpcIngress:
     async def _unary(
         self, service: str, method: str, grpc_context, work: Callable[[Caller], Awaitable[ResponseT]], empty: ResponseT
     ) -> ResponseT:
-        with self._rpc_span(service, method, grpc_context) as span:
+        rpc = _RpcSpan.start(service, method, grpc_context)
+        with rpc.lifetime(), rpc.current():
             try:
                 return await work(await self._admit(grpc_context))
             except Exception as err:
-                _fail(grpc_context, span, method, err)
+                _fail(grpc_context, rpc, method, err)
                 return empty
 
     async def _streamed(
@@ -581,25 +607,92 @@ class GrpcIngress:
         service: str,
         method: str,
         grpc_context,
-        messages: Callable[[Caller], AsyncIterator[ResponseT]],
+        messages: Callable[[Caller, "_RpcSpan"], AsyncIterator[ResponseT]],
         error_message: Callable[[RpcFailure], ResponseT],
     ) -> AsyncIterator[ResponseT]:
-        with self._rpc_span(service, method, grpc_context) as span:
+        rpc = _RpcSpan.start(service, method, grpc_context)
+        with rpc.lifetime():
             try:
-                async for message in messages(await self._admit(grpc_context)):
+                with rpc.current():
+                    stream = messages(await self._admit(grpc_context), rpc).__aiter__()
+                while True:
+                    with rpc.current():  # current while the stream works, not while its consumer holds a message
+                        try:
+                            message = await anext(stream)
+                        except StopAsyncIteration:
+                            break
                     yield message
             except Exception as err:
-                yield error_message(_fail(grpc_context, span, method, err))
+                yield error_message(_fail(grpc_context, rpc, method, err))
 
-    @contextmanager
-    def _rpc_span(self, service: str, method: str, grpc_context) -> Iterator[trace.Span]:
-        """The server span of one RPC, child of the W3C context in the call's metadata."""
+
+class _RpcSpan:
+    """The server span of one RPC and the status it ends with.
+
+    Why an object: the status is decided in different places (a failure in
+    `_fail`, a turn's own `error` event in `_turn_events`, success when the
+    work is done), and a stream that ends normally after a failed turn must
+    keep that turn's status rather than end as OK.
+    """
+
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+        self.status: Optional[grpc.StatusCode] = None
+
+    @classmethod
+    def start(cls, service: str, method: str, grpc_context) -> "_RpcSpan":
+        """The span of `service/method`, child of the W3C context in the call's metadata; not yet current."""
         carrier = dict(_string_metadata(grpc_context))
-        with telemetry.tracer().start_as_current_span(
+        return cls(telemetry.tracer().start_span(
             f"{service}/{method}", context=telemetry.extract(carrier), kind=trace.SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
-        ) as span:
-            yield span
+        ))
+
+    def record(self, status: grpc.StatusCode, message: str = "") -> None:
+        """The RPC's final status (a later one replaces it)."""
+        self.status = status
+        record_rpc_status(self.span, status, message)
+
+    def current(self) -> AbstractContextManager:
+        """The span as the current one, so the trace context sent downstream (`telemetry.inject`) is its own.
+
+        A stream holds it only between two of its messages, never across a
+        yield: its consumer may close it from another task, where the
+        attached context could not be detached (and would leak into the consumer).
+        """
+        return trace.use_span(self.span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
+
+    @contextmanager
+    def lifetime(self) -> Iterator["_RpcSpan"]:
+        """Ends the span when the RPC is over: with its recorded status, else OK, CANCELLED if the caller left."""
+        try:
+            yield self
+        except BaseException as err:
+            if self.status is None:
+                # Cancelled, or its stream closed by the consumer; an `Exception` here escaped `_fail`.
+                status = grpc.StatusCode.UNKNOWN if isinstance(err, Exception) else grpc.StatusCode.CANCELLED
+                self.record(status, f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            if self.status is None:
+                self.record(grpc.StatusCode.OK)
+            self.span.end()
+
+
+def record_rpc_status(span: trace.Span, status: grpc.StatusCode, message: str = "") -> None:
+    """An RPC's status on its server span, by OTel's RPC conventions.
+
+    `rpc.grpc.status_code` goes on every span, OK (0) included, so a query by
+    code sees every call. Only the codes that say this service failed
+    (`SERVER_ERROR_CODES`) mark the span ERROR: NOT_FOUND, INVALID_ARGUMENT,
+    UNAUTHENTICATED, RESOURCE_EXHAUSTED and the like are the caller's, and
+    leave it UNSET.
+    """
+    if not span.is_recording():
+        return
+    span.set_attribute("rpc.grpc.status_code", status.value[0])
+    if status in SERVER_ERROR_CODES:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, message[:200]))
 
 
 def _string_metadata(grpc_context) -> list[tuple[str, str]]:
@@ -610,15 +703,15 @@ def _metadata(grpc_context, name: str) -> str | None:
     return next((value for key, value in _string_metadata(grpc_context) if key.lower() == name), None)
 
 
-def _fail(grpc_context, span: trace.Span, method: str, err: Exception) -> RpcFailure:
-    """Records a failed RPC: status onto the context and span, unexpected errors into the log."""
+def _fail(grpc_context, rpc: _RpcSpan, method: str, err: Exception) -> RpcFailure:
+    """Records a failed RPC: status onto the context and span, unexpected errors into the log and span."""
     failure = failure_from_exception(err, _get_serve_request_context().request_id)
     if failure is not err and failure.status == grpc.StatusCode.INTERNAL:
         logger.exception("gRPC %s failed", method)
     elif failure is not err:
         logger.warning("gRPC %s failed: %s: %s", method, type(err).__name__, err)
+    if failure is not err:
+        rpc.span.record_exception(err)
     failure.set_on(grpc_context)
-    if span.is_recording():
-        span.set_attribute("rpc.grpc.status_code", failure.status.value[0])
-        span.set_status(trace.Status(trace.StatusCode.ERROR, failure.message[:200]))
+    rpc.record(failure.status, failure.message)
     return failure

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Dict, Optional
+import weakref
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
 
 from fastapi import Request
 from opentelemetry import context as otel_context
@@ -55,7 +56,7 @@ from serve_apps.request_checks import (
     detokenize_request_problem,
     tokenize_request_problem,
 )
-from serve_apps.orchestrator.models import CreateSessionRequest, ToolResultsSubmission, TurnRequest
+from serve_apps.orchestrator.models import TURN_ERROR_STATUS, CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.sse_frames import data_objects
 from serve_apps.vllm_replica import ServedBy
 
@@ -64,6 +65,8 @@ logger = logging.getLogger("ray.serve")
 REPLICA_HEADER = "x-warmpath-replica"
 ROUTE_HEADER = "x-warmpath-route"
 PREDICTED_CACHED_HEADER = "x-warmpath-predicted-cached-tokens"
+# On a call's span when its stream ended without `[DONE]`: the client hung up or the stream broke off.
+INCOMPLETE_STREAM_ATTRIBUTE = "warmpath.stream.incomplete"
 
 
 def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optional[decision_log.LoggedDecision]]:
@@ -121,7 +124,9 @@ async def _recording_usage(
     Recorded before `[DONE]` goes out, so a client that reads the router's
     statistics after its stream ends sees this call counted. A client that did
     not ask for usage (`stream_options.include_usage`) does not get the
-    usage-only chunk the ingress asked the engine for.
+    usage-only chunk the ingress asked the engine for. An engine error frame
+    and a stream that ends without `[DONE]` (the client hung up, the replica
+    died) are noted on `span`: the response's 200 went out before either.
     """
     usage = None
     is_recorded = False
@@ -134,6 +139,7 @@ async def _recording_usage(
                     if not frame:
                         continue
             if '"error"' in frame:  # an engine error after the first chunk (a quote in text is escaped)
+                _record_error_frame(span, frame)
                 frame = readable_error_frame(frame)
             if "data: [DONE]" in frame:
                 _record_usage(logged, served_by, usage)
@@ -144,6 +150,8 @@ async def _recording_usage(
         if not is_recorded:  # the stream broke off or ended without [DONE]
             _record_usage(logged, served_by, usage)
             _annotate_usage(span, usage)
+            if span is not None and span.is_recording():
+                span.set_attribute(INCOMPLETE_STREAM_ATTRIBUTE, True)
 
 
 def _frame_usage(frame: str) -> Optional[dict]:
@@ -189,6 +197,17 @@ def without_usage_chunks(frame: str) -> str:
     return "\n".join(kept) if any(kept) else ""
 
 
+def _record_error_frame(span, frame: str) -> None:
+    """Each engine error in `frame` on the call's span, with the status the engine gave it (500 without one)."""
+    if span is None:
+        return
+    for _, chunk in data_objects(frame.split("\n")):
+        error = chunk.get("error")
+        if isinstance(error, dict):
+            status, message = engine_error(error)
+            _record_stream_error(span, status or 500, message)
+
+
 def readable_error_frame(frame: str) -> str:
     """`frame` with each `data:` chunk's `error` in the API's error shape (`serve_apps.api_errors`)."""
     lines = frame.split("\n")
@@ -201,19 +220,6 @@ def readable_error_frame(frame: str) -> str:
     return "\n".join(lines)
 
 
-# HTTP status of a turn that was accepted but ended in an error event.
-TURN_ERROR_STATUS = {
-    "context_overflow": 400,
-    "unknown_tool": 400,
-    "invalid_tool_schema": 400,
-    "invalid_tool_call": 422,
-    "compression_lost_values": 500,
-    "model_error": 502,
-    "stale_turn": 409,
-    "session_not_found": 404,
-    "store_unavailable": 503,
-    "internal": 500,
-}
 
 
 INTERNAL_ERROR = error_body(500, "internal error in the session service; see the server logs", code="internal")
@@ -222,8 +228,9 @@ REPLAY_HEADER = "x-warmpath-idempotent-replay"
 # The orchestrator replica died (or was replaced) while running the turn.
 INTERRUPTED = {
     "code": "turn_interrupted",
-    "message": "the turn was interrupted before it committed; nothing of it was saved. "
-               "Retry with the same Idempotency-Key: a turn that did commit is replayed, not run twice.",
+    "message": "the turn was interrupted before its last event reached the ingress; it may or may not have "
+               "committed (compare the session's num_messages_total). Retry with the same Idempotency-Key: "
+               "a turn that did commit is replayed, not run twice.",
 }
 
 
@@ -241,25 +248,33 @@ def _unary(result: Dict[str, Any]) -> Response:
     return JSONResponse(result["body"], status_code=result["status"])
 
 
-def _sse(first: Dict[str, Any], events: AsyncIterator[Dict[str, Any]]) -> AsyncIterator[str]:
+def _sse(
+    first: Dict[str, Any], events: AsyncIterator[Dict[str, Any]], span: trace.Span = trace.INVALID_SPAN
+) -> AsyncIterator[str]:
+    """A turn's events as SSE frames; a turn that fails after its 200 is noted on the route's `span`."""
     async def frames() -> AsyncIterator[str]:
         try:
             async for event in events:
+                if event["kind"] == "error" and event.get("code") != "max_steps":  # max_steps: a 200 outcome
+                    status = TURN_ERROR_STATUS.get(event.get("code"), 500)
+                    _record_stream_error(span, status, str(event.get("message") or "the turn failed"))
                 yield f"event: {event['kind']}\ndata: {json.dumps(event)}\n\n"
-        except Exception:
+        except Exception as err:
             logger.exception("turn stream broke off")
+            _record_failure(span, err)
             yield f"event: error\ndata: {json.dumps({'kind': 'error', **INTERRUPTED})}\n\n"
         yield "event: done\ndata: {}\n\n"
 
     return frames()
 
 
-async def _call(remote) -> Response:
-    """A unary session call; failures inside the orchestrator become a clean 500."""
+async def _call(remote, span: trace.Span = trace.INVALID_SPAN) -> Response:
+    """A unary session call; failures inside the orchestrator become a clean 500 (the exception goes on `span`)."""
     try:
         return _unary(await remote)
-    except Exception:
+    except Exception as err:
         logger.exception("session call failed")
+        span.record_exception(err)
         return JSONResponse(INTERNAL_ERROR, status_code=500)
 
 
@@ -277,23 +292,27 @@ def merged_deltas(events: list[Dict[str, Any]]) -> list[Dict[str, Any]]:
     return merged
 
 
-async def _turn_response(session_id: str, stream_events, is_streaming: bool) -> Response:
-    """Maps the orchestrator's turn stream (envelope first, then events) to HTTP."""
+async def _turn_response(
+    session_id: str, stream_events, is_streaming: bool, span: trace.Span = trace.INVALID_SPAN
+) -> Response:
+    """Maps the orchestrator's turn stream (envelope first, then events) to HTTP; exceptions go on `span`."""
     events = stream_events.__aiter__()
     try:
         first = await events.__anext__()
-    except Exception:
+    except Exception as err:
         logger.exception("turn of session %s failed before it started", session_id)
+        span.record_exception(err)
         return JSONResponse(INTERNAL_ERROR, status_code=500)
     if first["status"] != 200:
         return _unary(first)
     headers = {REPLAY_HEADER: "true"} if first.get("is_replay") else {}
     if is_streaming:
-        return StreamingResponse(_sse(first, events), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_sse(first, events, span), media_type="text/event-stream", headers=headers)
     try:
         collected = [event async for event in events]
-    except Exception:
+    except Exception as err:
         logger.exception("turn of session %s broke off", session_id)
+        span.record_exception(err)
         error = error_body(503, INTERRUPTED["message"], code=INTERRUPTED["code"])["error"]
         return JSONResponse({"session_id": session_id, "status": "failed", "error": error}, status_code=503)
     collected = merged_deltas(collected)
@@ -311,12 +330,45 @@ async def _turn_response(session_id: str, stream_events, is_streaming: bool) -> 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _session_span(request: Request, route: str, session_id: str):
-    """The ingress span of a session call, child of the caller's W3C context (a streamed turn outlives it)."""
-    return telemetry.tracer().start_as_current_span(
-        route, context=telemetry.extract(dict(request.headers)), kind=trace.SpanKind.SERVER,
-        attributes={"http.route": route, "warmpath.session_id": session_id},
+async def _traced_session_call(
+    request: Request,
+    method: str,
+    route: str,
+    session_id: Optional[str],
+    respond: Callable[[trace.Span], Awaitable[Response]],
+) -> Response:
+    """`respond(span)` under the route's server span, child of the caller's W3C context.
+
+    Why every session route has one: the orchestrator's spans (a turn's model
+    and tool calls) hang under it, and a failed create or delete is as worth
+    finding as a failed turn (the gRPC ingress traces all of them too). Named
+    `{method} {route}` with the template alone in `http.route`, as OTel's HTTP
+    conventions ask. The span is current while `respond` runs, so the trace
+    context it sends the orchestrator (`telemetry.inject`) is this span's; a
+    streamed turn's span ends with its stream (`_finish_span`).
+    """
+    attributes = {"http.request.method": method, "http.route": route}
+    if session_id is not None:
+        attributes["warmpath.session_id"] = session_id
+    span = telemetry.tracer().start_span(
+        f"{method} {route}", context=telemetry.extract(dict(request.headers)), kind=trace.SpanKind.SERVER,
+        attributes=attributes,
     )
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        response = await respond(span)
+    except OpenAIHTTPException as err:  # no caller (401), no session API (404): answered by `api_errors.install`
+        span.record_exception(err)
+        _record_http_status(span, err.status_code, err.message)
+        span.end()
+        raise
+    except BaseException as err:
+        _record_failure(span, err)
+        span.end()
+        raise
+    finally:
+        otel_context.detach(token)
+    return _finish_span(span, response)
 
 
 def _forward_trace_context(raw_request: Request) -> None:
@@ -348,12 +400,100 @@ def _annotate_usage(span, usage: Optional[dict]) -> None:
         span.set_attribute("warmpath.cached_tokens", cached)
 
 
-async def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
+def _record_http_status(span, status: int, message: str = "") -> None:
+    """A response's status on its server span, by OTel's HTTP server conventions.
+
+    Why only a 5xx is an error: a 4xx is the caller's mistake (an unknown
+    model, a bad parameter, a missing session), not a failure of this service;
+    marking it ERROR would hide outages among typos. `error.type` names a 5xx
+    by its status code, as the conventions ask.
+    """
+    if not span.is_recording():
+        return
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        span.set_attribute("error.type", str(status))
+        span.set_status(trace.Status(trace.StatusCode.ERROR, message[:200]))
+
+
+def _record_stream_error(span, status: int, message: str) -> None:
+    """An error the client got inside a 200 stream: an engine error frame, a turn's `error` event.
+
+    Why: the status code (200) went out before the failure, so it cannot show
+    it; `error.type` carries the failure's own status, and a server-side one
+    (5xx) marks the span ERROR as a 5xx response would.
+    """
+    if not span.is_recording():
+        return
+    span.set_attribute("error.type", str(status))
+    if status >= 500:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, message[:200]))
+
+
+def _record_failure(span, err: BaseException) -> None:
+    """A failure no status code describes (the request was cancelled, a stream broke off after its 200).
+
+    OTel's HTTP conventions: `error.type` is the exception's class and the span is ERROR.
+    """
+    if not span.is_recording():
+        return
+    span.record_exception(err)
+    span.set_attribute("error.type", type(err).__qualname__)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(err).__name__}: {err}"[:200]))
+
+
+def _response_error_message(response: Response) -> str:
+    """`error.message` of a response in the API's error shape; "" for any other body (or a stream)."""
     try:
-        async for frame in frames:
-            yield frame
-    finally:
+        body = json.loads(getattr(response, "body", b"") or b"null")
+    except ValueError:
+        return ""
+    error = body.get("error") if isinstance(body, dict) else None
+    return str(error.get("message") or "") if isinstance(error, dict) else ""
+
+
+def _finish_span(span, response: Response) -> Response:
+    """`response`, its status recorded on `span`, which ends now or, for a stream, when the stream does.
+
+    The one place a server span's status is set and its end decided, for the
+    OpenAI routes and the session routes alike.
+    """
+    _record_http_status(span, response.status_code, _response_error_message(response))
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _ending_span(response.body_iterator, span)
+    else:
         span.end()
+    return response
+
+
+def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
+    """`frames`, ending `span` once: when the stream ends, fails or is closed, or when it is dropped unstarted.
+
+    Why a finalizer as well as `finally`: a generator's `finally` only runs if
+    the generator started, and Starlette drops a response whose client left
+    before its body began; the span would stay open, never exported. The inner
+    stream is closed first, so what it records on the span at its end (usage,
+    an incomplete stream) lands before the span ends. A failure inside the
+    stream came after its 200 went out, so it is recorded as the failure itself.
+    """
+    async def relay() -> AsyncIterator[str]:
+        try:
+            async for frame in frames:
+                yield frame
+        except Exception as err:
+            _record_failure(span, err)
+            raise
+        finally:
+            try:
+                aclose = getattr(frames, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                end()
+
+    stream = relay()
+    end = weakref.finalize(stream, span.end)
+    return stream
 
 
 def _bad_request(problem: tuple[str, Optional[str]]) -> JSONResponse:
@@ -379,14 +519,12 @@ class WarmpathIngress(OpenAiIngress):
         self._orchestrator = orchestrator
         telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "ingress")
 
+    def __del__(self) -> None:
+        """Ray Serve's shutdown hook (then it kills the actor): the queued spans go out first, within a bound."""
+        if telemetry is not None:  # None when the interpreter exits and has cleared module globals
+            telemetry.flush_spans()
+
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
-        problem = chat_request_problem(body) if call_method == "chat" else completion_request_problem(body)
-        if problem is not None:
-            return _bad_request(problem)
-        is_usage_asked = asks_for_usage(body)
-        if getattr(body, "stream", False) and not is_usage_asked:
-            # The router's per-replica counters read the stream's usage; the client did not ask for it.
-            body.stream_options = StreamOptions(include_usage=True)
         parent = telemetry.extract(dict(raw_request.headers)) if raw_request is not None else None
         span = telemetry.tracer().start_span(
             f"{call_method} {body.model}", context=parent, kind=trace.SpanKind.SERVER,
@@ -394,23 +532,29 @@ class WarmpathIngress(OpenAiIngress):
         )
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
-            if raw_request is not None and span.is_recording():
+            problem = chat_request_problem(body) if call_method == "chat" else completion_request_problem(body)
+            if problem is not None:
+                return _finish_span(span, _bad_request(problem))
+            is_usage_asked = asks_for_usage(body)
+            if getattr(body, "stream", False) and not is_usage_asked:
+                # The router's per-replica counters read the stream's usage; the client did not ask for it.
+                body.stream_options = StreamOptions(include_usage=True)
+            # A valid context, sampled or not: a sampled-out call still tells the replica not to start a trace.
+            if raw_request is not None and span.get_span_context().is_valid:
                 _forward_trace_context(raw_request)
             response = await self._traced_llm_request(body, call_method, raw_request, span, is_usage_asked)
         except BaseException as err:
             _withdraw_placement()
-            span.record_exception(err)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)[:200]))
-            span.end()
-            if not isinstance(err, Exception):  # cancellation
+            if not isinstance(err, Exception):  # cancellation: no response goes out
+                _record_failure(span, err)
+                span.end()
                 raise
+            span.record_exception(err)
             # Answered here, in the API's one error shape, not by Ray's middleware (`serve_apps.api_errors`).
-            return exception_response(err, raw_request)
+            response = exception_response(err, raw_request)
         finally:
             otel_context.detach(token)
-        if not isinstance(response, StreamingResponse):
-            span.end()
-        return response
+        return _finish_span(span, response)
 
     async def _traced_llm_request(
         self, body, call_method: str, raw_request: Optional[Request], span, is_usage_asked: bool
@@ -444,7 +588,7 @@ class WarmpathIngress(OpenAiIngress):
                 _record_usage(logged, served_by, usage)
                 return JSONResponse(content=first_chunk.model_dump(), headers=headers)
             frames = _recording_usage(_openai_json_wrapper(gen), logged, served_by, is_usage_asked, span)
-            return StreamingResponse(_ending_span(frames, span), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
 
     async def tokenize(self, body: TokenizeCompletionRequest, request: Request) -> Response:
         """Token ids of a prompt, as the engine's tokenizer gives them."""
@@ -470,14 +614,24 @@ class WarmpathIngress(OpenAiIngress):
 
         The session belongs to the calling API key; a tool needing a permission the key lacks is refused (403).
         """
-        return await _call(self._sessions().create_session.remote(body.model_dump(mode="json"), _caller(request).to_dict()))
+        def respond(span: trace.Span) -> Awaitable[Response]:
+            remote = self._sessions().create_session.remote(body.model_dump(mode="json"), _caller(request).to_dict())
+            return _call(remote, span)
+
+        return await _traced_session_call(request, "POST", "/v1/sessions", None, respond)
 
     async def get_session(self, session_id: str, request: Request) -> Response:
         """Transcript, token accounting and cache stats of a session (404 for another key's session)."""
-        return await _call(self._sessions().get_session.remote(session_id, _caller(request).to_dict()))
+        def respond(span: trace.Span) -> Awaitable[Response]:
+            return _call(self._sessions().get_session.remote(session_id, _caller(request).to_dict()), span)
+
+        return await _traced_session_call(request, "GET", "/v1/sessions/{session_id}", session_id, respond)
 
     async def delete_session(self, session_id: str, request: Request) -> Response:
-        return await _call(self._sessions().delete_session.remote(session_id, _caller(request).to_dict()))
+        def respond(span: trace.Span) -> Awaitable[Response]:
+            return _call(self._sessions().delete_session.remote(session_id, _caller(request).to_dict()), span)
+
+        return await _traced_session_call(request, "DELETE", "/v1/sessions/{session_id}", session_id, respond)
 
     async def post_message(self, session_id: str, body: TurnRequest, request: Request) -> Response:
         """Append a user message and run the turn (SSE when `stream` is true).
@@ -486,22 +640,27 @@ class WarmpathIngress(OpenAiIngress):
         gets the committed turn back (header `x-warmpath-idempotent-replay: true`) instead of a second turn.
         """
         idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)  # checked by the orchestrator, for every ingress
-        handle = self._sessions().options(stream=True)
-        with _session_span(request, "POST /v1/sessions/{session_id}/messages", session_id):
-            events = handle.send_message.remote(
+
+        def respond(span: trace.Span) -> Awaitable[Response]:
+            events = self._sessions().options(stream=True).send_message.remote(
                 session_id, body.model_dump(mode="json"), _caller(request).to_dict(), telemetry.inject(), idempotency_key
             )
-            return await _turn_response(session_id, events, body.stream)
+            return _turn_response(session_id, events, body.stream, span)
+
+        return await _traced_session_call(request, "POST", "/v1/sessions/{session_id}/messages", session_id, respond)
 
     async def post_tool_results(self, session_id: str, body: ToolResultsSubmission, request: Request) -> Response:
         """Answer a `requires_action` pause with client tool results and continue the turn (same idempotency rule)."""
         idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)  # checked by the orchestrator, for every ingress
-        handle = self._sessions().options(stream=True)
-        with _session_span(request, "POST /v1/sessions/{session_id}/tool_results", session_id):
-            events = handle.submit_tool_results.remote(
+
+        def respond(span: trace.Span) -> Awaitable[Response]:
+            events = self._sessions().options(stream=True).submit_tool_results.remote(
                 session_id, body.model_dump(mode="json"), _caller(request).to_dict(), telemetry.inject(), idempotency_key
             )
-            return await _turn_response(session_id, events, body.stream)
+            return _turn_response(session_id, events, body.stream, span)
+
+        route = "/v1/sessions/{session_id}/tool_results"
+        return await _traced_session_call(request, "POST", route, session_id, respond)
 
     async def router_state(self) -> JSONResponse:
         """The prefix-aware routers of this ingress replica: replicas, index counts, decision statistics."""

@@ -25,7 +25,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Dict, Optional
+from typing import Any, AsyncGenerator, Awaitable, Dict, Optional, TypeVar
 
 from opentelemetry import trace
 
@@ -37,6 +37,9 @@ from serve_apps.metrics import WarmpathMetrics
 from serve_apps.stream_batches import eager_first_batches
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.llm import LLMConfig
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,22 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+async def _ending_span_on_failure(call: Awaitable[T], span: trace.Span) -> T:
+    """What `call` returns; if it raises, `span` records the error and ends before the error goes on.
+
+    Why: the engine span ends in `_tagged`'s `finally`, which only runs for a
+    stream that exists; a request the engine refuses before streaming (a bad
+    LoRA name, a validation error) would leave it open and never exported.
+    """
+    try:
+        return await call
+    except BaseException as err:
+        span.record_exception(err)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(err).__name__}: {err}"[:200]))
+        span.end()
+        raise
 
 
 def _attach_tokenization(engine: Any) -> None:
@@ -142,14 +161,21 @@ class WarmpathLLMServer(LLMServer):
         )
         if span.is_recording():
             span.set_attribute("warmpath.prompt_ids_forwarded", is_forwarded)
-        return self._tagged(await super().chat(request, raw_request_info), span)
+        return self._tagged(await _ending_span_on_failure(super().chat(request, raw_request_info), span), span)
 
     def _batch_output_stream(self, generator: AsyncGenerator) -> AsyncGenerator[list, None]:
         return eager_first_batches(generator, self._get_batch_interval_ms() / 1000)
 
     async def completions(self, request, raw_request_info=None):
         span = self._span("completions", request, raw_request_info)
-        return self._tagged(await super().completions(request, raw_request_info), span)
+        return self._tagged(await _ending_span_on_failure(super().completions(request, raw_request_info), span), span)
+
+    async def __del__(self) -> None:
+        """Ray Serve's shutdown hook: the engine stops (Ray's), then the queued spans go out before Ray kills the actor."""
+        try:
+            await super().__del__()
+        finally:
+            await telemetry.flush_spans_async()
 
     async def record_routing_stats(self) -> Dict[str, Any]:
         stats = dict(await super().record_routing_stats())

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import secrets
 
+import grpc
 import httpx
 import pytest
 
+from cluster.serve_config import grpc_app_name
 from tests.integration.test_sessions import LOOKUP_SCHEMA, tool_server  # noqa: F401 - fixture
+from warmpath.v1 import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -88,3 +91,115 @@ def test_chat_completion_trace(cluster, otlp_receiver):
     # The prefix-aware router hands the engine its token ids; other policies leave rendering to the engine.
     is_forwarded = cluster.cfg.router.policy == "warmpath" and cluster.cfg.router.forward_prompt_token_ids
     assert names["vllm.chat"][0].attributes["warmpath.prompt_ids_forwarded"] is is_forwarded
+
+
+def test_a_client_error_is_recorded_but_not_a_span_error(cluster, otlp_receiver):
+    trace_id, traceparent = _traceparent()
+    resp = cluster.client.post(
+        "/v1/chat/completions",
+        json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        headers={"traceparent": traceparent}, timeout=120,
+    )
+    assert resp.status_code == 404, resp.text
+    names = _by_name(otlp_receiver.wait_for(trace_id, {"chat no-such-model"}))
+    ingress = names["chat no-such-model"][0]
+    assert ingress.attributes["http.response.status_code"] == 404
+    assert "error.type" not in ingress.attributes  # set only with an ERROR status (5xx)
+
+
+def test_a_streamed_chat_span_ends_with_its_stream(cluster, otlp_receiver):
+    trace_id, traceparent = _traceparent()
+    body = {"model": cluster.model_id, "messages": [{"role": "user", "content": "stream me"}], "max_tokens": 4,
+            "stream": True}
+    with cluster.client.stream("POST", "/v1/chat/completions", json=body, headers={"traceparent": traceparent},
+                               timeout=120) as resp:
+        assert resp.status_code == 200
+        frames = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]"
+    wanted = {f"chat {cluster.model_id}", "vllm.chat"}
+    names = _by_name(otlp_receiver.wait_for(trace_id, wanted))
+    assert wanted <= set(names), sorted(names)
+    ingress = names[f"chat {cluster.model_id}"][0]
+    # Usage arrives in the stream's last chunk: on the span only if it ended after the stream did.
+    assert ingress.attributes["gen_ai.usage.input_tokens"] > 0
+    assert ingress.attributes["http.response.status_code"] == 200
+    assert "warmpath.stream.incomplete" not in ingress.attributes and "error.type" not in ingress.attributes
+
+
+def test_session_routes_are_traced_with_their_route_template(cluster, otlp_receiver):
+    trace_id, traceparent = _traceparent()
+    body = {"model": cluster.model_id, "system_prompt": "You are terse."}
+    resp = cluster.client.post("/v1/sessions", json=body, headers={"traceparent": traceparent}, timeout=60)
+    assert resp.status_code == 201, resp.text
+    sid = resp.json()["session_id"]
+    resp = cluster.client.delete(f"/v1/sessions/{sid}", headers={"traceparent": traceparent}, timeout=60)
+    assert resp.status_code == 204
+    resp = cluster.client.get(f"/v1/sessions/{sid}", headers={"traceparent": traceparent}, timeout=60)
+    assert resp.status_code == 404
+    statuses = {"POST /v1/sessions": 201, "DELETE /v1/sessions/{session_id}": 204, "GET /v1/sessions/{session_id}": 404}
+    names = _by_name(otlp_receiver.wait_for(trace_id, set(statuses)))
+    assert set(statuses) <= set(names), sorted(names)
+    for name, status in statuses.items():
+        span = names[name][0]
+        method, route = name.split(" ")
+        assert span.parent_span_id == traceparent.split("-")[2]
+        assert (span.attributes["http.request.method"], span.attributes["http.route"]) == (method, route)
+        assert span.attributes["http.response.status_code"] == status
+        assert "error.type" not in span.attributes  # a 404 is the caller's, not an error
+
+
+def test_a_streamed_turn_span_covers_the_turn(cluster, otlp_receiver):
+    body = {"model": cluster.model_id, "system_prompt": "You are terse.", "limits": {"output_reserve_tokens": 64}}
+    sid = cluster.client.post("/v1/sessions", json=body, timeout=60).json()["session_id"]
+    trace_id, traceparent = _traceparent()
+    with cluster.client.stream("POST", f"/v1/sessions/{sid}/messages", json={"content": "Say hi.", "stream": True},
+                               headers={"traceparent": traceparent}, timeout=300) as resp:
+        assert resp.status_code == 200
+        kinds = [line.split(": ", 1)[1] for line in resp.iter_lines() if line.startswith("event: ")]
+    assert kinds[-1] == "done", kinds
+    wanted = {"POST /v1/sessions/{session_id}/messages", "invoke_agent warmpath"}
+    names = _by_name(otlp_receiver.wait_for(trace_id, wanted))
+    assert wanted <= set(names), sorted(names)
+    ingress = names["POST /v1/sessions/{session_id}/messages"][0]
+    # The turn ran under the route's span, which ended with the stream (it was exported after the turn's).
+    assert names["invoke_agent warmpath"][0].parent_span_id == ingress.span_id
+    assert ingress.attributes["http.route"] == "/v1/sessions/{session_id}/messages"
+    assert ingress.attributes["http.response.status_code"] == 200
+
+
+@pytest.fixture(scope="module")
+def channel(cluster):
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.cfg.ports.grpc_port}") as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def metadata(cluster):
+    return [("application", grpc_app_name(cluster.cfg)), ("authorization", f"Bearer {cluster.api_key}")]
+
+
+def test_grpc_calls_are_traced_with_their_status_code(channel, metadata, cluster, otlp_receiver):
+    agent = agent_pb2_grpc.AgentStub(channel)
+    trace_id, traceparent = _traceparent()
+    traced = [*metadata, ("traceparent", traceparent)]
+    created = agent.CreateSession(agent_pb2.CreateSessionRequest(
+        model=cluster.model_id, system_prompt="You are terse.", limits=agent_pb2.SessionLimits(output_reserve_tokens=64),
+    ), metadata=traced, timeout=60)
+    # A stream that failed would raise here: the call ended OK.
+    list(agent.SendMessage(
+        agent_pb2.SendMessageRequest(session_id=created.session_id, content="Say hi."), metadata=traced, timeout=300,
+    ))
+    agent.DeleteSession(agent_pb2.DeleteSessionRequest(session_id=created.session_id), metadata=traced, timeout=60)
+    with pytest.raises(grpc.RpcError) as err:
+        agent.GetSession(agent_pb2.GetSessionRequest(session_id=created.session_id), metadata=traced, timeout=60)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    codes = {"warmpath.v1.Agent/CreateSession": 0, "warmpath.v1.Agent/SendMessage": 0,
+             "warmpath.v1.Agent/DeleteSession": 0, "warmpath.v1.Agent/GetSession": grpc.StatusCode.NOT_FOUND.value[0]}
+    wanted = {*codes, "invoke_agent warmpath"}
+    names = _by_name(otlp_receiver.wait_for(trace_id, wanted))
+    assert wanted <= set(names), sorted(names)
+    assert {name: names[name][0].attributes["rpc.grpc.status_code"] for name in codes} == codes
+    send = names["warmpath.v1.Agent/SendMessage"][0]
+    assert send.parent_span_id == traceparent.split("-")[2]
+    assert names["invoke_agent warmpath"][0].parent_span_id == send.span_id
+    assert send.resource["warmpath.component"] == "grpc-ingress"

@@ -26,6 +26,7 @@ class ReceivedSpan:
     parent_span_id: str
     attributes: dict
     resource: dict = field(default_factory=dict)
+    is_error: bool = False  # the span's status is ERROR (OTLP status code 2)
 
 
 def _value(any_value):
@@ -78,6 +79,7 @@ class OtlpReceiver:
                         name=span.name, trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
                         parent_span_id=span.parent_span_id.hex(),
                         attributes={a.key: _value(a.value) for a in span.attributes}, resource=resource,
+                        is_error=span.status.code == 2,
                     ))
         with self._lock:
             self.spans.extend(spans)

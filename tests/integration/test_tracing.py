@@ -104,7 +104,7 @@ def test_a_client_error_is_recorded_but_not_a_span_error(cluster, otlp_receiver)
     names = _by_name(otlp_receiver.wait_for(trace_id, {"chat no-such-model"}))
     ingress = names["chat no-such-model"][0]
     assert ingress.attributes["http.response.status_code"] == 404
-    assert "error.type" not in ingress.attributes  # set only with an ERROR status (5xx)
+    assert "error.type" not in ingress.attributes and not ingress.is_error  # ERROR only for 5xx
 
 
 def test_a_streamed_chat_span_ends_with_its_stream(cluster, otlp_receiver):
@@ -145,7 +145,7 @@ def test_session_routes_are_traced_with_their_route_template(cluster, otlp_recei
         assert span.parent_span_id == traceparent.split("-")[2]
         assert (span.attributes["http.request.method"], span.attributes["http.route"]) == (method, route)
         assert span.attributes["http.response.status_code"] == status
-        assert "error.type" not in span.attributes  # a 404 is the caller's, not an error
+        assert "error.type" not in span.attributes and not span.is_error  # a 404 is the caller's, not an error
 
 
 def test_a_streamed_turn_span_covers_the_turn(cluster, otlp_receiver):
@@ -199,6 +199,7 @@ def test_grpc_calls_are_traced_with_their_status_code(channel, metadata, cluster
     names = _by_name(otlp_receiver.wait_for(trace_id, wanted))
     assert wanted <= set(names), sorted(names)
     assert {name: names[name][0].attributes["rpc.grpc.status_code"] for name in codes} == codes
+    assert not any(names[name][0].is_error for name in codes)  # NOT_FOUND is the caller's
     send = names["warmpath.v1.Agent/SendMessage"][0]
     assert send.parent_span_id == traceparent.split("-")[2]
     assert names["invoke_agent warmpath"][0].parent_span_id == send.span_id

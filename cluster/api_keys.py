@@ -21,6 +21,15 @@ revoked.
 `authorize` looks the key up and takes one token in a single Lua script, so a
 request costs one round trip and two ingress replicas can never both spend the
 last token. The script reads Redis' own clock: ingress clocks need not agree.
+It is flagged `allow-oom` (Redis 7+): a Redis full under `noeviction` still
+admits and rate-limits callers (a bucket is a few bytes, and expires), so a
+client can still reach DELETE /v1/sessions/{id}, the call that frees memory.
+A Redis that is down still refuses everyone (503): the guard fails closed.
+
+Redis refusing a command for a state of its own (full, read-only replica,
+failed snapshot, missing database) is an outage, not a bug: it answers 503
+naming the state (`cluster.redis_errors`). Reads retry once on a dead pooled
+connection, so the first call after a Redis restart does not fail.
 """
 
 from __future__ import annotations
@@ -36,7 +45,9 @@ from typing import Awaitable, Callable, Optional, Sequence, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
+
+from cluster.redis_errors import redis_refusal, retry_on_dead_connection
 
 T = TypeVar("T")
 KEY_PREFIX = "wp_"
@@ -52,7 +63,8 @@ logger = logging.getLogger(__name__)
 # Returns {0} for an unknown key, {2, record_json} for a record whose rate or burst is
 # unusable (the bucket arithmetic would fail or never refuse), else
 # {1, record_json, is_allowed, retry_after_ms}.
-_AUTHORIZE = """
+# `allow-oom`: the bucket update must run on a Redis that is full (noeviction), see the module docstring.
+_AUTHORIZE = """#!lua flags=allow-oom
 local raw = redis.call('HGET', KEYS[1], 'record')
 if not raw then return {0} end
 local record = cjson.decode(raw)
@@ -83,7 +95,13 @@ return {1, raw, is_allowed, retry_after_ms}
 
 
 class StoreUnavailable(RuntimeError):
-    """Redis did not answer; callers answer 503 and never guess."""
+    """Redis did not answer, or refused for a state of its own; callers answer 503 and never guess."""
+
+
+def _unavailable(err: RedisError) -> StoreUnavailable:
+    """The 503 of a failed key-store call, naming Redis' state when it refused for one."""
+    refusal = redis_refusal(err) if isinstance(err, ResponseError) else None
+    return StoreUnavailable(refusal or str(err))
 
 
 class InvalidStoreUrl(ValueError):
@@ -247,25 +265,30 @@ class ApiKeyStore:
                         pipe.pexpireat(entry, math.ceil(record.expires_at_s * 1000))
                 await pipe.execute()
         except RedisError as err:
-            raise StoreUnavailable(str(err)) from None
+            raise _unavailable(err) from None
         return key, record
 
     async def lookup(self, key: str) -> Optional[ApiKeyRecord]:
         """The record of `key`, without spending a token."""
         key_hash = hash_api_key(key)
         try:
-            raw = await self._redis.hget(_NS + "apikey:" + key_hash, "record")
+            raw = await retry_on_dead_connection(
+                self._redis, lambda: self._redis.hget(_NS + "apikey:" + key_hash, "record")
+            )
         except RedisError as err:
-            raise StoreUnavailable(str(err)) from None
+            raise _unavailable(err) from None
         return _parse_record(raw, key_hash) if raw else None
 
     async def authorize(self, key: str) -> Authorization:
         """Looks `key` up and takes one token from its bucket, atomically."""
         key_hash = hash_api_key(key)
         try:
-            reply = await self._authorize(keys=[_NS + "apikey:" + key_hash], args=[_NS + "ratelimit:"])
+            # A retry may take a second token when the first try ran but its reply was lost; never a free one.
+            reply = await retry_on_dead_connection(
+                self._redis, lambda: self._authorize(keys=[_NS + "apikey:" + key_hash], args=[_NS + "ratelimit:"])
+            )
         except RedisError as err:
-            raise StoreUnavailable(str(err)) from None
+            raise _unavailable(err) from None
         if not reply or int(reply[0]) == 0:
             return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
         record = _parse_record(reply[1], key_hash)
@@ -291,7 +314,7 @@ class ApiKeyStore:
                 except ValidationError as err:
                     unreadable.append(UnreadableKey(key_id=id_key[len(id_prefix):], problem=_record_problem(err)))
         except RedisError as err:
-            raise StoreUnavailable(str(err)) from None
+            raise _unavailable(err) from None
         return KeyListing(
             records=sorted(records, key=lambda r: r.created_at_s), unreadable=sorted(unreadable, key=lambda u: u.key_id)
         )
@@ -304,5 +327,5 @@ class ApiKeyStore:
                 return False
             await self._redis.delete(_NS + "apikey:" + key_hash, _NS + "apikey-id:" + key_id, _NS + "ratelimit:" + key_id)
         except RedisError as err:
-            raise StoreUnavailable(str(err)) from None
+            raise _unavailable(err) from None
         return True

@@ -20,10 +20,12 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 from pathlib import Path
 from typing import Literal, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
+import redis
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -284,8 +286,18 @@ class ClusterConfig(_Strict):
         return str(Path(self.state_dir).expanduser().resolve() / "models" / self.model.model_id)
 
 
+# Highest database number a Redis URL may name: Redis' default `databases 16` numbers them 0-15.
+MAX_REDIS_DB = 15
+
+
 def check_redis_url(url: str) -> None:
-    """Raises ValueError unless `url` is a URL the Redis client accepts (redis://, rediss://, unix://)."""
+    """Raises ValueError, one line naming the problem, unless the Redis client can use `url` as written.
+
+    Checked at config time because redis-py is lenient until it is too late: a
+    database that is not a number (`/abc`) silently means db 0, one the server
+    lacks (`/99`) fails every call, and a bad option (`?socket_timeout=abc`)
+    fails only when a deployment builds its client. Nothing connects.
+    """
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {url!r}")
@@ -293,6 +305,41 @@ def check_redis_url(url: str) -> None:
         _ = parts.port  # reading it parses it
     except ValueError:
         raise ValueError(f"has a port that is not a number: {url!r}") from None
+    _check_redis_db(parts)
+    _check_redis_options(url)
+
+
+def _redis_db_text(parts: SplitResult) -> str | None:
+    """The database as the URL writes it (`?db=`, else a redis:// URL's path); None when it names none (db 0)."""
+    query_db = parse_qs(parts.query).get("db")
+    if query_db:
+        return query_db[0]
+    path = unquote(parts.path)
+    if parts.scheme == "unix" or path in ("", "/"):
+        return None  # a unix:// URL's path is its socket
+    return path[1:]
+
+
+def _check_redis_db(parts: SplitResult) -> None:
+    """A database number from 0 to MAX_REDIS_DB, written as digits (`/1/2` would silently mean db 12)."""
+    text = _redis_db_text(parts)
+    if text is not None and not (re.fullmatch(r"[0-9]+", text) and int(text) <= MAX_REDIS_DB):
+        raise ValueError(
+            f"names database {text!r}; it must be a number from 0 to {MAX_REDIS_DB} (as in redis://host:6379/0)"
+        )
+
+
+def _check_redis_options(url: str) -> None:
+    """Builds a throwaway client and connection object from `url` (nothing connects) so its options are parsed."""
+    try:
+        client = redis.Redis.from_url(url)
+        client.connection_pool.make_connection()  # an unknown option fails only here
+    except (ValueError, TypeError, redis.RedisError) as err:
+        unknown = re.search(r"unexpected keyword argument '([^']+)'", str(err))
+        if unknown:
+            raise ValueError(f"has a query option the Redis client does not know: {unknown.group(1)!r}") from None
+        raise ValueError(f"has a query option the Redis client cannot use: {err}") from None
+    client.close()
 
 
 class ConfigError(ValueError):

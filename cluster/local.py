@@ -174,7 +174,8 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
     progress(f"redis: starting redis-server on port {port} (AOF in {data_dir})")
     proc = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-         "--appendonly", "yes", "--appendfsync", "everysec", "--save", "60 1",
+         # `always`: Redis fsyncs each write before replying, so an acknowledged turn survives a host crash.
+         "--appendonly", "yes", "--appendfsync", "always", "--save", "60 1",
          "--logfile", str(data_dir / "redis.log")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )

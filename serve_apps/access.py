@@ -7,8 +7,10 @@ passes to the orchestrator, which owns the session-level checks (ownership,
 tool permissions).
 
 Failure rules, in order: no or unknown key -> 401; bucket empty -> 429 with
-`Retry-After`; key store unreachable -> 503 (fail closed and fast: a guard that
-cannot check a key admits nobody). With `access.is_auth_enabled` off, every
+`Retry-After`; key store unreachable or refusing (read-only replica, failed
+snapshot) -> 503 (fail closed and fast: a guard that cannot check a key admits
+nobody). A key store that is full (`maxmemory`, noeviction) still checks keys
+and buckets, so clients can still delete sessions to make room. With `access.is_auth_enabled` off, every
 call is the anonymous caller holding all permissions, and nothing touches Redis.
 
 The HTTP side is a plain ASGI middleware, so it runs before FastAPI parses a

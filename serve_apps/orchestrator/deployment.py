@@ -279,6 +279,10 @@ class Orchestrator:
     async def check_health(self) -> None:
         return None
 
+    async def __del__(self) -> None:
+        """Ray Serve's shutdown hook (then it kills the actor): the queued spans go out first, within a bound."""
+        await telemetry.flush_spans_async()
+
     async def _owned_record(self, session_id: str, caller: Caller) -> SessionRecord:
         """The session's record; SessionNotFound also when another key owns it (it answers like a missing one)."""
         record = await self._store.get(session_id)
@@ -473,8 +477,11 @@ class Orchestrator:
         # after it, the stream has begun and a failure can only be its last event.
         has_started = False
         try:
+            # Ownership before the lock: another key's request answers 404 like a missing session (not 409
+            # while the owner's turn runs), and never holds the lock the owner's next request needs.
+            await self._owned_record(session_id, caller)
             async with self._store.turn_lock(session_id):
-                record = await self._owned_record(session_id, caller)
+                record = await self._owned_record(session_id, caller)  # again: the session may be gone by now
                 denied = _missing_permission(caller, record.request.tools)
                 if denied is not None:
                     yield denied

@@ -11,15 +11,31 @@ Invariants:
   fails its length check instead of writing twice, even across compactions.
 - A commit is one Lua script: length check, optional compaction, messages, step
   stats, idempotent result and TTL refresh all happen or none do.
+- All keys of a session expire together, `ttl_s` after its creation, its last
+  commit, or the last time a turn took or renewed its lock: a running turn
+  keeps its session alive however long it takes.
 - A turn lock is released only by the holder whose random token it still stores
   (compare-and-delete), so a holder whose lock expired cannot free another's.
-- Redis being unreachable surfaces as `StoreUnavailable`, never as a redis-py
-  exception, so the HTTP layer maps it to 503 in one place.
+- Redis being unreachable, or refusing for a state of its own (out of memory,
+  read-only replica, failed snapshot save, no such database), surfaces as
+  `StoreUnavailable` naming that state, never as a redis-py exception, so the
+  HTTP layer maps it to 503 in one place.
+- A Redis full under `noeviction` refuses writes and anything queued in MULTI,
+  so what a client needs to recover works without either: `get`, `transcript`
+  (a `no-writes` script), `step_stats`, idempotency lookups and `delete` (an
+  `allow-oom` script that only DELs, freeing memory). Script flags need Redis 7.
+- Idempotent reads, lock calls and deletes retry once on a dead pooled
+  connection (`retry_on_dead_connection`), so the first call after a Redis
+  restart succeeds; a commit is never retried (a ConnectionError does not say
+  whether it ran, and a second run would report a saved turn as stale).
 - An idempotency key's record (`RememberedTurn`) holds the fingerprint of the
   request that ran under it and every event the turn produced (runs of text
   deltas joined, as the HTTP API's unstreamed body shows them), so a retry of
   the same request replays exactly that, and another request under the same
   key is recognised and refused instead of silently answered with the first.
+  A session keeps the records of its last `max_idempotency_records` (64) keyed
+  turns: the commit that stores a record evicts the oldest beyond that, in the
+  same script. A retry under an evicted key runs as a new turn.
 """
 
 from __future__ import annotations
@@ -30,9 +46,10 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
@@ -40,14 +57,37 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from cluster.redis_errors import redis_refusal, retry_on_dead_connection
 from serve_apps.orchestrator.models import CreateSessionRequest, Message, PrefixFingerprint, SessionId, StepStats
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # What the HTTP ingress accepts in `Idempotency-Key`; the orchestrator checks it again for every ingress.
 MAX_IDEMPOTENCY_KEY_CHARS = 256
+# Idempotency records a session keeps (its most recent keyed turns); each holds every event of its turn.
+MAX_IDEMPOTENCY_RECORDS = 64
+# The parts of a session's key, in the order the scripts take them as KEYS[1..5].
+_SESSION_PARTS = ("meta", "log", "stats", "idem", "idem-order")
 
-_COMMIT_SCRIPT = """
+# remember(hash, order, key, value, max): HSETNX, and the key joins the insertion order; keys beyond the
+# `max` newest lose their records. Returns 1 if stored, 0 if the key already had one (the first wins).
+_REMEMBER_LUA = """
+local function remember(hash, order, key, value, max_records)
+  if redis.call('HSETNX', hash, key, value) == 0 then
+    return 0
+  end
+  redis.call('RPUSH', order, key)
+  for _ = 1, redis.call('LLEN', order) - max_records do
+    redis.call('HDEL', hash, redis.call('LPOP', order))
+  end
+  return 1
+end
+"""
+
+# KEYS: meta, log, stats, idem, idem-order. ARGV: expected_len, num_replaced, summary, ttl_ms, num_messages,
+# num_stats, idem_key, result_json, max_step_stats, max_idempotency_records, then the messages and the stats.
+_COMMIT_SCRIPT = _REMEMBER_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('WARMPATH_NOT_FOUND')
 end
@@ -69,19 +109,64 @@ end
 local num_messages = tonumber(ARGV[5])
 local num_stats = tonumber(ARGV[6])
 for i = 1, num_messages do
-  redis.call('RPUSH', KEYS[2], ARGV[9 + i - 1])
+  redis.call('RPUSH', KEYS[2], ARGV[10 + i])
 end
 for i = 1, num_stats do
-  redis.call('RPUSH', KEYS[3], ARGV[9 + num_messages + i - 1])
+  redis.call('RPUSH', KEYS[3], ARGV[10 + num_messages + i])
 end
-redis.call('LTRIM', KEYS[3], -tonumber(ARGV[10 + num_messages + num_stats - 1]), -1)
+redis.call('LTRIM', KEYS[3], -tonumber(ARGV[9]), -1)
 if ARGV[7] ~= '' then
-  redis.call('HSETNX', KEYS[4], ARGV[7], ARGV[8])
+  remember(KEYS[4], KEYS[5], ARGV[7], ARGV[8], tonumber(ARGV[10]))
 end
-for i = 1, 4 do
+for i = 1, 5 do
   redis.call('PEXPIRE', KEYS[i], ARGV[4])
 end
 return length + num_messages
+"""
+
+# KEYS: idem, idem-order. ARGV: idem_key, result_json, max_idempotency_records, ttl_ms.
+_REMEMBER_SCRIPT = _REMEMBER_LUA + """
+local stored = remember(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return stored
+"""
+
+# Read-only, so a Redis full under noeviction still runs it (MULTI would be refused): the record's
+# `removed` offset and the log in one atomic read. Nil when the session does not exist.
+_TRANSCRIPT_SCRIPT = """#!lua flags=no-writes
+local removed = redis.call('HGET', KEYS[1], 'removed')
+if not removed then
+  return false
+end
+return {removed, redis.call('LRANGE', KEYS[2], 0, -1)}
+"""
+
+# Only DELs, which free memory, so `allow-oom` lets a full Redis run it: deleting a session is how a
+# client makes room. KEYS[1] is the record; returns 1 if it existed.
+_DELETE_SCRIPT = """#!lua flags=allow-oom
+local existed = redis.call('DEL', KEYS[1])
+redis.call('DEL', unpack(KEYS, 2))
+return existed
+"""
+
+# Takes the turn lock (KEYS[6]) for token ARGV[1] and refreshes the session's TTL, so a turn starts with
+# its full `ttl_s` left. Returns -1 if the session does not exist, 0 if another token holds the lock, else
+# 1; taking it again with the same token succeeds (a retried call whose first try got through).
+# KEYS: meta, log, stats, idem, idem-order, lock. ARGV: token, lock_ttl_ms, session_ttl_ms.
+_ACQUIRE_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return -1
+end
+local holder = redis.call('GET', KEYS[6])
+if holder and holder ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[6], ARGV[1], 'PX', ARGV[2])
+for i = 1, 5 do
+  redis.call('PEXPIRE', KEYS[i], ARGV[3])
+end
+return 1
 """
 
 _RELEASE_SCRIPT = """
@@ -91,17 +176,24 @@ end
 return 0
 """
 
-# Extends the lock only while this holder still owns it.
+# Extends the lock only while this holder still owns it, and the session's TTL with it while the
+# session exists (it may have been deleted mid-turn). Same KEYS and ARGV as the acquire script.
 _RENEW_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if redis.call('GET', KEYS[6]) ~= ARGV[1] then
+  return 0
 end
-return 0
+redis.call('PEXPIRE', KEYS[6], ARGV[2])
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  for i = 1, 5 do
+    redis.call('PEXPIRE', KEYS[i], ARGV[3])
+  end
+end
+return 1
 """
 
 
 class StoreUnavailable(RuntimeError):
-    """Redis cannot be reached; callers answer 503."""
+    """Redis cannot be reached, or refuses for a state of its own (full, read-only, ...); callers answer 503."""
 
 
 class SessionNotFound(LookupError):
@@ -188,19 +280,25 @@ class Compaction:
 
 @contextmanager
 def _redis_errors(session_id: str = "") -> Iterator[None]:
+    """Maps redis-py's errors to the store's: outages and Redis' own refusals to StoreUnavailable (503).
+
+    Any other ResponseError (a script's own error, a bug) is left to the caller.
+    """
     try:
         yield
     except (RedisConnectionError, RedisTimeoutError, OSError) as err:
         raise StoreUnavailable(f"session store unreachable: {err}") from err
     except ResponseError as err:
-        text = str(err)
-        if text.startswith("WARMPATH_NOT_FOUND"):
+        if str(err).startswith("WARMPATH_NOT_FOUND"):
             raise SessionNotFound(session_id) from None
+        refusal = redis_refusal(err)
+        if refusal is not None:
+            raise StoreUnavailable(refusal) from None
         raise
 
 
 class SessionStore:
-    """Sessions in Redis. All keys of a session expire together `ttl_s` after its creation or last commit."""
+    """Sessions in Redis. All keys of a session expire together `ttl_s` after its creation, last commit or last turn."""
 
     def __init__(
         self,
@@ -209,16 +307,24 @@ class SessionStore:
         ttl_s: float = 24 * 3600,
         lock_ttl_s: float = 15.0,
         max_step_stats: int = 1024,
+        max_idempotency_records: int = MAX_IDEMPOTENCY_RECORDS,
         key_prefix: str = "warmpath",
     ) -> None:
-        if ttl_s <= 0 or lock_ttl_s <= 0 or max_step_stats < 1:
-            raise ValueError("ttl_s and lock_ttl_s must be positive and max_step_stats at least 1")
+        if ttl_s <= 0 or lock_ttl_s <= 0 or max_step_stats < 1 or max_idempotency_records < 1:
+            raise ValueError(
+                "ttl_s and lock_ttl_s must be positive, max_step_stats and max_idempotency_records at least 1"
+            )
         self._redis = client
         self._ttl_ms = int(ttl_s * 1000)
         self._lock_ttl_ms = int(lock_ttl_s * 1000)
         self._max_step_stats = max_step_stats
+        self._max_idempotency_records = max_idempotency_records
         self._prefix = key_prefix
         self._commit = client.register_script(_COMMIT_SCRIPT)
+        self._remember = client.register_script(_REMEMBER_SCRIPT)
+        self._read_transcript = client.register_script(_TRANSCRIPT_SCRIPT)
+        self._delete = client.register_script(_DELETE_SCRIPT)
+        self._acquire = client.register_script(_ACQUIRE_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
         self._renew = client.register_script(_RENEW_SCRIPT)
 
@@ -235,7 +341,19 @@ class SessionStore:
         return f"{self._prefix}:{{{session_id}}}:{part}"
 
     def _keys(self, session_id: str) -> list[str]:
-        return [self._key(session_id, part) for part in ("meta", "log", "stats", "idem")]
+        """The session's data keys, as the scripts take them (KEYS[1..5]); the lock is apart."""
+        return [self._key(session_id, part) for part in _SESSION_PARTS]
+
+    async def _idempotent(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, retried once on a dead pooled connection; only for calls that may safely run twice."""
+        return await retry_on_dead_connection(self._redis, call)
+
+    def _lock_args(self, session_id: str, token: str) -> dict[str, list]:
+        """KEYS and ARGV of the acquire and renew scripts."""
+        return {
+            "keys": [*self._keys(session_id), self._key(session_id, "lock")],
+            "args": [token, self._lock_ttl_ms, self._ttl_ms],
+        }
 
     async def create(
         self, request: CreateSessionRequest, owner_key_id: str, prefix_fingerprint: PrefixFingerprint
@@ -249,41 +367,39 @@ class SessionStore:
             created_at_s=time.time(),
         )
         meta = self._key(record.session_id, "meta")
-        with _redis_errors(record.session_id):
+
+        async def write() -> None:  # the same record twice is the same write: safe to retry
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.hset(meta, mapping={"record": record.model_dump_json(), "removed": 0})
                 pipe.pexpire(meta, self._ttl_ms)
                 await pipe.execute()
+
+        with _redis_errors(record.session_id):
+            await self._idempotent(write)
         return record
 
     async def get(self, session_id: str) -> SessionRecord:
         """The session's record; raises SessionNotFound."""
         with _redis_errors(session_id):
-            raw = await self._redis.hget(self._key(session_id, "meta"), "record")
+            raw = await self._idempotent(lambda: self._redis.hget(self._key(session_id, "meta"), "record"))
         if raw is None:
             raise SessionNotFound(session_id)
         return SessionRecord.model_validate_json(raw)
 
     async def delete(self, session_id: str) -> bool:
-        """Deletes every key of the session; True if it existed."""
-        meta, *others = self._keys(session_id)
+        """Deletes every key of the session at once, also on a full Redis; True if it existed."""
+        keys = [*self._keys(session_id), self._key(session_id, "lock")]
         with _redis_errors(session_id):
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(meta)
-                pipe.delete(*others, self._key(session_id, "lock"))
-                num_meta, _ = await pipe.execute()
-        return num_meta > 0
+            return bool(await self._idempotent(lambda: self._delete(keys=keys)))
 
     async def transcript(self, session_id: str) -> TranscriptSnapshot:
-        """The stored transcript and its logical length, read in one transaction."""
-        meta, log = self._key(session_id, "meta"), self._key(session_id, "log")
+        """The stored transcript and its logical length, read atomically (also on a full Redis)."""
+        keys = [self._key(session_id, "meta"), self._key(session_id, "log")]
         with _redis_errors(session_id):
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hget(meta, "removed")
-                pipe.lrange(log, 0, -1)
-                removed, items = await pipe.execute()
-        if removed is None:
+            reply = await self._idempotent(lambda: self._read_transcript(keys=keys))
+        if reply is None:
             raise SessionNotFound(session_id)
+        removed, items = reply
         messages = tuple(Message.model_validate_json(item) for item in items)
         return TranscriptSnapshot(messages=messages, length=int(removed) + len(messages))
 
@@ -291,38 +407,51 @@ class SessionStore:
     async def turn_lock(self, session_id: str) -> AsyncIterator[None]:
         """Holds the session's turn lock for the block; raises SessionBusy if another turn holds it.
 
-        While the block runs, the lock is renewed every `lock_ttl_s / 3`, so a
-        live turn keeps it however long it takes, and a dead holder (a killed
-        orchestrator replica) frees it within `lock_ttl_s`: a retried turn can
-        start soon after. A turn that loses the lock anyway (Redis restarted
-        without it) is still safe because `commit_turn` checks the length.
+        Raises SessionNotFound if the session does not exist. Taking the lock
+        and each renewal also refresh the TTL of every key of the session, so
+        the session cannot expire under a running turn.
+
+        While the block runs, the lock is renewed every third of `lock_ttl_s`
+        (or of `ttl_s`, if shorter), so a live turn keeps it however long it
+        takes, and a dead holder (a killed orchestrator replica) frees it within
+        `lock_ttl_s`: a retried turn can start soon after. A turn that loses the
+        lock anyway (Redis restarted without it) is still safe because
+        `commit_turn` checks the length.
         """
-        key, token = self._key(session_id, "lock"), secrets.token_hex(16)
+        lock_args = self._lock_args(session_id, secrets.token_hex(16))
         with _redis_errors(session_id):
-            acquired = await self._redis.set(key, token, nx=True, px=self._lock_ttl_ms)
-        if not acquired:
+            outcome = await self._idempotent(lambda: self._acquire(**lock_args))
+        if outcome == -1:
+            raise SessionNotFound(session_id)
+        if outcome == 0:
             raise SessionBusy(f"session {session_id} is running another turn")
-        renewer = asyncio.ensure_future(self._keep_lock(key, token))
+        renewer = asyncio.ensure_future(self._keep_lock(session_id, lock_args))
         try:
             yield
         finally:
             renewer.cancel()
-            try:
-                with _redis_errors(session_id):
-                    await self._release(keys=[key], args=[token])
-            except StoreUnavailable as err:
-                # Raising here would hide the turn's own outcome; the lock's TTL frees it.
-                logger.warning("could not release turn lock of %s: %s", session_id, err)
+            await self._release_lock(session_id, lock_args)
 
-    async def _keep_lock(self, key: str, token: str) -> None:
-        interval_s = self._lock_ttl_ms / 3000
+    async def _release_lock(self, session_id: str, lock_args: dict[str, list]) -> None:
+        """Frees the lock if this holder still has it; an outage only logs, the lock's TTL frees it then."""
+        lock_key, token = lock_args["keys"][-1], lock_args["args"][0]
+        try:
+            with _redis_errors(session_id):
+                await self._idempotent(lambda: self._release(keys=[lock_key], args=[token]))
+        except StoreUnavailable as err:
+            # Raising here would hide the turn's own outcome.
+            logger.warning("could not release turn lock of %s: %s", session_id, err)
+
+    async def _keep_lock(self, session_id: str, lock_args: dict[str, list]) -> None:
+        """Renews the lock and the session's TTL until cancelled, or until the lock is found lost."""
+        interval_s = min(self._lock_ttl_ms, self._ttl_ms) / 3000
         while True:
             await asyncio.sleep(interval_s)
             try:
-                if not await self._renew(keys=[key], args=[token, self._lock_ttl_ms]):
+                if not await self._idempotent(lambda: self._renew(**lock_args)):
                     return  # lost it (expired while Redis was away); the commit's length check still guards
             except Exception as err:  # Redis away: keep trying, the turn's own calls report the outage
-                logger.warning("could not renew turn lock %s: %s", key, err)
+                logger.warning("could not renew turn lock of %s: %s", session_id, err)
 
     async def commit_turn(
         self,
@@ -343,7 +472,8 @@ class SessionStore:
             new_messages: the turn's messages, at least one.
             stats: per-step cache stats of the turn.
             compaction: a compression done during the turn, applied before the append.
-            idem_key: with `result_json`, remembered as the turn's result in the same write.
+            idem_key: with `result_json`, remembered as the turn's result in the same write (the
+                oldest record beyond the session's `max_idempotency_records` is dropped).
             result_json: the turn's result as returned to the client.
 
         Returns:
@@ -363,11 +493,10 @@ class SessionStore:
         summary_json = compaction.summary.model_dump_json(exclude_none=True) if compaction else ""
         args: list[str | int] = [
             expected_len, num_replaced, summary_json, self._ttl_ms, len(new_messages), len(stats),
-            idem_key or "", result_json or "",
+            idem_key or "", result_json or "", self._max_step_stats, self._max_idempotency_records,
         ]
         args.extend(m.model_dump_json(exclude_none=True) for m in new_messages)
         args.extend(s.model_dump_json() for s in stats)
-        args.append(self._max_step_stats)
         try:
             with _redis_errors(session_id):
                 return int(await self._commit(keys=self._keys(session_id), args=args))
@@ -380,22 +509,22 @@ class SessionStore:
             raise
 
     async def remember_turn_result(self, session_id: str, idem_key: str, result_json: str) -> bool:
-        """Stores a turn's result under its idempotency key; the first result wins. True if stored."""
-        key = self._key(session_id, "idem")
+        """Stores a turn's result under its idempotency key; the first result wins. True if stored.
+
+        Bounded like the records commits store: the oldest beyond `max_idempotency_records` is dropped.
+        """
+        keys = [self._key(session_id, "idem"), self._key(session_id, "idem-order")]
+        args = [idem_key, result_json, self._max_idempotency_records, self._ttl_ms]
         with _redis_errors(session_id):
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hsetnx(key, idem_key, result_json)
-                pipe.pexpire(key, self._ttl_ms)
-                is_stored, _ = await pipe.execute()
-        return bool(is_stored)
+            return bool(await self._remember(keys=keys, args=args))
 
     async def lookup_turn_result(self, session_id: str, idem_key: str) -> str | None:
         """The result remembered under `idem_key`, or None when the turn never completed."""
         with _redis_errors(session_id):
-            return await self._redis.hget(self._key(session_id, "idem"), idem_key)
+            return await self._idempotent(lambda: self._redis.hget(self._key(session_id, "idem"), idem_key))
 
     async def step_stats(self, session_id: str) -> list[StepStats]:
         """Per-step cache stats of the session, oldest first (the last `max_step_stats`)."""
         with _redis_errors(session_id):
-            items = await self._redis.lrange(self._key(session_id, "stats"), 0, -1)
+            items = await self._idempotent(lambda: self._redis.lrange(self._key(session_id, "stats"), 0, -1))
         return [StepStats.model_validate_json(item) for item in items]

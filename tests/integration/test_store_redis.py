@@ -1,11 +1,17 @@
 """SessionStore against a real redis-server started for this module on a free loopback port."""
 
 import asyncio
+import contextlib
+import subprocess
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import redis
 
+from cluster.api_keys import ApiKeyStore
+from cluster.api_keys import StoreUnavailable as KeyStoreUnavailable
 from serve_apps.orchestrator.models import CompressionReport, CreateSessionRequest, Message, StepStats
 from serve_apps.orchestrator.store import (
     Compaction,
@@ -15,7 +21,7 @@ from serve_apps.orchestrator.store import (
     StaleTurn,
     StoreUnavailable,
 )
-from tests.integration.conftest import free_port
+from tests.integration.conftest import REDIS_SERVER, free_port
 
 REQUEST = CreateSessionRequest.model_validate(
     {
@@ -269,3 +275,265 @@ def test_commit_to_missing_session_is_not_found(redis_url):
         return True
 
     assert _run(redis_url, scenario)
+
+
+# --- Redis in states the shared module server must not be put in: each test below starts its own. ---
+
+
+@contextlib.contextmanager
+def _own_redis(workdir: Path, port: int | None = None, *extra: str):
+    """A redis-server of the test's own on `port` (a free one by default); yields its URL and process."""
+    port = port or free_port()
+    process = subprocess.Popen(
+        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port, socket_connect_timeout=0.5)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                if client.ping():
+                    break
+            except redis.exceptions.ConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("redis-server did not start")
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0", process
+    finally:
+        client.close()
+        process.kill()  # nothing to keep, and no shutdown save to wait for
+        process.wait(timeout=10)
+
+
+def _fill_up(url: str) -> None:
+    """Makes Redis full (maxmemory below its use, noeviction) and empties its script cache, so every script
+    is loaded again while full, as after a restart."""
+    client = redis.Redis.from_url(url)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)
+    client.script_flush()
+    client.close()
+
+
+def _fail_snapshots(url: str, process: subprocess.Popen) -> None:
+    """Makes Redis refuse writes with MISCONF: a snapshot child killed mid-save counts as a failed save."""
+    client = redis.Redis.from_url(url)
+    client.config_set("save", "3600 1")
+    client.config_set("rdb-key-save-delay", 1_000_000)  # one second per key: the child is still saving
+    client.set("some-key", "v")
+    client.bgsave()
+    deadline = time.monotonic() + 5
+    while not psutil.Process(process.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for child in psutil.Process(process.pid).children():
+        child.kill()
+    while client.info("persistence")["rdb_last_bgsave_status"] == "ok" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    client.close()
+
+
+def _make_replica(url: str) -> None:
+    """Makes Redis a read-only replica (of a primary that does not exist)."""
+    client = redis.Redis.from_url(url)
+    client.replicaof("127.0.0.1", free_port())
+    client.close()
+
+
+@pytest.mark.parametrize(
+    "break_redis, condition",
+    [
+        (lambda url, process: _fill_up(url), "out of memory"),
+        (lambda url, process: _make_replica(url), "read-only replica"),
+        (_fail_snapshots, "MISCONF"),
+    ],
+    ids=["oom", "readonly", "misconf"],
+)
+def test_redis_refusing_writes_is_store_unavailable_naming_why(tmp_path, break_redis, condition):
+    with _own_redis(tmp_path) as (url, process):
+
+        async def scenario(store):
+            record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+            break_redis(url, process)
+            refusals = []
+            for call in (
+                lambda: store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp"),
+                lambda: store.commit_turn(record.session_id, 0, _turn(0), []),
+                lambda: store.turn_lock(record.session_id).__aenter__(),
+            ):
+                with pytest.raises(StoreUnavailable) as info:
+                    await call()
+                refusals.append(str(info.value))
+            keys = ApiKeyStore.from_url(url)
+            try:
+                with pytest.raises(KeyStoreUnavailable) as info:
+                    await keys.create("n", ["*"], 1.0, 1)
+            finally:
+                await keys.aclose()
+            return refusals + [str(info.value)]
+
+        for message in _run(url, scenario):
+            assert condition in message and "\n" not in message
+
+
+def test_a_database_the_server_lacks_is_store_unavailable(redis_url):
+    async def scenario(store):
+        with pytest.raises(StoreUnavailable) as info:
+            await store.get("any")
+        return str(info.value)
+
+    assert "database number" in _run(redis_url.rsplit("/", 1)[0] + "/99", scenario)
+
+
+def test_a_full_redis_still_serves_reads_key_checks_and_deletes(tmp_path):
+    with _own_redis(tmp_path) as (url, _):
+
+        async def scenario(store):
+            keys = ApiKeyStore.from_url(url)
+            key, key_record = await keys.create("n", ["*"], requests_per_s=0.5, burst=2)
+            record = await store.create(REQUEST, owner_key_id=key_record.key_id, prefix_fingerprint="fp")
+            sid = record.session_id
+            await store.commit_turn(sid, 0, _turn(0), [_stats(0)], idem_key="t0", result_json='{"a": 0}')
+            _fill_up(url)
+            try:
+                admitted = [(await keys.authorize(key)).is_allowed for _ in range(3)]
+            finally:
+                await keys.aclose()
+            reads = (
+                await store.get(sid), await store.transcript(sid), await store.step_stats(sid),
+                await store.lookup_turn_result(sid, "t0"),
+            )
+            is_deleted = await store.delete(sid)
+            with pytest.raises(SessionNotFound):
+                await store.transcript(sid)
+            return admitted, reads, is_deleted
+
+        admitted, (fetched, snapshot, stats, remembered), is_deleted = _run(url, scenario)
+        assert admitted == [True, True, False]  # the bucket still admits, and still limits
+        assert fetched.owner_key_id.startswith("key_") and snapshot.messages == tuple(_turn(0)) and snapshot.length == 2
+        assert stats == [_stats(0)] and remembered == '{"a": 0}' and is_deleted
+
+
+def test_the_first_calls_after_a_redis_restart_succeed(tmp_path):
+    """Pooled connections die with the Redis they went to; the next calls of both stores still succeed."""
+    port = free_port()
+    with _own_redis(tmp_path, port) as (url, _):
+        store, keys = SessionStore.from_url(url), ApiKeyStore.from_url(url)
+
+        async def warm_up():  # several pooled connections, each dead after the restart
+            key, _ = await keys.create("n", ["*"], 100.0, 100)
+            record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+            await asyncio.gather(*(store.get(record.session_id) for _ in range(4)))
+            await asyncio.gather(*(keys.authorize(key) for _ in range(4)))
+            return key, record.session_id
+
+        loop = asyncio.new_event_loop()
+        key, sid = loop.run_until_complete(warm_up())
+    with _own_redis(tmp_path, port):  # the same port, empty (no persistence)
+
+        async def after_restart():
+            outcomes = []
+            for call in (lambda: store.get(sid), lambda: store.transcript(sid), lambda: store.delete(sid)):
+                try:
+                    outcomes.append(await call())
+                except SessionNotFound:
+                    outcomes.append("not found")
+            outcomes.append((await keys.authorize(key)).record)
+            return outcomes
+
+        assert loop.run_until_complete(after_restart()) == ["not found", "not found", False, None]
+
+    async def after_stop():  # the retry does not hide an outage: a Redis that is down still refuses every call
+        with pytest.raises(KeyStoreUnavailable):
+            await keys.authorize(key)
+        with pytest.raises(StoreUnavailable):
+            await store.get(sid)
+        await store.aclose()
+        await keys.aclose()
+        return True
+
+    assert loop.run_until_complete(after_stop())
+    loop.close()
+
+
+def test_idempotency_records_keep_only_the_most_recent(redis_url):
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        sid = record.session_id
+        length = 0
+        for index in range(5):
+            length = await store.commit_turn(
+                sid, length, _turn(index), [], idem_key=f"t{index}", result_json=f"r{index}"
+            )
+        committed = [await store.lookup_turn_result(sid, f"t{index}") for index in range(5)]
+        is_stored = await store.remember_turn_result(sid, "failed", "error")
+        remembered = [await store.lookup_turn_result(sid, key) for key in ("t2", "t3", "t4", "failed")]
+        return sid, committed, is_stored, remembered
+
+    sid, committed, is_stored, remembered = _run(redis_url, scenario, max_idempotency_records=3)
+    assert committed == [None, None, "r2", "r3", "r4"]
+    assert is_stored and remembered == [None, "r3", "r4", "error"]
+    client = redis.Redis.from_url(redis_url)
+    try:
+        idem, order = (f"warmpath:{{{sid}}}:{part}" for part in ("idem", "idem-order"))
+        assert client.hlen(idem) == client.llen(order) == 3
+        assert 0 < client.pttl(order) <= 86_400_000
+    finally:
+        client.close()
+
+
+def test_a_running_turn_keeps_its_session_alive_past_its_ttl(redis_url):
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        sid = record.session_id
+        await store.commit_turn(sid, 0, _turn(0), [], idem_key="t0", result_json="r0")
+        await asyncio.sleep(0.6)  # idle for most of its TTL
+        async with store.turn_lock(sid):
+            snapshot = await store.transcript(sid)
+            await asyncio.sleep(1.5)  # the turn outlives the TTL: renewals keep the session
+            new_len = await store.commit_turn(sid, snapshot.length, _turn(1), [])
+        return new_len, await store.lookup_turn_result(sid, "t0")
+
+    assert _run(redis_url, scenario, ttl_s=1.0) == (4, "r0")
+
+
+def test_a_turn_lock_on_a_missing_session_is_not_found(redis_url):
+    async def scenario(store):
+        with pytest.raises(SessionNotFound):
+            async with store.turn_lock("no-such-session"):
+                pass
+        client = redis.Redis.from_url(redis_url)
+        try:
+            return client.exists("warmpath:{no-such-session}:lock")
+        finally:
+            client.close()
+
+    assert _run(redis_url, scenario) == 0
+
+
+def test_another_keys_turn_is_not_found_and_never_takes_the_lock(redis_url):
+    from serve_apps.access import Caller
+    from serve_apps.orchestrator.deployment import Orchestrator
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="owner", prefix_fingerprint="fp")
+        locked = []
+        take_lock = store.turn_lock
+        store.turn_lock = lambda session_id: locked.append(session_id) or take_lock(session_id)
+        orchestrator = Orchestrator.__new__(Orchestrator)
+        orchestrator._store = store
+
+        async def first_item(session_id):
+            stream = orchestrator._turn(session_id, "auto", Caller("other", ("*",)), None, "sha", user_content="hi")
+            try:
+                return await stream.__anext__()
+            finally:
+                await stream.aclose()
+
+        idle = await first_item(record.session_id)
+        async with take_lock(record.session_id):  # the owner's turn runs
+            busy = await first_item(record.session_id)
+        return idle["status"], busy["status"], busy["body"]["error"]["code"], locked
+
+    assert _run(redis_url, scenario) == (404, 404, "session_not_found", [])

@@ -3,6 +3,7 @@ import json
 
 import pytest
 from pydantic import ValidationError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from typer.testing import CliRunner
 
 from cluster.api_keys import (
@@ -16,6 +17,7 @@ from cluster.api_keys import (
     key_id_of,
 )
 from cluster.cli import app
+from cluster.redis_errors import redis_refusal
 from serve_apps.access import AccessDenied, credentials_from
 
 
@@ -213,3 +215,18 @@ def test_create_refuses_non_finite_values_before_writing(kwargs, error):
 
 def test_key_listing_is_empty_for_an_empty_store():
     assert asyncio.run(ApiKeyStore(_RecordsOnlyRedis({})).list()) == KeyListing(records=[], unreadable=[])
+
+
+@pytest.mark.parametrize("error, meaning", [
+    (OutOfMemoryError("command not allowed when used memory > 'maxmemory'."), "out of memory"),
+    (ReadOnlyError("You can't write against a read only replica."), "read-only replica"),
+    (ResponseError("MISCONF Redis is configured to save RDB snapshots, but ..."), "MISCONF"),
+    (ResponseError("Command # 1 (HSET k record {...}) of pipeline caused error: MISCONF Redis is ..."), "MISCONF"),
+    (ResponseError("DB index is out of range"), "database number"),
+    (ResponseError("WARMPATH_STALE 4"), None),  # the scripts' own answers are not outages
+    (ResponseError("Error running script (call to f_1234): @user_script:3: bad argument"), None),
+    (ResponseError("Command # 1 (SET k 'MISCONF') of pipeline caused error: ERR syntax error"), None),
+])
+def test_redis_refusals_name_the_state_of_redis_and_nothing_else_is_one(error, meaning):
+    refusal = redis_refusal(error)
+    assert refusal is None if meaning is None else meaning in refusal

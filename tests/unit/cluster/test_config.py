@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ClusterConfig, ConfigError, env_overrides, load_config
+from cluster.config import ClusterConfig, ConfigError, check_redis_url, env_overrides, load_config
 from cluster.serve_config import (
     BUILDER_IMPORT_PATH,
     GRPC_BUILDER_IMPORT_PATH,
@@ -145,9 +145,33 @@ def test_values_the_key_store_cannot_use_are_config_errors(data, message):
     assert message in str(err.value)
 
 
-@pytest.mark.parametrize("url", ["redis://r:6379/0", "rediss://u:p@r:6380/1", "unix:///run/redis.sock", ""])
+@pytest.mark.parametrize("url", [
+    "redis://r:6379/0", "rediss://u:p@r:6380/1", "unix:///run/redis.sock", "", "redis://r:6379", "redis://r:6379/",
+    "redis://r:6379/15", "unix:///run/redis.sock?db=2", "redis://r:6379/0?socket_timeout=2.5&health_check_interval=10",
+])
 def test_redis_urls_the_client_accepts_are_kept(url):
     assert load_config(environ={}, overrides={"redis_url": url}).redis_url == url
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("redis://r:6379/abc", "names database 'abc'; it must be a number from 0 to 15"),  # redis-py: silently db 0
+    ("redis://r:6379/16", "names database '16'"),  # Redis: "DB index is out of range" on every call
+    ("redis://r:6379/1/2", "names database '1/2'"),  # redis-py: db 12
+    ("redis://r:6379/-1", "names database '-1'"),
+    ("redis://r:6379/0?db=99", "names database '99'"),
+    ("unix:///run/redis.sock?db=x", "names database 'x'"),
+    ("redis://r:6379/0?socket_timeout=abc",
+     "has a query option the Redis client cannot use: Invalid value for 'socket_timeout'"),
+    ("redis://r:6379/0?sockettimeout=2", "has a query option the Redis client does not know: 'sockettimeout'"),
+    ("redis://r:6379/0?protocol=9", "has a query option the Redis client cannot use: protocol must be either 2 or 3"),
+])
+def test_redis_urls_the_client_would_misread_or_fail_on_are_refused_naming_why(url, problem):
+    with pytest.raises(ValueError) as err:
+        check_redis_url(url)
+    assert problem in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(environ={}, overrides={"redis_url": url})
+    assert f"redis_url: Value error, {problem}" in str(err.value)
 
 
 def test_every_command_stops_on_an_environment_variable_that_is_not_yaml(monkeypatch):

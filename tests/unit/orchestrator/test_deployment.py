@@ -109,10 +109,14 @@ def test_a_failure_before_the_turn_starts_is_an_error_status_not_an_event():
     """The ingress reads the first item as the HTTP status: an event there was a bare 500 from the proxy."""
     import asyncio
     import contextlib
+    from types import SimpleNamespace
 
     from serve_apps.orchestrator.deployment import Orchestrator
 
     class RefusingStore:
+        async def get(self, session_id):
+            return SimpleNamespace(owner_key_id="k")
+
         @contextlib.asynccontextmanager
         async def turn_lock(self, session_id):
             raise RuntimeError("OOM command not allowed when used memory > 'maxmemory'")
@@ -122,7 +126,8 @@ def test_a_failure_before_the_turn_starts_is_an_error_status_not_an_event():
     orchestrator._store = RefusingStore()
 
     async def run():
-        return [item async for item in orchestrator._turn("s1", "auto", None, None, "sha", user_content="hi")]
+        caller = SimpleNamespace(key_id="k", permissions=("*",))
+        return [item async for item in orchestrator._turn("s1", "auto", caller, None, "sha", user_content="hi")]
 
     (item,) = asyncio.run(run())
     assert item["status"] == 500 and item["body"]["error"]["code"] == "internal"

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from cluster import telemetry
 from serve_apps.ingress_grpc import GrpcIngress
 from serve_apps.ingress_http import WarmpathIngress
+from serve_apps.orchestrator.deployment import Orchestrator
 from serve_apps.vllm_replica import WarmpathLLMServer
 
 
@@ -71,4 +72,6 @@ def test_every_deployment_flushes_its_spans_when_serve_stops_it(monkeypatch):
     http.__del__()
     grpc_ingress.__del__()
     asyncio.run(WarmpathLLMServer.__del__(replica))  # no engine started: only the flush
-    assert calls == ["sync", "sync", "async"]
+    orchestrator = object.__new__(Orchestrator)
+    asyncio.run(orchestrator.__del__())
+    assert calls == ["sync", "sync", "async", "async"]

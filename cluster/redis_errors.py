@@ -1,0 +1,58 @@
+"""What Redis refusing or dropping a call means, shared by the API-key store and the session store.
+
+Why a module of its own: both stores answer 503 for an outage, and Redis refusing a
+command for a state of its own (full, read-only replica, failed snapshot, missing
+database) is an outage too, not a bug: each store names the state the same way, and
+both retry a call once when its pooled connection died with a Redis restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable, Optional, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+# Refusals Redis answers for a state of the server, by redis-py class or by the start of the error text.
+_REFUSALS: tuple[tuple[type[ResponseError] | str, str], ...] = (
+    (OutOfMemoryError, "Redis is out of memory (used memory > maxmemory) and refuses writes"),
+    (ReadOnlyError, "Redis is a read-only replica and refuses writes; the URL must name the primary"),
+    ("MISCONF", "Redis refuses writes because saving its snapshot to disk failed (MISCONF; see the Redis log)"),
+    ("DB index is out of range", "the Redis URL names a database number this Redis does not have"),
+    (NoPermissionError, "the Redis user lacks an ACL permission this service needs"),
+)
+
+# What redis-py puts before the error of a command in a pipeline.
+_PIPELINE_ERROR = "of pipeline caused error: "
+
+
+def redis_refusal(err: ResponseError) -> Optional[str]:
+    """What a refusal caused by Redis' own state means, in one line; None for any other error (a bug of ours)."""
+    text = str(err).rpartition(_PIPELINE_ERROR)[2]  # a MULTI's error names the command first
+    for kind, meaning in _REFUSALS:
+        is_match = text.startswith(kind) if isinstance(kind, str) else isinstance(err, kind)
+        if is_match:
+            return meaning
+    return None
+
+
+async def retry_on_dead_connection(client: aioredis.Redis, call: Callable[[], Awaitable[T]]) -> T:
+    """Runs `call()`, and once more if its pooled connection was dead (Redis restarted, a proxy dropped it).
+
+    Only for calls that may run twice (reads, compare-and-set, deletes): a
+    ConnectionError does not say whether Redis ran the command. The idle pooled
+    connections are dropped before the retry, since the restart killed them all.
+    A Redis that is down fails the retry as fast as the first try; timeouts are
+    not retried (a hung Redis would only double the wait).
+    """
+    try:
+        return await call()
+    except RedisConnectionError as err:
+        logger.info("Redis connection failed (%s); retrying once on a new connection", err)
+        await client.connection_pool.disconnect(inuse_connections=False)
+        return await call()

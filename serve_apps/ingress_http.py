@@ -220,8 +220,6 @@ def readable_error_frame(frame: str) -> str:
     return "\n".join(lines)
 
 
-
-
 INTERNAL_ERROR = error_body(500, "internal error in the session service; see the server logs", code="internal")
 IDEMPOTENCY_HEADER = "idempotency-key"
 REPLAY_HEADER = "x-warmpath-idempotent-replay"

@@ -279,9 +279,10 @@ class Orchestrator:
     async def check_health(self) -> None:
         return None
 
-    async def __del__(self) -> None:
+    def __del__(self) -> None:
         """Ray Serve's shutdown hook (then it kills the actor): the queued spans go out first, within a bound."""
-        await telemetry.flush_spans_async()
+        if telemetry is not None:  # None when the interpreter exits and has cleared module globals
+            telemetry.flush_spans()
 
     async def _owned_record(self, session_id: str, caller: Caller) -> SessionRecord:
         """The session's record; SessionNotFound also when another key owns it (it answers like a missing one)."""
@@ -450,7 +451,7 @@ class Orchestrator:
                     elif item.get("kind") == "error":
                         outcome = item["code"]
                         _mark_failure(span, outcome, TURN_ERROR_STATUS.get(outcome, 500), item["message"])
-                    elif item.get("status", 200) >= 400:
+                    elif "kind" not in item and item["status"] >= 400:  # an envelope (a tool result has a status too)
                         error = item["body"]["error"]
                         _mark_failure(span, error.get("code") or "rejected", item["status"], error["message"])
                     elif span.is_recording() and item.get("kind") == "compression":

@@ -18,6 +18,7 @@ import pytest
 from cluster import local
 from cluster.k8s_render import embedded_serve_config
 from cluster.model_builder import build_model, is_built
+from cluster.serve_config import own_application_names
 
 pytestmark = [pytest.mark.integration, pytest.mark.redeploys_cluster]
 
@@ -37,7 +38,7 @@ def test_cpu_overlay_serve_config_serves_a_request(cluster):
     for application in deployed["applications"]:
         application["runtime_env"] = {"env_vars": {"REDIS_URL": cluster.redis_url}}
     state = local.LocalState.load(local.state_dir_of(cluster.cfg))
-    local.delete_app(state, progress=print)
+    local.remove_applications(state, own_application_names(cluster.cfg), progress=print)
     local.deploy_document(state, deployed)
     local.wait_running(cluster.cfg, state, progress=print, timeout_s=600)
 

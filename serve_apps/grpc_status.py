@@ -125,6 +125,8 @@ class RpcFailure(Exception):
         self.code = code
         self.message = message
         self.trailing_metadata = tuple(trailing_metadata)
+        # Whether the exception it stands for is in the log already (Ray Serve LLM logs what it classifies).
+        self.is_logged = False
 
     @classmethod
     def from_envelope(cls, envelope: Mapping[str, Any]) -> "RpcFailure":

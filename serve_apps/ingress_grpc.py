@@ -397,9 +397,12 @@ def failure_from_exception(err: Exception, request_id: str = "") -> RpcFailure:
     http_status, body = exception_body(err, request_id)
     status = grpc_code(http_status)
     if status in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-        return RpcFailure(grpc.StatusCode.INTERNAL, "internal", INTERNAL_MESSAGE)
-    error = body["error"]
-    return RpcFailure(status, error["code"] or error["type"], error["message"])
+        failure = RpcFailure(grpc.StatusCode.INTERNAL, "internal", INTERNAL_MESSAGE)
+    else:
+        error = body["error"]
+        failure = RpcFailure(status, error["code"] or error["type"], error["message"])
+    failure.is_logged = True  # `exception_body` logged it, traceback included
+    return failure
 
 
 # ---- the deployment ----
@@ -706,9 +709,7 @@ def _metadata(grpc_context, name: str) -> str | None:
 def _fail(grpc_context, rpc: _RpcSpan, method: str, err: Exception) -> RpcFailure:
     """Records a failed RPC: status onto the context and span, unexpected errors into the log and span."""
     failure = failure_from_exception(err, _get_serve_request_context().request_id)
-    if failure is not err and failure.status == grpc.StatusCode.INTERNAL:
-        logger.exception("gRPC %s failed", method)
-    elif failure is not err:
+    if failure is not err and not failure.is_logged:  # Ray's own errors and validation; the rest is logged already
         logger.warning("gRPC %s failed: %s: %s", method, type(err).__name__, err)
     if failure is not err:
         rpc.span.record_exception(err)

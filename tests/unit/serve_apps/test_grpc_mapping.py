@@ -1088,3 +1088,23 @@ def test_health_and_reflection_in_ray_grpc_proxy():
     assert seen["unknown_long"] == (Code.NOT_FOUND, f"unknown service '{'x' * 64}...'")
     assert seen["draining"] == not_serving
     assert {"warmpath.v1.Inference", "warmpath.v1.Agent", "grpc.health.v1.Health"} <= seen["reflected"]
+
+
+def test_a_failure_is_logged_once():
+    """What Ray Serve LLM classifies it logs itself (traceback included); the ingress logs only the rest."""
+    import logging
+
+    from ray.llm._internal.serve.utils import server_utils
+    from vllm.exceptions import VLLMValidationError
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    ray_llm_logger = server_utils.logger
+    ray_llm_logger.addHandler(handler)
+    try:
+        classified = failure_from_exception(VLLMValidationError("bad tool_choice", parameter="tool_choice"), "req-1")
+    finally:
+        ray_llm_logger.removeHandler(handler)
+    assert classified.is_logged and len(records) == 1
+    assert not failure_from_exception(TimeoutError("slow")).is_logged

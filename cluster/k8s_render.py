@@ -11,7 +11,8 @@ Layout of an overlay folder (`k8s/overlays/<name>/`):
   render does not depend on the shell it runs in.
 - `generated/rayservice-patch.yaml`: a JSON 6902 patch on the base RayService:
   `spec.serveConfigV2`, the worker group's initial size, its Ray CPUs and GPUs, the
-  worker's `nvidia.com/gpu` limit and the OpenTelemetry environment. Nothing else.
+  worker's `nvidia.com/gpu` limit, the gRPC proxy's message limit and the OpenTelemetry
+  environment. Nothing else.
 - `kustomization.yaml` plus hand-written patches: images, sizes, placement.
 
 Composition: `build_kustomization` is a small `kustomize build` for the subset the
@@ -32,7 +33,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from cluster.config import ClusterConfig, ConfigError, load_config
-from cluster.serve_config import dump_serve_config
+from cluster.serve_config import dump_serve_config, grpc_proxy_env
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
 CLUSTER_CONFIG_FILE = "cluster.yaml"
@@ -128,13 +129,12 @@ def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
             "path": f"{_WORKER_CONTAINER}/resources/limits/nvidia.com~1gpu",
             "value": cfg.replicas.num_gpus,
         })
+    env = dict(grpc_proxy_env(cfg))
     if cfg.telemetry.otlp_endpoint:
-        for container in (_HEAD_CONTAINER, _WORKER_CONTAINER):
-            for name, value in (
-                ("OTEL_EXPORTER_OTLP_ENDPOINT", cfg.telemetry.otlp_endpoint),
-                ("OTEL_SERVICE_NAME", cfg.telemetry.service_name),
-            ):
-                ops.append({"op": "add", "path": f"{container}/env/-", "value": {"name": name, "value": value}})
+        env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": cfg.telemetry.otlp_endpoint, "OTEL_SERVICE_NAME": cfg.telemetry.service_name})
+    for container in (_HEAD_CONTAINER, _WORKER_CONTAINER):
+        for name, value in env.items():
+            ops.append({"op": "add", "path": f"{container}/env/-", "value": {"name": name, "value": value}})
     return ops
 
 

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 from cluster.config import ClusterConfig
 from cluster.model_builder import build_model, is_built
 from cluster.serve_config import (
+    grpc_proxy_env,
     own_application_names,
     render_serve_config,
     with_other_applications,
@@ -240,7 +241,9 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     if cfg.replicas.accelerator == "cpu":
         cmd.append("--num-gpus=0")
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S)
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S, env={**os.environ, **grpc_proxy_env(cfg)}
+        )
     except BaseException as err:  # Ctrl-C or a hung start: recorded, so `down` stops whatever came up
         state.ray_started, state.ray_address = True, "auto"
         state.ray_session = head_session()

@@ -27,6 +27,18 @@ GRPC_SERVICER_FUNCTIONS = [
 ]
 
 
+# What Serve's gRPC proxy reads or sends in one message at most (Ray's default is 2 GiB). Requests are
+# held to `access.max_request_bytes` by the gRPC ingress; this bounds what an unauthenticated caller can
+# make the proxy read, and leaves room for large responses (a long session's transcript).
+GRPC_PROXY_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def grpc_proxy_env(cfg: ClusterConfig) -> dict[str, str]:
+    """Environment every Ray node needs before it starts, so Serve's gRPC proxy takes its message limit."""
+    limit = max(GRPC_PROXY_MAX_MESSAGE_BYTES, cfg.access.max_request_bytes)
+    return {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(limit)}
+
+
 def grpc_app_name(cfg: ClusterConfig) -> str:
     """gRPC clients send this as the `application` metadata."""
     return f"{cfg.app_name}-grpc"

@@ -154,8 +154,8 @@ class ProxyHealthServicer(health_pb2_grpc.HealthServicer):
     `Check` answers SERVING when Ray's Healthz succeeds and NOT_SERVING when it
     fails (no route table yet, node draining), always with an OK RPC status as
     the health protocol asks; services other than the overall server ("") and
-    `service_names` are NOT_FOUND. `Watch` is UNIMPLEMENTED, which gRPC
-    clients treat as "health watching unsupported".
+    `service_names` are NOT_FOUND. `Watch` and `List` are UNIMPLEMENTED with a
+    readable message (gRPC clients treat that as "health watching unsupported").
     """
 
     def __init__(self, service_names: Iterable[str], ray_healthz: ProxyHandler) -> None:
@@ -177,6 +177,9 @@ class ProxyHealthServicer(health_pb2_grpc.HealthServicer):
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "use Check; Watch is not served by the proxy")
         yield health_pb2.HealthCheckResponse()  # unreachable: makes this a server-streaming handler
+
+    async def List(self, request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "use Check; List is not served by the proxy")
 
 
 def warmpath_service_names() -> list[str]:

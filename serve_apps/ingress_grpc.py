@@ -71,7 +71,7 @@ from router import decision_log
 from serve_apps.access import AccessDenied, AccessGuard, Caller, GuardSettings, credentials_from, retry_after_header
 from serve_apps.api_errors import engine_error, error_type, exception_body, validation_problem
 from serve_apps.grpc_status import RpcFailure, grpc_code
-from serve_apps.orchestrator.models import TURN_ERROR_STATUS, Message
+from serve_apps.orchestrator.models import TURN_ERROR_STATUS, TURN_INTERRUPTED, Message
 from serve_apps.orchestrator.prompt import to_wire_message
 from serve_apps.sse_frames import sse_payloads
 from serve_apps.vllm_replica import ServedBy
@@ -85,6 +85,8 @@ INTERNAL_MESSAGE = "internal error in the gRPC ingress; see the server logs"
 # Suggested wait before retrying a call refused by back-pressure when Serve names none.
 BACK_PRESSURE_RETRY_AFTER_S = 1.0
 IDEMPOTENCY_METADATA = "idempotency-key"
+# Trailing metadata of a turn answered from its idempotency record (HTTP's `x-warmpath-idempotent-replay` header).
+REPLAY_METADATA = "x-warmpath-idempotent-replay"
 NAMED_TOOL_CHOICES = frozenset({"auto", "none", "required"})
 
 ResponseT = TypeVar("ResponseT", bound=ProtoMessage)
@@ -118,10 +120,16 @@ def chat_message_to_dict(message: inference_pb2.ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _schema(parameters_json: str, where: str) -> dict[str, Any] | None:
-    """The parsed JSON Schema text, or None when empty (the API's default schema applies)."""
+_NO_SCHEMA = object()
+
+
+def _schema(parameters_json: str, where: str) -> Any:
+    """The parsed JSON Schema text, or `_NO_SCHEMA` when empty (the API's default schema applies).
+
+    Any parsed value goes on to validation, so `null` or `[]` is refused as over HTTP.
+    """
     if not parameters_json:
-        return None
+        return _NO_SCHEMA
     try:
         return json.loads(parameters_json)
     except json.JSONDecodeError as err:
@@ -136,7 +144,7 @@ def tool_to_dict(tool: agent_pb2.Tool, index: int) -> dict[str, Any]:
         "required_permissions": list(tool.required_permissions),
     }
     parameters = _schema(tool.parameters_json, f"tools[{index}].parameters_json")
-    if parameters is not None:
+    if parameters is not _NO_SCHEMA:
         out["parameters"] = parameters
     execution = tool.WhichOneof("execution")
     if execution == "http":
@@ -217,7 +225,7 @@ def chat_completion_fields(request: inference_pb2.ChatCompletionRequest) -> dict
                 grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
                 f"{where}: must be a JSON object (a JSON Schema), not {_json_kind(parameters)}",
             )
-        function["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
+        function["parameters"] = parameters if parameters is not _NO_SCHEMA else {"type": "object", "properties": {}}
         tools.append({"type": "function", "function": function})
     fields: dict[str, Any] = {"messages": messages, "tools": tools or None}
     if request.HasField("tool_choice"):
@@ -276,7 +284,7 @@ def chat_response_to_proto(response: Mapping[str, Any], replica_id: str) -> infe
         usage=usage_to_proto(response.get("usage")),
         replica_id=replica_id,
     )
-    if message.get("content") is not None:
+    if message.get("content"):  # unset when the model only called tools, as the proto says
         out.content = message["content"]
     return out
 
@@ -441,14 +449,14 @@ class GrpcIngress:
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, grpc_context):
         """One completion, returned whole (the engine runs it unstreamed)."""
         return await self._unary(
-            INFERENCE_SERVICE, "ChatCompletion", grpc_context, lambda caller: self._chat_completion(request),
+            INFERENCE_SERVICE, "ChatCompletion", grpc_context, request, lambda caller: self._chat_completion(request),
             inference_pb2.ChatCompletionResponse(),
         )
 
     async def StreamChatCompletion(self, request: inference_pb2.ChatCompletionRequest, grpc_context):
         """One completion, streamed chunk by chunk; a failure ends it with an `error` chunk."""
         chunks = self._streamed(
-            INFERENCE_SERVICE, "StreamChatCompletion", grpc_context, lambda caller, rpc: self._chat_chunks(request),
+            INFERENCE_SERVICE, "StreamChatCompletion", grpc_context, request, lambda caller, rpc: self._chat_chunks(request),
             error_chunk,
         )
         async with aclosing(chunks):  # closed with this stream, so the RPC's span ends when the caller leaves
@@ -463,7 +471,7 @@ class GrpcIngress:
             envelope = await self._orchestrator.create_session.remote(create_session_body(request), caller.to_dict())
             return json_format.ParseDict(envelope_body(envelope, 201), agent_pb2.CreateSessionResponse())
 
-        return await self._unary(AGENT_SERVICE, "CreateSession", grpc_context, create, agent_pb2.CreateSessionResponse())
+        return await self._unary(AGENT_SERVICE, "CreateSession", grpc_context, request, create, agent_pb2.CreateSessionResponse())
 
     async def GetSession(self, request: agent_pb2.GetSessionRequest, grpc_context):
         """`Orchestrator.get_session`; its body maps field by field onto `GetSessionResponse`."""
@@ -471,7 +479,7 @@ class GrpcIngress:
             envelope = await self._orchestrator.get_session.remote(request.session_id, caller.to_dict())
             return json_format.ParseDict(envelope_body(envelope, 200), agent_pb2.GetSessionResponse())
 
-        return await self._unary(AGENT_SERVICE, "GetSession", grpc_context, get, agent_pb2.GetSessionResponse())
+        return await self._unary(AGENT_SERVICE, "GetSession", grpc_context, request, get, agent_pb2.GetSessionResponse())
 
     async def DeleteSession(self, request: agent_pb2.DeleteSessionRequest, grpc_context):
         """`Orchestrator.delete_session`; 204 -> empty `DeleteSessionResponse`."""
@@ -479,7 +487,7 @@ class GrpcIngress:
             envelope_body(await self._orchestrator.delete_session.remote(request.session_id, caller.to_dict()), 204)
             return agent_pb2.DeleteSessionResponse()
 
-        return await self._unary(AGENT_SERVICE, "DeleteSession", grpc_context, delete, agent_pb2.DeleteSessionResponse())
+        return await self._unary(AGENT_SERVICE, "DeleteSession", grpc_context, request, delete, agent_pb2.DeleteSessionResponse())
 
     async def SendMessage(self, request: agent_pb2.SendMessageRequest, grpc_context):
         """`Orchestrator.send_message`: the turn's events, as they happen."""
@@ -491,7 +499,7 @@ class GrpcIngress:
             )
             return self._turn_events(stream, grpc_context, rpc)
 
-        stream = self._streamed(AGENT_SERVICE, "SendMessage", grpc_context, events, error_event)
+        stream = self._streamed(AGENT_SERVICE, "SendMessage", grpc_context, request, events, error_event)
         async with aclosing(stream):  # closed with this stream, so the RPC's span ends when the caller leaves
             async for event in stream:
                 yield event
@@ -506,7 +514,7 @@ class GrpcIngress:
             )
             return self._turn_events(stream, grpc_context, rpc)
 
-        stream = self._streamed(AGENT_SERVICE, "SubmitToolResults", grpc_context, events, error_event)
+        stream = self._streamed(AGENT_SERVICE, "SubmitToolResults", grpc_context, request, events, error_event)
         async with aclosing(stream):  # closed with this stream, so the RPC's span ends when the caller leaves
             async for event in stream:
                 yield event
@@ -576,16 +584,42 @@ class GrpcIngress:
         A turn's own `error` event sets the RPC's status (context and span) before it is yielded.
         """
         events = stream.__aiter__()
-        envelope_body(await anext(events), 200)
-        async for event in events:
-            message = session_event_to_proto(event)
-            if event["kind"] == "error":
-                status = turn_error_status(event["code"])
-                if status != grpc.StatusCode.OK:
-                    failure = RpcFailure(status, event["code"], event["message"])
-                    failure.set_on(grpc_context)
-                    rpc.record(failure.status, failure.message)
-            yield message
+        envelope = await anext(events)
+        envelope_body(envelope, 200)
+        if envelope.get("is_replay"):
+            grpc_context.set_trailing_metadata([(REPLAY_METADATA, "true")])
+        try:
+            async for event in events:
+                message = session_event_to_proto(event)
+                if event["kind"] == "error":
+                    status = turn_error_status(event["code"])
+                    if status != grpc.StatusCode.OK:
+                        failure = RpcFailure(status, event["code"], event["message"])
+                        failure.set_on(grpc_context)
+                        rpc.record(failure.status, failure.message)
+                yield message
+        except (RpcFailure, RequestCancelledError):
+            raise
+        except Exception as err:
+            # The turn started, then its stream broke off: it may have committed, as HTTP says too.
+            logger.warning("turn stream broke off: %s: %s", type(err).__name__, err)
+            raise RpcFailure(
+                grpc.StatusCode.UNAVAILABLE, TURN_INTERRUPTED["code"], TURN_INTERRUPTED["message"]
+            ) from None
+
+    def _check_size(self, request) -> None:
+        """Refuses a request over `access.max_request_bytes`, before its key is checked, as the HTTP API does (413).
+
+        The proxy's own limit (`RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`, set by `warmpath up` and the KubeRay
+        manifests) bounds what it reads at all; this one makes the API's limit the same on both.
+        """
+        limit = self._guard.settings.access.max_request_bytes
+        size = request.ByteSize()
+        if size > limit:
+            raise RpcFailure(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "request_too_large",
+                f"the request is {size} bytes; the limit is {limit} (access.max_request_bytes)",
+            )
 
     async def _admit(self, grpc_context) -> Caller:
         """The caller behind the call's `authorization: Bearer <key>` (or `x-api-key`) metadata."""
@@ -595,11 +629,13 @@ class GrpcIngress:
             raise denial_failure(denied) from None
 
     async def _unary(
-        self, service: str, method: str, grpc_context, work: Callable[[Caller], Awaitable[ResponseT]], empty: ResponseT
+        self, service: str, method: str, grpc_context, request, work: Callable[[Caller], Awaitable[ResponseT]],
+        empty: ResponseT,
     ) -> ResponseT:
         rpc = _RpcSpan.start(service, method, grpc_context)
         with rpc.lifetime(), rpc.current():
             try:
+                self._check_size(request)
                 return await work(await self._admit(grpc_context))
             except Exception as err:
                 _fail(grpc_context, rpc, method, err)
@@ -610,6 +646,7 @@ class GrpcIngress:
         service: str,
         method: str,
         grpc_context,
+        request,
         messages: Callable[[Caller, "_RpcSpan"], AsyncIterator[ResponseT]],
         error_message: Callable[[RpcFailure], ResponseT],
     ) -> AsyncIterator[ResponseT]:
@@ -617,6 +654,7 @@ class GrpcIngress:
         with rpc.lifetime():
             try:
                 with rpc.current():
+                    self._check_size(request)
                     stream = messages(await self._admit(grpc_context), rpc).__aiter__()
                 while True:
                     with rpc.current():  # current while the stream works, not while its consumer holds a message

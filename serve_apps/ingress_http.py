@@ -56,7 +56,7 @@ from serve_apps.request_checks import (
     detokenize_request_problem,
     tokenize_request_problem,
 )
-from serve_apps.orchestrator.models import TURN_ERROR_STATUS, CreateSessionRequest, ToolResultsSubmission, TurnRequest
+from serve_apps.orchestrator.models import TURN_ERROR_STATUS, TURN_INTERRUPTED, CreateSessionRequest, ToolResultsSubmission, TurnRequest
 from serve_apps.sse_frames import data_objects
 from serve_apps.vllm_replica import ServedBy
 
@@ -223,13 +223,6 @@ def readable_error_frame(frame: str) -> str:
 INTERNAL_ERROR = error_body(500, "internal error in the session service; see the server logs", code="internal")
 IDEMPOTENCY_HEADER = "idempotency-key"
 REPLAY_HEADER = "x-warmpath-idempotent-replay"
-# The orchestrator replica died (or was replaced) while running the turn.
-INTERRUPTED = {
-    "code": "turn_interrupted",
-    "message": "the turn was interrupted before its last event reached the ingress; it may or may not have "
-               "committed (compare the session's num_messages_total). Retry with the same Idempotency-Key: "
-               "a turn that did commit is replayed, not run twice.",
-}
 
 
 def _caller(request: Request) -> Caller:
@@ -260,7 +253,7 @@ def _sse(
         except Exception as err:
             logger.exception("turn stream broke off")
             _record_failure(span, err)
-            yield f"event: error\ndata: {json.dumps({'kind': 'error', **INTERRUPTED})}\n\n"
+            yield f"event: error\ndata: {json.dumps({'kind': 'error', **TURN_INTERRUPTED})}\n\n"
         yield "event: done\ndata: {}\n\n"
 
     return frames()
@@ -311,7 +304,7 @@ async def _turn_response(
     except Exception as err:
         logger.exception("turn of session %s broke off", session_id)
         span.record_exception(err)
-        error = error_body(503, INTERRUPTED["message"], code=INTERRUPTED["code"])["error"]
+        error = error_body(503, TURN_INTERRUPTED["message"], code=TURN_INTERRUPTED["code"])["error"]
         return JSONResponse({"session_id": session_id, "status": "failed", "error": error}, status_code=503)
     collected = merged_deltas(collected)
     last = collected[-1] if collected else {"kind": "error", "code": "empty_turn", "message": "the turn produced nothing"}

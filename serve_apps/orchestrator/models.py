@@ -297,6 +297,15 @@ TURN_ERROR_STATUS = {
 }
 
 
+# A turn's stream broke off between orchestrator and ingress (the orchestrator replica died or was replaced).
+TURN_INTERRUPTED = {
+    "code": "turn_interrupted",
+    "message": "the turn was interrupted before its last event reached the ingress; it may or may not have "
+               "committed (compare the session's num_messages_total). Retry with the same Idempotency-Key: "
+               "a turn that did commit is replayed, not run twice.",
+}
+
+
 class CompressionEvent(_Strict):
     """Old rounds were replaced by a summary plus a facts ledger."""
 

@@ -857,7 +857,8 @@ def test_turn_failure_event_carries_the_envelope_error():
     assert (code, context.details) == (Code.ABORTED, "a turn is running")
 
 
-def test_orchestrator_crash_mid_turn_is_internal():
+def test_orchestrator_crash_mid_turn_is_an_interrupted_turn():
+    """As over HTTP (503 turn_interrupted): the turn may have committed, and a retry with its key is safe."""
     async def crash(session_id, body, caller, carrier, idempotency_key):
         yield {"status": 200}
         yield DeltaEvent(text="h").model_dump()
@@ -867,7 +868,7 @@ def test_orchestrator_crash_mid_turn_is_internal():
     ingress = _ingress(orchestrator=FakeHandle(send_message=crash))
     got = _run(_collect(ingress.SendMessage(agent_pb2.SendMessageRequest(session_id="s1", content="hi"), context), context))
     assert [m.WhichOneof("event") for m, _ in got] == ["delta", "error"]
-    assert got[-1][0].error.code == "internal" and got[-1][1] is Code.INTERNAL
+    assert got[-1][0].error.code == "turn_interrupted" and got[-1][1] is Code.UNAVAILABLE
 
 
 def _llm_stream(*items):

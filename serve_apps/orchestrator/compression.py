@@ -336,9 +336,7 @@ def plan_compression(
     round_starts = [i for i, m in enumerate(messages) if m.role == "user" and not _is_summary(m)]
     if len(round_starts) <= limits.keep_last_rounds:
         return None
-    cut = round_starts[-limits.keep_last_rounds]
-    if all(_is_summary(m) for m in messages[:cut]):
-        return None
+    cut = round_starts[-limits.keep_last_rounds]  # a real user message lies before it: never only a summary
     return CompressionPlan(
         num_messages_compressed=cut,
         tokens_before=account.total_tokens,

@@ -8,10 +8,13 @@ a developer's running cluster state. Tests talk to it only over loopback HTTP
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -152,3 +155,77 @@ def redis_url(tmp_path_factory):
         client.close()
         process.terminate()
         process.wait(timeout=10)
+
+
+# --- a loopback tool server for server-side tools ------------------------------------------------
+
+ORDER_RESULT = {"order_id": "ORD-98231", "total": "1,284.50 EUR", "ships_on": "2026-11-30", "carrier_ref": "ZX-44017"}
+LOOKUP_SCHEMA = {
+    "type": "object",
+    "properties": {"order_id": {"type": "string", "pattern": "^ORD-[0-9]{5}$"}},
+    "required": ["order_id"],
+    "additionalProperties": False,
+}
+
+
+class _ToolHandler(http.server.BaseHTTPRequestHandler):
+    """`/lookup` answers ORDER_RESULT, `/fail` HTTP 500, `/gate` as `/lookup` once opened, anything else garbage."""
+
+    calls: list = []
+    # `/gate` answers only once the test opens it, after telling the test the call arrived.
+    gate_reached = threading.Event()
+    gate_open = threading.Event()
+
+    def do_POST(self):  # noqa: N802 - http.server naming
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        _ToolHandler.calls.append((self.path, body))
+        if self.path == "/gate":
+            _ToolHandler.gate_reached.set()
+            _ToolHandler.gate_open.wait(60)
+            self.path = "/lookup"
+        if self.path == "/fail":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"internal error")
+            return
+        payload = json.dumps(ORDER_RESULT).encode() if self.path == "/lookup" else b"\x00\xffnot json"
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    """Base URL of a loopback tool server (`_ToolHandler`) for one test module."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ToolHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    _ToolHandler.gate_open.set()
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def tool_gate(tool_server):
+    """The `/gate` tool of `tool_server`, closed: `gate_reached` is set when a call arrives, which then waits
+    until the test sets `gate_open` (opened when the test ends, whatever its outcome)."""
+    _ToolHandler.gate_reached.clear()
+    _ToolHandler.gate_open.clear()
+    yield _ToolHandler
+    _ToolHandler.gate_open.set()
+
+
+@pytest.fixture
+def ray_connection():
+    """This process connected to the cluster's Ray (named actors, Serve handles); disconnected after the test."""
+    import ray
+
+    ray.init(address="auto", ignore_reinit_error=True, logging_level="ERROR")
+    yield ray
+    ray.shutdown()

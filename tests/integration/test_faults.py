@@ -8,7 +8,6 @@ the cluster is whole again before they return.
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
@@ -88,7 +87,6 @@ def test_killing_the_orchestrator_mid_turn_loses_no_turn(cluster, client):
 
 @pytest.mark.disrupts_replicas
 def test_redis_restart_keeps_committed_turns_and_outages_fail_fast(cluster, client):
-    started = time.monotonic()
     result = chaos.redis_restart(client, cluster.cfg, _quiet, num_sessions=3)
     report = chaos.report([result])
     assert result.num_lost == 0, report
@@ -97,4 +95,6 @@ def test_redis_restart_keeps_committed_turns_and_outages_fail_fast(cluster, clie
     outage_notes = [n for n in result.notes if n.startswith("during outage")]
     assert len(outage_notes) == 3 and all("503" in n for n in outage_notes), report
     assert not any("expected 503" in n for n in result.notes), report
-    assert time.monotonic() - started < 300
+    # Each call during the outage failed fast: one waiting on Redis would run into the client's 300 s timeout.
+    outage_seconds = [float(note.rsplit(" in ", 1)[1].rstrip("s")) for note in outage_notes]
+    assert max(outage_seconds) < 60, report

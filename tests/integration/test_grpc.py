@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster.serve_config import grpc_app_name
-from tests.integration.test_sessions import LOOKUP_SCHEMA, tool_server  # noqa: F401 - fixture
+from tests.integration.conftest import LOOKUP_SCHEMA
 from warmpath.v1 import agent_pb2, agent_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -54,7 +54,7 @@ def test_unary_and_streamed_chat_completion(channel, metadata, cluster):
     assert chunks[-1].usage.completion_tokens == 6
 
 
-def test_agent_session_with_a_tool(channel, metadata, cluster, tool_server):  # noqa: F811
+def test_agent_session_with_a_tool(channel, metadata, cluster, tool_server):
     agent = agent_pb2_grpc.AgentStub(channel)
     created = agent.CreateSession(agent_pb2.CreateSessionRequest(
         model=cluster.model_id, system_prompt="You are a support agent.",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import httpx
 import pytest
 
 from cluster import local

@@ -190,9 +190,8 @@ def test_a_request_the_engine_refuses_leaves_no_placement(warmpath_router):
     assert int(follow.headers["x-warmpath-predicted-cached-tokens"]) == 0, follow.headers
 
 
-def test_a_router_created_later_loads_what_the_replicas_cached_before(warmpath_router):
+def test_a_router_created_later_loads_what_the_replicas_cached_before(warmpath_router, ray_connection):
     """A new handle (here, in the test process) gets its own router, which must not start blind."""
-    import ray
     from ray import serve
 
     from router import decision_log
@@ -201,7 +200,6 @@ def test_a_router_created_later_loads_what_the_replicas_cached_before(warmpath_r
     cluster = warmpath_router
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "cached before the new router"}]
     served = _chat(cluster, messages).headers["x-warmpath-replica"]
-    ray.init(address="auto", ignore_reinit_error=True, logging_level="ERROR")
     handle = serve.get_deployment_handle(llm_deployment_name(cluster.cfg), app_name=cluster.cfg.app_name)
     handle.replica_info.remote().result(timeout_s=120)  # the first call creates this process's router
     deadline = time.monotonic() + 120
@@ -218,14 +216,12 @@ def test_a_router_created_later_loads_what_the_replicas_cached_before(warmpath_r
 
 
 @pytest.mark.disrupts_replicas
-def test_killing_a_replica_drops_its_index_and_routing_continues(warmpath_router):
-    import ray
-
+def test_killing_a_replica_drops_its_index_and_routing_continues(warmpath_router, ray_connection):
     from cluster import local
 
+    ray = ray_connection
     cluster = warmpath_router
     _chat(cluster, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "before the kill"}])
-    ray.init(address="auto", ignore_reinit_error=True, logging_level="ERROR")
     actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "WarmpathLLMServer" in a["name"]]
     assert len(actors) == 2, actors
     victim = actors[0]

@@ -3,60 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
-import http.server
 import json
-import threading
 
 import httpx
 import pytest
 
+from tests.integration.conftest import LOOKUP_SCHEMA, ORDER_RESULT
+
 pytestmark = pytest.mark.integration
-
-ORDER_RESULT = {"order_id": "ORD-98231", "total": "1,284.50 EUR", "ships_on": "2026-11-30", "carrier_ref": "ZX-44017"}
-LOOKUP_SCHEMA = {
-    "type": "object",
-    "properties": {"order_id": {"type": "string", "pattern": "^ORD-[0-9]{5}$"}},
-    "required": ["order_id"],
-    "additionalProperties": False,
-}
-
-
-class _ToolHandler(http.server.BaseHTTPRequestHandler):
-    calls: list = []
-    # `/gate` answers only once the test opens it, after telling the test the call arrived.
-    gate_reached = threading.Event()
-    gate_open = threading.Event()
-
-    def do_POST(self):  # noqa: N802 - http.server naming
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        _ToolHandler.calls.append((self.path, body))
-        if self.path == "/gate":
-            _ToolHandler.gate_reached.set()
-            _ToolHandler.gate_open.wait(60)
-            self.path = "/lookup"
-        if self.path == "/fail":
-            self.send_response(500)
-            self.end_headers()
-            self.wfile.write(b"internal error")
-            return
-        payload = json.dumps(ORDER_RESULT).encode() if self.path == "/lookup" else b"\x00\xffnot json"
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture(scope="module")
-def tool_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ToolHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
 
 
 def _tool(name, url=None, description="Look up an order by id."):
@@ -86,18 +40,16 @@ def _get(cluster, session_id):
     return resp.json()
 
 
-def test_a_session_deleted_while_its_turn_runs_ends_the_turn_as_not_found(cluster, tool_server):
+def test_a_session_deleted_while_its_turn_runs_ends_the_turn_as_not_found(cluster, tool_server, tool_gate):
     """The turn's commit finds the session gone: a 404 with the API's shape, nothing saved (was a 500)."""
-    _ToolHandler.gate_reached.clear()
-    _ToolHandler.gate_open.clear()
     sid = _create(cluster, [_tool("lookup_order", f"{tool_server}/gate")])["session_id"]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         turn = pool.submit(_send, cluster, sid, "Where is my order ORD-98231?", "required")
         try:
-            assert _ToolHandler.gate_reached.wait(240), "the turn never called its tool"
+            assert tool_gate.gate_reached.wait(240), "the turn never called its tool"
             assert cluster.client.delete(f"/v1/sessions/{sid}", timeout=60).status_code == 204
         finally:
-            _ToolHandler.gate_open.set()
+            tool_gate.gate_open.set()
         resp = turn.result(timeout=300)
     assert resp.status_code == 404, resp.text
     body = resp.json()
@@ -196,15 +148,23 @@ def test_compression_keeps_exact_values(cluster, tool_server):
     assert _get(cluster, sid)["cache"]["num_compressions"] == 1
 
 
-def test_concurrent_messages_to_one_session_do_not_interleave(cluster):
-    sid = _create(cluster, [])["session_id"]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda i: _send(cluster, sid, f"message {i}"), range(2)))
-    codes = sorted(r.status_code for r in results)
-    assert codes in ([200, 409], [200, 200]), [r.text for r in results]
+def test_concurrent_messages_to_one_session_do_not_interleave(cluster, tool_server, tool_gate):
+    """A message sent while the session's turn runs (held at its tool call) is refused, not interleaved."""
+    sid = _create(cluster, [_tool("lookup_order", f"{tool_server}/gate")])["session_id"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(_send, cluster, sid, "message 0: where is ORD-98231?", "required")
+        try:
+            assert tool_gate.gate_reached.wait(240), "the first turn never called its tool"
+            second = _send(cluster, sid, "message 1", timeout=60)
+        finally:
+            tool_gate.gate_open.set()
+        first_resp = first.result(timeout=300)
+    assert second.status_code == 409, second.text
+    assert second.json()["error"]["code"] == "session_busy", second.text
+    assert first_resp.status_code == 200 and first_resp.json()["status"] == "completed", first_resp.text
     transcript = _get(cluster, sid)["transcript"]
-    roles = [m["role"] for m in transcript]
-    assert roles == ["user", "assistant"] * (len(roles) // 2)
+    assert [m["content"] for m in transcript if m["role"] == "user"] == ["message 0: where is ORD-98231?"]
+    assert [m["role"] for m in transcript[:3]] == ["user", "assistant", "tool"] and transcript[-1]["role"] == "assistant"
 
 
 def test_session_errors(cluster):
@@ -221,12 +181,10 @@ def test_session_errors(cluster):
 
 
 @pytest.mark.disrupts_replicas
-def test_sessions_survive_an_orchestrator_restart(cluster):
-    import ray
-
+def test_sessions_survive_an_orchestrator_restart(cluster, ray_connection):
+    ray = ray_connection
     sid = _create(cluster, [])["session_id"]
     assert _send(cluster, sid, "remember me").json()["status"] == "completed"
-    ray.init(address="auto", ignore_reinit_error=True, logging_level="ERROR")
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "Orchestrator" in a["name"]]
     assert names
     for name in names:

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -9,8 +10,9 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+import redis.asyncio as aioredis
 
-from cluster.api_keys import ApiKeyStore
+from cluster.api_keys import ApiKeyStore, run_with_store
 from cluster.api_keys import StoreUnavailable as KeyStoreUnavailable
 from serve_apps.orchestrator.models import CompressionReport, CreateSessionRequest, Message, StepStats
 from serve_apps.orchestrator.store import (
@@ -116,44 +118,97 @@ def test_turn_lock_is_exclusive_and_released(redis_url):
 def test_concurrent_turns_one_wins(redis_url):
     async def scenario(store):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        release = asyncio.Event()
 
         async def turn():
             async with store.turn_lock(record.session_id):
-                await asyncio.sleep(0.2)
+                await release.wait()  # held until the other four have failed
                 return "ran"
 
-        return await asyncio.gather(*(turn() for _ in range(5)), return_exceptions=True)
+        tasks = [asyncio.create_task(turn()) for _ in range(5)]
 
-    outcomes = _run(redis_url, scenario)
+        async def four_done():
+            while sum(task.done() for task in tasks) < 4:
+                await asyncio.wait([task for task in tasks if not task.done()], return_when=asyncio.FIRST_COMPLETED)
+
+        try:
+            await asyncio.wait_for(four_done(), timeout=60)
+            refused = [task.exception() for task in tasks if task.done()]
+        finally:
+            release.set()
+        return refused, await asyncio.gather(*tasks, return_exceptions=True)
+
+    refused, outcomes = _run(redis_url, scenario)
+    assert len(refused) == 4 and all(isinstance(error, SessionBusy) for error in refused)
     assert outcomes.count("ran") == 1
     assert sum(isinstance(outcome, SessionBusy) for outcome in outcomes) == 4
 
 
-def test_a_live_turn_keeps_its_lock_past_lock_ttl_and_a_dead_ones_expires(redis_url):
+async def _pttl_rises(client, key: str, deadline: float) -> bool:
+    """Whether the key's PTTL goes up (a renewal) before `deadline`; False once it is gone or time is up."""
+    previous = await client.pttl(key)
+    while time.monotonic() < deadline and previous > 0:
+        await asyncio.sleep(0.02)
+        current = await client.pttl(key)
+        if current > previous:
+            return True
+        previous = current
+    return False
+
+
+def test_a_live_turn_renews_its_lock(redis_url):
     async def scenario(store):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
-        async with store.turn_lock(record.session_id):
-            await asyncio.sleep(1.0)  # more than three lock_ttl_s: renewed meanwhile
-            with pytest.raises(SessionBusy):
-                async with store.turn_lock(record.session_id):
-                    pass
-        return record.session_id
+        lock_key = f"warmpath:{{{record.session_id}}}:lock"
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            async with store.turn_lock(record.session_id):
+                deadline = time.monotonic() + 30
+                # A renewal every third of lock_ttl_s sets the lock's PTTL back up, again and again.
+                renewals = [await _pttl_rises(client, lock_key, deadline) for _ in range(3)]
+                with pytest.raises(SessionBusy):
+                    async with store.turn_lock(record.session_id):
+                        pass
+            return renewals, await client.exists(lock_key)
+        finally:
+            await client.aclose()
 
-    session_id = _run(redis_url, scenario, lock_ttl_s=0.3)
+    assert _run(redis_url, scenario, lock_ttl_s=1.5) == ([True, True, True], 0)
+
+
+def test_a_dead_holders_lock_expires(redis_url):
+    async def create(store):
+        return (await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")).session_id
+
+    session_id = _run(redis_url, create)
     # A holder that died without releasing (a killed orchestrator) leaves a lock nobody renews.
+    lock_key = f"warmpath:{{{session_id}}}:lock"
     client = redis.Redis.from_url(redis_url)
-    client.set(f"warmpath:{{{session_id}}}:lock", "dead-holder", px=300)
-    client.close()
+    try:
+        client.set(lock_key, "dead-holder", px=600_000)
 
-    async def after_death(store):
-        with pytest.raises(SessionBusy):
-            async with store.turn_lock(session_id):
-                pass
-        await asyncio.sleep(0.5)
+        async def while_held(store):
+            with pytest.raises(SessionBusy):
+                async with store.turn_lock(session_id):
+                    pass
+            return True
+
+        assert _run(redis_url, while_held, lock_ttl_s=0.3)
+        # A refused taker leaves the holder's lock alone: neither replaced nor given a shorter TTL.
+        assert client.get(lock_key) == b"dead-holder" and client.pttl(lock_key) > 500_000
+        client.pexpire(lock_key, 1)  # its TTL runs out
+        deadline = time.monotonic() + 10
+        while client.exists(lock_key) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not client.exists(lock_key)
+    finally:
+        client.close()
+
+    async def after_expiry(store):
         async with store.turn_lock(session_id):
             return True
 
-    assert _run(redis_url, after_death, lock_ttl_s=0.3)
+    assert _run(redis_url, after_expiry, lock_ttl_s=0.3)
 
 
 def test_expired_holder_cannot_release_the_next_holders_lock(redis_url):
@@ -537,3 +592,49 @@ def test_another_keys_turn_is_not_found_and_never_takes_the_lock(redis_url):
         return idle["status"], busy["status"], busy["body"]["error"]["code"], locked
 
     assert _run(redis_url, scenario) == (404, 404, "session_not_found", [])
+
+
+def test_listing_keys_reads_every_key_id_and_only_those(redis_url):
+    url = redis_url.rsplit("/", 1)[0] + "/2"  # a database of its own: exactly the keys written here
+    client = redis.Redis.from_url(url, decode_responses=True)
+    client.flushdb()
+
+    async def create(keys):
+        return [(await keys.create(name, ["*"], 5.0, 5))[1] for name in ("first", "second")]
+
+    try:
+        first, second = run_with_store(url, create)
+        bad_hash = "f" * 64
+        bad = first.model_dump(mode="json") | {"key_id": "key_ffffffffffff", "name": "bad", "requests_per_s": 0}
+        client.hset(f"warmpath:apikey:{bad_hash}", "record", json.dumps(bad))
+        client.set("warmpath:apikey-id:key_ffffffffffff", bad_hash)
+        # What a looser pattern would also read: keys that are not key ids, of other types and shapes.
+        client.hset(f"warmpath:{{{'s' * 32}}}:meta", "record", "{}")
+        client.set("warmpath:apikey-idx", client.get(f"warmpath:apikey-id:{second.key_id}"))
+        client.set("other:warmpath:apikey-id:key_000000000000", client.get(f"warmpath:apikey-id:{first.key_id}"))
+        listing = run_with_store(url, lambda keys: keys.list())
+    finally:
+        client.flushdb()
+        client.close()
+    assert sorted(listing.records, key=lambda r: r.name) == [first, second]
+    assert [u.key_id for u in listing.unreadable] == ["key_ffffffffffff"]
+    assert "requests_per_s" in listing.unreadable[0].problem
+
+
+def test_the_token_bucket_refills_at_its_rate(redis_url):
+    async def scenario(keys):
+        key, _ = await keys.create("limited", ["*"], requests_per_s=20.0, burst=1)
+        # At once: the one token is spent, and the requests after it are refused until it refills.
+        burst = await asyncio.gather(*(keys.authorize(key) for _ in range(8)))
+        refused = [outcome for outcome in burst if not outcome.is_allowed]
+        deadline = time.monotonic() + 5
+        is_allowed = False
+        while not is_allowed and time.monotonic() < deadline:
+            await asyncio.sleep(max(outcome.retry_after_s for outcome in refused))
+            is_allowed = (await keys.authorize(key)).is_allowed
+        return burst, refused, is_allowed
+
+    burst, refused, is_allowed_again = run_with_store(redis_url, scenario)
+    assert any(outcome.is_allowed for outcome in burst)
+    assert refused and all(0 < outcome.retry_after_s <= 0.05 for outcome in refused)  # one token per 50 ms
+    assert is_allowed_again

@@ -5,11 +5,10 @@ from __future__ import annotations
 import secrets
 
 import grpc
-import httpx
 import pytest
 
 from cluster.serve_config import grpc_app_name
-from tests.integration.test_sessions import LOOKUP_SCHEMA, tool_server  # noqa: F401 - fixture
+from tests.integration.conftest import LOOKUP_SCHEMA
 from warmpath.v1 import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -27,7 +26,7 @@ def _by_name(spans):
     return out
 
 
-def test_agent_turn_trace_tree(cluster, otlp_receiver, tool_server):  # noqa: F811
+def test_agent_turn_trace_tree(cluster, otlp_receiver, tool_server):
     body = {
         "model": cluster.model_id, "system_prompt": "You are a support agent.",
         "tools": [{"name": "lookup_order", "description": "Look up an order.", "parameters": LOOKUP_SCHEMA,

@@ -229,16 +229,16 @@ def test_grid_runs_every_policy_at_every_replica_count():
 
 
 def test_a_grid_in_parallel_processes_gives_the_serial_results_in_the_same_order():
-    kwargs = dict(num_sessions=6, policies=("warmpath", "session-hash"), profile=GPU_PROFILE)
-    serial = run_grid(["fanout", "coding"], [2, 3], **kwargs)
+    kwargs = dict(num_sessions=2, policies=("warmpath", "session-hash"), profile=GPU_PROFILE)
+    serial = run_grid(["coding"], [2, 3], **kwargs)
     messages: list[str] = []
-    parallel = run_grid(["fanout", "coding"], [2, 3], progress=messages.append, jobs=2, **kwargs)
+    parallel = run_grid(["coding"], [2, 3], progress=messages.append, jobs=2, **kwargs)
 
     def figures(run):
         return {k: v for k, v in run.to_json().items() if k not in ("wall_s", "cpu_s")}
 
     assert [figures(r) for r in parallel] == [figures(r) for r in serial]
-    assert len(messages) == len(serial) == 8
+    assert len(messages) == len(serial) == 4
 
 
 def test_a_grid_needs_at_least_one_job():

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from bench.workload_render import SyntheticRenderer, nominal_prompt_tokens, openai_request
 from bench.workloads import WORKLOAD_NAMES, default_params, generate
-
-MODEL_DIR = Path(__file__).resolve().parents[3] / ".warmpath" / "models" / "warmpath-tiny"
+from cluster.model_builder import build_model
 
 
 @pytest.mark.parametrize("name", WORKLOAD_NAMES)
@@ -133,13 +131,14 @@ def test_synthetic_prompts_extend_the_previous_step_and_share_the_system_prefix(
     assert first[:system_tokens] == second[:system_tokens]
 
 
-@pytest.fixture(scope="module")
-def tokenizer_renderer():
-    if not (MODEL_DIR / "tokenizer.json").is_file():
-        pytest.skip("the small model is not built (warmpath build-model)")
+@pytest.fixture(scope="session")
+def tokenizer_renderer(tmp_path_factory):
+    """The served model's tokenizer and template, built here as `warmpath build-model` builds them (seconds)."""
     from bench.workload_render import TokenizerRenderer
 
-    return TokenizerRenderer(str(MODEL_DIR))
+    model_dir = tmp_path_factory.mktemp("model") / "warmpath-tiny"
+    build_model(model_dir)
+    return TokenizerRenderer(str(model_dir))
 
 
 @pytest.mark.parametrize("name", WORKLOAD_NAMES)

@@ -194,6 +194,27 @@ def test_plan_triggers_below_fraction_of_window():
     assert plan_compression(history, _account(history, window - 1, reserve), SessionLimits()) is not None
 
 
+def test_plan_does_not_compress_at_exactly_the_fraction():
+    history = _history(4)
+    limits = SessionLimits(compress_below_fraction=0.25)
+    total = _account(history, 10**6).total_tokens
+    reserve = 16
+    window = (total + reserve) * 4 // 3 + 4
+    window -= window % 4  # a multiple of 4: a quarter of it is a whole number of tokens
+    at_fraction = TokenAccount(
+        prefix_tokens=50 + window - total - reserve - window // 4,  # pad the prefix to leave exactly a quarter
+        message_tokens=tuple(_tokens(m) for m in history),
+        generation_prompt_tokens=3, context_window_tokens=window, output_reserve_tokens=reserve, prefix_fingerprint="fp",
+    )
+    assert at_fraction.remaining_tokens == limits.compress_below_fraction * window
+    assert plan_compression(history, at_fraction, limits) is None
+    one_less = TokenAccount(
+        prefix_tokens=at_fraction.prefix_tokens + 1, message_tokens=at_fraction.message_tokens,
+        generation_prompt_tokens=3, context_window_tokens=window, output_reserve_tokens=reserve, prefix_fingerprint="fp",
+    )
+    assert plan_compression(history, one_less, limits) is not None
+
+
 def test_plan_rejects_misaligned_account():
     history = _history(3)
     with pytest.raises(ValueError):
@@ -240,6 +261,47 @@ def test_summary_only_prefix_is_not_recompressed():
         history, plan_compression(history, _account(history, 100), LIMITS), "", recount=lambda m: _account(m, 100)
     )
     assert plan_compression(first, _account(first, 100), LIMITS) is None
+    # Over budget, with one round kept: everything before that round is the summary, nothing to compress.
+    summary_and_one_round = first[:1] + _round(9)
+    one_kept = SessionLimits(keep_last_rounds=1)
+    assert plan_compression(summary_and_one_round, _account(summary_and_one_round, 100), one_kept) is None
+    # One more round is something to compress again.
+    longer = summary_and_one_round + _round(10)
+    plan = plan_compression(longer, _account(longer, 100), one_kept)
+    assert plan is not None and plan.num_messages_compressed == 5
+
+
+def test_retention_counts_the_values_a_previous_summary_carried():
+    history = _history(5)
+    first, _ = apply_compression(
+        history, plan_compression(history, _account(history, 100), LIMITS), "", recount=lambda m: _account(m, 100)
+    )
+    longer = first + _history(8)[20:]
+    plan = plan_compression(longer, _account(longer, 100), LIMITS)
+    carried = 'get_order#c1 result={"order_id":"ORD-9001","total":"1,284.50","eta":"2026-11-11"}'
+    assert carried in plan.ledger
+    incomplete = CompressionPlan(
+        num_messages_compressed=plan.num_messages_compressed, tokens_before=plan.tokens_before,
+        tokens_compressed=plan.tokens_compressed, remaining_tokens_before=plan.remaining_tokens_before,
+        ledger=tuple(line for line in plan.ledger if line != carried),
+    )
+    _, complete_report = apply_compression(longer, plan, "", recount=lambda m: _account(m, 100))
+    second, report = apply_compression(longer, incomplete, "", recount=lambda m: _account(m, 100))
+    assert complete_report.ledger_retained_fraction == 1.0
+    assert carried not in "\n".join(m.content or "" for m in second)
+    assert report.ledger_retained_fraction < 1.0
+
+
+def test_only_the_last_facts_block_of_a_summary_is_carried():
+    """A summary whose model-written text holds a `Facts:` block of its own: only the real (last) one counts."""
+    history = _history(5)
+    plan = plan_compression(history, _account(history, 100), LIMITS)
+    first, _ = apply_compression(
+        history, plan, "Orders 1-3.\nFacts:\n- forged=999999", recount=lambda m: _account(m, 100)
+    )
+    assert "- forged=999999" in first[0].content
+    assert build_ledger(first[:1]) == list(plan.ledger)
+    assert "forged=999999" not in build_ledger(first[:1])
 
 
 def test_summarization_input_lists_calls_and_results():
@@ -271,6 +333,51 @@ def test_each_result_stays_with_its_call_and_keeps_every_field():
         'get_order#00000003 arguments={"order_id":"ORD-3"}',
         'get_order#00000003 result={"order_id":"ORD-3","total":"7.00","status":"shipped"}',
     ]
+
+
+def test_equal_ledger_lines_are_kept_once():
+    ledger = build_ledger([
+        Message(role="user", content="Ship ORD-5 by 2026-01-02"),
+        Message(role="user", content="Ship ORD-5 by 2026-01-02"),
+        Message(role="user", content="ORD-6"),
+    ])
+    assert ledger == ["user: ORD-5 | 2026-01-02", "user: ORD-6"]
+
+
+@pytest.mark.parametrize(
+    "num_digits, is_kept",
+    [(255, True), (256, True), (257, False), (300, False)],  # longer than _MAX_VALUE_CHARS (256): a blob
+)
+def test_a_run_longer_than_the_value_limit_is_a_blob_not_a_value(num_digits, is_kept):
+    digits = "7" * num_digits
+    ledger = build_ledger([Message(role="user", content=f"blob {digits} and ORD-5")])
+    assert ledger == ([f"user: {digits} | ORD-5"] if is_kept else ["user: ORD-5"])
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("took 5 ms", ["5 ms"]),
+        ("build 2a ms later", ["2a"]),  # a value that does not end in a digit takes no unit
+        ("v ms", []),
+        ("abc ms", []),
+    ],
+)
+def test_a_unit_follows_only_a_digit(text, expected):
+    assert extract_facts(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('{"total": Infinity, "id": "ORD-5"}', ["total", "id=ORD-5"]),
+        ('[NaN, 5]', ["5"]),
+        ('{"total": 5}', ['{"total":5}']),
+    ],
+)
+def test_nan_and_infinity_are_not_json(text, expected):
+    """Python's json module reads NaN and Infinity; JSON has neither, so such a text is scanned as text."""
+    assert extract_facts(text) == expected
 
 
 def test_prose_values_are_one_line_per_message():

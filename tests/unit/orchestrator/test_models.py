@@ -1,5 +1,8 @@
 """Request validation of the session API: malformed bodies fail with the offending field named."""
 
+import copy
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -473,4 +476,8 @@ def test_tool_parameters_with_numbers_the_grammar_cannot_hold_rejected(propertie
     ],
 )
 def test_tool_parameters_with_numbers_in_range_accepted(properties):
-    ToolSpec.model_validate(_tool(parameters={"type": "object", "properties": properties}))
+    parameters = {"type": "object", "properties": properties}
+    spec = ToolSpec.model_validate(_tool(parameters=copy.deepcopy(parameters)))
+    # Kept as given: no bound clipped, no integer turned into a float (10**19 == 1e19, but not as JSON).
+    assert spec.parameters == parameters
+    assert json.dumps(spec.parameters, sort_keys=True) == json.dumps(parameters, sort_keys=True)

@@ -1,10 +1,9 @@
 """Cache-first prompts against real tokenizers: a tiny BPE trained here, with two chat templates.
 
 "local" is a ChatML-style template written for these tests; "project" is the
-template `cluster.model_builder` gives the served model, used when that module
-is importable and skipped otherwise. Both have the shape the orchestrator
-relies on: system prompt and tools first, then messages, tool calls as
-`<tool_call>{...}</tool_call>`.
+template `cluster.model_builder` gives the served model. Both have the shape
+the orchestrator relies on: system prompt and tools first, then messages, tool
+calls as `<tool_call>{...}</tool_call>`.
 """
 
 import json
@@ -14,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from cluster import model_builder
 from serve_apps.orchestrator.compression import apply_compression, plan_compression
 from serve_apps.orchestrator.models import Message, SessionLimits, ToolCall, ToolSpec
 from serve_apps.orchestrator.prompt import (
@@ -56,19 +56,11 @@ TOOL_MARKUP = ["<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_resp
 
 
 def _template_variant(name: str) -> dict:
-    """Template, special tokens and bos/eos of one variant; skips when the project's builder is absent."""
+    """Template, special tokens and bos/eos of one variant."""
     if name == "local":
         return {"template": LOCAL_TEMPLATE, "special": LOCAL_SPECIAL_TOKENS, "bos": None, "eos": "<|im_end|>"}
-    try:
-        from cluster import model_builder
-    except ImportError:
-        pytest.skip("cluster.model_builder is not importable")
-    template = getattr(model_builder, "CHAT_TEMPLATE", None)
-    special = list(getattr(model_builder, "SPECIAL_TOKENS", []))
-    if not template or not special:
-        pytest.skip("cluster.model_builder has no CHAT_TEMPLATE/SPECIAL_TOKENS")
-    bos = getattr(model_builder, "BOS", None)
-    return {"template": template, "special": special, "bos": bos, "eos": getattr(model_builder, "EOT", special[-1])}
+    return {"template": model_builder.CHAT_TEMPLATE, "special": list(model_builder.SPECIAL_TOKENS),
+            "bos": model_builder.BOS, "eos": model_builder.EOT}
 
 
 def _train_tokenizer(variant: dict) -> PreTrainedTokenizerFast:

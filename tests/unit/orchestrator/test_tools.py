@@ -11,6 +11,9 @@ from jsonschema import Draft202012Validator
 
 from serve_apps.orchestrator.models import ToolCall, ToolSpec
 from serve_apps.orchestrator.tools import (
+    MAX_ARGUMENT_DEPTH,
+    MAX_REPORTED_VIOLATIONS,
+    SchemaViolation,
     ToolCallError,
     escape_raw_control_characters,
     run_http_tool,
@@ -88,6 +91,7 @@ def test_valid_call_is_returned_unchanged(name, arguments):
     "name, arguments, kind, paths",
     [
         ("delete_everything", "{}", "unknown_tool", []),
+        ("Create_Order", '{"order_id": "ORD-1"}', "unknown_tool", []),  # names match exactly, case included
         ("create_order", '{"order_id": ', "invalid_json", []),
         ("create_order", '{"order_id": NaN}', "invalid_json", []),
         ("create_order", '{"order_id": 1e999}', "invalid_json", []),
@@ -115,6 +119,44 @@ def test_invalid_call_error_names_kind_and_paths(name, arguments, kind, paths):
     assert [violation.path for violation in error.violations] == paths
     for path in paths:
         assert path in error.message
+
+
+def _nested(depth: int) -> str:
+    """An arguments object nesting `depth` levels: the object itself, then arrays."""
+    return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+@pytest.mark.parametrize("depth, is_valid", [(MAX_ARGUMENT_DEPTH, True), (MAX_ARGUMENT_DEPTH + 1, False)])
+def test_arguments_may_nest_exactly_to_the_depth_limit(depth, is_valid):
+    spec = _spec("anything", {"type": "object"})
+    outcome = validate_tool_call(_call("anything", _nested(depth)), [spec])
+    if is_valid:
+        assert isinstance(outcome, ToolCall)
+    else:
+        assert isinstance(outcome, ToolCallError) and outcome.kind == "invalid_json"
+        assert f"nested deeper than {MAX_ARGUMENT_DEPTH} levels" in outcome.detail
+
+
+def test_violations_are_sorted_by_path_then_message_and_capped():
+    """20 violations: 7 integers failing two keywords each (listed multipleOf first), 6 strings failing one."""
+    integer = {"multipleOf": 5, "minimum": 10}
+    names = {"k": integer, "b": {"type": "string"}, "e": integer, "m": integer, "h": {"type": "string"},
+             "a": integer, "j": {"type": "string"}, "c": integer, "l": {"type": "string"}, "g": integer,
+             "f": {"type": "string"}, "i": integer, "d": {"type": "string"}}
+    spec = _spec("many", {"type": "object", "properties": names})
+    arguments = {name: 3 for name in reversed(list(names))}
+    error = validate_tool_call(_call("many", json.dumps(arguments)), [spec])
+    less, multiple, not_string = "3 is less than the minimum of 10", "3 is not a multiple of 5", "3 is not of type 'string'"
+    expected = [
+        ("$.a", less), ("$.a", multiple), ("$.b", not_string), ("$.c", less), ("$.c", multiple),
+        ("$.d", not_string), ("$.e", less), ("$.e", multiple), ("$.f", not_string), ("$.g", less),
+        ("$.g", multiple), ("$.h", not_string), ("$.i", less), ("$.i", multiple), ("$.j", not_string),
+        ("$.k", less),  # the 16th; $.k's second violation, $.l and $.m are counted, not listed
+    ]
+    assert MAX_REPORTED_VIOLATIONS == len(expected)
+    assert error.kind == "schema_violation" and error.detail == "20 schema violation(s) in the arguments"
+    assert error.violations == tuple(SchemaViolation(path, message) for path, message in expected)
+    assert error.message.splitlines()[1:] == [f"- {path}: {message}" for path, message in expected]
 
 
 def test_unknown_tool_error_lists_available_tools():
@@ -181,6 +223,35 @@ def test_tool_choice_schema_rewrites_references_but_not_data_that_looks_like_one
     # The combined schema and the tool's own validation agree on every call.
     assert Draft202012Validator(schema).is_valid({"name": "lit", "arguments": arguments}) is is_valid
     assert isinstance(validate_tool_call(_call("lit", json.dumps(arguments)), [spec]), ToolCallError) is not is_valid
+
+
+CHAINED_DEFS_SCHEMA = {
+    "type": "object",
+    "$defs": {
+        "route": {"type": "object", "properties": {"stops": {"type": "array", "items": {"$ref": "#/$defs/stop"}}}},
+        "stop": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+    "properties": {"route": {"$ref": "#/$defs/route"}},
+    "required": ["route"],
+}
+
+
+@pytest.mark.parametrize(
+    "arguments, is_valid",
+    [
+        ({"route": {"stops": [{"code": "AMS"}, {"code": "BER"}]}}, True),
+        ({"route": {"stops": [{"code": "AMS"}, {"code": 7}]}}, False),
+        ({"route": {"stops": [{}]}}, False),
+    ],
+)
+def test_tool_choice_schema_rewrites_references_between_hoisted_defs(arguments, is_valid):
+    """A def that refers to another def of its tool must follow it to its hoisted name."""
+    spec = _spec("trip", CHAINED_DEFS_SCHEMA)
+    schema = tool_choice_schema([spec, *TOOLS])
+    Draft202012Validator.check_schema(schema)
+    assert schema["$defs"]["trip.route"]["properties"]["stops"]["items"] == {"$ref": "#/$defs/trip.stop"}
+    assert Draft202012Validator(schema).is_valid({"name": "trip", "arguments": arguments}) is is_valid
+    assert isinstance(validate_tool_call(_call("trip", json.dumps(arguments)), [spec]), ToolCallError) is not is_valid
 
 
 def test_tool_choice_schema_needs_tools():
@@ -278,7 +349,8 @@ def test_request_body_carries_name_and_arguments_as_written(tool_server):
     ],
 )
 def test_tool_faults_become_outcomes(tool_server, path, status, fragment):
-    outcome = _run(f"{tool_server}{path}", timeout_s=0.3)
+    # Only the hanging tool needs a short timeout; the others answer at once, however loaded the machine.
+    outcome = _run(f"{tool_server}{path}", timeout_s=0.3 if path == "/hang" else 5.0)
     assert outcome.status == status
     assert fragment in json.loads(outcome.content)["error"]
 

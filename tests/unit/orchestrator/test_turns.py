@@ -15,6 +15,7 @@ import pytest
 from serve_apps.orchestrator.models import CreateSessionRequest, Message, ToolCall
 from serve_apps.orchestrator.store import RememberedTurn, SessionRecord, request_fingerprint
 from serve_apps.orchestrator.models import TurnRequest
+from serve_apps.orchestrator import turns
 from serve_apps.orchestrator.turns import MAX_REPAIRS_PER_TURN, ModelReply, TurnRunner
 
 SCHEMA = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
@@ -47,10 +48,12 @@ class ScriptedModel:
         self.script = list(script)
         self.tool_choices: list[object] = []
         self.prompts: list[list] = []
+        self.max_tokens: list[int] = []
 
     async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
         self.tool_choices.append(tool_choice)
         self.prompts.append(messages)
+        self.max_tokens.append(max_tokens)
         deltas, reply = self.script.pop(0)
         for text in deltas:
             yield text
@@ -151,15 +154,19 @@ def _stored_rounds(result_content) -> list[Message]:
     return history
 
 
-def _turn_after(history: list[Message]):
+def _turn_after(history: list[Message], output_reserve_tokens: int = 64, model: ScriptedModel | None = None):
     store = MemoryStore()
-    model = ScriptedModel([([], ModelReply(content="a summary")), (["Hi"], ModelReply(content="Hi"))])
-    runner = TurnRunner(_record(), history, len(history), store, model, CharTokenizer(), 8192)
+    model = model or ScriptedModel([([], ModelReply(content="a summary")), (["Hi"], ModelReply(content="Hi"))])
+    runner = TurnRunner(_record(output_reserve_tokens), history, len(history), store, model, CharTokenizer(), 8192)
 
     async def main():
         return [e async for e in runner.run([Message(role="user", content="next")], "auto")]
 
     return asyncio.run(main()), store
+
+
+def _prose(i: int) -> str:
+    return f"Order ORD-{i} is moving through the regional hub. " + "Tracking updates daily. " * 28
 
 
 def test_a_compression_that_would_not_shorten_the_prompt_is_dropped():
@@ -171,8 +178,38 @@ def test_a_compression_that_would_not_shorten_the_prompt_is_dropped():
 
 
 def test_a_compression_that_shortens_the_prompt_is_kept():
-    prose = lambda i: f"Order ORD-{i} is moving through the regional hub. " + "Tracking updates daily. " * 28
-    events, store = _turn_after(_stored_rounds(prose))
+    events, store = _turn_after(_stored_rounds(_prose))
     (compression,) = [e for e in events if e.kind == "compression"]
     assert compression.report.tokens_after < compression.report.tokens_before
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
+
+
+def test_a_compression_that_would_lose_a_value_fails_the_turn_and_commits_nothing(monkeypatch):
+    """Even one value short of all of them (a shorter prompt otherwise) is refused."""
+    real = turns.apply_compression
+
+    def losing_one_value(*args, **kwargs):
+        messages, report = real(*args, **kwargs)
+        assert report.tokens_after < report.tokens_before  # kept, were it not for the lost value
+        return messages, report.model_copy(update={"ledger_retained_fraction": 0.999})
+
+    monkeypatch.setattr(turns, "apply_compression", losing_one_value)
+    events, store = _turn_after(_stored_rounds(_prose))
+    assert [e.kind for e in events] == ["error"]
+    assert events[0].code == "compression_lost_values"
+    assert store.commits == []
+
+
+@pytest.mark.parametrize("output_reserve_tokens, is_capped_by_quarter", [(64, False), (1024, True)])
+def test_the_summary_gets_at_most_a_quarter_of_the_tokens_it_replaces(
+    monkeypatch, output_reserve_tokens, is_capped_by_quarter
+):
+    plans = []
+    real = turns.plan_compression
+    monkeypatch.setattr(turns, "plan_compression", lambda *args: plans.append(real(*args)) or plans[-1])
+    model = ScriptedModel([([], ModelReply(content="a summary")), (["Hi"], ModelReply(content="Hi"))])
+    events, _ = _turn_after(_stored_rounds(_prose), output_reserve_tokens, model)
+    assert [e.kind for e in events][0] == "compression"
+    quarter = plans[0].tokens_compressed // 4
+    assert (quarter < output_reserve_tokens) == is_capped_by_quarter
+    assert model.max_tokens[0] == min(output_reserve_tokens, quarter)

@@ -183,7 +183,8 @@ def test_a_quiet_replica_is_probed_but_left_alone(publisher, new_pump):
     assert pump._sources[A][1]._sub is sub_before
 
 
-def test_an_unreachable_publisher_is_reported(tmp_path, publisher, new_pump, caplog):
+def test_an_unreachable_publisher_is_reported(tmp_path, publisher, new_pump, caplog, monkeypatch):
+    monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 0.2)  # the history load nobody answers gives up at once
     pump = new_pump(replay_endpoint=f"ipc://{tmp_path}/nobody")
     subscribe(pump)
     pump.watch.request_completed(A, time.monotonic() - 60)

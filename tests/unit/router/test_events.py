@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -201,28 +202,44 @@ def test_stream_reset_forgets_position_and_blocks(index):
     assert stream.accept(9, batch(stored(0, 1))) == "started"
 
 
+def _publish_until_received(publisher: ZmqEventPublisher, source: ZmqEventSource, deadline_s: float = 10) -> int:
+    """Publishes empty probe batches until `source`'s SUB gets one (it is connected then); returns how many
+    were published, so the next batch's seq. Probes still in flight arrive later: skip seqs below the count."""
+    num_published = 0
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        publisher.publish(batch())
+        num_published += 1
+        if source.poll_batches(16):
+            return num_published
+        time.sleep(0.02)
+    raise AssertionError("the SUB never received a probe batch")
+
+
 def test_zmq_source_with_vllm_publisher_and_replay(tmp_path, index):
     """Real vLLM publisher thread (no engine) -> ipc -> ZmqEventSource -> stream -> index."""
     pub_ep, replay_ep = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
     publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv")
     source = ZmqEventSource(pub_ep, topic="kv", replay_endpoint=replay_ep)
     try:
-        time.sleep(0.3)  # let the SUB connect; anything missed is recovered by replay
+        first_seq = _publish_until_received(publisher, source)
         sent = [batch(stored(0, 2)), batch(stored(2, 2, parent=1)), batch(stored(4, 4, parent=3))]
         for b in sent:
             publisher.publish(b)
+        last_seq = first_seq + len(sent) - 1
         stream = ReplicaEventStream(A, index)
         received = []
         deadline = time.monotonic() + 10
-        while (not received or received[-1][0] < 2) and time.monotonic() < deadline:
+        while (not received or received[-1][0] < last_seq) and time.monotonic() < deadline:
             for seq, b in source.poll_batches(16):
-                received.append((seq, b))
-                stream.accept(seq, b)
+                if seq >= first_seq:  # not a late probe
+                    received.append((seq, b))
+                    stream.accept(seq, b)
             time.sleep(0.01)
-        assert received and received[-1][0] == 2
+        assert [seq for seq, _ in received] == list(range(first_seq, last_seq + 1))
         assert cached_blocks(index) == 8
-        replayed = fetch_buffered(source, 0).batches
-        assert [seq for seq, _ in replayed] == [0, 1, 2]
+        replayed = fetch_buffered(source, first_seq).batches
+        assert [seq for seq, _ in replayed] == list(range(first_seq, last_seq + 1))
         assert [b.events for _, b in replayed] == [b.events for b in sent]
         assert source.num_malformed_msgs == 0
     finally:
@@ -232,15 +249,20 @@ def test_zmq_source_with_vllm_publisher_and_replay(tmp_path, index):
 
 def test_zmq_source_poll_is_non_blocking(tmp_path):
     source = ZmqEventSource(f"ipc://{tmp_path}/nobody")
-    try:
-        start = time.monotonic()
-        assert source.poll_batches(10) == []
-        assert not source.request_buffered(0)  # no replay endpoint configured
-        assert source.collect_buffered() is None
-        assert source.abandon_buffered() == BufferedBatches([], is_complete=False)
-        assert time.monotonic() - start < 0.5
-    finally:
-        source.close()
+    outcomes = []
+
+    def calls() -> None:  # no publisher: a blocking receive would wait forever
+        outcomes.append(source.poll_batches(10))
+        outcomes.append(source.request_buffered(0))  # no replay endpoint configured
+        outcomes.append(source.collect_buffered())
+        outcomes.append(source.abandon_buffered())
+
+    thread = threading.Thread(target=calls, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "a call blocked"
+    source.close()
+    assert outcomes == [[], False, None, BufferedBatches([], is_complete=False)]
 
 
 def test_replayed_batches_are_applied_once(index):

@@ -82,6 +82,7 @@ def test_apply_then_longest_prefix(index, events, expected):
         (stored(0, 2, token_ids=TOKENS[:7]), 2),
         (stored(0, 2, extra_keys=[(("mm-hash", 0),), None]), 2),
         (stored(0, 2, extra_keys=[None, (b"embeds-digest",)]), 1),
+        (stored(0, 2, extra_keys=[("s1", "s2"), None]), 2),  # two salts: no request names both
         (stored(0, 2, parent=7), 2),
     ],
 )
@@ -100,6 +101,10 @@ def test_blocks_the_router_cannot_reproduce_are_skipped(index, event, num_skippe
         ({"lora_name": "ad", "extra_keys": [("ad",), ("ad",)]}, "ad", None, {A: 2}),
         ({"lora_name": "ad", "extra_keys": [("ad", "s1"), ("ad",)]}, "ad", "s1", {A: 2}),
         ({"lora_name": "ad", "extra_keys": [("ad",), ("ad",)]}, MODEL, None, {}),
+        # Two string keys besides the LoRA name: not a salt a request can name, so the blocks are skipped.
+        ({"extra_keys": [("s1", "s2"), None]}, MODEL, "s1", {}),
+        ({"extra_keys": [("s1", "s2"), None]}, MODEL, "s2", {}),
+        ({"lora_name": "ad", "extra_keys": [("ad", "s1", "s2"), ("ad",)]}, "ad", "s1", {}),
     ],
 )
 def test_cache_salt_and_lora_name_seed_the_chain(index, event_kw, model, salt, expected):
@@ -148,6 +153,17 @@ def test_lru_bound_per_replica(max_blocks, events, num_indexed, num_evicted, exp
     assert snap.num_blocks_by_replica[A] == num_indexed
     assert snap.num_evicted_blocks_by_replica[A] == num_evicted
     assert index.longest_prefix(request_hashes(), 0.0) == expected_prefix
+
+
+def test_a_block_the_bound_forgets_forgets_its_extra_copies_too():
+    """Block 0 is stored twice, forgotten by the bound, then stored once more: one removal takes it."""
+    index = PrefixIndex(BS, 3, MODEL)
+    index.apply(A, [stored(0, 1), stored(0, 1), stored(1, 3, parent=0)])  # block 0 (two copies) forgotten
+    assert index.snapshot().num_evicted_blocks_by_replica[A] == 1
+    index.apply(A, [stored(0, 1)])  # one new copy (block 1 forgotten in turn)
+    result = index.apply(A, [removed(0)])
+    assert result.num_removed_blocks == 1
+    assert index.longest_prefix(request_hashes(), 0.0) == {}  # a stale copy count would keep block 0: {A: 4}
 
 
 @pytest.mark.parametrize(

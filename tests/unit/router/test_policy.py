@@ -144,6 +144,8 @@ def test_load_guard_factor_must_exceed_one():
         ({A: 1}, (2, 2, 1, 1), {}, None, "least-loaded"),  # a 1/8 hit loses to load
         ({}, (0, 10, 0, 0), {"s": B}, None, "least-loaded"),  # the session's replica was guarded
         ({}, (0, 0, 0, 0), {"s": ReplicaId("gone")}, None, "cold"),
+        # Only a replica that is not a candidate (draining, say) holds the prefix: nothing is known.
+        ({ReplicaId("gone"): 8}, (0, 0, 0, 0), {}, None, "cold"),
     ],
 )
 def test_reasons(cached_on, counts, sessions, expected_choice, expected_reason):
@@ -213,7 +215,8 @@ def test_a_burst_of_one_new_prefix_follows_the_first_decision():
     idle = loads_of(0, 0, 0, 0)
     first = policy.choose(RoutingRequest(TOKENS, MODEL, "s1"), IDS, idle, index, sessions, 0.0)
     assert first.reason == "cold"
-    for i, now_s in enumerate([0.1, 0.5, 1.9]):
+    # 2.5 is past the first placement's expiry (2.0): each follower's placement extends the pending entries.
+    for i, now_s in enumerate([0.1, 0.5, 1.9, 2.5]):
         follower = policy.choose(RoutingRequest(TOKENS, MODEL, f"t{i}"), IDS, idle, index, sessions, now_s)
         assert (follower.replica_id, follower.reason) == (first.replica_id, "prefix-hit")
     # Pending entries expire pending_ttl_s (2.0 s) after the last placement.

@@ -210,22 +210,11 @@ def positive_int(text: str) -> int:
 
 
 def check_writable(parser: argparse.ArgumentParser, out: Path) -> None:
-    """`parser.error` unless `out` can be written as a file; runs before the benchmark, not after it.
+    """`parser.error` unless `out` can be written as a file; runs before the benchmark, not after it."""
+    from cluster.writable import unwritable_file_problem
 
-    Creates missing parent folders (the write would); removes a file it created to probe.
-    """
-    if out.is_dir():
-        parser.error(f"--out {out} is a directory; give a file path")
-    existed = out.exists()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if not existed or out.is_file():  # never open a FIFO or device just to probe it
-            with out.open("a"):
-                pass
-    except OSError as err:
-        parser.error(f"--out {out} cannot be written ({err.strerror or err})")
-    if not existed:
-        out.unlink(missing_ok=True)
+    if problem := unwritable_file_problem(out):
+        parser.error(problem)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,28 +45,11 @@ def _refuse(message: str) -> NoReturn:
 
 
 def _check_writable_file(path: Path, option: str = "--out") -> None:
-    """Exits 2 with one line unless `path` can be written as a file; runs before any work.
+    """Exits 2 with one line unless `path` can be written as a file; runs before any work."""
+    from cluster.writable import unwritable_file_problem
 
-    Creates missing parent folders (the write would). Leaves an existing file's content as is
-    and removes a file it created to probe.
-    """
-    if path.is_dir():
-        _refuse(f"{option} {path} is a directory; give a file path")
-    ancestor = path.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        _refuse(f"{option} {path}: {ancestor} is not a directory")
-    existed = path.exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not existed or path.is_file():  # never open a FIFO or device just to probe it
-            with path.open("a"):
-                pass
-    except OSError as err:
-        _refuse(f"{option} {path} cannot be written ({err.strerror or err})")
-    if not existed:
-        path.unlink(missing_ok=True)
+    if problem := unwritable_file_problem(path, option):
+        _refuse(problem)
 
 
 def _check_writable_dir(path: Path, file_names: list[str], option: str = "--out") -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import redis
@@ -28,6 +29,7 @@ from cluster import local
 from cluster.api_keys import bearer_headers
 from cluster.config import ClusterConfig, load_config
 from cluster.model_builder import build_model, is_built
+from cluster.serve_config import grpc_app_name
 from tests.integration.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -229,3 +231,16 @@ def ray_connection():
     ray.init(address="auto", ignore_reinit_error=True, logging_level="ERROR")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def channel(cluster):
+    """A gRPC channel to the cluster's proxy."""
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.cfg.ports.grpc_port}") as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def metadata(cluster):
+    """What every gRPC call sends: the gRPC application's name and the API key."""
+    return [("application", grpc_app_name(cluster.cfg)), ("authorization", f"Bearer {cluster.api_key}")]

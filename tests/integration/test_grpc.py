@@ -9,22 +9,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster.serve_config import grpc_app_name
 from tests.integration.conftest import LOOKUP_SCHEMA
 from warmpath.v1 import agent_pb2, agent_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def channel(cluster):
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.cfg.ports.grpc_port}") as channel:
-        yield channel
-
-
-@pytest.fixture(scope="module")
-def metadata(cluster):
-    return [("application", grpc_app_name(cluster.cfg)), ("authorization", f"Bearer {cluster.api_key}")]
 
 
 def _request(cluster, content="hello over grpc", max_tokens=6):

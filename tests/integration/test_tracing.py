@@ -7,7 +7,6 @@ import secrets
 import grpc
 import pytest
 
-from cluster.serve_config import grpc_app_name
 from tests.integration.conftest import LOOKUP_SCHEMA
 from warmpath.v1 import agent_pb2, agent_pb2_grpc
 
@@ -164,17 +163,6 @@ def test_a_streamed_turn_span_covers_the_turn(cluster, otlp_receiver):
     assert names["invoke_agent warmpath"][0].parent_span_id == ingress.span_id
     assert ingress.attributes["http.route"] == "/v1/sessions/{session_id}/messages"
     assert ingress.attributes["http.response.status_code"] == 200
-
-
-@pytest.fixture(scope="module")
-def channel(cluster):
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.cfg.ports.grpc_port}") as channel:
-        yield channel
-
-
-@pytest.fixture(scope="module")
-def metadata(cluster):
-    return [("application", grpc_app_name(cluster.cfg)), ("authorization", f"Bearer {cluster.api_key}")]
 
 
 def test_grpc_calls_are_traced_with_their_status_code(channel, metadata, cluster, otlp_receiver):

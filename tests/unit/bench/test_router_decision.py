@@ -38,7 +38,7 @@ def test_an_out_it_cannot_write_is_refused_before_the_run(tmp_path, capsys, neve
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     assert "is a directory" in _error_of(["--out", str(tmp_path)], capsys)
-    assert "cannot be written" in _error_of(["--out", str(a_file / "r.json")], capsys)
+    assert "is not a directory" in _error_of(["--out", str(a_file / "r.json")], capsys)
 
 
 def test_the_out_probe_leaves_no_file_behind(tmp_path, monkeypatch):

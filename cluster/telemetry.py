@@ -78,6 +78,29 @@ def extract(carrier: Optional[Mapping[str, str]]) -> context.Context:
     return propagate.extract(lowered)
 
 
+def record_failure_status(span: trace.Span, error_type: str, status: int, message: str) -> None:
+    """A failure with an HTTP-style status on its span, by OTel's conventions.
+
+    `error.type` names it; only a failure of this service (5xx) makes the span ERROR, since a 4xx
+    is the caller's mistake and marking it would hide outages among typos. A status under 400
+    (a turn that ran out of steps is a 200 outcome) records nothing.
+    """
+    if status < 400 or not span.is_recording():
+        return
+    span.set_attribute("error.type", error_type)
+    if status >= 500:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, message[:200]))
+
+
+def record_exception_failure(span: trace.Span, err: BaseException) -> None:
+    """A failure no status describes (an exception, a cancelled request): recorded, typed, and ERROR."""
+    if not span.is_recording():
+        return
+    span.record_exception(err)
+    span.set_attribute("error.type", type(err).__qualname__)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(err).__name__}: {err}"[:200]))
+
+
 def force_flush(timeout_ms: int = 5000) -> None:
     provider = trace.get_tracer_provider()
     flush = getattr(provider, "force_flush", None)

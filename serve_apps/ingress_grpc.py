@@ -28,7 +28,7 @@ Status and ordering rules:
   stream that fails therefore ends with one message carrying the error
   (`SessionEvent.error`, `ChatCompletionChunk.error`), then the status;
 - a turn's own `error` event ends the stream with the code its HTTP status
-  maps to, except `max_steps` (OK: the turn's messages are committed);
+  maps to (`max_steps` is a 200, so OK: the turn's messages are committed);
 - Ray's overload, unavailability and timeout errors keep their meaning;
   any other exception is classified as the HTTP ingress classifies it (Ray
   Serve LLM's `get_response_for_error`, through `api_errors.exception_body`):
@@ -355,8 +355,6 @@ def envelope_body(envelope: Mapping[str, Any], expected_status: int) -> Any:
 
 def turn_error_status(code: str) -> grpc.StatusCode:
     """The status a turn stream ends with after an `error` event with this code (HTTP's table, then `grpc_code`)."""
-    if code == "max_steps":
-        return grpc.StatusCode.OK
     return grpc_code(TURN_ERROR_STATUS.get(code, 500), code)
 
 

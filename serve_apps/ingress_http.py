@@ -205,7 +205,7 @@ def _record_error_frame(span, frame: str) -> None:
         error = chunk.get("error")
         if isinstance(error, dict):
             status, message = engine_error(error)
-            _record_stream_error(span, status or 500, message)
+            telemetry.record_failure_status(span, str(status or 500), status or 500, message)
 
 
 def readable_error_frame(frame: str) -> str:
@@ -246,13 +246,15 @@ def _sse(
     async def frames() -> AsyncIterator[str]:
         try:
             async for event in events:
-                if event["kind"] == "error" and event.get("code") != "max_steps":  # max_steps: a 200 outcome
+                if event["kind"] == "error":  # after the 200: `error.type` carries the turn's own status
                     status = TURN_ERROR_STATUS.get(event.get("code"), 500)
-                    _record_stream_error(span, status, str(event.get("message") or "the turn failed"))
+                    telemetry.record_failure_status(
+                        span, str(status), status, str(event.get("message") or "the turn failed")
+                    )
                 yield f"event: {event['kind']}\ndata: {json.dumps(event)}\n\n"
         except Exception as err:
             logger.exception("turn stream broke off")
-            _record_failure(span, err)
+            telemetry.record_exception_failure(span, err)
             yield f"event: error\ndata: {json.dumps({'kind': 'error', **TURN_INTERRUPTED})}\n\n"
         yield "event: done\ndata: {}\n\n"
 
@@ -354,7 +356,7 @@ async def _traced_session_call(
         span.end()
         raise
     except BaseException as err:
-        _record_failure(span, err)
+        telemetry.record_exception_failure(span, err)
         span.end()
         raise
     finally:
@@ -392,45 +394,11 @@ def _annotate_usage(span, usage: Optional[dict]) -> None:
 
 
 def _record_http_status(span, status: int, message: str = "") -> None:
-    """A response's status on its server span, by OTel's HTTP server conventions.
-
-    Why only a 5xx is an error: a 4xx is the caller's mistake (an unknown
-    model, a bad parameter, a missing session), not a failure of this service;
-    marking it ERROR would hide outages among typos. `error.type` names a 5xx
-    by its status code, as the conventions ask.
-    """
-    if not span.is_recording():
-        return
-    span.set_attribute("http.response.status_code", status)
-    if status >= 500:
-        span.set_attribute("error.type", str(status))
-        span.set_status(trace.Status(trace.StatusCode.ERROR, message[:200]))
-
-
-def _record_stream_error(span, status: int, message: str) -> None:
-    """An error the client got inside a 200 stream: an engine error frame, a turn's `error` event.
-
-    Why: the status code (200) went out before the failure, so it cannot show
-    it; `error.type` carries the failure's own status, and a server-side one
-    (5xx) marks the span ERROR as a 5xx response would.
-    """
-    if not span.is_recording():
-        return
-    span.set_attribute("error.type", str(status))
-    if status >= 500:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, message[:200]))
-
-
-def _record_failure(span, err: BaseException) -> None:
-    """A failure no status code describes (the request was cancelled, a stream broke off after its 200).
-
-    OTel's HTTP conventions: `error.type` is the exception's class and the span is ERROR.
-    """
-    if not span.is_recording():
-        return
-    span.record_exception(err)
-    span.set_attribute("error.type", type(err).__qualname__)
-    span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(err).__name__}: {err}"[:200]))
+    """A response's status on its server span, by OTel's HTTP server conventions (`error.type` is a 5xx's code)."""
+    if span.is_recording():
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            telemetry.record_failure_status(span, str(status), status, message)
 
 
 def _response_error_message(response: Response) -> str:
@@ -472,7 +440,7 @@ def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
             async for frame in frames:
                 yield frame
         except Exception as err:
-            _record_failure(span, err)
+            telemetry.record_exception_failure(span, err)
             raise
         finally:
             try:
@@ -537,7 +505,7 @@ class WarmpathIngress(OpenAiIngress):
         except BaseException as err:
             _withdraw_placement()
             if not isinstance(err, Exception):  # cancellation: no response goes out
-                _record_failure(span, err)
+                telemetry.record_exception_failure(span, err)
                 span.end()
                 raise
             span.record_exception(err)

@@ -74,8 +74,7 @@ async def _ending_span_on_failure(call: Awaitable[T], span: trace.Span) -> T:
     try:
         return await call
     except BaseException as err:
-        span.record_exception(err)
-        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(err).__name__}: {err}"[:200]))
+        telemetry.record_exception_failure(span, err)
         span.end()
         raise
 

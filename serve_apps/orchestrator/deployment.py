@@ -78,15 +78,6 @@ def _error(status: int, message: str, code: str, param: str | None = None) -> di
     return {"status": status, "body": error_body(status, message, code=code, param=param)}
 
 
-def _mark_failure(span: trace.Span, code: str, status: int, message: str) -> None:
-    """Records why a turn failed on its span; ERROR only for the service's own failures (5xx), as for HTTP."""
-    if status < 400:
-        return
-    span.set_attribute("error.type", code)
-    if status >= 500:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, message[:200]))
-
-
 def _invalid(err: ValidationError) -> dict[str, Any]:
     """The 422 of a body that fails its model, naming the field at fault."""
     message, param = validation_problem(err.errors())
@@ -450,10 +441,14 @@ class Orchestrator:
                         outcome = item["kind"]
                     elif item.get("kind") == "error":
                         outcome = item["code"]
-                        _mark_failure(span, outcome, TURN_ERROR_STATUS.get(outcome, 500), item["message"])
+                        telemetry.record_failure_status(
+                            span, outcome, TURN_ERROR_STATUS.get(outcome, 500), item["message"]
+                        )
                     elif "kind" not in item and item["status"] >= 400:  # an envelope (a tool result has a status too)
                         error = item["body"]["error"]
-                        _mark_failure(span, error.get("code") or "rejected", item["status"], error["message"])
+                        telemetry.record_failure_status(
+                            span, error.get("code") or "rejected", item["status"], error["message"]
+                        )
                     elif span.is_recording() and item.get("kind") == "compression":
                         span.add_event("compression", {k: v for k, v in item["report"].items() if v is not None})
                     yield item

@@ -282,8 +282,10 @@ class ErrorEvent(_Strict):
 
 
 # HTTP status of a turn that was accepted but ended in an error event (gRPC maps it on to a code).
-# A 5xx is the service's own failure; the rest are the caller's or the session's.
+# A 5xx is the service's own failure; the rest are the caller's or the session's, except `max_steps`:
+# the turn's messages are committed, an outcome rather than a failure.
 TURN_ERROR_STATUS = {
+    "max_steps": 200,
     "context_overflow": 400,
     "unknown_tool": 400,
     "invalid_tool_schema": 400,

@@ -64,6 +64,8 @@ def test_a_turn_the_client_hangs_up_on_is_timed_as_cancelled(monkeypatch):
         ([{"status": 200}, {"kind": "tool_result", "tool_call_id": "c1", "status": "error", "content": "no"},
           {"kind": "final", "message": {"role": "assistant", "content": "Hi"}}], "final", None, False),
         ([{"status": 200}, {"kind": "error", "code": "internal", "message": "boom"}], "internal", "internal", True),
+        # Out of steps: the turn's messages are committed, an outcome (HTTP 200, gRPC OK), not a failure.
+        ([{"status": 200}, {"kind": "error", "code": "max_steps", "message": "all 8 steps"}], "max_steps", None, False),
         ([{"status": 200}, {"kind": "error", "code": "model_error", "message": "bad"}], "model_error", "model_error", True),
         ([{"status": 200}, {"kind": "error", "code": "context_overflow", "message": "long"}], "context_overflow",
          "context_overflow", False),

@@ -36,7 +36,7 @@ from serve_apps.ingress_grpc import (
     tool_results_body,
     turn_error_status,
 )
-from serve_apps.ingress_http import TURN_ERROR_STATUS
+from serve_apps.orchestrator.models import TURN_ERROR_STATUS
 from serve_apps.orchestrator.deployment import _error
 from serve_apps.orchestrator.models import (
     CompressionEvent,

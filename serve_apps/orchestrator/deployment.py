@@ -474,10 +474,10 @@ class Orchestrator:
         has_started = False
         try:
             # Ownership before the lock: another key's request answers 404 like a missing session (not 409
-            # while the owner's turn runs), and never holds the lock the owner's next request needs.
-            await self._owned_record(session_id, caller)
+            # while the owner's turn runs), and never holds the lock the owner's next request needs. The
+            # record cannot change after; taking the lock fails as not found if the session is gone by then.
+            record = await self._owned_record(session_id, caller)
             async with self._store.turn_lock(session_id):
-                record = await self._owned_record(session_id, caller)  # again: the session may be gone by now
                 denied = _missing_permission(caller, record.request.tools)
                 if denied is not None:
                     yield denied

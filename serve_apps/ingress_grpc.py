@@ -615,7 +615,7 @@ class GrpcIngress:
         size = request.ByteSize()
         if size > limit:
             raise RpcFailure(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "request_too_large",
+                grpc_code(413), "request_too_large",
                 f"the request is {size} bytes; the limit is {limit} (access.max_request_bytes)",
             )
 

@@ -392,8 +392,10 @@ def summarize(details: dict, app_name: str) -> tuple[str, list[str]]:
     return app["status"], lines
 
 
-def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, timeout_s: float) -> None:
+def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, timeout_s: float) -> dict:
     """Polls the Serve status until warmpath's applications run, one fails, or `timeout_s` passes.
+
+    Returns the Serve details that showed them running.
 
     Other applications on a shared head are not waited for. A wait that sees no change still
     reports every `STILL_WAITING_EVERY_S` (replicas load a model for minutes).
@@ -414,7 +416,7 @@ def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, time
             progress(f"[{now - start:5.0f}s] {line}" + (" (still waiting)" if line == last else ""))
             last, last_said = line, now
         if status == "RUNNING":
-            return
+            return details
         if status == "DEPLOY_FAILED":
             raise BringUpError("the Serve application failed to deploy:\n" + "\n".join(lines))
         if now - start > timeout_s:
@@ -507,8 +509,7 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     if redeploy:
         _when_dashboard_ready(lambda: remove_applications(state, own, progress), "deleting the running application")
     deploy(cfg, state, progress)
-    wait_running(cfg, state, progress, timeout_s)
-    http_port, grpc_port = serving_ports(serve_details(state))
+    http_port, grpc_port = serving_ports(wait_running(cfg, state, progress, timeout_s))
     if (http_port, grpc_port) != (cfg.ports.http_port, cfg.ports.grpc_port):
         progress(
             f"serve: the head's proxies were started on ports {http_port} (HTTP) and {grpc_port} (gRPC), "

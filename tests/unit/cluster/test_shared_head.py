@@ -204,11 +204,11 @@ def test_up_returns_only_once_both_proxies_take_calls():
 def test_up_reports_the_ports_serve_really_serves(tmp_path, monkeypatch):
     """Serve keeps the ports it first started with: a later `up --http-port` must say so, not print its own."""
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {"http_port": 8100}})
-    for step in ("ensure_model", "start_ray", "deploy", "wait_running", "wait_proxies"):
+    for step in ("ensure_model", "start_ray", "deploy", "wait_proxies"):
         monkeypatch.setattr(local, step, lambda *a, **k: None)
     monkeypatch.setattr(local, "start_redis", lambda cfg, state, progress: "redis://127.0.0.1:1/0")
     monkeypatch.setattr(local, "ensure_local_api_key", lambda *a: "key")
-    monkeypatch.setattr(local, "serve_details", lambda state: _details())
+    monkeypatch.setattr(local, "wait_running", lambda *a, **k: _details())  # what Serve said once running
     lines = []
     state = local.up(cfg, lines.append)
     assert state.http_url == "http://127.0.0.1:8000" and state.grpc_address == "127.0.0.1:9000"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 
 import httpx
@@ -40,17 +41,25 @@ def _get(cluster, session_id):
     return resp.json()
 
 
+@contextlib.contextmanager
+def _turn_held_at_its_tool(cluster, tool_gate, sid: str, content: str):
+    """A turn of `sid` (forced to call its `/gate` tool) running in the background, held at that call while
+    the block runs; yields the turn's future. The gate opens when the block ends, whatever its outcome."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        turn = pool.submit(_send, cluster, sid, content, "required")
+        try:
+            assert tool_gate.gate_reached.wait(240), "the turn never called its tool"
+            yield turn
+        finally:
+            tool_gate.gate_open.set()
+
+
 def test_a_session_deleted_while_its_turn_runs_ends_the_turn_as_not_found(cluster, tool_server, tool_gate):
     """The turn's commit finds the session gone: a 404 with the API's shape, nothing saved (was a 500)."""
     sid = _create(cluster, [_tool("lookup_order", f"{tool_server}/gate")])["session_id"]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        turn = pool.submit(_send, cluster, sid, "Where is my order ORD-98231?", "required")
-        try:
-            assert tool_gate.gate_reached.wait(240), "the turn never called its tool"
-            assert cluster.client.delete(f"/v1/sessions/{sid}", timeout=60).status_code == 204
-        finally:
-            tool_gate.gate_open.set()
-        resp = turn.result(timeout=300)
+    with _turn_held_at_its_tool(cluster, tool_gate, sid, "Where is my order ORD-98231?") as turn:
+        assert cluster.client.delete(f"/v1/sessions/{sid}", timeout=60).status_code == 204
+    resp = turn.result(timeout=300)
     assert resp.status_code == 404, resp.text
     body = resp.json()
     assert body["status"] == "failed" and body["error"]["code"] == "session_not_found", body
@@ -151,14 +160,9 @@ def test_compression_keeps_exact_values(cluster, tool_server):
 def test_concurrent_messages_to_one_session_do_not_interleave(cluster, tool_server, tool_gate):
     """A message sent while the session's turn runs (held at its tool call) is refused, not interleaved."""
     sid = _create(cluster, [_tool("lookup_order", f"{tool_server}/gate")])["session_id"]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        first = pool.submit(_send, cluster, sid, "message 0: where is ORD-98231?", "required")
-        try:
-            assert tool_gate.gate_reached.wait(240), "the first turn never called its tool"
-            second = _send(cluster, sid, "message 1", timeout=60)
-        finally:
-            tool_gate.gate_open.set()
-        first_resp = first.result(timeout=300)
+    with _turn_held_at_its_tool(cluster, tool_gate, sid, "message 0: where is ORD-98231?") as first:
+        second = _send(cluster, sid, "message 1", timeout=60)
+    first_resp = first.result(timeout=300)
     assert second.status_code == 409, second.text
     assert second.json()["error"]["code"] == "session_busy", second.text
     assert first_resp.status_code == 200 and first_resp.json()["status"] == "completed", first_resp.text

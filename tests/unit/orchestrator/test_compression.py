@@ -240,11 +240,17 @@ def test_apply_keeps_every_value_verbatim():
     assert report.tokens_after == _account(new_history, 100).total_tokens < report.tokens_before
 
 
-def test_recompression_carries_the_previous_ledger_forward():
+def _compressed_once() -> list[Message]:
+    """Five rounds, compressed once into a summary and the rounds kept."""
     history = _history(5)
-    first, _ = apply_compression(
+    compressed, _ = apply_compression(
         history, plan_compression(history, _account(history, 100), LIMITS), "", recount=lambda m: _account(m, 100)
     )
+    return compressed
+
+
+def test_recompression_carries_the_previous_ledger_forward():
+    first = _compressed_once()
     longer = first + _history(8)[20:]
     plan = plan_compression(longer, _account(longer, 100), LIMITS)
     assert plan is not None
@@ -256,10 +262,7 @@ def test_recompression_carries_the_previous_ledger_forward():
 
 
 def test_summary_only_prefix_is_not_recompressed():
-    history = _history(5)
-    first, _ = apply_compression(
-        history, plan_compression(history, _account(history, 100), LIMITS), "", recount=lambda m: _account(m, 100)
-    )
+    first = _compressed_once()
     assert plan_compression(first, _account(first, 100), LIMITS) is None
     # Over budget, with one round kept: everything before that round is the summary, nothing to compress.
     summary_and_one_round = first[:1] + _round(9)
@@ -272,10 +275,7 @@ def test_summary_only_prefix_is_not_recompressed():
 
 
 def test_retention_counts_the_values_a_previous_summary_carried():
-    history = _history(5)
-    first, _ = apply_compression(
-        history, plan_compression(history, _account(history, 100), LIMITS), "", recount=lambda m: _account(m, 100)
-    )
+    first = _compressed_once()
     longer = first + _history(8)[20:]
     plan = plan_compression(longer, _account(longer, 100), LIMITS)
     carried = 'get_order#c1 result={"order_id":"ORD-9001","total":"1,284.50","eta":"2026-11-11"}'

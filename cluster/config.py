@@ -87,6 +87,14 @@ class ReplicaConfig(_Strict):
     engine_kwargs: dict[str, EngineArgValue] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, passed through unchanged."
     )
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "CPU only: custom Ray resources each replica's bundle takes besides its CPUs. With nodes "
+            "that offer one replica's worth each (the KubeRay CPU overlay's workers offer "
+            "warmpath_replica_slot: 1), no node holds two replicas."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_accelerator(self) -> "ReplicaConfig":
@@ -103,6 +111,14 @@ class ReplicaConfig(_Strict):
                     f"replicas.num_gpus={self.num_gpus} must equal replicas.tensor_parallel_size="
                     f"{self.tensor_parallel_size} on GPU"
                 )
+        if self.ray_resources and self.accelerator != "cpu":
+            raise ValueError("replicas.ray_resources applies to CPU replicas (GPU replicas are placed by their GPUs)")
+        builtin = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(self.ray_resources))
+        if builtin:
+            raise ValueError(f"replicas.ray_resources may not name Ray's own resources {builtin}: use num_cpus")
+        bad = sorted(name for name, amount in self.ray_resources.items() if not amount > 0 or amount == float("inf"))
+        if bad:
+            raise ValueError(f"replicas.ray_resources {bad}: amounts must be finite and above 0")
         reserved = {"model", "tensor_parallel_size", "block_size", "enable_prefix_caching", "kv_events_config"}
         clash = sorted(reserved & set(self.engine_kwargs))
         if clash:

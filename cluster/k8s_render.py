@@ -113,6 +113,11 @@ def worker_ray_cpus(cfg: ClusterConfig) -> int:
     return math.ceil(cfg.replicas.num_cpus) + 1
 
 
+def _resource_quantity(amount: float) -> str:
+    """A Ray resource amount as KubeRay's string map spells it ("1", not "1.0")."""
+    return str(int(amount)) if float(amount).is_integer() else str(amount)
+
+
 def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
     """JSON 6902 operations that put everything derived from `cfg` into the base RayService."""
     ops: list[dict[str, Any]] = [
@@ -123,6 +128,15 @@ def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
         {"op": "add", "path": f"{_WORKER}/rayStartParams/num-cpus", "value": str(worker_ray_cpus(cfg))},
         {"op": "add", "path": f"{_WORKER}/rayStartParams/num-gpus", "value": str(cfg.replicas.num_gpus)},
     ]
+    if cfg.replicas.ray_resources:
+        # Each worker offers one replica's custom resources, so no worker holds two
+        # replicas however the CPUs would fit (Serve forbids max_replicas_per_node
+        # beside placement bundles).
+        ops.append({
+            "op": "add",
+            "path": f"{_WORKER}/resources",
+            "value": {name: _resource_quantity(amount) for name, amount in cfg.replicas.ray_resources.items()},
+        })
     if cfg.replicas.num_gpus:
         ops.append({
             "op": "add",

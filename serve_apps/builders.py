@@ -117,7 +117,7 @@ def llm_config(cfg: ClusterConfig) -> LLMConfig:
         env_vars["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.replicas.kv_cache_space_gib)
         env_vars["VLLM_CPU_OMP_THREADS_BIND"] = cfg.replicas.cpu_omp_threads_bind
         # Without explicit bundles every replica asks for a GPU and never starts.
-        extra["placement_group_config"] = {"bundles": [{"CPU": cfg.replicas.num_cpus}]}
+        extra["placement_group_config"] = {"bundles": [{"CPU": cfg.replicas.num_cpus, **cfg.replicas.ray_resources}]}
     return LLMConfig(
         model_loading_config={"model_id": cfg.model.model_id, "model_source": cfg.model_source()},
         engine_kwargs=engine_kwargs(cfg),

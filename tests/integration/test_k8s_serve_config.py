@@ -3,8 +3,10 @@
 The document is deployed unchanged. Only what a pod's environment supplies on
 Kubernetes is supplied here the same way: `REDIS_URL` (from the Secret there)
 as an environment variable of the application, and the model at the path the
-CPU image builds it to (`/models/warmpath-tiny`). Runs last: it replaces the
-test application.
+CPU image builds it to (`/models/warmpath-tiny`). The replicas' custom Ray
+resources (`replicas.ray_resources`, a slot each worker pod offers once) are
+dropped: the local head offers none, and Ray cannot add a resource to a
+running node. Runs last: it replaces the test application.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def test_cpu_overlay_serve_config_serves_a_request(cluster):
     deployed = copy.deepcopy(doc)
     for application in deployed["applications"]:
         application["runtime_env"] = {"env_vars": {"REDIS_URL": cluster.redis_url}}
+        application["args"]["replicas"].pop("ray_resources", None)
     state = local.LocalState.load(local.state_dir_of(cluster.cfg))
     local.remove_applications(state, own_application_names(cluster.cfg), progress=print)
     local.deploy_document(state, deployed)

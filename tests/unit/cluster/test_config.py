@@ -60,6 +60,10 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"replicas": {"accelerator": "gpu", "num_gpus": 1, "tensor_parallel_size": 2}}, "must equal"),
         ({"replicas": {"num_gpus": 1}}, "must be 0"),
         ({"replicas": {"engine_kwargs": {"block_size": 64}}}, "owned by the cluster config"),
+        ({"replicas": {"accelerator": "gpu", "num_gpus": 1, "ray_resources": {"slot": 1}}}, "applies to CPU replicas"),
+        ({"replicas": {"ray_resources": {"CPU": 1}}}, "Ray's own resources ['CPU']"),
+        ({"replicas": {"ray_resources": {"slot": 0}}}, "finite and above 0"),
+        ({"replicas": {"ray_resources": {"slot": float("inf")}}}, "finite and above 0"),
         ({"router": {"policy": "random"}}, "router.policy"),
         ({"router": {"load_guard_factor": 0.5}}, "router.load_guard_factor"),
         ({"router": {"scorer_weights": {"load": -1}}}, ">= 0"),
@@ -184,3 +188,13 @@ def test_every_command_stops_on_an_environment_variable_that_is_not_yaml(monkeyp
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert result.output.startswith("environment variable WARMPATH_REPLICAS__NUM_REPLICAS is not valid YAML: ")
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_cpu_replica_bundle_takes_its_custom_ray_resources_beside_its_cpus():
+    from serve_apps.builders import llm_config
+
+    cfg = load_config(environ={}, overrides={"replicas": {"num_cpus": 2, "ray_resources": {"warmpath_replica_slot": 1}}})
+    assert llm_config(cfg).placement_group_config == {"bundles": [{"CPU": 2.0, "warmpath_replica_slot": 1.0}]}
+    plain = load_config(environ={})
+    assert llm_config(plain).placement_group_config == {"bundles": [{"CPU": 1.0}]}
+

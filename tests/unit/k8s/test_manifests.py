@@ -355,6 +355,15 @@ def test_worker_group_fits_one_replica_per_pod(overlay: Path):
     assert resources["limits"].get("nvidia.com/gpu", 0) == cfg.replicas.num_gpus
     if cfg.replicas.accelerator == "gpu":
         assert cfg.replicas.num_gpus == cfg.replicas.tensor_parallel_size
+    else:
+        # The CPUs would fit a second replica bundle; a custom resource each worker
+        # offers once is what keeps two replicas (and their KV caches) out of one pod.
+        assert ray_cpus >= 2 * cfg.replicas.num_cpus
+        assert cfg.replicas.ray_resources, "nothing keeps two CPU replicas out of one worker pod"
+        offered = workers["resources"]
+        assert offered.keys() == cfg.replicas.ray_resources.keys()
+        for name, amount in cfg.replicas.ray_resources.items():
+            assert amount <= float(offered[name]) < 2 * amount
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
@@ -372,44 +381,71 @@ def test_ports_and_services_match_the_serve_config(overlay: Path):
     assert [(p["port"], p["targetPort"]) for p in grpc["spec"]["ports"]] == [(grpc_port, "serve-grpc")]
     worker_labels = {**_workers(service)["template"]["metadata"]["labels"], "ray.io/serve": "true"}
     assert grpc["spec"]["selector"].items() <= worker_labels.items()
+    # KubeRay's head Service of a RayService (warmpath-head-svc, the dashboard) selects
+    # app.kubernetes.io/name=kuberay whatever the pods say: a pod template that set its
+    # own name label would leave that Service without endpoints.
+    for group in (_head(service), _workers(service)):
+        assert "app.kubernetes.io/name" not in group["template"]["metadata"]["labels"]
+
+
+def _redis_memory_limit_bytes(container: dict) -> int:
+    """`--maxmemory` of a Redis container, in bytes (Redis's `mb` is MiB)."""
+    args = container["args"]
+    value = args[args.index("--maxmemory") + 1]
+    assert value.endswith("mb"), value
+    return int(value[:-2]) * 2**20
+
+
+def _quantity_bytes(quantity: str) -> int:
+    units = {"Mi": 2**20, "Gi": 2**30}
+    return int(quantity[:-2]) * units[quantity[-2:]]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
-def test_one_redis_serves_sessions_and_gcs_fault_tolerance(overlay: Path):
+def test_sessions_and_gcs_fault_tolerance_each_have_their_own_redis(overlay: Path):
+    """A full session store refuses session writes; it must not refuse the GCS's, which would end the Ray cluster."""
     objects = _compose(overlay)
     service = k8s_render.find_object(objects, "RayService", "warmpath")
-    redis_service = k8s_render.find_object(objects, "Service", "warmpath-redis")
-    redis = k8s_render.find_object(objects, "StatefulSet", "warmpath-redis")
-    redis_container = redis["spec"]["template"]["spec"]["containers"][0]
-    redis_port = redis_service["spec"]["ports"][0]["port"]
-    secret_ref = _env(redis_container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    sessions, gcs_redis = (k8s_render.find_object(objects, "StatefulSet", name)
+                           for name in ("warmpath-redis", "warmpath-gcs-redis"))
+    sessions_port, gcs_port = (k8s_render.find_object(objects, "Service", name)["spec"]["ports"][0]["port"]
+                               for name in ("warmpath-redis", "warmpath-gcs-redis"))
+    session_container = sessions["spec"]["template"]["spec"]["containers"][0]
+    secret_ref = _env(session_container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert sessions["spec"]["selector"] != gcs_redis["spec"]["selector"]
 
     gcs = service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
-    assert gcs["redisAddress"] == f"warmpath-redis:{redis_port}"
+    assert gcs["redisAddress"] == f"warmpath-gcs-redis:{gcs_port}"
     assert gcs["redisPassword"]["valueFrom"]["secretKeyRef"] == secret_ref
     for group in (_head(service), _workers(service)):
         env = _env(_container(group))
         assert env["SESSION_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == secret_ref
         url = urlsplit(env["REDIS_URL"]["value"])
-        assert (url.hostname, url.port, url.password) == ("warmpath-redis", redis_port, "$(SESSION_REDIS_PASSWORD)")
+        assert (url.hostname, url.port, url.password) == ("warmpath-redis", sessions_port, "$(SESSION_REDIS_PASSWORD)")
     # KubeRay refuses these on the head when gcsFaultToleranceOptions is set.
     assert not {"REDIS_PASSWORD", "RAY_REDIS_ADDRESS", "REDIS_USERNAME"} & set(_env(_container(_head(service))))
     assert "redis-password" not in _head(service)["rayStartParams"]
-    # Persistence: append-only file on a claim mounted where Redis writes it.
-    args = redis_container["args"]
-    assert args[args.index("--appendonly") + 1] == "yes"
-    (claim,) = redis["spec"]["volumeClaimTemplates"]
-    mount = {m["name"]: m["mountPath"] for m in redis_container["volumeMounts"]}[claim["metadata"]["name"]]
-    assert args[args.index("--dir") + 1] == mount
+    for redis in (sessions, gcs_redis):
+        container = redis["spec"]["template"]["spec"]["containers"][0]
+        assert _env(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == secret_ref
+        # Persistence: append-only file on a claim mounted where Redis writes it.
+        args = container["args"]
+        assert args[args.index("--appendonly") + 1] == "yes"
+        (claim,) = redis["spec"]["volumeClaimTemplates"]
+        mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}[claim["metadata"]["name"]]
+        assert args[args.index("--dir") + 1] == mount
+        # Full means refusing writes, never dropping keys or being OOM-killed.
+        assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+        assert _redis_memory_limit_bytes(container) < _quantity_bytes(container["resources"]["limits"]["memory"])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
 def test_every_container_probes_and_bounds_its_resources(overlay: Path):
     objects = _compose(overlay)
     service = k8s_render.find_object(objects, "RayService", "warmpath")
-    redis = k8s_render.find_object(objects, "StatefulSet", "warmpath-redis")
     containers = [_container(_head(service)), _container(_workers(service))]
-    containers += redis["spec"]["template"]["spec"]["containers"]
+    for name in ("warmpath-redis", "warmpath-gcs-redis"):
+        containers += k8s_render.find_object(objects, "StatefulSet", name)["spec"]["template"]["spec"]["containers"]
     for container in containers:
         assert {"readinessProbe", "livenessProbe"} <= set(container), container["name"]
         assert {"cpu", "memory"} <= set(container["resources"]["requests"]), container["name"]
@@ -420,8 +456,10 @@ def test_every_container_probes_and_bounds_its_resources(overlay: Path):
 def test_images_and_telemetry_follow_the_overlay(overlay: Path):
     cfg = k8s_render.load_overlay_config(overlay)
     service = _rayservice(overlay)
+    (image,) = [entry for entry in yaml.safe_load((overlay / "kustomization.yaml").read_text())["images"]
+                if entry["name"] == "warmpath"]
     images = {_container(_head(service))["image"], _container(_workers(service))["image"]}
-    assert images == {f"warmpath-{overlay.name}:0.1.0"}
+    assert images == {f"{image['newName']}:{image['newTag']}"}
     for group in (_head(service), _workers(service)):
         env = _env(_container(group))
         assert env.get("OTEL_EXPORTER_OTLP_ENDPOINT", {}).get("value") == cfg.telemetry.otlp_endpoint
@@ -564,3 +602,28 @@ def test_the_guides_api_key_goes_to_the_redis_database_the_pods_read():
     assert read, "no pod sets REDIS_URL"
     databases_read = {urlsplit(url).path for url in read}
     assert {urlsplit(url).path for url in created} == databases_read == {"/1"}
+
+
+def test_the_network_policy_keeps_ray_and_redis_to_the_namespace_and_serving_ports_open():
+    """k8s/extras/network-policy.yaml selects the pods the overlays make, and opens exactly their serving ports."""
+    policies = list(yaml.safe_load_all((k8s_render.K8S_DIR / "extras" / "network-policy.yaml").read_text()))
+    for policy in policies:
+        kubernetes_validate.validate(policy, KUBERNETES_VERSION, strict=True)
+    ray_policy, redis_policy = policies
+    for overlay in OVERLAYS:
+        objects = _compose(overlay)
+        service = k8s_render.find_object(objects, "RayService", "warmpath")
+        for group in (_head(service), _workers(service)):
+            labels = group["template"]["metadata"]["labels"]
+            assert ray_policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+        open_rule, namespace_rule = ray_policy["spec"]["ingress"]
+        assert "from" not in open_rule
+        serving_ports = {_port(_container(_workers(service)), "serve"), _port(_container(_workers(service)), "serve-grpc")}
+        assert {port["port"] for port in open_rule["ports"]} == serving_ports
+        assert "ports" not in namespace_rule and {"podSelector": {}} in namespace_rule["from"]
+        (selector,) = redis_policy["spec"]["podSelector"]["matchExpressions"]
+        for name in ("warmpath-redis", "warmpath-gcs-redis"):
+            labels = k8s_render.find_object(objects, "StatefulSet", name)["spec"]["template"]["metadata"]["labels"]
+            assert labels[selector["key"]] in selector["values"]
+    assert redis_policy["spec"]["ingress"] == [{"from": [{"podSelector": {}}]}]
+

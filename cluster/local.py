@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -287,6 +288,63 @@ def is_started_head(state: LocalState) -> bool:
     return state.ray_started and (state.ray_session is None or state.ray_session == head_session())
 
 
+_LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _address_host(address: str) -> str | None:
+    """The host a `RAY_ADDRESS` names (`ray://h:10001`, `h:6379`); None for `auto`/`local`."""
+    if address in ("auto", "local"):
+        return None
+    return urlsplit(address if "://" in address else f"ray://{address}").hostname
+
+
+def is_remote_address(address: str) -> bool:
+    """Whether `RAY_ADDRESS` names a cluster on other machines: its nodes cannot read this machine's files or loopback."""
+    host = _address_host(address)
+    if not host or host in _LOCAL_HOSTS:
+        return False
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return False  # unresolvable: joining fails anyway, and says why
+    return not any(_is_this_machine(ip) for ip in addresses)
+
+
+def _is_this_machine(ip: str) -> bool:
+    """Whether `ip` is one of this machine's addresses: only those can be bound to."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+    except OSError:
+        return False
+    return True
+
+
+def check_remote_join(cfg: ClusterConfig, address: str | None) -> None:
+    """Refuses, before anything starts, a join whose cluster could reach neither the model nor Redis.
+
+    Without `model.source` the replicas would load the model built in this machine's state
+    directory, and without `redis_url` the session store would be a redis-server on this
+    machine's loopback: on another machine's nodes both fail only minutes later, replica by replica.
+    """
+    if not address or not is_remote_address(address):
+        return
+    problems = []
+    if not cfg.model.source:
+        problems.append(
+            f"model.source is unset, so the replicas would load the model built at {cfg.model_source()} on this "
+            "machine: set it to a Hugging Face id or a folder on the cluster's nodes"
+        )
+    if not cfg.redis_url:
+        problems.append(
+            "redis_url is unset, so the session store would be a redis-server on this machine's 127.0.0.1: "
+            "set redis_url (or REDIS_URL) to a Redis the cluster's nodes reach"
+        )
+    if problems:
+        raise BringUpError(f"RAY_ADDRESS={address} is a cluster on other machines, and " + "; ".join(problems))
+
+
 def dashboard_url_for(address: str) -> str:
     """The dashboard (Serve's REST API) of the cluster at `RAY_ADDRESS` `address`.
 
@@ -296,8 +354,8 @@ def dashboard_url_for(address: str) -> str:
     explicit = os.environ.get("RAY_DASHBOARD_ADDRESS")
     if explicit:
         return explicit.rstrip("/") if "://" in explicit else f"http://{explicit.rstrip('/')}"
-    host = urlsplit(address if "://" in address else f"ray://{address}").hostname
-    if address in ("auto", "local") or not host or host in ("127.0.0.1", "localhost", "::1"):
+    host = _address_host(address)
+    if not host or host in _LOCAL_HOSTS:
         return LOCAL_DASHBOARD_URL
     return f"http://{host}:{DASHBOARD_PORT}" if ":" not in host else f"http://[{host}]:{DASHBOARD_PORT}"
 
@@ -492,6 +550,7 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     Serve redeploys only when the rendered config changes; `redeploy` deletes the
     running application first so new code is picked up with the same config.
     """
+    check_remote_join(cfg, os.environ.get("RAY_ADDRESS"))
     state_dir = state_dir_of(cfg)
     state = LocalState.load(state_dir)
     ensure_model(cfg, progress)

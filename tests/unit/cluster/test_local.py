@@ -2,6 +2,7 @@
 engine processes orphaned by killed replicas, and only those."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -202,3 +203,37 @@ def test_a_failed_up_says_what_it_left_running(tmp_path, monkeypatch, failure, e
     result = CliRunner().invoke(app, ["up", "--state-dir", str(tmp_path)])
     assert result.exit_code == exit_code
     assert "left running: redis-server (pid 4242), the Ray head; `warmpath down` stops them" in result.output
+
+
+@pytest.mark.parametrize("address", ["auto", "local", "127.0.0.1:6379", "localhost:6379", "ray://[::1]:10001",
+                                     f"{socket.gethostname()}:6379"])
+def test_addresses_of_this_machine_are_not_remote(address):
+    assert not local.is_remote_address(address)
+
+
+def test_a_join_of_another_machines_cluster_needs_a_model_and_a_redis_it_can_reach(tmp_path, monkeypatch):
+    monkeypatch.setattr(local, "is_remote_address", lambda address: address == "ray://head.example:10001")
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    with pytest.raises(BringUpError) as err:
+        local.check_remote_join(cfg, "ray://head.example:10001")
+    assert "model.source is unset" in str(err.value) and "redis_url is unset" in str(err.value)
+    only_redis = cfg.model_copy(update={"model": cfg.model.model_copy(update={"source": "Qwen/Qwen2.5-7B-Instruct"})})
+    with pytest.raises(BringUpError, match="redis_url is unset") as err:
+        local.check_remote_join(only_redis, "ray://head.example:10001")
+    assert "model.source" not in str(err.value)
+    ready = only_redis.model_copy(update={"redis_url": "redis://redis.example:6379/1"})
+    local.check_remote_join(ready, "ray://head.example:10001")
+    local.check_remote_join(cfg, "auto")
+    local.check_remote_join(cfg, None)
+
+
+def test_up_refuses_a_remote_join_before_starting_anything(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head.example:10001")
+    monkeypatch.setattr(local, "is_remote_address", lambda address: True)
+    started = []
+    monkeypatch.setattr(local, "ensure_model", lambda *a: started.append("model"))
+    monkeypatch.setattr(local, "start_redis", lambda *a: started.append("redis"))
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    with pytest.raises(BringUpError, match="cluster on other machines"):
+        local.up(cfg, progress=lambda msg: None)
+    assert started == []

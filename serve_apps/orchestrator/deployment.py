@@ -38,13 +38,18 @@ from serve_apps.orchestrator.models import (
     CreateSessionRequest,
     CreateSessionResponse,
     Message,
+    StepStats,
+    TOOL_CALL_ID_MAX_CHARS,
+    TOOL_NAME_MAX_CHARS,
     TURN_ERROR_STATUS,
+    ToolCall,
     ToolResultsSubmission,
     TurnRequest,
 )
 from serve_apps.orchestrator.prompt import (
     SessionState,
     build_chat_request,
+    control_tokens_of,
     count_tokens,
     effective_window_tokens,
     prefix_overflow,
@@ -65,7 +70,16 @@ from serve_apps.orchestrator.store import (
 )
 from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.tool_schema import grammar_failure_message
-from serve_apps.orchestrator.turns import ModelReply, ModelRetry, TurnFailed, TurnRunner, pending_client_calls
+from serve_apps.orchestrator.tools import conflicting_defs
+from serve_apps.orchestrator.turns import (
+    ModelReply,
+    ModelRetry,
+    TurnFailed,
+    TurnRunner,
+    count_memo,
+    pending_client_calls,
+    tool_choice_problem,
+)
 from serve_apps.sse_frames import sse_payloads
 from serve_apps.vllm_replica import ServedBy
 
@@ -137,11 +151,16 @@ class HandleModelClient:
             stream=True,
             stream_options={"include_usage": True},
         )
+        reply = ModelReply()
         for attempt in range(MODEL_CALL_ATTEMPTS):
+            calls: dict[int, dict[str, str]] = {}
             try:
-                async for item in self._attempt(session_id, request, max_tokens):
-                    yield item
-                return
+                async for item in self._attempt(session_id, request, max_tokens, calls):
+                    if isinstance(item, ModelReply):
+                        reply = item
+                    else:
+                        yield item
+                break
             except TurnFailed:
                 raise
             except Exception as err:  # the replica died mid-call (RayActorError and kin) or Serve lost it
@@ -150,15 +169,24 @@ class HandleModelClient:
                 logger.warning("model call of session %s failed (%s: %s); retrying once", session_id, type(err).__name__, err)
                 WarmpathMetrics.get().model_retries.inc()
                 yield ModelRetry(reason=f"{type(err).__name__}: {str(err)[:200]}")
+        # Outside the retry: whatever the model wrote as a call is the model's doing, not a replica's failure.
+        reply.tool_calls = [_tool_call(index, call) for index, call in sorted(calls.items())]
+        yield reply
 
-    async def _attempt(self, session_id: str, request, max_tokens: int) -> AsyncIterator[str | ModelReply]:
-        """One streamed call through the handle; Serve's router has dropped a replica that died, so a retry lands elsewhere."""
+    async def _attempt(
+        self, session_id: str, request, max_tokens: int, calls: dict[int, dict[str, str]]
+    ) -> AsyncIterator[str | ModelReply]:
+        """One streamed call through the handle.
+
+        Serve's router has dropped a replica that died, so a retry lands elsewhere. The
+        reply's tool calls are left as streamed in `calls`, for `chat` to build once the
+        call has succeeded.
+        """
         from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
         from ray.llm._internal.serve.core.protocol import RawRequestInfo
         from ray.serve.context import _get_serve_request_context
 
         reply = ModelReply()
-        calls: dict[int, dict[str, str]] = {}
         with telemetry.tracer().start_as_current_span(
             f"chat {self._model_id}", kind=trace.SpanKind.CLIENT,
             attributes={"gen_ai.operation.name": "chat", "gen_ai.request.model": self._model_id,
@@ -192,9 +220,6 @@ class HandleModelClient:
                         "warmpath.route.predicted_cached_tokens",
                         logged.decision.predicted_cached_tokens.get(reply.replica_id, 0),
                     )
-        reply.tool_calls = [
-            _tool_call(index, call) for index, call in sorted(calls.items())
-        ]
         yield reply
 
 
@@ -243,10 +268,24 @@ def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]
     return text
 
 
-def _tool_call(index: int, call: dict[str, str]):
-    from serve_apps.orchestrator.models import ToolCall
+def _tool_call(index: int, call: dict[str, str]) -> ToolCall:
+    """The streamed call as a `ToolCall`, whatever the model wrote.
 
-    return ToolCall(id=call["id"] or f"call_{index}", name=call["name"] or "unnamed", arguments=call["arguments"] or "{}")
+    A name or id beyond what `ToolCall` holds would fail its validation; cut
+    to its bound, an overlong name still names no tool (tool names are far
+    shorter), so validation answers `unknown_tool` and the model may repair
+    the call. An overlong id is replaced as a missing one is.
+    """
+    call_id = _unicode(call["id"])
+    if not 0 < len(call_id) <= TOOL_CALL_ID_MAX_CHARS:
+        call_id = f"call_{index}"
+    name = _unicode(call["name"])[:TOOL_NAME_MAX_CHARS] or "unnamed"
+    return ToolCall(id=call_id, name=name, arguments=_unicode(call["arguments"]) or "{}")
+
+
+def _unicode(text: str) -> str:
+    """`text` with any lone surrogate (which no UTF-8 writer takes, nor `ToolCall`) replaced by '?'."""
+    return text.encode("utf-8", errors="replace").decode("utf-8")
 
 
 class Orchestrator:
@@ -295,6 +334,9 @@ class Orchestrator:
             refusal = self._tool_network.check_url(tool.execution.url) if tool.execution.kind == "http" else None
             if refusal is not None:
                 return _error(403, f"tool {tool.name!r}: {refusal}", "tool_url_not_allowed")
+        clash = conflicting_defs(request.tools)
+        if clash is not None:
+            return _error(400, clash, "invalid_parameter", "tools")
         if request.model != self._model_id:
             return _error(404, f'model "{request.model}" is not served here (serving "{self._model_id}")', "model_not_found")
         try:
@@ -325,11 +367,13 @@ class Orchestrator:
         except StoreUnavailable as err:
             return _error(503, f"session store unavailable: {err}", "store_unavailable")
         request = record.request
-        messages, tools = build_chat_request(SessionState(request.system_prompt, request.tools, snapshot.messages))
+        messages, tools = build_chat_request(
+            SessionState(request.system_prompt, request.tools, snapshot.messages), control_tokens_of(self._tokenizer)
+        )
         window = effective_window_tokens(request.limits, self._max_model_len_tokens)
         account = count_tokens(
             self._tokenizer, messages, tools, context_window_tokens=window,
-            output_reserve_tokens=request.limits.output_reserve_tokens,
+            output_reserve_tokens=request.limits.output_reserve_tokens, memo=count_memo(session_id),
         )
         prompt_tokens = sum(s.prompt_tokens for s in steps)
         cached_tokens = sum(s.cached_tokens for s in steps)
@@ -482,6 +526,10 @@ class Orchestrator:
                 if denied is not None:
                     yield denied
                     return
+                bad_choice = tool_choice_problem(tool_choice, [tool.name for tool in record.request.tools])
+                if bad_choice is not None:
+                    yield _error(400, bad_choice, "invalid_parameter", "tool_choice")
+                    return
                 if idempotency_key is not None:
                     stored = await self._store.lookup_turn_result(session_id, idempotency_key)
                     if stored is not None:
@@ -503,12 +551,13 @@ class Orchestrator:
                     if pending:
                         yield _error(409, f"answer the pending tool calls {[c.id for c in pending]} first", "requires_action")
                         return
-                    new = [Message(role="user", content=user_content)]
+                    steps_taken = 0
                 else:
-                    new, problem = _result_messages(pending, results)
+                    problem = _results_problem(pending, results)
                     if problem:
                         yield _error(409 if not pending else 400, problem, "tool_results_mismatch")
                         return
+                    steps_taken = _steps_taken(await self._store.step_stats(session_id))
                 runner = TurnRunner(
                     record, snapshot.messages, snapshot.length, self._store, self._model, self._tokenizer,
                     self._max_model_len_tokens, idempotency_key=idempotency_key, tool_network=self._tool_network,
@@ -516,7 +565,11 @@ class Orchestrator:
                 )
                 has_started = True
                 yield {"status": 200}
-                async for event in runner.run(new, tool_choice):
+                if user_content is not None:
+                    events = runner.run([Message(role="user", content=user_content)], tool_choice)
+                else:
+                    events = runner.resume(results.results, steps_taken)
+                async for event in events:
                     yield event.model_dump(exclude_none=True)
         except SessionNotFound:
             if has_started:  # deleted (or expired) while the turn ran: nothing of it was committed
@@ -545,16 +598,17 @@ class Orchestrator:
             )
 
 
-def _result_messages(pending, results: ToolResultsSubmission) -> tuple[list[Message], str | None]:
+def _results_problem(pending, results: ToolResultsSubmission) -> str | None:
+    """Why `results` cannot answer the pending calls, or None when they answer exactly those."""
     if not pending:
-        return [], "the session has no pending tool calls"
-    by_id = {c.id: c for c in pending}
+        return "the session has no pending tool calls"
+    expected = {c.id for c in pending}
     answered = {r.tool_call_id for r in results.results}
-    if answered != set(by_id):
-        return [], f"results must answer exactly the pending calls {sorted(by_id)}, got {sorted(answered)}"
-    messages = [
-        Message(role="tool", tool_call_id=r.tool_call_id, name=by_id[r.tool_call_id].name,
-                content=("error: " + r.content) if r.is_error else r.content)
-        for r in results.results
-    ]
-    return messages, None
+    if answered != expected:
+        return f"results must answer exactly the pending calls {sorted(expected)}, got {sorted(answered)}"
+    return None
+
+
+def _steps_taken(stats: list[StepStats]) -> int:
+    """Model calls the paused turn has made: its steps are numbered from 0, and its last one was stored last."""
+    return stats[-1].step_index + 1 if stats else 0

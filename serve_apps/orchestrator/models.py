@@ -29,6 +29,9 @@ SessionId = NewType("SessionId", str)
 PrefixFingerprint = NewType("PrefixFingerprint", str)
 
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+# Bounds of what a model-written call may hold; a declared tool's name is far shorter (TOOL_NAME_PATTERN).
+TOOL_NAME_MAX_CHARS = 256
+TOOL_CALL_ID_MAX_CHARS = 128
 MAX_TURN_CONTENT_CHARS = 262_144
 # Above this, a "truncated" result is no longer a bound worth having: it would fill the context by itself.
 MAX_TOOL_RESULT_BYTES_CEILING = 1_048_576
@@ -142,8 +145,8 @@ class CreateSessionResponse(_Strict):
 class ToolCall(_Strict):
     """A call the model made. `arguments` is the raw JSON text, validated by `tools.validate_tool_call`."""
 
-    id: Text = Field(description="Call id, echoed by the tool result.", min_length=1, max_length=128)
-    name: Text = Field(description="Tool name as the model wrote it.", min_length=1, max_length=256)
+    id: Text = Field(description="Call id, echoed by the tool result.", min_length=1, max_length=TOOL_CALL_ID_MAX_CHARS)
+    name: Text = Field(description="Tool name as the model wrote it.", min_length=1, max_length=TOOL_NAME_MAX_CHARS)
     arguments: Text = Field(description="Arguments as a JSON string.")
 
 
@@ -186,7 +189,7 @@ class TurnRequest(_Strict):
 class ToolResult(_Strict):
     """Result of a client-executed tool call."""
 
-    tool_call_id: Text = Field(description="Id of the call answered.", min_length=1, max_length=128)
+    tool_call_id: Text = Field(description="Id of the call answered.", min_length=1, max_length=TOOL_CALL_ID_MAX_CHARS)
     content: Text = Field(description="Result text shown to the model.")
     is_error: bool = Field(False, description="True when the tool failed; the model sees the content either way.")
 

@@ -14,18 +14,26 @@ Invariants:
   every message boundary and raises `TemplateNotAppendOnly` if the chat
   template or tokenizer breaks it, because then every step would miss the cache.
 - Local rendering mimics vLLM's: tool-call arguments (JSON strings on the wire)
-  are parsed into objects before the template sees them, so local token counts
-  equal what the engine prefills. History must therefore hold only calls whose
-  arguments parse (vLLM would silently render bad ones as `{}`).
+  are parsed into objects before the template sees them, and arguments that are
+  JSON but not an object render as `{}`, so local token counts equal what the
+  engine prefills. History must therefore hold only calls whose arguments parse
+  (vLLM would silently render bad ones as `{}`).
+- Text of the history never spells a control token: `build_chat_request`
+  neutralises the tokenizer's control-token strings (`ControlTokens`) in what it
+  sends, and token counts are taken over the same messages, so a tool result
+  cannot close its turn and open a forged one. The stored transcript stays verbatim.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import weakref
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, Required, TypedDict
 
 from pydantic import JsonValue
@@ -79,6 +87,82 @@ class WireTool(TypedDict):
 
     type: Literal["function"]
     function: WireToolFunction
+
+
+# Inserted after the first character of a control-token string: the text reads the same, the token is gone.
+ZERO_WIDTH_SPACE = "\u200b"
+
+
+class ControlTokens:
+    """The strings a tokenizer reads as control tokens, and text kept from spelling them.
+
+    Why: the tokenizer turns an added token's text into that token wherever it
+    occurs, so a tool result holding `<|eot_id|><|start_header_id|>system...`
+    would end its turn and open a forged system turn. Neutralising happens where
+    the prompt is built, never where text is stored: the transcript stays
+    verbatim, and a message renders the same bytes at every step.
+    """
+
+    def __init__(self, texts: Iterable[str] = ()) -> None:
+        # A one-character token cannot be broken inside; whitespace tokens are ordinary text.
+        self.texts = frozenset(text for text in texts if len(text) > 1 and not text.isspace())
+        alternatives = sorted(self.texts, key=len, reverse=True)  # the longest of overlapping tokens first
+        self._pattern = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
+
+    @classmethod
+    def of(cls, tokenizer: object) -> "ControlTokens":
+        """The tokenizer's special tokens, and its other added tokens that the chat template writes (`<tool_call>`)."""
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if isinstance(template, Mapping):  # named templates
+            template = "\n".join(template.values())
+        return cls(token.content for token in added.values() if token.special or token.content in template)
+
+    def neutralize(self, text: str) -> str:
+        """`text` with ZERO_WIDTH_SPACE after the first character of every control-token string in it."""
+        if self._pattern is None:
+            return text
+        while True:  # a break inside one token may leave another one (`<s>` holds `s>`): repeat until none is left
+            broken = self._pattern.sub(lambda match: match[0][0] + ZERO_WIDTH_SPACE + match[0][1:], text)
+            if broken == text:
+                return text
+            text = broken
+
+    def neutralize_arguments(self, arguments: str) -> str:
+        """Tool-call arguments whose strings (keys and values, as the template prints them) spell no control token.
+
+        The template prints parsed arguments, where `"\\u003c|eot_id|>"` is `<|eot_id|>`, so the
+        strings are neutralised after parsing. Unchanged arguments keep their text as written.
+        """
+        if self._pattern is None:
+            return arguments
+        try:
+            value = json.loads(arguments)
+        except (ValueError, RecursionError):  # vLLM renders such arguments as `{}`: none of the text is shown
+            return arguments
+        neutralized = self._neutralize_value(value)
+        return arguments if neutralized == value else json.dumps(neutralized, ensure_ascii=False)
+
+    def _neutralize_value(self, value: JsonValue) -> JsonValue:
+        if isinstance(value, str):
+            return self.neutralize(value)
+        if isinstance(value, list):
+            return [self._neutralize_value(item) for item in value]
+        if isinstance(value, dict):
+            return {self.neutralize(key): self._neutralize_value(item) for key, item in value.items()}
+        return value
+
+
+NO_CONTROL_TOKENS = ControlTokens()
+_CONTROL_TOKENS_BY_TOKENIZER: "weakref.WeakKeyDictionary[object, ControlTokens]" = weakref.WeakKeyDictionary()
+
+
+def control_tokens_of(tokenizer: object) -> ControlTokens:
+    """`ControlTokens.of(tokenizer)`, found once per tokenizer: every turn asks, and a vocabulary may add thousands."""
+    found = _CONTROL_TOKENS_BY_TOKENIZER.get(tokenizer)
+    if found is None:
+        found = _CONTROL_TOKENS_BY_TOKENIZER[tokenizer] = ControlTokens.of(tokenizer)
+    return found
 
 
 class TemplateNotAppendOnly(ValueError):
@@ -162,15 +246,35 @@ def to_wire_message(message: Message) -> WireMessage:
     return wire
 
 
-def build_chat_request(state: SessionState) -> tuple[list[WireMessage], list[WireTool]]:
+def build_chat_request(
+    state: SessionState, control_tokens: ControlTokens = NO_CONTROL_TOKENS
+) -> tuple[list[WireMessage], list[WireTool]]:
     """Messages and tools of one chat completion: system prompt first, then the history.
 
     The system message is always present, even when empty, so the prompt shape
-    never depends on its content.
+    never depends on its content. Every text of the history (user, assistant,
+    tool, summaries) is neutralised against `control_tokens`; the system prompt
+    and tools, which the session's creator wrote, are the cached prefix and stay as written.
     """
     messages: list[WireMessage] = [{"role": "system", "content": state.system_prompt}]
-    messages.extend(to_wire_message(message) for message in state.history)
+    messages.extend(_neutralized(to_wire_message(message), control_tokens) for message in state.history)
     return messages, render_tools(state.tools)
+
+
+def _neutralized(message: WireMessage, control_tokens: ControlTokens) -> WireMessage:
+    """`message` with its content, names and call arguments neutralised against `control_tokens`."""
+    out: WireMessage = dict(message)  # type: ignore[assignment]
+    if out.get("content") is not None:
+        out["content"] = control_tokens.neutralize(out["content"])
+    if "name" in out:
+        out["name"] = control_tokens.neutralize(out["name"])
+    if "tool_calls" in out:
+        out["tool_calls"] = [
+            {**call, "function": {"name": control_tokens.neutralize(call["function"]["name"]),
+                                  "arguments": control_tokens.neutralize_arguments(call["function"]["arguments"])}}
+            for call in out["tool_calls"]
+        ]
+    return out
 
 
 def effective_window_tokens(limits: SessionLimits, model_max_len_tokens: int) -> int:
@@ -197,6 +301,8 @@ def _template_messages(messages: Sequence[WireMessage]) -> list[dict]:
                     arguments = json.loads(call["function"]["arguments"] or "{}")
                 except json.JSONDecodeError as err:
                     raise ValueError(f"tool call {call['id']} has arguments that are not JSON: {err}") from None
+                if not isinstance(arguments, dict):
+                    arguments = {}  # vLLM coerces arguments that are not an object, and templates need a mapping
                 calls.append({**call, "function": {**call["function"], "arguments": arguments}})
             item["tool_calls"] = calls
         out.append(item)
@@ -288,6 +394,39 @@ def prompt_token_ids(tokenizer: ChatTokenizer, messages: Sequence[WireMessage], 
     return _token_ids(result)
 
 
+@dataclass
+class CountMemo:
+    """What `count_tokens` learnt from the last prompt it counted, so the next one renders only its new messages.
+
+    Why: telling each message's tokens apart renders the template once per message
+    prefix, which is quadratic in the history. Steps and turns of a session mostly
+    append to the prompt counted before, whose prefix texts and tokens are kept here.
+    A count reuses them only for leading messages identical to the ones counted
+    (same tokenizer, same tools), and only while their text still starts the new
+    prompt, so its result is the one a count from scratch gives.
+    """
+
+    tokenizer: object = None
+    tools_key: str = ""
+    message_keys: list[str] = field(default_factory=list)  # each message as the template gets it, as JSON
+    boundaries: list[int] = field(default_factory=lambda: [0])  # boundaries[k]: length of the first k messages' text
+    text: str = ""  # the text of all counted messages, without the generation prompt
+    segments: list[array] = field(default_factory=list)  # segments[k]: token ids of message k (0: the prefix)
+
+    def num_reusable(self, tokenizer: ChatTokenizer, tools_key: str, message_keys: list[str], full_text: str) -> int:
+        """How many leading messages of a prompt (`full_text`, described by the keys) this memo already counted."""
+        if tokenizer is not self.tokenizer or tools_key != self.tools_key:
+            return 0
+        num_shared = 0
+        for known, key in zip(self.message_keys, message_keys):
+            if known != key:
+                break
+            num_shared += 1
+        if num_shared and not full_text.startswith(self.text[: self.boundaries[num_shared]]):
+            return 0  # the template renders them differently now (a date in the system block, say): count afresh
+        return num_shared
+
+
 def count_tokens(
     tokenizer: ChatTokenizer,
     messages: Sequence[WireMessage],
@@ -295,12 +434,14 @@ def count_tokens(
     *,
     context_window_tokens: int,
     output_reserve_tokens: int,
+    memo: CountMemo | None = None,
 ) -> TokenAccount:
     """Exact token accounting of one prompt, split into prefix, messages and generation prompt.
 
-    Renders every message prefix of the conversation (n+1 template renders) and
-    tokenizes each segment once; the concatenation must equal the tokens of the
-    whole prompt, which is the append-only property the cache depends on.
+    Renders every message prefix of the conversation (n+1 template renders, fewer
+    with a `memo` of an earlier count) and tokenizes each segment once; the
+    concatenation must equal the tokens of the whole prompt, which is the
+    append-only property the cache depends on.
 
     Args:
         tokenizer: the served model's tokenizer, chat template included.
@@ -308,6 +449,7 @@ def count_tokens(
         tools: output of `build_chat_request`.
         context_window_tokens: window the session may fill.
         output_reserve_tokens: tokens kept for the answer.
+        memo: what an earlier count of the session learnt; reused where it still holds, then updated.
 
     Returns:
         The account; `message_tokens` aligns with `messages[1:]`.
@@ -320,20 +462,28 @@ def count_tokens(
         raise ValueError("messages must start with the system message (see build_chat_request)")
     rendered = _template_messages(messages)
     full_text = _render(tokenizer, rendered, tools, add_generation_prompt=True)
-    boundaries = [0]
-    for end in range(1, len(rendered) + 1):
+    tools_key = json.dumps(tools, ensure_ascii=False)
+    # Key order counts: a template may print a message or its arguments as JSON.
+    message_keys = [json.dumps(message, ensure_ascii=False) for message in rendered]
+    num_reused = memo.num_reusable(tokenizer, tools_key, message_keys, full_text) if memo is not None else 0
+    boundaries = memo.boundaries[: num_reused + 1] if num_reused else [0]
+    segments = memo.segments[:num_reused] if num_reused else []
+    for end in range(num_reused + 1, len(rendered) + 1):
         text = _render(tokenizer, rendered[:end], tools, add_generation_prompt=False)
         if not full_text.startswith(text) or len(text) < boundaries[-1]:
             raise TemplateNotAppendOnly(f"the first {end} messages render differently once later ones are added")
         boundaries.append(len(text))
-    boundaries.append(len(full_text))
-    segments = [_encode(tokenizer, full_text[a:b]) for a, b in zip(boundaries, boundaries[1:])]
-    if [i for segment in segments for i in segment] != _encode(tokenizer, full_text):
+        segments.append(array("I", _encode(tokenizer, full_text[boundaries[-2] : boundaries[-1]])))
+    generation = _encode(tokenizer, full_text[boundaries[-1] :])
+    if [i for segment in segments for i in segment] + generation != _encode(tokenizer, full_text):
         raise TemplateNotAppendOnly("a message boundary falls inside a token; later steps would miss the cache")
+    if memo is not None:
+        memo.tokenizer, memo.tools_key, memo.message_keys = tokenizer, tools_key, message_keys
+        memo.boundaries, memo.text, memo.segments = boundaries, full_text[: boundaries[-1]], segments
     return TokenAccount(
         prefix_tokens=len(segments[0]),
-        message_tokens=tuple(len(segment) for segment in segments[1:-1]),
-        generation_prompt_tokens=len(segments[-1]),
+        message_tokens=tuple(len(segment) for segment in segments[1:]),
+        generation_prompt_tokens=len(generation),
         context_window_tokens=context_window_tokens,
         output_reserve_tokens=output_reserve_tokens,
         prefix_fingerprint=_digest(segments[0]),

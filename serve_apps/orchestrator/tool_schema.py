@@ -23,7 +23,9 @@ Invariants `check_tool_parameters` holds for every accepted schema:
   a tool (`tool_choice: "required"` or a tool name), so it is refused at creation.
 
 What the compiler still refuses at a turn is the request's fault, not a replica's:
-`grammar_failure_message` recognises the engine's error for it.
+`grammar_failure_message` recognises the engine's error for it. So is a `$defs`
+name two tools define differently, which vLLM cannot merge into the grammar of a
+`required` call (`tools.conflicting_defs` refuses such tools at creation).
 """
 
 from __future__ import annotations
@@ -72,10 +74,12 @@ INT64_MAX = 2**63 - 1
 _FLOAT64_MAX = int(sys.float_info.max)
 _INTEGER_BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # vLLM's messages when xgrammar cannot compile a structured-output request
-# (vllm/v1/structured_output/backend_xgrammar.py).
+# (vllm/v1/structured_output/backend_xgrammar.py), or when the tools' `$defs`
+# cannot be merged into the schema of a `required` call (vllm/tool_parsers/utils.py).
 _GRAMMAR_FAILURE = re.compile(
     r"Failed to transform (?:json schema|regex|choices) into a grammar"
     r"|The provided JSON schema contains features not supported by xgrammar"
+    r"|Tool definition '.*' has multiple schemas"
 )
 
 SchemaLocation = tuple[str | int, ...]

@@ -4,6 +4,7 @@ Invariants:
 - Nothing a tool does raises into the session loop: a refused connection, an
   HTTP error, a hang, a non-JSON or oversized body all become a `ToolOutcome`
   with status "error" or "timeout" whose content the model reads next step.
+  A success without a body (204, an empty 200) is "ok" with `{"status": <code>}`.
 - Arguments travel as the model's raw JSON text: the validator parses them only
   to check them, and the HTTP body embeds the original text, so numerals such as
   `1284.50` reach the tool exactly as written. The one rewrite: raw control
@@ -36,6 +37,8 @@ MAX_TOOL_RESPONSE_BYTES = 8 * 1024 * 1024
 MAX_REPORTED_VIOLATIONS = 16
 # Tool arguments and tool replies nest at most this deep (real ones: a handful of levels).
 MAX_ARGUMENT_DEPTH = 64
+# Bound on connecting to one address of a tool's host (httpx's default), whatever the tool's timeout.
+CONNECT_TIMEOUT_S = 5.0
 _ERROR_BODY_SNIPPET_BYTES = 512
 
 ToolCallErrorKind = Literal["unknown_tool", "invalid_json", "schema_violation"]
@@ -144,8 +147,10 @@ def escape_raw_control_characters(text: str) -> str:
 
 def _validator(schema: dict) -> Draft202012Validator:
     # An empty registry: references resolve inside the schema only (models.ToolSpec
-    # already refuses others), so validation never fetches anything.
-    return Draft202012Validator(schema, registry=Registry())
+    # already refuses others), so validation never fetches anything. `format` is
+    # asserted wherever jsonschema can check it (date, email, uuid, ipv4, ...): the
+    # schema's author asked for it, and the grammar of a forced call does not enforce it.
+    return Draft202012Validator(schema, registry=Registry(), format_checker=Draft202012Validator.FORMAT_CHECKER)
 
 
 def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | ToolCallError:
@@ -222,6 +227,26 @@ def tool_choice_schema(tools: Sequence[ToolSpec]) -> dict[str, JsonValue]:
     return schema
 
 
+def conflicting_defs(tools: Sequence[ToolSpec]) -> str | None:
+    """Why vLLM cannot build the call grammar of `tool_choice: "required"` for these tools, or None.
+
+    vLLM hoists every tool's top-level `$defs` into one map under their plain
+    names and refuses a name two tools define differently ("Tool definition ...
+    has multiple schemas"), so every forced turn of such a session would fail.
+    A name defined identically by several tools is merged and accepted.
+    """
+    defined_by: dict[str, tuple[str, JsonValue]] = {}
+    for tool in sorted(tools, key=lambda t: t.name):
+        for def_name, definition in (tool.parameters.get("$defs") or {}).items():
+            first = defined_by.setdefault(def_name, (tool.name, definition))
+            if first[1] != definition:
+                return (
+                    f"tools {first[0]!r} and {tool.name!r} both define $defs/{def_name} with different schemas; "
+                    "the grammar of a forced tool call merges all tools' $defs by name, so rename one of them"
+                )
+    return None
+
+
 def truncate_text(text: str, max_bytes: int) -> tuple[str, bool]:
     """Keeps at most `max_bytes` UTF-8 bytes of `text` and appends a marker saying how many were cut.
 
@@ -241,7 +266,7 @@ def _error(tool_name: str, message: str, status: ToolStatus = "error") -> ToolOu
 
 
 async def _post(client: httpx.AsyncClient, destination: Destination, body: bytes, tool_name: str,
-                max_bytes: int) -> ToolOutcome:
+                max_bytes: int, timeout: httpx.Timeout) -> ToolOutcome:
     headers = {"content-type": "application/json", "accept": "application/json"}
     url = httpx.URL(destination.url)
     extensions = {}
@@ -255,15 +280,17 @@ async def _post(client: httpx.AsyncClient, destination: Destination, body: bytes
         targets = [url.copy_with(host=address) for address in destination.addresses]
     for target in targets[:-1]:
         try:
-            return await _send(client, target, headers, extensions, body, tool_name, max_bytes)
+            return await _send(client, target, headers, extensions, body, tool_name, max_bytes, timeout)
         except (httpx.ConnectError, httpx.ConnectTimeout):
             continue  # nothing was sent: the host's next checked address may answer
-    return await _send(client, targets[-1], headers, extensions, body, tool_name, max_bytes)
+    return await _send(client, targets[-1], headers, extensions, body, tool_name, max_bytes, timeout)
 
 
 async def _send(client: httpx.AsyncClient, url: httpx.URL, headers: dict, extensions: dict, body: bytes,
-                tool_name: str, max_bytes: int) -> ToolOutcome:
-    async with client.stream("POST", url, content=body, headers=headers, extensions=extensions) as response:
+                tool_name: str, max_bytes: int, timeout: httpx.Timeout) -> ToolOutcome:
+    async with client.stream(
+        "POST", url, content=body, headers=headers, extensions=extensions, timeout=timeout
+    ) as response:
         chunks: list[bytes] = []
         num_bytes = 0
         async for chunk in response.aiter_bytes():
@@ -275,6 +302,9 @@ async def _send(client: httpx.AsyncClient, url: httpx.URL, headers: dict, extens
     if not response.is_success:
         snippet = raw[:_ERROR_BODY_SNIPPET_BYTES].decode("utf-8", errors="replace")
         return _error(tool_name, f"HTTP {response.status_code}: {snippet}")
+    if not raw.strip():
+        # A success with nothing to say (204 No Content, or an empty 200): the model learns it worked.
+        return ToolOutcome("ok", json.dumps({"status": response.status_code}))
     try:
         text = raw.decode("utf-8")
         parse_arguments(text)
@@ -282,6 +312,18 @@ async def _send(client: httpx.AsyncClient, url: httpx.URL, headers: dict, extens
         return _error(tool_name, f"tool replied with {len(raw)} bytes that are not a UTF-8 JSON document")
     content, is_truncated = truncate_text(text, max_bytes)
     return ToolOutcome("ok", content, is_truncated)
+
+
+def _phase_timeout(timeout_s: float) -> httpx.Timeout:
+    """httpx's per-phase timeouts for one tool call: `timeout_s` for writing, each read and the pool.
+
+    Why: a client's own defaults (httpx's are 5 s) would cut off a tool declared
+    with a longer `timeout_s`; set per request, these also override a pooled
+    client's. Connecting keeps a shorter bound, so an address that drops
+    packets leaves time to try the host's next checked address (`_post`). The
+    deadline of the whole exchange is `run_http_tool`'s.
+    """
+    return httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
 
 
 async def run_http_tool(
@@ -325,7 +367,7 @@ async def run_http_tool(
                 destination = await network.check_destination(spec.execution.url)
             if isinstance(destination, str):
                 return _error(spec.name, destination)
-            return await _post(http, destination, body, spec.name, max_bytes)
+            return await _post(http, destination, body, spec.name, max_bytes, _phase_timeout(timeout_s))
     except (TimeoutError, httpx.TimeoutException):
         return _error(spec.name, f"no complete reply within {timeout_s:g} s", status="timeout")
     except (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL, OSError) as err:

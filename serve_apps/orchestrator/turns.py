@@ -15,7 +15,8 @@ one `SessionStore.commit_turn` call, or none:
 A step under a forced `tool_choice` (`required` or a tool name) that ends
 without a call is never a final answer: it counts as an invalid call (the step
 runs again, at most MAX_REPAIRS_PER_TURN times per turn, then the turn fails
-with `invalid_tool_call`).
+with `invalid_tool_call`). Steps that run out while the forced call is still
+owed fail the turn the same way: nothing is committed.
 
 Ordering of one step: account tokens -> compress if under the threshold (only
 messages committed by earlier turns are ever compressed; the system prompt and
@@ -26,7 +27,7 @@ tools (timeouts and size limits; failures become results the model sees).
 
 from __future__ import annotations
 
-import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
@@ -46,23 +47,50 @@ from serve_apps.orchestrator.models import (
     StepStats,
     ToolCall,
     ToolCallEvent,
+    ToolResult,
     ToolResultEvent,
     UsageEvent,
     DeltaEvent,
 )
 from serve_apps.orchestrator.prompt import (
+    CountMemo,
     SessionState,
     TokenAccount,
     build_chat_request,
+    control_tokens_of,
     count_tokens,
     effective_window_tokens,
 )
 from serve_apps.orchestrator.store import Compaction, RememberedTurn, SessionRecord, SessionStore
 from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
-from serve_apps.orchestrator.tools import ToolCallError, run_http_tool, validate_tool_call
+from serve_apps.orchestrator.tools import (
+    ToolCallError,
+    parse_arguments,
+    run_http_tool,
+    truncate_text,
+    validate_tool_call,
+)
 
 MAX_REPAIRS_PER_TURN = 2
 MIN_SUMMARY_TOKENS = 8
+# Sessions whose last token count this replica keeps (`count_memo`); each holds about its prompt's text and tokens.
+MAX_COUNT_MEMOS = 32
+
+_COUNT_MEMOS: OrderedDict[str, CountMemo] = OrderedDict()
+
+
+def count_memo(session_id: str) -> CountMemo:
+    """The memo of the session's last token count on this replica, so its next count renders only new messages.
+
+    Why per replica and not stored: it is a cache of what the stored transcript
+    determines, checked against the prompt before any of it is used, so a memo
+    that is missing or out of date costs time, never correctness.
+    """
+    memo = _COUNT_MEMOS.pop(session_id, None) or CountMemo()
+    _COUNT_MEMOS[session_id] = memo
+    while len(_COUNT_MEMOS) > MAX_COUNT_MEMOS:
+        _COUNT_MEMOS.popitem(last=False)
+    return memo
 
 
 @dataclass
@@ -105,11 +133,27 @@ class TurnFailed(Exception):
         self.code = code
 
 
+def tool_choice_problem(tool_choice: str, tool_names: Sequence[str]) -> str | None:
+    """Why `tool_choice` cannot apply to a session with these tools, or None when it can.
+
+    Checked before a turn starts, so a bad value is refused with its own status
+    instead of being downgraded or failing the turn after it began.
+    """
+    if tool_choice in ("auto", "none"):
+        return None
+    if not tool_names:
+        return f"tool_choice {tool_choice!r} asks for a tool call, but the session has no tools"
+    if tool_choice == "required" or tool_choice in tool_names:
+        return None
+    return f"tool_choice names {tool_choice!r}, which is not one of {sorted(tool_names)}"
+
+
 def _wire_tool_choice(tool_choice: str, tool_names: Sequence[str]) -> object:
+    problem = tool_choice_problem(tool_choice, tool_names)
+    if problem is not None:
+        raise TurnFailed("unknown_tool", problem)
     if tool_choice in ("auto", "none", "required"):
         return tool_choice if tool_names else "none"
-    if tool_choice not in tool_names:
-        raise TurnFailed("unknown_tool", f"tool_choice names {tool_choice!r}, which is not one of {sorted(tool_names)}")
     return {"type": "function", "function": {"name": tool_choice}}
 
 
@@ -119,11 +163,17 @@ def _is_forced(wire_choice: object) -> bool:
 
 
 def _renderable(call: ToolCall) -> ToolCall:
+    """The call as vLLM renders it into the prompt: arguments that are not a JSON object become `{}`.
+
+    Text the strict parser of validation refuses (not JSON, NaN, nested too deep)
+    and JSON that is not an object are both coerced by vLLM, so keeping them as
+    written would make local token counts differ from what the engine prefills.
+    """
     try:
-        json.loads(call.arguments)
-    except json.JSONDecodeError:
-        return call.model_copy(update={"arguments": "{}"})
-    return call
+        arguments = parse_arguments(call.arguments)
+    except ValueError:
+        arguments = None
+    return call if isinstance(arguments, dict) else call.model_copy(update={"arguments": "{}"})
 
 
 def pending_client_calls(history: Sequence[Message]) -> list[ToolCall]:
@@ -136,6 +186,13 @@ def pending_client_calls(history: Sequence[Message]) -> list[ToolCall]:
         if message.role == "user":
             return []
     return []
+
+
+async def _chain(first: Sequence[SessionEvent], rest: AsyncIterator[SessionEvent]) -> AsyncIterator[SessionEvent]:
+    for event in first:
+        yield event
+    async for event in rest:
+        yield event
 
 
 class TurnRunner:
@@ -170,6 +227,7 @@ class TurnRunner:
         self._store = store
         self._model = model
         self._tokenizer = tokenizer
+        self._control_tokens = control_tokens_of(tokenizer)
         self._window = effective_window_tokens(self._limits, max_model_len_tokens)
         self._new: list[Message] = []
         self._stats: list[StepStats] = []
@@ -180,18 +238,52 @@ class TurnRunner:
     def history(self) -> list[Message]:
         return self._stored + self._new
 
+    def _chat_request(self, history: Sequence[Message]) -> tuple[list, list]:
+        """Messages and tools the model gets for `history`; token counts are taken over exactly these."""
+        state = SessionState(self._request.system_prompt, self._request.tools, tuple(history))
+        return build_chat_request(state, self._control_tokens)
+
     def _account(self, history: Sequence[Message]) -> TokenAccount:
-        messages, tools = build_chat_request(SessionState(self._request.system_prompt, self._request.tools, tuple(history)))
+        messages, tools = self._chat_request(history)
         return count_tokens(
             self._tokenizer, messages, tools,
             context_window_tokens=self._window, output_reserve_tokens=self._limits.output_reserve_tokens,
+            memo=count_memo(self._record.session_id),
         )
 
     async def run(self, new_messages: Sequence[Message], tool_choice: str) -> AsyncIterator[SessionEvent]:
-        """Appends `new_messages` (a user message or client tool results) and runs steps."""
+        """Appends `new_messages` (a user message) and runs the turn's steps."""
+        async for event in self._run(new_messages, tool_choice, [], first_step=0):
+            yield event
+
+    async def resume(self, results: Sequence[ToolResult], steps_taken: int) -> AsyncIterator[SessionEvent]:
+        """Answers the pending client calls with `results` and runs the turn's remaining steps.
+
+        Client results are cut to `max_tool_result_bytes` like server-side ones
+        (a `tool_result` event each, with `is_truncated`). The turn's steps go on
+        from `steps_taken`, the model calls it made before it paused, so one user
+        turn takes at most `max_steps_per_turn` model calls however often it pauses.
+        `results` answer exactly the pending calls (the caller has checked).
+        """
+        names = {call.id: call.name for call in pending_client_calls(self._stored)}
+        messages, events = [], []
+        for result in results:
+            content, is_truncated = truncate_text(result.content, self._limits.max_tool_result_bytes)
+            content = ("error: " + content) if result.is_error else content
+            messages.append(Message(role="tool", tool_call_id=result.tool_call_id, name=names[result.tool_call_id],
+                                    content=content))
+            events.append(ToolResultEvent(tool_call_id=result.tool_call_id, status="error" if result.is_error else "ok",
+                                          content=content, is_truncated=is_truncated))
+        async for event in self._run(messages, "auto", events, first_step=steps_taken):
+            yield event
+
+    async def _run(
+        self, new_messages: Sequence[Message], tool_choice: str, opening: Sequence[SessionEvent], first_step: int
+    ) -> AsyncIterator[SessionEvent]:
+        """Appends `new_messages`, yields `opening`, then runs steps from `first_step`; every event is replayable."""
         self._new.extend(new_messages)
         try:
-            async for event in self._steps(tool_choice):
+            async for event in _chain(opening, self._steps(tool_choice, first_step)):
                 previous = self._replayable[-1] if self._replayable else None
                 if isinstance(event, DeltaEvent) and isinstance(previous, DeltaEvent):
                     self._replayable[-1] = DeltaEvent(text=previous.text + event.text)
@@ -201,17 +293,15 @@ class TurnRunner:
         except TurnFailed as err:
             yield ErrorEvent(code=err.code, message=str(err))
 
-    async def _steps(self, tool_choice: str) -> AsyncIterator[SessionEvent]:
+    async def _steps(self, tool_choice: str, first_step: int) -> AsyncIterator[SessionEvent]:
         choice = _wire_tool_choice(tool_choice, list(self._tools_by_name))
         num_repairs = 0
-        for step in range(self._limits.max_steps_per_turn):
+        for step in range(first_step, self._limits.max_steps_per_turn):
             report = None
             async for event in self._maybe_compress():
                 report = event.report
                 yield event
-            messages, tools = build_chat_request(
-                SessionState(self._request.system_prompt, self._request.tools, tuple(self.history))
-            )
+            messages, tools = self._chat_request(self.history)
             account = self._account(self.history)
             if account.remaining_tokens < 0:
                 raise TurnFailed(
@@ -308,6 +398,13 @@ class TurnRunner:
                 await self._commit(pause)
                 yield pause
                 return
+        if _is_forced(choice):
+            # The steps ran out before the forced call came: the turn failed, it did not merely stop.
+            raise TurnFailed(
+                "invalid_tool_call",
+                f"tool_choice {tool_choice!r} requires a tool call, but the model made no valid one in the turn's "
+                f"{self._limits.max_steps_per_turn} steps (limits.max_steps_per_turn)",
+            )
         exhausted = ErrorEvent(
             code="max_steps", message=f"the turn used all {self._limits.max_steps_per_turn} steps; its messages are kept"
         )
@@ -322,7 +419,8 @@ class TurnRunner:
         summary = ModelReply()
         prompt = [
             {"role": "system", "content": "Summarise the conversation below in a few sentences."},
-            {"role": "user", "content": summarization_input(history[: plan.num_messages_compressed])},
+            {"role": "user",
+             "content": self._control_tokens.neutralize(summarization_input(history[: plan.num_messages_compressed]))},
         ]
         # A summary longer than a quarter of what it replaces would defeat the compression.
         max_tokens = max(MIN_SUMMARY_TOKENS, min(self._limits.output_reserve_tokens, plan.tokens_compressed // 4))

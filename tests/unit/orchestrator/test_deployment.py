@@ -1,5 +1,7 @@
 """How the orchestrator classifies an engine error: the request's fault ends the turn, a replica's is retried."""
 
+import json
+
 import pytest
 
 from serve_apps.orchestrator.deployment import ReplicaFailure, engine_failure
@@ -135,3 +137,80 @@ def test_a_failure_before_the_turn_starts_is_an_error_status_not_an_event():
 
     (item,) = asyncio.run(run())
     assert item["status"] == 500 and item["body"]["error"]["code"] == "internal"
+
+
+class _StreamingHandle:
+    """A replica handle whose every call streams the same SSE frames."""
+
+    def __init__(self, frames: list[dict]) -> None:
+        self.frames = frames
+        self.num_calls = 0
+
+    def options(self, **kwargs):
+        return self
+
+    @property
+    def chat(self):
+        return self
+
+    def remote(self, request, raw_request_info):
+        self.num_calls += 1
+        return self._stream()
+
+    async def _stream(self):
+        for frame in self.frames:
+            yield f"data: {json.dumps(frame)}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def _call_frames(call_id: str, name: str) -> list[dict]:
+    call = {"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+    return [
+        {"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5}},
+    ]
+
+
+@pytest.mark.parametrize(
+    "call_id, name, expected_id",
+    [
+        ("chatcmpl-tool-1", "lookup_" + "x" * 300, "chatcmpl-tool-1"),  # a name over what ToolCall holds
+        ("i" * 200, "lookup_order", "call_0"),  # an id over what ToolCall holds
+    ],
+)
+def test_an_oversized_name_or_id_from_the_model_is_no_replica_failure(monkeypatch, call_id, name, expected_id):
+    """What the model wrote is no replica failure: one model call, and the call validates as usual."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serve_apps.orchestrator import deployment
+    from serve_apps.orchestrator.models import ToolCall, ToolSpec
+    from serve_apps.orchestrator.tools import ToolCallError, validate_tool_call
+    from serve_apps.orchestrator.turns import ModelReply
+
+    retries = []
+    monkeypatch.setattr(deployment, "record_model_call", lambda *args: None)
+    monkeypatch.setattr(deployment.WarmpathMetrics, "get", classmethod(lambda cls: SimpleNamespace(
+        model_retries=SimpleNamespace(inc=lambda: retries.append(1)))))
+    handle = _StreamingHandle(_call_frames(call_id, name))
+    client = deployment.HandleModelClient(handle, "m")
+    tools = [{"type": "function", "function": {"name": "lookup_order", "description": "", "parameters": {}}}]
+
+    async def run():
+        return [item async for item in client.chat("s1", [{"role": "user", "content": "hi"}], tools, "auto", 16)]
+
+    (reply,) = asyncio.run(run())
+    assert isinstance(reply, ModelReply) and handle.num_calls == 1 and retries == []
+    (call,) = reply.tool_calls
+    assert call.id == expected_id and name.startswith(call.name)
+    spec = ToolSpec(name="lookup_order", execution={"kind": "client"})
+    checked = validate_tool_call(call, [spec])
+    if name == "lookup_order":
+        assert isinstance(checked, ToolCall)
+    else:
+        assert isinstance(checked, ToolCallError) and checked.kind == "unknown_tool"
+
+
+def test_vllms_refusal_to_merge_the_tools_defs_is_the_requests_fault():
+    failure = engine_failure("Tool definition 'Item' has multiple schemas, which is not supported.", 400)
+    assert isinstance(failure, TurnFailed) and failure.code == "invalid_tool_schema"

@@ -18,6 +18,10 @@ from serve_apps.orchestrator.tool_schema import grammar_failure_message
             "The provided JSON schema contains features not supported by xgrammar.",
             "The provided JSON schema contains features not supported by xgrammar.",
         ),
+        (
+            "Tool definition 'Item' has multiple schemas, which is not supported.",
+            "Tool definition 'Item' has multiple schemas, which is not supported.",
+        ),
     ],
 )
 def test_grammar_failures_are_recognised(message, expected):

@@ -6,6 +6,7 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from jsonschema import Draft202012Validator
 
@@ -15,6 +16,7 @@ from serve_apps.orchestrator.tools import (
     MAX_REPORTED_VIOLATIONS,
     SchemaViolation,
     ToolCallError,
+    conflicting_defs,
     escape_raw_control_characters,
     run_http_tool,
     tool_choice_schema,
@@ -301,6 +303,11 @@ class _ToolHandler(BaseHTTPRequestHandler):
             self._reply(200, b"plain words", "text/plain")
         elif self.path == "/huge":
             self._reply(200, json.dumps({"rows": ["r" * 100] * 1000}).encode())
+        elif self.path == "/no-content":
+            self.send_response(204)
+            self.end_headers()
+        elif self.path == "/empty":
+            self._reply(200, b"")
         elif self.path == "/hang":
             type(self).release.wait(10)
             self._reply(200, b"{}")
@@ -376,3 +383,103 @@ def test_client_tool_cannot_run_over_http():
     spec = ToolSpec(name="ask_user", execution={"kind": "client"})
     with pytest.raises(ValueError, match="executed by the client"):
         asyncio.run(run_http_tool(spec, "{}", timeout_s=1, max_bytes=100))
+
+
+class _RecordingTransport(httpx.AsyncBaseTransport):
+    """Answers every request with `{}` and keeps the timeouts httpx would have applied to it."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[dict] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.timeouts.append(request.extensions["timeout"])
+        return httpx.Response(200, content=b"{}")
+
+
+@pytest.mark.parametrize("is_pooled", [True, False])
+def test_a_tool_may_take_its_whole_timeout_to_reply(monkeypatch, is_pooled):
+    """httpx's own 5 s defaults (or a pooled client's) never cut off a tool declared with a longer timeout."""
+    transport = _RecordingTransport()
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kwargs: real_client(transport=transport, **kwargs))
+    spec = ToolSpec(name="slow", execution={"kind": "http", "url": "http://tools.internal/slow", "timeout_s": 20})
+
+    async def call():
+        if not is_pooled:
+            return await run_http_tool(spec, "{}", timeout_s=20, max_bytes=100)
+        async with real_client(transport=transport, timeout=1.0) as pooled:
+            return await run_http_tool(spec, "{}", timeout_s=20, max_bytes=100, client=pooled)
+
+    assert asyncio.run(call()).status == "ok"
+    (timeouts,) = transport.timeouts
+    assert timeouts["read"] == timeouts["write"] == timeouts["pool"] == 20
+    assert timeouts["connect"] == 5.0  # leaves time for the host's next address
+
+
+@pytest.mark.parametrize("path, status_code", [("/no-content", 204), ("/empty", 200)])
+def test_a_success_without_a_body_is_an_ok_result(tool_server, path, status_code):
+    outcome = _run(f"{tool_server}{path}")
+    assert (outcome.status, outcome.is_truncated) == ("ok", False)
+    assert json.loads(outcome.content) == {"status": status_code}
+
+
+BOOKING_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "date": {"type": "string", "format": "date"},
+        "email": {"type": "string", "format": "email"},
+        "id": {"type": "string", "format": "uuid"},
+        "host": {"type": "string", "format": "ipv4"},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "arguments, paths",
+    [
+        ({"date": "2026-02-28", "email": "a@b.c", "id": "6f1c2a4e-3b5d-4c7e-9f0a-1b2c3d4e5f60", "host": "10.0.0.1"},
+         []),
+        ({"date": "2026-02-30"}, ["$.date"]),
+        ({"date": "next tuesday", "email": "nobody"}, ["$.date", "$.email"]),
+        ({"id": "not-a-uuid", "host": "10.0.0.300"}, ["$.host", "$.id"]),
+    ],
+)
+def test_formats_are_checked_where_they_can_be(arguments, paths):
+    spec = _spec("book", BOOKING_SCHEMA)
+    outcome = validate_tool_call(_call("book", json.dumps(arguments)), [spec])
+    if not paths:
+        assert isinstance(outcome, ToolCall)
+    else:
+        assert isinstance(outcome, ToolCallError) and outcome.kind == "schema_violation"
+        assert [violation.path for violation in outcome.violations] == paths
+
+
+def _with_defs(name: str, defs: dict) -> ToolSpec:
+    item_refs = {key: {"$ref": f"#/$defs/{key}"} for key in defs}
+    return ToolSpec(name=name, parameters={"type": "object", "$defs": defs, "properties": item_refs},
+                    execution={"kind": "client"})
+
+
+ITEM = {"type": "object", "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}}}
+
+
+def test_tools_defining_one_def_name_differently_are_named():
+    refund_item = {"type": "object", "properties": {"order_id": {"type": "string"}}}
+    tools = [_with_defs("refund", {"Item": refund_item}), _with_defs("add_to_cart", {"Item": ITEM, "Cart": ITEM})]
+    problem = conflicting_defs(tools)
+    assert problem is not None
+    assert "'add_to_cart' and 'refund'" in problem and "$defs/Item" in problem
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        # The same definition under one name (keys in another order) is merged, as vLLM does.
+        [_with_defs("a", {"Item": ITEM}), _with_defs("b", {"Item": dict(reversed(list(ITEM.items())))})],
+        [_with_defs("a", {"Item": ITEM}), _with_defs("b", {"Line": ITEM})],
+        [_with_defs("a", {"Item": ITEM}), _spec("plain", ORDER_SCHEMA)],
+        [],
+    ],
+)
+def test_tools_whose_defs_merge_are_accepted(tools):
+    assert conflicting_defs(tools) is None

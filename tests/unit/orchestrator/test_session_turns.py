@@ -1,0 +1,222 @@
+"""Session requests through the orchestrator's public methods, with an in-memory store and a scripted model.
+
+What is checked here happens in the deployment around the turn loop: what is
+refused before a turn's stream begins, and what a resumed turn carries over
+from the part that ran before it paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from types import SimpleNamespace
+
+import pytest
+
+from serve_apps import metrics
+from serve_apps.orchestrator.deployment import Orchestrator
+from serve_apps.orchestrator.models import Message, ToolCall
+from serve_apps.orchestrator.store import SessionNotFound, SessionRecord, StaleTurn, TranscriptSnapshot
+from serve_apps.orchestrator.turns import ModelReply
+
+CALLER = {"key_id": "key_1", "permissions": ["*"]}
+CLIENT_TOOL = {"name": "fetch", "execution": {"kind": "client"}}
+
+
+class CharTokenizer:
+    """One token per character of a ChatML-like rendering (append-only by construction)."""
+
+    def apply_chat_template(self, conversation, tools=None, tokenize=False, add_generation_prompt=False):
+        text = ""
+        for message in conversation:
+            text += f"<{message['role']}>{message.get('content') or ''}"
+            if message["role"] == "system" and tools:
+                text += json.dumps(tools, sort_keys=True)
+            for call in message.get("tool_calls") or ():
+                text += json.dumps(call["function"], sort_keys=True)
+            text += "</>"
+        if add_generation_prompt:
+            text += "<assistant>"
+        return [ord(c) for c in text] if tokenize else text
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+class MemoryStore:
+    """The part of SessionStore the orchestrator uses, in memory; messages round-trip through JSON as in Redis."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, SessionRecord] = {}
+        self.logs: dict[str, list[str]] = {}
+        self.stats: dict[str, list] = {}
+
+    async def create(self, request, owner, fingerprint):
+        session_id = secrets.token_urlsafe(24)
+        self.records[session_id] = SessionRecord(session_id=session_id, owner_key_id=owner, request=request,
+                                                 prefix_fingerprint=fingerprint, created_at_s=0.0)
+        self.logs[session_id], self.stats[session_id] = [], []
+        return self.records[session_id]
+
+    async def get(self, session_id):
+        if session_id not in self.records:
+            raise SessionNotFound(session_id)
+        return self.records[session_id]
+
+    async def transcript(self, session_id):
+        log = self.logs[session_id]
+        return TranscriptSnapshot(messages=tuple(Message.model_validate_json(m) for m in log), length=len(log))
+
+    @contextlib.asynccontextmanager
+    async def turn_lock(self, session_id):
+        await self.get(session_id)
+        yield
+
+    async def lookup_turn_result(self, session_id, key):
+        return None
+
+    async def commit_turn(self, session_id, expected_len, new, stats, *, compaction=None, idem_key=None,
+                          result_json=None):
+        log = self.logs[session_id]
+        if len(log) != expected_len:
+            raise StaleTurn(session_id, expected_len, len(log))
+        log.extend(m.model_dump_json(exclude_none=True) for m in new)
+        self.stats[session_id].extend(stats)
+        return len(log)
+
+    async def step_stats(self, session_id):
+        return list(self.stats[session_id])
+
+
+class ScriptedModel:
+    """Answers each call with the next reply of its script."""
+
+    def __init__(self, replies) -> None:
+        self.replies = list(replies)
+        self.calls: list[dict] = []
+
+    async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
+        self.calls.append({"messages": messages, "tool_choice": tool_choice})
+        yield self.replies.pop(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_metrics(monkeypatch):
+    counter = SimpleNamespace(inc=lambda *args, **kwargs: None, observe=lambda *args, **kwargs: None)
+    monkeypatch.setattr(metrics.WarmpathMetrics, "get", classmethod(lambda cls: SimpleNamespace(
+        turn_latency=counter, tool_calls=counter, compressions=counter, model_retries=counter)))
+
+
+def _orchestrator(replies=()) -> Orchestrator:
+    orchestrator = Orchestrator.__new__(Orchestrator)
+    orchestrator._model_id = "m"
+    orchestrator._max_model_len_tokens = 8192
+    orchestrator._store = MemoryStore()
+    orchestrator._tokenizer = CharTokenizer()
+    orchestrator._model = ScriptedModel(replies)
+    orchestrator._tool_network = None
+    return orchestrator
+
+
+def _session(orchestrator: Orchestrator, tools=(), **limits) -> str:
+    body = {"model": "m", "tools": list(tools), "limits": {"context_budget_tokens": 100_000, **limits}}
+    created = asyncio.run(orchestrator.create_session(body, CALLER))
+    assert created["status"] == 201, created
+    return created["body"]["session_id"]
+
+
+def _collect(stream) -> list[dict]:
+    async def main():
+        return [item async for item in stream]
+
+    return asyncio.run(main())
+
+
+def _fetch(call_id: str) -> ModelReply:
+    return ModelReply(tool_calls=[ToolCall(id=call_id, name="fetch", arguments="{}")])
+
+
+def _tool_with_item(name: str, item: dict) -> dict:
+    return {"name": name, "execution": {"kind": "client"}, "parameters": {
+        "type": "object", "$defs": {"Item": item},
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}}}}
+
+
+SKU_ITEM = {"type": "object", "properties": {"sku": {"type": "string"}}}
+
+
+def test_tools_defining_one_def_differently_are_refused_at_creation():
+    refund_item = {"type": "object", "properties": {"order_id": {"type": "string"}}}
+    body = {"model": "m", "tools": [_tool_with_item("add_to_cart", SKU_ITEM), _tool_with_item("refund", refund_item)]}
+    created = asyncio.run(_orchestrator().create_session(body, CALLER))
+    assert created["status"] == 400
+    error = created["body"]["error"]
+    assert (error["code"], error["param"]) == ("invalid_parameter", "tools")
+    assert "'add_to_cart' and 'refund'" in error["message"] and "$defs/Item" in error["message"]
+
+
+def test_tools_defining_one_def_identically_are_accepted():
+    _session(_orchestrator(), [_tool_with_item("add_to_cart", SKU_ITEM), _tool_with_item("remove", SKU_ITEM)])
+
+
+@pytest.mark.parametrize(
+    "tools, tool_choice, fragment",
+    [
+        ((), "required", "the session has no tools"),
+        ((), "fetch", "the session has no tools"),
+        ((CLIENT_TOOL,), "fecth", "names 'fecth', which is not one of ['fetch']"),
+    ],
+)
+def test_a_tool_choice_the_session_cannot_honour_is_refused_before_the_turn(tools, tool_choice, fragment):
+    orchestrator = _orchestrator([ModelReply(content="an answer without a tool")])
+    session_id = _session(orchestrator, tools)
+    items = _collect(orchestrator.send_message(session_id, {"content": "hi", "tool_choice": tool_choice}, CALLER))
+    (envelope,) = items
+    assert envelope["status"] == 400
+    error = envelope["body"]["error"]
+    assert (error["code"], error["param"]) == ("invalid_parameter", "tool_choice") and fragment in error["message"]
+    assert orchestrator._model.calls == [] and orchestrator._store.logs[session_id] == []
+
+
+@pytest.mark.parametrize("tools, tool_choice", [((), "auto"), ((), "none"), ((CLIENT_TOOL,), "fetch")])
+def test_a_tool_choice_the_session_can_honour_runs(tools, tool_choice):
+    reply = _fetch("c1") if tool_choice == "fetch" else ModelReply(content="Hi")
+    orchestrator = _orchestrator([reply])
+    session_id = _session(orchestrator, tools)
+    items = _collect(orchestrator.send_message(session_id, {"content": "hi", "tool_choice": tool_choice}, CALLER))
+    assert items[0] == {"status": 200} and items[-1]["kind"] in ("final", "requires_action")
+
+
+def test_one_user_turn_takes_at_most_max_steps_model_calls_however_often_it_pauses():
+    orchestrator = _orchestrator([_fetch(f"c{i}") for i in range(5)])
+    session_id = _session(orchestrator, [CLIENT_TOOL], max_steps_per_turn=2)
+    turn = _collect(orchestrator.send_message(session_id, {"content": "go"}, CALLER))
+    assert turn[-1]["kind"] == "requires_action"
+    first = _collect(orchestrator.submit_tool_results(
+        session_id, {"results": [{"tool_call_id": "c0", "content": "{}"}]}, CALLER))
+    assert [e["stats"]["step_index"] for e in first if e.get("kind") == "usage"] == [1]
+    assert first[-1]["kind"] == "requires_action"
+    second = _collect(orchestrator.submit_tool_results(
+        session_id, {"results": [{"tool_call_id": "c1", "content": "{}"}]}, CALLER))
+    assert [e.get("kind") for e in second[1:]] == ["tool_result", "error"] and second[-1]["code"] == "max_steps"
+    assert len(orchestrator._model.calls) == 2
+    # The results are kept, and the next user turn has its own steps again.
+    assert Message.model_validate_json(orchestrator._store.logs[session_id][-1]).role == "tool"
+    orchestrator._model.replies = [ModelReply(content="Done.")]
+    again = _collect(orchestrator.send_message(session_id, {"content": "and now?"}, CALLER))
+    assert [e["stats"]["step_index"] for e in again if e.get("kind") == "usage"] == [0]
+
+
+def test_a_client_result_over_the_limit_is_truncated_and_reported():
+    orchestrator = _orchestrator([_fetch("c0"), ModelReply(content="Got it.")])
+    session_id = _session(orchestrator, [CLIENT_TOOL], max_tool_result_bytes=256)
+    _collect(orchestrator.send_message(session_id, {"content": "go"}, CALLER))
+    resumed = _collect(orchestrator.submit_tool_results(
+        session_id, {"results": [{"tool_call_id": "c0", "content": "y" * 40_000}]}, CALLER))
+    result = resumed[1]
+    assert (result["kind"], result["status"], result["is_truncated"]) == ("tool_result", "ok", True)
+    assert result["content"] == "y" * 256 + "…[truncated 39744 bytes]"
+    assert orchestrator._model.calls[-1]["messages"][-1]["content"] == result["content"]
+    assert resumed[-1]["kind"] == "final"

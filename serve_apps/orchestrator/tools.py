@@ -29,6 +29,7 @@ from pydantic import JsonValue
 from referencing import Registry
 
 from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
+from serve_apps.orchestrator.pattern_deadline import PatternCheckTimeout, install, pattern_deadline
 from serve_apps.orchestrator.tool_network import Destination, ToolNetworkPolicy
 from serve_apps.orchestrator.tool_schema import compact_json_utf8, prefix_def_refs
 
@@ -40,6 +41,10 @@ MAX_ARGUMENT_DEPTH = 64
 # Bound on connecting to one address of a tool's host (httpx's default), whatever the tool's timeout.
 CONNECT_TIMEOUT_S = 5.0
 _ERROR_BODY_SNIPPET_BYTES = 512
+# Time every `pattern` of one call's validation may take together (a sane one takes microseconds).
+PATTERN_BUDGET_S = 0.1
+
+install()
 
 ToolCallErrorKind = Literal["unknown_tool", "invalid_json", "schema_violation"]
 ToolStatus = Literal["ok", "error", "timeout"]
@@ -182,9 +187,13 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
             return invalid
         call = call.model_copy(update={"arguments": escaped})
     try:
-        errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))
+        with pattern_deadline(PATTERN_BUDGET_S):
+            errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))
     except (RecursionError, OverflowError) as err:  # e.g. `multipleOf` on a number with hundreds of digits
         return ToolCallError(call.id, call.name, "schema_violation", f"arguments cannot be checked: {type(err).__name__}")
+    except PatternCheckTimeout:
+        detail = f"a `pattern` of the tool's schema took over {PATTERN_BUDGET_S:g} s to check against the arguments"
+        return ToolCallError(call.id, call.name, "schema_violation", detail)
     if not errors:
         return call
     violations = tuple(SchemaViolation(e.json_path, e.message) for e in errors[:MAX_REPORTED_VIOLATIONS])

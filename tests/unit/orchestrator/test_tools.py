@@ -4,16 +4,18 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from jsonschema import Draft202012Validator
 
-from serve_apps.orchestrator.models import ToolCall, ToolSpec
+from serve_apps.orchestrator.models import CreateSessionRequest, ToolCall, ToolSpec
 from serve_apps.orchestrator.tools import (
     MAX_ARGUMENT_DEPTH,
     MAX_REPORTED_VIOLATIONS,
+    PATTERN_BUDGET_S,
     SchemaViolation,
     ToolCallError,
     conflicting_defs,
@@ -483,3 +485,34 @@ def test_tools_defining_one_def_name_differently_are_named():
 )
 def test_tools_whose_defs_merge_are_accepted(tools):
     assert conflicting_defs(tools) is None
+
+
+def _pattern_tool(schema: dict) -> list:
+    create = CreateSessionRequest.model_validate({"model": "m", "tools": [
+        {"name": "lookup", "execution": {"kind": "client"}, "parameters": {"type": "object", **schema}}]})
+    return create.tools
+
+
+@pytest.mark.parametrize("schema, arguments", [
+    ({"properties": {"q": {"type": "string", "pattern": "^(a|a)*$"}}}, {"q": "a" * 40 + "!"}),
+    ({"patternProperties": {"^(a|a)*$": {"type": "string"}}}, {"a" * 40 + "!": "x"}),
+    ({"patternProperties": {"^(a|a)*$": {}}, "additionalProperties": False}, {"a" * 40 + "!": 1}),
+])
+def test_a_backtracking_schema_pattern_is_a_violation_within_the_budget_not_a_stall(schema, arguments):
+    call = ToolCall(id="c1", name="lookup", arguments=json.dumps(arguments))
+    start = time.monotonic()
+    result = validate_tool_call(call, _pattern_tool(schema))
+    assert time.monotonic() - start < 10 * PATTERN_BUDGET_S  # under `re` alone: hours
+    assert isinstance(result, ToolCallError) and result.kind == "schema_violation"
+    assert "`pattern`" in result.detail
+
+
+def test_patterns_still_decide_as_before_under_the_deadline():
+    tools = _pattern_tool({"properties": {"q": {"type": "string", "pattern": "^ORD-[0-9]+$"}},
+                           "patternProperties": {"^x-": {"type": "integer"}}})
+    ok = ToolCall(id="c1", name="lookup", arguments='{"q": "ORD-12", "x-n": 3}')
+    assert validate_tool_call(ok, tools) == ok
+    bad = validate_tool_call(ToolCall(id="c2", name="lookup", arguments='{"q": "ORD-x", "x-n": "3"}'), tools)
+    assert isinstance(bad, ToolCallError) and {v.path for v in bad.violations} == {"$.q", "$['x-n']"}
+    # Outside a validation, jsonschema's regular expressions run without a deadline, as before.
+    assert Draft202012Validator({"pattern": "^(a|a)*$"}).is_valid("aaaa")

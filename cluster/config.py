@@ -18,7 +18,6 @@ Configs do no I/O beyond `load_config` reading the file, and hold no runtime sta
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import re
 from pathlib import Path
@@ -127,6 +126,12 @@ class ReplicaConfig(_Strict):
 
 
 RouterPolicy = Literal["warmpath", "pow2", "round-robin", "session-hash", "prefix-tree"]
+# Upper bounds of the router's numbers: far past any useful setting, and low enough that every
+# decision's arithmetic (a weight times a score, summed and scaled to 1e-9 ties) stays finite and exact.
+MAX_SCORER_WEIGHT = 1000.0
+MAX_LOAD_GUARD_FACTOR = 1000.0
+MAX_TOKENS_PER_EXCESS_REQUEST = 10_000_000.0
+MAX_ROUTER_SECONDS = 86_400.0
 
 
 class RouterConfig(_Strict):
@@ -144,7 +149,8 @@ class RouterConfig(_Strict):
         description="Weight per scorer (registry key); missing scorers are off.",
     )
     load_guard_factor: float = Field(
-        1.5, description="No replica takes more than this multiple of the mean load.", gt=1.0
+        1.5, description="No replica takes more than this multiple of the mean load.", gt=1.0,
+        le=MAX_LOAD_GUARD_FACTOR, allow_inf_nan=False,
     )
     load_guard_min_requests: int = Field(
         2, description="The load guard never removes a replica that would hold at most this many requests.", ge=1
@@ -157,13 +163,16 @@ class RouterConfig(_Strict):
             "this times its excess requests. null: the guard counts requests only."
         ),
         ge=0,
+        le=MAX_TOKENS_PER_EXCESS_REQUEST,
+        allow_inf_nan=False,
     )
     session_idle_s: float = Field(
         120.0, description="A session counts toward its replica's active sessions (session-balance) until idle this long.",
-        gt=0,
+        gt=0, le=MAX_ROUTER_SECONDS, allow_inf_nan=False,
     )
     pending_ttl_s: float = Field(
-        2.0, description="How long an optimistic (not yet confirmed by events) placement counts.", gt=0
+        2.0, description="How long an optimistic (not yet confirmed by events) placement counts.", gt=0,
+        le=MAX_ROUTER_SECONDS, allow_inf_nan=False,
     )
     max_blocks_per_replica: int = Field(
         500_000, description="Bound on indexed blocks per replica (LRU beyond).", ge=1
@@ -178,9 +187,9 @@ class RouterConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_weights(self) -> "RouterConfig":
-        bad = {k: v for k, v in self.scorer_weights.items() if not 0 <= v < math.inf}
+        bad = {k: v for k, v in self.scorer_weights.items() if not 0 <= v <= MAX_SCORER_WEIGHT}
         if bad:
-            raise ValueError(f"router.scorer_weights must be finite and >= 0, got {bad}")
+            raise ValueError(f"router.scorer_weights must be finite, >= 0 and <= {MAX_SCORER_WEIGHT:g}, got {bad}")
         return self
 
 

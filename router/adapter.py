@@ -13,18 +13,28 @@ Threads and ordering:
   served requests, reloads a replica whose blocks keep arriving as orphans,
   expires pending placements (so that work stays off the decision path), and
   drops a replica's sockets and index entries when the replica leaves the
-  running set. It never waits on one replica: a request to a replay buffer
-  (history, a gap to fill, a probe) is answered on a later pass, and until
-  then that replica's live batches stay queued in its socket, in order.
+  running set (index entries too of replicas it never subscribed to: a
+  placement recorded before the replica advertised its endpoints). It never
+  waits on one replica: a request to a replay buffer (history, a gap to fill,
+  a probe) is answered on a later pass, and until then that replica's live
+  batches stay queued in its socket, in order. It applies events a slice of
+  about `LOCK_HOLD_BLOCKS` blocks per hold of the routing lock.
+- A second daemon thread loads the tokenizer (`PromptTokenizer.start_loading`);
+  until it is loaded, requests are routed by load.
 - `choose_replicas` runs on Serve's event loop. It tokenizes the request with
-  the engine's tokenizer and chat template, hands those ids to the engine
-  with the request (`router.prompt_tokens.forward_token_ids`, a chat request
-  only, when the config allows), then decides under the same lock
-  the pump takes to apply events, so a decision never sees half a batch.
-  It makes no blocking remote calls.
+  the engine's tokenizer and chat template, and the rendering settings the
+  replicas advertise (`router.prompt_tokens.EngineRendering`), hands those
+  ids to the engine with the request (`router.prompt_tokens.forward_token_ids`,
+  a chat request the engine would render alike only, when the config
+  allows), then decides under the same lock the pump takes to apply events,
+  so a decision never sees half a batch. It makes no blocking remote calls.
+- Serve hands each request the replica chosen for it: the router takes no
+  `FIFOMixin`, which would give the first replica found to the oldest
+  waiting request whatever its prefix (Ray's own prefix-aware router takes
+  none either). Routing tasks still start in arrival order.
 - Each decision is kept in `router.decision_log.DECISIONS` under the request
-  id, where the HTTP ingress (same process) reads it to set
-  `x-warmpath-route` and `x-warmpath-predicted-cached-tokens`.
+  id and Serve's internal request id, where the HTTP ingress (same process)
+  reads it to set `x-warmpath-route` and `x-warmpath-predicted-cached-tokens`.
 
 Ray Serve ships the router class to every handle by pickling this module by
 value, so module-level state here must be picklable: anything shared with
@@ -48,14 +58,14 @@ from router.events import DEFAULT_MAX_REPLAY_BATCHES, BufferedBatches, ReplicaEv
 from router.index import PrefixIndex
 from router.inflight import InflightRequests
 from router.policy import PrefixAwarePolicy
-from router.prompt_tokens import PromptTokenizer, forward_token_ids, is_forwardable, session_of
+from router.prompt_tokens import EngineRendering, PromptTokenizer, forward_token_ids, is_forwardable, session_of
 from router.stream_watch import EventStreamWatch
 from router.types import Decision, ReplicaId, ReplicaLoad, RoutingRequest
 
 from ray.util.metrics import Counter
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve._private.request_router.request_router import RequestRouter
 
 logger = logging.getLogger("ray.serve")
 
@@ -63,8 +73,9 @@ MAX_SESSIONS = 100_000
 # The replica methods whose requests prefill a prompt (LLMServer.chat, .completions).
 PREFIX_ROUTED_METHODS = frozenset({"chat", "completions"})
 MAX_DECISIONS = 4096
-# Replayed batches applied per hold of the routing lock.
-REPLAY_SLICE_BATCHES = 256
+# Blocks of KV events (stored or removed) applied per hold of the routing lock, so that a backlog of
+# batches never holds up routing for long (a few ms); a batch is never split.
+LOCK_HOLD_BLOCKS = 8192
 # A batch published this recently may still be on its way to the subscription (publisher's clock).
 IN_FLIGHT_S = 1.0
 # How long a new subscription waits for the replica's replay buffer (up to 10 000 batches)
@@ -100,12 +111,33 @@ class _Fetch:
     """A request to one replica's replay buffer that `_EventPump._drain` has yet to answer.
 
     `history` loads the buffer on subscribing or reloading, `gap` fills the batches missing before
-    `held` (the live batches received after the gap), `probe` checks a subscription gone quiet.
+    `held` (the live batches received after the gap), `probe` checks a subscription gone quiet; a probe
+    asked again from a hole in its answer keeps what it recovered so far and whether it saw a stall.
     """
 
     kind: Literal["history", "gap", "probe"]
     deadline: float
     held: list = dataclasses.field(default_factory=list)
+    num_recovered: int = 0
+    is_stalled: bool = False
+
+
+def _num_blocks(batch: Any) -> int:
+    """What applying a batch costs: the blocks its events name (an event naming none counts one)."""
+    return sum(len(getattr(event, "block_hashes", ())) or 1 for event in batch.events)
+
+
+def _slices_by_blocks(batches: list) -> list[list]:
+    """`batches` in consecutive slices of about `LOCK_HOLD_BLOCKS` blocks each (at least one batch each)."""
+    slices: list[list] = []
+    budget = 0
+    for item in batches:
+        if budget <= 0:
+            slices.append([])
+            budget = LOCK_HOLD_BLOCKS
+        slices[-1].append(item)
+        budget -= _num_blocks(item[1])
+    return slices
 
 
 class _EventPump(threading.Thread):
@@ -147,8 +179,10 @@ class _EventPump(threading.Thread):
 
     def _sync_subscriptions(self) -> None:
         router = self._router
+        replicas = list(router.curr_replicas.values())
+        self._forget_departed({ReplicaId(replica.replica_id.unique_id) for replica in replicas})
         advertised: dict[ReplicaId, tuple[str, str | None]] = {}
-        for replica in list(router.curr_replicas.values()):
+        for replica in replicas:
             stats = replica.routing_stats or {}
             endpoint = stats.get("kv_events_endpoint")
             if endpoint:
@@ -170,6 +204,17 @@ class _EventPump(threading.Thread):
             self._request_history(replica_id, source)
             logger.info("subscribed to KV events of replica %s at %s", replica_id, endpoint)
 
+    def _forget_departed(self, running: set[ReplicaId]) -> None:
+        """Drops the index entries of replicas Serve no longer runs, subscribed or not.
+
+        A replica can be in the index without a subscription: a placement recorded on it before it
+        advertised its endpoints (its first routing stats come seconds after it starts), or after the
+        pump dropped it (a fallback Serve reported late).
+        """
+        with self._router.lock:
+            for replica_id in self._router.index.replica_ids() - running:
+                self._router.index.remove_replica(replica_id)
+
     def _request_history(self, replica_id: ReplicaId, source: ZmqEventSource) -> None:
         """Asks for the replica's whole replay buffer; `_drain` holds its live batches until `_load_history` is done."""
         if source.request_buffered(0):
@@ -184,6 +229,8 @@ class _EventPump(threading.Thread):
         hole (replies the publisher dropped) is applied up to the hole and asked for again from there. If
         the deadline passes between the two, the first live batch is a gap, which `_drain` fills from the
         buffer or resolves by clearing the replica: the index may under-predict, never over-predict.
+        A whole answer also tells the stream where it starts (`ReplicaEventStream.start_at`), so a first
+        live batch past it is a gap too, even after an empty buffer.
         """
         if not answer.is_complete:
             logger.warning("replay buffer of replica %s did not answer in time; starting from live events", replica_id)
@@ -194,16 +241,17 @@ class _EventPump(threading.Thread):
             # The publisher dropped replies past its send queue's limit: ask again from the first one missing.
             self._ask_again_from_the_hole(replica_id, source, stream, fetch)
             return
+        stream.start_at(stream.next_seq())
         last_seq = stream.snapshot().last_seq
         logger.info("KV events of replica %s: %s", replica_id, "replay buffer empty" if last_seq is None
                     else f"loaded batches 0-{last_seq} from its replay buffer")
 
     def _apply_replayed(self, stream: ReplicaEventStream, batches: list) -> int:
-        """Applies fetched batches a slice at a time, so routing never waits on a long history."""
+        """Applies fetched batches in seq order a slice at a time, so routing never waits on a long history."""
         num_applied = 0
-        for start in range(0, len(batches), REPLAY_SLICE_BATCHES):
+        for batch_slice in _slices_by_blocks(sorted(batches, key=lambda item: item[0])):
             with self._router.lock:
-                num_applied += stream.accept_replayed(batches[start : start + REPLAY_SLICE_BATCHES])
+                num_applied += stream.accept_replayed(batch_slice)
         return num_applied
 
     def _drain(self) -> bool:
@@ -237,7 +285,7 @@ class _EventPump(threading.Thread):
             self._load_history(replica_id, source, stream, fetch, answer)
             return
         if fetch.kind == "probe":
-            self._end_probe(replica_id, source, stream, answer)
+            self._end_probe(replica_id, source, stream, fetch, answer)
             return
         if not self._fill_gap_in_part(replica_id, source, stream, fetch, answer):
             self._apply_live(replica_id, source, stream, fetch.held, answer.batches)
@@ -275,13 +323,7 @@ class _EventPump(threading.Thread):
         which fills the gap before the first of them, or, if batches are missing from it, `accept`
         resynchronises.
         """
-        num_applied = 0
-        with self._router.lock:
-            for seq, batch in batches:
-                if replayed is None and stream.fillable_gap_before(seq):
-                    break
-                stream.accept(seq, batch, replayed or ())
-                replayed, num_applied = None, num_applied + 1
+        num_applied = self._apply_in_order(stream, batches, replayed)
         if num_applied < len(batches):
             held = batches[num_applied:]
             if source.request_buffered(stream.next_seq()):
@@ -294,6 +336,22 @@ class _EventPump(threading.Thread):
             replica_id, snapshot.num_stored_blocks, snapshot.num_orphaned_blocks, time.monotonic()
         ):
             self._reload(replica_id, source, stream)
+
+    def _apply_in_order(self, stream: ReplicaEventStream, batches: list, replayed: list | None) -> int:
+        """Applies `batches` (`replayed` filling a gap before the first) up to the first gap the replay buffer
+        may fill, holding the routing lock for about `LOCK_HOLD_BLOCKS` blocks at a time; returns how many."""
+        num_applied = 0
+        while num_applied < len(batches):
+            budget = LOCK_HOLD_BLOCKS
+            with self._router.lock:
+                while num_applied < len(batches) and budget > 0:
+                    seq, batch = batches[num_applied]
+                    if replayed is None and stream.fillable_gap_before(seq):
+                        return num_applied
+                    stream.accept(seq, batch, replayed or ())
+                    budget -= _num_blocks(batch)
+                    replayed, num_applied = None, num_applied + 1
+        return num_applied
 
     def _reload(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream) -> None:
         """Forgets what the index holds of a replica and loads its state again from its replay buffer."""
@@ -315,18 +373,29 @@ class _EventPump(threading.Thread):
             if replica_id not in self._sources or replica_id in self._fetches:
                 continue
             _, source, stream = self._sources[replica_id]
+            fetch = _Fetch("probe", time.monotonic() + REPLAY_TIMEOUT_S)
             if source.request_buffered(stream.next_seq()):
-                self._fetches[replica_id] = _Fetch("probe", time.monotonic() + REPLAY_TIMEOUT_S)
+                self._fetches[replica_id] = fetch
             else:
-                self._end_probe(replica_id, source, stream, BufferedBatches([], is_complete=False))
+                self._end_probe(replica_id, source, stream, fetch, BufferedBatches([], is_complete=False))
 
     def _end_probe(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
-                   answer: BufferedBatches) -> None:
-        """Applies what the probe recovered and names the outcome: stalled, quiet or unreachable."""
-        num_recovered = self._apply_replayed(stream, answer.batches)
+                   fetch: _Fetch, answer: BufferedBatches) -> None:
+        """Applies what the probe recovered and names the outcome: stalled, quiet or unreachable.
+
+        An answer with a hole (replies the publisher dropped) is applied up to the hole and asked for
+        again from there, by the same deadline, as a history is.
+        """
+        run = answer.leading_run()
+        fetch.num_recovered += self._apply_replayed(stream, run)
         # A batch published as the probe ran may still be on its way; only older ones prove a stall.
         published_before_s = time.time() - IN_FLIGHT_S
-        if any(batch.ts < published_before_s for _, batch in answer.batches):
+        fetch.is_stalled = fetch.is_stalled or any(batch.ts < published_before_s for _, batch in answer.batches)
+        if answer.is_complete and len(run) < len(answer.batches) and time.monotonic() < fetch.deadline:
+            self._ask_again_from_the_hole(replica_id, source, stream, fetch)
+            return
+        num_recovered = fetch.num_recovered
+        if fetch.is_stalled:
             outcome = "stalled"
             logger.warning(
                 "KV events of replica %s stopped arriving: recovered %d missed batches from its replay "
@@ -361,7 +430,17 @@ class _EventPump(threading.Thread):
         return states
 
 
-class PrefixKVRouter(FIFOMixin, RequestRouter):
+def _advertised_rendering(replicas: List[RunningReplica]) -> Optional[EngineRendering]:
+    """How the replicas render chat prompts, from the first one whose routing stats say (one deployment's
+    replicas share their settings); None until one did."""
+    for replica in replicas:
+        rendering = EngineRendering.from_routing_stats(replica.routing_stats)
+        if rendering is not None:
+            return rendering
+    return None
+
+
+class PrefixKVRouter(RequestRouter):
     """Ranks replicas by exact cached prefix, load and session affinity."""
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -372,6 +451,7 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
         self.policy = PrefixAwarePolicy(args.router, args.block_size_tokens)
         self.sessions: _BoundedSessions = _BoundedSessions()
         self.tokenizer = PromptTokenizer(args.model_source)
+        self.tokenizer.start_loading()
         self._decisions: OrderedDict[str, Decision] = OrderedDict()
         self._inflight = InflightRequests()
         self._pump = _EventPump(self)
@@ -419,12 +499,13 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         if pending_request is not None and pending_request.metadata.call_method not in PREFIX_ROUTED_METHODS:
             request = None  # /tokenize and the like prefill nothing: no prefix to match, no placement to record
-        token_ids = self.tokenizer.token_ids(request) if request is not None else None
+        rendering = _advertised_rendering(candidate_replicas)
+        token_ids = self.tokenizer.token_ids(request, rendering) if request is not None else None
         loads = self._loads(candidate_replicas)
         if token_ids is None:
-            # Nothing to match on (not a chat/completion call, or it does not render).
+            # Nothing to match on (not a chat/completion call, it does not render, or no tokenizer yet).
             return self._least_loaded_first(candidate_replicas, loads)
-        if self.args.router.forward_prompt_token_ids and is_forwardable(request):
+        if self.args.router.forward_prompt_token_ids and is_forwardable(request, rendering):
             forward_token_ids(request, token_ids)
         routing_request = RoutingRequest(
             token_ids, self.args.model_id, session_of(pending_request, request), getattr(request, "cache_salt", None)
@@ -435,7 +516,8 @@ class PrefixKVRouter(FIFOMixin, RequestRouter):
                 routing_request, list(by_id), loads, self.index, self.sessions, time.monotonic()
             )
         logged = decision_log.LoggedDecision(decision, start_ns, time.time_ns())
-        decision_log.DECISIONS.put(pending_request.metadata.request_id, logged)
+        metadata = pending_request.metadata
+        decision_log.DECISIONS.put(metadata.request_id, metadata.internal_request_id, logged)
         decision_log.STATS.count_decision(decision.reason)
         self._decisions[pending_request.metadata.internal_request_id] = decision
         self._inflight.place(pending_request.metadata.internal_request_id, decision.replica_id, time.monotonic(), False)

@@ -4,7 +4,7 @@ Why a module of its own: Ray Serve pickles the router's module by value, so a
 process-wide object defined there would be copied, not shared. Imported from
 here, the router, the HTTP ingress and the `/v1/router` debug route see the
 same objects:
-- `DECISIONS`: request id -> decision, read once by the ingress to set the
+- `DECISIONS`: request -> decision, read once by the ingress to set the
   `x-warmpath-route` and `x-warmpath-predicted-cached-tokens` headers;
 - `STATS`: decisions counted by reason, and predicted vs actual cached tokens
   (vLLM's `usage.prompt_tokens_details.cached_tokens`) as prediction accuracy;
@@ -35,22 +35,54 @@ class LoggedDecision:
 
 
 class DecisionLog:
-    """Bounded map request id -> decision, read once by the caller of the same process."""
+    """Bounded map request -> decision, read once by the caller of the same process.
+
+    A request is named by Serve's request id and its internal request id. The
+    request id is the client's `x-request-id` when it sent one, so two requests
+    in flight may share it; the internal id is Serve's own, one per request
+    (the proxy's, which a deployment's calls to other deployments keep). A
+    caller that names both gets its own decision; one that names only the
+    request id gets the decision logged under it only while no other request
+    in the log shares that id, and None otherwise: no headers, rather than
+    another request's.
+    """
 
     def __init__(self, capacity: int = MAX_DECISIONS) -> None:
         self._capacity = capacity
-        self._items: OrderedDict[str, LoggedDecision] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], LoggedDecision] = OrderedDict()
+        # request id -> the internal ids logged under it, for callers that know the request id only.
+        self._internal_ids: dict[str, set[str]] = {}
         self._lock = threading.Lock()
 
-    def put(self, request_id: str, logged: LoggedDecision) -> None:
+    def put(self, request_id: str, internal_request_id: str, logged: LoggedDecision) -> None:
+        """Logs a request's decision; a request routed again (a replica refused it) replaces its decision."""
         with self._lock:
-            self._items[request_id] = logged
+            key = (request_id, internal_request_id)
+            self._items[key] = logged
+            self._items.move_to_end(key)
+            self._internal_ids.setdefault(request_id, set()).add(internal_request_id)
             while len(self._items) > self._capacity:
-                self._items.popitem(last=False)
+                self._forget(*self._items.popitem(last=False)[0])
 
-    def pop(self, request_id: str) -> Optional[LoggedDecision]:
+    def pop(self, request_id: str, internal_request_id: Optional[str] = None) -> Optional[LoggedDecision]:
+        """Takes a request's decision out of the log (see the class docstring for a request id alone)."""
         with self._lock:
-            return self._items.pop(request_id, None)
+            if internal_request_id is None:
+                internal_ids = self._internal_ids.get(request_id, ())
+                if len(internal_ids) != 1:
+                    return None
+                (internal_request_id,) = internal_ids
+            logged = self._items.pop((request_id, internal_request_id), None)
+            if logged is not None:
+                self._forget(request_id, internal_request_id)
+            return logged
+
+    def _forget(self, request_id: str, internal_request_id: str) -> None:
+        internal_ids = self._internal_ids.get(request_id)
+        if internal_ids is not None:
+            internal_ids.discard(internal_request_id)
+            if not internal_ids:
+                del self._internal_ids[request_id]
 
 
 class RoutingStats:

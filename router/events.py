@@ -23,6 +23,17 @@ Resync rule (`ReplicaEventStream.accept`):
 - After `accept_replayed` (history fetched when subscribing, or batches a
   probe found the subscription had missed), the subscription's own copies of
   those batches are dropped as duplicates until a newer one arrives.
+- After a whole history (`start_at`), the first live batch is no longer
+  "joining late": the stream knows which seq comes next, so batches the
+  subscription missed between the history and its first live batch are a gap
+  like any other.
+- A batch the index cannot apply (`PrefixIndex.apply` raises) is counted as
+  malformed, the replica's blocks are cleared as at a resync, and the stream
+  moves past it, so one bad batch never stops the batches after it.
+
+Decoding: a batch holding an event type this vLLM does not know (a newer
+publisher) keeps its known events; the unknown ones become `UnknownEvent`,
+which `PrefixIndex.apply` skips and counts.
 
 The stream never talks to the network: fetching from the replay socket
 (`ZmqEventSource.request_buffered` and `collect_buffered`) is the caller's,
@@ -33,6 +44,7 @@ Importing this module does not import vLLM; `make_batch_decoder` does.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Sequence
 
@@ -45,6 +57,8 @@ if TYPE_CHECKING:
     import zmq
     from vllm.distributed.kv_events import KVEventBatch
 
+logger = logging.getLogger("ray.serve")
+
 END_SEQ_BYTES = (-1).to_bytes(8, "big", signed=True)
 # vLLM's default `KVEventsConfig.buffer_steps`: how many batches a publisher keeps for replay.
 DEFAULT_MAX_REPLAY_BATCHES = 10_000
@@ -56,14 +70,73 @@ class EventDecodeError(ValueError):
     """A message that is not a well-formed `[topic, seq, KVEventBatch]`."""
 
 
-def make_batch_decoder() -> msgspec.msgpack.Decoder:
+class UnknownEvent:
+    """An event of a type this vLLM does not define, kept by its tag so the index can skip and count it."""
+
+    __slots__ = ("tag",)
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def __repr__(self) -> str:
+        return f"UnknownEvent({self.tag!r})"
+
+
+class _LooseEventBatch(msgspec.Struct, array_like=True):
+    """A `KVEventBatch` with its events left undecoded, to decode them one at a time."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _EventTag(msgspec.Struct):
+    """The tag of one encoded event (vLLM's events are tagged maps; the tag field is `type`)."""
+
+    type: str
+
+
+class BatchDecoder:
+    """Decodes vLLM's `KVEventBatch` payloads; a batch with event types it does not know keeps the rest.
+
+    The whole batch is decoded at once when it can be (every batch of a publisher of this vLLM's
+    version); only a batch that fails is decoded again event by event. An event whose tag this vLLM
+    knows but whose fields do not decode still fails the whole batch: skipping a removal the index
+    cannot read would leave it predicting a block the engine no longer holds.
+    """
+
+    def __init__(self) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+        self._batch_type = KVEventBatch
+        self._whole = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._loose = msgspec.msgpack.Decoder(type=_LooseEventBatch)
+        self._tag = msgspec.msgpack.Decoder(type=_EventTag)
+        self._event = msgspec.msgpack.Decoder(type=BlockStored | BlockRemoved | AllBlocksCleared)
+        self._known_tags = frozenset(t.__name__ for t in (BlockStored, BlockRemoved, AllBlocksCleared))
+
+    def decode(self, payload: bytes) -> KVEventBatch:
+        """The batch in `payload`; raises msgspec's `DecodeError` or `ValidationError` if it is none."""
+        try:
+            return self._whole.decode(payload)
+        except msgspec.ValidationError:
+            return self._decode_event_by_event(payload)
+
+    def _decode_event_by_event(self, payload: bytes) -> KVEventBatch:
+        loose = self._loose.decode(payload)
+        events = []
+        for raw in loose.events:
+            tag = self._tag.decode(raw).type
+            events.append(self._event.decode(raw) if tag in self._known_tags else UnknownEvent(tag))
+        return self._batch_type(ts=loose.ts, events=events, data_parallel_rank=loose.data_parallel_rank)
+
+
+def make_batch_decoder() -> BatchDecoder:
     """Decoder for vLLM's `KVEventBatch` payloads (imports vLLM, and with it torch)."""
-    from vllm.distributed.kv_events import KVEventBatch
-
-    return msgspec.msgpack.Decoder(type=KVEventBatch)
+    return BatchDecoder()
 
 
-def decode_event_message(frames: Sequence[bytes], decoder: msgspec.msgpack.Decoder) -> tuple[int, KVEventBatch]:
+def decode_event_message(frames: Sequence[bytes], decoder: BatchDecoder) -> tuple[int, KVEventBatch]:
     """Decodes one multipart message `[topic, seq, payload]`.
 
     Args:
@@ -71,7 +144,7 @@ def decode_event_message(frames: Sequence[bytes], decoder: msgspec.msgpack.Decod
         decoder: from `make_batch_decoder`.
 
     Returns:
-        (sequence number, batch).
+        (sequence number, batch); events of types this vLLM does not know are `UnknownEvent`s.
 
     Raises:
         EventDecodeError: wrong frame count, a seq that is not 8 bytes, or a
@@ -96,8 +169,10 @@ class StreamSnapshot:
 
     `num_skipped_blocks` counts stored blocks the index did not place, and
     `num_orphaned_blocks` those of them whose parent it does not know (stored
-    before a gap or before the router joined): orphans arriving while nothing
-    is stored mean the router is blind to that replica.
+    before a gap or before the router joined): orphans arriving while little
+    else is stored mean the router is blind to that replica.
+    `num_malformed_batches` counts batches the index could not apply (each
+    cleared the replica's blocks).
     """
 
     last_seq: int | None
@@ -107,6 +182,7 @@ class StreamSnapshot:
     num_stored_blocks: int
     num_skipped_blocks: int
     num_orphaned_blocks: int
+    num_malformed_batches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +229,8 @@ class ReplicaEventStream:
         self._index = index
         self._max_replay_batches = max_replay_batches
         self._last_seq: int | None = None
+        # Where a stream with no batch yet starts, once a whole history said so (`start_at`); None: unknown.
+        self._start_seq: int | None = None
         self._replayed_through: int | None = None
         self._num_batches = 0
         self._num_stored_blocks = 0
@@ -160,16 +238,18 @@ class ReplicaEventStream:
         self._num_orphaned_blocks = 0
         self._num_gaps = 0
         self._num_replayed_gaps = 0
+        self._num_malformed_batches = 0
 
     def fillable_gap_before(self, seq: int) -> bool:
         """Whether batches are missing before `seq` that the replay buffer may still hold.
 
-        False for the first batch (joining late: the history load is what covers that), a duplicate, a
-        batch in order, a restart (seq back down) and a gap longer than the buffer.
+        False for the first batch of a stream whose start is unknown (joining late: the history load is
+        what covers that), a duplicate, a batch in order, a restart (seq back down) and a gap longer than
+        the buffer.
         """
-        if self._last_seq is None or (self._replayed_through is not None and seq <= self._replayed_through):
+        if not self._is_position_known() or (self._replayed_through is not None and seq <= self._replayed_through):
             return False
-        return self._fits_replay_buffer(seq - (self._last_seq + 1))
+        return self._fits_replay_buffer(seq - self.next_seq())
 
     def accept(
         self, seq: int, batch: KVEventBatch, replayed: Sequence[tuple[int, KVEventBatch]] = ()
@@ -183,29 +263,30 @@ class ReplicaEventStream:
                 `fillable_gap_before(seq)`); ignored without a gap.
 
         Returns:
-            "applied" (in order), "started" (first batch, nothing replayed),
-            "replayed" (missing batches taken from `replayed` and applied first),
-            "resynced" (the replica's blocks were cleared) or "duplicate"
-            (already applied from a replay; nothing done).
+            "applied" (in order), "started" (first batch of a stream whose
+            start is unknown, nothing replayed), "replayed" (missing batches
+            taken from `replayed` and applied first), "resynced" (the
+            replica's blocks were cleared) or "duplicate" (already applied
+            from a replay; nothing done).
         """
         if self._replayed_through is not None:
             if seq <= self._replayed_through:
                 return "duplicate"
             self._replayed_through = None
-        is_first = self._last_seq is None
-        expected = 0 if is_first else self._last_seq + 1
+        is_position_known = self._is_position_known()
+        expected = self.next_seq()
         outcome: StreamOutcome = "applied"
         if seq != expected:
-            if not is_first:
+            if is_position_known:
                 self._num_gaps += 1
             missing = self._missing_batches(replayed, expected, seq)
             if missing is not None:
                 for missing_batch in missing:
                     self._apply(missing_batch)
                 outcome = "replayed"
-                if not is_first:
+                if is_position_known:
                     self._num_replayed_gaps += 1
-            elif is_first:
+            elif not is_position_known:
                 outcome = "started"
             else:
                 self._index.clear_replica(self.replica_id)
@@ -231,13 +312,27 @@ class ReplicaEventStream:
         return num_applied
 
     def next_seq(self) -> int:
-        """The sequence number this stream expects next (0 before the first batch)."""
-        return 0 if self._last_seq is None else self._last_seq + 1
+        """The sequence number this stream expects next (before the first batch: where `start_at` put it, else 0)."""
+        if self._last_seq is not None:
+            return self._last_seq + 1
+        return self._start_seq or 0
+
+    def start_at(self, seq: int) -> None:
+        """Tells a stream with no batch yet that batch `seq` comes next.
+
+        Why: after the replay buffer answered whole, every batch before `seq` is applied (or none was
+        published), so a first live batch past `seq` means the subscription missed some, which the
+        buffer may still hold; without this the stream would take it as joining late, and every block
+        extending the missed ones would be an orphan.
+        """
+        if self._last_seq is None:
+            self._start_seq = seq
 
     def reset(self) -> None:
         """Forgets the stream position and the replica's blocks (its engine restarted)."""
         self._index.clear_replica(self.replica_id)
         self._last_seq = None
+        self._start_seq = None
         self._replayed_through = None
 
     def snapshot(self) -> StreamSnapshot:
@@ -245,11 +340,23 @@ class ReplicaEventStream:
         return StreamSnapshot(
             self._last_seq, self._num_batches, self._num_gaps, self._num_replayed_gaps,
             self._num_stored_blocks, self._num_skipped_blocks, self._num_orphaned_blocks,
+            self._num_malformed_batches,
         )
 
+    def _is_position_known(self) -> bool:
+        return self._last_seq is not None or self._start_seq is not None
+
     def _apply(self, batch: KVEventBatch) -> ApplyResult:
+        """Applies one batch; one the index cannot apply clears the replica instead (module docstring)."""
         self._num_batches += 1
-        result = self._index.apply(self.replica_id, batch.events)
+        try:
+            result = self._index.apply(self.replica_id, batch.events)
+        except Exception:
+            self._num_malformed_batches += 1
+            logger.warning("KV events of replica %s: a batch the index cannot apply; clearing the replica's blocks",
+                           self.replica_id, exc_info=True)
+            self._index.clear_replica(self.replica_id)
+            return ApplyResult(is_cleared=True)
         self._num_stored_blocks += result.num_stored_blocks
         self._num_skipped_blocks += result.num_skipped_blocks
         self._num_orphaned_blocks += result.num_orphaned_blocks
@@ -289,7 +396,7 @@ class ZmqEventSource:
         topic: str = "",
         replay_endpoint: str | None = None,
         context: zmq.Context | None = None,
-        decoder: msgspec.msgpack.Decoder | None = None,
+        decoder: BatchDecoder | None = None,
     ) -> None:
         """Args:
         endpoint: the publisher's PUB address, e.g. "tcp://10.0.0.5:5557".

@@ -379,6 +379,10 @@ class PrefixIndex:
         state.pending.clear()
         self._slot_ids[state.slot] = None
 
+    def replica_ids(self) -> set[ReplicaId]:
+        """The replicas the index holds anything of (blocks, pending entries or an empty slot's state)."""
+        return set(self._replicas)
+
     def snapshot(self, now_s: float | None = None) -> IndexSnapshot:
         """Counts per replica; expires pending entries first when `now_s` is given."""
         if now_s is not None:

@@ -22,29 +22,56 @@ class InflightRequests:
     that is never dispatched (the caller gave up while routing) gets no
     completion, so it stops counting after `UNDISPATCHED_TIMEOUT_S`; a
     dispatched one after `INFLIGHT_TIMEOUT_S`.
+
+    Every decision reads the counts, so they are kept per replica as requests
+    come and go rather than counted from the requests: each timeout has a
+    queue of its own, oldest placement first, so expiry only looks at the
+    front. Placement times must not go back (monotonic time).
     """
 
     def __init__(self) -> None:
-        # request id -> (replica, placed at, is dispatched), oldest placement first.
-        self._placed: OrderedDict[str, tuple[ReplicaId, float, bool]] = OrderedDict()
+        # request id -> (replica, placed at), oldest placement first; one queue per timeout.
+        self._undispatched: OrderedDict[str, tuple[ReplicaId, float]] = OrderedDict()
+        self._dispatched: OrderedDict[str, tuple[ReplicaId, float]] = OrderedDict()
+        self._counts: dict[ReplicaId, int] = {}
 
     def place(self, request_id: str, replica_id: ReplicaId, now_s: float, is_dispatched: bool) -> None:
-        self._placed[request_id] = (replica_id, now_s, is_dispatched)
-        self._placed.move_to_end(request_id)
-        while len(self._placed) > MAX_INFLIGHT:
-            self._placed.popitem(last=False)
+        self.complete(request_id)
+        (self._dispatched if is_dispatched else self._undispatched)[request_id] = (replica_id, now_s)
+        self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
+        while len(self._undispatched) + len(self._dispatched) > MAX_INFLIGHT:
+            self._drop_oldest()
 
     def complete(self, request_id: str) -> None:
-        self._placed.pop(request_id, None)
+        placed = self._undispatched.pop(request_id, None) or self._dispatched.pop(request_id, None)
+        if placed is not None:
+            self._uncount(placed[0])
 
     def counts(self, now_s: float) -> dict[ReplicaId, int]:
-        out: dict[ReplicaId, int] = {}
-        expired = []
-        for request_id, (replica_id, placed_s, is_dispatched) in self._placed.items():
-            if now_s - placed_s > (INFLIGHT_TIMEOUT_S if is_dispatched else UNDISPATCHED_TIMEOUT_S):
-                expired.append(request_id)
-            else:
-                out[replica_id] = out.get(replica_id, 0) + 1
-        for request_id in expired:
-            del self._placed[request_id]
-        return out
+        """Requests in flight per replica (replicas with none are absent); expires what timed out first."""
+        self._expire(self._undispatched, now_s - UNDISPATCHED_TIMEOUT_S)
+        self._expire(self._dispatched, now_s - INFLIGHT_TIMEOUT_S)
+        return dict(self._counts)
+
+    def _expire(self, queue: OrderedDict[str, tuple[ReplicaId, float]], placed_before_s: float) -> None:
+        """Drops the placements of `queue` made before `placed_before_s`."""
+        while queue:
+            request_id, (replica_id, placed_s) = next(iter(queue.items()))
+            if placed_s >= placed_before_s:
+                return
+            del queue[request_id]
+            self._uncount(replica_id)
+
+    def _drop_oldest(self) -> None:
+        """Drops the oldest placement of either queue (the bound on bookkeeping)."""
+        queues = [queue for queue in (self._undispatched, self._dispatched) if queue]
+        oldest = min(queues, key=lambda queue: next(iter(queue.values()))[1])
+        _, (replica_id, _) = oldest.popitem(last=False)
+        self._uncount(replica_id)
+
+    def _uncount(self, replica_id: ReplicaId) -> None:
+        remaining = self._counts[replica_id] - 1
+        if remaining:
+            self._counts[replica_id] = remaining
+        else:
+            del self._counts[replica_id]

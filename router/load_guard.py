@@ -26,6 +26,8 @@ if the rule removed it and
 so a session a little over the limit stays with its history, and one far over
 it stays only with a very long one.
 
+A factor so large that the limit is no finite number removes nobody.
+
 Invariant: never removes every replica. The least-loaded replica holds at most
 floor(mean) requests, and factor > 1 makes limit >= floor(mean) + 1, so it
 always passes; an explicit check keeps the promise even for odd inputs.
@@ -71,8 +73,11 @@ def apply_load_guard(
         return [], []
     counts = [loads[r].num_requests for r in replica_ids]
     mean_after = (sum(counts) + 1) / len(counts)
+    allowed = load_guard_factor * mean_after
+    if not math.isfinite(allowed):
+        return list(replica_ids), []
     # The epsilon keeps float noise (1.1 * 10 = 11.000000000000002) from adding a request.
-    limit = max(math.ceil(load_guard_factor * mean_after - 1e-9), min_requests)
+    limit = max(math.ceil(allowed - 1e-9), min_requests)
     if max(counts) < limit:  # the usual case: nobody is over it
         return list(replica_ids), []
     is_kept = [n + 1 <= limit for n in counts]

@@ -13,10 +13,17 @@ the ids of encoding the whole text, provided that:
   matches only whole words (`single_word`);
 - no normalizer runs (it could change which text an added token matches);
 - added tokens are matched at all (`split_special_tokens` is off);
+- no pre-tokenizer treats the text's first piece apart from the others: a
+  `Metaspace` one (SentencePiece tokenizers converted to fast ones, Llama 2 and
+  Mistral) puts its "▁" before the first piece only, unless its
+  `prepend_scheme` is "never", so a piece after an added token encodes
+  differently on its own;
 - no special tokens are added around the text (`add_special_tokens=False`,
   which is how vLLM encodes rendered chat prompts).
 `PieceEncoder.for_tokenizer` returns None when the tokenizer breaks one of the
-first three; callers then encode whole texts.
+first four, or when texts around its added tokens encode differently piece by
+piece than whole (a check of the rules on the tokenizer itself); callers then
+encode whole texts.
 
 Cached pieces are bounded by their total characters (least recently used
 first out), ids kept as 4-byte arrays: at the default bound about 8 MiB of text
@@ -26,6 +33,7 @@ makes one encoder safe to share between threads.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from array import array
@@ -33,6 +41,11 @@ from collections import OrderedDict
 from typing import Any, Callable, Mapping, Optional
 
 DEFAULT_MAX_CACHED_CHARS = 8 * 1024 * 1024
+# How many of a tokenizer's added tokens `for_tokenizer` checks texts around.
+NUM_PROBED_ADDED_TOKENS = 4
+# Texts around an added token `t` that `for_tokenizer` encodes both ways: text before and after it, at the
+# start and the end, spaces and newlines beside it.
+_PROBE_TEMPLATES = ("{t}Hello world{t} how are you", "hello {t} World\n\n{t}\nyes", " {t}  x{t}")
 
 
 class PieceEncoder:
@@ -75,11 +88,26 @@ class PieceEncoder:
             return None
         if any(t.lstrip or t.rstrip or t.single_word for t in added.values()):
             return None
+        if _has_first_piece_rule(getattr(backend, "pre_tokenizer", None)):
+            return None
 
         def encode_piece(text: str) -> list[int]:
             return backend.encode(text, add_special_tokens=False).ids
 
-        return cls(encode_piece, {t.content: i for i, t in added.items()}, max_cached_chars)
+        added_token_ids = {t.content: i for i, t in added.items()}
+        if not cls(encode_piece, added_token_ids, max_cached_chars=0).encodes_like(tokenizer):
+            return None
+        return cls(encode_piece, added_token_ids, max_cached_chars)
+
+    def encodes_like(self, tokenizer: Any) -> bool:
+        """Whether texts around the first few added tokens encode as `tokenizer` encodes them whole.
+
+        Why: the rules in the module docstring are what the encoder knows of;
+        this catches a tokenizer that breaks one it does not.
+        """
+        probed = sorted(self._added_token_ids, key=self._added_token_ids.__getitem__)[:NUM_PROBED_ADDED_TOKENS]
+        texts = [template.format(t=token) for token in probed for template in _PROBE_TEMPLATES]
+        return all(self.encode(text) == list(tokenizer.encode(text, add_special_tokens=False)) for text in texts)
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, as the tokenizer encodes it without adding special tokens."""
@@ -115,3 +143,23 @@ class PieceEncoder:
                     evicted, _ = self._pieces.popitem(last=False)
                     self._cached_chars -= len(evicted)
         return ids
+
+
+def _has_first_piece_rule(pre_tokenizer: Any) -> bool:
+    """Whether a `tokenizers` pre-tokenizer treats a text's first piece apart (a `Metaspace` that prepends
+    its replacement), looking inside sequences of pre-tokenizers; True for one it cannot read."""
+    if pre_tokenizer is None:
+        return False
+    try:
+        state = json.loads(pre_tokenizer.__getstate__())
+    except Exception:
+        return True
+    return _state_has_first_piece_rule(state)
+
+
+def _state_has_first_piece_rule(state: Any) -> bool:
+    if not isinstance(state, dict):
+        return False
+    if state.get("type") == "Metaspace" and state.get("prepend_scheme") != "never":
+        return True
+    return any(_state_has_first_piece_rule(inner) for inner in state.get("pretokenizers") or ())

@@ -6,46 +6,146 @@ whatever the difference shifts. This mirrors vLLM's renderer for the two
 request kinds the ingress forwards:
 - chat: assistant tool-call arguments parsed from JSON text into objects
   (invalid, empty or non-object arguments become `{}`, as vLLM's
-  `_postprocess_messages` does), then
-  `apply_chat_template(messages, tools=[tool.model_dump() ...],
-  add_generation_prompt, continue_final_message, **chat_template_kwargs)` as
-  text, then `encode(text, add_special_tokens=request.add_special_tokens)`;
+  `_postprocess_messages` does), then `apply_chat_template(messages,
+  **template_arguments(request, rendering))` as text, then
+  `encode(text, add_special_tokens=request.add_special_tokens)`. The template
+  arguments are merged as vLLM's `OnlineRenderer.preprocess_chat` merges them:
+  the server's `default_chat_template_kwargs`, the tools (left out for
+  `tool_choice: "none"` when the server excludes them then), the request's
+  `chat_template_kwargs`, then its own `add_generation_prompt`,
+  `continue_final_message`, `documents`, `reasoning_effort` and the
+  `enable_thinking` vLLM derives from it. `tool_choice` and `response_format`
+  reach only other renderers than Hugging Face's, which the router does not
+  reproduce;
 - completions: token-id prompts as given, text prompts encoded with
   `add_special_tokens`.
 `tests/integration/test_router.py` checks parity against the ids the engine
 renders itself for chat requests with tools.
 
+The server-wide settings come from the replicas: each advertises how its
+frontend renders (`EngineRendering`) in its routing stats.
+
 Forwarding: a chat request whose rendering the router reproduces exactly
-(text-only messages, the served chat template, no `echo` or `documents`)
-carries the router's ids to the engine in `kv_transfer_params
-["prompt_token_ids"]`, the field vLLM's renderer reads to skip templating and
-tokenization (added for disaggregated prefill; Ray's own KV-aware router uses
-it too). The engine then prefills exactly the tokens the router hashed, and a
-replica no longer spends CPU on rendering what the router already rendered.
+(`is_forwardable`: replicas that render as the router does, text-only
+messages, the served chat template, no `echo` or `documents`) carries the
+router's ids to the engine in `kv_transfer_params["prompt_token_ids"]`, the
+field vLLM's renderer reads to skip templating and tokenization (added for
+disaggregated prefill; Ray's own KV-aware router uses it too). The engine then
+prefills exactly the tokens the router hashed, and a replica no longer spends
+CPU on rendering what the router already rendered. Where the router cannot be
+sure, it does not forward, and the engine renders the request itself.
 
 Chat prompts are encoded piece by piece between added tokens, with pieces
 seen before (earlier turns, the system prompt and tools) taken from a cache
 (`router.piece_encoder`), when the tokenizer allows it.
 
-The tokenizer loads lazily on first use (once per process) from the same
-folder or hub id the engines load.
+The tokenizer loads on a thread of its own (`start_loading`) from the same
+folder or hub id the engines load, retrying after a failure with a growing
+wait; until it is loaded the router has no token ids, and routes by load.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
+import logging
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from router.piece_encoder import PieceEncoder
 
+logger = logging.getLogger("ray.serve")
+
 SESSION_BODY_FIELD = "session_id"
 MAX_SESSION_ID_CHARS = 256
-# Set by the renderer itself; a request's `chat_template_kwargs` cannot override them (vLLM drops them too).
-_RENDERER_ARGUMENTS = frozenset({"tokenize", "tools", "add_generation_prompt", "continue_final_message", "conversation"})
 FORWARDED_IDS_KEY = "prompt_token_ids"
+# The routing stats entry in which a replica advertises its `EngineRendering`.
+RENDERING_STATS_KEY = "chat_rendering"
+# Values vLLM's `merge_kwargs` treats as not set: an override holding one keeps the value below it.
+_UNSET_VALUES = (None, "auto")
+# Template arguments the router sets itself; a merged value for them is not passed on as is.
+_SET_BY_ROUTER = frozenset({"tools", "tokenize", "chat_template", "return_dict", "conversation"})
+# Template arguments that, once set, make vLLM render differently than the router can: a template other
+# than the served one, and a conversation vLLM refuses. (`tokenize` is checked apart: vLLM sets it False.)
+_UNREPRODUCED_ARGUMENTS = frozenset({"chat_template", "conversation"})
+# Waits between tries to load the tokenizer: doubling from the first, up to the last.
+FIRST_LOAD_RETRY_S = 1.0
+MAX_LOAD_RETRY_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRendering:
+    """How the replicas' vLLM frontend renders chat prompts, as each replica advertises it.
+
+    Why: vLLM renders with server-wide settings the router is not configured
+    with (`default_chat_template_kwargs`, which `replicas.engine_kwargs` may
+    set; `exclude_tools_when_tool_choice_none`), and some set-ups render in
+    ways the router does not reproduce at all (another renderer than Hugging
+    Face's, a server-side template, string content turned into content parts).
+    `renders_like_router` is False for those; the replica decides it
+    (`serve_apps.vllm_replica`).
+    """
+
+    default_chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    exclude_tools_when_tool_choice_none: bool = False
+    renders_like_router: bool = False
+
+    def routing_stats(self) -> dict[str, Any]:
+        """The routing stats entry a replica advertises this in."""
+        return {RENDERING_STATS_KEY: {**dataclasses.asdict(self),
+                                      "default_chat_template_kwargs": dict(self.default_chat_template_kwargs)}}
+
+    @classmethod
+    def from_routing_stats(cls, stats: Any) -> Optional["EngineRendering"]:
+        """What a replica's routing stats advertise, or None where they advertise nothing usable."""
+        advertised = stats.get(RENDERING_STATS_KEY) if isinstance(stats, Mapping) else None
+        if not isinstance(advertised, Mapping):
+            return None
+        defaults = advertised.get("default_chat_template_kwargs")
+        if not isinstance(defaults, Mapping):
+            return None
+        return cls(dict(defaults), advertised.get("exclude_tools_when_tool_choice_none") is True,
+                   advertised.get("renders_like_router") is True)
+
+
+def _merged(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's `merge_kwargs`: the defaults, with every override that is set put over them."""
+    return {**defaults, **{k: v for k, v in overrides.items() if v not in _UNSET_VALUES}}
+
+
+def _tool_dicts(request: Any, rendering: Optional[EngineRendering]) -> Optional[list]:
+    """The request's tools as vLLM hands them to the template (None when it leaves them out)."""
+    tools = getattr(request, "tools", None)
+    if tools is None:
+        return None
+    is_choice_none = getattr(request, "tool_choice", None) == "none"
+    if is_choice_none and rendering is not None and rendering.exclude_tools_when_tool_choice_none:
+        return None
+    return [tool if isinstance(tool, dict) else tool.model_dump() for tool in tools]
+
+
+def template_arguments(request: Any, rendering: Optional[EngineRendering]) -> dict[str, Any]:
+    """Every keyword argument vLLM's renderer passes `apply_chat_template` for a chat request, `tools` included.
+
+    Merged as `OnlineRenderer.preprocess_chat` does (module docstring): each
+    layer's set values over the one below. Without `rendering` the server
+    defaults count as empty.
+    """
+    server = rendering.default_chat_template_kwargs if rendering is not None else {}
+    engine_level = _merged(server, {"tools": _tool_dicts(request, rendering), "tokenize": False})
+    requested = getattr(request, "chat_template_kwargs", None) or {}
+    effort = getattr(request, "reasoning_effort", None)
+    own = {
+        "add_generation_prompt": getattr(request, "add_generation_prompt", True),
+        "continue_final_message": getattr(request, "continue_final_message", False),
+        "documents": getattr(request, "documents", None),
+        "reasoning_effort": effort,
+    }
+    if effort is not None and "enable_thinking" not in requested:
+        own["enable_thinking"] = effort != "none"
+    return _merged(engine_level, _merged(requested, own))
 
 
 def _arguments_object(arguments: Any) -> dict:
@@ -78,41 +178,88 @@ def template_messages(messages: list) -> list[dict]:
     return out
 
 
+def load_retry_wait_s(num_failures: int) -> float:
+    """How long to wait before the next try to load the tokenizer, after `num_failures` failed tries."""
+    return min(FIRST_LOAD_RETRY_S * 2 ** (num_failures - 1), MAX_LOAD_RETRY_S)
+
+
+def _load_pretrained(model_source: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_source)
+
+
 class PromptTokenizer:
     """Renders and tokenizes OpenAI requests the way the engines do."""
 
-    def __init__(self, model_source: str) -> None:
+    def __init__(self, model_source: str, load: Callable[[str], Any] = _load_pretrained) -> None:
+        """Args:
+        model_source: folder or hub id of the engines' tokenizer.
+        load: loads a tokenizer from `model_source` (a `transformers` one by default).
+        """
         self._model_source = model_source
+        self._load = load
         self._tokenizer = None
         self._piece_encoder: Optional[PieceEncoder] = None
         self._lock = threading.Lock()
 
+    def start_loading(self) -> threading.Thread:
+        """Loads the tokenizer on a daemon thread, retrying until it loads; `token_ids` has none until then.
+
+        Why a thread: loading reads files or downloads from a hub, seconds that
+        would otherwise block Serve's routing loop, for every request while a
+        load keeps failing.
+        """
+        never_set = threading.Event()  # each wait lasts its full time; the daemon thread ends with the process
+        thread = threading.Thread(
+            target=self.load_until_loaded, args=(never_set.wait,), name="warmpath-tokenizer", daemon=True
+        )
+        thread.start()
+        return thread
+
+    def load_until_loaded(self, wait: Callable[[float], bool]) -> None:
+        """Tries to load the tokenizer until it loads, calling `wait(seconds)` between tries (True: give up)."""
+        num_failures = 0
+        while self._tokenizer is None:
+            try:
+                self._install(self._load(self._model_source))
+                return
+            except Exception:
+                num_failures += 1
+                wait_s = load_retry_wait_s(num_failures)
+                logger.warning("router: loading the tokenizer of %s failed (try %d); routing by load, trying again "
+                               "in %.0f s", self._model_source, num_failures, wait_s, exc_info=True)
+                if wait(wait_s):
+                    return
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._tokenizer is not None
+
     @property
     def tokenizer(self):
+        """The tokenizer, loaded here and now if no thread loaded it yet (for callers that may wait)."""
         if self._tokenizer is None:
-            with self._lock:
-                if self._tokenizer is None:
-                    from transformers import AutoTokenizer
-
-                    tokenizer = AutoTokenizer.from_pretrained(self._model_source)
-                    self._piece_encoder = PieceEncoder.for_tokenizer(tokenizer)
-                    self._tokenizer = tokenizer
+            tokenizer = self._load(self._model_source)
+            self._install(tokenizer)
         return self._tokenizer
 
-    def chat_token_ids(self, request: Any) -> list[int]:
-        """Token ids of a chat completion request as vLLM renders it."""
-        tools = None if not getattr(request, "tools", None) else [t.model_dump() for t in request.tools]
+    def _install(self, tokenizer: Any) -> None:
+        with self._lock:
+            if self._tokenizer is None:
+                self._piece_encoder = PieceEncoder.for_tokenizer(tokenizer)
+                self._tokenizer = tokenizer
+
+    def chat_token_ids(self, request: Any, rendering: Optional[EngineRendering] = None) -> list[int]:
+        """Token ids of a chat completion request as vLLM renders it, with the replicas' `rendering` settings."""
         messages = template_messages(list(request.messages))
-        # Arguments the renderer sets itself win over the request's `chat_template_kwargs`, as in vLLM.
-        extra = {k: v for k, v in (getattr(request, "chat_template_kwargs", None) or {}).items()
-                 if k not in _RENDERER_ARGUMENTS}
+        arguments = template_arguments(request, rendering)
+        tools = arguments.get("tools")
         text = self.tokenizer.apply_chat_template(
             messages,
             tools=tools,
-            add_generation_prompt=getattr(request, "add_generation_prompt", True),
-            continue_final_message=getattr(request, "continue_final_message", False),
             tokenize=False,
-            **extra,
+            **{k: v for k, v in arguments.items() if k not in _SET_BY_ROUTER},
         )
         add_special_tokens = getattr(request, "add_special_tokens", False)
         if self._piece_encoder is not None and not add_special_tokens:
@@ -121,17 +268,16 @@ class PromptTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def completion_token_ids(self, request: Any) -> Optional[list[int]]:
-        prompt = request.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # one prompt in a batch of one
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        prompt = _single_prompt(request.prompt)
+        if _is_token_ids(prompt):
             return list(prompt)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=getattr(request, "add_special_tokens", True))
         return None  # batched prompts: no single prefix to route on
 
-    def token_ids(self, request: Any) -> Optional[list[int]]:
-        """The prompt's token ids, or None if it has no single prompt, does not render, or skips the cache.
+    def token_ids(self, request: Any, rendering: Optional[EngineRendering] = None) -> Optional[list[int]]:
+        """The prompt's token ids, or None if it has no single prompt, does not render, or skips the cache,
+        or while the tokenizer is not loaded yet (this never waits for it).
 
         vLLM computes a request that asks for prompt logprobs (`prompt_logprobs`,
         or `echo` with logprobs) without reading the prefix cache, so no replica's
@@ -139,9 +285,11 @@ class PromptTokenizer:
         """
         if getattr(request, "prompt_logprobs", None) is not None or getattr(request, "echo", False):
             return None
+        if not self.is_loaded and not (hasattr(request, "prompt") and _is_token_ids(_single_prompt(request.prompt))):
+            return None
         try:
             if hasattr(request, "messages"):
-                token_ids = self.chat_token_ids(request)
+                token_ids = self.chat_token_ids(request, rendering)
             elif hasattr(request, "prompt"):
                 token_ids = self.completion_token_ids(request)
             else:
@@ -151,6 +299,18 @@ class PromptTokenizer:
             # proper 400; the router just has nothing to match on.
             return None
         return token_ids or None
+
+
+def _single_prompt(prompt: Any) -> Any:
+    """A completion request's prompt, unwrapped from a batch of one."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]
+    return prompt
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    """Whether a completion prompt is token ids (which need no tokenizer)."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
 
 
 def session_of(pending_request: Any, request: Any) -> Optional[str]:
@@ -169,22 +329,35 @@ def session_of(pending_request: Any, request: Any) -> Optional[str]:
     return session_id
 
 
-def is_forwardable(request: Any) -> bool:
-    """Whether the engine would render `request` exactly as `chat_token_ids` does.
+def is_forwardable(request: Any, rendering: Optional[EngineRendering]) -> bool:
+    """Whether the engine would render `request` exactly as `chat_token_ids` does with `rendering`.
 
-    Only chat requests whose messages are plain text, rendered with the served
-    chat template, without `echo` (vLLM re-renders for it anyway) or
-    `documents` (the router does not pass them to the template).
+    Only chat requests, to replicas that advertised they render as the router
+    does, whose messages are plain text with no `developer` role (vLLM turns it
+    into `system` for templates without one), rendered with the served chat
+    template and no argument that has vLLM render otherwise
+    (`_UNREPRODUCED_ARGUMENTS`, or `tokenize`), without `echo` (vLLM
+    re-renders for it anyway), `documents` or `truncate_prompt_tokens`.
     """
-    if not hasattr(request, "messages"):
+    if rendering is None or not rendering.renders_like_router or not hasattr(request, "messages"):
         return False
     if getattr(request, "echo", False) or getattr(request, "chat_template", None) or getattr(request, "documents", None):
         return False
-    for message in request.messages:
-        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
-        if content is not None and not isinstance(content, str):
-            return False
-    return True
+    if getattr(request, "truncate_prompt_tokens", None) is not None:
+        return False
+    arguments = template_arguments(request, rendering)
+    if arguments.get("tokenize") is not False or not _UNREPRODUCED_ARGUMENTS.isdisjoint(arguments):
+        return False
+    return all(_is_plain_text(message) for message in request.messages)
+
+
+def _is_plain_text(message: Any) -> bool:
+    """Whether a message's content is text (or none) and its role one every template knows as written."""
+    if isinstance(message, dict):
+        content, role = message.get("content"), message.get("role")
+    else:
+        content, role = getattr(message, "content", None), getattr(message, "role", None)
+    return (content is None or isinstance(content, str)) and role != "developer"
 
 
 def forward_token_ids(request: Any, token_ids: list[int]) -> None:

@@ -10,6 +10,7 @@ no init call is needed.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable, Mapping
 
@@ -58,13 +59,13 @@ def build_weighted_scorers(weights: Mapping[str, float]) -> list[tuple[Scorer, f
     raises. Keys absent from `weights` are off.
 
     Raises:
-        ValueError: an unknown key, or a negative weight.
+        ValueError: an unknown key, or a weight that is negative or not finite.
     """
     built: list[tuple[Scorer, float]] = []
     for key, weight in weights.items():
         factory = lookup_scorer(key)
-        if weight < 0:
-            raise ValueError(f"scorer {key!r} has negative weight {weight}")
+        if not 0 <= weight < math.inf:
+            raise ValueError(f"scorer {key!r} has weight {weight}; it must be finite and >= 0")
         if weight > 0:
             built.append((factory(), float(weight)))
     return built

@@ -14,8 +14,10 @@ the publisher is unreachable.
 A stream can also deliver and still leave the router blind: when the index
 misses a replica's early blocks (a history that could not be loaded, a gap the
 buffer could not fill), every block stored later extends them and is skipped
-as an orphan. `looks_blind` notices orphans piling up while nothing is stored,
-and the pump then reloads the replica's state from its replay buffer.
+as an orphan. A healthy stream has next to no orphans, so `looks_blind`
+notices them piling up as a share of the blocks arriving (other prompts'
+blocks, stored under roots the index does know, keep arriving meanwhile), and
+the pump then reloads the replica's state from its replay buffer.
 
 Threads: `request_completed` runs on Serve's event loop, everything else on the
 event pump's thread; one lock guards the table.
@@ -33,8 +35,13 @@ from router.types import ReplicaId
 PROBE_GRACE_S = 2.0
 # At most one probe per replica per this interval.
 MIN_PROBE_INTERVAL_S = 10.0
-# Orphaned blocks (parent unknown) arriving with none stored in between that call a stream blind.
+# Orphaned blocks (parent unknown) in one window of arriving blocks that call a stream blind, if they are
+# also at least BLIND_ORPHANED_SHARE of the window's blocks (stored and orphaned).
 BLIND_ORPHANED_BLOCKS = 64
+BLIND_ORPHANED_SHARE = 0.25
+# Arriving blocks after which a window that did not call the stream blind starts over, so that a long
+# healthy past does not outweigh orphans arriving now.
+BLIND_WINDOW_BLOCKS = 1024
 # The wait before a replica's second reload; it doubles after each (a buffer that no longer holds the
 # replica's early blocks cannot cure it), up to MAX_RELOAD_INTERVAL_S.
 MIN_RELOAD_INTERVAL_S = 60.0
@@ -137,25 +144,29 @@ class EventStreamWatch:
             watch.first_completed_at = None
 
     def looks_blind(self, replica_id: ReplicaId, num_stored_blocks: int, num_orphaned_blocks: int, now: float) -> bool:
-        """Whether to reload the replica's state: since the last block stored (or the last reload), at least
-        `BLIND_ORPHANED_BLOCKS` orphans arrived, and the wait after the previous reload has passed.
+        """Whether to reload the replica's state: in the current window of arriving blocks (module
+        constants), at least `BLIND_ORPHANED_BLOCKS` orphans arrived and they are at least
+        `BLIND_ORPHANED_SHARE` of the window, and the wait after the previous reload has passed.
 
-        Args are the stream's running totals (`StreamSnapshot`); a True answer counts as a reload.
+        A window starts at the last reload, or once `BLIND_WINDOW_BLOCKS` blocks arrived without
+        calling the stream blind. Args are the stream's running totals (`StreamSnapshot`); a True
+        answer counts as a reload.
         """
         with self._lock:
             watch = self._replicas.get(replica_id)
             if watch is None:
                 return False
-            if num_stored_blocks != watch.stored_mark:
-                watch.stored_mark, watch.orphaned_mark = num_stored_blocks, num_orphaned_blocks
-                return False
-            if num_orphaned_blocks - watch.orphaned_mark < BLIND_ORPHANED_BLOCKS:
+            num_orphaned = num_orphaned_blocks - watch.orphaned_mark
+            num_arrived = num_orphaned + num_stored_blocks - watch.stored_mark
+            if num_orphaned < BLIND_ORPHANED_BLOCKS or num_orphaned < BLIND_ORPHANED_SHARE * num_arrived:
+                if num_arrived >= BLIND_WINDOW_BLOCKS:
+                    watch.stored_mark, watch.orphaned_mark = num_stored_blocks, num_orphaned_blocks
                 return False
             if watch.last_reload_at is not None:
                 wait_s = min(MIN_RELOAD_INTERVAL_S * 2 ** (watch.num_reloads - 1), MAX_RELOAD_INTERVAL_S)
                 if now - watch.last_reload_at < wait_s:
                     return False
-            watch.orphaned_mark = num_orphaned_blocks
+            watch.stored_mark, watch.orphaned_mark = num_stored_blocks, num_orphaned_blocks
             watch.last_reload_at = now
             watch.num_reloads += 1
             return True

@@ -74,7 +74,8 @@ def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optio
     from ray.serve.context import _get_serve_request_context
 
     headers: Dict[str, str] = {}
-    logged = decision_log.DECISIONS.pop(_get_serve_request_context().request_id)
+    context = _get_serve_request_context()
+    logged = decision_log.DECISIONS.pop(context.request_id, context._internal_request_id)
     decision_log.record_route_span(logged, served_by.replica_id if served_by else None)
     decision = logged.decision if logged is not None else None
     if served_by is not None:
@@ -96,7 +97,8 @@ def _withdraw_placement() -> None:
     """
     from ray.serve.context import _get_serve_request_context
 
-    logged = decision_log.DECISIONS.pop(_get_serve_request_context().request_id)
+    context = _get_serve_request_context()
+    logged = decision_log.DECISIONS.pop(context.request_id, context._internal_request_id)
     decision_log.withdraw_placement(logged, None)
 
 

@@ -10,7 +10,14 @@ Why a subclass rather than plain `LLMServer`:
   the ingress can put `x-warmpath-replica` on the HTTP response without the
   caller having to trust the body.
 - It counts which chat prompts arrived with the router's token ids
-  (`router.prompt_tokens`, forwarding) and which the engine rendered itself.
+  (`router.prompt_tokens`, forwarding) and which the engine rendered itself,
+  and advertises how its frontend renders chat prompts
+  (`router.prompt_tokens.EngineRendering`: the server's template defaults,
+  and whether the router's rendering matches it), so the router renders with
+  the same arguments and forwards its ids only where they match.
+- It reports the engine's KV cache usage (a fraction) in its routing stats,
+  which the router's "load" scorer weighs; vLLM hands it to its stat
+  loggers after every engine step, and Ray Serve LLM reports none.
 - A stream's first chunk leaves as soon as it exists instead of at the end of
   Ray's first batching interval (`serve_apps.stream_batches`).
 
@@ -21,6 +28,7 @@ checks) is Ray Serve LLM's.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import time
@@ -32,7 +40,7 @@ from opentelemetry import trace
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from ray import serve
-from router.prompt_tokens import FORWARDED_IDS_KEY
+from router.prompt_tokens import FORWARDED_IDS_KEY, EngineRendering
 from serve_apps.metrics import WarmpathMetrics
 from serve_apps.stream_batches import eager_first_batches
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
@@ -40,6 +48,11 @@ from ray.serve.llm import LLMConfig
 
 
 T = TypeVar("T")
+
+logger = logging.getLogger("ray.serve")
+
+# A tool list for checking which template and content format vLLM picks for requests with tools.
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "", "parameters": {}}}]
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,111 @@ def _attach_tokenization(engine: Any) -> None:
     engine._oai_serving_tokenization = getattr(getattr(engine, "_app_state", None), "serving_tokenization", None)
 
 
+class KvCacheUsageRecorder:
+    """One of vLLM's stat loggers that keeps only the latest KV cache usage of each engine it serves.
+
+    Why: vLLM hands every stat logger its scheduler's stats after each engine
+    step, the one place the usage is; neither Ray Serve LLM nor vLLM report it
+    to a request router. Duck-typed as vLLM's aggregate stat loggers (the
+    methods `StatLoggerManager` calls), so importing this module needs no vLLM.
+    """
+
+    def __init__(self) -> None:
+        self._usage_by_engine: dict[int, float] = {}
+
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
+        usage = getattr(scheduler_stats, "kv_cache_usage", None)
+        if isinstance(usage, (int, float)):
+            self._usage_by_engine[engine_idx or 0] = float(usage)
+
+    def usage(self) -> Optional[float]:
+        """The fullest engine's KV cache usage (0 to 1); None before the first engine step."""
+        return max(self._usage_by_engine.values()) if self._usage_by_engine else None
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
+
+
+def _attach_kv_cache_usage(engine: Any) -> Optional[KvCacheUsageRecorder]:
+    """Adds a `KvCacheUsageRecorder` to the stat loggers of Ray Serve LLM's vLLM engine; None when the engine
+    keeps none (`disable_log_stats`)."""
+    manager = getattr(getattr(engine, "_engine_client", None), "logger_manager", None)
+    stat_loggers = getattr(manager, "stat_loggers", None)
+    if not isinstance(stat_loggers, list):
+        logger.info("the engine keeps no stats (disable_log_stats?): KV cache usage is not reported to the router")
+        return None
+    recorder = KvCacheUsageRecorder()
+    stat_loggers.append(recorder)
+    return recorder
+
+
+def engine_rendering(engine: Any) -> Optional[EngineRendering]:
+    """How this replica's vLLM frontend renders chat prompts; None when its renderer cannot be read."""
+    online = getattr(getattr(engine, "_app_state", None), "online_renderer", None)
+    if online is None:
+        logger.warning("the engine's chat renderer is not where expected: the router will not forward token ids")
+        return None
+    try:
+        difference = _rendering_difference(online)
+        rendering = EngineRendering(
+            dict(online.default_chat_template_kwargs or {}), bool(online.exclude_tools_when_tool_choice_none),
+            difference is None,
+        )
+    except Exception:
+        logger.warning("reading the engine's chat renderer failed: the router will not forward token ids",
+                       exc_info=True)
+        return None
+    if difference is not None:
+        logger.info("the router renders chat prompts differently (%s): the engine renders them itself", difference)
+    return rendering
+
+
+def _rendering_difference(online: Any) -> Optional[str]:
+    """Why the router's rendering (the model's tokenizer and its own template, string content, Hugging Face's
+    renderer) differs from this frontend's, or None where it does not."""
+    model_config = online.model_config
+    if type(online.renderer).__name__ != "HfRenderer":
+        return f"vLLM renders with {type(online.renderer).__name__}"
+    if online.use_harmony:
+        return "harmony prompts"
+    if online.chat_template is not None:
+        return "a server-side chat template"
+    if getattr(model_config, "enable_prompt_embeds", False):
+        return "prompt embeddings enabled"
+    if model_config.tokenizer != model_config.model:
+        return "a tokenizer other than the model's"
+    return _template_difference(online)
+
+
+def _template_difference(online: Any) -> Optional[str]:
+    """Whether vLLM picks the tokenizer's own template, and passes string content as strings, with tools and
+    without (vLLM may take a processor's template instead, and turn content into parts)."""
+    from vllm.renderers.hf import resolve_chat_template, resolve_chat_template_content_format
+
+    tokenizer, model_config = online.renderer.tokenizer, online.model_config
+    for tools in (None, _PROBE_TOOLS):
+        template = resolve_chat_template(tokenizer, None, tools, model_config=model_config)
+        if template != tokenizer.get_chat_template(None, tools=tools):
+            return "a chat template other than the tokenizer's"
+        content_format = resolve_chat_template_content_format(
+            None, tools, online.chat_template_content_format, tokenizer, model_config=model_config
+        )
+        if content_format != "string":
+            return f"message content passed as {content_format!r}"
+    return None
+
+
 class WarmpathLLMServer(LLMServer):
     """LLMServer that publishes KV events on its own ports and tags its responses."""
 
@@ -113,6 +231,8 @@ class WarmpathLLMServer(LLMServer):
             "kv_events_replay_endpoint": f"tcp://{host}:{replay_port}",
             "block_size": llm_config.engine_kwargs.get("block_size"),
         }
+        self._rendering_stats: Dict[str, Any] = {}
+        self._kv_cache_usage: Optional[KvCacheUsageRecorder] = None
         endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if endpoint:
             service = os.environ.get("OTEL_SERVICE_NAME", "warmpath")
@@ -122,6 +242,9 @@ class WarmpathLLMServer(LLMServer):
     async def _start_engine(self):
         await super()._start_engine()
         _attach_tokenization(self.engine)
+        rendering = engine_rendering(self.engine)
+        self._rendering_stats = rendering.routing_stats() if rendering is not None else {}
+        self._kv_cache_usage = _attach_kv_cache_usage(self.engine)
 
     async def _tagged(self, stream: AsyncGenerator, span) -> AsyncGenerator:
         """Tags the stream with this replica and times it (first item = time to first token)."""
@@ -179,6 +302,10 @@ class WarmpathLLMServer(LLMServer):
     async def record_routing_stats(self) -> Dict[str, Any]:
         stats = dict(await super().record_routing_stats())
         stats.update(self._kv_events)
+        stats.update(self._rendering_stats)
+        usage = self._kv_cache_usage.usage() if self._kv_cache_usage is not None else None
+        if usage is not None:
+            stats["kv_cache_usage"] = usage
         return stats
 
     async def replica_info(self) -> Dict[str, Optional[str]]:

@@ -11,6 +11,7 @@ from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVCacheEvent,
     KVEventBatch,
     ZmqEventPublisher,
 )
@@ -355,3 +356,73 @@ def test_joining_after_the_first_batch_without_history_leaves_its_descendants_un
     with_history.accept_replayed([(0, batch(stored(0, 2)))])
     with_history.accept(1, batch(stored(2, 2, parent=1)))
     assert (with_history.snapshot().num_stored_blocks, with_history.snapshot().num_skipped_blocks) == (4, 0)
+
+
+class _BlockTouched(KVCacheEvent):
+    """Stands in for an event type a newer vLLM publishes and this one does not define."""
+
+    block_hashes: list[bytes]
+
+
+def test_an_unknown_event_type_costs_only_that_event(decoder, index):
+    sent = batch(stored(0, 2), _BlockTouched(block_hashes=[ehash(0)]), stored(2, 1, parent=1))
+    seq, received = decode_event_message(frames(3, sent), decoder)
+    assert seq == 3 and [type(event).__name__ for event in received.events] == [
+        "BlockStored", "UnknownEvent", "BlockStored"]
+    assert received.events[1].tag == "_BlockTouched" and received.ts == sent.ts
+    result = index.apply(A, received.events)
+    assert (result.num_stored_blocks, result.num_skipped_events) == (3, 1)
+
+
+def test_a_known_event_that_does_not_decode_still_fails_its_batch(decoder):
+    # Well-formed msgpack, a batch shape, an event tag this vLLM knows, fields it cannot read.
+    broken = ENCODER.encode([time.time(), [{"type": "BlockRemoved", "block_hashes": 5, "medium": "GPU"}]])
+    with pytest.raises(EventDecodeError):
+        decode_event_message([b"kv", (0).to_bytes(8, "big"), broken], decoder)
+    unknown = ENCODER.encode([time.time(), [{"type": "BlockTouched", "anything": 5}]])
+    assert decode_event_message([b"kv", (0).to_bytes(8, "big"), unknown], decoder)[1].events[0].tag == "BlockTouched"
+
+
+def poisoned(first: int) -> KVEventBatch:
+    """A batch that decodes but that the index cannot apply (a token id outside u32)."""
+    event = stored(first, 1, parent=first - 1)
+    event.token_ids = [-1] * BS
+    return batch(event)
+
+
+def test_a_batch_the_index_cannot_apply_clears_the_replica_and_the_stream_goes_on(index):
+    stream = ReplicaEventStream(A, index)
+    assert stream.accept(0, batch(stored(0, 3))) == "applied"
+    assert stream.accept(1, poisoned(3)) == "applied"
+    assert cached_blocks(index) == 0  # cleared: what the bad batch removed or stored is unknown
+    assert stream.accept(2, batch(stored(0, 2))) == "applied"
+    assert cached_blocks(index) == 2
+    snapshot = stream.snapshot()
+    assert (snapshot.last_seq, snapshot.num_gaps, snapshot.num_malformed_batches) == (2, 0, 1)
+
+
+def test_a_bad_batch_in_a_replay_answer_does_not_stop_the_batches_after_it(index):
+    stream = ReplicaEventStream(A, index)
+    assert stream.accept_replayed([(0, batch(stored(0, 3))), (1, poisoned(3)), (2, batch(stored(0, 2)))]) == 3
+    assert cached_blocks(index) == 2 and stream.snapshot().last_seq == 2
+
+
+def test_after_a_whole_history_the_first_live_batch_past_it_is_a_gap(index):
+    stream = ReplicaEventStream(A, index)
+    stream.start_at(0)  # the replay buffer answered whole, and empty
+    assert stream.fillable_gap_before(1)  # batch 0 went out before the subscription joined
+    assert stream.next_seq() == 0
+    assert stream.accept(1, batch(stored(2, 1, parent=1)), [(0, batch(stored(0, 2)))]) == "replayed"
+    assert cached_blocks(index) == 3
+    snapshot = stream.snapshot()
+    assert (snapshot.num_gaps, snapshot.num_replayed_gaps) == (1, 1)
+
+
+def test_without_a_whole_history_the_first_live_batch_joins_late(index):
+    stream = ReplicaEventStream(A, index)
+    assert not stream.fillable_gap_before(1)
+    assert stream.accept(1, batch(stored(0, 2))) == "started"
+    stream.reset()
+    stream.start_at(5)
+    stream.reset()  # a reload forgets where the stream started
+    assert not stream.fillable_gap_before(9)

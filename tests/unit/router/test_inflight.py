@@ -35,3 +35,56 @@ def test_bookkeeping_is_bounded():
     for i in range(MAX_INFLIGHT + 10):
         inflight.place(f"r{i}", A, 0.0, is_dispatched=True)
     assert inflight.counts(0.0) == {A: MAX_INFLIGHT}
+
+
+def test_counts_agree_with_counting_every_request_through_any_sequence():
+    """Per-replica counts kept as requests come and go equal a count over the requests in flight."""
+    import random
+
+    rng = random.Random(7)
+    inflight = InflightRequests()
+    reference: dict[str, tuple[ReplicaId, float, bool]] = {}
+    now = 0.0
+    for _ in range(5000):
+        now += rng.random() * 0.5
+        request_id = f"r{rng.randrange(300)}"
+        if rng.random() < 0.3:
+            inflight.complete(request_id)
+            reference.pop(request_id, None)
+        else:
+            replica_id, is_dispatched = rng.choice([A, B]), rng.random() < 0.5
+            inflight.place(request_id, replica_id, now, is_dispatched)
+            reference[request_id] = (replica_id, now, is_dispatched)
+        timeout = {True: INFLIGHT_TIMEOUT_S, False: UNDISPATCHED_TIMEOUT_S}
+        live = [r for r, placed_s, dispatched in reference.values() if now - placed_s <= timeout[dispatched]]
+        expected = {r: live.count(r) for r in set(live)}
+        assert inflight.counts(now) == expected
+
+
+def test_the_bound_drops_the_oldest_placement_of_either_kind():
+    inflight = InflightRequests()
+    inflight.place("oldest", B, 0.0, is_dispatched=False)
+    for i in range(MAX_INFLIGHT):
+        inflight.place(f"r{i}", A, 1.0, is_dispatched=True)
+    assert inflight.counts(1.0) == {A: MAX_INFLIGHT}
+
+
+class _CountedId(str):
+    """A replica id that counts how often it is hashed, i.e. looked up in a dict."""
+
+    num_hashes = 0
+
+    def __hash__(self) -> int:
+        _CountedId.num_hashes += 1
+        return str.__hash__(self)
+
+
+def test_reading_the_counts_does_not_walk_every_request_in_flight():
+    """Every decision reads them: the cost must not grow with the requests in flight."""
+    inflight = InflightRequests()
+    replica = _CountedId("a")
+    for i in range(1000):
+        inflight.place(f"r{i}", replica, 1.0, is_dispatched=True)
+    _CountedId.num_hashes = 0
+    assert inflight.counts(2.0) == {"a": 1000}
+    assert _CountedId.num_hashes < 10

@@ -106,3 +106,51 @@ def _fake_tokenizer(**token_flags):
 )
 def test_tokenizers_whose_pieces_would_encode_differently_get_no_encoder(tokenizer):
     assert PieceEncoder.for_tokenizer(tokenizer) is None
+
+
+def _metaspace_tokenizer(prepend_scheme: str):
+    """A SentencePiece-style fast tokenizer (Llama 2, Mistral) with two added tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    backend.train_from_iterator(["hello world how are you today " * 50],
+                                trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[INST]", "[/INST]"]})
+    return tokenizer
+
+
+@pytest.mark.parametrize("prepend_scheme", ["first", "always"])
+def test_a_tokenizer_that_marks_the_first_piece_gets_no_encoder(prepend_scheme):
+    assert PieceEncoder.for_tokenizer(_metaspace_tokenizer(prepend_scheme)) is None
+
+
+def test_a_metaspace_tokenizer_that_never_prepends_encodes_piecewise_as_whole():
+    tokenizer = _metaspace_tokenizer("never")
+    encoder = PieceEncoder.for_tokenizer(tokenizer)
+    assert encoder is not None
+    text = "[INST]hello world[/INST] how are you[INST]"
+    assert encoder.encode(text) == _whole(tokenizer, text)
+
+
+def test_a_tokenizer_whose_pieces_encode_otherwise_than_whole_texts_gets_no_encoder():
+    """No rule the encoder knows of is broken, but the check on texts around added tokens catches it."""
+    ids = {"a": 1, "b": 2}
+
+    def encode(text, add_special_tokens=False):
+        return [ids.get(c, 0) for c in text] + [9]  # the whole text ends in one more id than its pieces
+
+    tokenizer = SimpleNamespace(
+        **vars(_fake_tokenizer()), encode=encode,
+    )
+    tokenizer.backend_tokenizer = SimpleNamespace(
+        normalizer=None, pre_tokenizer=None,
+        encode=lambda text, add_special_tokens=False: SimpleNamespace(ids=[ids.get(c, 0) for c in text]),
+    )
+    assert PieceEncoder.for_tokenizer(tokenizer) is None
+    tokenizer.encode = lambda text, add_special_tokens=False: PieceEncoder(
+        lambda piece: [ids.get(c, 0) for c in piece], {"<x>": 7}).encode(text)
+    assert PieceEncoder.for_tokenizer(tokenizer) is not None

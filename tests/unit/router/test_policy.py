@@ -7,7 +7,13 @@ import random
 import pytest
 from vllm.distributed.kv_events import BlockStored
 
-from cluster.config import RouterConfig
+from cluster.config import (
+    MAX_LOAD_GUARD_FACTOR,
+    MAX_ROUTER_SECONDS,
+    MAX_SCORER_WEIGHT,
+    MAX_TOKENS_PER_EXCESS_REQUEST,
+    RouterConfig,
+)
 from router.hashing import hash_request_blocks, root_hash
 from router.index import PrefixIndex
 from router.load_guard import apply_load_guard
@@ -124,6 +130,29 @@ def test_load_guard_keeps_a_session_whose_history_outweighs_the_excess_load(
 def test_load_guard_factor_must_exceed_one():
     with pytest.raises(ValueError):
         apply_load_guard(IDS, loads_of(0, 0, 0, 0), 1.0)
+
+
+@pytest.mark.parametrize("factor", [float("inf"), 1e308, float("nan")])
+def test_a_factor_with_no_finite_limit_removes_nobody(factor):
+    assert apply_load_guard(IDS, loads_of(0, 3, 9, 1), factor) == (IDS, [])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"load_guard_factor": MAX_LOAD_GUARD_FACTOR},
+        {"scorer_weights": dict.fromkeys(["prefix-cache", "load", "session-affinity", "session-balance"],
+                                         MAX_SCORER_WEIGHT)},
+        {"pending_ttl_s": MAX_ROUTER_SECONDS, "session_idle_s": MAX_ROUTER_SECONDS,
+         "load_guard_tokens_per_excess_request": MAX_TOKENS_PER_EXCESS_REQUEST},
+    ],
+    ids=["largest-factor", "largest-weights", "longest-times"],
+)
+def test_the_largest_values_the_config_accepts_still_decide(config):
+    policy = PrefixAwarePolicy(RouterConfig(**config), BS, random.Random(0))
+    decision = policy.choose(RoutingRequest(TOKENS, MODEL, "s"), IDS, loads_of(0, 3, 9, 1), PrefixIndex(BS, 100, MODEL),
+                             {}, 0.0)
+    assert decision.replica_id in IDS
 
 
 # -- reasons --------------------------------------------------------------------

@@ -6,11 +6,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from router.prompt_tokens import FORWARDED_IDS_KEY, forward_token_ids, is_forwardable
+from router.prompt_tokens import (
+    FORWARDED_IDS_KEY,
+    EngineRendering,
+    PromptTokenizer,
+    forward_token_ids,
+    is_forwardable,
+    load_retry_wait_s,
+)
 
 TEXT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 CALL = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
                                                              "function": {"name": "f", "arguments": "{}"}}]}
+ALIKE = EngineRendering({}, renders_like_router=True)
 
 
 def _chat(messages=TEXT, **fields):
@@ -28,10 +36,37 @@ def _chat(messages=TEXT, **fields):
         (_chat(chat_template="{{ messages }}"), False),
         (_chat(documents=[{"title": "a", "text": "b"}]), False),
         (SimpleNamespace(prompt="completions are tokenized without a template"), False),
+        (_chat([{"role": "developer", "content": "vLLM may turn this role into system"}]), False),
+        (_chat(truncate_prompt_tokens=8), False),
+        (_chat(chat_template_kwargs={"tokenize": True}), False),
+        (_chat(chat_template_kwargs={"chat_template": "{{ messages }}"}), False),
+        (_chat(chat_template_kwargs={"conversation": []}), False),
+        (_chat(chat_template_kwargs={"enable_thinking": False, "tokenize": None}), True),
+        (_chat(reasoning_effort="none"), True),
     ],
 )
 def test_only_requests_the_router_renders_exactly_are_forwarded(request_, expected):
-    assert is_forwardable(request_) is expected
+    assert is_forwardable(request_, ALIKE) is expected
+
+
+@pytest.mark.parametrize("rendering", [None, EngineRendering({}, renders_like_router=False)])
+def test_nothing_is_forwarded_to_replicas_that_render_otherwise_or_did_not_say(rendering):
+    assert not is_forwardable(_chat(), rendering)
+
+
+def test_server_defaults_that_change_how_vllm_renders_stop_forwarding():
+    assert not is_forwardable(_chat(), EngineRendering({"chat_template": "{{ messages }}"}, renders_like_router=True))
+    assert is_forwardable(_chat(), EngineRendering({"enable_thinking": False}, renders_like_router=True))
+
+
+def test_a_replicas_rendering_travels_in_its_routing_stats():
+    rendering = EngineRendering({"enable_thinking": False}, exclude_tools_when_tool_choice_none=True,
+                                renders_like_router=True)
+    stats = {"kv_events_endpoint": "tcp://x:1", **rendering.routing_stats()}
+    assert EngineRendering.from_routing_stats(stats) == rendering
+    assert EngineRendering.from_routing_stats({}) is None
+    assert EngineRendering.from_routing_stats(None) is None
+    assert EngineRendering.from_routing_stats({"chat_rendering": {"default_chat_template_kwargs": "no"}}) is None
 
 
 def test_forwarding_keeps_other_transfer_params():
@@ -59,10 +94,8 @@ class _Tokenizer:
 
 
 def _prompt_tokenizer():
-    from router.prompt_tokens import PromptTokenizer
-
-    prompt_tokenizer = PromptTokenizer("unused")
-    prompt_tokenizer._tokenizer = _Tokenizer()
+    prompt_tokenizer = PromptTokenizer("unused", load=lambda source: _Tokenizer())
+    prompt_tokenizer.load_until_loaded(wait=lambda s: pytest.fail("the stand-in tokenizer loads at once"))
     return prompt_tokenizer
 
 
@@ -99,3 +132,139 @@ def test_a_long_session_id_is_kept_as_its_digest():
     kept = session_of(pending(long_id), None)
     assert kept.startswith("sha256:") and len(kept) == len("sha256:") + 64
     assert kept == session_of(pending(long_id), None) != session_of(pending(long_id + "y"), None)
+
+
+def test_reasoning_effort_and_server_defaults_reach_the_template():
+    prompt_tokenizer = _prompt_tokenizer()
+    server = EngineRendering({"enable_thinking": False, "custom": 1}, renders_like_router=True)
+    prompt_tokenizer.token_ids(_chat(reasoning_effort="high"), server)
+    call = prompt_tokenizer._tokenizer.template_calls[-1]
+    assert (call["reasoning_effort"], call["enable_thinking"], call["custom"]) == ("high", True, 1)
+    prompt_tokenizer.token_ids(_chat(chat_template_kwargs={"enable_thinking": None}), server)
+    assert prompt_tokenizer._tokenizer.template_calls[-1]["enable_thinking"] is False  # None keeps the default
+
+
+# Renders what vLLM hands a template: thinking switch, effort, tools, and a variable of the request's own.
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\ntools {{ tools | length }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if reasoning_effort is defined and reasoning_effort %}effort {{ reasoning_effort }}\n{%- endif %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+    "{%- if flavour is defined %}flavour {{ flavour }}{%- endif %}{%- endif %}"
+)
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "find", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def template_tokenizer_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    special = ["<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    backend.train_from_iterator(["hello world think assistant user system tools effort flavour " * 50],
+                                trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out = tmp_path_factory.mktemp("tokenizer")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=TEMPLATE, eos_token="<|im_end|>")
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def _vllm_ids(tokenizer, request, rendering: EngineRendering) -> list[int]:
+    """The ids vLLM's renderer makes of `request`: its own merge of template arguments
+    (`OnlineRenderer.preprocess_chat`) and its own `safe_apply_chat_template`."""
+    from vllm.renderers.hf import safe_apply_chat_template
+    from vllm.renderers.params import merge_kwargs
+
+    excluded = rendering.exclude_tools_when_tool_choice_none and request.tool_choice == "none"
+    tools = None if request.tools is None or excluded else [tool.model_dump() for tool in request.tools]
+    engine_defaults = merge_kwargs(dict(rendering.default_chat_template_kwargs), {"tools": tools, "tokenize": False})
+    params = request.build_chat_params(None, "auto").with_defaults(engine_defaults)
+    model_config = SimpleNamespace(revision=None, code_revision=None, trust_remote_code=False, tokenizer_revision=None,
+                                   tokenizer=tokenizer.name_or_path, model=tokenizer.name_or_path,
+                                   hf_config=SimpleNamespace(model_type="llama"))
+    text = safe_apply_chat_template(model_config, tokenizer, [dict(m) for m in request.messages],
+                                    **params.get_apply_chat_template_kwargs())
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "rendering"),
+    [
+        ({"reasoning_effort": "none"}, ALIKE),
+        ({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}, ALIKE),
+        ({}, EngineRendering({"enable_thinking": False}, renders_like_router=True)),
+        ({"chat_template_kwargs": {"enable_thinking": True, "flavour": "x"}},
+         EngineRendering({"enable_thinking": False, "flavour": "y"}, renders_like_router=True)),
+        ({"tools": [TOOL], "tool_choice": "none"}, EngineRendering({}, True, renders_like_router=True)),
+        ({"tools": [TOOL], "tool_choice": "none"}, ALIKE),
+        ({"tools": [TOOL], "tool_choice": "auto", "response_format": {"type": "json_object"}}, ALIKE),
+        ({"add_generation_prompt": False, "continue_final_message": True}, ALIKE),
+    ],
+    ids=["effort-none", "kwargs-over-effort", "server-default", "request-over-server", "tools-excluded",
+         "tools-kept", "tool-choice-and-format", "continue"],
+)
+def test_forwarded_ids_are_the_ids_vllm_renders(template_tokenizer_dir, fields, rendering):
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hello world"}], **fields)
+    prompt_tokenizer = PromptTokenizer(template_tokenizer_dir)
+    assert is_forwardable(request, rendering)
+    expected = _vllm_ids(AutoTokenizer.from_pretrained(template_tokenizer_dir), request, rendering)
+    assert prompt_tokenizer.chat_token_ids(request, rendering) == expected
+
+
+class _Loads:
+    """A tokenizer loader that fails a given number of times, then returns a stand-in tokenizer."""
+
+    def __init__(self, num_failures: int) -> None:
+        self.num_failures = num_failures
+        self.sources: list[str] = []
+
+    def __call__(self, source: str):
+        self.sources.append(source)
+        if len(self.sources) <= self.num_failures:
+            raise OSError("the hub cannot be reached")
+        return _Tokenizer()
+
+
+def test_routing_never_loads_the_tokenizer_itself():
+    loads = _Loads(num_failures=0)
+    prompt_tokenizer = PromptTokenizer("org/model", load=loads)
+    assert prompt_tokenizer.token_ids(_chat()) is None
+    assert prompt_tokenizer.token_ids(SimpleNamespace(prompt="text")) is None
+    assert prompt_tokenizer.token_ids(SimpleNamespace(prompt=[5, 6])) == [5, 6]  # token ids need no tokenizer
+    assert loads.sources == []
+
+
+def test_a_failed_load_is_tried_again_after_a_growing_wait():
+    loads = _Loads(num_failures=3)
+    prompt_tokenizer = PromptTokenizer("org/model", load=loads)
+    waits: list[float] = []
+    prompt_tokenizer.load_until_loaded(wait=lambda seconds: waits.append(seconds) or False)
+    assert waits == [1.0, 2.0, 4.0] and len(loads.sources) == 4
+    assert prompt_tokenizer.token_ids(_chat()) == [ord(c) for c in "Be brief.|hi"]
+
+
+def test_loading_stops_when_told_to():
+    loads = _Loads(num_failures=10)
+    prompt_tokenizer = PromptTokenizer("org/model", load=loads)
+    prompt_tokenizer.load_until_loaded(wait=lambda seconds: True)
+    assert len(loads.sources) == 1 and not prompt_tokenizer.is_loaded
+
+
+def test_the_wait_between_loads_is_capped():
+    assert load_retry_wait_s(1) == 1.0
+    assert load_retry_wait_s(100) == load_retry_wait_s(10) == 300.0
+
+
+def test_the_tokenizer_loads_on_a_thread_of_its_own():
+    loads = _Loads(num_failures=0)
+    prompt_tokenizer = PromptTokenizer("org/model", load=loads)
+    prompt_tokenizer.start_loading().join(timeout=30)
+    assert prompt_tokenizer.is_loaded and loads.sources == ["org/model"]

@@ -110,7 +110,7 @@ def test_build_weighted_scorers(weights, expected_names):
     assert [s.name for s, _ in build_weighted_scorers(weights)] == expected_names
 
 
-@pytest.mark.parametrize("weights", [{"nope": 0.0}, {"load": -1.0}])
+@pytest.mark.parametrize("weights", [{"nope": 0.0}, {"load": -1.0}, {"load": float("inf")}, {"load": float("nan")}])
 def test_build_weighted_scorers_rejects_bad_entries(weights):
     with pytest.raises(ValueError):
         build_weighted_scorers(weights)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.stream_watch import EventStreamWatch
+from router.stream_watch import BLIND_ORPHANED_BLOCKS, BLIND_WINDOW_BLOCKS, EventStreamWatch
 from router.types import ReplicaId
 
 A, B = ReplicaId("a"), ReplicaId("b")
@@ -78,9 +78,26 @@ def test_a_stream_is_blind_when_orphans_pile_up_with_nothing_stored(watch, monke
     assert watch.health(280.0)[A].num_reloads == 3
 
 
-def test_stored_blocks_restart_the_orphan_count(watch, monkeypatch):
+def test_stored_blocks_outnumbering_orphans_keep_a_stream_from_looking_blind(watch, monkeypatch):
     monkeypatch.setattr("router.stream_watch.BLIND_ORPHANED_BLOCKS", 10)
-    assert not watch.looks_blind(A, 5, 9, 100.0)  # something was placed: the count starts here
-    assert not watch.looks_blind(A, 5, 18, 100.0)
-    assert watch.looks_blind(A, 5, 19, 100.0)
+    assert not watch.looks_blind(A, 50, 9, 100.0)  # too few orphans
+    assert not watch.looks_blind(A, 100, 20, 100.0)  # enough, but a sixth of what arrived
+    assert watch.looks_blind(A, 100, 34, 100.0)  # a quarter
     assert not watch.looks_blind(ReplicaId("unwatched"), 0, 1000, 100.0)
+
+
+def test_orphans_among_blocks_of_unrelated_prompts_call_a_stream_blind(watch):
+    """The lost prefix's extensions arrive as orphans while other prompts' own roots keep being stored."""
+    stored = orphaned = 0
+    for _ in range(70):
+        orphaned += 1
+        stored += 0 if orphaned % 10 else 1
+        if watch.looks_blind(A, stored, orphaned, 100.0):
+            break
+    assert watch.health(100.0)[A].num_reloads == 1 and orphaned == BLIND_ORPHANED_BLOCKS
+
+
+def test_a_long_healthy_past_does_not_outweigh_orphans_arriving_now(watch, monkeypatch):
+    monkeypatch.setattr("router.stream_watch.BLIND_ORPHANED_BLOCKS", 10)
+    assert not watch.looks_blind(A, BLIND_WINDOW_BLOCKS, 0, 100.0)  # a full window: the next one starts here
+    assert watch.looks_blind(A, BLIND_WINDOW_BLOCKS + 20, 10, 100.0)

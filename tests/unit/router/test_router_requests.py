@@ -1,0 +1,182 @@
+"""router.adapter.PrefixKVRouter inside Ray Serve's request router: which request gets which replica,
+what it hands the engine, and where its decision is logged.
+
+A real `PrefixKVRouter` with stand-in replicas; the event pump is stopped and
+the tokenizer is a stand-in, so nothing leaves the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+from vllm.distributed.kv_events import BlockStored
+
+from cluster.config import RouterConfig
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve._private.request_router.common import PendingRequest
+from router import decision_log
+from router.adapter import PrefixKVRouter
+from router.prompt_tokens import FORWARDED_IDS_KEY, EngineRendering, PromptTokenizer
+
+BS = 4
+DEPLOYMENT = DeploymentID(name="llm", app_name="warmpath")
+
+
+class StandInReplica:
+    """A running replica as Serve's router sees it; `answer_probes` holds back its queue-length answers."""
+
+    def __init__(self, name: str, routing_stats: dict | None = None) -> None:
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
+        self.routing_stats = routing_stats or {}
+        self.max_ongoing_requests = 64
+        self.node_id = "node"
+        self.availability_zone = None
+        self.multiplexed_model_ids: set = set()
+        self.is_cross_language = False
+        self.answer_probes = asyncio.Event()
+        self.answer_probes.set()
+
+    async def get_queue_len(self, deadline_s: float) -> int:
+        await self.answer_probes.wait()
+        return 0
+
+
+class TemplateRecorder:
+    """Stands in for the HF tokenizer: renders by joining contents, records the template's arguments."""
+
+    def __init__(self) -> None:
+        self.template_calls: list[dict] = []
+
+    def apply_chat_template(self, messages, tools=None, tokenize=True, **kwargs):
+        self.template_calls.append(kwargs)
+        return "|".join(m["content"] for m in messages)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+@pytest.fixture
+def new_router(monkeypatch):
+    """Makes routers whose tokenizer loads nothing and whose event pump is stopped."""
+    monkeypatch.setattr(PromptTokenizer, "start_loading", lambda self: None)
+    routers: list[PrefixKVRouter] = []
+
+    def make() -> PrefixKVRouter:
+        router = PrefixKVRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+        router.initialize_state(router=RouterConfig().model_dump(mode="json"), model_id="m",
+                                model_source="unused", block_size_tokens=BS)
+        router._pump.is_stopped = True
+        router._pump.join(timeout=30)
+        # A probe waits as long as a test holds it back, never timing out.
+        router.queue_len_response_deadline_s = router.max_queue_len_response_deadline_s = 600.0
+        routers.append(router)
+        return router
+
+    yield make
+
+
+def cache_on(router: PrefixKVRouter, replica: str, tokens: list[int], first_hash: int) -> None:
+    """Indexes `tokens` (whole blocks) as cached on `replica`."""
+    router.index.apply(replica, [BlockStored(
+        block_hashes=[(first_hash + i).to_bytes(32, "big") for i in range(len(tokens) // BS)],
+        parent_block_hash=None, token_ids=tokens, block_size=BS, lora_id=None, medium="GPU", lora_name=None,
+    )])
+
+
+def pending(body, call_method: str = "completions", request_id: str | None = None) -> PendingRequest:
+    metadata = RequestMetadata(request_id=request_id or uuid.uuid4().hex, internal_request_id=uuid.uuid4().hex,
+                               call_method=call_method)
+    return PendingRequest(args=[body], kwargs={}, metadata=metadata)
+
+
+def test_each_request_gets_the_replica_chosen_for_its_prefix(new_router):
+    """The request whose replica answers its probe first must not hand that replica to an older request."""
+
+    async def route() -> None:
+        router = new_router()
+        r1, r2 = StandInReplica("R1"), StandInReplica("R2")
+        r1.answer_probes.clear()  # R1's queue length comes late (another node, a busy actor)
+        router.update_replicas([r1, r2])
+        tokens_a, tokens_b = list(range(64)), list(range(1000, 1064))
+        cache_on(router, "R1", tokens_a, 0)
+        cache_on(router, "R2", tokens_b, 100)
+        request_a, request_b = pending(SimpleNamespace(prompt=tokens_a)), pending(SimpleNamespace(prompt=tokens_b))
+        routed_a = asyncio.ensure_future(router._choose_replica_for_request(request_a))
+        routed_b = asyncio.ensure_future(router._choose_replica_for_request(request_b))
+        await asyncio.wait([routed_a, routed_b], return_when=asyncio.FIRST_COMPLETED)
+        r1.answer_probes.set()
+        got_a, got_b = await routed_a, await routed_b
+        assert (got_a.replica_id.unique_id, got_b.replica_id.unique_id) == ("R1", "R2")
+
+    asyncio.run(route())
+
+
+def test_two_requests_with_one_client_request_id_each_find_their_own_decision(new_router):
+    async def route() -> None:
+        router = new_router()
+        r1, r2 = StandInReplica("R1"), StandInReplica("R2")
+        router.update_replicas([r1, r2])
+        cache_on(router, "R1", list(range(64)), 0)
+        cached = pending(SimpleNamespace(prompt=list(range(64))), request_id="client-id")
+        cold = pending(SimpleNamespace(prompt=list(range(5000, 5064))), request_id="client-id")
+        await router.choose_replicas([r1, r2], cached)
+        await router.choose_replicas([r1, r2], cold)
+        assert decision_log.DECISIONS.pop("client-id") is None  # ambiguous: nobody gets another's headers
+        got_cold = decision_log.DECISIONS.pop("client-id", cold.metadata.internal_request_id)
+        got_cached = decision_log.DECISIONS.pop("client-id", cached.metadata.internal_request_id)
+        assert (got_cached.decision.reason, got_cold.decision.reason) == ("prefix-hit", "cold")
+
+    asyncio.run(route())
+
+
+def chat(content: str = "hi", **fields) -> SimpleNamespace:
+    return SimpleNamespace(messages=[{"role": "user", "content": content}], kv_transfer_params=None, **fields)
+
+
+def with_stand_in_tokenizer(router: PrefixKVRouter) -> TemplateRecorder:
+    recorder = TemplateRecorder()
+    router.tokenizer = PromptTokenizer("unused", load=lambda source: recorder)
+    router.tokenizer.load_until_loaded(wait=lambda seconds: True)
+    return recorder
+
+
+@pytest.mark.parametrize(
+    ("routing_stats", "is_forwarded"),
+    [
+        ({}, False),  # the replica has not said how it renders (its first routing stats are still to come)
+        (EngineRendering({"enable_thinking": False}, renders_like_router=False).routing_stats(), False),
+        (EngineRendering({"enable_thinking": False}, renders_like_router=True).routing_stats(), True),
+    ],
+)
+def test_chat_ids_are_forwarded_only_to_replicas_that_render_as_the_router(new_router, routing_stats, is_forwarded):
+    async def route() -> None:
+        router = new_router()
+        recorder = with_stand_in_tokenizer(router)
+        replica = StandInReplica("R1", routing_stats)
+        router.update_replicas([replica])
+        body = chat("hello")
+        await router.choose_replicas([replica], pending(body, "chat"))
+        forwarded = (body.kv_transfer_params or {}).get(FORWARDED_IDS_KEY)
+        assert forwarded == ([ord(c) for c in "hello"] if is_forwarded else None)
+        # The server's template defaults reach the router's rendering wherever the replica advertised them.
+        assert recorder.template_calls[-1].get("enable_thinking") is (False if routing_stats else None)
+
+    asyncio.run(route())
+
+
+def test_until_the_tokenizer_loads_chat_requests_are_routed_by_load(new_router):
+    async def route() -> None:
+        router = new_router()
+        busy, idle = StandInReplica("busy"), StandInReplica("idle")
+        router.update_replicas([busy, idle])
+        router._inflight.place("earlier", "busy", time.monotonic(), is_dispatched=True)
+        body = chat()
+        tiers = await router.choose_replicas([busy, idle], pending(body, "chat"))
+        assert [[r.replica_id.unique_id for r in tier] for tier in tiers] == [["idle"], ["busy"]]
+        assert body.kv_transfer_params is None and not router._decisions
+
+    asyncio.run(route())

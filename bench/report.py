@@ -31,6 +31,34 @@ METRICS: tuple[tuple[str, str, str], ...] = (
 BASELINE_POLICY = "pow2"
 
 
+def _done_cell(summary: Mapping) -> str:
+    """How many requests a row's figures cover (`num_requests`), and how many failed (`+N failed`)."""
+    done, failed = summary.get("num_requests"), summary.get("num_errors") or 0
+    shown = "-" if done is None else str(done)
+    return f"{shown} (+{failed} failed)" if failed else shown
+
+
+def coverage_notes(summaries: Mapping[str, Mapping], baseline: str, num_planned: int | None = None) -> list[str]:
+    """Rows whose figures cover fewer requests than planned (or than the baseline's), and why.
+
+    Why: a live session stops at its first failed request, so its later steps are
+    never sent; the sums (prefill tokens, turns per second) and percentiles of such
+    a row describe other requests than a full row's, and its ratios compare unlike sets.
+    """
+    expected = num_planned if num_planned is not None else summaries[baseline].get("num_requests")
+    notes = []
+    for policy, summary in summaries.items():
+        done, failed = summary.get("num_requests"), summary.get("num_errors") or 0
+        if done is None or expected is None or (done == expected and not failed):
+            continue
+        unsent = expected - done - failed
+        notes.append(
+            f"note: {policy} completed {done} of {expected} requests ({failed} failed, {max(unsent, 0)} never sent): "
+            "its figures cover other requests than a full run's, so its ratios compare unlike sets"
+        )
+    return notes
+
+
 def _cell(value: float | None, base: float | None, fmt: str) -> str:
     shown = "-" if value is None else fmt.format(value)
     if value is None or base is None or base == 0:
@@ -50,13 +78,14 @@ def error_line(err: BaseException, limit: int = 300) -> str:
 
 
 def ratio_table(summaries: Mapping[str, Mapping | None], title: str = "",
-                errors: Mapping[str, str] | None = None) -> str:
+                errors: Mapping[str, str] | None = None, num_planned: int | None = None) -> str:
     """Fixed-width table, one row per policy, each figure as `ratio to pow2 (value)`.
 
     Args:
         summaries: policy -> `TraceSummary.to_json()`, or None for a policy that failed.
         title: printed above the table.
         errors: policy -> why it failed; its row says so instead of figures.
+        num_planned: requests the workload plans; rows that completed another number are noted.
 
     Returns:
         The table as text.
@@ -72,9 +101,11 @@ def ratio_table(summaries: Mapping[str, Mapping | None], title: str = "",
         return "\n".join(lines)
     baseline = BASELINE_POLICY if BASELINE_POLICY in finished else finished[0]
     base = summaries[baseline]
-    rows = [["policy"] + [name for _, name, _ in METRICS]]
+    rows = [["policy", "requests"] + [name for _, name, _ in METRICS]]
     for policy in finished:
-        rows.append([policy] + [_cell(summaries[policy].get(key), base.get(key), fmt) for key, _, fmt in METRICS])
+        summary = summaries[policy]
+        rows.append([policy, _done_cell(summary)]
+                    + [_cell(summary.get(key), base.get(key), fmt) for key, _, fmt in METRICS])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     widths[0] = max([widths[0]] + [len(p) for p in summaries])
     lines.append(f"(ratio to {baseline}, value in parentheses)")
@@ -86,6 +117,7 @@ def ratio_table(summaries: Mapping[str, Mapping | None], title: str = "",
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * width for width in widths))
+    lines += coverage_notes({p: summaries[p] for p in finished}, baseline, num_planned)
     return "\n".join(lines)
 
 
@@ -117,8 +149,12 @@ def _check_line(policy: str, check: Mapping) -> str:
     """One policy's simulator replay: both hit rates, or why the replay failed."""
     if check.get("error"):
         return f"{policy}: FAILED: {check['error']}"
-    return (f"{policy}: measured {check['measured_hit_rate']:.3f}, simulated {check['simulated_hit_rate']:.3f} "
+    line = (f"{policy}: measured {check['measured_hit_rate']:.3f}, simulated {check['simulated_hit_rate']:.3f} "
             f"({'within' if check['is_within_tolerance'] else 'OUTSIDE'} +-{check['tolerance']:.2f})")
+    agreement = check.get("request_agreement")
+    if agreement is not None:
+        line += f"; {agreement:.0%} of requests cached within one block of vLLM's count"
+    return line
 
 
 def live_report(result: Mapping) -> str:
@@ -128,7 +164,7 @@ def live_report(result: Mapping) -> str:
     runs = result["policies"]
     summaries = {p: run.get("summary") for p, run in runs.items()}
     errors = {p: run["error"] for p, run in runs.items() if run.get("error")}
-    text = ratio_table(summaries, title, errors) + oracle_section(result)
+    text = ratio_table(summaries, title, errors, result.get("num_requests")) + oracle_section(result)
     checks = result.get("simulator_check") or {}
     if checks:
         text += "\nsimulator replay of each trace (CPU cost model):\n  " + "\n  ".join(

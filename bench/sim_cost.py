@@ -97,23 +97,52 @@ class CostFit:
         return asdict(self)
 
 
+def alone_in_flight(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """The successful requests no other request overlapped, from sending to their last token.
+
+    Why: a request that waited behind others counts the wait as its own cost, and
+    on a few shared cores any other request in flight slows it; only these show
+    what a request costs by itself.
+    """
+    ok = sorted((r for r in records if r.error is None and r.ttft_s is not None and r.latency_s is not None),
+                key=lambda r: r.send_s)
+    ends = [r.send_s + r.latency_s for r in ok]
+    alone = []
+    latest_end = float("-inf")  # of the requests sent before this one
+    for i, record in enumerate(ok):
+        next_start = ok[i + 1].send_s if i + 1 < len(ok) else float("inf")
+        if latest_end <= record.send_s and ends[i] <= next_start:
+            alone.append(record)
+        latest_end = max(latest_end, ends[i])
+    return alone
+
+
 def fit_cost(records: Sequence[RequestRecord]) -> CostFit:
     """Least-squares line of TTFT against uncached prompt tokens; median decode time per output token.
 
-    The intercept holds everything a request pays besides its prefill (HTTP,
-    routing, queueing, the engine step), so fit a run at low load: queueing
-    behind other requests would be counted as cost.
+    Fits only the requests that ran alone (`alone_in_flight`): the intercept then
+    holds what a request pays besides its prefill (HTTP, routing, the engine
+    step) and no queueing. A run at low load has enough of them.
 
     Raises:
-        ValueError: fewer than two successful requests with distinct uncached token counts.
+        ValueError: fewer than two such requests with distinct uncached token counts, or a line
+            whose cost does not grow with the tokens (not a cost model).
     """
-    ok = [r for r in records if r.error is None and r.ttft_s is not None]
+    ok = alone_in_flight(records)
     xs = [r.prompt_tokens - r.cached_tokens for r in ok]
     if len(set(xs)) < 2:
-        raise ValueError(f"need requests with at least two distinct uncached token counts, got {len(ok)} requests")
+        raise ValueError(
+            f"need requests that ran alone with at least two distinct uncached token counts, got {len(ok)} "
+            "such requests: fit a run at lower load (fewer sessions, or one policy)"
+        )
     ys = [r.ttft_s for r in ok]
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    if slope <= 0 or mean_y - slope * mean_x < 0:
+        raise ValueError(
+            f"the {len(ok)} requests that ran alone give TTFT = {(mean_y - slope * mean_x) * 1e3:.1f} ms + "
+            f"{slope * 1e3:.4f} ms per uncached token, which is no cost model: fit a run with more of them"
+        )
     decode = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1)
               for r in ok if r.latency_s is not None and r.output_tokens > 1]
     return CostFit(len(ok), mean_y - slope * mean_x, slope, statistics.median(decode) if decode else None)

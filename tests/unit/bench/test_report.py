@@ -94,3 +94,18 @@ def test_error_line_is_one_short_line():
     assert error_line(MemoryError()) == "MemoryError"
     assert error_line(RuntimeError("a\n  b")) == "RuntimeError: a b"
     assert len(error_line(ValueError("x" * 1000))) == 300
+
+
+def test_rows_that_completed_other_requests_say_so():
+    full = {"num_requests": 8, "num_errors": 0, "prefill_tokens": 1000.0, "ttft_p50_s": 0.5}
+    short = {"num_requests": 5, "num_errors": 1, "prefill_tokens": 620.0, "ttft_p50_s": 0.43}
+    text = ratio_table({"pow2": full, "warmpath": short}, "title", num_planned=8)
+    header = text.splitlines()[2]
+    assert "requests" in header
+    warmpath_row = next(line for line in text.splitlines() if line.startswith("warmpath"))
+    assert "5 (+1 failed)" in warmpath_row
+    notes = [line for line in text.splitlines() if line.startswith("note:")]
+    assert notes == ["note: warmpath completed 5 of 8 requests (1 failed, 2 never sent): its figures cover other "
+                     "requests than a full run's, so its ratios compare unlike sets"]
+    assert not [line for line in ratio_table({"pow2": full, "warmpath": full}, "t", num_planned=8).splitlines()
+                if line.startswith("note:")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -10,9 +11,14 @@ from bench.sim_cost import fit_cost, main
 from bench.trace import RequestRecord
 
 
-def _record(uncached: int, ttft_s: float, output_tokens: int = 5, decode_s: float = 0.01, **fields) -> RequestRecord:
-    return RequestRecord("s", 0, 0.0, prompt_tokens=uncached + 64, cached_tokens=64, output_tokens=output_tokens,
-                         ttft_s=ttft_s, latency_s=ttft_s + decode_s * (output_tokens - 1), **fields)
+_SEND_TIMES = itertools.count(0.0, 100.0)  # far apart: each record runs alone unless a test says otherwise
+
+
+def _record(uncached: int, ttft_s: float, output_tokens: int = 5, decode_s: float = 0.01, send_s: float | None = None,
+            **fields) -> RequestRecord:
+    return RequestRecord("s", 0, next(_SEND_TIMES) if send_s is None else send_s, prompt_tokens=uncached + 64,
+                         cached_tokens=64, output_tokens=output_tokens, ttft_s=ttft_s,
+                         latency_s=ttft_s + decode_s * (output_tokens - 1), **fields)
 
 
 def test_fit_recovers_the_line_and_the_decode_time():
@@ -23,6 +29,21 @@ def test_fit_recovers_the_line_and_the_decode_time():
     assert fit.prefill_overhead_s == pytest.approx(0.05)
     assert fit.prefill_s_per_token == pytest.approx(0.0002)
     assert fit.decode_s_per_token == pytest.approx(0.01)
+
+
+def test_fit_leaves_out_requests_that_overlapped_others():
+    alone = [_record(n, 0.05 + 0.0002 * n) for n in (100, 400, 900, 2000)]
+    # Two requests in flight together, each waiting behind the other: their TTFTs hold queueing, not cost.
+    queued = [_record(3000, 0.2, send_s=5000.0), _record(50, 3.0, send_s=5000.1)]
+    fit = fit_cost(alone + queued)
+    assert fit.num_requests == 4
+    assert fit.prefill_overhead_s == pytest.approx(0.05)
+    assert fit.prefill_s_per_token == pytest.approx(0.0002)
+
+
+def test_a_line_that_is_no_cost_model_is_refused():
+    with pytest.raises(ValueError, match="no cost model"):
+        fit_cost([_record(100, 0.5), _record(2000, 0.1)])
 
 
 def test_fit_needs_two_distinct_sizes():
@@ -64,7 +85,7 @@ def _bad_files(tmp_path) -> dict[str, tuple[object, str]]:
         "simulate": ({"kind": "warmpath-simulate", "runs": []}, "is a `warmpath simulate` result"),
         "no-requests": ({"policies": {"pow2": {"records": [_record(100, 0.1, error="HTTP 500").to_json()]}}},
                         "cannot fit"),
-        "one-size": ({"policies": {"pow2": ok_run}}, "need requests with at least two distinct"),
+        "one-size": ({"policies": {"pow2": ok_run}}, "at least two distinct uncached token counts"),
         "all-failed": ({"policies": {"pow2": {"error": "RuntimeError: boom"}}}, "has no run that finished"),
         "malformed": ({"policies": {"pow2": {"records": [{"send_s": 1.0}]}}}, "has malformed records"),
     }

@@ -11,8 +11,8 @@ import pytest
 from bench.oracle import LruBlockCache, oracle_bounds
 from bench.report import simulation_report
 from bench.sim_cache import BlockCache
-from bench.sim_cost import CPU_PROFILE, GPU_PROFILE
-from bench.sim_routers import POLICIES
+from bench.sim_cost import CPU_PROFILE, GPU_PROFILE, fit_cost
+from bench.sim_routers import POLICIES, SimRequest
 from bench.simulator import (
     Simulation,
     WorkloadSource,
@@ -213,6 +213,16 @@ def test_reproduces_a_live_run_hit_rate_from_its_trace():
     assert check.is_within_tolerance, check
     wrong = reproduce_live_run(_fake_bench(records, 32, measured_hit_rate=0.0), "warmpath")
     assert not wrong.is_within_tolerance
+    # Request by request: the replay's cached tokens against each record's own count.
+    replayed = {(r.session_id, r.step_index): r.cached_tokens
+                for r in simulate("warmpath", 2, dataclasses.replace(CPU_PROFILE, block_size_tokens=32),
+                                  requests=trace_requests(records), router_config=STICKY,
+                                  model_id="warmpath-tiny", is_output_reused=False).records}
+    assert any(replayed.values())
+    for i, record in enumerate(records):  # half as the replay cached them, half three blocks off
+        record.cached_tokens = replayed[(record.session_id, record.step_index)] + (96 if i % 2 else 0)
+    check = reproduce_live_run(_fake_bench(records, 32, measured), "warmpath")
+    assert (check.num_requests, check.num_within_block, check.request_agreement) == (6, 3, 0.5)
 
 
 def test_grid_runs_every_policy_at_every_replica_count():
@@ -244,3 +254,44 @@ def test_a_grid_in_parallel_processes_gives_the_serial_results_in_the_same_order
 def test_a_grid_needs_at_least_one_job():
     with pytest.raises(ValueError, match="jobs"):
         run_grid(["fanout"], [2], num_sessions=1, jobs=0)
+
+
+HAND = dataclasses.replace(CPU_PROFILE, block_size_tokens=4, kv_capacity_blocks=1000, prefill_overhead_s=0.1,
+                           prefill_s_per_token=0.01, decode_s_per_token=0.02, is_decode_blocking=True,
+                           kv_event_lag_s=0.0)
+
+
+def _hand_request(session_id: str, step_index: int, arrival_s: float, tokens: list[int], num_output_tokens: int,
+                  is_last: bool = True) -> SimRequest:
+    return SimRequest(session_id, step_index, arrival_s, array("I", tokens), num_output_tokens, is_last)
+
+
+def test_ttft_is_the_fitted_prefill_cost_and_each_later_token_one_decode_step():
+    """The step that ends a prefill samples the first token: TTFT = overhead + per-token cost, then 4 decode steps."""
+    (record,) = simulate("pow2", 1, HAND, requests=[_hand_request("s", 0, 0.0, list(range(1, 10)), 5)]).records
+    assert record.ttft_s == pytest.approx(0.1 + 0.01 * 9)
+    assert record.latency_s == pytest.approx(0.1 + 0.01 * 9 + 4 * 0.02)
+
+
+def test_a_fit_of_idle_simulated_records_gives_back_the_profile():
+    requests = [_hand_request(f"x{n}", 0, 100.0 * i, [n * 1000 + k for k in range(n)], 5)
+                for i, n in enumerate(range(5, 200, 13))]
+    fit = fit_cost(simulate("pow2", 1, HAND, requests=requests, is_output_reused=False).records)
+    assert (fit.prefill_overhead_s, fit.prefill_s_per_token, fit.decode_s_per_token) == pytest.approx((0.1, 0.01, 0.02))
+
+
+def test_generated_tokens_cached_for_the_next_step_leave_out_the_last_one():
+    """vLLM never computes KV for the last sampled token: a 9-token prompt and 3 output tokens hold 11, 2 blocks of 4."""
+    from bench.workloads import Message, Part, Session, SharedToolsParams, Step, Workload
+
+    system, task = Message("system", (Part("sys", 2),)), Message("user", (Part("task", 1),))
+    call = Message("assistant", (Part("call", 2),), tool_name="t", call_id="c0")
+    result = Message("tool", (Part("res", 20),), call_id="c0")
+    session = Session("s0", 0.0, (), ((system, task, call, result),), (Step(0, 2, 3, 1.0), Step(0, 4, 5, 0.0, "final")))
+    workload = Workload("shared-tools", 0, SharedToolsParams(), 1.0, (session,))
+    renderer = SyntheticRenderer()
+    first, following = renderer.token_ids(session, 0), renderer.token_ids(session, 1)
+    assert following[: len(first)] == first and len(first) % 4 == 1
+    records = simulate("pow2", 1, HAND, workload=workload, renderer=renderer).records
+    held = len(first) + 3 - 1
+    assert [r.cached_tokens for r in records] == [0, held // 4 * 4]

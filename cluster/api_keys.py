@@ -10,8 +10,17 @@ Layout (all under the `warmpath:` prefix):
 - `apikey:<sha256 hex>`  hash {record: ApiKeyRecord JSON}
 - `apikey-id:<key id>`   the sha256 hex, so a key can be listed and revoked by id
 - `ratelimit:<key id>`   hash {tokens, ts_ms}, the key's token bucket
-A key created with an expiry has its first two entries expire at that instant
-(Redis' own expiry), so an expired key is unknown from then on, everywhere at once.
+- `apikey-revoked:<sha256 hex>`  the key id, left by `revoke` and kept without expiry
+A key created with an expiry has its first two entries expire that long after
+creation (a relative expiry, so Redis' clock decides, not the creating machine's;
+the record's timestamps come from Redis' `TIME` too), so an expired key is unknown
+from then on, everywhere at once.
+
+Why revocation leaves a marker: a revoked key may have leaked, and a copy of it
+outlives its record (the local admin key's file, a backup). `create` refuses to
+register a revoked key again, so `warmpath up` can tell a revoked admin key
+(replace it) from one a new or flushed Redis never saw (register it again). The
+marker is a few dozen bytes per revocation, written by an operator's command.
 
 A stored record that no longer validates (written by hand, or by a build that let a
 non-finite rate through) never takes a request down with it: `authorize` and
@@ -25,6 +34,11 @@ It is flagged `allow-oom` (Redis 7+): a Redis full under `noeviction` still
 admits and rate-limits callers (a bucket is a few bytes, and expires), so a
 client can still reach DELETE /v1/sessions/{id}, the call that frees memory.
 A Redis that is down still refuses everyone (503): the guard fails closed.
+`revoke` is flagged the same way, so a leaked key can be revoked on a full Redis.
+
+A bucket's expiry is the time an empty bucket takes to refill, which records keep
+under `MAX_REFILL_S`; the script still caps it (and the retry delay), and hands
+Redis whole milliseconds, so no stored rate can make a call fail with a Redis error.
 
 Redis refusing a command for a state of its own (full, read-only replica,
 failed snapshot, missing database) is an outage, not a bug: it answers 503
@@ -39,13 +53,12 @@ import hashlib
 import logging
 import math
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional, Sequence, TypeVar
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from redis.exceptions import RedisError, ResponseError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from redis.exceptions import RedisError, ResponseError, WatchError
 
 from cluster.redis_errors import redis_refusal, retry_on_dead_connection
 
@@ -56,10 +69,15 @@ MAX_KEY_NAME_LENGTH = 128
 # How long a key check waits for Redis' reply before calling it unreachable (503). A Redis that is
 # down refuses the connection at once; a busy host can delay a healthy reply past 2 s.
 REDIS_REPLY_TIMEOUT_S = 5.0
+# Longest a key's empty bucket may take to refill (burst / requests_per_s): about 31,700 years. Beyond
+# it the bucket arithmetic leaves what Redis can hold as a millisecond expiry.
+MAX_REFILL_S = 1e12
+# The bucket's expiry and a refusal's retry delay are capped here, in whole milliseconds.
+MAX_BUCKET_TTL_MS = int(MAX_REFILL_S * 1000)
 _NS = "warmpath:"
 logger = logging.getLogger(__name__)
 
-# KEYS[1] = apikey:<hash>; ARGV[1] = key id prefix for the bucket key
+# KEYS[1] = apikey:<hash>; ARGV[1] = key id prefix for the bucket key; ARGV[2] = MAX_BUCKET_TTL_MS
 # Returns {0} for an unknown key, {2, record_json} for a record whose rate or burst is
 # unusable (the bucket arithmetic would fail or never refuse), else
 # {1, record_json, is_allowed, retry_after_ms}.
@@ -74,6 +92,7 @@ if not rate or not burst or not (rate > 0) or rate == math.huge or not (burst >=
   return {2, raw}
 end
 local bucket = ARGV[1] .. record['key_id']
+local max_ttl_ms = tonumber(ARGV[2])
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local state = redis.call('HMGET', bucket, 'tokens', 'ts_ms')
@@ -86,11 +105,24 @@ if tokens >= 1 then
   tokens = tokens - 1
   is_allowed = 1
 else
-  retry_after_ms = math.ceil((1 - tokens) * 1000 / rate)
+  retry_after_ms = math.min(math.ceil((1 - tokens) * 1000 / rate), max_ttl_ms)
 end
 redis.call('HSET', bucket, 'tokens', tostring(tokens), 'ts_ms', now_ms)
-redis.call('PEXPIRE', bucket, math.ceil(burst * 1000 / rate) + 1000)
+-- '%d': Redis writes a Lua number as '%.17g', in exponent form from 1e17 on, which PEXPIRE refuses.
+local ttl_ms = math.min(math.ceil(burst * 1000 / rate) + 1000, max_ttl_ms)
+redis.call('PEXPIRE', bucket, string.format('%d', ttl_ms))
 return {1, raw, is_allowed, retry_after_ms}
+"""
+
+# KEYS[1] = apikey-id:<key id>; ARGV[1] = the namespace prefix, ARGV[2] = the key id.
+# Returns 1 if the key existed, else 0. Deletes the key's entries and leaves its revocation
+# marker in one step; `allow-oom`: see the module docstring.
+_REVOKE = """#!lua flags=allow-oom
+local key_hash = redis.call('GET', KEYS[1])
+if not key_hash then return 0 end
+redis.call('SET', ARGV[1] .. 'apikey-revoked:' .. key_hash, ARGV[2])
+redis.call('DEL', ARGV[1] .. 'apikey:' .. key_hash, KEYS[1], ARGV[1] .. 'ratelimit:' .. ARGV[2])
+return 1
 """
 
 
@@ -102,6 +134,10 @@ def _unavailable(err: RedisError) -> StoreUnavailable:
     """The 503 of a failed key-store call, naming Redis' state when it refused for one."""
     refusal = redis_refusal(err) if isinstance(err, ResponseError) else None
     return StoreUnavailable(refusal or str(err))
+
+
+class KeyRevoked(ValueError):
+    """The key given to `create` was revoked: it stays refused, and only a new key can take its place."""
 
 
 class InvalidStoreUrl(ValueError):
@@ -126,6 +162,17 @@ class ApiKeyRecord(BaseModel):
     expires_at_s: Optional[float] = Field(
         None, description="Unix time the key stops working; None: never.", allow_inf_nan=False
     )
+
+    @model_validator(mode="after")
+    def _check_refill_time(self) -> "ApiKeyRecord":
+        """Refuses a bucket that would take `MAX_REFILL_S` or longer to refill (see its comment)."""
+        refill_s = self.burst / self.requests_per_s
+        if not refill_s < MAX_REFILL_S:
+            raise ValueError(
+                f"burst / requests_per_s (how long an empty bucket takes to refill) must be under "
+                f"{MAX_REFILL_S:g} s, got {refill_s:g} s"
+            )
+        return self
 
     def missing_permissions(self, required: Sequence[str]) -> list[str]:
         """Permissions in `required` this key lacks, in order (none when it holds '*')."""
@@ -220,6 +267,7 @@ class ApiKeyStore:
     def __init__(self, client: aioredis.Redis) -> None:
         self._redis = client
         self._authorize = client.register_script(_AUTHORIZE)
+        self._revoke = client.register_script(_REVOKE)
 
     @classmethod
     def from_url(cls, url: str) -> "ApiKeyStore":
@@ -241,32 +289,48 @@ class ApiKeyStore:
     ) -> tuple[str, ApiKeyRecord]:
         """Stores a new key (or registers `key`, e.g. one kept in a local state file); returns it and its record.
 
-        `expires_in_s` (> 0, finite) makes the key stop working that long after creation.
-        Raises ValueError (pydantic's ValidationError for the record's fields) before
-        anything is written.
+        `expires_in_s` (> 0, finite) makes the key stop working that long after creation,
+        by Redis' clock. Raises ValueError (pydantic's ValidationError for the record's
+        fields) before anything is written, and KeyRevoked when `key` was revoked.
         """
         if expires_in_s is not None and not (expires_in_s > 0 and math.isfinite(expires_in_s)):
             raise ValueError(f"expires_in_s must be finite and > 0, got {expires_in_s}")
         key = key or generate_api_key()
         key_hash = hash_api_key(key)
-        now_s = time.time()
-        record = ApiKeyRecord(
-            key_id=key_id_of(key_hash), name=name, permissions=tuple(permissions),
-            requests_per_s=requests_per_s, burst=burst, created_at_s=now_s,
-            expires_at_s=None if expires_in_s is None else now_s + expires_in_s,
-        )
-        entries = (_NS + "apikey:" + key_hash, _NS + "apikey-id:" + record.key_id)
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(entries[0], "record", record.model_dump_json())
-                pipe.set(entries[1], key_hash)
-                if record.expires_at_s is not None:
-                    for entry in entries:
-                        pipe.pexpireat(entry, math.ceil(record.expires_at_s * 1000))
-                await pipe.execute()
+            now_s = await self._redis_time_s()
+            record = ApiKeyRecord(
+                key_id=key_id_of(key_hash), name=name, permissions=tuple(permissions),
+                requests_per_s=requests_per_s, burst=burst, created_at_s=now_s,
+                expires_at_s=None if expires_in_s is None else now_s + expires_in_s,
+            )
+            await self._write(key_hash, record, expires_in_s)
+        except WatchError:  # the only key watched is the revocation marker: it was set meanwhile
+            raise KeyRevoked(f"API key {key_id_of(key_hash)} was revoked") from None
         except RedisError as err:
             raise _unavailable(err) from None
         return key, record
+
+    async def _redis_time_s(self) -> float:
+        """Redis' clock, in Unix seconds: every key's timestamps agree whichever machine created it."""
+        seconds, microseconds = await retry_on_dead_connection(self._redis, self._redis.time)
+        return seconds + microseconds / 1e6
+
+    async def _write(self, key_hash: str, record: ApiKeyRecord, expires_in_s: float | None) -> None:
+        """Stores `record` unless its key was revoked (checked and written in one transaction)."""
+        entries = (_NS + "apikey:" + key_hash, _NS + "apikey-id:" + record.key_id)
+        marker = _NS + "apikey-revoked:" + key_hash
+        async with self._redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(marker)
+            if await pipe.exists(marker):
+                raise KeyRevoked(f"API key {record.key_id} was revoked")
+            pipe.multi()
+            pipe.hset(entries[0], "record", record.model_dump_json())
+            pipe.set(entries[1], key_hash)
+            if expires_in_s is not None:
+                for entry in entries:
+                    pipe.pexpire(entry, math.ceil(expires_in_s * 1000))
+            await pipe.execute()
 
     async def lookup(self, key: str) -> Optional[ApiKeyRecord]:
         """The record of `key`, without spending a token."""
@@ -284,9 +348,9 @@ class ApiKeyStore:
         key_hash = hash_api_key(key)
         try:
             # A retry may take a second token when the first try ran but its reply was lost; never a free one.
-            reply = await retry_on_dead_connection(
-                self._redis, lambda: self._authorize(keys=[_NS + "apikey:" + key_hash], args=[_NS + "ratelimit:"])
-            )
+            reply = await retry_on_dead_connection(self._redis, lambda: self._authorize(
+                keys=[_NS + "apikey:" + key_hash], args=[_NS + "ratelimit:", MAX_BUCKET_TTL_MS]
+            ))
         except RedisError as err:
             raise _unavailable(err) from None
         if not reply or int(reply[0]) == 0:
@@ -320,12 +384,12 @@ class ApiKeyStore:
         )
 
     async def revoke(self, key_id: str) -> bool:
-        """Deletes a key by id; True if it existed. Requests with it fail from the next one on."""
+        """Deletes a key by id and marks it revoked; True if it existed. Requests with it fail from the next one on.
+
+        Not retried on a dead connection: a lost reply would make the retry answer False for a key it revoked.
+        """
         try:
-            key_hash = await self._redis.get(_NS + "apikey-id:" + key_id)
-            if key_hash is None:
-                return False
-            await self._redis.delete(_NS + "apikey:" + key_hash, _NS + "apikey-id:" + key_id, _NS + "ratelimit:" + key_id)
+            is_revoked = await self._revoke(keys=[_NS + "apikey-id:" + key_id], args=[_NS, key_id])
         except RedisError as err:
             raise _unavailable(err) from None
-        return True
+        return bool(int(is_revoked))

@@ -223,7 +223,7 @@ def _key_problems(
     name: str, permissions: list[str], requests_per_s: float, burst: int, expires_in_days: Optional[float]
 ) -> list[str]:
     """What is wrong with `keys create`'s flags, one item per flag (the record model would refuse the same)."""
-    from cluster.api_keys import MAX_KEY_NAME_LENGTH
+    from cluster.api_keys import MAX_KEY_NAME_LENGTH, MAX_REFILL_S
 
     problems = []
     if not name.strip() or len(name) > MAX_KEY_NAME_LENGTH:
@@ -231,10 +231,16 @@ def _key_problems(
         problems.append(f"--name must be 1 to {MAX_KEY_NAME_LENGTH} characters and not blank, got {got}")
     if bad := [p for p in permissions if not p or any(c.isspace() for c in p)]:
         problems.append(f"--permission must be non-empty and contain no whitespace, got {', '.join(map(repr, bad))}")
-    if not (math.isfinite(requests_per_s) and requests_per_s > 0):
+    is_rate_valid = math.isfinite(requests_per_s) and requests_per_s > 0
+    if not is_rate_valid:
         problems.append(f"--requests-per-s must be a finite number > 0, got {requests_per_s}")
     if burst < 1:
         problems.append(f"--burst must be >= 1, got {burst}")
+    elif is_rate_valid and not burst / requests_per_s < MAX_REFILL_S:
+        problems.append(
+            f"--burst / --requests-per-s (how long an empty bucket takes to refill) must be under "
+            f"{MAX_REFILL_S:g} s, got {burst / requests_per_s:g} s"
+        )
     if expires_in_days is not None:
         min_days = MIN_KEY_LIFETIME_S / 86400
         if math.isnan(expires_in_days) or expires_in_days <= 0:

@@ -600,27 +600,43 @@ def local_api_key(cfg: ClusterConfig) -> Optional[str]:
 def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress) -> str:
     """The local admin key (all permissions): kept in `<state_dir>/api-key` (mode 0600), registered in Redis.
 
-    Reused across `up`s; registered again if Redis lost it (a new Redis, a flushed one).
+    Reused across `up`s; registered again if Redis lost it (a new Redis, a flushed one). A
+    key revoked with `warmpath keys revoke` is never registered again (`ApiKeyStore.create`
+    refuses it): a new key replaces it, in the file too.
     """
-    from cluster.api_keys import ALL_PERMISSIONS, run_with_store
+    from cluster.api_keys import ALL_PERMISSIONS, KeyRevoked, hash_api_key, key_id_of, run_with_store
 
     file = api_key_file(cfg)
     existing = file.read_text().strip() if file.is_file() else None
 
+    async def create(store, key: Optional[str] = None):
+        return await store.create("local-admin", [ALL_PERMISSIONS], ADMIN_REQUESTS_PER_S, ADMIN_BURST, key=key)
+
     async def register(store) -> str:
-        if existing and await store.lookup(existing) is not None:
+        if not existing:
+            key, record = await create(store)
+            progress(f"api key: created {record.key_id} (all permissions) in {file}")
+            return key
+        if await store.lookup(existing) is not None:
             return existing
-        key, record = await store.create(
-            "local-admin", [ALL_PERMISSIONS], ADMIN_REQUESTS_PER_S, ADMIN_BURST, key=existing,
-        )
-        progress(f"api key: {'registered' if existing else 'created'} {record.key_id} (all permissions) in {file}")
+        try:
+            key, record = await create(store, existing)  # Redis lost it
+            progress(f"api key: registered {record.key_id} (all permissions) in {file}")
+        except KeyRevoked:
+            key, record = await create(store)
+            progress(
+                f"api key: the key in {file} ({key_id_of(hash_api_key(existing))}) was revoked; "
+                f"created {record.key_id} (all permissions) and wrote it there instead"
+            )
         return key
 
     key = run_with_store(redis_url, register)
     if existing != key:
         file.parent.mkdir(parents=True, exist_ok=True)
-        file.touch(mode=0o600)
-        file.write_text(key + "\n")
+        # O_CREAT's mode applies to a new file only: fchmod makes an existing one private too.
+        with os.fdopen(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+            os.fchmod(out.fileno(), 0o600)
+            out.write(key + "\n")
     return key
 
 

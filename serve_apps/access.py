@@ -6,20 +6,25 @@ with a `Caller` (who is calling, holding which permissions) that the ingress
 passes to the orchestrator, which owns the session-level checks (ownership,
 tool permissions).
 
-Failure rules, in order: no or unknown key -> 401; bucket empty -> 429 with
-`Retry-After`; key store unreachable or refusing (read-only replica, failed
-snapshot) -> 503 (fail closed and fast: a guard that cannot check a key admits
-nobody). A key store that is full (`maxmemory`, noeviction) still checks keys
-and buckets, so clients can still delete sessions to make room. With `access.is_auth_enabled` off, every
-call is the anonymous caller holding all permissions, and nothing touches Redis.
+Failure rules, in order: no or unknown key, or two different keys in one call
+-> 401; bucket empty -> 429 with `Retry-After`; key store unreachable or
+refusing (read-only replica, failed snapshot) -> 503 with `Retry-After` (fail
+closed and fast: a guard that cannot check a key admits nobody; why goes to the
+log, never to a caller who may hold no key at all). A key store that is full
+(`maxmemory`, noeviction) still checks keys and buckets, so clients can still
+delete sessions to make room. With `access.is_auth_enabled` off, every call is
+the anonymous caller holding all permissions, and nothing touches Redis.
 
 The HTTP side is a plain ASGI middleware, so it runs before FastAPI parses a
-body and can refuse an oversized one without reading it into memory.
+body and can refuse an oversized one without reading it into memory. Every
+refusal made here, the size limit's included, is counted in
+`warmpath_access_denials` by its code (`count_denial`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -31,7 +36,13 @@ from cluster.api_keys import ALL_PERMISSIONS, ApiKeyStore, StoreUnavailable
 from cluster.config import AccessConfig
 from serve_apps.api_errors import error_body
 
+logger = logging.getLogger("ray.serve")
+
 ANONYMOUS_KEY_ID = "anonymous"
+# Suggested wait before retrying a call refused because Redis (API keys or sessions) is unavailable.
+STORE_RETRY_AFTER_S = 1.0
+# Error codes of those refusals, whoever makes them (this guard, the orchestrator, a turn).
+STORE_UNAVAILABLE_CODES = frozenset({"key_store_unavailable", "store_unavailable"})
 # Paths any client (or probe) may call without a key.
 PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
@@ -55,6 +66,11 @@ def retry_after_header(retry_after_s: float) -> tuple[str, str]:
     return "retry-after", str(max(1, math.ceil(retry_after_s)))
 
 
+def store_retry_headers(code: Optional[str]) -> dict[str, str]:
+    """`retry-after` for a refusal with this error code when it says Redis is unavailable; none otherwise."""
+    return dict([retry_after_header(STORE_RETRY_AFTER_S)]) if code in STORE_UNAVAILABLE_CODES else {}
+
+
 class AccessDenied(Exception):
     """A call refused before it reached any deployment."""
 
@@ -74,6 +90,19 @@ class AccessDenied(Exception):
         return error_body(self.status, self.message, code=self.code)
 
 
+def count_denial(denied: AccessDenied) -> AccessDenied:
+    """Counts a refusal in `warmpath_access_denials` by its code; returns it, for the caller to raise or send."""
+    from serve_apps.metrics import WarmpathMetrics
+
+    WarmpathMetrics.get().access_denials.inc(tags={"code": denied.code})
+    return denied
+
+
+def request_too_large(message: str) -> AccessDenied:
+    """The 413 of a request over `access.max_request_bytes`, counted."""
+    return count_denial(AccessDenied(413, "request_too_large", message))
+
+
 class GuardSettings(BaseModel):
     """What a guard needs, as plain data (it travels to each ingress replica)."""
 
@@ -84,14 +113,29 @@ class GuardSettings(BaseModel):
 
 
 def credentials_from(headers: Iterable[tuple[str, str]]) -> Optional[str]:
-    """The API key in `authorization: Bearer <key>` or `x-api-key: <key>`, if any."""
+    """The API key in `authorization: Bearer <key>` or `x-api-key: <key>`, if any (HTTP headers or gRPC metadata).
+
+    A non-empty Bearer key is used, else `x-api-key`, whatever order they come in; an
+    empty value counts as absent. Two different keys in one call are refused rather
+    than one of them checked: which key the caller meant is not for the server to guess.
+
+    Raises:
+        AccessDenied: 401 `invalid_api_key` when the call carries two different keys.
+    """
+    keys = set()
     for name, value in headers:
         lowered = name.lower()
         if lowered == "authorization" and value[:7].lower() == "bearer ":
-            return value[7:].strip() or None
-        if lowered == "x-api-key":
-            return value.strip() or None
-    return None
+            keys.add(value[7:].strip())
+        elif lowered == "x-api-key":
+            keys.add(value.strip())
+    keys.discard("")
+    if len(keys) > 1:
+        raise AccessDenied(
+            401, "invalid_api_key",
+            "the call carries different API keys (in 'Authorization: Bearer' and 'x-api-key'); send one key",
+        )
+    return next(iter(keys), None)
 
 
 class AccessGuard:
@@ -112,10 +156,19 @@ class AccessGuard:
         try:
             return await self._admit(key)
         except AccessDenied as denied:
-            from serve_apps.metrics import WarmpathMetrics
-
-            WarmpathMetrics.get().access_denials.inc(tags={"code": denied.code})
+            count_denial(denied)
             raise
+
+    async def admit_call(self, headers: Iterable[tuple[str, str]]) -> Caller:
+        """The caller behind the key a call's HTTP headers or gRPC metadata carry (`credentials_from`); as `admit`."""
+        if self._keys is None:
+            return ANONYMOUS  # with keys off, whatever a call carries is not looked at
+        try:
+            key = credentials_from(headers)
+        except AccessDenied as denied:
+            count_denial(denied)
+            raise
+        return await self.admit(key)
 
     async def _admit(self, key: Optional[str]) -> Caller:
         if self._keys is None:
@@ -125,7 +178,10 @@ class AccessGuard:
         try:
             outcome = await self._keys.authorize(key)
         except StoreUnavailable as err:
-            raise AccessDenied(503, "key_store_unavailable", f"cannot check API keys right now: {err}", 1.0) from None
+            logger.warning("API key check failed: the key store is unavailable: %s", err)
+            raise AccessDenied(
+                503, "key_store_unavailable", "the API key store is unavailable", STORE_RETRY_AFTER_S
+            ) from None
         if outcome.record is None:
             raise AccessDenied(401, "invalid_api_key", "the API key is not valid")
         if not outcome.is_allowed:
@@ -162,8 +218,8 @@ class AccessMiddleware:
             declared = 0
         try:
             if declared > limit:
-                raise AccessDenied(413, "request_too_large", f"request body of {declared} bytes exceeds {limit} bytes")
-            caller = await self._guard.admit(credentials_from(headers))
+                raise request_too_large(f"request body of {declared} bytes exceeds {limit} bytes")
+            caller = await self._guard.admit_call(headers)
         except AccessDenied as denied:
             await _send_json(send, denied.status, denied.body(), denied.headers())
             return
@@ -184,8 +240,8 @@ class AccessMiddleware:
             chunks.append(message.get("body", b""))
             received += len(chunks[-1])
             if received > limit:
-                denied = AccessDenied(413, "request_too_large", f"request body exceeds {limit} bytes")
-                await _send_json(send, denied.status, denied.body(), {})
+                denied = request_too_large(f"request body exceeds {limit} bytes")
+                await _send_json(send, denied.status, denied.body(), denied.headers())
                 return
             if not message.get("more_body", False):
                 break

@@ -16,9 +16,16 @@ dicts are converted here.
 
 Every RPC is first admitted by `serve_apps.access.AccessGuard` (the HTTP
 ingress' guard): the key in `authorization: Bearer <key>` or `x-api-key`
-metadata, its rate limit, then the caller goes to the orchestrator, which
-checks session ownership and tool permissions. `idempotency-key` metadata
-makes a turn retry-safe as the HTTP header does.
+metadata (by the HTTP headers' rule), its rate limit, then the caller goes to
+the orchestrator, which checks session ownership and tool permissions.
+`idempotency-key` metadata makes a turn retry-safe as the HTTP header does.
+Where HTTP answers `Retry-After` (rate limit, Redis unavailable), the status
+carries it as `retry-after` trailing metadata.
+
+Metrics: an Inference call is recorded as the HTTP ingress records a chat
+call (`serve_apps.metrics.record_model_usage`, with the last usage the engine
+sent), and its routing decision is taken out of the log by both of Serve's
+request ids, so calls sharing a client's `x-request-id` never swap decisions.
 
 Status and ordering rules:
 - a unary failure sets the code and details on `grpc_context` and returns an
@@ -68,9 +75,18 @@ from starlette.responses import JSONResponse
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
-from serve_apps.access import AccessDenied, AccessGuard, Caller, GuardSettings, credentials_from, retry_after_header
+from serve_apps.access import (
+    AccessDenied,
+    AccessGuard,
+    Caller,
+    GuardSettings,
+    request_too_large,
+    retry_after_header,
+    store_retry_headers,
+)
 from serve_apps.api_errors import engine_error, error_type, exception_body, validation_problem
 from serve_apps.grpc_status import RpcFailure, grpc_code
+from serve_apps.metrics import record_model_usage
 from serve_apps.orchestrator.models import TURN_ERROR_STATUS, TURN_INTERRUPTED, Message
 from serve_apps.orchestrator.prompt import to_wire_message
 from serve_apps.sse_frames import sse_payloads
@@ -346,10 +362,13 @@ def envelope_body(envelope: Mapping[str, Any], expected_status: int) -> Any:
     """The body of an orchestrator envelope with the expected status.
 
     Raises:
-        RpcFailure: the envelope is an error (its status mapped to a gRPC code).
+        RpcFailure: the envelope is an error (its status mapped to a gRPC code; `retry-after`
+            trailing metadata where HTTP sends `Retry-After`).
     """
     if envelope["status"] != expected_status:
-        raise RpcFailure.from_envelope(envelope)
+        failure = RpcFailure.from_envelope(envelope)
+        failure.trailing_metadata = tuple(store_retry_headers(failure.code).items())
+        raise failure
     return envelope.get("body")
 
 
@@ -527,20 +546,27 @@ class GrpcIngress:
     async def _chat_completion(self, request: inference_pb2.ChatCompletionRequest) -> inference_pb2.ChatCompletionResponse:
         chat_request = self._chat_request(request, is_streaming=False)
         response: inference_pb2.ChatCompletionResponse | None = None
-        async for replica_id, output in self._engine_outputs(chat_request, request.session_id):
-            if isinstance(output, ChatCompletionResponse):
-                response = chat_response_to_proto(output.model_dump(), replica_id)
+        usage = _LastUsage()
+        async with aclosing(self._engine_outputs(chat_request, request.session_id, usage)) as outputs:
+            async for replica_id, output in outputs:
+                if isinstance(output, ChatCompletionResponse):
+                    body = output.model_dump()
+                    usage.note(body.get("usage"))
+                    response = chat_response_to_proto(body, replica_id)
         if response is None:
             raise RpcFailure(grpc.StatusCode.INTERNAL, "empty_response", "the engine returned no completion")
         return response
 
     async def _chat_chunks(self, request: inference_pb2.ChatCompletionRequest) -> AsyncIterator[inference_pb2.ChatCompletionChunk]:
         chat_request = self._chat_request(request, is_streaming=True)
-        async for replica_id, output in self._engine_outputs(chat_request, request.session_id):
-            for payload in sse_payloads(output):
-                if "error" in payload:
-                    raise engine_failure(payload["error"])
-                yield chat_chunk_to_proto(payload, replica_id)
+        usage = _LastUsage()
+        async with aclosing(self._engine_outputs(chat_request, request.session_id, usage)) as outputs:
+            async for replica_id, output in outputs:
+                for payload in sse_payloads(output):
+                    if "error" in payload:
+                        raise engine_failure(payload["error"])
+                    usage.note(payload.get("usage"))
+                    yield chat_chunk_to_proto(payload, replica_id)
 
     def _chat_request(self, request: inference_pb2.ChatCompletionRequest, is_streaming: bool) -> ChatCompletionRequest:
         if request.model and request.model != self._model_id:
@@ -557,24 +583,33 @@ class GrpcIngress:
             **chat_completion_fields(request),
         )
 
-    async def _engine_outputs(self, chat_request: ChatCompletionRequest, session_id: str) -> AsyncIterator[tuple[str, Any]]:
-        """(serving replica id, engine output) pairs of one chat call, routed by session id when there is one."""
+    async def _engine_outputs(
+        self, chat_request: ChatCompletionRequest, session_id: str, usage: "_LastUsage"
+    ) -> AsyncIterator[tuple[str, Any]]:
+        """(serving replica id, engine output) pairs of one chat call, routed by session id when there is one.
+
+        The caller notes each output's usage in `usage`; once the call is over (or the
+        caller stops reading it), its routing decision is settled (`_settle_decision`).
+        """
         options: dict[str, Any] = {"stream": True}
         if session_id:
             options["session_id"] = session_id
         replica_id = ""
+        has_output = False
         # Ray handle calls carry no trace context: it travels in the request headers.
         raw_request_info = RawRequestInfo(headers=telemetry.inject())
-        async for item in self._llm.options(**options).chat.remote(chat_request, raw_request_info):
-            if isinstance(item, ServedBy):
-                replica_id = item.replica_id
-                continue
-            for output in item if isinstance(item, list) else [item]:
-                if isinstance(output, ErrorResponse):
-                    raise engine_failure(output.error.model_dump())
-                yield replica_id, output
-        logged = decision_log.DECISIONS.pop(_get_serve_request_context().request_id)
-        decision_log.record_route_span(logged, replica_id or None)
+        try:
+            async for item in self._llm.options(**options).chat.remote(chat_request, raw_request_info):
+                if isinstance(item, ServedBy):
+                    replica_id = item.replica_id
+                    continue
+                for output in item if isinstance(item, list) else [item]:
+                    if isinstance(output, ErrorResponse):
+                        raise engine_failure(output.error.model_dump())
+                    has_output = True
+                    yield replica_id, output
+        finally:
+            _settle_decision(replica_id, usage.usage if has_output else None, has_output)
 
     async def _turn_events(self, stream, grpc_context, rpc: _RpcSpan) -> AsyncIterator[agent_pb2.SessionEvent]:
         """An orchestrator turn stream (envelope, then event dicts) as `SessionEvent`s.
@@ -592,7 +627,8 @@ class GrpcIngress:
                 if event["kind"] == "error":
                     status = turn_error_status(event["code"])
                     if status != grpc.StatusCode.OK:
-                        failure = RpcFailure(status, event["code"], event["message"])
+                        retry_after = store_retry_headers(event["code"]).items()
+                        failure = RpcFailure(status, event["code"], event["message"], retry_after)
                         failure.set_on(grpc_context)
                         rpc.record(failure.status, failure.message)
                 yield message
@@ -614,15 +650,14 @@ class GrpcIngress:
         limit = self._guard.settings.access.max_request_bytes
         size = request.ByteSize()
         if size > limit:
-            raise RpcFailure(
-                grpc_code(413), "request_too_large",
-                f"the request is {size} bytes; the limit is {limit} (access.max_request_bytes)",
+            raise denial_failure(
+                request_too_large(f"the request is {size} bytes; the limit is {limit} (access.max_request_bytes)")
             )
 
     async def _admit(self, grpc_context) -> Caller:
         """The caller behind the call's `authorization: Bearer <key>` (or `x-api-key`) metadata."""
         try:
-            return await self._guard.admit(credentials_from(_string_metadata(grpc_context)))
+            return await self._guard.admit_call(_string_metadata(grpc_context))
         except AccessDenied as denied:
             raise denial_failure(denied) from None
 
@@ -654,15 +689,45 @@ class GrpcIngress:
                 with rpc.current():
                     self._check_size(request)
                     stream = messages(await self._admit(grpc_context), rpc).__aiter__()
-                while True:
-                    with rpc.current():  # current while the stream works, not while its consumer holds a message
-                        try:
-                            message = await anext(stream)
-                        except StopAsyncIteration:
-                            break
-                    yield message
+                # Closed with this stream, in the caller's task: one left to the garbage collector would
+                # settle its model call (`_settle_decision`) in whichever request's context runs then.
+                async with aclosing(stream):
+                    while True:
+                        with rpc.current():  # current while the stream works, not while its consumer holds a message
+                            try:
+                                message = await anext(stream)
+                            except StopAsyncIteration:
+                                break
+                        yield message
             except Exception as err:
                 yield error_message(_fail(grpc_context, rpc, method, err))
+
+
+class _LastUsage:
+    """The last `usage` the outputs of one engine call carried (vLLM sends it last), for the metrics."""
+
+    def __init__(self) -> None:
+        self.usage: Optional[Mapping[str, Any]] = None
+
+    def note(self, usage: Any) -> None:
+        if isinstance(usage, Mapping):
+            self.usage = usage
+
+
+def _settle_decision(replica_id: str, usage: Optional[Mapping[str, Any]], is_answered: bool) -> None:
+    """Takes an engine call's routing decision out of the log, as the HTTP ingress does.
+
+    A call the engine answered (even one whose stream then broke off) is recorded
+    with its last usage; one refused before any output had its placement withdrawn:
+    it cached nothing the router should count on.
+    """
+    context = _get_serve_request_context()
+    logged = decision_log.DECISIONS.pop(context.request_id, context._internal_request_id)
+    if is_answered:
+        decision_log.record_route_span(logged, replica_id or None)
+        record_model_usage(logged, replica_id, usage)
+    else:
+        decision_log.withdraw_placement(logged, None)
 
 
 class _RpcSpan:

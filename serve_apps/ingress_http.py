@@ -47,9 +47,9 @@ from vllm.entrypoints.generate.base.protocol import StreamOptions
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
-from serve_apps.access import Caller
+from serve_apps.access import Caller, store_retry_headers
 from serve_apps.api_errors import engine_error, error_body, error_type, exception_response
-from serve_apps.metrics import record_model_call
+from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import (
     chat_request_problem,
     completion_request_problem,
@@ -109,9 +109,7 @@ def _record_usage(
 
     `usage` is the response's `usage` object as JSON (None when the response had none).
     """
-    usage = usage or {}
-    actual = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    record_model_call(logged, served_by.replica_id if served_by else "", usage.get("prompt_tokens") or 0, actual)
+    record_model_usage(logged, served_by.replica_id if served_by else "", usage)
 
 
 async def _recording_usage(
@@ -236,9 +234,13 @@ def _caller(request: Request) -> Caller:
 
 
 def _unary(result: Dict[str, Any]) -> Response:
+    """An orchestrator envelope as a response; a refusal because Redis is unavailable carries `Retry-After`."""
     if result["status"] == 204:
         return Response(status_code=204)
-    return JSONResponse(result["body"], status_code=result["status"])
+    body = result["body"]
+    error = body.get("error") if isinstance(body, dict) else None
+    headers = store_retry_headers(error.get("code")) if isinstance(error, dict) else {}
+    return JSONResponse(body, status_code=result["status"], headers=headers)
 
 
 def _sse(
@@ -322,6 +324,7 @@ async def _turn_response(
     status = TURN_ERROR_STATUS.get(last.get("code"), 500) if outcome == "failed" else 200
     if outcome == "failed":  # the API's error shape, beside the turn's events
         body["error"] = error_body(status, str(last.get("message") or "the turn failed"), code=last.get("code"))["error"]
+        headers.update(store_retry_headers(last.get("code")))
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -12,13 +12,15 @@ sessions could then mint series without end; tool names are on the spans.
 
 `warmpath_routing_decisions` counts the decisions of model calls that returned
 (with their usage), so it agrees with `warmpath_route_predictions`; `/v1/router`
-also counts decisions of calls the engine refused.
+also counts decisions of calls the engine refused. Every path to the engine
+records its calls through `record_model_call`: the OpenAI routes, the gRPC
+Inference service and the orchestrator's turns.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from router import decision_log
 
@@ -101,3 +103,12 @@ def record_model_call(logged: Optional[decision_log.LoggedDecision], replica_id:
     if cached_tokens is not None and block_size:
         decision_log.STATS.count_prediction(predicted, cached_tokens, block_size)
     metrics.record_decision(decision.reason, predicted, cached_tokens, block_size)
+
+
+def record_model_usage(
+    logged: Optional[decision_log.LoggedDecision], replica_id: str, usage: Optional[Mapping[str, Any]]
+) -> None:
+    """`record_model_call` from a response's OpenAI `usage` as JSON (None when the response had none)."""
+    usage = usage or {}
+    cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    record_model_call(logged, replica_id, usage.get("prompt_tokens") or 0, cached_tokens)

@@ -206,7 +206,9 @@ class HandleModelClient:
                         text = _apply_chunk(data, reply, calls)
                         if text:
                             yield text
-            logged = decision_log.DECISIONS.pop(_get_serve_request_context().request_id)
+            # Both ids: two turns sharing a client's `x-request-id` must not swap decisions.
+            context = _get_serve_request_context()
+            logged = decision_log.DECISIONS.pop(context.request_id, context._internal_request_id)
             decision_log.record_route_span(logged, reply.replica_id or None)
             record_model_call(logged, reply.replica_id, reply.prompt_tokens, reply.cached_tokens)
             if span.is_recording():

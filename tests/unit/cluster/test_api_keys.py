@@ -1,22 +1,32 @@
 import asyncio
 import json
+import shutil
+import stat
+import subprocess
+import time
 
 import pytest
+import redis
 from pydantic import ValidationError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from typer.testing import CliRunner
 
+from cluster import local
 from cluster.api_keys import (
+    MAX_BUCKET_TTL_MS,
     ApiKeyRecord,
     ApiKeyStore,
     InvalidStoreUrl,
     KeyListing,
+    KeyRevoked,
     UnreadableKey,
     generate_api_key,
     hash_api_key,
     key_id_of,
+    run_with_store,
 )
 from cluster.cli import app
+from cluster.config import ClusterConfig
 from cluster.redis_errors import redis_refusal
 from serve_apps.access import AccessDenied, credentials_from
 
@@ -155,6 +165,9 @@ class _RecordsOnlyRedis:
     async def hget(self, key, field):
         return self._records.get(key.rpartition(":")[2])
 
+    async def time(self):
+        return 1_700_000_000, 0
+
     def pipeline(self, transaction):
         raise AssertionError("nothing may be written")
 
@@ -230,3 +243,164 @@ def test_key_listing_is_empty_for_an_empty_store():
 def test_redis_refusals_name_the_state_of_redis_and_nothing_else_is_one(error, meaning):
     refusal = redis_refusal(error)
     assert refusal is None if meaning is None else meaning in refusal
+
+
+# ---- against a real Redis: the scripts, transactions and expiries Redis itself runs ----
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A private redis-server on a unix socket (no TCP port to collide with), ready when its log says so."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    folder = tmp_path_factory.mktemp("redis")
+    socket_path = folder / "redis.sock"
+    server = subprocess.Popen(
+        ["redis-server", "--port", "0", "--unixsocket", str(socket_path), "--save", "", "--appendonly", "no",
+         "--dir", str(folder)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        for line in server.stdout:
+            if "ready to accept connections" in line.lower():
+                break
+        else:
+            pytest.fail("redis-server exited before accepting connections")
+        yield f"unix://{socket_path}"
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The private Redis, emptied for each test."""
+    client = redis.Redis.from_url(redis_server, decode_responses=True)
+    client.flushall()
+    yield redis_server
+    client.close()
+
+
+def _admin_cfg(tmp_path) -> ClusterConfig:
+    return ClusterConfig.model_validate({"state_dir": str(tmp_path / "state")})
+
+
+def test_a_revoked_key_stays_refused_and_cannot_be_registered_again(redis_url):
+    async def work(store):
+        key, record = await store.create("k", ["*"], 10.0, 10)
+        assert await store.revoke(record.key_id)
+        outcome = await store.authorize(key)
+        with pytest.raises(KeyRevoked):
+            await store.create("k", ["*"], 10.0, 10, key=key)
+        return outcome, await store.lookup(key), await store.revoke(record.key_id)
+
+    outcome, looked_up, is_revoked_again = run_with_store(redis_url, work)
+    assert outcome.record is None and not outcome.is_allowed and looked_up is None and not is_revoked_again
+
+
+def test_a_key_can_be_revoked_on_a_redis_too_full_to_take_writes(redis_url):
+    key, record = run_with_store(redis_url, lambda store: store.create("leaked", ["*"], 10.0, 10))
+    client = redis.Redis.from_url(redis_url)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", client.info("memory")["used_memory"])
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            client.set("filler", "x" * 100_000)
+        assert run_with_store(redis_url, lambda store: store.revoke(record.key_id))
+    finally:
+        client.config_set("maxmemory", 0)
+    with pytest.raises(KeyRevoked):
+        run_with_store(redis_url, lambda store: store.create("leaked", ["*"], 10.0, 10, key=key))
+
+
+def test_a_key_a_flushed_redis_lost_can_be_registered_again(redis_url):
+    key = generate_api_key()
+    run_with_store(redis_url, lambda store: store.create("k", ["*"], 10.0, 10, key=key))
+    redis.Redis.from_url(redis_url).flushall()
+    _, record = run_with_store(redis_url, lambda store: store.create("k", ["*"], 10.0, 10, key=key))
+    assert run_with_store(redis_url, lambda store: store.authorize(key)).record == record
+
+
+def test_up_replaces_a_revoked_admin_key_and_registers_one_redis_lost_again(redis_url, tmp_path):
+    cfg = _admin_cfg(tmp_path)
+    first = local.ensure_local_api_key(cfg, redis_url, lambda message: None)
+    file = local.api_key_file(cfg)
+    file.chmod(0o644)
+    assert run_with_store(redis_url, lambda store: store.revoke(key_id_of(hash_api_key(first))))
+
+    messages = []
+    second = local.ensure_local_api_key(cfg, redis_url, messages.append)
+    assert second != first and file.read_text() == second + "\n"
+    assert stat.S_IMODE(file.stat().st_mode) == 0o600
+    assert f"({key_id_of(hash_api_key(first))}) was revoked" in messages[0]
+    assert run_with_store(redis_url, lambda store: store.authorize(first)).record is None
+    assert run_with_store(redis_url, lambda store: store.authorize(second)).record.permissions == ("*",)
+
+    redis.Redis.from_url(redis_url).flushall()  # a new or flushed Redis: the same key is registered again
+    messages.clear()
+    assert local.ensure_local_api_key(cfg, redis_url, messages.append) == second
+    assert messages[0].startswith("api key: registered")
+    assert run_with_store(redis_url, lambda store: store.authorize(second)).is_allowed
+
+
+@pytest.mark.parametrize("skew_s", [-600, 3600])
+def test_a_keys_expiry_follows_redis_clock_not_the_creating_machines(redis_url, monkeypatch, skew_s):
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + skew_s)
+    key, record = run_with_store(redis_url, lambda store: store.create("k", ["*"], 5.0, 5, expires_in_s=300))
+    monkeypatch.setattr(time, "time", real_time)
+    client = redis.Redis.from_url(redis_url)
+    seconds, microseconds = client.time()
+    assert 0 <= seconds + microseconds / 1e6 - record.created_at_s < 60
+    assert record.expires_at_s - record.created_at_s == 300
+    for entry in ("warmpath:apikey:" + hash_api_key(key), "warmpath:apikey-id:" + record.key_id):
+        assert 240_000 < client.pttl(entry) <= 300_000
+    assert run_with_store(redis_url, lambda store: store.authorize(key)).is_allowed
+
+
+def _stored(redis_url: str, requests_per_s: float, burst: float) -> str:
+    """A key whose record is written as is, as a build without today's bounds could have written it."""
+    key = generate_api_key()
+    record = {"key_id": key_id_of(hash_api_key(key)), "name": "n", "permissions": ["*"],
+              "requests_per_s": requests_per_s, "burst": burst, "created_at_s": 1}
+    redis.Redis.from_url(redis_url).hset("warmpath:apikey:" + hash_api_key(key), "record", json.dumps(record))
+    return key
+
+
+@pytest.mark.parametrize("requests_per_s, burst", [(1e-15, 1), (1.0, 1e14), (1000.0, 1e18), (1e-300, 1)])
+def test_a_stored_bucket_too_slow_to_refill_is_an_unknown_key_not_a_redis_error(redis_url, requests_per_s, burst):
+    key = _stored(redis_url, requests_per_s, burst)
+    assert run_with_store(redis_url, lambda store: store.authorize(key)).record is None
+    bucket = "warmpath:ratelimit:" + key_id_of(hash_api_key(key))
+    assert 0 < redis.Redis.from_url(redis_url).pttl(bucket) <= MAX_BUCKET_TTL_MS
+
+
+def test_the_slowest_bucket_records_allow_keeps_an_expiry_redis_takes(redis_url):
+    key, record = run_with_store(redis_url, lambda store: store.create("k", ["*"], 1e-11, 1))
+
+    async def twice(store):
+        return [await store.authorize(key) for _ in range(2)]
+
+    first, second = run_with_store(redis_url, twice)
+    assert first.is_allowed and not second.is_allowed and second.retry_after_s == pytest.approx(1e11, rel=1e-6)
+    assert redis.Redis.from_url(redis_url).pttl("warmpath:ratelimit:" + record.key_id) > 99_000_000_000_000
+
+
+@pytest.mark.parametrize("requests_per_s, burst", [(1e-12, 1), (1.0, 10**12), (1e-15, 1), (1000.0, 10**18)])
+def test_records_refuse_a_bucket_that_takes_1e12_s_or_more_to_refill(requests_per_s, burst):
+    fields = {"key_id": "key_x", "name": "n", "permissions": ("*",), "created_at_s": 0}
+    with pytest.raises(ValidationError, match="must be under 1e\\+12 s"):
+        ApiKeyRecord(**fields, requests_per_s=requests_per_s, burst=burst)
+
+
+@pytest.mark.parametrize("flags, refill", [
+    (["--requests-per-s", "1e-15", "--burst", "1"], "1e+15 s"),
+    (["--requests-per-s", "1", "--burst", "1000000000000"], "1e+12 s"),
+])
+def test_keys_create_refuses_a_bucket_that_takes_1e12_s_or_more_to_refill(flags, refill):
+    result = CliRunner().invoke(app, ["keys", "create", "--name", "x", *flags, "--redis-url", UNREACHABLE_REDIS])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip() == (
+        f"--burst / --requests-per-s (how long an empty bucket takes to refill) must be under 1e+12 s, got {refill}"
+    )

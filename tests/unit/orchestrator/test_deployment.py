@@ -214,3 +214,37 @@ def test_an_oversized_name_or_id_from_the_model_is_no_replica_failure(monkeypatc
 def test_vllms_refusal_to_merge_the_tools_defs_is_the_requests_fault():
     failure = engine_failure("Tool definition 'Item' has multiple schemas, which is not supported.", 400)
     assert isinstance(failure, TurnFailed) and failure.code == "invalid_tool_schema"
+
+
+def test_a_model_call_takes_its_own_routing_decision_when_another_turn_shares_its_request_id(monkeypatch):
+    """Two turns in flight may share a client's `x-request-id`: each gets the decision made for it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import ray.serve.context
+    from router import decision_log
+    from router.types import Decision
+    from serve_apps.orchestrator import deployment
+
+    def logged(reason, replica):
+        decision = Decision(ranked_tiers=[[replica]], reason=reason, predicted_cached_tokens={replica: 32}, scores={})
+        return decision_log.LoggedDecision(decision=decision, start_ns=0, end_ns=1)
+
+    decision_log.DECISIONS.put("shared-id", "this-turn", logged("prefix-hit", "r1"))
+    decision_log.DECISIONS.put("shared-id", "other-turn", logged("cold", "r2"))
+    context = SimpleNamespace(request_id="shared-id", _internal_request_id="this-turn")
+    monkeypatch.setattr(ray.serve.context, "_get_serve_request_context", lambda: context)
+    recorded = []
+    monkeypatch.setattr(deployment, "record_model_call", lambda logged, *args: recorded.append(logged))
+    client = deployment.HandleModelClient(_StreamingHandle(_call_frames("c1", "lookup_order")), "m")
+
+    async def run():
+        return [item async for item in client.chat("s1", [{"role": "user", "content": "hi"}], None, "auto", 16)]
+
+    try:
+        asyncio.run(run())
+        assert [entry.decision.reason for entry in recorded] == ["prefix-hit"]
+        assert decision_log.DECISIONS.pop("shared-id", "other-turn").decision.reason == "cold"
+    finally:
+        decision_log.DECISIONS.pop("shared-id", "this-turn")
+        decision_log.DECISIONS.pop("shared-id", "other-turn")

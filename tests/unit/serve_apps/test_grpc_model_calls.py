@@ -1,0 +1,111 @@
+"""gRPC Inference calls settle their routing decision as the HTTP ingress does: the call's own decision
+(by both of Serve's request ids), recorded in the metrics with the last usage the engine sent, or
+withdrawn when the engine refused the call before any output."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionResponse, ErrorInfo, ErrorResponse
+
+from router import decision_log
+from router.types import Decision
+from serve_apps import ingress_grpc, metrics
+from serve_apps.vllm_replica import ServedBy
+from tests.unit.serve_apps.test_grpc_mapping import OPENAI_RESPONSE, FakeContext, FakeHandle, _items
+from warmpath.v1 import inference_pb2
+
+CLIENT_REQUEST_ID = "client-chosen-id"  # two calls in flight share it: each has its own internal id
+
+
+class _Recorded:
+    """What `WarmpathMetrics` was asked to record."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def record_usage(self, replica_id, prompt_tokens, cached_tokens):
+        self.calls.append(("usage", replica_id, prompt_tokens, cached_tokens))
+
+    def record_decision(self, reason, predicted_tokens, actual_tokens, block_size_tokens):
+        self.calls.append(("decision", reason, predicted_tokens, actual_tokens))
+
+
+@pytest.fixture
+def recorded(monkeypatch) -> _Recorded:
+    spy = _Recorded()
+    monkeypatch.setattr(metrics.WarmpathMetrics, "get", classmethod(lambda cls: spy))
+    return spy
+
+
+@pytest.fixture
+def two_decisions(monkeypatch):
+    """A decision for this call (internal id "mine") and one for another call sharing its client request id."""
+    def logged(reason, replica):
+        decision = Decision(ranked_tiers=[[replica]], reason=reason, predicted_cached_tokens={replica: 64}, scores={})
+        return decision_log.LoggedDecision(decision=decision, start_ns=0, end_ns=1)
+
+    decision_log.DECISIONS.put(CLIENT_REQUEST_ID, "mine", logged("prefix-hit", "replica-a"))
+    decision_log.DECISIONS.put(CLIENT_REQUEST_ID, "theirs", logged("cold", "replica-b"))
+    context = SimpleNamespace(request_id=CLIENT_REQUEST_ID, _internal_request_id="mine")
+    monkeypatch.setattr(ingress_grpc, "_get_serve_request_context", lambda: context)
+    yield
+    for internal_id in ("mine", "theirs"):
+        decision_log.DECISIONS.pop(CLIENT_REQUEST_ID, internal_id)
+
+
+def _ingress(*items) -> ingress_grpc.GrpcIngress:
+    llm = FakeHandle(chat=lambda request, raw_request_info: _items(*items))
+    return ingress_grpc.GrpcIngress(llm, FakeHandle(), "warmpath-tiny", {"access": {"is_auth_enabled": False}})
+
+
+def _request() -> inference_pb2.ChatCompletionRequest:
+    return inference_pb2.ChatCompletionRequest(messages=[inference_pb2.ChatMessage(role="user", content="hi")])
+
+
+def test_a_unary_call_records_its_own_decision_and_usage(recorded, two_decisions):
+    ingress = _ingress(ServedBy("replica-a"), ChatCompletionResponse(**OPENAI_RESPONSE))
+    asyncio.run(ingress.ChatCompletion(_request(), FakeContext()))
+    assert recorded.calls == [("usage", "replica-a", 120, 96), ("decision", "prefix-hit", 64, 96)]
+    assert decision_log.DECISIONS.pop(CLIENT_REQUEST_ID, "mine") is None  # taken, not left to age out
+
+
+def test_a_streamed_call_records_the_last_usage_it_saw(recorded, two_decisions):
+    frames = [
+        'data: {"id":"c","model":"warmpath-tiny","choices":[{"index":0,"delta":{"content":"Hi"}}],"usage":null}\n\n',
+        'data: {"id":"c","model":"warmpath-tiny","choices":[],"usage":{"prompt_tokens":640,"completion_tokens":2,'
+        '"prompt_tokens_details":{"cached_tokens":608}}}\n\ndata: [DONE]\n\n',
+    ]
+    ingress = _ingress(ServedBy("replica-a"), [frames[0]], [frames[1]])
+
+    async def read():
+        return [chunk async for chunk in ingress.StreamChatCompletion(_request(), FakeContext())]
+
+    asyncio.run(read())
+    assert recorded.calls == [("usage", "replica-a", 640, 608), ("decision", "prefix-hit", 64, 608)]
+
+
+def test_a_stream_its_caller_leaves_is_still_recorded(recorded, two_decisions):
+    frame = 'data: {"id":"c","model":"warmpath-tiny","choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+    ingress = _ingress(ServedBy("replica-a"), [frame], [frame])
+
+    async def read_one():
+        stream = ingress.StreamChatCompletion(_request(), FakeContext())
+        await anext(stream)
+        await stream.aclose()
+        return list(recorded.calls)  # settled by the close itself, not left to the garbage collector
+
+    assert asyncio.run(read_one()) == [("usage", "replica-a", 0, 0), ("decision", "prefix-hit", 64, None)]
+
+
+def test_a_call_the_engine_refused_withdraws_its_own_placement_and_records_nothing(
+    recorded, two_decisions, monkeypatch
+):
+    withdrawn = []
+    monkeypatch.setattr(decision_log, "withdraw_placement", lambda logged, replica: withdrawn.append(logged))
+    refusal = ErrorResponse(error=ErrorInfo(message="prompt too long", type="BadRequestError", code=400))
+    asyncio.run(_ingress(ServedBy("replica-a"), [refusal]).ChatCompletion(_request(), FakeContext()))
+    assert recorded.calls == []
+    assert [logged.decision.reason for logged in withdrawn] == ["prefix-hit"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
 from types import SimpleNamespace
 
@@ -20,29 +19,10 @@ from serve_apps.orchestrator.deployment import Orchestrator
 from serve_apps.orchestrator.models import Message, ToolCall
 from serve_apps.orchestrator.store import SessionNotFound, SessionRecord, StaleTurn, TranscriptSnapshot
 from serve_apps.orchestrator.turns import ModelReply
+from tests.unit.orchestrator.test_turns import CharTokenizer
 
 CALLER = {"key_id": "key_1", "permissions": ["*"]}
 CLIENT_TOOL = {"name": "fetch", "execution": {"kind": "client"}}
-
-
-class CharTokenizer:
-    """One token per character of a ChatML-like rendering (append-only by construction)."""
-
-    def apply_chat_template(self, conversation, tools=None, tokenize=False, add_generation_prompt=False):
-        text = ""
-        for message in conversation:
-            text += f"<{message['role']}>{message.get('content') or ''}"
-            if message["role"] == "system" and tools:
-                text += json.dumps(tools, sort_keys=True)
-            for call in message.get("tool_calls") or ():
-                text += json.dumps(call["function"], sort_keys=True)
-            text += "</>"
-        if add_generation_prompt:
-            text += "<assistant>"
-        return [ord(c) for c in text] if tokenize else text
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
 
 
 class MemoryStore:

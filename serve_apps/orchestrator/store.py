@@ -287,7 +287,10 @@ def _redis_errors(session_id: str = "") -> Iterator[None]:
     try:
         yield
     except (RedisConnectionError, RedisTimeoutError, OSError) as err:
-        raise StoreUnavailable(f"session store unreachable: {err}") from err
+        # Callers see what failed, not where Redis lives (its address is in redis-py's text): that goes to the log.
+        logger.warning("session store unreachable: %s", err)
+        failure = "timed out" if isinstance(err, (RedisTimeoutError, TimeoutError)) else "no connection"
+        raise StoreUnavailable(f"session store unreachable ({failure})") from err
     except ResponseError as err:
         if str(err).startswith("WARMPATH_NOT_FOUND"):
             raise SessionNotFound(session_id) from None

@@ -5,9 +5,13 @@ import json
 import pytest
 
 from serve_apps.orchestrator.models import ToolResultsSubmission, TurnRequest
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+
+from serve_apps.orchestrator import store as store_module
 from serve_apps.orchestrator.store import (
     MAX_IDEMPOTENCY_KEY_CHARS,
     RememberedTurn,
+    StoreUnavailable,
     idempotency_key_problem,
     request_fingerprint,
 )
@@ -51,3 +55,14 @@ def test_remembered_turn_round_trips_and_reads_the_older_bare_list():
     older = json.dumps([{"kind": "final", "message": {"role": "assistant", "content": "x"}}])
     parsed = RememberedTurn.from_stored(older)
     assert parsed.request_sha256 is None and parsed.events[0]["kind"] == "final"
+
+
+@pytest.mark.parametrize("error, failure", [
+    (RedisConnectionError("Error 111 connecting to 10.1.2.3:6391. Connection refused."), "no connection"),
+    (RedisTimeoutError("Timeout connecting to 10.1.2.3:6391"), "timed out"),
+])
+def test_an_unreachable_store_says_what_failed_but_not_where_redis_lives(error, failure):
+    with pytest.raises(StoreUnavailable) as unavailable:
+        with store_module._redis_errors("s1"):
+            raise error
+    assert str(unavailable.value) == f"session store unreachable ({failure})"

@@ -149,6 +149,8 @@ def _parse_prefix(prefix: str) -> _ParsedUrl:
 
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# RFC 8215's local-use NAT64 prefix: a domain picks its own prefix length in it (48 to 96).
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 _IPV4_TRANSLATED = ipaddress.ip_network("::ffff:0:0:0/96")
 _IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
@@ -158,7 +160,7 @@ def _reached(
     address: ipaddress.IPv4Address | ipaddress.IPv6Address,
 ) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     """`address` and what a connection to it may reach instead: the IPv4 address an IPv6 one
-    embeds (mapped, compatible, translated, NAT64, 6to4, Teredo), and this host's loopback for an
+    embeds (mapped, compatible, translated, NAT64 and local-use NAT64, 6to4, Teredo), and this host's loopback for an
     unspecified address (Linux connects 0.0.0.0 and :: to it)."""
     reached = [address]
     if isinstance(address, ipaddress.IPv6Address):
@@ -169,6 +171,8 @@ def _reached(
             reached.append(low32)
         elif address in _IPV4_COMPATIBLE and int(address) > 1:
             reached.append(low32)
+        elif address in _NAT64_LOCAL:
+            reached.extend(_local_nat64_ipv4s(address))
         if address.sixtofour is not None:
             reached.append(address.sixtofour)
         if address.teredo is not None:
@@ -178,6 +182,14 @@ def _reached(
     elif address in _THIS_NETWORK:
         reached.append(ipaddress.IPv4Address("127.0.0.1"))
     return reached
+
+
+def _local_nat64_ipv4s(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """Every IPv4 address an address of the local-use NAT64 prefix may embed: RFC 6052's layout for each
+    prefix length a /48 allows (48, 56, 64, 96), the byte 8 ("u") skipped; which one a domain uses is not
+    visible from the address, so all are checked."""
+    b = address.packed
+    return [ipaddress.IPv4Address(bytes(part)) for part in (b[6:8] + b[9:11], b[7:8] + b[9:12], b[9:13], b[12:16])]
 
 
 def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -75,6 +75,9 @@ def test_a_prefix_admits_urls_under_it(prefix, url):
     "http://[::169.254.169.254]/",  # IPv4-compatible
     "http://[::ffff:0:a9fe:a9fe]/",  # IPv4-translated
     "http://[64:ff9b::a9fe:a9fe]/",  # NAT64
+    "http://[64:ff9b:1::a9fe:a9fe]/",  # local-use NAT64, /96
+    "http://[64:ff9b:1:0:a9:fea9:fe00:0]/",  # local-use NAT64, /64 (byte 8 is the zero "u" octet)
+    "http://[64:ff9b:1:a9fe:a9:fe00::]/",  # local-use NAT64, /48
     "http://[2002:a9fe:a9fe::]/",  # 6to4
 ])
 def test_an_ipv6_address_embedding_a_blocked_ipv4_one_is_refused(url):

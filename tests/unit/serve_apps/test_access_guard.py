@@ -16,6 +16,7 @@ from serve_apps import access, metrics
 from serve_apps.access import AccessDenied, AccessMiddleware, GuardSettings, credentials_from
 from serve_apps.grpc_status import RpcFailure
 from serve_apps.ingress_grpc import GrpcIngress
+from tests.unit.serve_apps.test_access_size import post_through
 from warmpath.v1 import agent_pb2
 
 KEY = "wp_good"
@@ -76,20 +77,7 @@ async def _ok(scope, receive, send) -> None:
 def _post(headers: list[tuple[str, str]], chunks: list[bytes]) -> tuple[int, dict[str, str], dict]:
     """Status, headers and JSON body (or {}) of a POST through the middleware with keys on."""
     middleware = AccessMiddleware(_ok, GuardSettings.model_validate(SETTINGS))
-    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
-    sent = []
-
-    async def receive():
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    raw_headers = [(k.encode(), v.encode()) for k, v in headers]
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": raw_headers}
-    asyncio.run(middleware(scope, receive, send))
-    (start,) = [m for m in sent if m["type"] == "http.response.start"]
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    start, body = post_through(middleware, [(k.encode(), v.encode()) for k, v in headers], chunks)
     response_headers = {k.decode(): v.decode() for k, v in start["headers"]}
     return start["status"], response_headers, json.loads(body) if start["status"] != 200 else {}
 

@@ -33,6 +33,12 @@ def _post(body: bytes, is_declared: bool, chunk_bytes: int = 300) -> tuple[int, 
     if is_declared:
         headers.append((b"content-length", str(len(body)).encode()))
     chunks = [body[i:i + chunk_bytes] for i in range(0, len(body), chunk_bytes)] or [b""]
+    start, response_body = post_through(middleware, headers, chunks)
+    return start["status"], response_body
+
+
+def post_through(middleware, headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[dict, bytes]:
+    """The response start message and body of a POST to /v1/chat/completions sent through `middleware` in `chunks`."""
     messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
     sent = []
 
@@ -45,7 +51,7 @@ def _post(body: bytes, is_declared: bool, chunk_bytes: int = 300) -> tuple[int, 
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
     asyncio.run(middleware(scope, receive, send))
     (start,) = [m for m in sent if m["type"] == "http.response.start"]
-    return start["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
 @pytest.mark.parametrize("is_declared", [True, False], ids=["content-length", "chunked"])

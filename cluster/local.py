@@ -44,6 +44,9 @@ RAY_START_TIMEOUT_S = 300
 RAY_STOP_TIMEOUT_S = 120
 # How often a wait that sees no change says it is still waiting.
 STILL_WAITING_EVERY_S = 30
+# Of a Serve deployment message: Serve's "cannot be scheduled" line, with the resources asked for and
+# available, runs to about 450 characters.
+MESSAGE_CHARS = 600
 
 
 class BringUpError(RuntimeError):
@@ -241,6 +244,9 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     ]
     if cfg.replicas.accelerator == "cpu":
         cmd.append("--num-gpus=0")
+    if cfg.replicas.ray_resources:
+        # One node holds every replica here, so it offers every replica's share.
+        cmd.append("--resources=" + json.dumps(replicas_need(cfg, with_gpus=False)))
     try:
         result = subprocess.run(
             cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S, env={**os.environ, **grpc_proxy_env(cfg)}
@@ -427,6 +433,66 @@ def _when_dashboard_ready(call: Callable[[], object], what: str, timeout_s: floa
             time.sleep(1)
 
 
+def replicas_need(cfg: ClusterConfig, with_gpus: bool = True) -> dict[str, float]:
+    """Ray resources every replica together takes beyond CPUs: GPUs and `replicas.ray_resources`."""
+    replicas = cfg.replicas
+    need = {name: amount * replicas.num_replicas for name, amount in replicas.ray_resources.items()}
+    if with_gpus and replicas.accelerator == "gpu":
+        need["GPU"] = float(replicas.num_gpus * replicas.num_replicas)
+    return need
+
+
+def resource_shortfall(cfg: ClusterConfig, totals: dict[str, float]) -> Optional[str]:
+    """What the replicas need that `totals` (a cluster's resources) lacks, in words; None when it has it all."""
+    short = {name: amount for name, amount in replicas_need(cfg).items() if totals.get(name, 0.0) < amount}
+    if not short:
+        return None
+    parts = [f"{amount:g} {name} (the head has {totals.get(name, 0.0):g})" for name, amount in sorted(short.items())]
+    hints = []
+    if "GPU" in short:
+        fits_one = totals.get("GPU", 0.0) >= cfg.replicas.num_gpus
+        hints.append(
+            "Ray found too few GPUs on this machine (check `nvidia-smi` and CUDA_VISIBLE_DEVICES); or set "
+            + ("replicas.num_replicas lower" if fits_one else "replicas.accelerator: cpu")
+        )
+    if set(short) - {"GPU"}:
+        hints.append(
+            "a local head offers replicas.ray_resources only when `warmpath up` starts it with them "
+            "(`warmpath down`, then `warmpath up`)"
+        )
+    replicas = f"{cfg.replicas.num_replicas} replicas need" if cfg.replicas.num_replicas > 1 else "the replica needs"
+    return f"{replicas} {', '.join(parts)}: " + "; ".join(hints)
+
+
+def check_local_head_resources(cfg: ClusterConfig, state: LocalState, progress: Progress) -> None:
+    """Refuses to deploy replicas a local head can never place (no autoscaler adds nodes to it).
+
+    Why: Serve would keep them pending, and `up` would wait its whole timeout to say so.
+    A cluster joined through RAY_ADDRESS is not checked: its autoscaler may add what is missing.
+    """
+    if not replicas_need(cfg) or os.environ.get("RAY_ADDRESS"):
+        return
+    from ray.util.state import list_nodes
+
+    totals: dict[str, float] = {}
+
+    def read() -> None:
+        totals.clear()
+        for node in list_nodes(address=state.dashboard_url):
+            if node.state == "ALIVE":
+                for name, amount in (node.resources_total or {}).items():
+                    totals[name] = totals.get(name, 0.0) + amount
+
+    try:
+        _when_dashboard_ready(read, "reading the Ray head's resources")
+    except BringUpError as err:
+        progress(f"ray: {err}; deploying without checking")
+        return
+    shortfall = resource_shortfall(cfg, totals)
+    if shortfall:
+        raise BringUpError(shortfall)
+
+
 def serve_details(state: LocalState) -> dict:
     return _serve_client(state).get_serve_details()
 
@@ -444,7 +510,7 @@ def summarize(details: dict, app_name: str) -> tuple[str, list[str]]:
         counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "no replicas"
         lines.append(f"{name}: {dep['status']} ({counts})")
         if dep.get("message") and dep["status"] not in ("HEALTHY",):
-            lines.append(f"  {dep['message'].strip().splitlines()[-1][:300]}")
+            lines.append(f"  {' '.join(dep['message'].split())[:MESSAGE_CHARS]}")  # Serve's lines as one
     if app["status"] == "DEPLOY_FAILED" and app.get("message"):
         lines += [f"  {line}" for line in app["message"].strip().splitlines()[-12:]]
     return app["status"], lines
@@ -460,6 +526,7 @@ def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, time
     """
     start = time.monotonic()
     last, last_said = None, start
+    said_messages: set[str] = set()
     own = [cfg.app_name] + sorted(own_application_names(cfg) - {cfg.app_name})
     while True:
         details = serve_details(state)
@@ -473,6 +540,11 @@ def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, time
         if line != last or now - last_said >= STILL_WAITING_EVERY_S:
             progress(f"[{now - start:5.0f}s] {line}" + (" (still waiting)" if line == last else ""))
             last, last_said = line, now
+        # Serve's own word on a deployment (a replica it cannot place, a failing constructor), once each.
+        for message in (l.strip() for l in lines if l.startswith("  ")):
+            if message not in said_messages and status not in ("RUNNING", "DEPLOY_FAILED"):
+                progress(f"[{now - start:5.0f}s] serve says: {message}")
+                said_messages.add(message)
         if status == "RUNNING":
             return details
         if status == "DEPLOY_FAILED":
@@ -564,6 +636,7 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
         progress("API keys are off (access.is_auth_enabled=false): anyone who reaches the ports can call")
     start_ray(cfg, state, progress)
     state.save(state_dir)
+    check_local_head_resources(cfg, state, progress)
     own = own_application_names(cfg)
     if redeploy:
         _when_dashboard_ready(lambda: remove_applications(state, own, progress), "deleting the running application")

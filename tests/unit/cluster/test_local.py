@@ -1,6 +1,7 @@
 """`warmpath up` never deploys into a Ray head it did not start unless told to; `warmpath down` stops vLLM
 engine processes orphaned by killed replicas, and only those."""
 
+import json
 import os
 import socket
 import subprocess
@@ -237,3 +238,68 @@ def test_up_refuses_a_remote_join_before_starting_anything(tmp_path, monkeypatch
     with pytest.raises(BringUpError, match="cluster on other machines"):
         local.up(cfg, progress=lambda msg: None)
     assert started == []
+
+
+def _gpu_config(tmp_path, **replicas):
+    return load_config(environ={}, overrides={
+        "state_dir": str(tmp_path), "replicas": {"accelerator": "gpu", "num_gpus": 1, "block_size_tokens": 16,
+                                                 **replicas}})
+
+
+def test_replicas_the_head_cannot_place_are_refused_naming_what_is_missing(tmp_path):
+    cfg = _gpu_config(tmp_path, num_replicas=2)
+    assert local.resource_shortfall(cfg, {"CPU": 8.0, "GPU": 2.0}) is None
+    no_gpu = local.resource_shortfall(cfg, {"CPU": 8.0})
+    assert no_gpu.startswith("2 replicas need 2 GPU (the head has 0): Ray found too few GPUs")
+    assert no_gpu.endswith("replicas.accelerator: cpu")
+    assert local.resource_shortfall(cfg, {"GPU": 1.0}).endswith("replicas.num_replicas lower")  # one fits
+    slots = load_config(environ={}, overrides={
+        "state_dir": str(tmp_path), "replicas": {"ray_resources": {"warmpath_replica_slot": 1}}})
+    assert local.replicas_need(slots) == {"warmpath_replica_slot": 2.0}
+    assert local.resource_shortfall(slots, {"CPU": 8.0, "GPU": 1.0}).startswith(
+        "2 replicas need 2 warmpath_replica_slot (the head has 0): a local head offers replicas.ray_resources")
+    assert local.resource_shortfall(load_config(environ={}, overrides={"state_dir": str(tmp_path)}), {}) is None
+
+
+def test_up_stops_before_deploying_replicas_a_local_head_cannot_place(tmp_path, monkeypatch):
+    import ray.util.state
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    node = type("Node", (), {"state": "ALIVE", "resources_total": {"CPU": 6.0, "memory": 1e9}})
+    monkeypatch.setattr(ray.util.state, "list_nodes", lambda address: [node])
+    with pytest.raises(BringUpError, match="the replica needs 1 GPU"):
+        local.check_local_head_resources(_gpu_config(tmp_path, num_replicas=1), LocalState(), lambda msg: None)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://gpu-cluster:10001")  # its autoscaler may add GPU nodes
+    local.check_local_head_resources(_gpu_config(tmp_path, num_replicas=1), LocalState(), lambda msg: None)
+
+
+def test_a_local_head_offers_every_replicas_custom_resources(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(local, "_ray_head_up", lambda: False)
+    monkeypatch.setattr(local, "head_session", lambda: "session_x")
+    commands = []
+    monkeypatch.setattr(local.subprocess, "run",
+                        lambda cmd, **kwargs: commands.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
+    cfg = load_config(environ={}, overrides={
+        "state_dir": str(tmp_path), "replicas": {"num_replicas": 3, "ray_resources": {"warmpath_replica_slot": 1}}})
+    local.start_ray(cfg, LocalState(), progress=lambda msg: None)
+    (resources,) = [arg.split("=", 1)[1] for arg in commands[0] if arg.startswith("--resources=")]
+    assert json.loads(resources) == {"warmpath_replica_slot": 3}
+
+
+def test_bring_up_shows_serves_own_word_on_a_pending_deployment_once(tmp_path, monkeypatch):
+    message = ("Deployment 'D' has 1 replicas that have taken more than 30s to be scheduled.\n"
+               "Resources required for each replica: [{\"GPU\": 1.0, \"CPU\": 1.0}], total resources available: {}.")
+    pending = {"applications": {app: {"status": "DEPLOYING", "deployments": {
+        "D": {"status": "UPDATING", "message": message, "replicas": [{"state": "STARTING"}]}}}
+        for app in ("warmpath", "warmpath-grpc")}}
+    running = {"applications": {app: {"status": "RUNNING", "deployments": {}} for app in ("warmpath", "warmpath-grpc")}}
+    answers = iter([pending, pending, running])
+    monkeypatch.setattr(local, "serve_details", lambda state: next(answers))
+    monkeypatch.setattr(local.time, "sleep", lambda s: None)
+    said = []
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    local.wait_running(cfg, LocalState(), said.append, timeout_s=60)
+    serve_says = [line for line in said if "serve says:" in line]
+    assert len(serve_says) == 1  # two deployments, two polls: one message, once
+    assert serve_says[0].endswith(" ".join(message.split()))

@@ -11,6 +11,7 @@ Ordering: model -> Redis -> Ray head -> `serve deploy` of the rendered config
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -234,6 +235,12 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
         progress("ray: the local head this state directory started is running; using it")
         state.ray_address = "auto"
         return "auto"
+    taken = ports_in_use(cfg)
+    if taken:
+        raise BringUpError(
+            f"{', '.join(taken)} in use by another process, and a new Ray head listens there. Stop that "
+            "process, or set other ports in the config (ports.*)"
+        )
     # Logical CPUs: one bundle per replica plus room for the ingress and proxies.
     num_cpus = int(cfg.replicas.num_replicas * cfg.replicas.num_cpus) + 4
     progress(f"ray: starting a local head ({num_cpus} logical CPUs)")
@@ -263,6 +270,34 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     state.ray_started, state.ray_address = True, "auto"
     state.ray_session = head_session()
     return "auto"
+
+
+def ports_in_use(cfg: ClusterConfig) -> list[str]:
+    """The ports a new local head listens on (Serve's proxies, Ray's metrics and dashboard) that something holds.
+
+    Why: a proxy that cannot bind leaves `up` waiting minutes for an endpoint, and a taken metrics port
+    makes `ray start` fail with "the current node timed out during startup".
+    """
+    ports = cfg.ports
+    wanted = [("ports.http_port", ports.host, ports.http_port), ("ports.grpc_port", ports.host, ports.grpc_port),
+              ("ports.metrics_export_port", "0.0.0.0", ports.metrics_export_port),
+              ("Ray's dashboard", "127.0.0.1", DASHBOARD_PORT)]
+    return [f"port {port} ({name})" for name, host, port in wanted if not _can_listen(host, port)]
+
+
+def _can_listen(host: str, port: int) -> bool:
+    """Whether no one else listens on (host, port) now; SO_REUSEADDR as servers set it, so TIME_WAIT is no bar.
+
+    Only "address in use" counts: an address this machine lacks is for the server to report.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            return err.errno != errno.EADDRINUSE
+    return True
 
 
 def _ray_head_up() -> bool:

@@ -179,6 +179,7 @@ def test_status_lists_the_http_and_the_grpc_application(tmp_path, monkeypatch):
 def test_an_interrupted_ray_start_is_recorded_so_down_stops_it(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)
+    monkeypatch.setattr(local, "ports_in_use", lambda cfg: [])  # the test session's own cluster holds them
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -276,6 +277,7 @@ def test_up_stops_before_deploying_replicas_a_local_head_cannot_place(tmp_path, 
 def test_a_local_head_offers_every_replicas_custom_resources(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)
+    monkeypatch.setattr(local, "ports_in_use", lambda cfg: [])  # the test session's own cluster holds them
     monkeypatch.setattr(local, "head_session", lambda: "session_x")
     commands = []
     monkeypatch.setattr(local.subprocess, "run",
@@ -303,3 +305,19 @@ def test_bring_up_shows_serves_own_word_on_a_pending_deployment_once(tmp_path, m
     serve_says = [line for line in said if "serve says:" in line]
     assert len(serve_says) == 1  # two deployments, two polls: one message, once
     assert serve_says[0].endswith(" ".join(message.split()))
+
+
+def test_a_new_head_is_not_started_while_another_process_holds_its_ports(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(local, "_ray_head_up", lambda: False)
+    monkeypatch.setattr(local.subprocess, "run", lambda *args, **kwargs: pytest.fail("ray start ran"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {
+            "host": "127.0.0.1", "http_port": port}})
+        assert local.ports_in_use(cfg)[0] == f"port {port} (ports.http_port)"
+        with pytest.raises(BringUpError, match=f"port {port} \\(ports.http_port\\)"):
+            local.start_ray(cfg, LocalState(), progress=lambda msg: None)
+    assert not any(str(port) in taken for taken in local.ports_in_use(cfg))  # closed: free again

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -117,8 +118,14 @@ def state_dir_of(cfg: ClusterConfig) -> Path:
 
 
 def ensure_model(cfg: ClusterConfig, progress: Progress) -> None:
-    """Builds the default model when the config points at it and it is missing."""
+    """Builds the default model when the config points at it and it is missing; refuses a local folder that
+    is not there, when the replicas run on this machine (vLLM would fail in every replica, minutes later)."""
     if cfg.model.source:
+        source, address = cfg.model.source, os.environ.get("RAY_ADDRESS")
+        # Only paths that cannot be Hugging Face ids ("org/name"): a relative "org/name" may be either.
+        is_path = source.startswith(("/", "./", "../", "~"))
+        if is_path and not Path(source).expanduser().exists() and not (address and is_remote_address(address)):
+            raise BringUpError(f"model.source {source}: no such file or folder on this machine")
         return
     out = Path(cfg.model_source())
     if is_built(out):
@@ -532,6 +539,26 @@ def serve_details(state: LocalState) -> dict:
     return _serve_client(state).get_serve_details()
 
 
+def message_line(message: str) -> str:
+    """A Serve deployment message on one line: its first line (what happened) and, of a longer one, the
+    traceback's last exception with the line after it (else its last line); whitespace runs collapsed."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if len(lines) <= 2:
+        return " ".join(map(_squeezed, lines))[:MESSAGE_CHARS]
+    raised = [at for at, line in enumerate(lines) if _EXCEPTION_LINE.match(line)]
+    tail = lines[raised[-1]:raised[-1] + 2] if raised else lines[-1:]
+    half = MESSAGE_CHARS // 2
+    return f"{_squeezed(lines[0])[:half]} ... {' '.join(map(_squeezed, tail))[:half]}"
+
+
+# A traceback's "SomeError: what" line (unindented; a chained one may follow another).
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure): \S")
+
+
+def _squeezed(line: str) -> str:
+    return " ".join(line.split())
+
+
 def summarize(details: dict, app_name: str) -> tuple[str, list[str]]:
     """Application status and one line per deployment with replica states."""
     app = details.get("applications", {}).get(app_name)
@@ -545,7 +572,7 @@ def summarize(details: dict, app_name: str) -> tuple[str, list[str]]:
         counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "no replicas"
         lines.append(f"{name}: {dep['status']} ({counts})")
         if dep.get("message") and dep["status"] not in ("HEALTHY",):
-            lines.append(f"  {' '.join(dep['message'].split())[:MESSAGE_CHARS]}")  # Serve's lines as one
+            lines.append(f"  {message_line(dep['message'])}")
     if app["status"] == "DEPLOY_FAILED" and app.get("message"):
         lines += [f"  {line}" for line in app["message"].strip().splitlines()[-12:]]
     return app["status"], lines

@@ -321,3 +321,36 @@ def test_a_new_head_is_not_started_while_another_process_holds_its_ports(tmp_pat
         with pytest.raises(BringUpError, match=f"port {port} \\(ports.http_port\\)"):
             local.start_ray(cfg, LocalState(), progress=lambda msg: None)
     assert not any(str(port) in taken for taken in local.ports_in_use(cfg))  # closed: free again
+
+
+def test_a_failing_replicas_message_shows_what_happened_and_the_exception():
+    traceback = "\n".join([
+        "A replica failed to start with exception. Retrying 2 more time(s). Error:",
+        "ray::ServeReplica:warmpath:WarmpathLLMServer.initialize_and_get_metadata() (pid=1)",
+        '  File "llm_server.py", line 315, in _start_engine',
+        "    await self.engine.start()",
+        "RuntimeError: Failed to create vLLM engine config: 1 validation error for ModelConfig",
+        "  Value error, Invalid repository ID or local directory specified: '/tmp/empty'.",
+        "Please verify the following requirements:",
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+    ])
+    assert local.message_line(traceback) == (
+        "A replica failed to start with exception. Retrying 2 more time(s). Error: ... RuntimeError: Failed to "
+        "create vLLM engine config: 1 validation error for ModelConfig Value error, Invalid repository ID or "
+        "local directory specified: '/tmp/empty'.")
+    two = "Deployment 'D' has 2 replicas that have taken more than 30s to initialize.\nThis may be caused by a slow __init__."
+    assert local.message_line(two) == " ".join(two.split())
+    assert local.message_line("one\ntwo\nthree") == "one ... three"  # no exception line: the last one
+
+
+def test_a_local_model_folder_that_is_not_there_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    missing = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"source": "/no/such/model"}})
+    with pytest.raises(BringUpError, match="model.source /no/such/model: no such file or folder on this machine"):
+        local.ensure_model(missing, progress=lambda msg: None)
+    for source in ("Qwen/Qwen2.5-7B-Instruct", str(tmp_path)):  # a hub id; a folder that is there
+        local.ensure_model(load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"source": source}}),
+                           progress=lambda msg: None)
+    monkeypatch.setattr(local, "is_remote_address", lambda address: True)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://gpu-cluster:10001")  # the path is on the cluster's nodes
+    local.ensure_model(missing, progress=lambda msg: None)

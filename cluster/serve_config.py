@@ -20,8 +20,9 @@ GRPC_BUILDER_IMPORT_PATH = "serve_apps.builders:build_grpc_app"
 # Serve's proxy only registers applications with a route prefix; HTTP there answers 404.
 GRPC_ROUTE_PREFIX = "/grpc"
 GRPC_SERVICER_FUNCTIONS = [
-    "warmpath.v1.inference_pb2_grpc.add_InferenceServicer_to_server",
-    "warmpath.v1.agent_pb2_grpc.add_AgentServicer_to_server",
+    # The generated add_*Servicer_to_server, but a request that does not decode is INVALID_ARGUMENT, not UNKNOWN.
+    "serve_apps.grpc_decoding.add_inference_servicer",
+    "serve_apps.grpc_decoding.add_agent_servicer",
     # grpc.health.v1, answered inside the proxy (Kubernetes probes send no metadata).
     "serve_apps.grpc_status.add_health_servicer_to_server",
 ]

@@ -85,6 +85,7 @@ from serve_apps.access import (
     store_retry_headers,
 )
 from serve_apps.api_errors import engine_error, error_type, exception_body, validation_problem
+from serve_apps.grpc_decoding import UndecodableRequest
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.metrics import record_model_usage
 from serve_apps.orchestrator.models import TURN_ERROR_STATUS, TURN_INTERRUPTED, Message
@@ -641,12 +642,18 @@ class GrpcIngress:
                 grpc.StatusCode.UNAVAILABLE, TURN_INTERRUPTED["code"], TURN_INTERRUPTED["message"]
             ) from None
 
-    def _check_size(self, request) -> None:
-        """Refuses a request over `access.max_request_bytes`, before its key is checked, as the HTTP API does (413).
+    def _check_request(self, request) -> None:
+        """Refuses, before the call's key is checked, a request that did not decode (`grpc_decoding`) and one
+        over `access.max_request_bytes`, as the HTTP API does (400, 413).
 
         The proxy's own limit (`RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`, set by `warmpath up` and the KubeRay
         manifests) bounds what it reads at all; this one makes the API's limit the same on both.
         """
+        if isinstance(request, UndecodableRequest):
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+                f"the request is not a valid {request.message_type} message: {request.detail}",
+            )
         limit = self._guard.settings.access.max_request_bytes
         size = request.ByteSize()
         if size > limit:
@@ -668,7 +675,7 @@ class GrpcIngress:
         rpc = _RpcSpan.start(service, method, grpc_context)
         with rpc.lifetime(), rpc.current():
             try:
-                self._check_size(request)
+                self._check_request(request)
                 return await work(await self._admit(grpc_context))
             except Exception as err:
                 _fail(grpc_context, rpc, method, err)
@@ -687,7 +694,7 @@ class GrpcIngress:
         with rpc.lifetime():
             try:
                 with rpc.current():
-                    self._check_size(request)
+                    self._check_request(request)
                     stream = messages(await self._admit(grpc_context), rpc).__aiter__()
                 # Closed with this stream, in the caller's task: one left to the garbage collector would
                 # settle its model call (`_settle_decision`) in whichever request's context runs then.

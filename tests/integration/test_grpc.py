@@ -172,3 +172,18 @@ def test_a_huge_session_id_is_not_found_with_the_id_shortened(channel, metadata)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
         assert "x" * 64 + "..." in err.value.details() and "x" * 65 not in err.value.details()
         assert len(err.value.details().encode()) <= 2048
+
+
+@pytest.mark.parametrize("method, is_streamed", [
+    ("/warmpath.v1.Inference/ChatCompletion", False),
+    ("/warmpath.v1.Agent/SendMessage", True),
+])
+def test_bytes_that_are_no_request_message_are_invalid_argument(channel, metadata, method, is_streamed):
+    corrupt = b"\xff\xff\xff\xff\x0f"  # a field key whose varint never ends
+    call = (channel.unary_stream if is_streamed else channel.unary_unary)(method)  # raw bytes in and out
+    with pytest.raises(grpc.RpcError) as info:
+        answer = call(corrupt, metadata=metadata, timeout=60)
+        list(answer) if is_streamed else answer
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    request_type = "ChatCompletionRequest" if "Inference" in method else "SendMessageRequest"
+    assert info.value.details().startswith(f"the request is not a valid warmpath.v1.{request_type} message: ")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.serve_config import GRPC_SERVICER_FUNCTIONS
 from protos import generate
 
 REPO_ROOT = Path(generate.__file__).resolve().parent.parent
@@ -97,15 +98,9 @@ def test_method_names_unique_across_services():
     assert len(names) == len(set(names))
 
 
-@pytest.mark.parametrize(
-    "module, function",
-    [
-        ("warmpath.v1.inference_pb2_grpc", "add_InferenceServicer_to_server"),
-        ("warmpath.v1.agent_pb2_grpc", "add_AgentServicer_to_server"),
-    ],
-)
-def test_servicer_functions_importable(module, function):
-    # These are the import paths the Serve config lists in grpc_options.grpc_servicer_functions.
+@pytest.mark.parametrize("path", GRPC_SERVICER_FUNCTIONS)
+def test_servicer_functions_importable(path):
+    # The import paths the Serve config lists in grpc_options.grpc_servicer_functions.
     from ray._common.utils import import_attr
 
-    assert callable(import_attr(f"{module}.{function}"))
+    assert callable(import_attr(path))

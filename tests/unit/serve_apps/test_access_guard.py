@@ -165,6 +165,6 @@ def test_a_body_over_the_limit_is_a_counted_413(key_store, denials, headers, chu
 def test_a_grpc_request_over_the_limit_is_counted_as_over_http(key_store, denials):
     ingress = GrpcIngress(None, None, "m", SETTINGS)
     with pytest.raises(RpcFailure) as info:
-        ingress._check_size(agent_pb2.SendMessageRequest(session_id="s", content="x" * LIMIT))
+        ingress._check_request(agent_pb2.SendMessageRequest(session_id="s", content="x" * LIMIT))
     assert (info.value.status, info.value.code) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "request_too_large")
     assert denials.by_code == {"request_too_large": 1}

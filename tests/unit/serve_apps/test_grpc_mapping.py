@@ -19,6 +19,7 @@ import pytest
 from google.protobuf import json_format
 from pydantic import ValidationError
 
+from cluster.serve_config import GRPC_SERVICER_FUNCTIONS
 from serve_apps import ingress_grpc
 from serve_apps.access import AccessDenied
 from serve_apps.grpc_status import MAX_DETAILS_BYTES, MAX_ECHOED_CHARS, RpcFailure, grpc_code, shorten, status_details
@@ -1019,13 +1020,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-GRPC_SERVICER_FUNCTIONS = [
-    "warmpath.v1.inference_pb2_grpc.add_InferenceServicer_to_server",
-    "warmpath.v1.agent_pb2_grpc.add_AgentServicer_to_server",
-    "serve_apps.grpc_status.add_health_servicer_to_server",
-]
 
 
 async def _proxy_checks() -> dict:

@@ -247,11 +247,46 @@ def chat_completion_fields(request: inference_pb2.ChatCompletionRequest) -> dict
     fields: dict[str, Any] = {"messages": messages, "tools": tools or None}
     if request.HasField("tool_choice"):
         fields["tool_choice"] = openai_tool_choice(request.tool_choice)
-    if request.HasField("max_tokens"):
-        fields["max_tokens"] = request.max_tokens
-    if request.HasField("temperature"):
-        fields["temperature"] = request.temperature
+    for name in ("max_tokens", "temperature", "seed", "top_p", "parallel_tool_calls"):
+        if request.HasField(name):
+            fields[name] = getattr(request, name)
+    if request.stop:
+        fields["stop"] = list(request.stop)
+    if request.HasField("response_format"):
+        fields["response_format"] = response_format(request.response_format)
     return fields
+
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def response_format(form: inference_pb2.ResponseFormat) -> dict[str, Any]:
+    """OpenAI's `response_format` of a `ResponseFormat`; the schema must be a JSON object.
+
+    Raises:
+        RpcFailure: INVALID_ARGUMENT naming the field.
+    """
+    if form.type not in RESPONSE_FORMAT_TYPES:
+        raise RpcFailure(
+            grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+            f"response_format.type: {form.type!r} is not one of {', '.join(RESPONSE_FORMAT_TYPES)}",
+        )
+    if form.type != "json_schema":
+        if form.name or form.schema_json or form.strict:
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+                f"response_format: name, schema_json and strict belong to type json_schema, not {form.type}",
+            )
+        return {"type": form.type}
+    schema = _schema(form.schema_json, "response_format.schema_json")
+    if not isinstance(schema, dict):
+        raise RpcFailure(
+            grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+            "response_format.schema_json: must be a JSON object (a JSON Schema), not "
+            + ("empty" if schema is _NO_SCHEMA else _json_kind(schema)),
+        )
+    return {"type": "json_schema", "json_schema": {"name": form.name or "response", "schema": schema,
+                                                   "strict": form.strict}}
 
 
 def _json_kind(value: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import grpc
+import jsonschema
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -40,6 +41,24 @@ def test_unary_and_streamed_chat_completion(channel, metadata, cluster):
     chunks = list(stub.StreamChatCompletion(_request(cluster), metadata=metadata, timeout=120))
     assert "".join(c.content for c in chunks)
     assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_structured_output_and_stop_texts(channel, metadata, cluster):
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    schema = {"type": "object", "properties": {"order_id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"}},
+              "required": ["order_id"], "additionalProperties": False}
+    request = _request(cluster, "Which order?", max_tokens=64)
+    request.response_format.CopyFrom(inference_pb2.ResponseFormat(
+        type="json_schema", name="order", schema_json=json.dumps(schema), strict=True))
+    request.seed, request.top_p = 7, 0.9
+    reply = stub.ChatCompletion(request, metadata=metadata, timeout=120)
+    jsonschema.validate(json.loads(reply.content), schema)  # decoded under the schema's grammar
+    # A JSON object's text starts with "{", whatever is sampled: the stop text ends it at once.
+    stopped = _request(cluster, "Any object.", max_tokens=32)
+    stopped.response_format.type = "json_object"
+    stopped.stop.append("{")
+    reply = stub.ChatCompletion(stopped, metadata=metadata, timeout=120)
+    assert (reply.finish_reason, reply.content) == ("stop", "")
 
 
 def test_agent_session_with_a_tool(channel, metadata, cluster, tool_server):

@@ -586,6 +586,35 @@ def test_tool_choice(tool_choice, expected):
     ingress_grpc.ChatCompletionRequest(model="m", stream=False, **fields)
 
 
+def test_sampling_options_and_response_format_carry_over_as_the_http_api_names_them():
+    schema = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
+    form = inference_pb2.ResponseFormat(type="json_schema", name="order", schema_json=json.dumps(schema), strict=True)
+    fields = chat_completion_fields(_chat_request(
+        stop=["\n\n", "END"], seed=7, top_p=0.5, parallel_tool_calls=False, response_format=form))
+    assert {name: fields[name] for name in ("stop", "seed", "top_p", "parallel_tool_calls")} == {
+        "stop": ["\n\n", "END"], "seed": 7, "top_p": 0.5, "parallel_tool_calls": False}
+    assert fields["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "order", "schema": schema, "strict": True}}
+    request = ingress_grpc.ChatCompletionRequest(model="m", stream=False, **fields)  # the engine's model takes it
+    assert request.response_format.json_schema.json_schema == schema
+    json_object = chat_completion_fields(_chat_request(response_format=inference_pb2.ResponseFormat(type="json_object")))
+    assert json_object["response_format"] == {"type": "json_object"}
+
+
+@pytest.mark.parametrize("form, message", [
+    (inference_pb2.ResponseFormat(type="yaml"), "response_format.type: 'yaml' is not one of text, json_object, json_schema"),
+    (inference_pb2.ResponseFormat(type="json_schema"), "response_format.schema_json: must be a JSON object (a JSON Schema), not empty"),
+    (inference_pb2.ResponseFormat(type="json_schema", schema_json="[1]"), "response_format.schema_json: must be a JSON object (a JSON Schema), not an array"),
+    (inference_pb2.ResponseFormat(type="json_schema", schema_json="{"), "response_format.schema_json: not JSON: "),
+    (inference_pb2.ResponseFormat(type="text", schema_json="{}"), "response_format: name, schema_json and strict belong to type json_schema, not text"),
+])
+def test_a_response_format_the_api_cannot_pass_on_is_invalid_argument(form, message):
+    with pytest.raises(RpcFailure) as info:
+        chat_completion_fields(_chat_request(response_format=form))
+    assert info.value.status is Code.INVALID_ARGUMENT
+    assert info.value.message.startswith(message), info.value.message
+
+
 def test_function_tool_without_schema_gets_an_empty_object_schema():
     fields = chat_completion_fields(_chat_request(tools=[inference_pb2.FunctionTool(name="now")]))
     function = {"name": "now", "description": "", "parameters": {"type": "object", "properties": {}}}

@@ -58,8 +58,20 @@ class StreamError(_message.Message):
     message: str
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class ResponseFormat(_message.Message):
+    __slots__ = ("type", "name", "schema_json", "strict")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    name: str
+    schema_json: str
+    strict: bool
+    def __init__(self, type: _Optional[str] = ..., name: _Optional[str] = ..., schema_json: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
+
 class ChatCompletionRequest(_message.Message):
-    __slots__ = ("model", "messages", "tools", "tool_choice", "max_tokens", "temperature", "session_id")
+    __slots__ = ("model", "messages", "tools", "tool_choice", "max_tokens", "temperature", "session_id", "stop", "seed", "top_p", "parallel_tool_calls", "response_format")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +79,11 @@ class ChatCompletionRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tools: _containers.RepeatedCompositeFieldContainer[FunctionTool]
@@ -74,7 +91,12 @@ class ChatCompletionRequest(_message.Message):
     max_tokens: int
     temperature: float
     session_id: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., session_id: _Optional[str] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    top_p: float
+    parallel_tool_calls: bool
+    response_format: ResponseFormat
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., session_id: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., top_p: _Optional[float] = ..., parallel_tool_calls: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
 
 class ChatCompletionResponse(_message.Message):
     __slots__ = ("id", "model", "content", "tool_calls", "finish_reason", "usage", "replica_id")

@@ -125,6 +125,15 @@ class RoutingStats:
 
 DECISIONS = DecisionLog()
 STATS = RoutingStats()
+
+
+def pop_current() -> Optional[LoggedDecision]:
+    """The decision of the request this task serves, taken out of `DECISIONS` by both of Serve's request ids
+    (from Serve's request context), so two requests sharing a client's `x-request-id` never swap decisions."""
+    from ray.serve.context import _get_serve_request_context
+
+    context = _get_serve_request_context()
+    return DECISIONS.pop(context.request_id, context._internal_request_id)
 LIVE_ROUTERS: "weakref.WeakSet" = weakref.WeakSet()
 
 

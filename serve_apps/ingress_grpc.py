@@ -763,8 +763,7 @@ def _settle_decision(replica_id: str, usage: Optional[Mapping[str, Any]], is_ans
     with its last usage; one refused before any output had its placement withdrawn:
     it cached nothing the router should count on.
     """
-    context = _get_serve_request_context()
-    logged = decision_log.DECISIONS.pop(context.request_id, context._internal_request_id)
+    logged = decision_log.pop_current()
     if is_answered:
         decision_log.record_route_span(logged, replica_id or None)
         record_model_usage(logged, replica_id, usage)

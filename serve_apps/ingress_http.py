@@ -71,11 +71,8 @@ INCOMPLETE_STREAM_ATTRIBUTE = "warmpath.stream.incomplete"
 
 def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optional[decision_log.LoggedDecision]]:
     """Replica header, plus the router's reason and prediction when warmpath's router decided."""
-    from ray.serve.context import _get_serve_request_context
-
     headers: Dict[str, str] = {}
-    context = _get_serve_request_context()
-    logged = decision_log.DECISIONS.pop(context.request_id, context._internal_request_id)
+    logged = decision_log.pop_current()
     decision_log.record_route_span(logged, served_by.replica_id if served_by else None)
     decision = logged.decision if logged is not None else None
     if served_by is not None:
@@ -95,11 +92,7 @@ def _withdraw_placement() -> None:
     engine refused the request (or it broke off) before its first token, so it
     cached nothing the router should count on.
     """
-    from ray.serve.context import _get_serve_request_context
-
-    context = _get_serve_request_context()
-    logged = decision_log.DECISIONS.pop(context.request_id, context._internal_request_id)
-    decision_log.withdraw_placement(logged, None)
+    decision_log.withdraw_placement(decision_log.pop_current(), None)
 
 
 def _record_usage(

@@ -184,7 +184,6 @@ class HandleModelClient:
         """
         from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
         from ray.llm._internal.serve.core.protocol import RawRequestInfo
-        from ray.serve.context import _get_serve_request_context
 
         reply = ModelReply()
         with telemetry.tracer().start_as_current_span(
@@ -206,9 +205,7 @@ class HandleModelClient:
                         text = _apply_chunk(data, reply, calls)
                         if text:
                             yield text
-            # Both ids: two turns sharing a client's `x-request-id` must not swap decisions.
-            context = _get_serve_request_context()
-            logged = decision_log.DECISIONS.pop(context.request_id, context._internal_request_id)
+            logged = decision_log.pop_current()
             decision_log.record_route_span(logged, reply.replica_id or None)
             record_model_call(logged, reply.replica_id, reply.prompt_tokens, reply.cached_tokens)
             if span.is_recording():

@@ -8,6 +8,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+import ray.serve.context
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionResponse, ErrorInfo, ErrorResponse
 
 from router import decision_log
@@ -50,7 +51,7 @@ def two_decisions(monkeypatch):
     decision_log.DECISIONS.put(CLIENT_REQUEST_ID, "mine", logged("prefix-hit", "replica-a"))
     decision_log.DECISIONS.put(CLIENT_REQUEST_ID, "theirs", logged("cold", "replica-b"))
     context = SimpleNamespace(request_id=CLIENT_REQUEST_ID, _internal_request_id="mine")
-    monkeypatch.setattr(ingress_grpc, "_get_serve_request_context", lambda: context)
+    monkeypatch.setattr(ray.serve.context, "_get_serve_request_context", lambda: context)
     yield
     for internal_id in ("mine", "theirs"):
         decision_log.DECISIONS.pop(CLIENT_REQUEST_ID, internal_id)

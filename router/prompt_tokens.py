@@ -133,8 +133,13 @@ def template_arguments(request: Any, rendering: Optional[EngineRendering]) -> di
     layer's set values over the one below. Without `rendering` the server
     defaults count as empty.
     """
+    return _template_arguments(request, rendering, _tool_dicts(request, rendering))
+
+
+def _template_arguments(request: Any, rendering: Optional[EngineRendering], tools: Optional[list]) -> dict[str, Any]:
+    """`template_arguments` with the tools as given (None: none, or the server default's)."""
     server = rendering.default_chat_template_kwargs if rendering is not None else {}
-    engine_level = _merged(server, {"tools": _tool_dicts(request, rendering), "tokenize": False})
+    engine_level = _merged(server, {"tools": tools, "tokenize": False})
     requested = getattr(request, "chat_template_kwargs", None) or {}
     effort = getattr(request, "reasoning_effort", None)
     own = {
@@ -345,7 +350,8 @@ def is_forwardable(request: Any, rendering: Optional[EngineRendering]) -> bool:
         return False
     if getattr(request, "truncate_prompt_tokens", None) is not None:
         return False
-    arguments = template_arguments(request, rendering)
+    # No tools: they decide neither check, and dumping them costs about 0.5 ms a request with 40 tools.
+    arguments = _template_arguments(request, rendering, tools=None)
     if arguments.get("tokenize") is not False or not _UNREPRODUCED_ARGUMENTS.isdisjoint(arguments):
         return False
     return all(_is_plain_text(message) for message in request.messages)

@@ -341,15 +341,12 @@ class _EventPump(threading.Thread):
         """Applies `batches` (`replayed` filling a gap before the first) up to the first gap the replay buffer
         may fill, holding the routing lock for about `LOCK_HOLD_BLOCKS` blocks at a time; returns how many."""
         num_applied = 0
-        while num_applied < len(batches):
-            budget = LOCK_HOLD_BLOCKS
+        for batch_slice in _slices_by_blocks(batches):
             with self._router.lock:
-                while num_applied < len(batches) and budget > 0:
-                    seq, batch = batches[num_applied]
+                for seq, batch in batch_slice:
                     if replayed is None and stream.fillable_gap_before(seq):
                         return num_applied
                     stream.accept(seq, batch, replayed or ())
-                    budget -= _num_blocks(batch)
                     replayed, num_applied = None, num_applied + 1
         return num_applied
 

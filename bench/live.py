@@ -24,6 +24,17 @@ in the result as `{"error": "Type: message"}` and the next policy runs; Ctrl-C
 raises `BenchInterrupted` carrying the policies that finished, so the caller
 can still write them.
 
+Rounds: with `rounds` > 1 the policy list runs that many times, each round
+starting one policy later in the list (pow2,warmpath then warmpath,pow2, ...)
+so no policy always runs first after the warm-up or last on a machine that
+slowed down. Why: run-to-run spread on a shared 2-core machine is as large as
+the differences between routers (pow2's TTFT p50 moved 0.29-0.45 s between
+runs of one build), and a ratio taken within one round, where both policies
+ran minutes apart, is steadier than one taken across runs. Round 1 keeps
+everything (records, oracle bounds, simulator replay); every round keeps each
+policy's summary in `rounds`, and `paired_ratios` (`bench.report`) has the
+median and range of each round's ratio to the baseline.
+
 Prompt token ids are rendered before the run with the model's tokenizer and
 chat template (`TokenizerRenderer`, identical to what the engines compute),
 kept in the trace for the oracle and the simulator, and checked against
@@ -257,10 +268,21 @@ class BenchInterrupted(KeyboardInterrupt):
 
 
 def failures(result: dict) -> list[str]:
-    """`policy: error` for every part of the result that failed: a policy's run, its bounds, its replay check."""
-    return [f"{policy}: {part['error']}"
-            for key in ("policies", "oracle", "simulator_check")
-            for policy, part in result.get(key, {}).items() if part.get("error")]
+    """`policy: error` for every part of the result that failed: a policy's run, its bounds, its replay check,
+    and (`round N policy: error`) a run of a later round."""
+    failed = [f"{policy}: {part['error']}"
+              for key in ("policies", "oracle", "simulator_check")
+              for policy, part in result.get(key, {}).items() if part.get("error")]
+    for number, round_ in enumerate(result.get("rounds", [])[1:], start=2):
+        failed += [f"round {number} {policy}: {run['error']}" for policy, run in round_["runs"].items()
+                   if run.get("error")]
+    return failed
+
+
+def round_order(policies: Sequence[RouterPolicy], round_index: int) -> list[RouterPolicy]:
+    """The policies of round `round_index` (0-based): the list rotated to start `round_index` places later."""
+    shift = round_index % len(policies) if policies else 0
+    return [*policies[shift:], *policies[:shift]]
 
 
 def run_bench(
@@ -272,6 +294,7 @@ def run_bench(
     time_scale: float,
     progress: Progress,
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+    rounds: int = 1,
 ) -> dict:
     """Runs one workload under every policy on the local cluster, then the oracle bounds of each trace.
 
@@ -284,16 +307,20 @@ def run_bench(
         time_scale: multiplies arrival times and tool latencies (finite, > 0).
         progress: one line per step.
         max_output_tokens: generation cap per call.
+        rounds: times the policy list runs, rotated each round (module docstring); >= 1.
 
     Returns:
         The result document `bench.report` prints, plots and `bench.simulator.reproduce_live_run` reads;
-        a policy that failed has only an `error` (see `failures`).
+        a policy that failed has only an `error` (see `failures`). With `rounds` > 1 it also holds
+        `rounds` (each round's order and per-policy summaries) and `paired_ratios`.
 
     Raises:
         BenchInterrupted: Ctrl-C after the warm-up, with the policies that finished.
     """
     if not (math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     workload = generate(workload_name, seed, cfg.replicas.num_replicas, num_sessions=num_sessions)
     progress(f"bench: rendering {workload.num_requests} prompts of {workload_name} with the model's tokenizer")
     renderer = TokenizerRenderer(cfg.model_source())
@@ -317,16 +344,55 @@ def run_bench(
         "oracle": {},
         "simulator_check": {},
     }
+    if rounds > 1:
+        result["rounds"] = []
     warm_up(cfg, workload, prepared, time_scale, progress)
     try:
         for policy in policies:
             _run_and_bound(result, cfg, policy, workload, prepared, time_scale, capacity, progress)
+        if rounds > 1:
+            _record_round(result, policies, {p: result["policies"][p] for p in policies})
+            for round_index in range(1, rounds):
+                _run_round(result, cfg, round_order(policies, round_index), workload, prepared, time_scale,
+                           progress, f"round {round_index + 1} of {rounds}")
         if capacity is not None and cfg.replicas.accelerator == "cpu":
             _check_simulator(result, progress)
     except KeyboardInterrupt:
         result["interrupted"] = True
         raise BenchInterrupted(result) from None
     return result
+
+
+def _record_round(result: dict, order: Sequence[RouterPolicy], runs: dict[str, dict]) -> None:
+    """Appends one round (its order, each policy's summary or error) and recomputes the paired ratios."""
+    from bench.report import paired_ratios
+
+    kept = {p: {"error": run["error"]} if run.get("error") else {"summary": run["summary"], "wall_s": run["wall_s"]}
+            for p, run in runs.items()}
+    result["rounds"].append({"order": list(order), "runs": kept})
+    result["paired_ratios"] = paired_ratios(result["rounds"])
+
+
+def _run_round(result: dict, cfg: ClusterConfig, order: Sequence[RouterPolicy], workload: Workload,
+               prepared: dict[str, list[PreparedRequest]], time_scale: float, progress: Progress,
+               label: str) -> None:
+    """Runs a later round into `result["rounds"]`: summaries only; a policy that fails is recorded, the rest run.
+
+    A Ctrl-C keeps the policies of this round that finished (the round is recorded first).
+    """
+    progress(f"bench: {label}: {', '.join(order)}")
+    runs: dict[str, dict] = {}
+    try:
+        for policy in order:
+            try:
+                runs[policy] = run_policy(cfg, policy, workload, prepared, time_scale,
+                                          lambda msg: progress(msg.replace("bench: ", f"bench: {label}: ", 1)))
+            except Exception as err:
+                runs[policy] = {"error": error_line(err)}
+                progress(f"bench: {label}: {policy}: FAILED: {runs[policy]['error']}")
+    finally:
+        if runs:
+            _record_round(result, [p for p in order if p in runs], runs)
 
 
 def _run_and_bound(result: dict, cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,

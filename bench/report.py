@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -157,14 +158,86 @@ def _check_line(policy: str, check: Mapping) -> str:
     return line
 
 
+def rounds_baseline(rounds: Sequence[Mapping]) -> str | None:
+    """pow2 where the rounds ran it, else the first policy of the first round: one baseline for every round."""
+    if not rounds or not rounds[0]["order"]:
+        return None
+    return BASELINE_POLICY if any(BASELINE_POLICY in r["order"] for r in rounds) else rounds[0]["order"][0]
+
+
+def paired_ratios(rounds: Sequence[Mapping]) -> dict[str, dict[str, dict]]:
+    """Per policy and figure: median, min and max over the rounds of (figure / the same round's baseline).
+
+    Why paired: both runs of a round ran minutes apart on the same machine, so
+    the ratio cancels most of what makes the machine faster or slower from one
+    run to the next. A round where the baseline or the policy failed, or lacks
+    the figure, is left out of that figure (`num_rounds` says how many count).
+
+    Args:
+        rounds: `{"order": [...], "runs": {policy: {"summary": ...} | {"error": ...}}}` per round.
+
+    Returns:
+        policy -> summary key -> {"median", "min", "max", "num_rounds"}; figures no round has are absent.
+    """
+    baseline = rounds_baseline(rounds)
+    if baseline is None:
+        return {}
+    policies = list(dict.fromkeys(p for r in rounds for p in r["order"]))
+    out: dict[str, dict[str, dict]] = {}
+    for policy in policies:
+        by_key: dict[str, dict] = {}
+        for key, _, _ in METRICS:
+            ratios = []
+            for round_ in rounds:
+                base = (round_["runs"].get(baseline) or {}).get("summary") or {}
+                mine = (round_["runs"].get(policy) or {}).get("summary") or {}
+                if mine.get(key) is not None and base.get(key):
+                    ratios.append(mine[key] / base[key])
+            if ratios:
+                by_key[key] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                               "num_rounds": len(ratios)}
+        out[policy] = by_key
+    return out
+
+
+def rounds_section(result: Mapping) -> str:
+    """The report's block of paired ratios over the rounds (a leading newline), or "" for a one-round run."""
+    rounds = result.get("rounds") or []
+    if len(rounds) < 2:
+        return ""
+    baseline = rounds_baseline(rounds)
+    ratios = result.get("paired_ratios") or paired_ratios(rounds)
+    rows = [["policy"] + [name for _, name, _ in METRICS]]
+    for policy, by_key in ratios.items():
+        cells = []
+        for key, _, _ in METRICS:
+            figure = by_key.get(key)
+            cells.append("-" if figure is None else
+                         f"{figure['median']:.2f} [{figure['min']:.2f}-{figure['max']:.2f}]"
+                         + ("" if figure["num_rounds"] == len(rounds) else f" n={figure['num_rounds']}"))
+        rows.append([policy] + cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [f"\nratio to {baseline} within each of {len(rounds)} rounds: median [min-max]"
+             " (n=: rounds that count, where some failed)"]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    lines += [f"round {number}: {', '.join(r['order'])}" for number, r in enumerate(rounds, start=1)]
+    return "\n".join(lines)
+
+
 def live_report(result: Mapping) -> str:
     """The text `warmpath bench` prints: the ratio table (failed policies marked) and the oracle fractions."""
     title = (f"workload {result['workload']}: {result['num_sessions']} sessions, {result['num_requests']} requests, "
              f"{result['num_replicas']} replicas, time scale {result['time_scale']}")
+    if len(result.get("rounds") or []) > 1:
+        title += f"; round 1 of {len(result['rounds'])}"
     runs = result["policies"]
     summaries = {p: run.get("summary") for p, run in runs.items()}
     errors = {p: run["error"] for p, run in runs.items() if run.get("error")}
     text = ratio_table(summaries, title, errors, result.get("num_requests")) + oracle_section(result)
+    text += rounds_section(result)
     checks = result.get("simulator_check") or {}
     if checks:
         text += "\nsimulator replay of each trace (CPU cost model):\n  " + "\n  ".join(

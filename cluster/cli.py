@@ -419,8 +419,8 @@ def render_k8s_cmd(
         raise typer.Exit(2)
 
 
-def _check_bench_flags(time_scale: float, sessions: Optional[int]) -> None:
-    """Exits 2 with one line on a time scale or session count no run can use.
+def _check_bench_flags(time_scale: float, sessions: Optional[int], rounds: int = 1) -> None:
+    """Exits 2 with one line on a time scale, session count or round count no run can use.
 
     Why: 0 or a negative scale crashed in the run, and NaN or infinity would make
     every session wait forever (asyncio.sleep(nan)) after writing `NaN` JSON.
@@ -429,6 +429,8 @@ def _check_bench_flags(time_scale: float, sessions: Optional[int]) -> None:
         _refuse(f"--time-scale must be a finite number > 0, got {time_scale}")
     if sessions is not None and sessions < 1:
         _refuse(f"--sessions must be >= 1, got {sessions}")
+    if rounds < 1:
+        _refuse(f"--rounds must be >= 1, got {rounds}")
 
 
 @app.command()
@@ -440,6 +442,10 @@ def bench(
     sessions: Optional[int] = typer.Option(None, help="Sessions per workload (default: the workload's CPU size)."),
     time_scale: float = typer.Option(1.0, help="Multiplies session arrival times and tool latencies."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for bench-<workload>.json and .png."),
+    rounds: int = typer.Option(
+        1, help="Run the policy list this many times, rotated each round; report each policy's ratio to pow2 "
+                "within a round (median and range)."
+    ),
 ) -> None:
     """Run agent workloads on the local cluster once per routing policy (redeploying between policies).
 
@@ -451,12 +457,12 @@ def bench(
 
     cfg = _load(config)
     names, chosen = _workloads_and_policies(workload, policies)
-    _check_bench_flags(time_scale, sessions)
+    _check_bench_flags(time_scale, sessions, rounds)
     _check_writable_dir(out, [f"bench-{name}.{ext}" for name in names for ext in ("json", "png")])
     failed: list[str] = []
     for name in names:
         try:
-            result = live.run_bench(cfg, name, chosen, seed, sessions, time_scale, progress)
+            result = live.run_bench(cfg, name, chosen, seed, sessions, time_scale, progress, rounds=rounds)
         except live.BenchInterrupted as stop:
             _write_bench(out, name, stop.result)
             _stop_interrupted()

@@ -48,10 +48,10 @@ def no_cluster(monkeypatch):
     return outcomes
 
 
-def _run_bench(policies=("pow2", "warmpath", "round-robin")) -> dict:
+def _run_bench(policies=("pow2", "warmpath", "round-robin"), rounds: int = 1) -> dict:
     from cluster.config import ClusterConfig
 
-    return live.run_bench(ClusterConfig(), "fanout", list(policies), 0, 2, 1.0, lambda msg: None)
+    return live.run_bench(ClusterConfig(), "fanout", list(policies), 0, 2, 1.0, lambda msg: None, rounds=rounds)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "-inf"])
@@ -71,6 +71,14 @@ def test_bench_refuses_fewer_than_one_session(monkeypatch, tmp_path, value):
     assert result.output.strip() == f"--sessions must be >= 1, got {value}"
 
 
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_bench_refuses_fewer_than_one_round(monkeypatch, tmp_path, value):
+    monkeypatch.setattr(live, "run_bench", _never)
+    result = CliRunner().invoke(app, [*BENCH, f"--rounds={value}", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip() == f"--rounds must be >= 1, got {value}"
+
+
 def test_run_bench_refuses_a_non_finite_time_scale():
     from cluster.config import ClusterConfig
 
@@ -81,7 +89,7 @@ def test_run_bench_refuses_a_non_finite_time_scale():
 def test_bench_runs_a_policy_named_twice_once(monkeypatch, tmp_path):
     seen = []
 
-    def run_bench(cfg, name, policies, *args):
+    def run_bench(cfg, name, policies, *args, **kwargs):
         seen.append(list(policies))
         raise KeyboardInterrupt
 
@@ -139,3 +147,78 @@ def test_bench_interrupted_before_any_policy_keeps_an_earlier_file(no_cluster, t
     assert result.exit_code == 130, result.output
     assert "interrupted" in result.output.splitlines()[-1]
     assert earlier.read_text() == "{}"
+
+
+def test_rounds_rotate_the_policy_list():
+    policies = ["pow2", "warmpath", "prefix-tree"]
+    assert [live.round_order(policies, i) for i in range(4)] == [
+        ["pow2", "warmpath", "prefix-tree"], ["warmpath", "prefix-tree", "pow2"],
+        ["prefix-tree", "pow2", "warmpath"], ["pow2", "warmpath", "prefix-tree"],
+    ]
+
+
+@pytest.fixture
+def ttft_by_call(monkeypatch, no_cluster):
+    """run_policy answers each call with the next TTFT p50 of its policy's list; records the calls."""
+    calls: list[str] = []
+    ttfts = {"pow2": [1.0, 2.0, 0.5], "warmpath": [0.6, 1.0, 0.4]}
+
+    def run_policy(cfg, policy, workload, prepared, time_scale, progress):
+        calls.append(policy)
+        outcome = no_cluster.pop(f"{policy}#{calls.count(policy)}", None)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        run = _fake_run()
+        run["summary"] = dict(run["summary"], ttft_p50_s=ttfts[policy][calls.count(policy) - 1])
+        return run
+
+    monkeypatch.setattr(live, "run_policy", run_policy)
+    return calls
+
+
+def test_rounds_pair_each_policy_with_the_same_rounds_baseline(ttft_by_call):
+    result = _run_bench(("pow2", "warmpath"), rounds=3)
+    assert ttft_by_call == ["pow2", "warmpath", "warmpath", "pow2", "pow2", "warmpath"]
+    assert [r["order"] for r in result["rounds"]] == [["pow2", "warmpath"], ["warmpath", "pow2"], ["pow2", "warmpath"]]
+    assert "records" not in result["rounds"][1]["runs"]["pow2"]  # later rounds keep summaries only
+    assert result["policies"]["warmpath"]["summary"]["ttft_p50_s"] == 0.6  # round 1 is the full result
+    ttft = result["paired_ratios"]["warmpath"]["ttft_p50_s"]
+    assert ttft == {"median": 0.6, "min": 0.5, "max": 0.8, "num_rounds": 3}  # 0.6/1.0, 1.0/2.0, 0.4/0.5
+    assert result["paired_ratios"]["pow2"]["ttft_p50_s"]["median"] == 1.0
+    assert live.failures(result) == []
+
+
+def test_a_policy_failing_in_a_later_round_is_reported_and_left_out_of_its_ratios(ttft_by_call, no_cluster):
+    no_cluster["pow2#2"] = RuntimeError("redeploy failed")
+    result = _run_bench(("pow2", "warmpath"), rounds=3)
+    assert result["rounds"][1]["runs"]["pow2"] == {"error": "RuntimeError: redeploy failed"}
+    assert live.failures(result) == ["round 2 pow2: RuntimeError: redeploy failed"]
+    ttft = result["paired_ratios"]["warmpath"]["ttft_p50_s"]
+    assert ttft["num_rounds"] == 2 and ttft["min"] == 0.6 and ttft["max"] == pytest.approx(0.8)  # 0.6/1.0, 0.4/0.5
+
+
+def test_ctrl_c_in_a_later_round_keeps_what_that_round_finished(ttft_by_call, no_cluster):
+    no_cluster["pow2#2"] = KeyboardInterrupt()
+    with pytest.raises(live.BenchInterrupted) as stop:
+        _run_bench(("pow2", "warmpath"), rounds=3)
+    result = stop.value.result
+    assert result["interrupted"] is True
+    assert [r["order"] for r in result["rounds"]] == [["pow2", "warmpath"], ["warmpath"]]
+    assert result["paired_ratios"]["warmpath"]["ttft_p50_s"]["num_rounds"] == 1  # round 2 has no baseline
+
+
+def test_bench_prints_the_paired_ratios_of_its_rounds(ttft_by_call, tmp_path):
+    result = CliRunner().invoke(app, ["bench", "--workload", "fanout", "--policies", "pow2,warmpath",
+                                      "--rounds", "3", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "round 1 of 3" in result.output
+    assert "ratio to pow2 within each of 3 rounds: median [min-max]" in result.output
+    assert "0.60 [0.50-0.80]" in result.output
+    assert "round 2: warmpath, pow2" in result.output
+    document = json.loads((tmp_path / "bench-fanout.json").read_text())
+    assert len(document["rounds"]) == 3 and document["paired_ratios"]["warmpath"]["ttft_p50_s"]["max"] == 0.8
+
+
+def test_one_round_writes_no_rounds(no_cluster):
+    result = _run_bench(("pow2", "warmpath"))
+    assert "rounds" not in result and "paired_ratios" not in result

@@ -8,6 +8,7 @@ import struct
 
 import pytest
 
+from bench import report
 from bench.report import error_line, live_report, plot_live, ratio_table, write_json
 
 
@@ -109,3 +110,24 @@ def test_rows_that_completed_other_requests_say_so():
                      "requests than a full run's, so its ratios compare unlike sets"]
     assert not [line for line in ratio_table({"pow2": full, "warmpath": full}, "t", num_planned=8).splitlines()
                 if line.startswith("note:")]
+
+
+def _round(order, ttfts):
+    return {"order": order, "runs": {p: {"error": "X"} if t is None else {"summary": {"ttft_p50_s": t}}
+                                     for p, t in zip(order, ttfts)}}
+
+
+def test_paired_ratios_without_pow2_take_the_first_policy_of_the_first_round():
+    rounds = [_round(["warmpath", "prefix-tree"], [0.5, 1.0]), _round(["prefix-tree", "warmpath"], [0.8, 0.4])]
+    ratios = report.paired_ratios(rounds)
+    assert report.rounds_baseline(rounds) == "warmpath"
+    assert ratios["prefix-tree"]["ttft_p50_s"] == {"median": 2.0, "min": 2.0, "max": 2.0, "num_rounds": 2}
+    assert "ttft_p99_s" not in ratios["prefix-tree"]  # no round has the figure
+
+
+def test_rounds_section_marks_figures_some_rounds_lack():
+    rounds = [_round(["pow2", "warmpath"], [1.0, 0.5]), _round(["warmpath", "pow2"], [0.7, None])]
+    section = report.rounds_section({"rounds": rounds})
+    assert "ratio to pow2 within each of 2 rounds" in section
+    assert "0.50 [0.50-0.50] n=1" in section
+    assert report.rounds_section({"rounds": rounds[:1]}) == ""

@@ -63,20 +63,12 @@ def test_bench_refuses_a_time_scale_no_run_can_use(monkeypatch, tmp_path, value)
     assert len(result.output.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("value", ["0", "-3"])
-def test_bench_refuses_fewer_than_one_session(monkeypatch, tmp_path, value):
+@pytest.mark.parametrize("flag,value", [("sessions", "0"), ("sessions", "-3"), ("rounds", "0"), ("rounds", "-2")])
+def test_bench_refuses_fewer_than_one_session_or_round(monkeypatch, tmp_path, flag, value):
     monkeypatch.setattr(live, "run_bench", _never)
-    result = CliRunner().invoke(app, [*BENCH, f"--sessions={value}", "--out", str(tmp_path)])
+    result = CliRunner().invoke(app, [*BENCH, f"--{flag}={value}", "--out", str(tmp_path)])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
-    assert result.output.strip() == f"--sessions must be >= 1, got {value}"
-
-
-@pytest.mark.parametrize("value", ["0", "-2"])
-def test_bench_refuses_fewer_than_one_round(monkeypatch, tmp_path, value):
-    monkeypatch.setattr(live, "run_bench", _never)
-    result = CliRunner().invoke(app, [*BENCH, f"--rounds={value}", "--out", str(tmp_path)])
-    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
-    assert result.output.strip() == f"--rounds must be >= 1, got {value}"
+    assert result.output.strip() == f"--{flag} must be >= 1, got {value}"
 
 
 def test_run_bench_refuses_a_non_finite_time_scale():

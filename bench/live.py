@@ -236,7 +236,7 @@ def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
 
     policy_cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"policy": policy})})
     progress(f"bench: redeploying with router.policy={policy} (fresh engines, empty caches)")
-    state = local.up(policy_cfg, progress, redeploy=True)
+    state = redeploy(policy_cfg, progress)
     progress(f"bench: {policy}: replaying {len(workload.sessions)} sessions ({workload.num_requests} requests)")
     started = time.monotonic()
     api_key = local.local_api_key(cfg)
@@ -276,6 +276,8 @@ def failures(result: dict) -> list[str]:
     for number, round_ in enumerate(result.get("rounds", [])[1:], start=2):
         failed += [f"round {number} {policy}: {run['error']}" for policy, run in round_["runs"].items()
                    if run.get("error")]
+    if result.get("restore_error"):
+        failed.append(f"redeploying the configured policy: {result['restore_error']}")
     return failed
 
 
@@ -355,12 +357,37 @@ def run_bench(
             for round_index in range(1, rounds):
                 _run_round(result, cfg, round_order(policies, round_index), workload, prepared, time_scale,
                            progress, f"round {round_index + 1} of {rounds}")
+        last_policy = round_order(policies, rounds - 1)[-1] if policies else cfg.router.policy
+        if last_policy != cfg.router.policy:
+            _restore_configured_policy(result, cfg, progress)
         if capacity is not None and cfg.replicas.accelerator == "cpu":
             _check_simulator(result, progress)
     except KeyboardInterrupt:
         result["interrupted"] = True
         raise BenchInterrupted(result) from None
     return result
+
+
+def redeploy(cfg: ClusterConfig, progress: Progress):
+    """Redeploys the Serve application as `cfg` says (fresh engines); returns `cluster.local.up`'s state."""
+    from cluster import local
+
+    return local.up(cfg, progress, redeploy=True)
+
+
+def _restore_configured_policy(result: dict, cfg: ClusterConfig, progress: Progress) -> None:
+    """Leaves the cluster routing as its config says, not with the policy the bench ran last.
+
+    Why: the cluster is the user's, and the default policy list ends with prefix-tree; traffic sent
+    after a bench would otherwise go through a baseline router. A failed redeploy is recorded
+    (`restore_error`, listed by `failures`), not raised: the figures are already measured.
+    """
+    progress(f"bench: redeploying with the configured router.policy={cfg.router.policy}")
+    try:
+        redeploy(cfg, progress)
+    except Exception as err:
+        result["restore_error"] = error_line(err)
+        progress(f"bench: the configured policy could not be redeployed: {result['restore_error']}")
 
 
 def _record_round(result: dict, order: Sequence[RouterPolicy], runs: dict[str, dict]) -> None:

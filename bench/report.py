@@ -165,7 +165,7 @@ def rounds_baseline(rounds: Sequence[Mapping]) -> str | None:
     return BASELINE_POLICY if any(BASELINE_POLICY in r["order"] for r in rounds) else rounds[0]["order"][0]
 
 
-def paired_ratios(rounds: Sequence[Mapping]) -> dict[str, dict[str, dict]]:
+def paired_ratios(rounds: Sequence[Mapping], baseline: str | None = None) -> dict[str, dict[str, dict]]:
     """Per policy and figure: median, min and max over the rounds of (figure / the same round's baseline).
 
     Why paired: both runs of a round ran minutes apart on the same machine, so
@@ -175,11 +175,12 @@ def paired_ratios(rounds: Sequence[Mapping]) -> dict[str, dict[str, dict]]:
 
     Args:
         rounds: `{"order": [...], "runs": {policy: {"summary": ...} | {"error": ...}}}` per round.
+        baseline: the policy every ratio divides by (default `rounds_baseline`).
 
     Returns:
         policy -> summary key -> {"median", "min", "max", "num_rounds"}; figures no round has are absent.
     """
-    baseline = rounds_baseline(rounds)
+    baseline = baseline or rounds_baseline(rounds)
     if baseline is None:
         return {}
     policies = list(dict.fromkeys(p for r in rounds for p in r["order"]))
@@ -223,8 +224,24 @@ def rounds_section(result: Mapping) -> str:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * width for width in widths))
+    lines += _warmpath_against_each(rounds, baseline)
     lines += [f"round {number}: {', '.join(r['order'])}" for number, r in enumerate(rounds, start=1)]
     return "\n".join(lines)
+
+
+def _warmpath_against_each(rounds: Sequence[Mapping], baseline: str | None) -> list[str]:
+    """warmpath's TTFT p50 over every other policy's within each round: the issue's targets name two baselines."""
+    policies = list(dict.fromkeys(p for r in rounds for p in r["order"]))
+    if "warmpath" not in policies:
+        return []
+    parts = []
+    for other in policies:
+        if other in ("warmpath", baseline):
+            continue
+        figure = paired_ratios(rounds, other).get("warmpath", {}).get("ttft_p50_s")
+        if figure is not None:
+            parts.append(f"{other} {figure['median']:.2f} [{figure['min']:.2f}-{figure['max']:.2f}]")
+    return [f"warmpath TTFT p50 within each round over: {', '.join(parts)}"] if parts else []
 
 
 def live_report(result: Mapping) -> str:

@@ -45,6 +45,13 @@ def no_cluster(monkeypatch):
     monkeypatch.setattr(live, "kv_capacity_blocks", lambda cfg: None)
     monkeypatch.setattr(live, "warm_up", lambda *args: None)
     monkeypatch.setattr(live, "run_policy", run_policy)
+
+    def redeploy(cfg, progress):  # only the restore of the configured policy calls it (run_policy is replaced)
+        outcomes.setdefault("redeployed", []).append(cfg.router.policy)
+        if isinstance(outcomes.get("redeploy"), BaseException):
+            raise outcomes["redeploy"]
+
+    monkeypatch.setattr(live, "redeploy", redeploy)
     return outcomes
 
 
@@ -214,3 +221,22 @@ def test_bench_prints_the_paired_ratios_of_its_rounds(ttft_by_call, tmp_path):
 def test_one_round_writes_no_rounds(no_cluster):
     result = _run_bench(("pow2", "warmpath"))
     assert "rounds" not in result and "paired_ratios" not in result
+
+
+def test_the_cluster_is_left_with_its_configured_policy(no_cluster):
+    _run_bench(("warmpath", "pow2"))  # the configured policy is warmpath (the default)
+    assert no_cluster["redeployed"] == ["warmpath"]
+
+
+def test_no_redeploy_when_the_last_policy_is_the_configured_one(no_cluster):
+    _run_bench(("pow2", "warmpath"))
+    assert "redeployed" not in no_cluster
+    _run_bench(("warmpath", "pow2"), rounds=2)  # round 2 runs pow2, warmpath
+    assert "redeployed" not in no_cluster
+
+
+def test_a_failed_restore_is_reported_with_the_figures_kept(no_cluster):
+    no_cluster["redeploy"] = RuntimeError("serve timed out")
+    result = _run_bench(("warmpath", "pow2"))
+    assert result["policies"]["pow2"]["summary"]["hit_rate"] == 0.8
+    assert live.failures(result) == ["redeploying the configured policy: RuntimeError: serve timed out"]

@@ -130,4 +130,12 @@ def test_rounds_section_marks_figures_some_rounds_lack():
     section = report.rounds_section({"rounds": rounds})
     assert "ratio to pow2 within each of 2 rounds" in section
     assert "0.50 [0.50-0.50] n=1" in section
+    assert "warmpath TTFT p50 within each round over" not in section  # pow2 is the only other policy
+
+
+def test_rounds_section_puts_warmpath_over_every_other_policy():
+    rounds = [_round(["pow2", "warmpath", "prefix-tree"], [1.0, 0.5, 0.8]),
+              _round(["warmpath", "prefix-tree", "pow2"], [0.6, 0.6, 1.2])]
+    section = report.rounds_section({"rounds": rounds})
+    assert "warmpath TTFT p50 within each round over: prefix-tree 0.81 [0.62-1.00]" in section
     assert report.rounds_section({"rounds": rounds[:1]}) == ""

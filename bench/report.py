@@ -7,6 +7,8 @@ when either figure is missing (no successful request, no prediction) and the
 baseline row reads 1.00. Without a pow2 run that finished, the first policy
 that finished is the baseline. A policy that failed has a row that says so and
 why (its `error`), so a run that lost one policy still reports the others.
+A run of several rounds (`bench --rounds`) adds a table of each policy's ratio
+taken within each round: median and range over the rounds.
 """
 
 from __future__ import annotations

@@ -408,18 +408,32 @@ def _run_round(result: dict, cfg: ClusterConfig, order: Sequence[RouterPolicy], 
     A Ctrl-C keeps the policies of this round that finished (the round is recorded first).
     """
     progress(f"bench: {label}: {', '.join(order)}")
+
+    def labelled(message: str) -> None:
+        progress(message.replace("bench: ", f"bench: {label}: ", 1))
+
     runs: dict[str, dict] = {}
     try:
         for policy in order:
-            try:
-                runs[policy] = run_policy(cfg, policy, workload, prepared, time_scale,
-                                          lambda msg: progress(msg.replace("bench: ", f"bench: {label}: ", 1)))
-            except Exception as err:
-                runs[policy] = {"error": error_line(err)}
-                progress(f"bench: {label}: {policy}: FAILED: {runs[policy]['error']}")
+            runs[policy] = _run_or_error(cfg, policy, workload, prepared, time_scale, labelled)
     finally:
         if runs:
             _record_round(result, [p for p in order if p in runs], runs)
+
+
+def _run_or_error(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
+                  prepared: dict[str, list[PreparedRequest]], time_scale: float, progress: Progress) -> dict:
+    """`run_policy`'s result, or `{"error": "Type: message"}` where it raised (said as a FAILED line).
+
+    Why the catch: a policy that fails (its redeploy, the replay) must not lose
+    the policies that finished, nor stop the ones after it.
+    """
+    try:
+        return run_policy(cfg, policy, workload, prepared, time_scale, progress)
+    except Exception as err:
+        failed = {"error": error_line(err)}
+        progress(f"bench: {policy}: FAILED: {failed['error']}")
+        return failed
 
 
 def _run_and_bound(result: dict, cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
@@ -427,17 +441,10 @@ def _run_and_bound(result: dict, cfg: ClusterConfig, policy: RouterPolicy, workl
                    progress: Progress) -> None:
     """Runs one policy into `result`, with its trace's oracle bounds when the KV capacity is known.
 
-    Why the catch: a policy that fails (its redeploy, the replay) must not lose
-    the policies that finished; its entry holds the error instead of figures.
+    A policy that fails keeps its error instead of figures (`_run_or_error`).
     """
-    try:
-        run = run_policy(cfg, policy, workload, prepared, time_scale, progress)
-    except Exception as err:
-        result["policies"][policy] = {"error": error_line(err)}
-        progress(f"bench: {policy}: FAILED: {result['policies'][policy]['error']}")
-        return
-    result["policies"][policy] = run
-    if capacity is None:
+    run = result["policies"][policy] = _run_or_error(cfg, policy, workload, prepared, time_scale, progress)
+    if capacity is None or run.get("error"):
         return
     try:
         records = [RequestRecord.from_json(r) for r in run["records"]]

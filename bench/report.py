@@ -167,6 +167,11 @@ def rounds_baseline(rounds: Sequence[Mapping]) -> str | None:
     return BASELINE_POLICY if any(BASELINE_POLICY in r["order"] for r in rounds) else rounds[0]["order"][0]
 
 
+def _round_policies(rounds: Sequence[Mapping]) -> list[str]:
+    """Every policy the rounds ran, in the order first run."""
+    return list(dict.fromkeys(p for r in rounds for p in r["order"]))
+
+
 def paired_ratios(rounds: Sequence[Mapping], baseline: str | None = None) -> dict[str, dict[str, dict]]:
     """Per policy and figure: median, min and max over the rounds of (figure / the same round's baseline).
 
@@ -185,9 +190,8 @@ def paired_ratios(rounds: Sequence[Mapping], baseline: str | None = None) -> dic
     baseline = baseline or rounds_baseline(rounds)
     if baseline is None:
         return {}
-    policies = list(dict.fromkeys(p for r in rounds for p in r["order"]))
     out: dict[str, dict[str, dict]] = {}
-    for policy in policies:
+    for policy in _round_policies(rounds):
         by_key: dict[str, dict] = {}
         for key, _, _ in METRICS:
             ratios = []
@@ -209,7 +213,7 @@ def rounds_section(result: Mapping) -> str:
     if len(rounds) < 2:
         return ""
     baseline = rounds_baseline(rounds)
-    ratios = result.get("paired_ratios") or paired_ratios(rounds)
+    ratios = paired_ratios(rounds)
     rows = [["policy"] + [name for _, name, _ in METRICS]]
     for policy, by_key in ratios.items():
         cells = []
@@ -233,7 +237,7 @@ def rounds_section(result: Mapping) -> str:
 
 def _warmpath_against_each(rounds: Sequence[Mapping], baseline: str | None) -> list[str]:
     """warmpath's TTFT p50 over every other policy's within each round: the issue's targets name two baselines."""
-    policies = list(dict.fromkeys(p for r in rounds for p in r["order"]))
+    policies = _round_policies(rounds)
     if "warmpath" not in policies:
         return []
     parts = []

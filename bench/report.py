@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -305,10 +306,25 @@ def finite_or_none(value):
 
 
 def write_json(path: Path, document: Mapping) -> None:
-    """Writes `document` as strict JSON: non-finite figures become null, never `NaN`."""
-    text = json.dumps(finite_or_none(document), indent=1, allow_nan=False)
+    """Writes `document` as strict JSON: non-finite figures become null, never `NaN`.
+
+    A regular file is replaced whole (written beside it, then renamed over it), so a
+    process killed mid-write leaves the previous results, not half a document; the
+    file a link points to is the one replaced. Anything else (`/dev/stdout`, a FIFO),
+    or a file in a folder this process cannot create files in, is written in place.
+    """
+    text = json.dumps(finite_or_none(document), indent=1, allow_nan=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
+    target = path.resolve()
+    if (target.exists() and not target.is_file()) or not os.access(target.parent, os.W_OK):
+        path.write_text(text)
+        return
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(text)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def plot_live(result: Mapping, path: Path) -> None:

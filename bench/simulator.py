@@ -62,7 +62,8 @@ import sys
 import time
 from array import array
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Literal, Sequence
 
@@ -476,6 +477,11 @@ class GridCell:
     seed: int
     scale: Literal["cpu", "gpu"]
 
+    @property
+    def label(self) -> str:
+        """How progress lines and failures name the cell: `coding x64 warmpath`."""
+        return f"{self.workload} x{self.num_replicas} {self.policy}"
+
 
 def run_cell(
     cell: GridCell,
@@ -494,7 +500,7 @@ def run_cell(
         bounds_process: warmpath's bounds in a child process (see `simulate`).
     """
     params = default_params(cell.workload, cell.scale)
-    label = f"{cell.workload} x{cell.num_replicas} {cell.policy}"
+    label = cell.label
     if base is None:
         base = generate_base(cell, lambda msg: progress(f"{label}: {msg}"))
     workload = base.with_arrival_rate(params.sessions_per_s_per_replica * cell.num_replicas)
@@ -538,6 +544,7 @@ def run_grid(
     scale: Literal["cpu", "gpu"] = "gpu",
     progress: Callable[[str], None] = lambda _msg: None,
     jobs: int = 1,
+    checkpoint: Callable[[list[GridRun]], None] = lambda _runs: None,
 ) -> list[GridRun]:
     """Every policy on every (workload, replica count), in that order.
 
@@ -547,72 +554,140 @@ def run_grid(
     process of its own when fewer cells run at once than there are cores. Cells
     are independent and deterministic, so `jobs` > 1 runs them in that many
     processes with the same results (each process holds one whole
-    simulation: several GB at 10,000 sessions).
+    simulation: several GB at 10,000 sessions; see `_run_in_processes` for a
+    process the kernel kills).
 
     A cell that raises is returned as a `failed_run` (its `error` set) and the
-    others still run. Ctrl-C raises `GridInterrupted` with the runs that finished.
+    others still run. `checkpoint` gets the runs finished so far, in grid
+    order, after each cell, so a caller can keep them whatever ends the grid.
+    Ctrl-C raises `GridInterrupted` with the runs that finished.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     cells = [GridCell(name, num_replicas, policy, num_sessions, seed, scale)
              for name in workload_names for num_replicas in replica_counts for policy in policies]
     bounds_process = min(jobs, len(cells)) < available_cores()
+    done: dict[int, GridRun] = {}
 
-    def report(run: GridRun) -> None:
-        label = f"{run.workload} x{run.num_replicas} {run.policy}"
+    def finish(position: int, run: GridRun) -> None:
+        done[position] = run
+        label = cells[position].label
         if run.error is not None:
             progress(f"{label}: FAILED: {run.error}")
-            return
-        hit = run.summary["hit_rate"]
-        progress(f"{label}: {run.num_requests} requests, hit rate {hit if hit is None else round(hit, 3)}, "
-                 f"{run.cpu_s:.1f} CPU-s")
+        else:
+            hit = run.summary["hit_rate"]
+            progress(f"{label}: {run.num_requests} requests, hit rate {hit if hit is None else round(hit, 3)}, "
+                     f"{run.cpu_s:.1f} CPU-s")
+        checkpoint(_in_grid_order(done))
 
-    if jobs == 1 or len(cells) == 1:
-        return _run_serially(cells, profile, progress, bounds_process, report)
-    return _run_in_processes(cells, profile, min(jobs, len(cells)), bounds_process, report)
+    try:
+        if jobs == 1 or len(cells) == 1:
+            _run_serially(cells, profile, progress, bounds_process, finish)
+        else:
+            _run_in_processes(cells, profile, min(jobs, len(cells)), bounds_process, progress, finish)
+    except KeyboardInterrupt:
+        raise GridInterrupted(_in_grid_order(done)) from None
+    return _in_grid_order(done)
+
+
+def _in_grid_order(done: dict[int, GridRun]) -> list[GridRun]:
+    return [done[position] for position in sorted(done)]
 
 
 def _run_serially(cells: Sequence[GridCell], profile: CostProfile, progress: Callable[[str], None],
-                  bounds_process: bool, report: Callable[[GridRun], None]) -> list[GridRun]:
+                  bounds_process: bool, finish: Callable[[int, GridRun], None]) -> None:
     """The grid in this process, each workload generated once; a failed cell is recorded and the rest run."""
-    runs: list[GridRun] = []
     bases: dict[str, Workload] = {}
-    for cell in cells:
+    for position, cell in enumerate(cells):
         try:
             if cell.workload not in bases:
                 bases[cell.workload] = generate_base(cell, progress)
             run = run_cell(cell, profile, bases[cell.workload], progress, bounds_process)
-        except KeyboardInterrupt:
-            raise GridInterrupted(runs) from None
         except Exception as err:  # MemoryError included: the finished cells are kept
             run = failed_run(cell, err)
-        runs.append(run)
-        report(run)
-    return runs
+        finish(position, run)
+
+
+# A cell whose process died this many times (with others, then alone) is recorded as failed.
+MAX_PROCESS_DEATHS = 2
 
 
 def _run_in_processes(cells: Sequence[GridCell], profile: CostProfile, num_processes: int, bounds_process: bool,
-                      report: Callable[[GridRun], None]) -> list[GridRun]:
-    """The grid in `num_processes` processes, results in grid order; a failed cell is recorded and the rest run."""
+                      progress: Callable[[str], None], finish: Callable[[int, GridRun], None]) -> None:
+    """The grid in up to `num_processes` worker processes; a failed cell is recorded and the rest run.
+
+    A worker that dies (the kernel's out-of-memory killer, typically: each
+    holds a whole simulation) takes the pool down with every cell running in
+    it. Cells start only as workers free up, so that loses the cells running
+    then, never the queued ones; those run again first, in a new pool of one
+    process fewer, and a cell whose process died `MAX_PROCESS_DEATHS` times is
+    recorded as failed.
+    """
+    queue = deque(range(len(cells)))
+    deaths: dict[int, int] = {}
+    while queue:
+        lost = _run_pool(cells, queue, profile, num_processes, bounds_process, finish)
+        if not lost:
+            return
+        for position in reversed(lost):
+            deaths[position] = deaths.get(position, 0) + 1
+            if deaths[position] < MAX_PROCESS_DEATHS:
+                queue.appendleft(position)
+        given_up = [position for position in lost if deaths[position] >= MAX_PROCESS_DEATHS]
+        for position in given_up:
+            finish(position, died_run(cells[position]))
+        num_processes = max(1, num_processes - 1)
+        again = len(lost) - len(given_up)
+        progress(f"a simulation process died (out of memory?) running {', '.join(cells[p].label for p in lost)}"
+                 + (f"; running {again} of them again, {num_processes} at a time" if again else ""))
+
+
+def _run_pool(cells: Sequence[GridCell], queue: deque[int], profile: CostProfile, num_processes: int,
+              bounds_process: bool, finish: Callable[[int, GridRun], None]) -> list[int]:
+    """Runs queued cells in one pool until the queue is empty or a worker died.
+
+    Returns:
+        The positions of the cells lost with a dead worker, in grid order (none when the pool held).
+    """
     # "spawn": a fresh interpreter per worker, whatever threads the caller has started.
     pool = ProcessPoolExecutor(num_processes, mp_context=multiprocessing.get_context("spawn"))
-    done: dict[int, GridRun] = {}
+    running: dict[Future, int] = {}
+    lost: list[int] = []
     try:
-        futures = {pool.submit(run_cell, cell, profile, None, print_progress, bounds_process): position
-                   for position, cell in enumerate(cells)}
-        for future in as_completed(futures):
-            position = futures[future]
-            try:
-                done[position] = future.result()
-            except Exception as err:  # the worker's error, or a worker killed (BrokenProcessPool)
-                done[position] = failed_run(cells[position], err)
-            report(done[position])
+        while running or (queue and not lost):
+            while queue and not lost and len(running) < num_processes:
+                position = queue.popleft()
+                future = pool.submit(run_cell, cells[position], profile, None, print_progress, bounds_process)
+                running[future] = position
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                position = running.pop(future)
+                try:
+                    run = future.result()
+                except BrokenProcessPool:  # a worker died; every cell in the pool fails with this
+                    lost.append(position)
+                    continue
+                except Exception as err:  # the cell's own error, raised in the worker
+                    run = failed_run(cells[position], err)
+                finish(position, run)
     except KeyboardInterrupt:
         _stop_workers(pool)
-        raise GridInterrupted([done[position] for position in sorted(done)]) from None
+        raise
     finally:
         pool.shutdown(cancel_futures=True)
-    return [done[position] for position in range(len(cells))]
+    return sorted(lost)
+
+
+def died_run(cell: GridCell) -> GridRun:
+    """The grid's record of a cell whose worker process died every time it ran."""
+    return failed_run(cell, ProcessDied(
+        f"its simulation process died {MAX_PROCESS_DEATHS} times (killed: out of memory? "
+        "fewer --jobs leave each more memory)"
+    ))
+
+
+class ProcessDied(RuntimeError):
+    """A grid cell's worker process ended without a result (killed, or crashed in C)."""
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:

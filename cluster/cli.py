@@ -584,7 +584,9 @@ def simulate(
     """Simulate routing policies at scale with the production router code (GPU cost profile).
 
     A cell that fails is marked in the table and the JSON and the others run (exit 1);
-    Ctrl-C writes the cells that finished (exit 130).
+    Ctrl-C writes the cells that finished (exit 130). The JSON is rewritten as each cell
+    finishes (`"in_progress": true` until the grid ends), so a run killed any other way
+    keeps the finished cells too.
     """
     from bench import report, sim_cost, simulator
 
@@ -595,19 +597,30 @@ def simulate(
     _check_writable_file(out)
     if not jobs:
         jobs = min(simulator.available_cores(), MAX_DEFAULT_JOBS)
+
+    def document_of(runs: list, **state: bool) -> dict:
+        return {"kind": "warmpath-simulate", "profile": sim_cost.GPU_PROFILE.__dict__, "seed": seed,
+                "runs": [run.to_json() for run in runs], **state}
+
+    checkpoint_failed = False
+
+    def checkpoint(runs: list) -> None:
+        """Keeps the finished cells on disk as the grid goes, so a killed run loses only the cells running."""
+        nonlocal checkpoint_failed
+        try:
+            report.write_json(out, document_of(runs, in_progress=True))
+        except OSError as err:
+            if not checkpoint_failed:
+                progress(f"warning: cannot write {out} as cells finish ({err.strerror or err}); trying again at the end")
+            checkpoint_failed = True
+
     interrupted = False
     try:
-        runs = simulator.run_grid(names, counts, sessions, seed=seed, policies=chosen, progress=progress, jobs=jobs)
+        runs = simulator.run_grid(names, counts, sessions, seed=seed, policies=chosen, progress=progress, jobs=jobs,
+                                  checkpoint=checkpoint)
     except simulator.GridInterrupted as stop:
         runs, interrupted = stop.runs, True
-    document = {
-        "kind": "warmpath-simulate",
-        "profile": sim_cost.GPU_PROFILE.__dict__,
-        "seed": seed,
-        "runs": [run.to_json() for run in runs],
-    }
-    if interrupted:
-        document["interrupted"] = True
+    document = document_of(runs, interrupted=True) if interrupted else document_of(runs)
     typer.echo(report.simulation_report(document["runs"]))  # before writing: a failed write still shows the results
     if runs:  # interrupted before the first cell finished: keep any earlier file
         _write_or_exit(out, lambda path: report.write_json(path, document))

@@ -1,7 +1,12 @@
 """A simulation grid keeps the cells that finished: a cell that raises is recorded with its error, serially
-and in worker processes, and Ctrl-C carries the finished cells out; large workloads say they are generating."""
+and in worker processes, a cell whose worker process dies runs again (and is recorded once it died twice),
+each finished cell is handed out as the grid goes, and Ctrl-C carries the finished cells out; large workloads
+say they are generating."""
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 
@@ -67,3 +72,61 @@ def test_a_large_workload_says_it_is_generating_and_a_small_one_does_not(monkeyp
     cell = simulator.GridCell("fanout", 2, "pow2", 3, 0, "gpu")
     simulator.run_cell(cell, GPU_PROFILE, progress=cell_messages.append)  # a worker generates its own
     assert cell_messages[0] == "fanout x2 pow2: generating 3 fanout sessions"
+
+
+def run_cell_or_die(cell, *args, **kwargs):
+    """`run_cell` in a worker process that kills itself on the cells of $GRID_TEST_DIE_POLICY.
+
+    With $GRID_TEST_DIE_ONCE (a file path) it dies only while that file does not exist, creating it first.
+    """
+    if cell.policy == os.environ.get("GRID_TEST_DIE_POLICY"):
+        marker = os.environ.get("GRID_TEST_DIE_ONCE")
+        if marker is None or not os.path.exists(marker):
+            if marker is not None:
+                open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return simulator.run_cell(cell, *args, **kwargs)
+
+
+def _figures(run):
+    return {k: v for k, v in run.to_json().items() if k not in ("wall_s", "cpu_s")}
+
+
+GRID = (["fanout"], [2], 3)
+POLICIES = ("pow2", "round-robin", "session-hash")
+
+
+def test_a_cell_whose_worker_process_dies_runs_again_and_the_grid_completes(monkeypatch, tmp_path):
+    serial = simulator.run_grid(*GRID, policies=POLICIES, profile=GPU_PROFILE)
+    monkeypatch.setenv("GRID_TEST_DIE_POLICY", "pow2")
+    monkeypatch.setenv("GRID_TEST_DIE_ONCE", str(tmp_path / "died"))
+    monkeypatch.setattr(simulator, "run_cell", run_cell_or_die)  # what the parent submits to its workers
+    messages: list[str] = []
+    runs = simulator.run_grid(*GRID, policies=POLICIES, profile=GPU_PROFILE, jobs=2, progress=messages.append)
+    assert (tmp_path / "died").exists()  # it did die once
+    assert [_figures(r) for r in runs] == [_figures(r) for r in serial]
+    deaths = [m for m in messages if m.startswith("a simulation process died")]
+    assert len(deaths) == 1 and "fanout x2 pow2" in deaths[0] and "again, 1 at a time" in deaths[0], messages
+
+
+def test_a_cell_whose_worker_process_dies_every_time_is_recorded_and_the_others_run(monkeypatch):
+    monkeypatch.setenv("GRID_TEST_DIE_POLICY", "round-robin")
+    monkeypatch.delenv("GRID_TEST_DIE_ONCE", raising=False)
+    monkeypatch.setattr(simulator, "run_cell", run_cell_or_die)
+    messages: list[str] = []
+    runs = simulator.run_grid(*GRID, policies=POLICIES, profile=GPU_PROFILE, jobs=2, progress=messages.append)
+    assert [r.policy for r in runs] == list(POLICIES)
+    assert runs[0].error is None and runs[2].error is None and runs[2].num_requests > 0
+    assert runs[1].error.startswith("ProcessDied: its simulation process died 2 times (killed: out of memory?")
+    assert runs[1].summary is None
+    assert any(m.startswith("fanout x2 round-robin: FAILED: ProcessDied") for m in messages), messages
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_each_finished_cell_is_handed_out_with_those_before_in_grid_order(jobs):
+    seen: list[list[str]] = []
+    runs = simulator.run_grid(*GRID, policies=POLICIES, profile=GPU_PROFILE, jobs=jobs,
+                              checkpoint=lambda finished: seen.append([r.policy for r in finished]))
+    assert len(seen) == len(POLICIES) and [len(s) for s in seen] == [1, 2, 3]
+    assert seen[-1] == [r.policy for r in runs] == list(POLICIES)
+    assert all(s == [p for p in POLICIES if p in s] for s in seen)  # grid order, whichever finished first

@@ -4,6 +4,8 @@ the policies that failed."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 
 import pytest
@@ -56,6 +58,36 @@ def test_json_is_strict_non_finite_figures_become_null(tmp_path):
     assert json.loads(path.read_text(), parse_constant=refuse) == {
         "time_scale": None, "runs": [{"turns_per_s": None, "hit": 0.5}], "pair": [None, 1]
     }
+
+
+def test_json_replaces_a_file_whole_and_through_a_link(tmp_path):
+    target = tmp_path / "results" / "sim.json"
+    write_json(target, {"runs": [1]})
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    write_json(link, {"runs": [1, 2]})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"runs": [1, 2]}
+    assert sorted(p.name for p in target.parent.iterdir()) == ["sim.json"]  # nothing half-written left beside it
+
+
+def test_json_that_cannot_be_encoded_leaves_the_previous_file(tmp_path):
+    path = tmp_path / "sim.json"
+    write_json(path, {"runs": [1]})
+    with pytest.raises(TypeError):
+        write_json(path, {"runs": [object()]})
+    assert json.loads(path.read_text()) == {"runs": [1]} and [p.name for p in tmp_path.iterdir()] == ["sim.json"]
+
+
+def test_json_to_a_fifo_is_written_in_place(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        write_json(fifo, {"runs": []})
+        assert json.loads(os.read(reader, 1 << 16)) == {"runs": []}
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(fifo.stat().st_mode)  # still the pipe, not replaced by a file
 
 
 def _summary(hit_rate: float) -> dict:

@@ -107,3 +107,45 @@ def test_simulate_interrupted_writes_the_cells_that_finished_and_exits_130(tmp_p
     assert "interrupted" in result.output.splitlines()[-1]
     document = json.loads(out.read_text())
     assert [r["policy"] for r in document["runs"]] == ["pow2"] and document["interrupted"] is True
+
+
+def test_simulate_keeps_each_finished_cell_on_disk_as_the_grid_goes(tmp_path, monkeypatch):
+    from bench import simulator
+
+    out = tmp_path / "sim.json"
+    real = simulator.run_cell
+    on_disk: list[dict] = []
+
+    def run_cell(cell, *args, **kwargs):
+        if cell.policy == "round-robin":  # the second cell: the first is already written
+            on_disk.append(json.loads(out.read_text()))
+        return real(cell, *args, **kwargs)
+
+    monkeypatch.setattr(simulator, "run_cell", run_cell)
+    result = CliRunner().invoke(app, [*SIMULATE, "--replicas", "2", "--policies", "pow2,round-robin",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    [partial] = on_disk
+    assert partial["in_progress"] is True and [r["policy"] for r in partial["runs"]] == ["pow2"]
+    assert partial["runs"][0]["summary"]["hit_rate"] is not None
+    document = json.loads(out.read_text())
+    assert "in_progress" not in document and [r["policy"] for r in document["runs"]] == ["pow2", "round-robin"]
+
+
+def test_simulate_goes_on_when_the_file_cannot_be_written_as_cells_finish(tmp_path, monkeypatch):
+    from bench import report
+
+    out = tmp_path / "sim.json"
+    real = report.write_json
+
+    def write_json(path, document):
+        if document.get("in_progress"):
+            raise PermissionError(13, "Permission denied")
+        real(path, document)
+
+    monkeypatch.setattr(report, "write_json", write_json)
+    result = CliRunner().invoke(app, [*SIMULATE, "--replicas", "2", "--policies", "pow2,round-robin",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output.count(f"warning: cannot write {out} as cells finish (Permission denied)") == 1
+    assert [r["policy"] for r in json.loads(out.read_text())["runs"]] == ["pow2", "round-robin"]

@@ -297,6 +297,7 @@ def run_bench(
     progress: Progress,
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
     rounds: int = 1,
+    checkpoint: Callable[[dict], None] = lambda _result: None,
 ) -> dict:
     """Runs one workload under every policy on the local cluster, then the oracle bounds of each trace.
 
@@ -310,6 +311,7 @@ def run_bench(
         progress: one line per step.
         max_output_tokens: generation cap per call.
         rounds: times the policy list runs, rotated each round (module docstring); >= 1.
+        checkpoint: gets the result so far after each policy of the first round and after each round.
 
     Returns:
         The result document `bench.report` prints, plots and `bench.simulator.reproduce_live_run` reads;
@@ -352,11 +354,14 @@ def run_bench(
     try:
         for policy in policies:
             _run_and_bound(result, cfg, policy, workload, prepared, time_scale, capacity, progress)
+            checkpoint(result)
         if rounds > 1:
             _record_round(result, policies, {p: result["policies"][p] for p in policies})
+            checkpoint(result)
             for round_index in range(1, rounds):
                 _run_round(result, cfg, round_order(policies, round_index), workload, prepared, time_scale,
                            progress, f"round {round_index + 1} of {rounds}")
+                checkpoint(result)
         last_policy = round_order(policies, rounds - 1)[-1] if policies else cfg.router.policy
         if last_policy != cfg.router.policy:
             _restore_configured_policy(result, cfg, progress)

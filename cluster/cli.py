@@ -60,6 +60,29 @@ def _check_writable_dir(path: Path, file_names: list[str], option: str = "--out"
         _check_writable_file(path / name, option)
 
 
+def _in_progress_writer(path: Path, what: str) -> Callable[[dict], None]:
+    """Writes a long run's document so far, marked `"in_progress": true`, each time it is called.
+
+    Why: a run killed any way (out of memory, a closed terminal) then keeps what it
+    finished; the final write replaces it. A failed write is said once and the run goes on.
+    """
+    from bench import report
+
+    failed = False
+
+    def write(document: dict) -> None:
+        nonlocal failed
+        try:
+            report.write_json(path, {**document, "in_progress": True})
+        except OSError as err:
+            if not failed:
+                progress(f"warning: cannot write {path} as {what} finish ({err.strerror or err}); "
+                         "trying again at the end")
+            failed = True
+
+    return write
+
+
 def _write_or_exit(path: Path, write: Callable[[Path], None]) -> None:
     """Runs `write(path)`; a failure (the path changed since it was checked) is one line and exit 1."""
     try:
@@ -450,7 +473,8 @@ def bench(
     """Run agent workloads on the local cluster once per routing policy (redeploying between policies).
 
     A policy that fails is marked in the table and the JSON and the others run (exit 1);
-    Ctrl-C writes the policies that finished (exit 130).
+    Ctrl-C writes the policies that finished (exit 130). The JSON is rewritten as each policy
+    (and each later round) finishes, `"in_progress": true` until the end.
     """
     from bench import live
     from cluster import local
@@ -462,7 +486,8 @@ def bench(
     failed: list[str] = []
     for name in names:
         try:
-            result = live.run_bench(cfg, name, chosen, seed, sessions, time_scale, progress, rounds=rounds)
+            result = live.run_bench(cfg, name, chosen, seed, sessions, time_scale, progress, rounds=rounds,
+                                    checkpoint=_in_progress_writer(out / f"bench-{name}.json", "policies"))
         except live.BenchInterrupted as stop:
             _write_bench(out, name, stop.result)
             _stop_interrupted()
@@ -598,29 +623,20 @@ def simulate(
     if not jobs:
         jobs = min(simulator.available_cores(), MAX_DEFAULT_JOBS)
 
-    def document_of(runs: list, **state: bool) -> dict:
+    def document_of(runs: list) -> dict:
         return {"kind": "warmpath-simulate", "profile": sim_cost.GPU_PROFILE.__dict__, "seed": seed,
-                "runs": [run.to_json() for run in runs], **state}
+                "runs": [run.to_json() for run in runs]}
 
-    checkpoint_failed = False
-
-    def checkpoint(runs: list) -> None:
-        """Keeps the finished cells on disk as the grid goes, so a killed run loses only the cells running."""
-        nonlocal checkpoint_failed
-        try:
-            report.write_json(out, document_of(runs, in_progress=True))
-        except OSError as err:
-            if not checkpoint_failed:
-                progress(f"warning: cannot write {out} as cells finish ({err.strerror or err}); trying again at the end")
-            checkpoint_failed = True
-
+    keep = _in_progress_writer(out, "cells")
     interrupted = False
     try:
         runs = simulator.run_grid(names, counts, sessions, seed=seed, policies=chosen, progress=progress, jobs=jobs,
-                                  checkpoint=checkpoint)
+                                  checkpoint=lambda finished: keep(document_of(finished)))
     except simulator.GridInterrupted as stop:
         runs, interrupted = stop.runs, True
-    document = document_of(runs, interrupted=True) if interrupted else document_of(runs)
+    document = document_of(runs)
+    if interrupted:
+        document["interrupted"] = True
     typer.echo(report.simulation_report(document["runs"]))  # before writing: a failed write still shows the results
     if runs:  # interrupted before the first cell finished: keep any earlier file
         _write_or_exit(out, lambda path: report.write_json(path, document))

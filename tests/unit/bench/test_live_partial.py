@@ -240,3 +240,24 @@ def test_a_failed_restore_is_reported_with_the_figures_kept(no_cluster):
     result = _run_bench(("warmpath", "pow2"))
     assert result["policies"]["pow2"]["summary"]["hit_rate"] == 0.8
     assert live.failures(result) == ["redeploying the configured policy: RuntimeError: serve timed out"]
+
+
+def test_bench_keeps_each_finished_policy_and_round_on_disk(no_cluster, tmp_path, monkeypatch):
+    path = tmp_path / "bench-fanout.json"
+    on_disk: list[dict | None] = []
+    fake = live.run_policy
+
+    def run_policy(cfg, policy, *args):
+        on_disk.append(json.loads(path.read_text()) if path.exists() else None)
+        return fake(cfg, policy, *args)
+
+    monkeypatch.setattr(live, "run_policy", run_policy)
+    result = CliRunner().invoke(app, ["bench", "--workload", "fanout", "--policies", "pow2,warmpath", "--rounds", "2",
+                                      "--sessions", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert on_disk[0] is None and len(on_disk) == 4  # round 1: pow2, warmpath; round 2: warmpath, pow2
+    assert on_disk[1]["in_progress"] is True and list(on_disk[1]["policies"]) == ["pow2"]
+    assert list(on_disk[2]["policies"]) == ["pow2", "warmpath"] and len(on_disk[2]["rounds"]) == 1
+    assert on_disk[3] == on_disk[2]  # a later round is written when it ends
+    document = json.loads(path.read_text())
+    assert "in_progress" not in document and len(document["rounds"]) == 2

@@ -608,10 +608,6 @@ def _run_serially(cells: Sequence[GridCell], profile: CostProfile, progress: Cal
         finish(position, run)
 
 
-# A cell whose process died this many times (with others, then alone) is recorded as failed.
-MAX_PROCESS_DEATHS = 2
-
-
 def _run_in_processes(cells: Sequence[GridCell], profile: CostProfile, num_processes: int, bounds_process: bool,
                       progress: Callable[[str], None], finish: Callable[[int, GridRun], None]) -> None:
     """The grid in up to `num_processes` worker processes; a failed cell is recorded and the rest run.
@@ -619,27 +615,29 @@ def _run_in_processes(cells: Sequence[GridCell], profile: CostProfile, num_proce
     A worker that dies (the kernel's out-of-memory killer, typically: each
     holds a whole simulation) takes the pool down with every cell running in
     it. Cells start only as workers free up, so that loses the cells running
-    then, never the queued ones; those run again first, in a new pool of one
-    process fewer, and a cell whose process died `MAX_PROCESS_DEATHS` times is
-    recorded as failed.
+    then, never the queued ones. Which of them died is unknown, so each runs
+    again alone: one whose process dies alone is recorded as failed. The rest
+    of the grid then runs with one process fewer.
     """
     queue = deque(range(len(cells)))
-    deaths: dict[int, int] = {}
     while queue:
         lost = _run_pool(cells, queue, profile, num_processes, bounds_process, finish)
         if not lost:
             return
-        for position in reversed(lost):
-            deaths[position] = deaths.get(position, 0) + 1
-            if deaths[position] < MAX_PROCESS_DEATHS:
-                queue.appendleft(position)
-        given_up = [position for position in lost if deaths[position] >= MAX_PROCESS_DEATHS]
-        for position in given_up:
-            finish(position, died_run(cells[position]))
         num_processes = max(1, num_processes - 1)
-        again = len(lost) - len(given_up)
-        progress(f"a simulation process died (out of memory?) running {', '.join(cells[p].label for p in lost)}"
-                 + (f"; running {again} of them again, {num_processes} at a time" if again else ""))
+        progress(f"a simulation process died (out of memory?) running {', '.join(cells[p].label for p in lost)}; "
+                 f"running {'it' if len(lost) == 1 else 'each'} again alone"
+                 + (f", then the other cells {num_processes} at a time" if queue else ""))
+        for position in lost:
+            if _run_pool(cells, deque([position]), profile, 1, bounds_process, finish):
+                finish(position, failed_run(cells[position], ProcessDied(
+                    "its simulation process died, also when it ran alone (killed: out of memory? "
+                    "fewer --jobs leave each cell more memory)"
+                )))
+
+
+class ProcessDied(RuntimeError):
+    """A grid cell's worker process ended without a result (killed, or crashed in C)."""
 
 
 def _run_pool(cells: Sequence[GridCell], queue: deque[int], profile: CostProfile, num_processes: int,
@@ -676,18 +674,6 @@ def _run_pool(cells: Sequence[GridCell], queue: deque[int], profile: CostProfile
     finally:
         pool.shutdown(cancel_futures=True)
     return sorted(lost)
-
-
-def died_run(cell: GridCell) -> GridRun:
-    """The grid's record of a cell whose worker process died every time it ran."""
-    return failed_run(cell, ProcessDied(
-        f"its simulation process died {MAX_PROCESS_DEATHS} times (killed: out of memory? "
-        "fewer --jobs leave each more memory)"
-    ))
-
-
-class ProcessDied(RuntimeError):
-    """A grid cell's worker process ended without a result (killed, or crashed in C)."""
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:

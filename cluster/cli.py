@@ -474,7 +474,7 @@ def bench(
 
     A policy that fails is marked in the table and the JSON and the others run (exit 1);
     Ctrl-C writes the policies that finished (exit 130). The JSON is rewritten as each policy
-    (and each later round) finishes, `"in_progress": true` until the end.
+    (and each round) finishes, `"in_progress": true` until the end.
     """
     from bench import live
     from cluster import local

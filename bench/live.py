@@ -50,13 +50,13 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 from bench.oracle import oracle_bounds
 from bench.report import error_line
 from bench.trace import RequestRecord, summarize
 from bench.workload_render import TokenizerRenderer, openai_request
-from bench.workloads import Workload, WorkloadName, generate
+from bench.workloads import Workload, WorkloadName, WorkloadParams, default_params, generate
 from cluster.api_keys import bearer_headers
 from cluster.config import ClusterConfig, RouterPolicy
 
@@ -66,10 +66,28 @@ ROUTE_HEADER = "x-warmpath-route"
 PREDICTED_CACHED_HEADER = "x-warmpath-predicted-cached-tokens"
 SESSION_HEADER = "x-session-id"  # Ray Serve's session id header (session-hash, warmpath affinity)
 
-DEFAULT_MAX_OUTPUT_TOKENS = 16
+DEFAULT_MAX_OUTPUT_TOKENS = 16  # CPU sizes: decode is what routing does not save, so keep it short
+GPU_MAX_OUTPUT_TOKENS = 4096  # GPU sizes: each step decodes the workload's own output length
+# GPU sizes run this many seconds of session arrivals unless `num_sessions` says otherwise: the
+# workloads' 10,000 sessions are a simulation's size, hours of arrivals on a few replicas.
+GPU_ARRIVAL_WINDOW_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
 
 Progress = Callable[[str], None]
+
+
+def live_workload(name: WorkloadName, scale: Literal["cpu", "gpu"], seed: int, num_replicas: int,
+                  num_sessions: int | None) -> Workload:
+    """The workload a live bench replays: `cpu()` sizes, or `gpu()` sizes over `GPU_ARRIVAL_WINDOW_S` of arrivals.
+
+    Why a window at GPU sizes: the per-step sizes are the point (tool results of
+    hundreds to thousands of tokens, long contexts); the session count is whatever
+    keeps the run to minutes on the replicas at hand.
+    """
+    params: WorkloadParams = default_params(name, scale)
+    if num_sessions is None and scale == "gpu":
+        num_sessions = max(1, round(params.sessions_per_s_per_replica * num_replicas * GPU_ARRIVAL_WINDOW_S))
+    return generate(name, seed, num_replicas, params=params, num_sessions=num_sessions)
 
 
 def kv_capacity_blocks(cfg: ClusterConfig) -> int | None:
@@ -118,6 +136,26 @@ def prepare_requests(workload: Workload, renderer: TokenizerRenderer, model_id: 
                                          step.tool_latency_s))
         out[session.session_id] = steps
     return out
+
+
+class WorkloadTooLong(ValueError):
+    """A workload's longest call (prompt and output) does not fit the model's context window."""
+
+
+def _check_window(prepared: dict[str, list[PreparedRequest]], window_tokens: int, name: WorkloadName,
+                  scale: str) -> None:
+    """Raises `WorkloadTooLong` before the run when a call would not fit the window.
+
+    Why before: the engines would refuse those calls one by one (HTTP 400), and every
+    policy would be measured on a workload with its longest sessions cut short.
+    """
+    longest = max((len(r.token_ids) + r.body["max_tokens"] for steps in prepared.values() for r in steps), default=0)
+    if longest > window_tokens:
+        raise WorkloadTooLong(
+            f"the longest {name} call at {scale.upper()} sizes needs {longest} tokens (prompt and output), over "
+            f"model.max_model_len_tokens={window_tokens}: serve a model with a longer window"
+            + (", or use --scale cpu" if scale == "gpu" else "")
+        )
 
 
 async def _send(client, url: str, prepared: PreparedRequest, start_s: float) -> RequestRecord:
@@ -295,9 +333,10 @@ def run_bench(
     num_sessions: int | None,
     time_scale: float,
     progress: Progress,
-    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+    max_output_tokens: int | None = None,
     rounds: int = 1,
     checkpoint: Callable[[dict], None] = lambda _result: None,
+    scale: Literal["cpu", "gpu"] = "cpu",
 ) -> dict:
     """Runs one workload under every policy on the local cluster, then the oracle bounds of each trace.
 
@@ -306,12 +345,13 @@ def run_bench(
         workload_name: which workload.
         policies: routing policies, each run once on fresh replicas.
         seed: workload seed.
-        num_sessions: overrides the workload's CPU-sized session count.
+        num_sessions: overrides the workload's session count (`live_workload`).
         time_scale: multiplies arrival times and tool latencies (finite, > 0).
         progress: one line per step.
-        max_output_tokens: generation cap per call.
+        max_output_tokens: generation cap per call (default: 16 at CPU sizes, the workload's own at GPU sizes).
         rounds: times the policy list runs, rotated each round (module docstring); >= 1.
         checkpoint: gets the result so far after each policy of the first round and after each round.
+        scale: the workload's sizes, `cpu()` (2 CPU replicas of the small model) or `gpu()` (`live_workload`).
 
     Returns:
         The result document `bench.report` prints, plots and `bench.simulator.reproduce_live_run` reads;
@@ -319,20 +359,25 @@ def run_bench(
         `rounds` (each round's order and per-policy summaries) and `paired_ratios`.
 
     Raises:
+        WorkloadTooLong: a call would not fit the model's window (before any cluster work).
         BenchInterrupted: Ctrl-C after the warm-up, with the policies that finished.
     """
     if not (math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    workload = generate(workload_name, seed, cfg.replicas.num_replicas, num_sessions=num_sessions)
+    workload = live_workload(workload_name, scale, seed, cfg.replicas.num_replicas, num_sessions)
+    if max_output_tokens is None:
+        max_output_tokens = GPU_MAX_OUTPUT_TOKENS if scale == "gpu" else DEFAULT_MAX_OUTPUT_TOKENS
     progress(f"bench: rendering {workload.num_requests} prompts of {workload_name} with the model's tokenizer")
     renderer = TokenizerRenderer(cfg.model_source())
     prepared = prepare_requests(workload, renderer, cfg.model.model_id, max_output_tokens)
+    _check_window(prepared, cfg.model.max_model_len_tokens, workload_name, scale)
     capacity = kv_capacity_blocks(cfg)
     result = {
         "kind": "warmpath-bench",
         "workload": workload_name,
+        "scale": scale,
         "workload_params": dataclasses.asdict(workload.params),
         "seed": seed,
         "num_sessions": len(workload.sessions),

@@ -253,8 +253,9 @@ def _warmpath_against_each(rounds: Sequence[Mapping], baseline: str | None) -> l
 
 def live_report(result: Mapping) -> str:
     """The text `warmpath bench` prints: the ratio table (failed policies marked) and the oracle fractions."""
-    title = (f"workload {result['workload']}: {result['num_sessions']} sessions, {result['num_requests']} requests, "
-             f"{result['num_replicas']} replicas, time scale {result['time_scale']}")
+    sizes = " at GPU sizes" if result.get("scale") == "gpu" else ""
+    title = (f"workload {result['workload']}{sizes}: {result['num_sessions']} sessions, {result['num_requests']} "
+             f"requests, {result['num_replicas']} replicas, time scale {result['time_scale']}")
     if len(result.get("rounds") or []) > 1:
         title += f"; round 1 of {len(result['rounds'])}"
     runs = result["policies"]

@@ -462,12 +462,18 @@ def bench(
     workload: str = typer.Option("shared-tools", help="shared-tools, coding, fanout, or all."),
     policies: str = PoliciesOpt,
     seed: int = typer.Option(0, help="Workload seed."),
-    sessions: Optional[int] = typer.Option(None, help="Sessions per workload (default: the workload's CPU size)."),
+    sessions: Optional[int] = typer.Option(
+        None, help="Sessions per workload (default: the workload's CPU size; at GPU sizes, 5 minutes of arrivals)."
+    ),
     time_scale: float = typer.Option(1.0, help="Multiplies session arrival times and tool latencies."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for bench-<workload>.json and .png."),
     rounds: int = typer.Option(
         1, help="Run the policy list this many times, rotated each round; report each policy's ratio to pow2 "
                 "within a round (median and range)."
+    ),
+    scale: Optional[str] = typer.Option(
+        None, help="Workload sizes: cpu (2 CPU replicas of the small model serve it in minutes) or gpu (the "
+                   "full per-step sizes, 5 minutes of session arrivals). Default: the config's replicas.accelerator."
     ),
 ) -> None:
     """Run agent workloads on the local cluster once per routing policy (redeploying between policies).
@@ -482,12 +488,16 @@ def bench(
     cfg = _load(config)
     names, chosen = _workloads_and_policies(workload, policies)
     _check_bench_flags(time_scale, sessions, rounds)
+    scale = scale.strip().lower() if scale is not None else cfg.replicas.accelerator
+    if scale not in ("cpu", "gpu"):
+        _refuse(f"--scale must be cpu or gpu, got {scale}")
     _check_writable_dir(out, [f"bench-{name}.{ext}" for name in names for ext in ("json", "png")])
     failed: list[str] = []
     for name in names:
         try:
             result = live.run_bench(cfg, name, chosen, seed, sessions, time_scale, progress, rounds=rounds,
-                                    checkpoint=_in_progress_writer(out / f"bench-{name}.json", "policies"))
+                                    checkpoint=_in_progress_writer(out / f"bench-{name}.json", "policies"),
+                                    scale=scale)
         except live.BenchInterrupted as stop:
             _write_bench(out, name, stop.result)
             _stop_interrupted()
@@ -496,6 +506,8 @@ def bench(
         except local.BringUpError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(1)
+        except live.WorkloadTooLong as err:
+            _refuse(f"error: {err}")
         _write_bench(out, name, result)
         failed += [f"{name} {failure}" for failure in live.failures(result)]
     _exit_if_failed(failed)

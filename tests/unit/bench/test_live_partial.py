@@ -3,12 +3,14 @@ keeps the policies that finished (in the table and the JSON), with exit 1 or 130
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from bench import live
+from bench import live, report
 from cluster.cli import app
 
 BENCH = ["bench", "--workload", "fanout", "--policies", "pow2,warmpath,round-robin"]
@@ -261,3 +263,68 @@ def test_bench_keeps_each_finished_policy_and_round_on_disk(no_cluster, tmp_path
     assert on_disk[3] == on_disk[2]  # a later round is written when it ends
     document = json.loads(path.read_text())
     assert "in_progress" not in document and len(document["rounds"]) == 2
+
+
+def test_gpu_sizes_replay_five_minutes_of_arrivals_unless_told_a_session_count():
+    from bench.workloads import default_params
+
+    cpu = live.live_workload("shared-tools", "cpu", 0, 2, None)
+    assert cpu.params == default_params("shared-tools", "cpu") and len(cpu.sessions) == cpu.params.num_sessions
+    gpu = live.live_workload("shared-tools", "gpu", 0, 2, None)
+    params = default_params("shared-tools", "gpu")
+    assert gpu.params == dataclasses.replace(params, num_sessions=len(gpu.sessions))
+    assert len(gpu.sessions) == round(params.sessions_per_s_per_replica * 2 * live.GPU_ARRIVAL_WINDOW_S) == 180
+    assert len(live.live_workload("coding", "gpu", 0, 2, 7).sessions) == 7
+
+
+def test_a_gpu_sized_bench_records_its_scale_and_decodes_the_workloads_output(no_cluster):
+    from cluster.config import ClusterConfig
+
+    result = live.run_bench(ClusterConfig(), "fanout", ["pow2"], 0, 3, 1.0, lambda msg: None, scale="gpu")
+    assert result["scale"] == "gpu" and result["num_sessions"] == 3
+    assert result["max_output_tokens"] == live.GPU_MAX_OUTPUT_TOKENS
+    assert result["workload_params"]["num_documents"] == 1000  # fan-out's gpu() size (cpu(): 4)
+    assert report.live_report(result).startswith("workload fanout at GPU sizes: 3 sessions, ")
+    assert report.live_report(_run_bench()).startswith("workload fanout: 2 sessions, ")
+    assert _run_bench()["scale"] == "cpu" and _run_bench()["max_output_tokens"] == live.DEFAULT_MAX_OUTPUT_TOKENS
+
+
+GPU_CONFIG = ["--config", str(Path(__file__).parents[3] / "k8s/overlays/gpu/cluster.yaml")]  # accelerator: gpu
+
+
+@pytest.mark.parametrize("flag,scale", [([], "cpu"), (["--scale", "GPU"], "gpu"), (GPU_CONFIG, "gpu"),
+                                        ([*GPU_CONFIG, "--scale", "cpu"], "cpu")])
+def test_bench_scale_defaults_to_the_configs_accelerator(monkeypatch, tmp_path, flag, scale):
+    seen = []
+
+    def run_bench(*args, **kwargs):
+        seen.append(kwargs["scale"])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(live, "run_bench", run_bench)
+    CliRunner().invoke(app, [*BENCH, *flag, "--out", str(tmp_path)])
+    assert seen == [scale]
+
+
+def test_bench_refuses_an_unknown_scale(monkeypatch, tmp_path):
+    monkeypatch.setattr(live, "run_bench", _never)
+    result = CliRunner().invoke(app, [*BENCH, "--scale", "tpu", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and result.output.strip() == "--scale must be cpu or gpu, got tpu"
+
+
+def test_a_workload_over_the_models_window_is_refused_before_any_cluster_work(no_cluster, monkeypatch, tmp_path):
+    long_call = live.PreparedRequest("s0", 0, {"max_tokens": 100}, list(range(8150)), 0.0)
+    monkeypatch.setattr(live, "prepare_requests", lambda *args: {"s0": [long_call]})
+    monkeypatch.setattr(live, "warm_up", _never)
+    result = CliRunner().invoke(app, [*BENCH, "--scale", "gpu", "--sessions", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        "error: the longest fanout call at GPU sizes needs 8250 tokens (prompt and output), over "
+        "model.max_model_len_tokens=8192: serve a model with a longer window, or use --scale cpu"
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    monkeypatch.setattr(live, "prepare_requests", lambda *args: {"s0": [dataclasses.replace(long_call, token_ids=[1])]})
+    from cluster.config import ClusterConfig
+
+    with pytest.raises(AssertionError, match="did work"):  # a call that fits goes on to the warm-up
+        live.run_bench(ClusterConfig(), "fanout", ["pow2"], 0, 2, 1.0, lambda msg: None, scale="gpu")

@@ -489,12 +489,14 @@ def _run_or_error(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
 def _run_and_bound(result: dict, cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
                    prepared: dict[str, list[PreparedRequest]], time_scale: float, capacity: int | None,
                    progress: Progress) -> None:
-    """Runs one policy into `result`, with its trace's oracle bounds when the KV capacity is known.
+    """Runs one policy into `result`, with its trace's oracle bounds.
 
-    A policy that fails keeps its error instead of figures (`_run_or_error`).
+    Without the replicas' KV capacity (GPU engines size their caches at start-up)
+    only the infinite-cache bound is computed. A policy that fails keeps its error
+    instead of figures (`_run_or_error`).
     """
     run = result["policies"][policy] = _run_or_error(cfg, policy, workload, prepared, time_scale, progress)
-    if capacity is None or run.get("error"):
+    if run.get("error"):
         return
     try:
         records = [RequestRecord.from_json(r) for r in run["records"]]

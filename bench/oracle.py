@@ -99,7 +99,7 @@ class OracleBounds:
     infinite_hit_rate: float | None
     placed_hit_rate: float | None
     num_replicas: int
-    capacity_blocks: int
+    capacity_blocks: int | None  # None: unknown (a GPU engine sizes its cache at start-up), so no placed bound
     placed_requests_by_replica: list[int]
 
     def to_json(self) -> dict:
@@ -168,9 +168,7 @@ class StreamingBounds:
         """
         usable = _usable_blocks(num_tokens, self.block_size_tokens)
         self.prompt_tokens += num_tokens
-        count = _leading_run(self._seen, chain)
-        self.infinite_hits.append(min(count, usable) * self.block_size_tokens)
-        self._seen.update(chain[count:])
+        self.infinite_hits.append(_use_infinite(self._seen, chain, usable) * self.block_size_tokens)
 
         best, count = self._best_replica(chain)
         self.placed_hits.append(min(count, usable) * self.block_size_tokens)
@@ -247,6 +245,13 @@ class StreamingBounds:
         )
 
 
+def _use_infinite(seen: FingerprintSet, chain: Sequence[BlockHash], usable_blocks: int) -> int:
+    """One request against the infinite shared cache: the blocks it hits (at most `usable_blocks`), then caches the rest."""
+    count = _leading_run(seen, chain)
+    seen.update(chain[count:])
+    return min(count, usable_blocks)
+
+
 def _leading_run(blocks: FingerprintSet, chain: Sequence[BlockHash]) -> int:
     """Leading `chain` blocks in `blocks`, which must be prefix-closed (binary search)."""
     low, high = 0, len(chain)  # chain[:low] all in blocks; chain[high:] none
@@ -264,7 +269,7 @@ def oracle_bounds(
     block_size_tokens: int,
     model_id: str,
     num_replicas: int,
-    capacity_blocks: int,
+    capacity_blocks: int | None,
 ) -> OracleBounds:
     """Both bounds for the successful requests of one trace (see module docstring).
 
@@ -273,12 +278,19 @@ def oracle_bounds(
         block_size_tokens: the engines' KV block size.
         model_id: roots the block hash chains.
         num_replicas: replicas of the run.
-        capacity_blocks: KV blocks per replica.
+        capacity_blocks: KV blocks per replica; None (unknown) gives the infinite bound alone.
 
     Returns:
         The bounds' hit rates (cached / prompt tokens).
     """
     ok = sorted((r for r in records if r.error is None), key=lambda r: r.send_s)
+    if capacity_blocks is None:
+        seen = FingerprintSet()
+        hits = sum(_use_infinite(seen, chain, _usable_blocks(len(record.token_ids), block_size_tokens))
+                   for record, chain in zip(ok, request_block_hashes(ok, block_size_tokens, model_id)))
+        prompt = sum(len(record.token_ids) for record in ok)
+        return OracleBounds(len(ok), prompt, hits * block_size_tokens / prompt if prompt else None, None,
+                            num_replicas, None, [])
     bounds = StreamingBounds(block_size_tokens, num_replicas, capacity_blocks)
     for record, chain in zip(ok, request_block_hashes(ok, block_size_tokens, model_id)):
         bounds.observe(chain, len(record.token_ids))

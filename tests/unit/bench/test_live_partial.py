@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from array import array
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from bench import live, report
+from bench.trace import RequestRecord
 from cluster.cli import app
 
 BENCH = ["bench", "--workload", "fanout", "--policies", "pow2,warmpath,round-robin"]
@@ -27,8 +29,10 @@ def _summary(hit_rate: float) -> dict:
 
 
 def _fake_run(hit_rate: float = 0.8) -> dict:
+    records = [RequestRecord("s0", k, float(k), prompt_tokens=300, ttft_s=0.5, token_ids=array("I", range(300)))
+               for k in range(2)]  # the second could reuse the first's full blocks
     return {"summary": _summary(hit_rate), "wall_s": 1.0, "replica_ids": ["a"], "num_prompt_token_mismatches": 0,
-            "router_state": {}, "records": [{"ttft_s": 0.5, "error": None}]}
+            "router_state": {}, "records": [r.to_json() for r in records]}
 
 
 @pytest.fixture
@@ -277,13 +281,18 @@ def test_gpu_sizes_replay_five_minutes_of_arrivals_unless_told_a_session_count()
     assert len(live.live_workload("coding", "gpu", 0, 2, 7).sessions) == 7
 
 
-def test_a_gpu_sized_bench_records_its_scale_and_decodes_the_workloads_output(no_cluster):
+def test_a_gpu_sized_bench_records_its_scale_decodes_the_workloads_output_and_bounds_the_hit_rate(no_cluster):
     from cluster.config import ClusterConfig
 
     result = live.run_bench(ClusterConfig(), "fanout", ["pow2"], 0, 3, 1.0, lambda msg: None, scale="gpu")
     assert result["scale"] == "gpu" and result["num_sessions"] == 3
     assert result["max_output_tokens"] == live.GPU_MAX_OUTPUT_TOKENS
     assert result["workload_params"]["num_documents"] == 1000  # fan-out's gpu() size (cpu(): 4)
+    # The replicas' KV capacity is unknown (as on GPU): the infinite-cache bound alone, and the report says it.
+    block = ClusterConfig().replicas.block_size_tokens
+    assert result["kv_capacity_blocks"] is None and result["oracle"]["pow2"]["placed_hit_rate"] is None
+    assert result["oracle"]["pow2"]["infinite_hit_rate"] == pytest.approx(299 // block * block / 600)
+    assert "pow2: 0.800 / 0.480 = 1.67 of the infinite shared cache\n" in report.live_report(result) + "\n"
     assert report.live_report(result).startswith("workload fanout at GPU sizes: 3 sessions, ")
     assert report.live_report(_run_bench()).startswith("workload fanout: 2 sessions, ")
     assert _run_bench()["scale"] == "cpu" and _run_bench()["max_output_tokens"] == live.DEFAULT_MAX_OUTPUT_TOKENS

@@ -52,6 +52,10 @@ def test_infinite_cache_counts_longest_cached_prefix(prompts, cached_tokens):
     assert result.prompt_tokens == sum(len(p) for p in prompts)
     assert result.infinite_hit_rate == pytest.approx(cached_tokens / result.prompt_tokens)
     assert result.placed_hit_rate == pytest.approx(result.infinite_hit_rate)  # one big replica = the ceiling
+    alone = bounds(trace(*prompts), capacity=None)  # the replicas' capacity unknown: the infinite bound alone
+    assert (alone.infinite_hit_rate, alone.prompt_tokens, alone.num_requests) == (
+        result.infinite_hit_rate, result.prompt_tokens, result.num_requests)
+    assert alone.placed_hit_rate is None and alone.capacity_blocks is None
 
 
 def test_greedy_placement_separates_what_does_not_fit_together():

@@ -83,6 +83,9 @@ IN_FLIGHT_S = 1.0
 HISTORY_TIMEOUT_S = 5.0
 # How long filling a gap or probing a quiet subscription waits for the replay buffer.
 REPLAY_TIMEOUT_S = 0.5
+# A history answer whose replies stopped this long ago lost its end marker (`ZmqEventSource.replies_stopped`):
+# it is used as far as it goes and asked for again from there.
+REPLY_IDLE_S = 0.5
 
 
 class RouterArgs(BaseModel):
@@ -226,19 +229,21 @@ class _EventPump(threading.Thread):
 
         Live batches wait in the SUB socket meanwhile, so they follow the history in order. An answer cut
         off by the deadline is not applied (it would end at an old state, blocks evicted since); one with a
-        hole (replies the publisher dropped) is applied up to the hole and asked for again from there. If
+        hole (replies the publisher dropped), or whose replies stopped before its end marker came (dropped
+        the same way), is applied up to the hole and asked for again from there. If
         the deadline passes between the two, the first live batch is a gap, which `_drain` fills from the
         buffer or resolves by clearing the replica: the index may under-predict, never over-predict.
         A whole answer also tells the stream where it starts (`ReplicaEventStream.start_at`), so a first
         live batch past it is a gap too, even after an empty buffer.
         """
-        if not answer.is_complete:
+        if not answer.is_complete and time.monotonic() >= fetch.deadline:
             logger.warning("replay buffer of replica %s did not answer in time; starting from live events", replica_id)
             return
         run = answer.leading_run()
         self._apply_replayed(stream, run)
-        if len(run) < len(answer.batches) and time.monotonic() < fetch.deadline:
-            # The publisher dropped replies past its send queue's limit: ask again from the first one missing.
+        if (len(run) < len(answer.batches) or not answer.is_complete) and time.monotonic() < fetch.deadline:
+            # The publisher dropped replies past its send queue's limit, maybe its end marker too:
+            # ask again from the first one missing.
             self._ask_again_from_the_hole(replica_id, source, stream, fetch)
             return
         stream.start_at(stream.next_seq())
@@ -261,7 +266,7 @@ class _EventPump(threading.Thread):
             fetch = self._fetches.get(replica_id)
             if fetch is not None:
                 answer = source.collect_buffered()
-                if answer is None and time.monotonic() < fetch.deadline:
+                if answer is None and time.monotonic() < fetch.deadline and not self._lost_its_end(fetch, source):
                     continue
                 busy = True
                 self._finish_fetch(
@@ -276,6 +281,16 @@ class _EventPump(threading.Thread):
             self.watch.batch_received(replica_id, time.monotonic())
             self._apply_live(replica_id, source, stream, batches)
         return busy
+
+    @staticmethod
+    def _lost_its_end(fetch: _Fetch, source: ZmqEventSource) -> bool:
+        """A history answer whose replies stopped without the end marker (`REPLY_IDLE_S`).
+
+        Only histories: they are the answers longer than the publisher's send queue (a
+        full buffer is 10 000 batches), and they wait seconds; a gap or a probe has its
+        short deadline.
+        """
+        return fetch.kind == "history" and source.replies_stopped(time.monotonic(), REPLY_IDLE_S)
 
     def _finish_fetch(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
                       fetch: _Fetch, answer: BufferedBatches) -> None:

@@ -45,6 +45,7 @@ Importing this module does not import vLLM; `make_batch_decoder` does.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Sequence
 
@@ -417,6 +418,7 @@ class ZmqEventSource:
         self._dealer: zmq.Socket | None = None
         self._replayed: list[tuple[int, KVEventBatch]] = []
         self._is_replay_pending = False
+        self._last_reply_s: float | None = None  # monotonic time of the pending answer's latest reply
         self.num_malformed_msgs = 0
 
     def _new_sub(self) -> zmq.Socket:
@@ -451,9 +453,19 @@ class ZmqEventSource:
             self._dealer.setsockopt(self._zmq.RCVHWM, 0)  # never drop replies on this side
             self._dealer.connect(self._replay_endpoint)
         self._replayed = []
+        self._last_reply_s = None
         self._dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
         self._is_replay_pending = True
         return True
+
+    def replies_stopped(self, now_s: float, idle_s: float) -> bool:
+        """Whether the pending answer's replies began and then none came for `idle_s` (monotonic seconds).
+
+        Why: the publisher's replay socket drops replies while its send queue to this
+        subscriber is full, and the end marker is its last reply, so an answer of more
+        than the queue holds can lose it; the replies then stop with no end to wait for.
+        """
+        return self._is_replay_pending and self._last_reply_s is not None and now_s - self._last_reply_s >= idle_s
 
     def collect_buffered(self) -> BufferedBatches | None:
         """Takes the replies received so far without blocking; the whole answer once its end marker came, else None."""
@@ -463,6 +475,7 @@ class ZmqEventSource:
                 frames = self._dealer.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return None
+            self._last_reply_s = time.monotonic()
             if len(frames) == 4 and frames[2] == END_SEQ_BYTES:
                 answer, self._replayed = BufferedBatches(self._replayed, is_complete=True), []
                 self._is_replay_pending = False

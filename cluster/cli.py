@@ -479,8 +479,8 @@ def bench(
     """Run agent workloads on the local cluster once per routing policy (redeploying between policies).
 
     A policy that fails is marked in the table and the JSON and the others run (exit 1);
-    Ctrl-C writes the policies that finished (exit 130). The JSON is rewritten as each policy
-    (and each round) finishes, `"in_progress": true` until the end.
+    Ctrl-C writes the policies that finished (exit 130).
+    The JSON is rewritten as each policy (and each round) finishes, "in_progress": true until the end.
     """
     from bench import live
     from cluster import local
@@ -621,9 +621,8 @@ def simulate(
     """Simulate routing policies at scale with the production router code (GPU cost profile).
 
     A cell that fails is marked in the table and the JSON and the others run (exit 1);
-    Ctrl-C writes the cells that finished (exit 130). The JSON is rewritten as each cell
-    finishes (`"in_progress": true` until the grid ends), so a run killed any other way
-    keeps the finished cells too.
+    Ctrl-C writes the cells that finished (exit 130).
+    The JSON is rewritten as each cell finishes ("in_progress": true until the grid ends).
     """
     from bench import report, sim_cost, simulator
 

@@ -1,5 +1,6 @@
 """`warmpath bench` without a cluster: bad flags exit 2 before any work; a policy that fails or a Ctrl-C
-keeps the policies that finished (in the table and the JSON), with exit 1 or 130."""
+keeps the policies that finished (in the table and the JSON), with exit 1 or 130, and the JSON holds each
+finished policy as the run goes; GPU sizes, and a workload too long for the model's window."""
 
 from __future__ import annotations
 

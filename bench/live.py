@@ -93,19 +93,34 @@ def live_workload(name: WorkloadName, scale: Literal["cpu", "gpu"], seed: int, n
 def kv_capacity_blocks(cfg: ClusterConfig) -> int | None:
     """KV blocks per replica of a CPU cluster: `kv_cache_space_gib` over the model's bytes per block.
 
-    Reads the model's `config.json` (layers, KV heads, head size, dtype). Returns
-    None on GPU, where the engine sizes its cache from free memory at start-up.
+    Reads the model's config (layers, KV heads, head size, dtype): `config.json` of a
+    folder, or the hub's through transformers' cache. Returns None on GPU, where the
+    engine sizes its cache from free memory at start-up, and where the config cannot be
+    read or has no plain attention shape (the bench then reports the infinite-cache
+    bound alone).
     """
     if cfg.replicas.accelerator != "cpu":
         return None
-    model_config = json.loads((Path(cfg.model_source()) / "config.json").read_text())
-    num_heads = model_config["num_attention_heads"]
-    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // num_heads
-    num_kv_heads = model_config.get("num_key_value_heads", num_heads)
-    dtype = str(model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16")
-    dtype_bytes = 4 if "32" in dtype else 2
-    bytes_per_token = 2 * model_config["num_hidden_layers"] * num_kv_heads * head_dim * dtype_bytes
+    try:
+        model_config = _model_config(cfg.model_source())
+        num_heads = model_config["num_attention_heads"]
+        head_dim = model_config.get("head_dim") or model_config["hidden_size"] // num_heads
+        num_kv_heads = model_config.get("num_key_value_heads") or num_heads
+        dtype = str(model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16")
+        bytes_per_token = 2 * model_config["num_hidden_layers"] * num_kv_heads * head_dim * (4 if "32" in dtype else 2)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
     return (cfg.replicas.kv_cache_space_gib << 30) // (bytes_per_token * cfg.replicas.block_size_tokens)
+
+
+def _model_config(source: str) -> dict:
+    """The model's `config.json` as a dict, from a folder or (transformers' cache of) the hub."""
+    folder = Path(source)
+    if folder.is_dir():
+        return json.loads((folder / "config.json").read_text())
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source).to_dict()
 
 
 @dataclass(frozen=True)
@@ -369,11 +384,13 @@ def run_bench(
     workload = live_workload(workload_name, scale, seed, cfg.replicas.num_replicas, num_sessions)
     if max_output_tokens is None:
         max_output_tokens = GPU_MAX_OUTPUT_TOKENS if scale == "gpu" else DEFAULT_MAX_OUTPUT_TOKENS
+    renderer = _renderer(cfg, progress)
     progress(f"bench: rendering {workload.num_requests} prompts of {workload_name} with the model's tokenizer")
-    renderer = TokenizerRenderer(cfg.model_source())
     prepared = prepare_requests(workload, renderer, cfg.model.model_id, max_output_tokens)
     _check_window(prepared, cfg.model.max_model_len_tokens, workload_name, scale)
     capacity = kv_capacity_blocks(cfg)
+    if capacity is None and cfg.replicas.accelerator == "cpu":
+        progress(f"bench: cannot read the KV shape of {cfg.model_source()}: the infinite-cache bound alone")
     result = {
         "kind": "warmpath-bench",
         "workload": workload_name,
@@ -416,6 +433,22 @@ def run_bench(
         result["interrupted"] = True
         raise BenchInterrupted(result) from None
     return result
+
+
+def _renderer(cfg: ClusterConfig, progress: Progress) -> TokenizerRenderer:
+    """The model's tokenizer, building the default model first if it is missing (as `warmpath up` would).
+
+    Raises:
+        cluster.local.BringUpError: a model folder that is not there, or a tokenizer that cannot be loaded
+            (a hub id out of reach, say), in one line.
+    """
+    from cluster import local
+
+    local.ensure_model(cfg, progress)
+    try:
+        return TokenizerRenderer(cfg.model_source())
+    except (OSError, ValueError) as err:
+        raise local.BringUpError(f"cannot load the tokenizer of {cfg.model_source()}: {error_line(err)}") from None
 
 
 def redeploy(cfg: ClusterConfig, progress: Progress):

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from bench import live, report
 from bench.trace import RequestRecord
+from cluster import local
 from cluster.cli import app
 
 BENCH = ["bench", "--workload", "fanout", "--policies", "pow2,warmpath,round-robin"]
@@ -48,6 +49,7 @@ def no_cluster(monkeypatch):
         return outcome
 
     monkeypatch.setattr(live, "TokenizerRenderer", lambda source: None)
+    monkeypatch.setattr(local, "ensure_model", lambda cfg, progress: None)
     monkeypatch.setattr(live, "prepare_requests", lambda *args: {})
     monkeypatch.setattr(live, "kv_capacity_blocks", lambda cfg: None)
     monkeypatch.setattr(live, "warm_up", lambda *args: None)
@@ -338,3 +340,27 @@ def test_a_workload_over_the_models_window_is_refused_before_any_cluster_work(no
 
     with pytest.raises(AssertionError, match="did work"):  # a call that fits goes on to the warm-up
         live.run_bench(ClusterConfig(), "fanout", ["pow2"], 0, 2, 1.0, lambda msg: None, scale="gpu")
+
+
+def test_bench_before_the_model_exists_or_with_a_tokenizer_out_of_reach_says_so_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(live, "warm_up", _never)
+    missing = tmp_path / "config.yaml"
+    missing.write_text(f"model:\n  source: {tmp_path / 'no-model'}\n")
+    result = CliRunner().invoke(app, [*BENCH, "--config", str(missing), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip().splitlines()[-1] == (
+        f"error: model.source {tmp_path / 'no-model'}: no such file or folder on this machine"
+    )
+
+    def unreachable(source):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(live, "TokenizerRenderer", unreachable)
+    hub = tmp_path / "hub.yaml"
+    hub.write_text("model:\n  source: Qwen/Qwen2.5-0.5B-Instruct\n")
+    result = CliRunner().invoke(app, [*BENCH, "--config", str(hub), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip().splitlines()[-1] == (
+        "error: cannot load the tokenizer of Qwen/Qwen2.5-0.5B-Instruct: OSError: We couldn't connect to "
+        "'https://huggingface.co' to load the files"
+    )

@@ -90,14 +90,31 @@ def live_workload(name: WorkloadName, scale: Literal["cpu", "gpu"], seed: int, n
     return generate(name, seed, num_replicas, params=params, num_sessions=num_sessions)
 
 
+def reported_kv_capacity_blocks(router_state: dict) -> int | None:
+    """The smallest KV cache, in blocks, that a replica reported through the prefix-aware router (`/v1/router`).
+
+    None where no router answered (another policy, no request routed yet) or no
+    replica reported its size. The smallest, because the placed bound gives every
+    replica one capacity: a bound from the largest would be one no router could reach.
+    """
+    sizes = [
+        kv_cache.get("capacity_blocks")
+        for router in router_state.get("routers") or []
+        for kv_cache in (router.get("kv_cache") or {}).values()
+    ]
+    sizes = [size for size in sizes if isinstance(size, int) and size > 0]
+    return min(sizes) if sizes else None
+
+
 def kv_capacity_blocks(cfg: ClusterConfig) -> int | None:
     """KV blocks per replica of a CPU cluster: `kv_cache_space_gib` over the model's bytes per block.
 
-    Reads the model's config (layers, KV heads, head size, dtype): `config.json` of a
-    folder, or the hub's through transformers' cache. Returns None on GPU, where the
-    engine sizes its cache from free memory at start-up, and where the config cannot be
-    read or has no plain attention shape (the bench then reports the infinite-cache
-    bound alone).
+    The estimate for when the replicas report no size (`bench_kv_capacity`); the
+    same division vLLM's CPU engine makes. Reads the model's config (layers, KV
+    heads, head size, dtype): `config.json` of a folder, or the hub's through
+    transformers' cache. Returns None on GPU, where the engine sizes its cache from
+    free memory at start-up, and where the config cannot be read or has no plain
+    attention shape.
     """
     if cfg.replicas.accelerator != "cpu":
         return None
@@ -121,6 +138,37 @@ def _model_config(source: str) -> dict:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(source).to_dict()
+
+
+def bench_kv_capacity(cfg: ClusterConfig, router_state: dict, progress: Progress) -> tuple[int | None, str | None]:
+    """The KV blocks per replica for the oracle's placed bound, and where the figure came from.
+
+    The replicas' own (what their engines allocated at start-up, from `router_state`);
+    otherwise, on CPU, `kv_capacity_blocks`'s estimate from the model's shape;
+    otherwise none, and the bench reports the infinite-cache bound alone.
+    """
+    reported = reported_kv_capacity_blocks(router_state)
+    if reported is not None:
+        progress(f"bench: the replicas' KV caches hold {reported} blocks each (as their engines report)")
+        return reported, "replicas"
+    estimated = kv_capacity_blocks(cfg)
+    if estimated is not None:
+        progress(f"bench: the replicas reported no KV cache size (router.policy={cfg.router.policy}); {estimated} "
+                 "blocks each from the model's shape and replicas.kv_cache_space_gib")
+        return estimated, "model config"
+    progress(f"bench: the replicas reported no KV cache size (router.policy={cfg.router.policy}) and none can be "
+             f"worked out for {cfg.model_source()} on {cfg.replicas.accelerator}: the infinite-cache bound alone")
+    return None, None
+
+
+def router_state(http_url: str, api_key: str | None) -> dict:
+    """`GET /v1/router`, or `{"error": ...}` where it could not be read."""
+    import httpx
+
+    try:
+        return httpx.get(f"{http_url}/v1/router", timeout=30, headers=bearer_headers(api_key)).json()
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 @dataclass(frozen=True)
@@ -263,28 +311,27 @@ WARMUP_SESSIONS = 2
 
 
 def warm_up(cfg: ClusterConfig, workload: Workload, prepared: dict[str, list[PreparedRequest]],
-            time_scale: float, progress: Progress) -> None:
-    """Replays a few sessions, unmeasured, before the first policy.
+            time_scale: float, progress: Progress) -> dict:
+    """Replays a few sessions, unmeasured, before the first policy; returns the router state after them.
 
     Why: a freshly started Ray cluster is slower for its first minutes; without
     this the first policy of every run was measured at a disadvantage (its TTFT
-    p50 came out 1.45x pow2 run first, 1.05x run second).
+    p50 came out 1.45x pow2 run first, 1.05x run second). The router state
+    carries the replicas' KV cache sizes (`bench_kv_capacity`).
     """
     from cluster import local
 
     sessions = workload.sessions[:WARMUP_SESSIONS]
     progress(f"bench: warming up the cluster with {len(sessions)} unmeasured sessions")
     state = local.up(cfg, progress)
-    asyncio.run(replay(
-        state.http_url, dataclasses.replace(workload, sessions=sessions), prepared, time_scale, local.local_api_key(cfg)
-    ))
+    api_key = local.local_api_key(cfg)
+    asyncio.run(replay(state.http_url, dataclasses.replace(workload, sessions=sessions), prepared, time_scale, api_key))
+    return router_state(state.http_url, api_key)
 
 
 def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
                prepared: dict[str, list[PreparedRequest]], time_scale: float, progress: Progress) -> dict:
     """Redeploys with `policy`, replays the workload, and returns the run's records, summary and router state."""
-    import httpx
-
     from cluster import local
 
     policy_cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"policy": policy})})
@@ -295,10 +342,7 @@ def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
     api_key = local.local_api_key(cfg)
     records = asyncio.run(replay(state.http_url, workload, prepared, time_scale, api_key))
     wall_s = time.monotonic() - started
-    try:
-        router_state = httpx.get(f"{state.http_url}/v1/router", timeout=30, headers=bearer_headers(api_key)).json()
-    except Exception as err:
-        router_state = {"error": f"{type(err).__name__}: {err}"}
+    routers = router_state(state.http_url, api_key)
     seen = {r.replica_id for r in records if r.replica_id}
     replica_ids = _replica_ids(state, cfg.app_name, seen, cfg.replicas.num_replicas)
     summary = summarize(records, replica_ids, cfg.replicas.block_size_tokens)
@@ -308,7 +352,7 @@ def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
     progress(f"bench: {policy}: {summary.num_requests} ok, {summary.num_errors} failed, hit rate "
              f"{summary.hit_rate}, {wall_s:.0f}s" + (f", {mismatches} prompt token mismatches" if mismatches else ""))
     return {"summary": summary.to_json(), "wall_s": wall_s, "replica_ids": replica_ids,
-            "num_prompt_token_mismatches": mismatches, "router_state": router_state,
+            "num_prompt_token_mismatches": mismatches, "router_state": routers,
             "records": [r.to_json() for r in records]}
 
 
@@ -388,9 +432,6 @@ def run_bench(
     progress(f"bench: rendering {workload.num_requests} prompts of {workload_name} with the model's tokenizer")
     prepared = prepare_requests(workload, renderer, cfg.model.model_id, max_output_tokens)
     _check_window(prepared, cfg.model.max_model_len_tokens, workload_name, scale)
-    capacity = kv_capacity_blocks(cfg)
-    if capacity is None and cfg.replicas.accelerator == "cpu":
-        progress(f"bench: cannot read the KV shape of {cfg.model_source()}: the infinite-cache bound alone")
     result = {
         "kind": "warmpath-bench",
         "workload": workload_name,
@@ -404,7 +445,8 @@ def run_bench(
         "model_id": cfg.model.model_id,
         "num_replicas": cfg.replicas.num_replicas,
         "block_size_tokens": cfg.replicas.block_size_tokens,
-        "kv_capacity_blocks": capacity,
+        "kv_capacity_blocks": None,
+        "kv_capacity_source": None,
         "router_config": cfg.router.model_dump(mode="json"),
         "policies": {},
         "oracle": {},
@@ -412,7 +454,10 @@ def run_bench(
     }
     if rounds > 1:
         result["rounds"] = []
-    warm_up(cfg, workload, prepared, time_scale, progress)
+    capacity, result["kv_capacity_source"] = bench_kv_capacity(
+        cfg, warm_up(cfg, workload, prepared, time_scale, progress), progress
+    )
+    result["kv_capacity_blocks"] = capacity
     try:
         for policy in policies:
             _run_and_bound(result, cfg, policy, workload, prepared, time_scale, capacity, progress)

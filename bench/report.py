@@ -128,7 +128,13 @@ def ratio_table(summaries: Mapping[str, Mapping | None], title: str = "",
 def oracle_section(result: Mapping) -> str:
     """The report's oracle block (a leading newline), or "" when no run has bounds."""
     lines = oracle_lines(result)
-    return "\nhit rate vs oracle bounds (same trace):\n  " + "\n  ".join(lines) if lines else ""
+    if not lines:
+        return ""
+    capacity = result.get("kv_capacity_blocks")
+    source = {"replicas": "as the engines report", "model config": "from the model's shape"}.get(
+        result.get("kv_capacity_source"), "")
+    placement = f"; placement over {capacity} KV blocks per replica{', ' + source if source else ''}" if capacity else ""
+    return f"\nhit rate vs oracle bounds (same trace{placement}):\n  " + "\n  ".join(lines)
 
 
 def oracle_lines(result: Mapping) -> list[str]:

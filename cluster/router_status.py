@@ -47,13 +47,27 @@ def router_status_lines(state: Mapping[str, Any]) -> list[str]:
         subscribed = router.get("subscribed_replicas") or []
         lines.append(f"  {router.get('policy')} router: {len(subscribed)}/{len(replicas)} replicas subscribed")
         blocks = (router.get("index") or {}).get("num_blocks_by_replica") or {}
+        kv_cache = router.get("kv_cache") or {}
         for replica_id, stream in sorted((router.get("event_streams") or {}).items()):
             since = stream.get("seconds_since_last_batch")
             problem = stream_problem(stream)
             lines.append(
-                f"    {replica_id}: {blocks.get(replica_id, 0)} blocks indexed, "
+                f"    {replica_id}: {blocks.get(replica_id, 0)} blocks indexed{_kv_cache_size(kv_cache.get(replica_id))}, "
                 + ("no event yet" if since is None else f"last event {since:.0f}s ago")
                 + f", {stream.get('num_probes', 0)} probes"
                 + (f"; PROBLEM: {problem}" if problem else "")
             )
     return lines
+
+
+def _kv_cache_size(kv_cache: Mapping[str, Any] | None) -> str:
+    """" (KV cache: N blocks, U% in use)" as the replica reported them; "" where it reported no size.
+
+    In use means held by running requests: the index also counts cached blocks the
+    engine keeps free for reuse, so it can hold more than the usage says.
+    """
+    capacity = (kv_cache or {}).get("capacity_blocks")
+    if not capacity:
+        return ""
+    usage = kv_cache.get("usage")
+    return f" (KV cache: {capacity} blocks" + (f", {usage:.0%} in use)" if isinstance(usage, (int, float)) else ")")

@@ -560,12 +560,20 @@ class PrefixKVRouter(RequestRouter):
         self._pump.watch.request_completed(ReplicaId(replica_id.unique_id), time.monotonic())
 
     def snapshot(self) -> dict[str, Any]:
-        """State for operators and tests: replicas, subscriptions and index counts."""
+        """State for operators, tests and the bench: replicas (with their KV caches' size and usage as they
+        report them), subscriptions and index counts."""
         with self.lock:
             index = self.index.snapshot(time.monotonic())
+        kv_cache = {}
+        for replica in list(self.curr_replicas.values()):
+            stats = replica.routing_stats or {}
+            kv_cache[replica.replica_id.unique_id] = {
+                "capacity_blocks": stats.get("kv_capacity_blocks"), "usage": stats.get("kv_cache_usage"),
+            }
         return {
             "policy": self.args.router.policy,
             "replicas": sorted(r.unique_id for r in self.curr_replicas),
+            "kv_cache": kv_cache,
             "subscribed_replicas": self._pump.subscribed_replicas(),
             "event_streams": self._pump.stream_states(),
             "num_sessions": len(self.sessions),

@@ -17,7 +17,10 @@ Why a subclass rather than plain `LLMServer`:
   the same arguments and forwards its ids only where they match.
 - It reports the engine's KV cache usage (a fraction) in its routing stats,
   which the router's "load" scorer weighs; vLLM hands it to its stat
-  loggers after every engine step, and Ray Serve LLM reports none.
+  loggers after every engine step, and Ray Serve LLM reports none. Beside it
+  goes the cache's size in blocks, which the engine decides at start-up
+  (from free GPU memory, or `kv_cache_space_gib` on CPU): `warmpath status`
+  shows it and `warmpath bench` bounds each run with it.
 - A stream's first chunk leaves as soon as it exists instead of at the end of
   Ray's first batching interval (`serve_apps.stream_batches`).
 
@@ -153,6 +156,20 @@ def _attach_kv_cache_usage(engine: Any) -> Optional[KvCacheUsageRecorder]:
     return recorder
 
 
+def engine_kv_capacity_blocks(engine: Any) -> Optional[int]:
+    """The KV blocks of Ray Serve LLM's vLLM engine, as its cores reported them at start-up; None if unknown.
+
+    vLLM's frontend keeps the sum over its engine cores (data parallel) in
+    `cache_config.num_gpu_blocks`, filled in by the start-up handshake.
+    """
+    cache_config = getattr(getattr(getattr(engine, "_engine_client", None), "vllm_config", None), "cache_config", None)
+    num_blocks = getattr(cache_config, "num_gpu_blocks", None)
+    if isinstance(num_blocks, int) and num_blocks > 0:
+        return num_blocks
+    logger.info("the engine's KV cache size is not where expected: it is not reported to the router")
+    return None
+
+
 def engine_rendering(engine: Any) -> Optional[EngineRendering]:
     """How this replica's vLLM frontend renders chat prompts; None when its renderer cannot be read."""
     online = getattr(getattr(engine, "_app_state", None), "online_renderer", None)
@@ -225,7 +242,7 @@ class WarmpathLLMServer(LLMServer):
                 "topic": "",
             }
         )
-        self._kv_events = {
+        self._advertised = {
             "replica_id": self._replica_id,
             "kv_events_endpoint": f"tcp://{host}:{port}",
             "kv_events_replay_endpoint": f"tcp://{host}:{replay_port}",
@@ -245,6 +262,7 @@ class WarmpathLLMServer(LLMServer):
         rendering = engine_rendering(self.engine)
         self._rendering_stats = rendering.routing_stats() if rendering is not None else {}
         self._kv_cache_usage = _attach_kv_cache_usage(self.engine)
+        self._advertised["kv_capacity_blocks"] = engine_kv_capacity_blocks(self.engine)
 
     async def _tagged(self, stream: AsyncGenerator, span) -> AsyncGenerator:
         """Tags the stream with this replica and times it (first item = time to first token)."""
@@ -301,7 +319,7 @@ class WarmpathLLMServer(LLMServer):
 
     async def record_routing_stats(self) -> Dict[str, Any]:
         stats = dict(await super().record_routing_stats())
-        stats.update(self._kv_events)
+        stats.update(self._advertised)
         stats.update(self._rendering_stats)
         usage = self._kv_cache_usage.usage() if self._kv_cache_usage is not None else None
         if usage is not None:
@@ -309,5 +327,5 @@ class WarmpathLLMServer(LLMServer):
         return stats
 
     async def replica_info(self) -> Dict[str, Optional[str]]:
-        """Identity and event endpoints, for `warmpath status` and tests."""
-        return dict(self._kv_events)
+        """Identity, event endpoints and KV cache size, for tests."""
+        return dict(self._advertised)

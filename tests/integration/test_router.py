@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from bench.live import kv_capacity_blocks
 from router.prompt_tokens import PromptTokenizer
 from tests.integration.test_openai_api import LOOKUP_TOOL, WEATHER_TOOL
 
@@ -141,6 +142,10 @@ def test_router_state_and_prediction_accuracy(warmpath_router):
     assert set(streams) == set(router["subscribed_replicas"])
     assert sum(s["num_batches"] for s in streams.values()) > 0
     assert all(s["num_stalls"] == 0 and s["num_unreachable"] == 0 for s in streams.values()), streams
+    # Each replica reports the KV blocks its engine allocated: on CPU, kv_cache_space_gib over the bytes per block.
+    assert set(router["kv_cache"]) == set(router["replicas"])
+    capacities = {kv_cache["capacity_blocks"] for kv_cache in router["kv_cache"].values()}
+    assert capacities == {kv_capacity_blocks(cluster.cfg)} and None not in capacities, router["kv_cache"]
     stats = state["stats"]
     assert stats["num_predictions"] >= 2
     assert stats["prediction_accuracy"] >= 0.5, stats

@@ -52,7 +52,7 @@ def no_cluster(monkeypatch):
     monkeypatch.setattr(local, "ensure_model", lambda cfg, progress: None)
     monkeypatch.setattr(live, "prepare_requests", lambda *args: {})
     monkeypatch.setattr(live, "kv_capacity_blocks", lambda cfg: None)
-    monkeypatch.setattr(live, "warm_up", lambda *args: None)
+    monkeypatch.setattr(live, "warm_up", lambda *args: outcomes.get("router state after the warm-up", {}))
     monkeypatch.setattr(live, "run_policy", run_policy)
 
     def redeploy(cfg, progress):  # only the restore of the configured policy calls it (run_policy is replaced)
@@ -299,6 +299,51 @@ def test_a_gpu_sized_bench_records_its_scale_decodes_the_workloads_output_and_bo
     assert report.live_report(result).startswith("workload fanout at GPU sizes: 3 sessions, ")
     assert report.live_report(_run_bench()).startswith("workload fanout: 2 sessions, ")
     assert _run_bench()["scale"] == "cpu" and _run_bench()["max_output_tokens"] == live.DEFAULT_MAX_OUTPUT_TOKENS
+
+
+def _router_state(*capacities) -> dict:
+    kv_cache = {f"r{i}": {"capacity_blocks": c, "usage": 0.1} for i, c in enumerate(capacities)}
+    return {"routers": [{"policy": "warmpath", "kv_cache": kv_cache}], "stats": {}}
+
+
+def test_the_replicas_reported_kv_cache_is_the_smallest_any_reported():
+    assert live.reported_kv_capacity_blocks(_router_state(5000, 4800)) == 4800
+    assert live.reported_kv_capacity_blocks(_router_state(5000, None)) == 5000  # one not reported yet
+    assert live.reported_kv_capacity_blocks(_router_state(None)) is None
+    assert live.reported_kv_capacity_blocks({"routers": [], "stats": {}}) is None  # another policy
+    assert live.reported_kv_capacity_blocks({"error": "ConnectError: refused"}) is None
+
+
+def test_the_placed_bound_uses_the_kv_cache_the_replicas_report(no_cluster):
+    from cluster.config import ClusterConfig
+
+    no_cluster["router state after the warm-up"] = _router_state(3, 3)
+    messages = []
+    result = live.run_bench(ClusterConfig(), "fanout", ["pow2"], 0, 2, 1.0, messages.append, scale="gpu")
+    assert result["kv_capacity_blocks"] == 3 and result["kv_capacity_source"] == "replicas"
+    assert "bench: the replicas' KV caches hold 3 blocks each (as their engines report)" in messages
+    block = ClusterConfig().replicas.block_size_tokens
+    # Two requests of one session, 300 tokens each: a replica of 3 blocks keeps 3 of the first's 18 full blocks.
+    assert result["oracle"]["pow2"]["placed_hit_rate"] == pytest.approx(3 * block / 600)
+    assert "(same trace; placement over 3 KV blocks per replica, as the engines report):" in report.live_report(result)
+
+
+def test_without_a_reported_size_a_cpu_cluster_works_it_out_and_a_gpu_cluster_has_the_infinite_bound(
+        no_cluster, monkeypatch):
+    from cluster.config import ClusterConfig
+
+    monkeypatch.setattr(live, "kv_capacity_blocks", lambda cfg: 9 if cfg.replicas.accelerator == "cpu" else None)
+    messages = []
+    result = live.run_bench(ClusterConfig(), "fanout", ["pow2"], 0, 2, 1.0, messages.append)
+    assert result["kv_capacity_blocks"] == 9 and result["kv_capacity_source"] == "model config"
+    assert any(m.startswith("bench: the replicas reported no KV cache size (router.policy=warmpath); 9 blocks")
+               for m in messages)
+    gpu = ClusterConfig.model_validate({"replicas": {"accelerator": "gpu", "num_gpus": 1}})
+    result = live.run_bench(gpu, "fanout", ["pow2"], 0, 2, 1.0, messages.append)
+    assert result["kv_capacity_blocks"] is None and result["kv_capacity_source"] is None
+    assert result["oracle"]["pow2"]["placed_hit_rate"] is None
+    assert any(m.startswith("bench: the replicas reported no KV cache size") and
+               m.endswith("on gpu: the infinite-cache bound alone") for m in messages)
 
 
 GPU_CONFIG = ["--config", str(Path(__file__).parents[3] / "k8s/overlays/gpu/cluster.yaml")]  # accelerator: gpu

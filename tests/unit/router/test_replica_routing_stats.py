@@ -1,5 +1,5 @@
-"""What a replica tells the router in its routing stats: its KV cache usage, and how it renders chat prompts
-(`serve_apps.vllm_replica`)."""
+"""What a replica tells the router in its routing stats: its KV cache usage and size, and how it renders chat
+prompts (`serve_apps.vllm_replica`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from serve_apps.vllm_replica import (
     KvCacheUsageRecorder,
     WarmpathLLMServer,
     _attach_kv_cache_usage,
+    engine_kv_capacity_blocks,
     engine_rendering,
 )
 
@@ -57,7 +58,7 @@ def test_the_engines_kv_cache_usage_reaches_the_routing_stats():
     stat_loggers: list = []
     server = object.__new__(_Replica)
     server.engine = None  # Ray Serve LLM's own stats: none before the engine runs
-    server._kv_events = {"kv_events_endpoint": "tcp://x:1"}
+    server._advertised = {"kv_events_endpoint": "tcp://x:1", "kv_capacity_blocks": 900}
     server._rendering_stats = EngineRendering({}, renders_like_router=True).routing_stats()
     server._kv_cache_usage = _attach_kv_cache_usage(engine_with_stat_loggers(stat_loggers))
     assert stat_loggers == [server._kv_cache_usage]
@@ -66,12 +67,24 @@ def test_the_engines_kv_cache_usage_reaches_the_routing_stats():
     server._kv_cache_usage.record(SchedulerStats(kv_cache_usage=0.4), None)
     stats = asyncio.run(server.record_routing_stats())
     assert stats["kv_cache_usage"] == 0.4 and stats["kv_events_endpoint"] == "tcp://x:1"
+    assert stats["kv_capacity_blocks"] == 900
     assert EngineRendering.from_routing_stats(stats).renders_like_router
 
 
 def test_an_engine_that_keeps_no_stats_reports_no_usage():
     assert _attach_kv_cache_usage(engine_with_stat_loggers(None)) is None
     assert _attach_kv_cache_usage(SimpleNamespace()) is None
+
+
+def test_the_engines_kv_cache_size_is_what_its_cores_reported_at_start_up():
+    def engine(num_gpu_blocks):
+        cache_config = SimpleNamespace(num_gpu_blocks=num_gpu_blocks)
+        return SimpleNamespace(_engine_client=SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache_config)))
+
+    assert engine_kv_capacity_blocks(engine(4096)) == 4096
+    assert engine_kv_capacity_blocks(engine(None)) is None  # the handshake has not filled it in
+    assert engine_kv_capacity_blocks(engine(0)) is None
+    assert engine_kv_capacity_blocks(SimpleNamespace()) is None
 
 
 @pytest.fixture(scope="module")

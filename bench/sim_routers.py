@@ -152,16 +152,19 @@ class PrefixTreeRouter(SimRouter):
 
 
 class WarmpathRouter(SimRouter):
-    """The production policy and index, driven by simulated loads and KV events."""
+    """The production policy and index, driven by simulated loads and KV events, and told each replica's
+    KV capacity as production replicas report it."""
 
     wants_kv_events = True
 
     def __init__(self, num_replicas: int, rng: random.Random, config: RouterConfig, block_size_tokens: int,
-                 model_id: str) -> None:
+                 model_id: str, kv_capacity_blocks: int) -> None:
         super().__init__(num_replicas, rng)
         self.replica_ids = [ReplicaId(f"r{i}") for i in range(num_replicas)]
         self._slot = {r: i for i, r in enumerate(self.replica_ids)}
         self.index = PrefixIndex(block_size_tokens, config.max_blocks_per_replica, model_id)
+        for replica_id in self.replica_ids:
+            self.index.set_replica_capacity(replica_id, kv_capacity_blocks)
         self.policy = PrefixAwarePolicy(config, block_size_tokens, rng=rng)
         self.sessions: dict[str, ReplicaId] = {}
         self.loads = {r: ReplicaLoad(0) for r in self.replica_ids}
@@ -185,9 +188,9 @@ class WarmpathRouter(SimRouter):
 
 
 def make_router(policy: RouterPolicy, num_replicas: int, rng: random.Random, config: RouterConfig,
-                block_size_tokens: int, model_id: str) -> SimRouter:
+                block_size_tokens: int, model_id: str, kv_capacity_blocks: int) -> SimRouter:
     if policy == "warmpath":
-        return WarmpathRouter(num_replicas, rng, config, block_size_tokens, model_id)
+        return WarmpathRouter(num_replicas, rng, config, block_size_tokens, model_id, kv_capacity_blocks)
     routers = {"pow2": Pow2Router, "round-robin": RoundRobinRouter, "session-hash": SessionHashRouter,
                "prefix-tree": PrefixTreeRouter}
     if policy not in routers:

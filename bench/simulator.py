@@ -164,7 +164,7 @@ class Simulation:
         self.is_output_reused = is_output_reused
         self._root = root_hash(model_id, None)
         self.router = make_router(policy, num_replicas, random.Random(seed + 1), config, profile.block_size_tokens,
-                                  model_id)
+                                  model_id, profile.kv_capacity_blocks)
         self._caches = [BlockCache(profile.kv_capacity_blocks) for _ in range(num_replicas)]
         self._queues: list[deque[SimRequest]] = [deque() for _ in range(num_replicas)]
         self._is_busy = [False] * num_replicas

@@ -175,7 +175,12 @@ class RouterConfig(_Strict):
         le=MAX_ROUTER_SECONDS, allow_inf_nan=False,
     )
     max_blocks_per_replica: int = Field(
-        500_000, description="Bound on indexed blocks per replica (LRU beyond).", ge=1
+        500_000,
+        description=(
+            "Bound on indexed blocks per replica (least recently stored forgotten beyond it), raised to the KV "
+            "cache size a replica reports where that is larger."
+        ),
+        ge=1,
     )
     forward_prompt_token_ids: bool = Field(
         True,

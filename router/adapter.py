@@ -160,6 +160,8 @@ class _EventPump(threading.Thread):
         # Replicas waiting for an answer from their replay buffer; their live batches wait in the SUB socket.
         self._fetches: dict[ReplicaId, _Fetch] = {}
         self.watch = EventStreamWatch()
+        # The KV capacity each replica reported, as last given to the index (`PrefixIndex.set_replica_capacity`).
+        self._capacities: dict[ReplicaId, int] = {}
         self._checks = Counter(
             "warmpath_kv_event_checks", "Checks of KV-event subscriptions by outcome: a probe of a quiet one "
             "(quiet, stalled, unreachable) or a reload of a blind one (blind).", tag_keys=("replica", "outcome"),
@@ -185,18 +187,28 @@ class _EventPump(threading.Thread):
         replicas = list(router.curr_replicas.values())
         self._forget_departed({ReplicaId(replica.replica_id.unique_id) for replica in replicas})
         advertised: dict[ReplicaId, tuple[str, str | None]] = {}
+        capacities: dict[ReplicaId, int] = {}
         for replica in replicas:
             stats = replica.routing_stats or {}
             endpoint = stats.get("kv_events_endpoint")
             if endpoint:
                 advertised[ReplicaId(replica.replica_id.unique_id)] = (endpoint, stats.get("kv_events_replay_endpoint"))
+            capacity = stats.get("kv_capacity_blocks")
+            if isinstance(capacity, int) and capacity > 0:
+                capacities[ReplicaId(replica.replica_id.unique_id)] = capacity
         for replica_id in [r for r in self._sources if r not in advertised or advertised[r][0] != self._sources[r][0]]:
             _, source, _ = self._sources.pop(replica_id)
             source.close()
             self.watch.forget(replica_id)
             self._fetches.pop(replica_id, None)
+            self._capacities.pop(replica_id, None)
             with router.lock:
                 router.index.remove_replica(replica_id)
+        for replica_id, capacity in capacities.items():
+            if self._capacities.get(replica_id) != capacity:
+                self._capacities[replica_id] = capacity
+                with router.lock:
+                    router.index.set_replica_capacity(replica_id, capacity)
         for replica_id, (endpoint, replay_endpoint) in advertised.items():
             if replica_id in self._sources:
                 continue
@@ -214,6 +226,8 @@ class _EventPump(threading.Thread):
         advertised its endpoints (its first routing stats come seconds after it starts), or after the
         pump dropped it (a fallback Serve reported late).
         """
+        for replica_id in self._capacities.keys() - running:
+            del self._capacities[replica_id]
         with self._router.lock:
             for replica_id in self._router.index.replica_ids() - running:
                 self._router.index.remove_replica(replica_id)

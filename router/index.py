@@ -52,11 +52,18 @@ Invariants:
   engine keys of one replica map to the same h (engine-side keys the router
   does not model) and one of them was removed. Masks are never 0 (the key is
   deleted instead).
-- `len(blocks) <= max_blocks_per_replica`; beyond it the least recently stored
-  block is forgotten. This is a safety bound, not a model of the engine: the
-  engine's `BlockRemoved` is the normal way blocks leave, and in vLLM's default
-  report mode a cache hit announces nothing, so "recent" means recently stored,
-  not recently used. Set the bound above the engine's number of KV blocks.
+- `len(blocks) <= max(max_blocks_per_replica, the replica's KV capacity)`
+  (`set_replica_capacity`); beyond it the least recently stored block is
+  forgotten. This is a safety bound, not a model of the engine: the engine's
+  `BlockRemoved` is the normal way blocks leave, and in vLLM's default report
+  mode a cache hit announces nothing, so "recent" means recently stored, not
+  recently used. Below the engine's number of KV blocks the bound would forget
+  blocks the engine holds, the oldest first, which are the hottest of a long
+  run (a shared system prompt is stored once and hit ever after), so a replica
+  that reports a larger cache raises its own bound to its size. The engine
+  evicts a block (`BlockRemoved`) before it stores the one that takes its
+  place, so the index never holds more of a replica than its capacity unless
+  a removal was lost.
   A block the bound forgets in the middle of a chain does not hide the
   blocks after it from a lookup (the engine, which evicts extensions first,
   still holds it unless a removal was lost); a forgotten first block does.
@@ -152,12 +159,13 @@ class IndexSnapshot:
 
 
 class _ReplicaState:
-    __slots__ = ("replica_id", "slot", "bit", "blocks", "extra_copies", "pending", "num_evicted_blocks")
+    __slots__ = ("replica_id", "slot", "bit", "max_blocks", "blocks", "extra_copies", "pending", "num_evicted_blocks")
 
-    def __init__(self, replica_id: ReplicaId, slot: int) -> None:
+    def __init__(self, replica_id: ReplicaId, slot: int, max_blocks: int) -> None:
         self.replica_id = replica_id
         self.slot = slot
         self.bit = 1 << slot
+        self.max_blocks = max_blocks
         self.blocks: dict[int, BlockHash] = {}
         self.extra_copies: dict[int, int] = {}
         self.pending: dict[BlockHash, float] = {}
@@ -170,7 +178,7 @@ class PrefixIndex:
     def __init__(self, block_size_tokens: int, max_blocks_per_replica: int, model_id: str) -> None:
         """Args:
         block_size_tokens: the engines' KV block size; other sizes are skipped.
-        max_blocks_per_replica: LRU bound per replica.
+        max_blocks_per_replica: LRU bound per replica, raised to a replica's KV capacity where that is larger.
         model_id: root of block chains without a LoRA name (see `root_hash`).
         """
         if block_size_tokens < 1 or max_blocks_per_replica < 1:
@@ -362,6 +370,13 @@ class PrefixIndex:
         drop_owner_bit(self._pending_owners, dropped, state.bit)
         return len(dropped)
 
+    def set_replica_capacity(self, replica_id: ReplicaId, num_blocks: int) -> None:
+        """Bounds the replica's indexed blocks by its KV cache's size where that is over `max_blocks_per_replica`.
+
+        Lowering it later does not forget blocks at once: the next store does.
+        """
+        self._state(replica_id).max_blocks = max(self._max_blocks, num_blocks)
+
     def clear_replica(self, replica_id: ReplicaId) -> None:
         """Forgets every indexed block of the replica (resync); pending entries stay until they expire."""
         state = self._replicas.get(replica_id)
@@ -404,7 +419,7 @@ class PrefixIndex:
             except ValueError:
                 slot = len(self._slot_ids)
                 self._slot_ids.append(replica_id)
-            state = self._replicas[replica_id] = _ReplicaState(replica_id, slot)
+            state = self._replicas[replica_id] = _ReplicaState(replica_id, slot, self._max_blocks)
         return state
 
     def _credit(self, result: dict[ReplicaId, int], mask: int, num_blocks: int) -> None:
@@ -462,7 +477,7 @@ class PrefixIndex:
         else:
             self._store_blockwise(state, keys, hashes)
         extra_copies = state.extra_copies
-        for old_key in list(islice(blocks, max(len(blocks) - self._max_blocks, 0))):  # the least recently stored
+        for old_key in list(islice(blocks, max(len(blocks) - state.max_blocks, 0))):  # the least recently stored
             old_hash = blocks.pop(old_key)
             extra_copies.pop(old_key, None)
             self._drop_bit(self._owners, old_hash, state.bit)

@@ -195,6 +195,24 @@ def test_an_unreachable_publisher_is_reported(tmp_path, publisher, new_pump, cap
     assert "does not answer" in caplog.text
 
 
+@pytest.mark.parametrize(("capacity", "num_indexed"), [(None, 1000), (1500, 1200)])
+def test_a_replica_whose_kv_cache_is_larger_than_the_index_bound_is_indexed_whole(publisher, new_pump, capacity,
+                                                                                   num_indexed):
+    """The index's bound (1000 blocks here) rises to the size the replica reports, also when it comes back."""
+    pump = new_pump()
+    replica = pump._router.curr_replicas[A]
+    replica.routing_stats["kv_capacity_blocks"] = capacity
+    subscribe(pump)
+    publisher.publish(stored(0, 1200))
+    assert wait_until(lambda: (pump._drain(), indexed_blocks(pump))[1] == num_indexed)
+    pump._router.curr_replicas.clear()
+    subscribe(pump)  # dropped, with its index entries
+    assert indexed_blocks(pump) == 0
+    pump._router.curr_replicas[A] = replica
+    subscribe(pump)  # its replay buffer again
+    assert indexed_blocks(pump) == num_indexed
+
+
 def test_a_replica_that_stops_advertising_is_dropped(publisher, new_pump):
     pump = new_pump()
     subscribe(pump)

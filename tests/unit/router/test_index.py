@@ -155,6 +155,20 @@ def test_lru_bound_per_replica(max_blocks, events, num_indexed, num_evicted, exp
     assert index.longest_prefix(request_hashes(), 0.0) == expected_prefix
 
 
+def test_a_replica_with_a_larger_kv_cache_than_the_bound_keeps_its_oldest_blocks():
+    """The shared prefix, stored first and hit ever after, is the first block the bound would forget."""
+    index = PrefixIndex(BS, 4, MODEL)
+    index.set_replica_capacity(A, 8)
+    index.set_replica_capacity(B, 2)  # a smaller cache keeps the configured bound
+    index.apply(A, [stored(0, 8)])
+    index.apply(B, [stored(0, 6)])
+    assert index.longest_prefix(request_hashes(), 0.0) == {A: 8}
+    assert index.snapshot().num_evicted_blocks_by_replica == {A: 0, B: 2}
+    index.remove_replica(A)  # a replica that comes back reports its capacity again
+    index.apply(A, [stored(0, 8)])
+    assert index.snapshot().num_evicted_blocks_by_replica[A] == 4
+
+
 def test_a_block_the_bound_forgets_forgets_its_extra_copies_too():
     """Block 0 is stored twice, forgotten by the bound, then stored once more: one removal takes it."""
     index = PrefixIndex(BS, 3, MODEL)

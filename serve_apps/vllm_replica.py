@@ -326,6 +326,6 @@ class WarmpathLLMServer(LLMServer):
             stats["kv_cache_usage"] = usage
         return stats
 
-    async def replica_info(self) -> Dict[str, Optional[str]]:
+    async def replica_info(self) -> Dict[str, Any]:
         """Identity, event endpoints and KV cache size, for tests."""
         return dict(self._advertised)

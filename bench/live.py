@@ -151,13 +151,17 @@ def bench_kv_capacity(cfg: ClusterConfig, router_state: dict, progress: Progress
     if reported is not None:
         progress(f"bench: the replicas' KV caches hold {reported} blocks each (as their engines report)")
         return reported, "replicas"
+    if cfg.router.policy != "warmpath":
+        why = f"router.policy={cfg.router.policy}: no prefix-aware router to report it"
+    else:
+        why = f"GET /v1/router: {router_state['error']}" if router_state.get("error") else "none reported"
     estimated = kv_capacity_blocks(cfg)
     if estimated is not None:
-        progress(f"bench: the replicas reported no KV cache size (router.policy={cfg.router.policy}); {estimated} "
-                 "blocks each from the model's shape and replicas.kv_cache_space_gib")
+        progress(f"bench: no KV cache size from the replicas ({why}); {estimated} blocks each from the model's "
+                 "shape and replicas.kv_cache_space_gib")
         return estimated, "model config"
-    progress(f"bench: the replicas reported no KV cache size (router.policy={cfg.router.policy}) and none can be "
-             f"worked out for {cfg.model_source()} on {cfg.replicas.accelerator}: the infinite-cache bound alone")
+    progress(f"bench: no KV cache size from the replicas ({why}), and none can be worked out for "
+             f"{cfg.model_source()} on {cfg.replicas.accelerator}: the infinite-cache bound alone")
     return None, None
 
 

@@ -336,14 +336,21 @@ def test_without_a_reported_size_a_cpu_cluster_works_it_out_and_a_gpu_cluster_ha
     messages = []
     result = live.run_bench(ClusterConfig(), "fanout", ["pow2"], 0, 2, 1.0, messages.append)
     assert result["kv_capacity_blocks"] == 9 and result["kv_capacity_source"] == "model config"
-    assert any(m.startswith("bench: the replicas reported no KV cache size (router.policy=warmpath); 9 blocks")
-               for m in messages)
+    assert "bench: no KV cache size from the replicas (none reported); 9 blocks each from the model's shape and " \
+        "replicas.kv_cache_space_gib" in messages
     gpu = ClusterConfig.model_validate({"replicas": {"accelerator": "gpu", "num_gpus": 1}})
     result = live.run_bench(gpu, "fanout", ["pow2"], 0, 2, 1.0, messages.append)
     assert result["kv_capacity_blocks"] is None and result["kv_capacity_source"] is None
     assert result["oracle"]["pow2"]["placed_hit_rate"] is None
-    assert any(m.startswith("bench: the replicas reported no KV cache size") and
-               m.endswith("on gpu: the infinite-cache bound alone") for m in messages)
+    assert any(m.startswith("bench: no KV cache size from the replicas (none reported), and none can be worked out")
+               and m.endswith("on gpu: the infinite-cache bound alone") for m in messages)
+    no_cluster["router state after the warm-up"] = {"error": "ConnectError: refused"}
+    pow2 = ClusterConfig.model_validate({"router": {"policy": "pow2"}})
+    for cfg, why in ((pow2, "router.policy=pow2: no prefix-aware router to report it"),
+                     (ClusterConfig(), "GET /v1/router: ConnectError: refused")):
+        live.run_bench(cfg, "fanout", ["pow2"], 0, 2, 1.0, messages.append)
+        assert f"bench: no KV cache size from the replicas ({why}); 9 blocks each from the model's shape and " \
+            "replicas.kv_cache_space_gib" in messages
 
 
 GPU_CONFIG = ["--config", str(Path(__file__).parents[3] / "k8s/overlays/gpu/cluster.yaml")]  # accelerator: gpu

@@ -131,9 +131,11 @@ def oracle_section(result: Mapping) -> str:
     if not lines:
         return ""
     capacity = result.get("kv_capacity_blocks")
-    source = {"replicas": "as the engines report", "model config": "from the model's shape"}.get(
-        result.get("kv_capacity_source"), "")
-    placement = f"; placement over {capacity} KV blocks per replica{', ' + source if source else ''}" if capacity else ""
+    placement = ""
+    if capacity:
+        source = {"replicas": ", as the engines report", "model config": ", from the model's shape"}.get(
+            result.get("kv_capacity_source"), "")
+        placement = f"; placement over {capacity} KV blocks per replica{source}"
     return f"\nhit rate vs oracle bounds (same trace{placement}):\n  " + "\n  ".join(lines)
 
 

@@ -52,8 +52,9 @@ def router_status_lines(state: Mapping[str, Any]) -> list[str]:
             since = stream.get("seconds_since_last_batch")
             problem = stream_problem(stream)
             lines.append(
-                f"    {replica_id}: {blocks.get(replica_id, 0)} blocks indexed{_kv_cache_size(kv_cache.get(replica_id))}, "
-                + ("no event yet" if since is None else f"last event {since:.0f}s ago")
+                f"    {replica_id}: {blocks.get(replica_id, 0)} blocks indexed"
+                + _kv_cache_size(kv_cache.get(replica_id))
+                + (", no event yet" if since is None else f", last event {since:.0f}s ago")
                 + f", {stream.get('num_probes', 0)} probes"
                 + (f"; PROBLEM: {problem}" if problem else "")
             )

@@ -36,7 +36,8 @@ def test_lines_name_each_replica_and_flag_the_blind_one():
         "routers": [{
             "policy": "warmpath", "replicas": ["a", "b"], "subscribed_replicas": ["a", "b"],
             "index": {"num_blocks_by_replica": {"a": 900}},
-            "kv_cache": {"a": {"capacity_blocks": 2048, "usage": 0.4404}, "b": {"capacity_blocks": None, "usage": None}},
+            "kv_cache": {"a": {"capacity_blocks": 2048, "usage": 0.4404},
+                         "b": {"capacity_blocks": None, "usage": None}},
             "event_streams": {"b": {**HEALTHY, "num_stored_blocks": 0, "num_orphaned_blocks": 812,
                                     "seconds_since_last_batch": None}, "a": HEALTHY},
         }],

@@ -126,7 +126,10 @@ class PrefixAwarePolicy:
             raise ValueError(f"no load reported for candidate replicas {missing}")
         blocks = self._request_blocks(request)
         held = index.longest_prefix(blocks.hashes(), now_s)
-        prefix_blocks = {r: held[r] for r in candidate_ids if r in held}
+        # vLLM always computes the prompt's last token, so a hit reuses at most the full blocks
+        # before it (1184 of 1206 tokens at block 32); a replica holding more saves no more.
+        usable_blocks = max(request.num_tokens - 1, 0) // self._block_size_tokens
+        prefix_blocks = {r: min(held[r], usable_blocks) for r in candidate_ids if r in held} if usable_blocks else {}
         cached_tokens = {r: n * self._block_size_tokens for r, n in prefix_blocks.items()}
         session_replica = sessions.get(request.session_id) if request.session_id is not None else None
         kept, removed = apply_load_guard(
@@ -134,7 +137,7 @@ class PrefixAwarePolicy:
             cached_tokens, self._load_guard_tokens_per_excess_request, session_replica,
         )
         active = self._activity.counts_besides(request.session_id, now_s)
-        state = ScoringState(blocks.num_blocks, prefix_blocks, loads, sessions, active)
+        state = ScoringState(usable_blocks, prefix_blocks, loads, sessions, active)
         weighted = [(weight, scorer.score(request, kept, state)) for scorer, weight in self._scorers]
         totals = total_scores(kept, weighted)
         tiers = rank_tiers(totals, self._rng)
@@ -148,7 +151,7 @@ class PrefixAwarePolicy:
         decision = Decision(
             ranked_tiers=ranked,
             reason=self._reason(chosen, candidate_ids, prefix_blocks, removed, session_replica),
-            predicted_cached_tokens=self._predicted_tokens(request, ranked, prefix_blocks),
+            predicted_cached_tokens=self._predicted_tokens(ranked, prefix_blocks),
             scores=totals,
             session_id=request.session_id,
             request_blocks=blocks,
@@ -238,14 +241,11 @@ class PrefixAwarePolicy:
         return "least-loaded"
 
     def _predicted_tokens(
-        self, request: RoutingRequest, ranked: list[list[ReplicaId]], prefix_blocks: Mapping[ReplicaId, int]
+        self, ranked: list[list[ReplicaId]], prefix_blocks: Mapping[ReplicaId, int]
     ) -> dict[ReplicaId, int]:
-        # vLLM always recomputes the prompt's last token, so a full hit reuses
-        # at most the blocks before it (e.g. 1184 of 1206 tokens at block 32).
-        block_size = self._block_size_tokens
-        usable_blocks = max(request.num_tokens - 1, 0) // block_size
+        """The cached tokens vLLM will count on each candidate: its reusable leading blocks (`choose`)."""
         predicted = dict.fromkeys(chain.from_iterable(ranked), 0)
         for r, n in prefix_blocks.items():
             if r in predicted:
-                predicted[r] = min(n, usable_blocks) * block_size
+                predicted[r] = n * self._block_size_tokens
         return predicted

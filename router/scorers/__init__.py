@@ -20,15 +20,17 @@ class ScoringState:
     """What the scorers of one decision may read.
 
     Attributes:
-        num_request_blocks: full KV blocks in the request's prompt.
-        prefix_blocks: leading request blocks each replica holds (absent: 0).
+        num_reusable_blocks: the request's full KV blocks before its last token, the most a
+            cache hit can reuse (vLLM always computes the last token).
+        prefix_blocks: leading request blocks each replica holds, up to `num_reusable_blocks`
+            (absent: 0).
         loads: load of every candidate replica.
         session_replicas: session id -> replica its previous request went to.
         active_sessions: replica -> recently active sessions it holds, the request's own
             session left out (absent: 0).
     """
 
-    num_request_blocks: int
+    num_reusable_blocks: int
     prefix_blocks: Mapping[ReplicaId, int]
     loads: Mapping[ReplicaId, ReplicaLoad]
     session_replicas: Mapping[str, ReplicaId]

@@ -193,7 +193,14 @@ def test_reasons(cached_on, counts, sessions, expected_choice, expected_reason):
 
 @pytest.mark.parametrize(
     ("tokens_per_request", "session_on", "expected_reason"),
-    [(16.0, A, "prefix-hit"), (32.0, A, "load-guard"), (None, A, "load-guard"), (16.0, None, "load-guard")],
+    [
+        (16.0, A, "prefix-hit"),
+        # A holds all 32 tokens, but vLLM computes the last one: 28 saved, fewer than 30 asked for.
+        (30.0, A, "load-guard"),
+        (32.0, A, "load-guard"),
+        (None, A, "load-guard"),
+        (16.0, None, "load-guard"),
+    ],
 )
 def test_the_policy_weighs_the_sessions_history_against_the_excess_load(tokens_per_request, session_on,
                                                                         expected_reason):
@@ -234,6 +241,25 @@ def test_predicted_cached_tokens(num_tokens, cached_blocks, expected_tokens):
     tokens = (TOKENS + [7])[:num_tokens]
     decision = make_policy().choose(RoutingRequest(tokens, MODEL), IDS, loads_of(0, 0, 0, 0), index, {}, 0.0)
     assert decision.predicted_cached_tokens[A if cached_blocks else decision.replica_id] == expected_tokens
+
+
+def test_holding_the_last_block_of_a_prompt_that_fills_it_earns_nothing():
+    """vLLM computes the prompt's last token, so that block is computed again wherever it is cached."""
+    index = make_index()
+    index.apply(A, [stored_prefix(8)])  # the whole 32-token prompt
+    index.apply(B, [stored_prefix(7)])  # all but its last block: the same 28 reusable tokens
+    loads = {A: ReplicaLoad(0, kv_cache_usage=0.1), B: ReplicaLoad(0)}
+    decision = make_policy().choose(RoutingRequest(TOKENS, MODEL), [A, B], loads, index, {}, 0.0)
+    assert decision.predicted_cached_tokens == {A: 28, B: 28}
+    assert (decision.replica_id, decision.reason) == (B, "prefix-hit")  # the emptier cache, for the same hit
+
+
+def test_a_prompt_of_one_full_block_is_cold_everywhere():
+    index = make_index()
+    index.apply(A, [stored_prefix(1)])
+    decision = make_policy().choose(RoutingRequest(TOKENS[:BS], MODEL), [A, B], loads_of(1, 0), index, {}, 0.0)
+    assert (decision.replica_id, decision.reason) == (B, "cold")  # not behind A's request for nothing
+    assert decision.predicted_cached_tokens == {A: 0, B: 0}
 
 
 # -- recording ------------------------------------------------------------------

@@ -63,7 +63,9 @@ _MERIDIEM = r"(?: ?[AaPp]\.?[Mm]\.?(?![A-Za-z]))"
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (name, re.compile(pattern, flags))
     for name, pattern, flags in (
-        ("json_field", r'"([\w.$@-]{1,64})"\s*:\s*(?:"([^"\\\n]{0,200})"|(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null))', 0),
+        # An unquoted value runs on over what values are written with (`1.2.3`, `30s`, `12.5%`), not only
+        # a JSON number, so `"version": 1.2.3` is `version=1.2.3`, not `version=1.2`.
+        ("json_field", r'"([\w.$@-]{1,64})"\s*:\s*(?:"([^"\\\n]{0,200})"|(-?\d[0-9A-Za-z_.%+:/-]*(?<![.:])|true|false|null))', 0),
         ("url", r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]{0,15}://[^\s<>\"'`]+[^\s<>\"'`.,;:!?)\]}]", re.ASCII),
         ("datetime", rf"(?<![0-9])\d{{4}}-\d{{2}}-\d{{2}} \d{{1,2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?{_MERIDIEM}?(?: ?{_ZONE}(?![A-Za-z]))?", re.ASCII),
         ("time", rf"(?<![0-9:])\d{{1,2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?(?:{_MERIDIEM}(?: {_ZONE}(?![A-Za-z]))?| {_ZONE}(?![A-Za-z]))", re.ASCII),
@@ -137,22 +139,39 @@ def _fact_from_match(name: str, match: re.Match[str]) -> str:
 
 
 def _regex_facts(text: str) -> list[str]:
-    """Non-overlapping values, earliest first; at one start the longest (then earliest pattern) wins.
+    """Values, earliest first; at one start the longest (then earliest pattern) wins, and a value inside
+    the one before it is left out.
 
-    A quoted string that spans lines is not a value: the values inside it are found instead.
+    A value that starts inside the one before it but runs past its end is kept: where both are
+    stretches of the text as written they become one (`12:00 GMT` and `GMT+08:00` make
+    `12:00 GMT+08:00`), else it follows as a value of its own (`"timeout": 30 ms` gives
+    `timeout=30`, then `30 ms`). A quoted string that spans lines is not a value: the values
+    inside it are found instead.
     """
-    candidates = [(start, start - end, len(_PATTERNS), text[start:end]) for start, end in _run_values(text)]
+    # (start, -length, pattern priority, the fact, or None where it is the text's own span)
+    candidates: list[tuple[int, int, int, str | None]] = [
+        (start, start - end, len(_PATTERNS), None) for start, end in _run_values(text)
+    ]
     for priority, (name, pattern) in enumerate(_PATTERNS):
         for match in pattern.finditer(text):
             fact = _fact_from_match(name, match)
             if fact and _is_single_line(fact):
-                candidates.append((match.start(), match.start() - match.end(), priority, fact))
+                candidates.append((match.start(), match.start() - match.end(), priority,
+                                   None if fact == match.group(0) else fact))
     candidates.sort(key=lambda c: c[:3])
-    facts, taken_until = [], 0
+    facts: list[str] = []
+    taken_from = taken_until = 0
+    is_span = False
     for start, neg_len, _priority, fact in candidates:
-        if start >= taken_until:
-            facts.append(fact)
-            taken_until = start - neg_len
+        end = start - neg_len
+        if start < taken_until and end <= taken_until:
+            continue
+        if start < taken_until and is_span and fact is None:
+            facts[-1] = text[taken_from:end]
+        else:
+            facts.append(text[start:end] if fact is None else fact)
+            taken_from, is_span = start, fact is None
+        taken_until = end
     return facts
 
 
@@ -231,8 +250,14 @@ def _is_summary(message: Message) -> bool:
 
 
 def _call_label(name: str, call_id: str) -> str:
-    """`get_order#c81f2a9e`: the tool and the end of its call id, so a result pairs with its arguments."""
-    return f"{name}#{call_id[-8:]}"
+    """`get_order#c81f2a9e`: the tool and the end of its call id, so a result pairs with its arguments.
+
+    A name or id that would break the line (a model may write a tool name with a newline in it)
+    has its line separators escaped: a ledger line that split would lose its values when the
+    summary is compressed again (`_previous_ledger` keeps only `- ` lines).
+    """
+    label = f"{name}#{call_id[-8:]}"
+    return label if _is_single_line(label) else _json_string(label)[1:-1]
 
 
 def _entry(label: str, values: Sequence[str]) -> str | None:

@@ -15,8 +15,10 @@ one `SessionStore.commit_turn` call, or none:
 A step under a forced `tool_choice` (`required` or a tool name) that ends
 without a call is never a final answer: it counts as an invalid call (the step
 runs again, at most MAX_REPAIRS_PER_TURN times per turn, then the turn fails
-with `invalid_tool_call`). Steps that run out while the forced call is still
-owed fail the turn the same way: nothing is committed.
+with `invalid_tool_call`; a turn resumed after client tool results counts its
+repairs afresh, and `max_steps_per_turn` bounds all its steps together). Steps
+that run out while the forced call is still owed fail the turn the same way:
+nothing is committed.
 
 Ordering of one step: account tokens -> compress if under the threshold (only
 messages committed by earlier turns are ever compressed; the system prompt and

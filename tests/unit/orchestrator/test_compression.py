@@ -74,6 +74,11 @@ def test_extract_facts_from_text(text, expected):
         # A quoted string over two lines is no value: the values in it are.
         ('"ref ORD-5\u2028due 2026-01-02"', ["ORD-5", "2026-01-02"]),
         ("a-b-c letters only, a path / alone", []),
+        # A value that starts inside the one before it and runs on is kept: one value where both are the
+        # text as written, a value of its own after a `"key": value` pair.
+        ("at 2024-05-01 12:00 GMT+08:00 and 10:30 UTC+5", ["2024-05-01 12:00 GMT+08:00", "10:30 UTC+5"]),
+        ('config: "version": 1.2.3, "ratio": 12.5%, "timeout": 30 ms',
+         ["version=1.2.3", "ratio=12.5%", "timeout=30", "30 ms"]),
     ],
 )
 def test_extract_facts_keeps_values_whole(text, expected):
@@ -414,3 +419,31 @@ def test_retention_is_measured_against_the_dropped_messages_not_the_ledger():
     )
     _, report = apply_compression(history, incomplete, "", recount=lambda m: _account(m, 100))
     assert report.ledger_retained_fraction < 1.0
+
+
+def test_a_value_that_runs_past_the_one_before_it_is_kept_through_compression():
+    """`12:00 UTC` then `UTC+2`: the zone's offset is in the ledger, and the retention check agrees."""
+    history = []
+    for i in range(5):
+        history += [Message(role="user", content=f"q{i}"),
+                    Message(role="assistant", content=f"Pickup at 2024-05-0{i + 1} 12:00 UTC+{i + 2} at the depot. " * 3)]
+    plan = plan_compression(history, _account(history, 100), LIMITS)
+    new_history, report = apply_compression(history, plan, "", recount=lambda m: _account(m, 100))
+    assert "2024-05-01 12:00 UTC+2" in new_history[0].content and "2024-05-02 12:00 UTC+3" in new_history[0].content
+    assert report.ledger_retained_fraction == 1.0
+
+
+def test_a_tool_name_with_a_newline_keeps_its_ledger_line_whole_through_a_second_compression():
+    """A model can write such a name (the repair path stores invalid calls as written)."""
+    call = ToolCall(id="call-00000001", name="lookup\norder", arguments=json.dumps({"order_id": "ORD-31337"}))
+    history = [Message(role="user", content="q0"), Message(role="assistant", content=None, tool_calls=[call]),
+               Message(role="tool", tool_call_id=call.id, name=call.name, content="not run"),
+               Message(role="assistant", content="ok")]
+    rounds = [[Message(role="user", content=f"q{i}"), Message(role="assistant", content="fine " * 20)] for i in range(7)]
+    history += [message for pair in rounds[1:5] for message in pair]
+    recount = lambda m: _account(m, 100)  # noqa: E731
+    first, _ = apply_compression(history, plan_compression(history, recount(history), LIMITS), "", recount=recount)
+    assert 'lookup\\norder#00000001 arguments={"order_id":"ORD-31337"}' in first[0].content
+    longer = first + rounds[5] + rounds[6]
+    second, report = apply_compression(longer, plan_compression(longer, recount(longer), LIMITS), "", recount=recount)
+    assert "ORD-31337" in second[0].content and report.ledger_retained_fraction == 1.0

@@ -203,6 +203,16 @@ def test_a_compression_that_would_lose_a_value_fails_the_turn_and_commits_nothin
     assert store.commits == []
 
 
+def test_a_long_json_string_whose_values_run_into_each_other_compresses():
+    """A string over 200 characters is kept by its values; `12:00 GMT` and `GMT+03:00` overlap, and the
+    retention check, which reads the string's own runs, must find both in the ledger (it failed every turn)."""
+    note = lambda i: json.dumps({"note": _prose(i) + f" Pickup at 2024-05-01 12:00 GMT+0{i}:00."})  # noqa: E731
+    events, store = _turn_after(_stored_rounds(note))
+    (compression,) = [e for e in events if e.kind == "compression"]
+    assert compression.report.ledger_retained_fraction == 1.0
+    assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
+
+
 @pytest.mark.parametrize("output_reserve_tokens, is_capped_by_quarter", [(64, False), (1024, True)])
 def test_the_summary_gets_at_most_a_quarter_of_the_tokens_it_replaces(
     monkeypatch, output_reserve_tokens, is_capped_by_quarter

@@ -54,6 +54,7 @@ from serve_apps.orchestrator.prompt import (
     effective_window_tokens,
     prefix_overflow,
     prefix_token_ids,
+    session_window_tokens,
     smallest_prompt_tokens,
     token_ids_fingerprint,
 )
@@ -369,7 +370,7 @@ class Orchestrator:
         messages, tools = build_chat_request(
             SessionState(request.system_prompt, request.tools, snapshot.messages), control_tokens_of(self._tokenizer)
         )
-        window = effective_window_tokens(request.limits, self._max_model_len_tokens)
+        window = session_window_tokens(request.limits, self._max_model_len_tokens)
         account = count_tokens(
             self._tokenizer, messages, tools, context_window_tokens=window,
             output_reserve_tokens=request.limits.output_reserve_tokens, memo=count_memo(session_id),
@@ -557,6 +558,12 @@ class Orchestrator:
                         yield _error(409 if not pending else 400, problem, "tool_results_mismatch")
                         return
                     steps_taken = _steps_taken(await self._store.step_stats(session_id))
+                try:
+                    effective_window_tokens(record.request.limits, self._max_model_len_tokens)
+                except ValueError as err:
+                    yield _error(400, f"{err}: the model serves {self._max_model_len_tokens} tokens now, fewer than "
+                                 "when this session was created; create a new session", "context_overflow")
+                    return
                 runner = TurnRunner(
                     record, snapshot.messages, snapshot.length, self._store, self._model, self._tokenizer,
                     self._max_model_len_tokens, idempotency_key=idempotency_key, tool_network=self._tool_network,

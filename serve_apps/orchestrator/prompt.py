@@ -277,11 +277,20 @@ def _neutralized(message: WireMessage, control_tokens: ControlTokens) -> WireMes
     return out
 
 
-def effective_window_tokens(limits: SessionLimits, model_max_len_tokens: int) -> int:
+def session_window_tokens(limits: SessionLimits, model_max_len_tokens: int) -> int:
     """The window a session may fill: its budget, capped by the model's context length."""
-    window = model_max_len_tokens
     if limits.context_budget_tokens is not None:
-        window = min(window, limits.context_budget_tokens)
+        return min(model_max_len_tokens, limits.context_budget_tokens)
+    return model_max_len_tokens
+
+
+def effective_window_tokens(limits: SessionLimits, model_max_len_tokens: int) -> int:
+    """`session_window_tokens`, refused (ValueError) where the output reserve leaves no room in it.
+
+    A session's limits are checked against the model when it is created; a model
+    redeployed with a shorter context can make an older session's limits fail this.
+    """
+    window = session_window_tokens(limits, model_max_len_tokens)
     if limits.output_reserve_tokens >= window:
         raise ValueError(f"output_reserve_tokens={limits.output_reserve_tokens} leaves no room in a {window}-token window")
     return window

@@ -200,3 +200,16 @@ def test_a_client_result_over_the_limit_is_truncated_and_reported():
     assert result["content"] == "y" * 256 + "…[truncated 39744 bytes]"
     assert orchestrator._model.calls[-1]["messages"][-1]["content"] == result["content"]
     assert resumed[-1]["kind"] == "final"
+
+
+def test_a_session_whose_limits_no_longer_fit_a_redeployed_model_is_refused_with_a_message():
+    """Created against an 8192-token model; the model now serves 1024, under the session's output reserve."""
+    orchestrator = _orchestrator([ModelReply(content="never")])
+    session_id = _session(orchestrator, output_reserve_tokens=2048)
+    orchestrator._max_model_len_tokens = 1024
+    (refused,) = _collect(orchestrator.send_message(session_id, {"content": "hi"}, CALLER, None, None))
+    assert refused["status"] == 400 and refused["body"]["error"]["code"] == "context_overflow"
+    assert "the model serves 1024 tokens now" in refused["body"]["error"]["message"]
+    shown = asyncio.run(orchestrator.get_session(session_id, CALLER))  # still readable, its transcript whole
+    assert shown["status"] == 200 and shown["body"]["tokens"]["context_window_tokens"] == 1024
+    assert shown["body"]["tokens"]["remaining_tokens"] < 0

@@ -29,6 +29,7 @@ tools (timeouts and size limits; failures become results the model sees).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
@@ -37,9 +38,15 @@ from opentelemetry import trace
 
 from cluster import telemetry
 from serve_apps.metrics import WarmpathMetrics
-from serve_apps.orchestrator.compression import apply_compression, plan_compression, summarization_input
+from serve_apps.orchestrator.compression import (
+    CompressionPlan,
+    apply_compression,
+    plan_compression,
+    summarization_input,
+)
 from serve_apps.orchestrator.models import (
     CompressionEvent,
+    CompressionReport,
     ErrorEvent,
     FinalEvent,
     ModelRetryEvent,
@@ -72,6 +79,8 @@ from serve_apps.orchestrator.tools import (
     truncate_text,
     validate_tool_call,
 )
+
+logger = logging.getLogger("ray.serve")
 
 MAX_REPAIRS_PER_TURN = 2
 MIN_SUMMARY_TOKENS = 8
@@ -234,6 +243,8 @@ class TurnRunner:
         self._new: list[Message] = []
         self._stats: list[StepStats] = []
         self._compaction: Compaction | None = None
+        # A compression this turn made and did not keep (its cut, its report): not summarised again.
+        self._declined: tuple[int, CompressionReport] | None = None
         self._tools_by_name = {t.name: t for t in self._request.tools}
 
     @property
@@ -414,10 +425,29 @@ class TurnRunner:
         yield exhausted
 
     async def _maybe_compress(self) -> AsyncIterator[CompressionEvent]:
+        """Compresses the stored history when the plan says so and the result keeps every value and is shorter.
+
+        A compression not kept is not tried again in this turn (its cut stays the same while the
+        turn runs): the messages stay as they are, and the turn fails only if they do not fit,
+        with `compression_lost_values` where the compression would have dropped a value.
+        """
         history = self.history
-        plan = plan_compression(history, self._account(history), self._limits)
+        account = self._account(history)
+        plan = plan_compression(history, account, self._limits)
         if plan is None or plan.num_messages_compressed > len(self._stored) or self._compaction is not None:
             return
+        if self._declined is None or self._declined[0] != plan.num_messages_compressed:
+            report = await self._compress(history, plan)
+            if report is not None:
+                yield CompressionEvent(report=report)
+                return
+        _cut, report = self._declined
+        if report.ledger_retained_fraction < 1.0 and account.remaining_tokens < 0:
+            raise TurnFailed("compression_lost_values",
+                             f"the prompt does not fit, and compression would drop exact values: {report}")
+
+    async def _compress(self, history: list[Message], plan: CompressionPlan) -> CompressionReport | None:
+        """Summarises and applies `plan`; the report if the result was kept, else None (`_declined` says why)."""
         summary = ModelReply()
         prompt = [
             {"role": "system", "content": "Summarise the conversation below in a few sentences."},
@@ -430,16 +460,18 @@ class TurnRunner:
             if isinstance(item, ModelReply):
                 summary = item
         compressed, report = apply_compression(history, plan, summary.content, recount=self._account)
-        if report.ledger_retained_fraction < 1.0:
-            raise TurnFailed("compression_lost_values", f"compression would drop exact values: {report}")
-        if report.tokens_after >= report.tokens_before:
-            # Values dense enough that their ledger is no shorter than the messages: keep the messages.
-            # The prompt is then refused only if it does not fit uncompressed either.
-            return
+        if report.ledger_retained_fraction < 1.0 or report.tokens_after >= report.tokens_before:
+            # Values dense enough that their ledger is no shorter than the messages, or a value the
+            # ledger would miss: keep the messages.
+            if report.ledger_retained_fraction < 1.0:
+                logger.warning("session %s: compression would drop exact values; its messages are kept: %s",
+                               self._record.session_id, report)
+            self._declined = (plan.num_messages_compressed, report)
+            return None
         self._compaction = Compaction(num_messages_replaced=plan.num_messages_compressed, summary=compressed[0])
         self._stored = compressed[: len(compressed) - len(self._new)]
         WarmpathMetrics.get().compressions.inc()
-        yield CompressionEvent(report=report)
+        return report
 
     async def _commit(self, outcome: SessionEvent) -> None:
         """Commits the turn; under an idempotency key, with the events a replay shows, in the same write."""

@@ -157,10 +157,12 @@ def _stored_rounds(result_content) -> list[Message]:
     return history
 
 
-def _turn_after(history: list[Message], output_reserve_tokens: int = 64, model: ScriptedModel | None = None):
+def _turn_after(history: list[Message], output_reserve_tokens: int = 64, model: ScriptedModel | None = None,
+                **limits):
     store = MemoryStore()
     model = model or ScriptedModel([([], ModelReply(content="a summary")), (["Hi"], ModelReply(content="Hi"))])
-    runner = TurnRunner(_record(output_reserve_tokens), history, len(history), store, model, CharTokenizer(), 8192)
+    runner = TurnRunner(_record(output_reserve_tokens, **limits), history, len(history), store, model, CharTokenizer(),
+                        8192)
 
     async def main():
         return [e async for e in runner.run([Message(role="user", content="next")], "auto")]
@@ -187,8 +189,7 @@ def test_a_compression_that_shortens_the_prompt_is_kept():
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
 
 
-def test_a_compression_that_would_lose_a_value_fails_the_turn_and_commits_nothing(monkeypatch):
-    """Even one value short of all of them (a shorter prompt otherwise) is refused."""
+def _losing_one_value(monkeypatch) -> None:
     real = turns.apply_compression
 
     def losing_one_value(*args, **kwargs):
@@ -197,10 +198,33 @@ def test_a_compression_that_would_lose_a_value_fails_the_turn_and_commits_nothin
         return messages, report.model_copy(update={"ledger_retained_fraction": 0.999})
 
     monkeypatch.setattr(turns, "apply_compression", losing_one_value)
-    events, store = _turn_after(_stored_rounds(_prose))
+
+
+def test_a_compression_that_would_lose_a_value_fails_a_turn_that_does_not_fit_and_commits_nothing(monkeypatch):
+    """Even one value short of all of them (a shorter prompt otherwise) is refused."""
+    _losing_one_value(monkeypatch)
+    events, store = _turn_after(_stored_rounds(_prose))  # about 4,400 tokens in a 4,096-token budget
     assert [e.kind for e in events] == ["error"]
     assert events[0].code == "compression_lost_values"
     assert store.commits == []
+
+
+def test_a_compression_that_would_lose_a_value_keeps_the_messages_of_a_turn_that_fits(monkeypatch):
+    _losing_one_value(monkeypatch)
+    events, store = _turn_after(_stored_rounds(_prose), context_budget_tokens=5500)  # compresses, but fits without
+    assert not any(e.kind == "compression" for e in events)
+    assert events[-1].kind == "final" and store.commits[0]["compaction"] is None
+
+
+def test_a_compression_not_kept_is_not_summarised_again_at_the_turns_next_step():
+    """An invalid call makes the turn take a second step; the same cut would be summarised to no avail."""
+    dense = lambda i: json.dumps([{"sku": f"A-{i}-{j}", "qty": j} for j in range(24)], separators=(",", ":"))  # noqa: E731
+    bad_call = ToolCall(id="call-x", name="lookup_order", arguments=json.dumps({"order_id": 5}))
+    model = ScriptedModel([([], ModelReply(content="a summary")), ([], ModelReply(tool_calls=[bad_call])),
+                           (["Hi"], ModelReply(content="Hi"))])
+    events, store = _turn_after(_stored_rounds(dense), model=model, context_budget_tokens=4300)
+    assert events[-1].kind == "final" and store.commits[0]["compaction"] is None
+    assert [p[0]["content"] for p in model.prompts].count("Summarise the conversation below in a few sentences.") == 1
 
 
 def test_a_long_json_string_whose_values_run_into_each_other_compresses():

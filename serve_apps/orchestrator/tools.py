@@ -95,6 +95,21 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _unique_members(pairs: list[tuple[str, JsonValue]]) -> dict[str, JsonValue]:
+    """An object whose keys are each written once.
+
+    Why refuse a repeated key: the arguments reach a tool as the model wrote them, and
+    which of two values a parser keeps is up to the parser (Python's keeps the last, many
+    keep the first), so the value the schema checked might not be the one the tool reads.
+    """
+    members: dict[str, JsonValue] = {}
+    for key, value in pairs:
+        if key in members:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        members[key] = value
+    return members
+
+
 def _check_depth(value: JsonValue) -> None:
     stack = [(value, 1)]
     while stack:
@@ -106,13 +121,16 @@ def _check_depth(value: JsonValue) -> None:
 
 
 def parse_arguments(arguments: str) -> JsonValue:
-    """Strict JSON parse: NaN, Infinity, out-of-range numbers and lone surrogates are refused like any other non-JSON text.
+    """Strict JSON parse: NaN, Infinity, out-of-range numbers, lone surrogates and a key written twice in one
+    object (`_unique_members`) are refused like any other non-JSON text.
 
     Nesting is bounded (MAX_ARGUMENT_DEPTH), so neither the parser nor schema
     validation after it can run out of stack on hostile input.
     """
     try:
-        value = json.loads(arguments, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(
+            arguments, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_members
+        )
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels") from None
     _check_depth(value)

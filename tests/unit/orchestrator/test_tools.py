@@ -103,6 +103,9 @@ def test_valid_call_is_returned_unchanged(name, arguments):
         ("create_order", "not json", "invalid_json", []),
         ("create_order", '{"order_id": "ORD-\\ud800"}', "invalid_json", []),
         ("create_order", '{"\\udfff": 1}', "invalid_json", []),
+        # The schema would check the last value; a tool whose parser keeps the first would read "../x".
+        ("create_order", '{"order_id": "../x", "order_id": "ORD-1"}', "invalid_json", []),
+        ("plot", '{"at": {"x": 1, "x": 2}}', "invalid_json", []),
         ("create_order", "[]", "schema_violation", ["$"]),
         ("create_order", "{}", "schema_violation", ["$"]),
         ("create_order", '{"order_id": "X-1"}', "schema_violation", ["$.order_id"]),

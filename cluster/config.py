@@ -132,6 +132,8 @@ MAX_SCORER_WEIGHT = 1000.0
 MAX_LOAD_GUARD_FACTOR = 1000.0
 MAX_TOKENS_PER_EXCESS_REQUEST = 10_000_000.0
 MAX_ROUTER_SECONDS = 86_400.0
+# The longest session TTL Redis is given (in milliseconds, an integer: `inf` has none).
+MAX_SESSION_TTL_S = 10 * 365 * 86_400
 
 
 class RouterConfig(_Strict):
@@ -297,7 +299,9 @@ class ClusterConfig(_Strict):
         None, description="Session store. Unset: `warmpath up` starts a local redis-server with persistence."
     )
     session_ttl_s: float = Field(
-        86_400.0, description="Sessions expire this long after their creation or last committed turn.", gt=0
+        86_400.0,
+        description="Sessions expire this long after their creation or last committed turn (1 s to 10 years).",
+        ge=1, le=MAX_SESSION_TTL_S, allow_inf_nan=False,
     )
     state_dir: str = Field(".warmpath", description="Local state: model, Redis data, logs, pid files.")
     app_name: str = Field("warmpath", description="Ray Serve application name.")

@@ -78,6 +78,10 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"router": {"pending_ttl_s": float("inf")}}, "router.pending_ttl_s"),
         ({"router": {"pending_ttl_s": 1e12}}, "router.pending_ttl_s"),
         ({"router": {"session_idle_s": float("nan")}}, "router.session_idle_s"),
+        # Redis keeps the TTL in whole milliseconds: `inf` crashed the orchestrator, 0.1 ms expired sessions at once.
+        ({"session_ttl_s": float("inf")}, "session_ttl_s"),
+        ({"session_ttl_s": 0.0001}, "session_ttl_s"),
+        ({"session_ttl_s": 1e12}, "session_ttl_s"),
         ({"ports": {"http_port": 9000}}, "both 9000"),
         ({"replicas": {"num_replica": 2}}, "replicas.num_replica"),
     ],

@@ -27,14 +27,18 @@ ERROR_TYPES = {
     503: "ServiceUnavailableError", 504: "GatewayTimeoutError",
 }
 
+# Messages echo what clients sent (a model name, a role, a value), so they are taken apart with
+# `str.find` and anchored matches only: a regex that backtracks over the rest of the text at every
+# occurrence of its first literal is quadratic in a body of megabytes, on the ingress's event loop.
 _PREFIX = "Message: "
-_RAY_WRAPPED = re.compile(r"^Message: (?P<text>.*?)(?: \(Request ID: [^)]*\))?, Internal exception: ", re.DOTALL)
-_REQUEST_ID_SUFFIX = re.compile(r" \(Request ID: [^)]*\)$")
+_WRAPPER_END = ", Internal exception: "
+_REQUEST_ID = " (Request ID: "
 # Ray names a non-HTTP exception in its message: "vllm.exceptions.VLLMValidationError: <text>".
 _EXCEPTION_NAME = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 # The grammar compiler's log prefix inside vLLM's message: "[10:37:09] /path/json_schema_converter.cc:4950: ".
 _NATIVE_LOG_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] [^\s:]+:\d+: ")
-_VLLM_PARAMETER = re.compile(r"\(parameter=(?P<param>[A-Za-z_][\w.\[\]]*)(?:, value=.*)?\)$", re.DOTALL)
+_PARAMETER = "(parameter="
+_PARAMETER_NAME = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 
 def error_type(status: int) -> str:
@@ -42,23 +46,52 @@ def error_type(status: int) -> str:
     return ERROR_TYPES.get(status) or ("InternalServerError" if status >= 500 else "BadRequestError")
 
 
+def _without_request_id(text: str) -> str:
+    """`text` without a trailing ` (Request ID: ...)` (an id holds no `)`)."""
+    if text.endswith(")"):
+        start = text.rfind(_REQUEST_ID)
+        if start != -1 and text.find(")", start + len(_REQUEST_ID)) == len(text) - 1:
+            return text[:start]
+    return text
+
+
+def _unwrapped(text: str) -> str | None:
+    """The text inside one `Message: <text> (Request ID: ...), Internal exception: ...` wrapping, or None."""
+    if not text.startswith(_PREFIX):
+        return None
+    end = text.find(_WRAPPER_END)  # wrapped twice, the first one ends the inner wrapping's text
+    return None if end == -1 else _without_request_id(text[len(_PREFIX):end])
+
+
 def readable_message(raw: str) -> str:
     """The text of a failure without Ray Serve LLM's wrapping (applied as often as it was wrapped)."""
     text = raw.strip()
-    while (match := _RAY_WRAPPED.match(text)) is not None:
-        # Wrapped twice, the first ", Internal exception: " ends the inner wrapping's text.
-        text = _REQUEST_ID_SUFFIX.sub("", match.group("text").strip())
-        if text.startswith(_PREFIX) and _RAY_WRAPPED.match(text) is None:
+    while (inner := _unwrapped(text)) is not None:
+        text = _without_request_id(inner.strip())
+        if text.startswith(_PREFIX) and _unwrapped(text) is None:
             text = text[len(_PREFIX):]
-    text = _NATIVE_LOG_PREFIX.sub("", _REQUEST_ID_SUFFIX.sub("", text))
+    text = _NATIVE_LOG_PREFIX.sub("", _without_request_id(text))
     return _EXCEPTION_NAME.sub("", text) or "the request failed"
+
+
+def vllm_parameter(text: str) -> str | None:
+    """The parameter a message ending in vLLM's `(parameter=<name>)` or `(parameter=<name>, value=...)` names."""
+    if not text.endswith(")"):
+        return None
+    start = text.find(_PARAMETER)
+    while start != -1:
+        name = _PARAMETER_NAME.match(text, start + len(_PARAMETER))
+        if name is not None and (name.end() == len(text) - 1 or text.startswith(", value=", name.end())):
+            return name.group(0)
+        start = text.find(_PARAMETER, start + 1)
+    return None
 
 
 def error_body(status: int, message: str, code: Optional[str] = None, param: Optional[str] = None) -> dict[str, Any]:
     """The JSON body of a refusal with this status; `param` defaults to the parameter vLLM's message names."""
     text = readable_message(message)
-    if param is None and (match := _VLLM_PARAMETER.search(text)) is not None:
-        param = match.group("param")
+    if param is None:
+        param = vllm_parameter(text)
     return {"error": {"message": text, "type": error_type(status), "param": param, "code": code}}
 
 

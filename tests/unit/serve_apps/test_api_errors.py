@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -249,3 +250,24 @@ def test_the_grammar_compilers_log_prefix_is_not_part_of_the_message():
     raw = ("Failed to transform json schema into a grammar: [10:37:09] /project/cpp/json_schema_converter.cc:4950: "
            "Cannot find field nope")
     assert readable_message(raw) == "Failed to transform json schema into a grammar: Cannot find field nope"
+
+
+@pytest.mark.parametrize("unit", [" (Request ID: ", "(parameter=a, value=", "Message: ", ", Internal exception: "])
+def test_a_message_echoing_a_megabyte_of_client_text_is_taken_apart_in_linear_time(unit):
+    """A model name or role is echoed in the error (`Got request for model "..."`); repeated, these pieces
+    made the unwrapping regexes backtrack over the rest of the text at each one: quadratic, on the event loop."""
+    echoed = unit * (1_048_576 // len(unit))
+    started = time.perf_counter()
+    body = error_body(404, f'Got request for model "{echoed}". Could not find base model with ID "{echoed}".')
+    assert time.perf_counter() - started < 5  # about 0.01 s here; quadratic took minutes
+    assert body["error"]["message"].startswith("Got request for model") and body["error"]["param"] is None
+
+
+@pytest.mark.parametrize("text, param", [
+    ("bad value (parameter=tool_choice)", "tool_choice"),
+    ("bad value (parameter=messages[0].content, value=x (parameter=y))", "messages[0].content"),
+    ("bad value (parameter=tool_choice) and more", None),
+    ("(parameter=, value=1)", None),
+])
+def test_the_parameter_is_the_first_that_runs_to_the_messages_end(text, param):
+    assert error_body(400, text)["error"]["param"] == param

@@ -57,7 +57,7 @@ from serve_apps.request_checks import (
     tokenize_request_problem,
 )
 from serve_apps.orchestrator.models import TURN_ERROR_STATUS, TURN_INTERRUPTED, CreateSessionRequest, ToolResultsSubmission, TurnRequest
-from serve_apps.sse_frames import data_objects
+from serve_apps.sse_frames import data_objects, sse_lines
 from serve_apps.vllm_replica import ServedBy
 
 logger = logging.getLogger("ray.serve")
@@ -149,7 +149,7 @@ async def _recording_usage(
 
 def _frame_usage(frame: str) -> Optional[dict]:
     """The `usage` of the last `data:` chunk in `frame` that has one."""
-    usages = [chunk["usage"] for _, chunk in data_objects(frame.splitlines()) if isinstance(chunk.get("usage"), dict)]
+    usages = [chunk["usage"] for _, chunk in data_objects(sse_lines(frame)) if isinstance(chunk.get("usage"), dict)]
     return usages[-1] if usages else None
 
 

@@ -8,10 +8,12 @@ replica may batch several chunks into one frame, `data: [DONE]` included.
 from __future__ import annotations
 
 import json
+import re
 from typing import Iterator, Sequence
 
 DATA_PREFIX = "data: "
 DONE_LINE = "data: [DONE]"
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 def data_objects(lines: Sequence[str], *, is_strict: bool = False) -> Iterator[tuple[int, dict]]:
@@ -34,6 +36,16 @@ def data_objects(lines: Sequence[str], *, is_strict: bool = False) -> Iterator[t
             raise ValueError(f"a streamed output line is not a JSON object: {line[:200]!r}")
 
 
+def sse_lines(frame: str) -> list[str]:
+    """The lines of event-stream text, split where the stream ends its lines: CR LF, LF or CR.
+
+    Not `str.splitlines`, which also splits at U+2028, U+2029, U+0085 and the like: JSON
+    strings may hold those raw (vLLM writes generated text as it is), and a chunk cut there
+    is no JSON.
+    """
+    return _LINE_END.split(frame)
+
+
 def sse_payloads(frame: str) -> list[dict]:
     """The JSON objects of one streamed engine output, in order; raises ValueError on a malformed data line."""
-    return [payload for _, payload in data_objects(str(frame).splitlines(), is_strict=True)]
+    return [payload for _, payload in data_objects(sse_lines(str(frame)), is_strict=True)]

@@ -30,3 +30,19 @@ def test_an_engine_output_object_is_read_as_its_text():
 def test_a_reader_that_rebuilds_the_reply_is_told_of_a_malformed_line(line):
     with pytest.raises(ValueError, match="not a JSON object"):
         sse_payloads(f'data: {{"id": 1}}\n\n{line}\n\n')
+
+
+@pytest.mark.parametrize("char", ["\u2028", "\u2029", "\x85", "\x0b", "\x1c"])
+def test_generated_text_holding_a_line_separator_other_than_the_streams_is_read_back_whole(char):
+    """vLLM writes each chunk with pydantic's `model_dump_json`, which leaves these raw inside strings."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
+        DeltaMessage,
+    )
+
+    chunk = ChatCompletionStreamResponse(id="chatcmpl-1", model="m", created=0, choices=[
+        ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content=f"a{char}b"))])
+    frame = f"data: {chunk.model_dump_json(exclude_unset=True)}\n\ndata: [DONE]\r\n\r\n"
+    (payload,) = sse_payloads(frame)
+    assert payload["choices"][0]["delta"]["content"] == f"a{char}b"

@@ -166,21 +166,51 @@ def _arguments_object(arguments: Any) -> dict:
     return arguments if isinstance(arguments, dict) else {}
 
 
+# vLLM drops this first line of system text (Claude Code's attribution; its value changes every request).
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
 def template_messages(messages: list) -> list[dict]:
-    """Messages as vLLM hands them to the chat template (copies; the request is untouched)."""
+    """Plain-text messages (`is_forwardable`) as vLLM's chat parsing hands them to the template.
+
+    vLLM builds each message anew (`parse_chat_messages`, content format
+    "string") with only: the role; the content (None as ""; a system text's
+    billing-header line dropped); an assistant's tool calls (arguments as
+    objects, an empty list as none) and its reasoning, also as
+    `reasoning_content`; a tool message's call id; a string `name` and `task`.
+    Any other key a client sent never reaches the template. Copies; the request
+    is untouched.
+    """
     out = []
     for message in messages:
-        message = copy.deepcopy(message if isinstance(message, dict) else message.model_dump())
-        calls = message.get("tool_calls")
-        if message.get("role") == "assistant" and isinstance(calls, list):
-            if not calls:
-                message.pop("tool_calls")
-            for call in calls:
-                function = call.get("function") if isinstance(call, dict) else None
-                if isinstance(function, dict):
-                    function["arguments"] = _arguments_object(function.get("arguments"))
-        out.append(message)
+        message = message if isinstance(message, dict) else message.model_dump()
+        role, content = message.get("role"), message.get("content")
+        content = "" if content is None else content
+        if role == "system" and content.startswith(_BILLING_HEADER):
+            content = content.partition("\n")[2]
+        item: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            calls = message.get("tool_calls")
+            if isinstance(calls, list) and calls:
+                item["tool_calls"] = [_template_call(call) for call in calls]
+            if message.get("reasoning") is not None:
+                item["reasoning"] = item["reasoning_content"] = message["reasoning"]
+        elif role == "tool" and "tool_call_id" in message:
+            item["tool_call_id"] = message["tool_call_id"]
+        for key in ("name", "task"):
+            if isinstance(message.get(key), str):
+                item[key] = message[key]
+        out.append(item)
     return out
+
+
+def _template_call(call: Any) -> Any:
+    """A tool call with its arguments as an object, as vLLM hands it to the template (a copy)."""
+    call = copy.deepcopy(call)
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict):
+        function["arguments"] = _arguments_object(function.get("arguments"))
+    return call
 
 
 def load_retry_wait_s(num_failures: int) -> float:

@@ -147,7 +147,10 @@ def test_reasoning_effort_and_server_defaults_reach_the_template():
 # Renders what vLLM hands a template: thinking switch, effort, tools, and a variable of the request's own.
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\ntools {{ tools | length }}<|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.reasoning_content is defined and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{%- endif %}"
+    "{{ m.content }}{%- if m.tool_calls is defined %}{{ m.tool_calls | tojson }}{%- endif %}"
+    "{%- if m.flavour is defined %} flavour {{ m.flavour }}{%- endif %}<|im_end|>\n{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if reasoning_effort is defined and reasoning_effort %}effort {{ reasoning_effort }}\n{%- endif %}"
     "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
@@ -176,7 +179,9 @@ def template_tokenizer_dir(tmp_path_factory):
 
 def _vllm_ids(tokenizer, request, rendering: EngineRendering) -> list[int]:
     """The ids vLLM's renderer makes of `request`: its own merge of template arguments
-    (`OnlineRenderer.preprocess_chat`) and its own `safe_apply_chat_template`."""
+    (`OnlineRenderer.preprocess_chat`), its own parsing of the messages (content format "string",
+    which replicas that render like the router use) and its own `safe_apply_chat_template`."""
+    from vllm.renderers.chat_utils import parse_chat_messages
     from vllm.renderers.hf import safe_apply_chat_template
     from vllm.renderers.params import merge_kwargs
 
@@ -187,8 +192,9 @@ def _vllm_ids(tokenizer, request, rendering: EngineRendering) -> list[int]:
     model_config = SimpleNamespace(revision=None, code_revision=None, trust_remote_code=False, tokenizer_revision=None,
                                    tokenizer=tokenizer.name_or_path, model=tokenizer.name_or_path,
                                    hf_config=SimpleNamespace(model_type="llama"))
-    text = safe_apply_chat_template(model_config, tokenizer, [dict(m) for m in request.messages],
-                                    **params.get_apply_chat_template_kwargs())
+    model_config.multimodal_config, model_config.enable_prompt_embeds, model_config.is_multimodal_model = None, False, False
+    conversation, _, _ = parse_chat_messages(list(request.messages), model_config, content_format="string")
+    text = safe_apply_chat_template(model_config, tokenizer, conversation, **params.get_apply_chat_template_kwargs())
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -217,6 +223,45 @@ def test_forwarded_ids_are_the_ids_vllm_renders(template_tokenizer_dir, fields, 
     assert is_forwardable(request, rendering)
     expected = _vllm_ids(AutoTokenizer.from_pretrained(template_tokenizer_dir), request, rendering)
     assert prompt_tokenizer.chat_token_ids(request, rendering) == expected
+
+
+CALL = {"role": "assistant", "content": None,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "lookup", "arguments": '{"q": 1}'}}]}
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        # What OpenAI clients send after a tool call: no content beside the call (vLLM renders "").
+        [{"role": "user", "content": "hello"}, CALL, {"role": "tool", "tool_call_id": "c", "content": "world"}],
+        # Interleaved thinking sent back: vLLM hands the template `reasoning` and `reasoning_content`.
+        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world", "reasoning": "think"},
+         {"role": "user", "content": "hello"}],
+        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world", "reasoning_content": "think"},
+         {"role": "user", "content": "hello"}],
+        # vLLM drops Claude Code's attribution line of system text.
+        [{"role": "system", "content": "x-anthropic-billing-header: cch=123\nsystem hello"},
+         {"role": "user", "content": "hello"}],
+        [{"role": "system", "content": "x-anthropic-billing-header: cch=123"}, {"role": "user", "content": "hello"}],
+        # A key vLLM does not keep never reaches the template; an empty call list is no calls.
+        [{"role": "user", "content": "hello", "flavour": "x"}, {"role": "assistant", "content": "a", "tool_calls": []},
+         {"role": "user", "content": "hello", "name": "bob"}],
+        # Arguments that are not a JSON object are rendered as an empty object.
+        [{"role": "user", "content": "hello"},
+         {**CALL, "tool_calls": [{**CALL["tool_calls"][0], "function": {"name": "lookup", "arguments": "{oops"}}]},
+         {"role": "tool", "tool_call_id": "c", "content": "world"}],
+    ],
+    ids=["content-none", "reasoning", "reasoning-content", "billing-header", "billing-header-alone", "other-keys",
+         "bad-arguments"],
+)
+def test_forwarded_ids_of_each_kind_of_message_are_the_ids_vllm_renders(template_tokenizer_dir, messages):
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(model="m", messages=messages)
+    assert is_forwardable(request, ALIKE)
+    expected = _vllm_ids(AutoTokenizer.from_pretrained(template_tokenizer_dir), request, ALIKE)
+    assert PromptTokenizer(template_tokenizer_dir).chat_token_ids(request, ALIKE) == expected
 
 
 class _Loads:

@@ -97,9 +97,14 @@ def unencodable_text_problem(value: Any, path: str) -> Optional[Problem]:
     if found is None:
         return None
     keys, position = found
-    where = path + "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in reversed(keys))
-    return (f"{where}: the text is not valid Unicode (a lone surrogate at character {position}); "
+    is_key = bool(keys) and keys[0] is _A_KEY
+    where = path + "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in reversed(keys[is_key:]))
+    text = "a key" if is_key else "the text"
+    return (f"{where}: {text} is not valid Unicode (a lone surrogate at character {position}); "
             "send UTF-8 text, with surrogate pairs only in pairs", where)
+
+
+_A_KEY = object()  # `_first_unencodable`'s mark for a key that UTF-8 cannot encode
 
 
 def _first_unencodable(value: Any) -> Optional[tuple[list, int]]:
@@ -120,6 +125,10 @@ def _first_unencodable(value: Any) -> Optional[tuple[list, int]]:
     else:
         return None
     for key, item in items:
+        # A key is text the template renders too (a tool schema's property names, through `tojson`);
+        # it is named by where it is, never echoed (the answer could not be encoded either).
+        if isinstance(key, str) and (position := lone_surrogate_at(key)) is not None:
+            return [_A_KEY], position
         found = _first_unencodable(item)
         if found is not None:
             found[0].append(key)

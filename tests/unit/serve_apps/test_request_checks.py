@@ -51,6 +51,16 @@ def test_text_utf8_cannot_encode_is_refused_where_it_is(raw, param, position):
     assert message.startswith(f"{param}: the text is not valid Unicode") and f"character {position}" in message
 
 
+def test_a_key_utf8_cannot_encode_is_refused_without_being_echoed():
+    """A tool schema's property names reach the template (`tojson`) like its values."""
+    raw = ('{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":'
+           '{"name":"f","parameters":{"type":"object","properties":{"ok\\ud800":{"type":"string"}}}}}]}')
+    message, where = chat_request_problem(_chat(raw))
+    assert where == "tools[0].function.parameters.properties"
+    assert message.startswith(f"{where}: a key is not valid Unicode (a lone surrogate at character 2)")
+    message.encode("utf-8")  # the answer itself can be sent
+
+
 def test_a_surrogate_pair_is_text_like_any_other():
     assert chat_request_problem(_chat('{"model":"m","messages":[{"role":"user","content":"\\ud83d\\ude00"}]}')) is None
 

@@ -75,17 +75,20 @@ MAX_REFILL_S = 1e12
 # The bucket's expiry and a refusal's retry delay are capped here, in whole milliseconds.
 MAX_BUCKET_TTL_MS = int(MAX_REFILL_S * 1000)
 _NS = "warmpath:"
+MAX_KEY_LIFETIME_DAYS = 36_500  # 100 years; Redis expiry instants must fit in 64-bit milliseconds
 logger = logging.getLogger(__name__)
 
 # KEYS[1] = apikey:<hash>; ARGV[1] = key id prefix for the bucket key; ARGV[2] = MAX_BUCKET_TTL_MS
-# Returns {0} for an unknown key, {2, record_json} for a record whose rate or burst is
-# unusable (the bucket arithmetic would fail or never refuse), else
+# Returns {0} for an unknown key, {2, record_json} for a record that is no JSON object with a
+# string key_id, or whose rate or burst is unusable (the bucket arithmetic would fail or never
+# refuse), else
 # {1, record_json, is_allowed, retry_after_ms}.
 # `allow-oom`: the bucket update must run on a Redis that is full (noeviction), see the module docstring.
 _AUTHORIZE = """#!lua flags=allow-oom
 local raw = redis.call('HGET', KEYS[1], 'record')
 if not raw then return {0} end
-local record = cjson.decode(raw)
+local is_json, record = pcall(cjson.decode, raw)
+if not is_json or type(record) ~= 'table' or type(record['key_id']) ~= 'string' then return {2, raw} end
 local rate = tonumber(record['requests_per_s'])
 local burst = tonumber(record['burst'])
 if not rate or not burst or not (rate > 0) or rate == math.huge or not (burst >= 1) or burst == math.huge then
@@ -289,12 +292,13 @@ class ApiKeyStore:
     ) -> tuple[str, ApiKeyRecord]:
         """Stores a new key (or registers `key`, e.g. one kept in a local state file); returns it and its record.
 
-        `expires_in_s` (> 0, finite) makes the key stop working that long after creation,
-        by Redis' clock. Raises ValueError (pydantic's ValidationError for the record's
-        fields) before anything is written, and KeyRevoked when `key` was revoked.
+        `expires_in_s` (> 0, at most MAX_KEY_LIFETIME_DAYS) makes the key stop working that
+        long after creation, by Redis' clock. Raises ValueError (pydantic's ValidationError for
+        the record's fields) before anything is written, and KeyRevoked when `key` was revoked.
         """
-        if expires_in_s is not None and not (expires_in_s > 0 and math.isfinite(expires_in_s)):
-            raise ValueError(f"expires_in_s must be finite and > 0, got {expires_in_s}")
+        if expires_in_s is not None and not 0 < expires_in_s <= MAX_KEY_LIFETIME_DAYS * 86_400:
+            # Beyond it Redis refuses the expiry inside the transaction, after the key is stored.
+            raise ValueError(f"expires_in_s must be > 0 and at most {MAX_KEY_LIFETIME_DAYS} days, got {expires_in_s}")
         key = key or generate_api_key()
         key_hash = hash_api_key(key)
         try:

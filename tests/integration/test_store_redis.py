@@ -12,7 +12,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from cluster.api_keys import ApiKeyStore, run_with_store
+from cluster.api_keys import ApiKeyStore, hash_api_key, run_with_store
 from cluster.api_keys import StoreUnavailable as KeyStoreUnavailable
 from serve_apps.orchestrator.models import CompressionReport, CreateSessionRequest, Message, StepStats
 from serve_apps.orchestrator.store import (
@@ -619,6 +619,22 @@ def test_listing_keys_reads_every_key_id_and_only_those(redis_url):
     assert sorted(listing.records, key=lambda r: r.name) == [first, second]
     assert [u.key_id for u in listing.unreadable] == ["key_ffffffffffff"]
     assert "requests_per_s" in listing.unreadable[0].problem
+
+
+@pytest.mark.parametrize("raw", ["not json", "null", "[]", '{"requests_per_s": 1, "burst": 1}',
+                                 '{"key_id": 5, "requests_per_s": 1, "burst": 1}'])
+def test_a_key_whose_record_cannot_be_read_is_refused_as_unknown(redis_url, raw):
+    """Not a 503 `key_store_unavailable`: the rate-limit script failed on it, which read as Redis failing."""
+    url = redis_url.rsplit("/", 1)[0] + "/3"
+    client = redis.Redis.from_url(url, decode_responses=True)
+    key = "wp-a-key-with-a-broken-record"
+    client.hset(f"warmpath:apikey:{hash_api_key(key)}", "record", raw)
+    try:
+        outcome = run_with_store(url, lambda keys: keys.authorize(key))
+    finally:
+        client.flushdb()
+        client.close()
+    assert outcome.record is None and not outcome.is_allowed
 
 
 def test_the_token_bucket_refills_at_its_rate(redis_url):

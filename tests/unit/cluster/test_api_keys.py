@@ -219,6 +219,9 @@ def test_lookup_treats_an_unreadable_record_as_no_record():
     ({"requests_per_s": float("nan")}, ValidationError),
     ({"expires_in_s": float("inf")}, ValueError),
     ({"expires_in_s": float("nan")}, ValueError),
+    # Redis refuses so long an expiry inside the transaction, after the key is stored: it never expired.
+    ({"expires_in_s": 1e16}, ValueError),
+    ({"expires_in_s": 36_501 * 86_400.0}, ValueError),
 ])
 def test_create_refuses_non_finite_values_before_writing(kwargs, error):
     store = ApiKeyStore(_RecordsOnlyRedis({}))

@@ -213,18 +213,20 @@ class AccessMiddleware:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])]
         content_length = next((v for k, v in headers if k.lower() == "content-length"), None)
         try:
-            declared = int(content_length) if content_length is not None else 0
+            declared = int(content_length) if content_length is not None else None
         except ValueError:
-            declared = 0
+            declared = None
+        if any(k.lower() == "transfer-encoding" for k, _ in headers):
+            declared = None  # the chunks frame the body, whatever length the headers also claim
         try:
-            if declared > limit:
+            if declared is not None and declared > limit:
                 raise request_too_large(f"request body of {declared} bytes exceeds {limit} bytes")
             caller = await self._guard.admit_call(headers)
         except AccessDenied as denied:
             await _send_json(send, denied.status, denied.body(), denied.headers())
             return
         scope.setdefault("state", {})["caller"] = caller
-        if content_length is not None or scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        if declared is not None or scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
             # A declared length was checked above, and the HTTP server holds the client to it.
             await self.app(scope, receive, send)
             return

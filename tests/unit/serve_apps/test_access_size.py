@@ -63,3 +63,13 @@ def test_a_body_of_exactly_the_limit_passes_and_one_byte_more_is_413(is_declared
         assert body == str(size).encode()
     else:
         assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("content_length", [b"2", b"not a number"])
+def test_a_body_whose_length_the_headers_do_not_frame_is_counted(content_length):
+    """A server that frames a body by its chunks keeps a Content-Length beside them (h11 does): the chunks count."""
+    middleware = AccessMiddleware(_echo_length, GuardSettings(access=AccessConfig(is_auth_enabled=False,
+                                                                                 max_request_bytes=LIMIT)))
+    headers = [(b"content-length", content_length), (b"transfer-encoding", b"chunked")]
+    start, body = post_through(middleware, headers, [b"x" * 1000] * 5)
+    assert start["status"] == 413 and json.loads(body)["error"]["code"] == "request_too_large"

@@ -159,7 +159,8 @@ class IndexSnapshot:
 
 
 class _ReplicaState:
-    __slots__ = ("replica_id", "slot", "bit", "max_blocks", "blocks", "extra_copies", "pending", "num_evicted_blocks")
+    __slots__ = ("replica_id", "slot", "bit", "max_blocks", "blocks", "extra_copies", "skipped", "pending",
+                 "num_evicted_blocks")
 
     def __init__(self, replica_id: ReplicaId, slot: int, max_blocks: int) -> None:
         self.replica_id = replica_id
@@ -168,6 +169,9 @@ class _ReplicaState:
         self.max_blocks = max_blocks
         self.blocks: dict[int, BlockHash] = {}
         self.extra_copies: dict[int, int] = {}
+        # Engine keys of blocks skipped on purpose (multimodal keys, a salt the router cannot reproduce)
+        # and of the blocks extending them: their children are skipped too, not counted as orphans.
+        self.skipped: dict[int, None] = {}
         self.pending: dict[BlockHash, float] = {}
         self.num_evicted_blocks = 0
 
@@ -199,9 +203,11 @@ class PrefixIndex:
 
         Skipped, never guessed: blocks of another medium, group or block size;
         blocks whose parent this replica's index does not know (stored before
-        the router connected, or forgotten); blocks with multimodal or
-        prompt-embedding extra keys (requests cannot reproduce them); events of
-        unknown types. A re-store of a known block counts as another physical
+        the router connected, or forgotten: counted as orphans); blocks with
+        multimodal or prompt-embedding extra keys or a salt no request can
+        name (requests cannot reproduce them), and the blocks extending those
+        (remembered as `skipped`, so they are not orphans); events of unknown
+        types. A re-store of a known block counts as another physical
         copy (vLLM's default "incremental" report mode); the "full" report mode,
         which re-announces reused blocks, would over-count copies.
 
@@ -456,17 +462,23 @@ class PrefixIndex:
         if event.parent_block_hash is None:
             salt = _root_salt(extra_keys[0] if extra_keys else None, lora_name)
             if salt is False:
+                self._skip(state, event.block_hashes)
                 return 0, num_blocks, 0
             parent = root_hash(lora_name or self._model_id, salt)
             first = 1
         else:
-            parent = state.blocks.get(_engine_key(event.parent_block_hash))
+            parent_key = _engine_key(event.parent_block_hash)
+            parent = state.blocks.get(parent_key)
             if parent is None:
+                if parent_key in state.skipped:  # extends a block skipped on purpose: no orphan
+                    self._skip(state, event.block_hashes)
+                    return 0, num_blocks, 0
                 return 0, num_blocks, num_blocks
         usable = num_blocks
         for offset, block_keys in enumerate(extra_keys[first:num_blocks], start=first):
             if block_keys and any(key != lora_name for key in block_keys):
                 usable = offset
+                self._skip(state, event.block_hashes[usable:])
                 break
         token_bytes = encode_tokens(event.token_ids[: usable * block_size])
         hashes = chain_block_hashes(parent, token_bytes, block_size)
@@ -508,8 +520,17 @@ class PrefixIndex:
             if pending and pending.pop(block_hash, None) is not None:
                 self._drop_bit(self._pending_owners, block_hash, bit)
 
+    def _skip(self, state: _ReplicaState, engine_hashes: Sequence[bytes | int]) -> None:
+        """Remembers blocks skipped on purpose, the most recent `max_blocks` of them."""
+        skipped = state.skipped
+        skipped.update(dict.fromkeys(_engine_keys(engine_hashes)))
+        for old_key in list(islice(skipped, max(len(skipped) - state.max_blocks, 0))):
+            del skipped[old_key]
+
     def _remove(self, state: _ReplicaState, engine_hashes: Sequence[bytes | int]) -> int:
         keys = _engine_keys(engine_hashes)
+        if state.skipped:
+            deque(map(state.skipped.pop, keys, repeat(None)), maxlen=0)
         if state.extra_copies and not state.extra_copies.keys().isdisjoint(keys):
             return self._remove_blockwise(state, keys)
         # No copies involved (the usual event): `_remove_blockwise` with the loops in C.
@@ -539,6 +560,7 @@ class PrefixIndex:
         drop_owner_bit(self._owners, list(state.blocks.values()), state.bit)
         state.blocks.clear()
         state.extra_copies.clear()
+        state.skipped.clear()
 
     def expire_pending(self, now_s: float) -> None:
         """Drops pending entries that expired by `now_s`.

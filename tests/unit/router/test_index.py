@@ -74,6 +74,27 @@ def test_apply_then_longest_prefix(index, events, expected):
 
 
 @pytest.mark.parametrize(
+    "first",
+    [
+        stored(0, 4, extra_keys=[None, (("mm-hash", 0),), None, None]),  # an image in block 1
+        stored(0, 4, extra_keys=[("s1", "s2"), None, None, None]),  # a salt no request can name
+    ],
+    ids=["multimodal", "two-salts"],
+)
+def test_blocks_extending_a_block_skipped_on_purpose_are_skipped_not_orphaned(index, first):
+    """The rest of a chunked prefill and every decode block extend the skipped ones; as orphans they made
+    a healthy stream look blind (the pump then cleared the replica's index and reloaded it, again and again)."""
+    extending = [stored(i, 1, parent=i - 1) for i in range(4, 8)]
+    results = [index.apply(A, [event]) for event in [first, *extending]]
+    assert sum(r.num_orphaned_blocks for r in results) == 0
+    assert sum(r.num_skipped_blocks for r in results) == 8 - results[0].num_stored_blocks
+    index.apply(A, [removed(7)])  # evicted: a block extending it is an orphan again
+    assert index.apply(A, [stored(8, 1, tokens=TOKENS + list(range(4)), parent=7)]).num_orphaned_blocks == 1
+    index.apply(A, [AllBlocksCleared()])
+    assert index.apply(A, [stored(5, 1, parent=4)]).num_orphaned_blocks == 1
+
+
+@pytest.mark.parametrize(
     ("event", "num_skipped_blocks"),
     [
         (stored(0, 2, medium="CPU"), 2),  # an offload tier, not the engine's pool

@@ -178,15 +178,16 @@ def template_messages(messages: list) -> list[dict]:
     billing-header line dropped); an assistant's tool calls (arguments as
     objects, an empty list as none) and its reasoning, also as
     `reasoning_content`; a tool message's call id; a string `name` and `task`.
-    Any other key a client sent never reaches the template. Copies; the request
-    is untouched.
+    Any other key a client sent never reaches the template. Content parts (a
+    request the router only routes, not forwards) are passed as they are.
+    Copies; the request is untouched.
     """
     out = []
     for message in messages:
         message = message if isinstance(message, dict) else message.model_dump()
         role, content = message.get("role"), message.get("content")
         content = "" if content is None else content
-        if role == "system" and content.startswith(_BILLING_HEADER):
+        if role == "system" and isinstance(content, str) and content.startswith(_BILLING_HEADER):
             content = content.partition("\n")[2]
         item: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":

@@ -264,6 +264,15 @@ def test_forwarded_ids_of_each_kind_of_message_are_the_ids_vllm_renders(template
     assert PromptTokenizer(template_tokenizer_dir).chat_token_ids(request, ALIKE) == expected
 
 
+def test_a_system_message_of_content_parts_still_renders_for_routing(template_tokenizer_dir):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(model="m", messages=[
+        {"role": "system", "content": [{"type": "text", "text": "hello"}]}, {"role": "user", "content": "world"}])
+    assert not is_forwardable(request, ALIKE)
+    assert PromptTokenizer(template_tokenizer_dir).chat_token_ids(request, ALIKE)  # raised on the parts
+
+
 class _Loads:
     """A tokenizer loader that fails a given number of times, then returns a stand-in tokenizer."""
 

@@ -161,7 +161,7 @@ def _reached(
 ) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     """`address` and what a connection to it may reach instead: the IPv4 address an IPv6 one
     embeds (mapped, compatible, translated, NAT64 and local-use NAT64, 6to4, Teredo), and this host's loopback for an
-    unspecified address (Linux connects 0.0.0.0 and :: to it)."""
+    unspecified address, embedded or not (Linux connects 0.0.0.0, ::ffff:0.0.0.0 and :: to it)."""
     reached = [address]
     if isinstance(address, ipaddress.IPv6Address):
         low32 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
@@ -179,7 +179,8 @@ def _reached(
             reached.append(address.teredo[1])
         if address.is_unspecified:
             reached.append(ipaddress.IPv6Address("::1"))
-    elif address in _THIS_NETWORK:
+    # Also an IPv4 address embedded in an IPv6 one: Linux connects ::ffff:0.0.0.0 to 127.0.0.1 too.
+    if any(isinstance(a, ipaddress.IPv4Address) and a in _THIS_NETWORK for a in reached):
         reached.append(ipaddress.IPv4Address("127.0.0.1"))
     return reached
 

@@ -85,7 +85,11 @@ def test_an_ipv6_address_embedding_a_blocked_ipv4_one_is_refused(url):
     assert refusal is not None and "169.254.169.254" in refusal
 
 
-@pytest.mark.parametrize("url", ["http://0.0.0.0:9/", "http://0:9/", "http://[::]:9/"])
+@pytest.mark.parametrize("url", [
+    "http://0.0.0.0:9/", "http://0:9/", "http://[::]:9/",
+    # Embedded in IPv6 (Linux connects ::ffff:0.0.0.0 to 127.0.0.1), NAT64 alike.
+    "http://[::ffff:0.0.0.0]:9/", "http://[64:ff9b::0.0.0.0]:9/",
+])
 def test_an_unspecified_address_counts_as_this_hosts_loopback(url):
     policy = ToolNetworkPolicy(ToolNetworkConfig(blocked_networks=["127.0.0.0/8", "::1/128"]))
     assert "blocked network" in asyncio.run(policy.check_destination(url))

@@ -390,10 +390,21 @@ class SessionStore:
         return SessionRecord.model_validate_json(raw)
 
     async def delete(self, session_id: str) -> bool:
-        """Deletes every key of the session at once, also on a full Redis; True if it existed."""
+        """Deletes every key of the session at once, also on a full Redis; True if it existed.
+
+        A try retried after a dead connection counts as having deleted it: the first try may have
+        run with its reply lost, leaving the retry nothing to delete.
+        """
         keys = [*self._keys(session_id), self._key(session_id, "lock")]
+        num_tries = 0
+
+        async def delete_keys() -> int:
+            nonlocal num_tries
+            num_tries += 1
+            return await self._delete(keys=keys)
+
         with _redis_errors(session_id):
-            return bool(await self._idempotent(lambda: self._delete(keys=keys)))
+            return bool(await self._idempotent(delete_keys)) or num_tries > 1
 
     async def transcript(self, session_id: str) -> TranscriptSnapshot:
         """The stored transcript and its logical length, read atomically (also on a full Redis)."""

@@ -594,6 +594,30 @@ def test_another_keys_turn_is_not_found_and_never_takes_the_lock(redis_url):
     assert _run(redis_url, scenario) == (404, 404, "session_not_found", [])
 
 
+def test_a_delete_whose_reply_was_lost_reports_the_session_it_deleted(redis_url):
+    """The connection drops after Redis ran the delete: the retry finds nothing, yet the session existed."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, "k1", "ab" * 32)
+        real, results = store._delete, []
+
+        async def reply_lost_once(**kwargs):
+            results.append(await real(**kwargs))
+            if len(results) == 1:
+                raise redis.exceptions.ConnectionError("Connection closed by server.")
+            return results[-1]
+
+        store._delete = reply_lost_once
+        existed = await store.delete(record.session_id)
+        with pytest.raises(SessionNotFound):
+            await store.get(record.session_id)
+        store._delete = real
+        return existed, results, await store.delete("never-there")
+
+    existed, results, never = _run(redis_url, scenario)
+    assert results == [1, 0] and existed is True and never is False
+
+
 def test_listing_keys_reads_every_key_id_and_only_those(redis_url):
     url = redis_url.rsplit("/", 1)[0] + "/2"  # a database of its own: exactly the keys written here
     client = redis.Redis.from_url(url, decode_responses=True)

@@ -88,6 +88,7 @@ from serve_apps.api_errors import engine_error, error_type, exception_body, vali
 from serve_apps.grpc_decoding import UndecodableRequest
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.metrics import record_model_usage
+from serve_apps.request_checks import chat_request_problem
 from serve_apps.orchestrator.models import TURN_ERROR_STATUS, TURN_INTERRUPTED, Message
 from serve_apps.orchestrator.prompt import to_wire_message
 from serve_apps.sse_frames import sse_payloads
@@ -612,12 +613,17 @@ class GrpcIngress:
             )
         # The engine's request model validates the rest: its pydantic and vLLM client errors (an unknown
         # `tool_choice`, one without tools) become INVALID_ARGUMENT in `failure_from_exception`.
-        return ChatCompletionRequest(
+        chat_request = ChatCompletionRequest(
             model=self._model_id,
             stream=is_streaming,
             stream_options={"include_usage": True} if is_streaming else None,
             **chat_completion_fields(request),
         )
+        # What the HTTP ingress refuses before the engine too: text UTF-8 cannot encode (a JSON schema's
+        # `\ud800` escape) fails inside the engine as an internal error.
+        if (problem := chat_request_problem(chat_request)) is not None:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter", problem[0])
+        return chat_request
 
     async def _engine_outputs(
         self, chat_request: ChatCompletionRequest, session_id: str, usage: "_LastUsage"

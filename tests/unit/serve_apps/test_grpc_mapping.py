@@ -1011,6 +1011,21 @@ def test_chat_completion_engine_error_and_unknown_model():
     assert llm.options_calls == []  # rejected before any engine call
 
 
+def test_text_utf8_cannot_encode_is_refused_before_the_engine_as_over_http():
+    """A schema's `\\ud800` escape is valid JSON and valid UTF-8 on the wire; parsed, it fails inside the engine."""
+    schema = '{"type":"object","properties":{"\\ud800":{"type":"string"}}}'
+    request = inference_pb2.ChatCompletionRequest(
+        messages=[inference_pb2.ChatMessage(role="user", content="hi")],
+        tools=[inference_pb2.FunctionTool(name="f", description="d", parameters_json=schema)],
+    )
+    for call in ("ChatCompletion", "StreamChatCompletion"):
+        context, llm = FakeContext(), FakeHandle()
+        outcome = getattr(_ingress(llm=llm), call)(request, context)
+        _run(outcome if call == "ChatCompletion" else _collect(outcome, context))
+        assert context.code is Code.INVALID_ARGUMENT and "a key is not valid Unicode" in context.details, call
+        assert llm.options_calls == []
+
+
 def test_stream_chat_completion():
     frames = [
         'data: {"id":"c","model":"warmpath-tiny","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n',

@@ -23,6 +23,8 @@ Each check returns `(message, param)` for a 400, or None.
 
 from __future__ import annotations
 
+import json
+
 from typing import Any, Optional
 
 MAX_CHOICES = 128
@@ -50,9 +52,34 @@ def chat_request_problem(body: Any) -> Optional[Problem]:
                     message[field] = list(value)
                 except (TypeError, ValueError) as err:
                     return _invalid_part(f"messages[{index}].{field}", err)
-    return unencodable_text_problem(messages, "messages") or unencodable_text_problem(
-        getattr(body, "tools", None), "tools"
+    return (
+        unencodable_text_problem(messages, "messages")
+        or _arguments_problem(messages)
+        or unencodable_text_problem(getattr(body, "tools", None), "tools")
     )
+
+
+def _arguments_problem(messages: list) -> Optional[Problem]:
+    """Text UTF-8 cannot encode inside a tool call's `arguments` JSON (a `\\ud800` escape, ASCII as sent).
+
+    vLLM parses the arguments before the template renders them, and the tokenizer then fails on the
+    text as an internal error; only arguments with an escape can hold such text.
+    """
+    for index, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for position, call in enumerate(calls if isinstance(calls, list) else ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if not isinstance(arguments, str) or "\\u" not in arguments:
+                continue
+            try:
+                parsed = json.loads(arguments)
+            except (ValueError, RecursionError):
+                continue  # vLLM renders arguments that are not JSON as an empty object
+            where = f"messages[{index}].tool_calls[{position}].function.arguments"
+            if (problem := unencodable_text_problem(parsed, where)) is not None:
+                return problem
+    return None
 
 
 def completion_request_problem(body: Any) -> Optional[Problem]:

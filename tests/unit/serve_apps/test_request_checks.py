@@ -44,6 +44,10 @@ def test_a_content_part_of_an_unknown_type_names_the_part_and_the_types_there_ar
      "messages[0].content[0].text", 3),
     ('{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":'
      '{"name":"f","description":"a\\ud800","parameters":{"type":"object"}}}]}', "tools[0].function.description", 1),
+    # ASCII as sent; vLLM parses the arguments before the template renders them.
+    ('{"model":"m","messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"id":"c",'
+     '"type":"function","function":{"name":"f","arguments":"{\\"a\\": [\\"ok\\", \\"x\\\\ud800\\"]}"}}]}]}',
+     "messages[1].tool_calls[0].function.arguments.a[1]", 1),
 ])
 def test_text_utf8_cannot_encode_is_refused_where_it_is(raw, param, position):
     message, where = chat_request_problem(_chat(raw))

@@ -2,7 +2,8 @@
 
 Why a module of its own: both stores answer 503 for an outage, and Redis refusing a
 command for a state of its own (full, read-only replica, failed snapshot, missing
-database) is an outage too, not a bug: each store names the state the same way, and
+database, a long script running, too few replicas, a cluster slot moving or down) is
+an outage too, not a bug: each store names the state the same way, and
 both retry a call once when its pooled connection died with a Redis restart.
 """
 
@@ -13,7 +14,15 @@ from typing import Awaitable, Callable, Optional, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -25,6 +34,11 @@ _REFUSALS: tuple[tuple[type[ResponseError] | str, str], ...] = (
     ("MISCONF", "Redis refuses writes because saving its snapshot to disk failed (MISCONF; see the Redis log)"),
     ("DB index is out of range", "the Redis URL names a database number this Redis does not have"),
     (NoPermissionError, "the Redis user lacks an ACL permission this service needs"),
+    ("BUSY ", "Redis is busy running a script or function (BUSY) and answers nothing else until it ends"),
+    ("NOREPLICAS", "Redis refuses writes: fewer replicas are connected than its min-replicas-to-write"),
+    (TryAgainError, "Redis asks to try again (TRYAGAIN: a cluster slot is being moved)"),
+    (MasterDownError, "the Redis replica lost its link to the primary (MASTERDOWN); the URL should name the primary"),
+    (ClusterDownError, "the Redis cluster is down (CLUSTERDOWN)"),
 )
 
 # What redis-py puts before the error of a command in a pipeline.

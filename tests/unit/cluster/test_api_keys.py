@@ -8,7 +8,14 @@ import time
 import pytest
 import redis
 from pydantic import ValidationError
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 from typer.testing import CliRunner
 
 from cluster import local
@@ -239,6 +246,12 @@ def test_key_listing_is_empty_for_an_empty_store():
     (ResponseError("MISCONF Redis is configured to save RDB snapshots, but ..."), "MISCONF"),
     (ResponseError("Command # 1 (HSET k record {...}) of pipeline caused error: MISCONF Redis is ..."), "MISCONF"),
     (ResponseError("DB index is out of range"), "database number"),
+    (ResponseError("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."), "BUSY"),
+    (ResponseError("NOREPLICAS Not enough good replicas to write."), "min-replicas-to-write"),
+    (TryAgainError("Multiple keys request during rehashing of slot"), "TRYAGAIN"),
+    (ClusterDownError("The cluster is down"), "cluster is down"),
+    (MasterDownError("Link with MASTER is down and replica-serve-stale-data is set to 'no'."), "MASTERDOWN"),
+    (ResponseError("BUSYKEY Target key name already exists."), None),
     (ResponseError("WARMPATH_STALE 4"), None),  # the scripts' own answers are not outages
     (ResponseError("Error running script (call to f_1234): @user_script:3: bad argument"), None),
     (ResponseError("Command # 1 (SET k 'MISCONF') of pipeline caused error: ERR syntax error"), None),

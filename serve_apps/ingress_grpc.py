@@ -51,6 +51,7 @@ metadata, that ends with the RPC's final status (`record_rpc_status`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from contextlib import AbstractContextManager, aclosing, contextmanager
@@ -67,6 +68,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
     ChatCompletionResponse,
     ErrorResponse,
 )
+from ray.llm._internal.serve.constants import DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
 from ray.llm._internal.serve.core.protocol import RawRequestInfo
 from ray.serve.context import _get_serve_request_context
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
@@ -479,6 +481,9 @@ class GrpcIngress:
     dispatches on the method name alone.
     """
 
+    # Longest wait for an Inference call's first output: Ray Serve LLM's router timeout, as over HTTP.
+    first_output_timeout_s: float = DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
+
     def __init__(
         self,
         llm_handle,
@@ -632,6 +637,9 @@ class GrpcIngress:
 
         The caller notes each output's usage in `usage`; once the call is over (or the
         caller stops reading it), its routing decision is settled (`_settle_decision`).
+        A call with no output after `first_output_timeout_s` (routing, queueing and prefill:
+        what the HTTP ingress bounds with Ray Serve LLM's router timeout, answered 408
+        there) is cancelled and fails DEADLINE_EXCEEDED; the stream after it is unbounded.
         """
         options: dict[str, Any] = {"stream": True}
         if session_id:
@@ -640,16 +648,28 @@ class GrpcIngress:
         has_output = False
         # Ray handle calls carry no trace context: it travels in the request headers.
         raw_request_info = RawRequestInfo(headers=telemetry.inject())
+        stream = self._llm.options(**options).chat.remote(chat_request, raw_request_info)
         try:
-            async for item in self._llm.options(**options).chat.remote(chat_request, raw_request_info):
-                if isinstance(item, ServedBy):
-                    replica_id = item.replica_id
-                    continue
-                for output in item if isinstance(item, list) else [item]:
-                    if isinstance(output, ErrorResponse):
-                        raise engine_failure(output.error.model_dump())
-                    has_output = True
-                    yield replica_id, output
+            async with asyncio.timeout(self.first_output_timeout_s) as first_output_deadline:
+                async for item in stream:
+                    if isinstance(item, ServedBy):
+                        replica_id = item.replica_id
+                        continue
+                    for output in item if isinstance(item, list) else [item]:
+                        if isinstance(output, ErrorResponse):
+                            raise engine_failure(output.error.model_dump())
+                        has_output = True
+                        first_output_deadline.reschedule(None)
+                        yield replica_id, output
+        except TimeoutError:
+            if not first_output_deadline.expired():  # the engine's own timeout, not this wait
+                raise
+            stream.cancel()
+            raise RpcFailure(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "request_timeout",
+                f"the engine sent no output within {self.first_output_timeout_s:g} s "
+                "(RAY_SERVE_LLM_ROUTER_HTTP_TIMEOUT sets this limit)",
+            ) from None
         finally:
             _settle_decision(replica_id, usage.usage if has_output else None, has_output)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import grpc
 import pytest
 import ray.serve.context
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionResponse, ErrorInfo, ErrorResponse
@@ -50,7 +51,7 @@ def two_decisions(monkeypatch):
 
     decision_log.DECISIONS.put(CLIENT_REQUEST_ID, "mine", logged("prefix-hit", "replica-a"))
     decision_log.DECISIONS.put(CLIENT_REQUEST_ID, "theirs", logged("cold", "replica-b"))
-    context = SimpleNamespace(request_id=CLIENT_REQUEST_ID, _internal_request_id="mine")
+    context = SimpleNamespace(request_id=CLIENT_REQUEST_ID, _internal_request_id="mine", route="", app_name="")
     monkeypatch.setattr(ray.serve.context, "_get_serve_request_context", lambda: context)
     yield
     for internal_id in ("mine", "theirs"):
@@ -110,3 +111,74 @@ def test_a_call_the_engine_refused_withdraws_its_own_placement_and_records_nothi
     asyncio.run(_ingress(ServedBy("replica-a"), [refusal]).ChatCompletion(_request(), FakeContext()))
     assert recorded.calls == []
     assert [logged.decision.reason for logged in withdrawn] == ["prefix-hit"]
+
+
+class _SilentStream:
+    """A handle stream that names its replica and then sends nothing, until it is cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._sent_tag = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._sent_tag:
+            self._sent_tag = True
+            return ServedBy("replica-a")
+        await asyncio.Event().wait()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_call_with_no_output_in_time_is_cancelled_and_fails_deadline_exceeded(
+    recorded, two_decisions, monkeypatch, streamed
+):
+    withdrawn = []
+    monkeypatch.setattr(decision_log, "withdraw_placement", lambda logged, replica: withdrawn.append(logged))
+    silent = _SilentStream()
+    ingress = _ingress()
+    ingress._llm = SimpleNamespace(
+        options=lambda **options: SimpleNamespace(chat=SimpleNamespace(remote=lambda *args: silent))
+    )
+    ingress.first_output_timeout_s = 0.05
+    context = FakeContext()
+
+    async def call():
+        if streamed:
+            return [chunk async for chunk in ingress.StreamChatCompletion(_request(), context)]
+        return [await ingress.ChatCompletion(_request(), context)]
+
+    answers = asyncio.run(asyncio.wait_for(call(), timeout=10))
+    assert context.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "no output within 0.05 s" in context.details
+    assert silent.cancelled
+    assert recorded.calls == []
+    assert [logged.decision.reason for logged in withdrawn] == ["prefix-hit"]
+    if streamed:
+        assert answers[-1].error.code == "request_timeout"
+
+
+def test_the_first_output_deadline_does_not_bound_the_rest_of_a_stream(recorded, two_decisions):
+    frame = 'data: {"id":"c","model":"warmpath-tiny","choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+
+    async def slow_after_first():
+        yield ServedBy("replica-a")
+        yield [frame]
+        await asyncio.sleep(0.2)  # a long decode, past the first-output limit
+        yield [frame]
+
+    ingress = _ingress()
+    ingress._llm = FakeHandle(chat=lambda request, raw_request_info: slow_after_first())
+    ingress.first_output_timeout_s = 0.05
+    context = FakeContext()
+
+    async def read():
+        return [chunk async for chunk in ingress.StreamChatCompletion(_request(), context)]
+
+    chunks = asyncio.run(read())
+    assert context.code is None
+    assert [chunk.content for chunk in chunks] == ["Hi", "Hi"]

@@ -124,14 +124,6 @@ end
 return length + num_messages
 """
 
-# KEYS: idem, idem-order. ARGV: idem_key, result_json, max_idempotency_records, ttl_ms.
-_REMEMBER_SCRIPT = _REMEMBER_LUA + """
-local stored = remember(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]))
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-return stored
-"""
-
 # Read-only, so a Redis full under noeviction still runs it (MULTI would be refused): the record's
 # `removed` offset and the log in one atomic read. Nil when the session does not exist.
 _TRANSCRIPT_SCRIPT = """#!lua flags=no-writes
@@ -324,7 +316,6 @@ class SessionStore:
         self._max_idempotency_records = max_idempotency_records
         self._prefix = key_prefix
         self._commit = client.register_script(_COMMIT_SCRIPT)
-        self._remember = client.register_script(_REMEMBER_SCRIPT)
         self._read_transcript = client.register_script(_TRANSCRIPT_SCRIPT)
         self._delete = client.register_script(_DELETE_SCRIPT)
         self._acquire = client.register_script(_ACQUIRE_SCRIPT)
@@ -521,16 +512,6 @@ class SessionStore:
             if kind == "WARMPATH_BAD_COMPACTION":
                 raise ValueError(f"compaction replaces {num_replaced} messages but {value} are stored") from None
             raise
-
-    async def remember_turn_result(self, session_id: str, idem_key: str, result_json: str) -> bool:
-        """Stores a turn's result under its idempotency key; the first result wins. True if stored.
-
-        Bounded like the records commits store: the oldest beyond `max_idempotency_records` is dropped.
-        """
-        keys = [self._key(session_id, "idem"), self._key(session_id, "idem-order")]
-        args = [idem_key, result_json, self._max_idempotency_records, self._ttl_ms]
-        with _redis_errors(session_id):
-            return bool(await self._remember(keys=keys, args=args))
 
     async def lookup_turn_result(self, session_id: str, idem_key: str) -> str | None:
         """The result remembered under `idem_key`, or None when the turn never completed."""

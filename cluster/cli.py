@@ -155,10 +155,14 @@ def up(
     from cluster.serve_config import grpc_app_name
 
     _check_redis_url_flag(redis_url)
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        _refuse(f"--timeout-s must be a finite number of seconds > 0, got {timeout_s}")
     cfg = _load(
         config, replicas__num_replicas=replicas, router__policy=policy, ports__http_port=http_port,
         redis_url=redis_url, state_dir=state_dir, access__is_auth_enabled=False if no_auth else None,
     )
+    _check_writable_file(local.LocalState.path(local.state_dir_of(cfg)), "state_dir")
+    _load_state(cfg)  # a broken record is one line before anything starts
     try:
         state = local.up(cfg, progress, timeout_s=timeout_s, redeploy=redeploy)
     except local.BringUpError as err:
@@ -337,9 +341,11 @@ def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateDir
     from cluster import local
 
     try:
-        local.down(_load(config, state_dir=state_dir), progress)
+        is_stopped = local.down(_load(config, state_dir=state_dir), progress)
     except local.BringUpError as err:
         typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1)
+    if not is_stopped:
         raise typer.Exit(1)
 
 
@@ -371,7 +377,7 @@ def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateD
     if state.grpc_address:
         typer.echo(f"grpc: {state.grpc_address}")
     if state.redis_url:
-        typer.echo(f"redis: {state.redis_url}")
+        typer.echo(f"redis: {local.without_password(state.redis_url)}")
     if state.http_url and app_status == "RUNNING":
         _echo_router_status(cfg, state.http_url)
 
@@ -557,11 +563,16 @@ def chaos(
         typer.echo(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(chaos_mod.SCENARIOS)}", err=True)
         raise typer.Exit(2)
     _check_writable_file(out)
-    state = local.LocalState.load(local.state_dir_of(cfg))
+    state = _load_state(cfg)
     if not state.http_url:
         typer.echo("the local cluster is not up: run `warmpath up` first", err=True)
         raise typer.Exit(1)
-    results = chaos_mod.run_chaos(cfg, state.http_url, local.local_api_key(cfg), scenario or list(chaos_mod.SCENARIOS), progress)
+    try:
+        api_key = local.local_api_key(cfg)
+    except OSError as err:
+        typer.echo(f"error: cannot read the API key `warmpath up` wrote ({err.strerror or err}): {local.api_key_file(cfg)}", err=True)
+        raise typer.Exit(1)
+    results = chaos_mod.run_chaos(cfg, state.http_url, api_key, scenario or list(chaos_mod.SCENARIOS), progress)
     typer.echo(chaos_mod.report(results))
     document = json.dumps({"kind": "warmpath-chaos", "results": [r.to_json() for r in results]}, indent=2)
     _write_or_exit(out, lambda path: path.write_text(document))

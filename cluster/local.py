@@ -44,6 +44,8 @@ LOCAL_DASHBOARD_URL = f"http://127.0.0.1:{DASHBOARD_PORT}"
 RAY_STATUS_TIMEOUT_S = 60
 RAY_START_TIMEOUT_S = 300
 RAY_STOP_TIMEOUT_S = 120
+# How long `up` waits for a redis-server it started earlier to answer (it loads its AOF first).
+OWN_REDIS_ANSWER_TIMEOUT_S = 60
 # How often a wait that sees no change says it is still waiting.
 STILL_WAITING_EVERY_S = 30
 # Of a Serve deployment message: Serve's "cannot be scheduled" line, with the resources asked for and
@@ -86,20 +88,49 @@ class LocalState:
                 f"{file} is not valid JSON ({err}); stop what it recorded by hand (redis-server, `ray stop`) "
                 "and delete it"
             ) from None
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in recorded.items() if k in known})
+        if not isinstance(recorded, dict):
+            raise BringUpError(
+                f"{file} holds {type(recorded).__name__}, not a record of what `warmpath up` started; stop what it "
+                "recorded by hand (redis-server, `ray stop`) and delete it"
+            )
+        state = cls()
+        for field in fields(cls):
+            value = recorded.get(field.name, getattr(state, field.name))
+            if not _is_recorded_type(value, field.name):
+                raise BringUpError(
+                    f"{file}: {field.name} is {value!r}, which `warmpath up` never records; stop what it recorded "
+                    "by hand (redis-server, `ray stop`) and delete it"
+                )
+            setattr(state, field.name, value)
+        return state
 
     def save(self, state_dir: Path) -> None:
-        """Writes the state whole or not at all (a temporary file renamed over the old one)."""
+        """Writes the state whole or not at all (a temporary file renamed over the old one).
+
+        Private to its owner (mode 0600): a recorded `redis_url` may hold the Redis password.
+        """
         state_dir.mkdir(parents=True, exist_ok=True)
         target = self.path(state_dir)
         partial = target.with_suffix(".json.tmp")
-        partial.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+            os.fchmod(out.fileno(), 0o600)
+            out.write(json.dumps(asdict(self), indent=2) + "\n")
         os.replace(partial, target)
 
     def is_empty(self) -> bool:
         """Nothing recorded as started."""
         return self.redis_pid is None and not self.ray_started and self.ray_address is None
+
+
+def _is_recorded_type(value: object, name: str) -> bool:
+    """Whether `value` has the type `LocalState.<name>` is recorded with."""
+    if name == "ray_started":
+        return isinstance(value, bool)
+    if name == "redis_pid":
+        return value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+    if name == "dashboard_url":
+        return isinstance(value, str)
+    return value is None or isinstance(value, str)
 
 
 def _bin(name: str) -> str:
@@ -136,6 +167,12 @@ def ensure_model(cfg: ClusterConfig, progress: Progress) -> None:
 
 
 def _redis_ping(url: str, timeout_s: float) -> bool:
+    """Whether Redis at `url` answers PING within `timeout_s`.
+
+    Raises:
+        BringUpError: Redis answered but refused (a wrong password, a database it lacks): waiting
+            would not change that, and "does not answer" would send the operator the wrong way.
+    """
     import redis
 
     deadline = time.monotonic() + timeout_s
@@ -143,9 +180,21 @@ def _redis_ping(url: str, timeout_s: float) -> bool:
         try:
             if redis.Redis.from_url(url, socket_timeout=1).ping():
                 return True
-        except redis.exceptions.RedisError:
+        except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError,
+                redis.exceptions.ResponseError) as err:
+            raise BringUpError(f"redis at {without_password(url)} refused PING: {err}") from None
+        except redis.exceptions.RedisError:  # not listening yet, loading its data, or away
             time.sleep(0.1)
     return False
+
+
+def without_password(url: str) -> str:
+    """`url` with the password (if any) masked, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -170,14 +219,27 @@ def _redis_pid(url: str) -> Optional[int]:
 def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     """Uses `cfg.redis_url`, else starts redis-server with AOF persistence in the state dir."""
     if cfg.redis_url:
-        progress(f"redis: using {cfg.redis_url}")
+        progress(f"redis: using {without_password(cfg.redis_url)}")
         if not _redis_ping(cfg.redis_url, 5):
-            raise BringUpError(f"redis at {cfg.redis_url} does not answer PING")
+            raise BringUpError(f"redis at {without_password(cfg.redis_url)} does not answer PING")
+        state.redis_url = cfg.redis_url  # where `warmpath keys` and `status` find the cluster's store
         return cfg.redis_url
     port = cfg.ports.local_redis_port
     url = f"redis://127.0.0.1:{port}/0"
-    if state.redis_pid and _is_redis_process(state.redis_pid) and _redis_ping(url, 2):
+    if state.redis_pid and _is_redis_process(state.redis_pid):
+        # Never a second server on the same data directory: both would write its AOF.
+        if state.redis_url and state.redis_url != url:
+            raise BringUpError(
+                f"the redis-server this state directory started (pid {state.redis_pid}) serves {state.redis_url}, "
+                f"not {url}: `warmpath down` first to move it to ports.local_redis_port {port}"
+            )
+        if not _redis_ping(url, OWN_REDIS_ANSWER_TIMEOUT_S):  # a big AOF loads for a while
+            raise BringUpError(
+                f"the redis-server this state directory started (pid {state.redis_pid}) does not answer on {url} "
+                f"after {OWN_REDIS_ANSWER_TIMEOUT_S} s; see {state_dir_of(cfg) / 'redis' / 'redis.log'}"
+            )
         progress(f"redis: already running at {url} (pid {state.redis_pid})")
+        state.redis_url = url
         return url
     server = shutil.which("redis-server")
     if server is None:
@@ -219,6 +281,8 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     warmpath's applications from it and leaves the head running.
     """
     address = os.environ.get("RAY_ADDRESS")
+    if (problem := _other_cluster_recorded(state, address)) is not None:
+        raise BringUpError(problem)
     if address:
         state.dashboard_url = dashboard_url_for(address)
         progress(f"ray: joining {address} (dashboard {state.dashboard_url})")
@@ -261,6 +325,7 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     if cfg.replicas.ray_resources:
         # One node holds every replica here, so it offers every replica's share.
         cmd.append("--resources=" + json.dumps(replicas_need(cfg, with_gpus=False)))
+    session_before = head_session()
     try:
         result = subprocess.run(
             cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S, env={**os.environ, **grpc_proxy_env(cfg)}
@@ -273,10 +338,38 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
             raise BringUpError(f"`ray start --head` did not finish in {RAY_START_TIMEOUT_S} s") from None
         raise
     if result.returncode != 0:
+        # `ray start` leaves what it spawned running when it fails ("the node timed out during startup"):
+        # a new session means it spawned a head, recorded so that `down` stops it.
+        if head_session() not in (None, session_before):
+            state.ray_started, state.ray_address, state.ray_session = True, "auto", head_session()
+            state.save(state_dir_of(cfg))
         raise BringUpError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
     state.ray_started, state.ray_address = True, "auto"
     state.ray_session = head_session()
     return "auto"
+
+
+def _other_cluster_recorded(state: LocalState, address: Optional[str]) -> Optional[str]:
+    """Why `up` must not deploy to `address` (None: a local head) from this state, or None.
+
+    A state directory records one cluster: deploying to another would leave the first unrecorded
+    (nothing would stop it), and `down` would treat the second as the first (deleting every
+    application of a joined cluster, as it does on a head `up` started).
+    """
+    joins_local_head = address is None or _address_host(address) in (None, *_LOCAL_HOSTS)
+    if state.ray_started and not joins_local_head:
+        return (
+            f"this state directory records the local Ray head `warmpath up` started (session {state.ray_session}), "
+            f"not the cluster at RAY_ADDRESS={address}: `warmpath down` first, or use another --state-dir"
+        )
+    if not state.ray_started and state.ray_address and state.ray_address != address:
+        where = f"RAY_ADDRESS={address}" if address else "a local head"
+        return (
+            f"this state directory records warmpath deployed on the Ray cluster at {state.ray_address} (dashboard "
+            f"{state.dashboard_url}), not {where}: `warmpath down` first (it removes warmpath's applications "
+            "there), or use another --state-dir"
+        )
+    return None
 
 
 def ports_in_use(cfg: ClusterConfig) -> list[str]:
@@ -409,11 +502,22 @@ def dashboard_url_for(address: str) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` runs: an exited child of this process (a zombie until reaped) does not."""
+    try:
+        reaped, _ = os.waitpid(pid, os.WNOHANG)
+        if reaped == pid:
+            return False
+    except ChildProcessError:  # not this process' child: its parent reaps it
+        pass
     try:
         os.kill(pid, 0)
     except OSError:
         return False
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc to ask (not Linux): the signal alone
+    return state != "Z"
 
 
 def _is_redis_process(pid: int) -> bool:
@@ -621,6 +725,18 @@ def serving_ports(details: dict) -> tuple[int, int]:
     return details["http_options"]["port"], details["grpc_options"]["port"]
 
 
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def proxy_host(details: dict, state: LocalState) -> str:
+    """The address that reaches Serve's proxies: the one they bind (`ports.host`, fixed when Serve first
+    started on the head), or the head's own address (its dashboard's) where they bind every interface."""
+    bound = str((details.get("http_options") or {}).get("host") or "")
+    if bound not in _WILDCARD_HOSTS:
+        return bound
+    return urlsplit(state.dashboard_url).hostname or "127.0.0.1"
+
+
 def _answers(url: str) -> bool:
     import httpx
 
@@ -703,14 +819,15 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     if redeploy:
         _when_dashboard_ready(lambda: remove_applications(state, own, progress), "deleting the running application")
     deploy(cfg, state, progress)
-    http_port, grpc_port = serving_ports(wait_running(cfg, state, progress, timeout_s))
+    details = wait_running(cfg, state, progress, timeout_s)
+    http_port, grpc_port = serving_ports(details)
     if (http_port, grpc_port) != (cfg.ports.http_port, cfg.ports.grpc_port):
         progress(
             f"serve: the head's proxies were started on ports {http_port} (HTTP) and {grpc_port} (gRPC), "
             f"not the {cfg.ports.http_port} and {cfg.ports.grpc_port} asked for; Serve keeps its first ports "
             "until it stops (`warmpath down`, then `warmpath up`)"
         )
-    host = urlsplit(state.dashboard_url).hostname or "127.0.0.1"
+    host = proxy_host(details, state)
     host = f"[{host}]" if ":" in host else host
     state.http_url, state.grpc_address = f"http://{host}:{http_port}", f"{host}:{grpc_port}"
     state.save(state_dir)
@@ -739,7 +856,9 @@ def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress)
     key revoked with `warmpath keys revoke` is never registered again (`ApiKeyStore.create`
     refuses it): a new key replaces it, in the file too.
     """
-    from cluster.api_keys import ALL_PERMISSIONS, KeyRevoked, hash_api_key, key_id_of, run_with_store
+    from cluster.api_keys import (
+        ALL_PERMISSIONS, KeyRevoked, StoreUnavailable, hash_api_key, key_id_of, run_with_store,
+    )
 
     file = api_key_file(cfg)
     existing = file.read_text().strip() if file.is_file() else None
@@ -765,7 +884,10 @@ def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress)
             )
         return key
 
-    key = run_with_store(redis_url, register)
+    try:
+        key = run_with_store(redis_url, register)
+    except StoreUnavailable as err:  # a Redis that answers PING but takes no writes (a replica, full, MISCONF)
+        raise BringUpError(f"could not register the admin API key in Redis at {without_password(redis_url)}: {err}") from None
     if existing != key:
         file.parent.mkdir(parents=True, exist_ok=True)
         # O_CREAT's mode applies to a new file only: fchmod makes an existing one private too.
@@ -823,34 +945,76 @@ def reap_orphaned_engines() -> list[int]:
     return reaped
 
 
-def _stop_started_head(state: LocalState, progress: Progress) -> None:
-    """Deletes the applications and stops the local head `up` started, if that head still runs."""
+def _stop_started_head(state: LocalState, progress: Progress) -> bool:
+    """Deletes the applications and stops the local head `up` started, if that head still runs.
+
+    Returns:
+        False when the head may still run (`ray stop` failed or hung): it then stays recorded.
+    """
+    is_stopped = True
     if not _ray_head_up():
-        progress("ray: the head `up` started is not running")
+        leftovers = session_processes(state.ray_session) if state.ray_session else []
+        if not leftovers:
+            progress("ray: the head `up` started is not running")
+        else:  # a head that never finished starting, or stopped answering: its processes still go
+            progress(f"ray: the head `up` started does not answer; stopping its {len(leftovers)} processes")
+            is_stopped = _ray_stop(progress)
     elif not is_started_head(state):
         progress(
             f"ray: the head `up` started (session {state.ray_session}) is gone; the one running now "
             f"({head_session()}) was started elsewhere and is left running"
         )
-        return
+        return True
     else:
         try:
             _serve_client(state).delete_applications()  # replicas stop their engines before the head goes
             progress("serve: applications deleted")
         except Exception as err:
             progress(f"serve: could not delete applications ({err})")
-        try:
-            subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True, timeout=RAY_STOP_TIMEOUT_S)
-            progress("ray: head stopped")
-        except subprocess.TimeoutExpired:
-            progress(f"ray: `ray stop --force` did not finish in {RAY_STOP_TIMEOUT_S} s; run it by hand")
+        is_stopped = _ray_stop(progress)
     reaped = reap_orphaned_engines()
     if reaped:
         progress(f"vllm: stopped {len(reaped)} engine processes left behind by their replicas")
+    return is_stopped
 
 
-def down(cfg: ClusterConfig, progress: Progress) -> None:
+def _ray_stop(progress: Progress) -> bool:
+    """`ray stop --force`; False (said why) when it failed or did not finish."""
+    try:
+        result = subprocess.run(
+            [_bin("ray"), "stop", "--force"], capture_output=True, text=True, timeout=RAY_STOP_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        progress(f"ray: `ray stop --force` did not finish in {RAY_STOP_TIMEOUT_S} s; run it by hand")
+        return False
+    if result.returncode != 0:
+        said = (result.stderr or result.stdout).strip().splitlines()
+        progress(f"ray: `ray stop --force` failed ({said[-1] if said else f'exit {result.returncode}'}); run it by hand")
+        return False
+    progress("ray: head stopped")
+    return True
+
+
+def session_processes(session: str) -> list[int]:
+    """Ids of the processes of the Ray session `session` (`session_<date>_<pid>`): its GCS, raylet and workers
+    name their session folder on their command lines."""
+    needle = session.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def down(cfg: ClusterConfig, progress: Progress) -> bool:
     """Stops the Serve applications, and the Ray head and Redis if `up` started them.
+
+    Returns False when something could not be stopped; it stays recorded for the next `down`.
 
     A joined head (`RAY_ADDRESS`) keeps running with everything but warmpath's applications. A
     local head that is not the one `up` started (it stopped, and someone started another) is left
@@ -860,15 +1024,22 @@ def down(cfg: ClusterConfig, progress: Progress) -> None:
     state = LocalState.load(state_dir)
     if state.is_empty():
         progress(f"nothing to stop: {LocalState.path(state_dir)} records nothing started")
-        return
+        return True
+    left = LocalState()
     if state.ray_started:
-        _stop_started_head(state, progress)
+        if not _stop_started_head(state, progress):
+            left.ray_started, left.ray_session, left.ray_address = True, state.ray_session, state.ray_address
     elif state.ray_address:
         own = own_application_names(cfg)
         try:
             remove_applications(state, own, progress)
+            progress(f"ray: {state.ray_address} was joined, not started: left running")
         except Exception as err:
-            progress(f"serve: could not delete applications {', '.join(sorted(own))} ({err})")
-        progress(f"ray: {state.ray_address} was joined, not started: left running")
-    is_redis_stopped = stop_redis(state, progress)
-    LocalState(redis_pid=None if is_redis_stopped else state.redis_pid).save(state_dir)
+            progress(f"serve: could not delete applications {', '.join(sorted(own))} ({err}); still recorded")
+            left.ray_address, left.dashboard_url = state.ray_address, state.dashboard_url
+    if not stop_redis(state, progress):
+        left.redis_pid, left.redis_url = state.redis_pid, state.redis_url
+    left.save(state_dir)
+    if not left.is_empty():
+        progress(f"not everything stopped: {LocalState.path(state_dir)} still records it; `warmpath down` tries again")
+    return left.is_empty()

@@ -15,23 +15,31 @@ def unwritable_file_problem(path: Path, option: str = "--out") -> Optional[str]:
     """One line saying why `path` cannot be written as a file, or None when it can.
 
     Creates missing parent folders (the write would). Leaves an existing file's content as is
-    and removes a file it created to probe; never opens a FIFO or device just to probe it.
+    and removes a file it created to probe; never opens a FIFO or device just to probe it. A
+    symbolic link is probed at its target (where the write goes) and is itself left in place.
     """
-    if path.is_dir():
+    try:
+        return _problem(path, path.resolve(), option)
+    except OSError as err:  # a folder on the way that this user may not search
+        return f"{option} {path} cannot be written ({err.strerror or err})"
+
+
+def _problem(path: Path, target: Path, option: str) -> Optional[str]:
+    if target.is_dir():
         return f"{option} {path} is a directory; give a file path"
-    ancestor = path.parent
+    ancestor = target.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         return f"{option} {path}: {ancestor} is not a directory"
-    existed = path.exists()
+    existed = target.exists()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not existed or path.is_file():
-            with path.open("a"):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not existed or target.is_file():
+            with target.open("a"):
                 pass
     except OSError as err:
         return f"{option} {path} cannot be written ({err.strerror or err})"
     if not existed:
-        path.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
     return None

@@ -162,6 +162,8 @@ class _EventPump(threading.Thread):
         self.watch = EventStreamWatch()
         # The KV capacity each replica reported, as last given to the index (`PrefixIndex.set_replica_capacity`).
         self._capacities: dict[ReplicaId, int] = {}
+        # Replicas whose advertised (endpoint, replay endpoint) ZMQ refused, until they advertise others.
+        self._refused: dict[ReplicaId, tuple[str, str | None]] = {}
         self._checks = Counter(
             "warmpath_kv_event_checks", "Checks of KV-event subscriptions by outcome: a probe of a quiet one "
             "(quiet, stalled, unreachable) or a reload of a blind one (blind).", tag_keys=("replica", "outcome"),
@@ -209,15 +211,33 @@ class _EventPump(threading.Thread):
                 self._capacities[replica_id] = capacity
                 with router.lock:
                     router.index.set_replica_capacity(replica_id, capacity)
-        for replica_id, (endpoint, replay_endpoint) in advertised.items():
-            if replica_id in self._sources:
+        for replica_id in self._refused.keys() - advertised.keys():
+            del self._refused[replica_id]
+        for replica_id, endpoints in advertised.items():
+            if replica_id in self._sources or self._refused.get(replica_id) == endpoints:
                 continue
+            self._subscribe(replica_id, *endpoints)
+
+    def _subscribe(self, replica_id: ReplicaId, endpoint: str, replay_endpoint: str | None) -> None:
+        """Subscribes to one replica; endpoints ZMQ refuses leave it routed by load, said once, tried again
+        only when the replica advertises others (the other replicas' events go on)."""
+        source = None
+        try:
             source = ZmqEventSource(endpoint, replay_endpoint=replay_endpoint)
-            stream = ReplicaEventStream(replica_id, router.index, DEFAULT_MAX_REPLAY_BATCHES if replay_endpoint else 0)
-            self._sources[replica_id] = (endpoint, source, stream)
-            self.watch.subscribed(replica_id)
             self._request_history(replica_id, source)
-            logger.info("subscribed to KV events of replica %s at %s", replica_id, endpoint)
+        except Exception as err:
+            if source is not None:
+                source.close()
+            self._refused[replica_id] = (endpoint, replay_endpoint)
+            logger.warning(
+                "cannot subscribe to KV events of replica %s at %s (replay %s): %s; it is routed without its cache "
+                "contents until it advertises other endpoints", replica_id, endpoint, replay_endpoint, err,
+            )
+            return
+        stream = ReplicaEventStream(replica_id, self._router.index, DEFAULT_MAX_REPLAY_BATCHES if replay_endpoint else 0)
+        self._sources[replica_id] = (endpoint, source, stream)
+        self.watch.subscribed(replica_id)
+        logger.info("subscribed to KV events of replica %s at %s", replica_id, endpoint)
 
     def _forget_departed(self, running: set[ReplicaId]) -> None:
         """Drops the index entries of replicas Serve no longer runs, subscribed or not.
@@ -544,7 +564,8 @@ class PrefixKVRouter(RequestRouter):
         logged = decision_log.LoggedDecision(decision, start_ns, time.time_ns())
         metadata = pending_request.metadata
         decision_log.DECISIONS.put(metadata.request_id, metadata.internal_request_id, logged)
-        decision_log.STATS.count_decision(decision.reason)
+        if metadata.internal_request_id not in self._decisions:  # Serve's backoff asks again for a request
+            decision_log.STATS.count_decision(decision.reason)  # while every replica is full: one count each
         self._decisions[pending_request.metadata.internal_request_id] = decision
         self._inflight.place(pending_request.metadata.internal_request_id, decision.replica_id, time.monotonic(), False)
         while len(self._decisions) > MAX_DECISIONS:
@@ -570,8 +591,9 @@ class PrefixKVRouter(RequestRouter):
             self.index.withdraw_pending(ReplicaId(replica_id or decision.replica_id), blocks.hashes())
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self._inflight.complete(internal_request_id)
-        self._pump.watch.request_completed(ReplicaId(replica_id.unique_id), time.monotonic())
+        # A rejected attempt's completion can come after its retry was placed elsewhere: that one still runs.
+        if self._inflight.complete(internal_request_id, ReplicaId(replica_id.unique_id)):
+            self._pump.watch.request_completed(ReplicaId(replica_id.unique_id), time.monotonic())
 
     def snapshot(self) -> dict[str, Any]:
         """State for operators, tests and the bench: replicas (with their KV caches' size and usage as they

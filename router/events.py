@@ -365,7 +365,8 @@ class ReplicaEventStream:
 
     def _fits_replay_buffer(self, num_missing: int) -> bool:
         """Whether a gap of `num_missing` batches is one the publisher's replay buffer can hold."""
-        return 0 < num_missing <= self._max_replay_batches
+        # Batch `stop` (the one that showed the gap) is in the buffer too: it holds `num_missing + 1` of them.
+        return 0 < num_missing < self._max_replay_batches
 
     def _missing_batches(
         self, replayed: Sequence[tuple[int, KVEventBatch]], start: int, stop: int
@@ -423,8 +424,12 @@ class ZmqEventSource:
 
     def _new_sub(self) -> zmq.Socket:
         sub = self._ctx.socket(self._zmq.SUB)
-        sub.setsockopt(self._zmq.SUBSCRIBE, self._topic.encode("utf-8"))
-        sub.connect(self._endpoint)
+        try:
+            sub.setsockopt(self._zmq.SUBSCRIBE, self._topic.encode("utf-8"))
+            sub.connect(self._endpoint)
+        except BaseException:  # an address ZMQ refuses: no socket left behind
+            sub.close(linger=0)
+            raise
         return sub
 
     def poll_batches(self, max_msgs: int) -> list[tuple[int, KVEventBatch]]:
@@ -449,9 +454,14 @@ class ZmqEventSource:
         if self._is_replay_pending:
             self.abandon_buffered()  # its late replies must not mix into this answer
         if self._dealer is None:
-            self._dealer = self._ctx.socket(self._zmq.DEALER)
-            self._dealer.setsockopt(self._zmq.RCVHWM, 0)  # never drop replies on this side
-            self._dealer.connect(self._replay_endpoint)
+            dealer = self._ctx.socket(self._zmq.DEALER)
+            try:
+                dealer.setsockopt(self._zmq.RCVHWM, 0)  # never drop replies on this side
+                dealer.connect(self._replay_endpoint)
+            except BaseException:  # kept unconnected, the next send would block with no peer to take it
+                dealer.close(linger=0)
+                raise
+            self._dealer = dealer
         self._replayed = []
         self._last_reply_s = None
         self._dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))

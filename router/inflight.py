@@ -42,10 +42,24 @@ class InflightRequests:
         while len(self._undispatched) + len(self._dispatched) > MAX_INFLIGHT:
             self._drop_oldest()
 
-    def complete(self, request_id: str) -> None:
-        placed = self._undispatched.pop(request_id, None) or self._dispatched.pop(request_id, None)
-        if placed is not None:
-            self._uncount(placed[0])
+    def complete(self, request_id: str, replica_id: ReplicaId | None = None) -> bool:
+        """Stops counting the request; with `replica_id`, only if it is placed there.
+
+        Why the replica: a replica that rejected the request (full) reports its attempt complete,
+        possibly after Serve has placed the retry on another one, which still runs it.
+
+        Returns:
+            False when the request is placed on a replica other than `replica_id` (nothing changed).
+        """
+        queue = self._undispatched if request_id in self._undispatched else self._dispatched
+        placed = queue.get(request_id)
+        if placed is None:
+            return True
+        if replica_id is not None and placed[0] != replica_id:
+            return False
+        del queue[request_id]
+        self._uncount(placed[0])
+        return True
 
     def counts(self, now_s: float) -> dict[ReplicaId, int]:
         """Requests in flight per replica (replicas with none are absent); expires what timed out first."""

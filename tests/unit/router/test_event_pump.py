@@ -503,3 +503,44 @@ def test_a_gap_in_the_middle_of_a_poll_is_filled_after_what_came_before_it(publi
     assert indexed_blocks(pump) == 4
     state = pump.stream_states()[A]
     assert (state["last_seq"], state["num_gaps"], state["num_replayed_gaps"]) == (3, 1, 1)
+
+
+def test_a_replica_advertising_an_endpoint_zmq_refuses_leaves_the_others_subscribed(publisher, tmp_path, caplog):
+    bad = ReplicaId("bad")
+    broken = SimpleNamespace(replica_id=SimpleNamespace(unique_id=bad),
+                             routing_stats={"kv_events_endpoint": "tcp://10.0.0.5", "kv_events_replay_endpoint": None})
+    pump = make_pump(tmp_path)
+    pump._router.curr_replicas = {bad: broken, A: advertised(A, tmp_path)}
+    publisher.publish(stored(0, 3))
+    published(publisher, 1)
+    try:
+        for _ in range(3):
+            subscribe(pump)
+        assert pump.subscribed_replicas() == [A] and indexed_blocks(pump) == 3
+        refusals = [r for r in caplog.records if "cannot subscribe to KV events of replica bad" in r.getMessage()]
+        assert len(refusals) == 1  # said once, not at every pass
+        broken.routing_stats = {"kv_events_endpoint": f"ipc://{tmp_path}/other", "kv_events_replay_endpoint": None}
+        pump._sync_subscriptions()  # new endpoints are tried again
+        assert sorted(pump.subscribed_replicas()) == sorted([A, bad])
+    finally:
+        for _, source, _ in pump._sources.values():
+            source.close()
+
+
+def test_a_replay_endpoint_zmq_refuses_fails_every_request_without_blocking():
+    source = ZmqEventSource("ipc:///tmp/warmpath-no-such-publisher", replay_endpoint="tcp://10.0.0.5")
+    outcomes = []
+
+    def ask_twice() -> None:
+        for _ in range(2):
+            try:
+                source.request_buffered(0)
+                outcomes.append("sent")
+            except zmq.ZMQError:
+                outcomes.append("refused")
+
+    asker = threading.Thread(target=ask_twice, daemon=True)
+    asker.start()
+    asker.join(timeout=10)
+    source.close()
+    assert outcomes == ["refused", "refused"]  # the second did not block on an unconnected socket

@@ -171,8 +171,8 @@ def test_stream_ignores_a_replay_answer_without_a_gap(index):
 @pytest.mark.parametrize(
     ("seq", "max_replay_batches", "is_fillable"),
     [
-        (5, 4, True),  # batches 1-4 missing: as many as the buffer holds
-        (6, 4, False),  # one more than the buffer holds: the answer cannot fill it
+        (4, 4, True),  # batches 1-3 missing: the buffer holds them and batch 4, as many as it holds
+        (5, 4, False),  # batches 1-4 missing: with batch 5 one more than it holds, so batch 1 is gone
         (2, 0, False),  # no replay socket
         (1, 4, False),  # in order
         (0, 4, False),  # the publisher restarted

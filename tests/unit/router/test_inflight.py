@@ -88,3 +88,14 @@ def test_reading_the_counts_does_not_walk_every_request_in_flight():
     _CountedId.num_hashes = 0
     assert inflight.counts(2.0) == {"a": 1000}
     assert _CountedId.num_hashes < 10
+
+
+def test_a_rejected_attempts_completion_leaves_its_retry_counted():
+    """Serve reports the attempt a full replica rejected complete, possibly after the retry went elsewhere."""
+    inflight = InflightRequests()
+    inflight.place("r", A, 0.0, is_dispatched=True)
+    inflight.place("r", B, 0.1, is_dispatched=True)  # A rejected it; the retry runs on B
+    assert not inflight.complete("r", A)
+    assert inflight.counts(1.0) == {B: 1}
+    assert inflight.complete("r", B)
+    assert inflight.counts(1.0) == {}

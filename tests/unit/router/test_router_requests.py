@@ -180,3 +180,34 @@ def test_until_the_tokenizer_loads_chat_requests_are_routed_by_load(new_router):
         assert body.kv_transfer_params is None and not router._decisions
 
     asyncio.run(route())
+
+
+def test_a_completion_from_a_replica_that_rejected_the_request_keeps_it_in_flight_where_it_runs(new_router):
+    async def route() -> dict:
+        router = new_router()
+        r1, r2 = StandInReplica("R1"), StandInReplica("R2")
+        router.update_replicas([r1, r2])
+        request = pending(SimpleNamespace(prompt=list(range(64))))
+        request_id = request.metadata.internal_request_id
+        router._inflight.place(request_id, "R1", time.monotonic(), True)
+        router.on_request_routed(request, r2.replica_id, None)  # R1 was full: Serve placed the retry on R2
+        router.on_request_completed(r1.replica_id, request_id)  # R1's rejected attempt
+        still_running = router._inflight.counts(time.monotonic())
+        router.on_request_completed(r2.replica_id, request_id)
+        return still_running, router._inflight.counts(time.monotonic())
+
+    assert asyncio.run(route()) == ({"R2": 1}, {})
+
+
+def test_serves_backoff_asking_again_for_one_request_counts_one_decision(new_router):
+    async def route() -> int:
+        router = new_router()
+        router.update_replicas([StandInReplica("R1"), StandInReplica("R2")])
+        router.tokenizer.token_ids = lambda request, rendering: list(request.prompt)
+        before = sum(decision_log.STATS.num_decisions_by_reason.values())
+        request = pending(SimpleNamespace(prompt=list(range(64))))
+        for _ in range(3):  # every replica full: Serve's backoff loop calls choose_replicas again
+            await router.choose_replicas(list(router.curr_replicas.values()), request)
+        return sum(decision_log.STATS.num_decisions_by_reason.values()) - before
+
+    assert asyncio.run(route()) == 1

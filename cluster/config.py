@@ -21,7 +21,9 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Union
+
+from typing_extensions import TypeAliasType
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import redis
@@ -31,8 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 DEFAULT_MODEL_ID = "warmpath-tiny"
 ENV_PREFIX = "WARMPATH_"
 
-# JSON-shaped values that vLLM engine arguments accept (passed through verbatim).
-EngineArgValue = str | int | float | bool | None | list[str | int | float] | dict[str, str | int | float | bool]
+# JSON-shaped values that vLLM engine arguments accept (passed through verbatim), nested as deep as vLLM's
+# own (`hf_overrides: {rope_scaling: {...}}`, `compilation_config: {pass_config: {...}}`).
+JsonValue = TypeAliasType(
+    "JsonValue", "Union[str, int, float, bool, None, list[JsonValue], dict[str, JsonValue]]"
+)
+EngineArgValue = JsonValue
 
 
 class _Strict(BaseModel):
@@ -42,7 +48,10 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """Which model every replica serves and how requests name it."""
 
-    model_id: str = Field(DEFAULT_MODEL_ID, description="Name clients put in the `model` field.", min_length=1)
+    model_id: str = Field(
+        DEFAULT_MODEL_ID, description="Name clients put in the `model` field (no '#': Ray Serve names a "
+        "deployment after it, and '#' separates a replica's id there).", min_length=1, pattern=r"^[^#]+$",
+    )
     source: str = Field(
         "",
         description=(
@@ -118,10 +127,16 @@ class ReplicaConfig(_Strict):
         bad = sorted(name for name, amount in self.ray_resources.items() if not amount > 0 or amount == float("inf"))
         if bad:
             raise ValueError(f"replicas.ray_resources {bad}: amounts must be finite and above 0")
-        reserved = {"model", "tensor_parallel_size", "block_size", "enable_prefix_caching", "kv_events_config"}
+        reserved = {"model", "tensor_parallel_size", "block_size", "enable_prefix_caching", "kv_events_config",
+                    "enable_prompt_tokens_details", "enable_auto_tool_choice"}
         clash = sorted(reserved & set(self.engine_kwargs))
         if clash:
             raise ValueError(f"replicas.engine_kwargs may not set {clash}: they are owned by the cluster config")
+        # The orchestrator sizes prompts by the model section too: one value, read by both.
+        owned_by_model = {"max_model_len": "model.max_model_len_tokens", "tool_call_parser": "model.tool_call_parser"}
+        if clash := sorted(set(owned_by_model) & set(self.engine_kwargs)):
+            fields = ", ".join(f"{owned_by_model[name]} for {name}" for name in clash)
+            raise ValueError(f"replicas.engine_kwargs may not set {clash}: set {fields}")
         return self
 
 
@@ -194,10 +209,19 @@ class RouterConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_weights(self) -> "RouterConfig":
+        from router.registry import SCORERS  # the router's own list; it imports nothing of the config
+
+        unknown = sorted(set(self.scorer_weights) - set(SCORERS))
+        if unknown:
+            raise ValueError(f"router.scorer_weights names unknown scorers {unknown}; known: {sorted(SCORERS)}")
         bad = {k: v for k, v in self.scorer_weights.items() if not 0 <= v <= MAX_SCORER_WEIGHT}
         if bad:
             raise ValueError(f"router.scorer_weights must be finite, >= 0 and <= {MAX_SCORER_WEIGHT:g}, got {bad}")
         return self
+
+
+# Ports a Ray head listens on by default, which no other listener of the cluster may take.
+RAY_HEAD_PORTS = {6379: "its GCS", 8265: "its dashboard"}
 
 
 class PortsConfig(_Strict):
@@ -216,16 +240,39 @@ class PortsConfig(_Strict):
 
     @model_validator(mode="after")
     def _distinct(self) -> "PortsConfig":
-        if self.http_port == self.grpc_port:
-            raise ValueError(f"ports.http_port and ports.grpc_port are both {self.http_port}")
+        named = [("ports.http_port", self.http_port), ("ports.grpc_port", self.grpc_port),
+                 ("ports.metrics_export_port", self.metrics_export_port),
+                 ("ports.local_redis_port", self.local_redis_port)]
+        for at, (name, port) in enumerate(named):
+            for other, other_port in named[at + 1:]:
+                if port == other_port:
+                    raise ValueError(f"{name} and {other} are both {port}")
+            if port in RAY_HEAD_PORTS:
+                raise ValueError(f"{name} is {port}, which a Ray head takes ({RAY_HEAD_PORTS[port]})")
         return self
 
 
 class TelemetryConfig(_Strict):
     """OpenTelemetry export; off when no endpoint is set."""
 
-    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint, e.g. http://collector:4318.")
-    service_name: str = Field("warmpath", description="OpenTelemetry service.name.")
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP/HTTP endpoint, e.g. http://collector:4318; unset or empty: tracing is off."
+    )
+    service_name: str = Field("warmpath", description="OpenTelemetry service.name.", min_length=1)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, endpoint: str | None) -> str | None:
+        if not endpoint:
+            return None  # every process reads "" as off, as OTel's own SDK does
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http:// or https:// URL (OTLP over HTTP), got {endpoint!r}")
+        return endpoint
+
+
+# gRPC's message size options are C ints: the gRPC proxy cannot start with a larger limit.
+MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
 
 
 class AccessConfig(_Strict):
@@ -239,7 +286,8 @@ class AccessConfig(_Strict):
     )
     default_burst: int = Field(40, description="Token bucket size of keys created without their own.", ge=1)
     max_request_bytes: int = Field(
-        4 * 1024 * 1024, description="Largest HTTP request body accepted (413 beyond).", ge=1024
+        4 * 1024 * 1024, description="Largest HTTP request body or gRPC message accepted (413 beyond).", ge=1024,
+        le=MAX_GRPC_MESSAGE_BYTES,
     )
 
 
@@ -304,7 +352,7 @@ class ClusterConfig(_Strict):
         ge=1, le=MAX_SESSION_TTL_S, allow_inf_nan=False,
     )
     state_dir: str = Field(".warmpath", description="Local state: model, Redis data, logs, pid files.")
-    app_name: str = Field("warmpath", description="Ray Serve application name.")
+    app_name: str = Field("warmpath", description="Ray Serve application name.", min_length=1)
 
     @field_validator("redis_url")
     @classmethod
@@ -416,6 +464,8 @@ def env_overrides(environ: Mapping[str, str]) -> dict:
         path = [part.lower() for part in name[len(ENV_PREFIX):].split("__") if part]
         if not path or (path[0] not in ClusterConfig.model_fields and "__" not in name):
             continue
+        if path[:2] == ["router", "scorer_weights"] and len(path) == 3:
+            path[2] = path[2].replace("_", "-")  # scorer keys are kebab-case; shells allow no dash in a name
         try:
             value = yaml.safe_load(raw) if raw else raw
         except yaml.YAMLError as err:
@@ -423,10 +473,14 @@ def env_overrides(environ: Mapping[str, str]) -> dict:
         _set_path(out, path, value)
     if environ.get("REDIS_URL"):
         out.setdefault("redis_url", environ["REDIS_URL"])
-    if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        out.setdefault("telemetry", {}).setdefault("otlp_endpoint", environ["OTEL_EXPORTER_OTLP_ENDPOINT"])
-    if environ.get("OTEL_SERVICE_NAME"):
-        out.setdefault("telemetry", {}).setdefault("service_name", environ["OTEL_SERVICE_NAME"])
+    telemetry = out.setdefault("telemetry", {})
+    if isinstance(telemetry, dict):  # else WARMPATH_TELEMETRY set it whole, to what validation then names
+        if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            telemetry.setdefault("otlp_endpoint", environ["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        if environ.get("OTEL_SERVICE_NAME"):
+            telemetry.setdefault("service_name", environ["OTEL_SERVICE_NAME"])
+        if not telemetry:
+            del out["telemetry"]
     return out
 
 
@@ -486,6 +540,25 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {file} must hold a mapping at the top level")
         data = loaded
-    data = deep_merge(data, env_overrides(environ))
-    data = deep_merge(data, overrides or {})
+    defaults = ClusterConfig().model_dump()
+    for layer in (env_overrides(environ), overrides or {}):
+        data = deep_merge(_with_defaults_under(data, layer, defaults), layer)
     return validate_config(data)
+
+
+def _with_defaults_under(data: dict, layer: Mapping, defaults: Mapping) -> dict:
+    """`data` holding, under every mapping `layer` sets that `data` lacks, that mapping's default.
+
+    Why: an environment variable or flag names one key of a mapping field
+    (`WARMPATH_ROUTER__SCORER_WEIGHTS__LOAD=3`); merged into nothing, it would be the
+    whole mapping and switch the other scorers off. A mapping the file writes stays the
+    file's whole (its scorers missing there are off).
+    """
+    out = dict(data)
+    for key, value in layer.items():
+        default = defaults.get(key)
+        if isinstance(value, Mapping) and isinstance(default, dict):
+            below = default if out.get(key) is None else out[key]
+            if isinstance(below, dict):
+                out[key] = _with_defaults_under(below, value, default)
+    return out

@@ -28,7 +28,7 @@ import copy
 import math
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
@@ -100,12 +100,21 @@ def load_overlay_config(overlay_dir: Path) -> ClusterConfig:
             f"{where}: model.source must name the model inside the pod "
             "(a folder in the image or a Hugging Face id)"
         )
-    if cfg.redis_url and urlsplit(cfg.redis_url).password:
+    if cfg.redis_url and _carries_password(cfg.redis_url):
         raise ConfigError(
             f"{where}: redis_url carries a password, which would be written into the RayService; "
             "leave redis_url unset and let pods read REDIS_URL built from the Secret"
         )
     return cfg
+
+
+def _carries_password(url: str) -> bool:
+    """Whether a Redis URL holds a password: in its `user:password@` part, or as the `password` option
+    redis-py reads from its query."""
+    parts = urlsplit(url)
+    return bool(parts.password) or any(
+        name.lower() == "password" and value for name, value in parse_qsl(parts.query, keep_blank_values=True)
+    )
 
 
 def worker_ray_cpus(cfg: ClusterConfig) -> int:

@@ -264,10 +264,14 @@ class WarmpathLLMServer(LLMServer):
         self._kv_cache_usage = _attach_kv_cache_usage(self.engine)
         self._advertised["kv_capacity_blocks"] = engine_kv_capacity_blocks(self.engine)
 
-    async def _tagged(self, stream: AsyncGenerator, span) -> AsyncGenerator:
-        """Tags the stream with this replica and times it (first item = time to first token)."""
+    async def _tagged(self, stream: AsyncGenerator, span, is_streaming: bool) -> AsyncGenerator:
+        """Tags the stream with this replica and times it: a streamed call's first item is its first token.
+
+        A call that is not streamed yields its whole response as one item, which says nothing
+        about its first token: it is not timed.
+        """
         start = time.monotonic()
-        is_first = True
+        is_first = is_streaming
         try:
             yield ServedBy(self._replica_id)
             async for item in stream:
@@ -301,14 +305,19 @@ class WarmpathLLMServer(LLMServer):
         )
         if span.is_recording():
             span.set_attribute("warmpath.prompt_ids_forwarded", is_forwarded)
-        return self._tagged(await _ending_span_on_failure(super().chat(request, raw_request_info), span), span)
+        return self._tagged(
+            await _ending_span_on_failure(super().chat(request, raw_request_info), span), span, bool(request.stream)
+        )
 
     def _batch_output_stream(self, generator: AsyncGenerator) -> AsyncGenerator[list, None]:
         return eager_first_batches(generator, self._get_batch_interval_ms() / 1000)
 
     async def completions(self, request, raw_request_info=None):
         span = self._span("completions", request, raw_request_info)
-        return self._tagged(await _ending_span_on_failure(super().completions(request, raw_request_info), span), span)
+        return self._tagged(
+            await _ending_span_on_failure(super().completions(request, raw_request_info), span), span,
+            bool(request.stream),
+        )
 
     async def __del__(self) -> None:
         """Ray Serve's shutdown hook: the engine stops (Ray's), then the queued spans go out before Ray kills the actor."""

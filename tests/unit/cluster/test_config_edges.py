@@ -1,0 +1,96 @@
+"""The cluster config refuses at the edge, in one line, what would fail later inside a deployment (or
+leak a secret), and accepts what vLLM and Ray accept; environment variables set one key of a mapping."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import k8s_render
+from cluster.config import ConfigError, load_config
+from serve_apps.builders import engine_kwargs
+
+
+def _load(environ=None, **overrides):
+    return load_config(environ=environ or {}, overrides=overrides)
+
+
+def test_one_scorer_weight_from_the_environment_keeps_the_others():
+    cfg = _load({"WARMPATH_ROUTER__SCORER_WEIGHTS__LOAD": "3"})
+    assert cfg.router.scorer_weights == {"prefix-cache": 1.0, "load": 3.0, "session-affinity": 1.0,
+                                         "session-balance": 1.0}
+
+
+def test_a_scorer_weight_from_the_environment_is_written_with_underscores(tmp_path):
+    config = tmp_path / "cluster.yaml"
+    config.write_text("router:\n  scorer_weights: {load: 2}\n")  # the file's mapping is whole: others off
+    cfg = load_config(config, environ={"WARMPATH_ROUTER__SCORER_WEIGHTS__PREFIX_CACHE": "4"})
+    assert cfg.router.scorer_weights == {"load": 2.0, "prefix-cache": 4.0}
+
+
+def test_an_unknown_scorer_is_refused_naming_the_known_ones():
+    with pytest.raises(ConfigError, match=r"unknown scorers \['prefix_cach'\]; known: \['load', 'prefix-cache'"):
+        _load(router={"scorer_weights": {"prefix_cach": 1.0}})
+
+
+@pytest.mark.parametrize("name, owner", [("max_model_len", "model.max_model_len_tokens"),
+                                         ("tool_call_parser", "model.tool_call_parser")])
+def test_engine_kwargs_may_not_override_what_the_model_section_owns(name, owner):
+    with pytest.raises(ConfigError, match=rf"may not set \['{name}'\]: set {owner}"):
+        _load(replicas={"engine_kwargs": {name: 2048 if name == "max_model_len" else "llama3_json"}})
+
+
+def test_nested_engine_kwargs_pass_through_unchanged():
+    nested = {
+        "hf_overrides": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+        "limit_mm_per_prompt": {"image": {"count": 2}},
+        "compilation_config": {"pass_config": {"enable_fusion": False}, "cudagraph_capture_sizes": [1, 2, 4]},
+    }
+    cfg = _load(replicas={"engine_kwargs": nested})
+    assert {name: engine_kwargs(cfg)[name] for name in nested} == nested
+
+
+def test_a_request_size_grpc_cannot_take_is_refused():
+    with pytest.raises(ConfigError, match="access.max_request_bytes"):
+        _load(access={"max_request_bytes": 3 * 1024**3})
+    assert _load(access={"max_request_bytes": 2**31 - 1}).access.max_request_bytes == 2**31 - 1
+
+
+@pytest.mark.parametrize("environ", [{"WARMPATH_TELEMETRY__OTLP_ENDPOINT": ""}, {"OTEL_EXPORTER_OTLP_ENDPOINT": ""}])
+def test_an_empty_otlp_endpoint_is_off_everywhere(environ):
+    assert _load(environ).telemetry.otlp_endpoint is None
+
+
+def test_an_otlp_endpoint_without_a_scheme_is_refused():
+    with pytest.raises(ConfigError, match=r"telemetry.otlp_endpoint: .*http:// or https:// URL"):
+        _load(telemetry={"otlp_endpoint": "collector:4318"})
+
+
+def test_a_telemetry_section_set_whole_by_the_environment_is_a_config_error_not_a_crash():
+    with pytest.raises(ConfigError, match="telemetry"):
+        _load({"WARMPATH_TELEMETRY": "off", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
+
+
+@pytest.mark.parametrize("ports, match", [
+    ({"metrics_export_port": 8000}, "ports.http_port and ports.metrics_export_port are both 8000"),
+    ({"http_port": 8265}, "ports.http_port is 8265, which a Ray head takes"),
+    ({"local_redis_port": 6379}, "ports.local_redis_port is 6379, which a Ray head takes"),
+    ({"local_redis_port": 9000}, "ports.grpc_port and ports.local_redis_port are both 9000"),
+])
+def test_ports_two_listeners_would_share_are_refused(ports, match):
+    with pytest.raises(ConfigError, match=match):
+        _load(ports=ports)
+
+
+@pytest.mark.parametrize("overrides, where", [({"app_name": ""}, "app_name"),
+                                              ({"model": {"model_id": "org/model#2"}}, "model.model_id")])
+def test_names_ray_serve_refuses_are_refused_here(overrides, where):
+    with pytest.raises(ConfigError, match=where):
+        _load(**overrides)
+
+
+def test_an_overlay_redis_url_with_a_password_option_is_refused(tmp_path):
+    (tmp_path / "cluster.yaml").write_text(
+        "model: {source: /models/m}\nredis_url: redis://warmpath-redis:6379/1?password=hunter2\n"
+    )
+    with pytest.raises(ConfigError, match="redis_url carries a password"):
+        k8s_render.load_overlay_config(tmp_path)

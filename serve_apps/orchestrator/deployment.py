@@ -165,11 +165,15 @@ class HandleModelClient:
             except TurnFailed:
                 raise
             except Exception as err:  # the replica died mid-call (RayActorError and kin) or Serve lost it
+                # The client reads the failure's kind only: a remote error's text holds the replica's
+                # traceback, pid and address, which the log keeps.
+                kind = type(err).__name__  # a replica's own exception: "RayTaskError(KeyError)"
                 if attempt + 1 == MODEL_CALL_ATTEMPTS:
-                    raise TurnFailed("model_error", f"the model call failed twice: {type(err).__name__}: {err}") from None
-                logger.warning("model call of session %s failed (%s: %s); retrying once", session_id, type(err).__name__, err)
+                    logger.warning("model call of session %s failed again", session_id, exc_info=True)
+                    raise TurnFailed("model_error", f"the model call failed twice ({kind}); see the orchestrator's log") from None
+                logger.warning("model call of session %s failed; retrying once", session_id, exc_info=True)
                 WarmpathMetrics.get().model_retries.inc()
-                yield ModelRetry(reason=f"{type(err).__name__}: {str(err)[:200]}")
+                yield ModelRetry(reason=kind)
         # Outside the retry: whatever the model wrote as a call is the model's doing, not a replica's failure.
         reply.tool_calls = [_tool_call(index, call) for index, call in sorted(calls.items())]
         yield reply

@@ -248,3 +248,49 @@ def test_a_model_call_takes_its_own_routing_decision_when_another_turn_shares_it
     finally:
         decision_log.DECISIONS.pop("shared-id", "this-turn")
         decision_log.DECISIONS.pop("shared-id", "other-turn")
+
+
+def test_a_replicas_failure_reaches_the_client_as_its_kind_never_its_traceback(monkeypatch):
+    """A handle call whose replica raised carries the replica's traceback, pid and address: the log keeps them."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayTaskError
+
+    from serve_apps.orchestrator import deployment
+    from serve_apps.orchestrator.turns import ModelRetry, TurnFailed
+
+    monkeypatch.setattr(deployment.WarmpathMetrics, "get", classmethod(lambda cls: SimpleNamespace(
+        model_retries=SimpleNamespace(inc=lambda: None))))
+    remote = RayTaskError(
+        "ServeReplica:llm:LLMServer.chat",
+        'Traceback (most recent call last):\n  File "/app/serve_apps/vllm_replica.py", line 412, in chat\n'
+        "KeyError: 'kv_transfer_params'\n(pid=4242, ip=10.12.0.7)",
+        KeyError("kv_transfer_params"),
+    ).as_instanceof_cause()
+
+    class _FailingHandle(_StreamingHandle):
+        def remote(self, request, raw_request_info):
+            raise remote
+
+    client = deployment.HandleModelClient(_FailingHandle([]), "m")
+
+    async def run():
+        return [item async for item in client.chat("s1", [{"role": "user", "content": "hi"}], [], "auto", 16)]
+
+    with pytest.raises(TurnFailed) as failed:
+        asyncio.run(run())
+    retries = []
+
+    async def first_retry():
+        async for item in client.chat("s1", [{"role": "user", "content": "hi"}], [], "auto", 16):
+            retries.append(item)
+            return
+
+    asyncio.run(first_retry())
+    (retry,) = retries
+    assert isinstance(retry, ModelRetry) and retry.reason == "RayTaskError(KeyError)"
+    assert failed.value.code == "model_error"
+    assert "RayTaskError(KeyError)" in str(failed.value)
+    for text in (str(failed.value), retry.reason):
+        assert "4242" not in text and "10.12.0.7" not in text and "Traceback" not in text

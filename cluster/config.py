@@ -36,7 +36,7 @@ ENV_PREFIX = "WARMPATH_"
 # JSON-shaped values that vLLM engine arguments accept (passed through verbatim), nested as deep as vLLM's
 # own (`hf_overrides: {rope_scaling: {...}}`, `compilation_config: {pass_config: {...}}`).
 JsonValue = TypeAliasType(
-    "JsonValue", "Union[str, int, float, bool, None, list[JsonValue], dict[str, JsonValue]]"
+    "JsonValue", Union[str, int, float, bool, None, list["JsonValue"], dict[str, "JsonValue"]]
 )
 EngineArgValue = JsonValue
 

@@ -91,7 +91,7 @@ from serve_apps.grpc_decoding import UndecodableRequest
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import chat_request_problem
-from serve_apps.orchestrator.models import TURN_ERROR_STATUS, TURN_INTERRUPTED, Message
+from serve_apps.orchestrator.models import TOOL_CHOICE_KEYWORDS, TURN_ERROR_STATUS, TURN_INTERRUPTED, Message
 from serve_apps.orchestrator.prompt import to_wire_message
 from serve_apps.sse_frames import sse_payloads
 from serve_apps.vllm_replica import ServedBy
@@ -107,7 +107,6 @@ BACK_PRESSURE_RETRY_AFTER_S = 1.0
 IDEMPOTENCY_METADATA = "idempotency-key"
 # Trailing metadata of a turn answered from its idempotency record (HTTP's `x-warmpath-idempotent-replay` header).
 REPLAY_METADATA = "x-warmpath-idempotent-replay"
-NAMED_TOOL_CHOICES = frozenset({"auto", "none", "required"})
 
 ResponseT = TypeVar("ResponseT", bound=ProtoMessage)
 
@@ -212,7 +211,7 @@ def tool_results_body(request: agent_pb2.SubmitToolResultsRequest) -> dict[str, 
 
 def openai_tool_choice(tool_choice: str) -> str | dict[str, Any]:
     """The session API's tool choice ("auto", "none", "required" or a tool name) in OpenAI form."""
-    if tool_choice in NAMED_TOOL_CHOICES:
+    if tool_choice in TOOL_CHOICE_KEYWORDS:
         return tool_choice
     return {"type": "function", "function": {"name": tool_choice}}
 

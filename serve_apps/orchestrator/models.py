@@ -29,6 +29,8 @@ SessionId = NewType("SessionId", str)
 PrefixFingerprint = NewType("PrefixFingerprint", str)
 
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+# What `tool_choice` means besides a tool's name: no tool may be named so, or it could never be forced by name.
+TOOL_CHOICE_KEYWORDS = frozenset({"auto", "none", "required"})
 # Bounds of what a model-written call may hold; a declared tool's name is far shorter (TOOL_NAME_PATTERN).
 TOOL_NAME_MAX_CHARS = 256
 TOOL_CALL_ID_MAX_CHARS = 128
@@ -84,6 +86,13 @@ class ToolSpec(_Strict):
         default_factory=list, description="Permissions the caller must hold before the tool runs."
     )
     execution: ToolExecution = Field(description="Where the tool runs.")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if name in TOOL_CHOICE_KEYWORDS:
+            raise ValueError(f"{name!r} is a `tool_choice` keyword, so a tool named so could never be chosen by name")
+        return name
 
     @field_validator("parameters")
     @classmethod

@@ -17,10 +17,15 @@ Invariants `check_tool_parameters` holds for every accepted schema:
   nested `$schema`, and older dialects read 2020-12 keywords differently;
 - every number in it fits what vLLM's grammar compiler (xgrammar) reads numbers
   as: every number is within the float64 range, an integer a keyword holds
-  (a bound, a length; not a `const`/`enum` value) fits int64, and the bounds
-  (`minimum`, `maximum`, ...) of an `integer` schema lie within int64. A schema
-  that breaks this is accepted by JSON Schema but fails every turn forced to call
-  a tool (`tool_choice: "required"` or a tool name), so it is refused at creation.
+  (a bound, a length; not a `const`/`enum` value) fits int64, a count
+  (`maxLength`, `minItems`, ...) is written as an integer (the minimums within
+  int32), and the bounds (`minimum`, `maximum`, ...) of an `integer` schema are
+  whole numbers within int64. A schema that breaks this is accepted by JSON
+  Schema but fails every turn forced to call a tool (`tool_choice: "required"`
+  or a tool name), so it is refused at creation;
+- every `pattern` (and `patternProperties` name) compiles under the `regex`
+  engine the call checks run it with (`check_deadline`): one that only `re`
+  compiles would fail every call of its tool inside the orchestrator.
 
 What the compiler still refuses at a turn is the request's fault, not a replica's:
 `grammar_failure_message` recognises the engine's error for it. So is a `$defs`
@@ -37,6 +42,7 @@ import re
 import sys
 from urllib.parse import unquote
 
+import regex
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import JsonValue
@@ -73,6 +79,12 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 _FLOAT64_MAX = int(sys.float_info.max)
 _INTEGER_BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Keywords holding a count, which the grammar compiler reads as an integer (5.0 is refused there); it
+# takes the minimums up to int32's maximum.
+_COUNT_KEYWORDS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+                             "minContains", "maxContains"})
+_MIN_COUNT_KEYWORDS = frozenset({"minLength", "minItems", "minProperties", "minContains"})
+INT32_MAX = 2**31 - 1
 # vLLM's messages when xgrammar cannot compile a structured-output request
 # (vllm/v1/structured_output/backend_xgrammar.py), or when the tools' `$defs`
 # cannot be merged into the schema of a `required` call (vllm/tool_parsers/utils.py).
@@ -206,6 +218,11 @@ def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
                 raise ValueError(f"{where}: only Draft 2020-12 ({_DRAFT_2020_12_URIS[0]}) is supported, got {value!r}")
             if key in _DATA_KEYWORDS:
                 continue
+            if key == "pattern" and isinstance(value, str):
+                _check_pattern(value, where)
+            if key == "patternProperties" and isinstance(value, dict):
+                for name in value:
+                    _check_pattern(name, f"{where}/{name}")
             if key in _SUBSCHEMA_MAP_KEYWORDS and isinstance(value, dict):
                 for name, sub in value.items():
                     _check_keywords(sub, f"{where}/{name}", refs)
@@ -222,8 +239,27 @@ def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
         )
 
 
+def _check_pattern(pattern: str, where: str) -> None:
+    """A regular expression the call checks can run: they run it with `regex` (`check_deadline`), which
+    refuses some that `re` (the metaschema's check) compiles, such as `[[:foo:]]`."""
+    try:
+        regex.compile(pattern)
+    except regex.error as err:
+        raise ValueError(f"{where}: {pattern!r} is not a regular expression the checks can run: {err}") from None
+
+
 def _check_integer_bounds(schema: dict[str, JsonValue], path: str) -> None:
-    """The bounds of a schema that admits integers lie within int64, where the grammar compiler keeps them."""
+    """Counts are written as integers (the minimums within int32), and the bounds of a schema that admits
+    integers are whole numbers within int64: how the grammar compiler reads them."""
+    for key in _COUNT_KEYWORDS.intersection(schema):
+        count = schema[key]
+        if isinstance(count, float):
+            raise ValueError(
+                f"{path}/{key}: write {count} as an integer (JSON Schema allows a decimal, but the grammar of "
+                "forced tool calls reads a count as an integer only)"
+            )
+        if key in _MIN_COUNT_KEYWORDS and isinstance(count, int) and count > INT32_MAX:
+            raise ValueError(f"{path}/{key}: {count} is over {INT32_MAX}, the most the grammar of forced tool calls takes")
     types = schema.get("type")
     if not (types == "integer" or (isinstance(types, list) and "integer" in types)):
         return
@@ -233,6 +269,11 @@ def _check_integer_bounds(schema: dict[str, JsonValue], path: str) -> None:
             raise ValueError(
                 f"{path}/{key}: {bound} is outside the 64-bit integer range, which the grammar of "
                 "forced tool calls needs for an integer's bounds"
+            )
+        if isinstance(bound, float) and not bound.is_integer():
+            raise ValueError(
+                f"{path}/{key}: {bound} is not a whole number, which the grammar of forced tool calls needs "
+                "for an integer's bounds"
             )
 
 

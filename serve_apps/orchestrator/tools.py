@@ -29,7 +29,9 @@ from pydantic import JsonValue
 from referencing import Registry
 
 from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
-from serve_apps.orchestrator.pattern_deadline import PatternCheckTimeout, install, pattern_deadline
+from serve_apps.orchestrator.check_deadline import (
+    CheckTimeout, PatternCheckTimeout, check_deadline, deadline_checked, install,
+)
 from serve_apps.orchestrator.tool_network import Destination, ToolNetworkPolicy
 from serve_apps.orchestrator.tool_schema import compact_json_utf8, prefix_def_refs
 
@@ -41,8 +43,9 @@ MAX_ARGUMENT_DEPTH = 64
 # Bound on connecting to one address of a tool's host (httpx's default), whatever the tool's timeout.
 CONNECT_TIMEOUT_S = 5.0
 _ERROR_BODY_SNIPPET_BYTES = 512
-# Time every `pattern` of one call's validation may take together (a sane one takes microseconds).
-PATTERN_BUDGET_S = 0.1
+# Time one call's whole check may take, its `pattern`s included (real calls take well under a millisecond;
+# the event loop waits meanwhile).
+CHECK_BUDGET_S = 0.1
 
 install()
 
@@ -168,12 +171,15 @@ def escape_raw_control_characters(text: str) -> str:
     return "".join(out)
 
 
+_DeadlineCheckedValidator = deadline_checked(Draft202012Validator)
+
+
 def _validator(schema: dict) -> Draft202012Validator:
     # An empty registry: references resolve inside the schema only (models.ToolSpec
     # already refuses others), so validation never fetches anything. `format` is
     # asserted wherever jsonschema can check it (date, email, uuid, ipv4, ...): the
     # schema's author asked for it, and the grammar of a forced call does not enforce it.
-    return Draft202012Validator(schema, registry=Registry(), format_checker=Draft202012Validator.FORMAT_CHECKER)
+    return _DeadlineCheckedValidator(schema, registry=Registry(), format_checker=Draft202012Validator.FORMAT_CHECKER)
 
 
 def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | ToolCallError:
@@ -205,12 +211,16 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
             return invalid
         call = call.model_copy(update={"arguments": escaped})
     try:
-        with pattern_deadline(PATTERN_BUDGET_S):
+        with check_deadline(CHECK_BUDGET_S):
             errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))
     except (RecursionError, OverflowError) as err:  # e.g. `multipleOf` on a number with hundreds of digits
         return ToolCallError(call.id, call.name, "schema_violation", f"arguments cannot be checked: {type(err).__name__}")
     except PatternCheckTimeout:
-        detail = f"a `pattern` of the tool's schema took over {PATTERN_BUDGET_S:g} s to check against the arguments"
+        detail = f"a `pattern` of the tool's schema took over {CHECK_BUDGET_S:g} s to check against the arguments"
+        return ToolCallError(call.id, call.name, "schema_violation", detail)
+    except CheckTimeout:
+        detail = (f"checking the arguments against the tool's schema took over {CHECK_BUDGET_S:g} s "
+                  "(it applies its subschemas to the arguments too many times)")
         return ToolCallError(call.id, call.name, "schema_violation", detail)
     if not errors:
         return call

@@ -54,6 +54,7 @@ from serve_apps.orchestrator.models import (
     RequiresActionEvent,
     SessionEvent,
     StepStats,
+    TOOL_CHOICE_KEYWORDS,
     ToolCall,
     ToolCallEvent,
     ToolResult,
@@ -163,7 +164,7 @@ def _wire_tool_choice(tool_choice: str, tool_names: Sequence[str]) -> object:
     problem = tool_choice_problem(tool_choice, tool_names)
     if problem is not None:
         raise TurnFailed("unknown_tool", problem)
-    if tool_choice in ("auto", "none", "required"):
+    if tool_choice in TOOL_CHOICE_KEYWORDS:
         return tool_choice if tool_names else "none"
     return {"type": "function", "function": {"name": tool_choice}}
 

@@ -4,6 +4,7 @@ import copy
 import json
 
 import pytest
+import xgrammar
 from pydantic import ValidationError
 
 from serve_apps.orchestrator.models import (
@@ -455,6 +456,12 @@ def test_text_with_any_valid_unicode_is_accepted():
         ({"a": {"type": "string", "minLength": 10**20}}, "/properties/a/minLength"),
         ({"a": {"type": "integer", "maximum": 1e300}}, "/properties/a/maximum: 1e+300 is outside"),
         ({"a": {"type": ["integer", "null"], "exclusiveMinimum": -1e19}}, "/properties/a/exclusiveMinimum"),
+        # Counts are integers as written, and integer bounds whole numbers (JSON Schema allows 5.0 and 5.5).
+        ({"a": {"type": "string", "maxLength": 5.0}}, "/properties/a/maxLength: write 5.0 as an integer"),
+        ({"a": {"type": "array", "minItems": 1e20}}, "/properties/a/minItems: write 1e+20 as an integer"),
+        ({"a": {"type": "object", "maxProperties": 2.0}}, "/properties/a/maxProperties"),
+        ({"a": {"type": "string", "minLength": 2**31}}, "/properties/a/minLength: 2147483648 is over 2147483647"),
+        ({"a": {"type": "integer", "maximum": 5.5}}, "/properties/a/maximum: 5.5 is not a whole number"),
     ],
 )
 def test_tool_parameters_with_numbers_the_grammar_cannot_hold_rejected(properties, fragment):
@@ -470,6 +477,9 @@ def test_tool_parameters_with_numbers_the_grammar_cannot_hold_rejected(propertie
         {"a": {"type": "number", "maximum": 1e300, "minimum": -1.5e308}},
         {"a": {"type": "integer", "maximum": 1e18}},
         {"a": {"type": "string", "maxLength": 2**31 - 1}},
+        {"a": {"type": "integer", "minimum": 2.0, "multipleOf": 0.5}},
+        {"a": {"type": "number", "maximum": 5.5}},
+        {"a": {"type": "array", "maxItems": 2**40}},
         # Values the arguments are compared with are not read as int64.
         {"a": {"const": 10**19}},
         {"a": {"enum": [2**64, -(10**300)]}},
@@ -481,3 +491,21 @@ def test_tool_parameters_with_numbers_in_range_accepted(properties):
     # Kept as given: no bound clipped, no integer turned into a float (10**19 == 1e19, but not as JSON).
     assert spec.parameters == parameters
     assert json.dumps(spec.parameters, sort_keys=True) == json.dumps(parameters, sort_keys=True)
+    xgrammar.Grammar.from_json_schema(json.dumps(parameters))  # what a forced call compiles: no error
+
+
+@pytest.mark.parametrize("schema, fragment", [
+    ({"properties": {"a": {"type": "string", "pattern": "^[[:foo:]]$"}}}, "/properties/a/pattern: '^[[:foo:]]$'"),
+    ({"patternProperties": {"[[:foo:]]": {}}}, "/patternProperties/[[:foo:]]: '[[:foo:]]'"),
+])
+def test_a_pattern_only_pythons_re_compiles_is_refused_at_creation(schema, fragment):
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters={"type": "object", **schema}))
+    assert fragment in str(info.value) and "not a regular expression the checks can run" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["auto", "none", "required"])
+def test_a_tool_named_as_a_tool_choice_keyword_is_refused(name):
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(name=name))
+    assert "is a `tool_choice` keyword" in str(info.value)

@@ -15,7 +15,7 @@ from serve_apps.orchestrator.models import CreateSessionRequest, ToolCall, ToolS
 from serve_apps.orchestrator.tools import (
     MAX_ARGUMENT_DEPTH,
     MAX_REPORTED_VIOLATIONS,
-    PATTERN_BUDGET_S,
+    CHECK_BUDGET_S,
     SchemaViolation,
     ToolCallError,
     conflicting_defs,
@@ -505,7 +505,7 @@ def test_a_backtracking_schema_pattern_is_a_violation_within_the_budget_not_a_st
     call = ToolCall(id="c1", name="lookup", arguments=json.dumps(arguments))
     start = time.monotonic()
     result = validate_tool_call(call, _pattern_tool(schema))
-    assert time.monotonic() - start < 10 * PATTERN_BUDGET_S  # under `re` alone: hours
+    assert time.monotonic() - start < 10 * CHECK_BUDGET_S  # under `re` alone: hours
     assert isinstance(result, ToolCallError) and result.kind == "schema_violation"
     assert "`pattern`" in result.detail
 
@@ -519,3 +519,25 @@ def test_patterns_still_decide_as_before_under_the_deadline():
     assert isinstance(bad, ToolCallError) and {v.path for v in bad.violations} == {"$.q", "$['x-n']"}
     # Outside a validation, jsonschema's regular expressions run without a deadline, as before.
     assert Draft202012Validator({"pattern": "^(a|a)*$"}).is_valid("aaaa")
+
+
+def _fanned_out_refs(fanout: int, depth: int) -> dict:
+    """Definitions each applying the next one `fanout` times to the same value: `fanout ** depth` applications."""
+    defs = {f"d{level}": {"allOf": [{"$ref": f"#/$defs/d{level + 1}"}] * fanout} for level in range(depth)}
+    defs[f"d{depth}"] = {"type": "object"}
+    return {"$defs": defs, "allOf": [{"$ref": "#/$defs/d0"}]}
+
+
+def test_a_schema_that_applies_its_subschemas_exponentially_often_is_a_violation_within_the_budget():
+    tools = _pattern_tool(_fanned_out_refs(fanout=4, depth=14))  # accepted at creation: 1.7 KB, 15 hops
+    call = ToolCall(id="c1", name="lookup", arguments="{}")
+    start = time.monotonic()
+    result = validate_tool_call(call, tools)
+    assert time.monotonic() - start < 10 * CHECK_BUDGET_S  # unbounded: 4**15 applications, hours
+    assert isinstance(result, ToolCallError) and result.kind == "schema_violation"
+    assert "too many times" in result.detail
+
+
+def test_a_schema_applying_a_few_subschemas_in_place_still_decides():
+    tools = _pattern_tool(_fanned_out_refs(fanout=2, depth=3))
+    assert isinstance(validate_tool_call(ToolCall(id="c1", name="lookup", arguments="{}"), tools), ToolCall)

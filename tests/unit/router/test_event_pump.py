@@ -338,7 +338,9 @@ def test_a_history_that_lost_its_end_is_asked_for_again_from_where_it_stopped(pu
     subscribe(pump)
     state = pump.stream_states()[A]
     assert (state["last_seq"], state["num_gaps"], state["num_stored_blocks"]) == (2_999, 0, 3_000)
-    assert asked == [0, 1_000]
+    # From where the first answer stopped; the publisher may drop replies of a later answer as well (its
+    # send queue fills on a busy machine), and each is asked for again from where it stopped.
+    assert asked[:2] == [0, 1_000] and asked == sorted(set(asked))
     assert time.monotonic() - started < 30  # once its replies stopped, not at the deadline
 
 

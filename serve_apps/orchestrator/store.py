@@ -424,8 +424,14 @@ class SessionStore:
         `commit_turn` checks the length.
         """
         lock_args = self._lock_args(session_id, secrets.token_hex(16))
-        with _redis_errors(session_id):
-            outcome = await self._idempotent(lambda: self._acquire(**lock_args))
+        try:
+            with _redis_errors(session_id):
+                outcome = await self._idempotent(lambda: self._acquire(**lock_args))
+        except StoreUnavailable:
+            # Redis may have taken the lock and lost only its reply (a timeout): freed with this holder's
+            # token, or the session would refuse turns as busy until the lock expires.
+            await self._release_lock(session_id, lock_args)
+            raise
         if outcome == -1:
             raise SessionNotFound(session_id)
         if outcome == 0:

@@ -115,6 +115,28 @@ def test_turn_lock_is_exclusive_and_released(redis_url):
     assert _run(redis_url, scenario)
 
 
+def test_a_lock_taken_with_its_reply_lost_is_freed_not_left_busy(redis_url):
+    """Redis ran the acquire script but its reply timed out: the turn fails 503, and the next turn runs."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        acquire = store._acquire
+
+        async def reply_lost(**lock_args):
+            await acquire(**lock_args)
+            raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+        store._acquire = reply_lost
+        with pytest.raises(StoreUnavailable):
+            async with store.turn_lock(record.session_id):
+                pytest.fail("the lock was reported taken")
+        store._acquire = acquire
+        async with store.turn_lock(record.session_id):  # not SessionBusy until the lock expires
+            return True
+
+    assert _run(redis_url, scenario, lock_ttl_s=600)
+
+
 def test_concurrent_turns_one_wins(redis_url):
     async def scenario(store):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")

@@ -534,7 +534,24 @@ def _is_redis_process(pid: int) -> bool:
 def _serve_client(state: LocalState):
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
+    _local_token_auth(state)
     return ServeSubmissionClient(state.dashboard_url)
+
+
+def _local_token_auth(state: LocalState) -> None:
+    """Calls a local head's dashboard with the machine's Ray token where Ray itself would.
+
+    Why: with `RAY_AUTH_MODE` unset, a head started while `~/.ray/auth_token` exists
+    (written by any earlier `ray.init()` that started a cluster) requires that token, and
+    Ray's own clients of a local head send it. As in `ray.init`, an explicit address (a
+    joined cluster) never turns it on: set `RAY_AUTH_MODE=token` for such a cluster.
+    """
+    if state.ray_started or state.ray_address in (None, "auto", "local"):
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def deploy(cfg: ClusterConfig, state: LocalState, progress: Progress) -> None:
@@ -620,6 +637,7 @@ def check_local_head_resources(cfg: ClusterConfig, state: LocalState, progress: 
         return
     from ray.util.state import list_nodes
 
+    _local_token_auth(state)
     totals: dict[str, float] = {}
 
     def read() -> None:

@@ -267,15 +267,17 @@ def test_a_number_the_grammar_cannot_hold_is_refused_at_creation(cluster):
 
 
 def test_a_schema_the_grammar_compiler_refuses_fails_the_forced_turn_as_the_requests_fault(cluster):
-    # Valid JSON Schema that passes creation, but xgrammar takes no minLength over 2**31 - 1.
-    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 2**40}}, "required": ["a"]}
+    # Valid JSON Schema that passes creation, but xgrammar finds no object it allows: at least two
+    # properties, of which only one may exist.
+    inner = {"type": "object", "properties": {"x": {"type": "integer"}}, "minProperties": 2, "additionalProperties": False}
+    schema = {"type": "object", "properties": {"a": inner}, "required": ["a"]}
     tool = {"name": "t", "description": "d", "parameters": schema, "execution": {"kind": "client"}}
     sid = _create(cluster, [tool])["session_id"]
     resp = _send(cluster, sid, "Call t.", tool_choice="required")
     assert resp.status_code == 400, resp.text
     body = resp.json()
     assert body["error"]["code"] == "invalid_tool_schema", body
-    assert "minLength" in body["error"]["message"]
+    assert "minProperties" in body["error"]["message"]
     assert ".cc:" not in body["error"]["message"]
     # Not taken for a dead replica: no retry.
     assert not any(e["kind"] == "model_retry" for e in body["events"])

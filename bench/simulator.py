@@ -22,7 +22,9 @@ What is real and what is modelled:
   prefill at a time; decode time = tokens * per-token time, either holding the
   replica (`is_decode_blocking`, the CPU engine) or running beside the next
   prefills (continuous batching on a GPU, batch effects folded into the
-  per-token time). TTFT = queueing + prefill + one decode step.
+  per-token time). TTFT = queueing + prefill (the fitted prefill cost holds
+  the step that samples the first token); the turn ends one decode step per
+  output token but the first after that.
 - the block cache (`BlockCache`, in `bench.sim_cache` with the KV events) is
   vLLM's prefix cache reduced to what decides hits: full blocks, hits =
   longest cached leading run (at most all but the last token), LRU eviction
@@ -742,6 +744,9 @@ def reproduce_live_run(bench: dict, policy: RouterPolicy = "warmpath", tolerance
     measured = run["summary"]["hit_rate"]
     if measured is None:
         raise ValueError(f"the {policy} run has no successful requests")
+    if bench.get("kv_capacity_blocks") is None:
+        raise ValueError("the run records no KV cache size per replica (the replicas reported none and the "
+                         "model's shape gave no estimate), which the replay's caches need")
     profile = replace(CPU_PROFILE, block_size_tokens=bench["block_size_tokens"],
                       kv_capacity_blocks=bench["kv_capacity_blocks"])
     result = simulate(policy, bench["num_replicas"], profile, requests=trace_requests(records), seed=seed,

@@ -225,6 +225,14 @@ def test_reproduces_a_live_run_hit_rate_from_its_trace():
     assert (check.num_requests, check.num_within_block, check.request_agreement) == (6, 3, 0.5)
 
 
+def test_a_live_run_without_a_kv_cache_size_is_refused_in_words():
+    ids = array("I", range(300))
+    records = [RequestRecord("a", 0, 0.0, prompt_tokens=300, output_tokens=8, token_ids=ids, replica_id="a")]
+    bench = {**_fake_bench(records, 32, 0.5), "kv_capacity_blocks": None}  # a GPU run whose replicas reported none
+    with pytest.raises(ValueError, match="records no KV cache size per replica"):
+        reproduce_live_run(bench, "warmpath")
+
+
 def test_grid_runs_every_policy_at_every_replica_count():
     runs = run_grid(["fanout"], [2, 4], num_sessions=6, policies=("warmpath", "pow2"), profile=GPU_PROFILE)
     assert [(r.num_replicas, r.policy) for r in runs] == [(2, "warmpath"), (2, "pow2"), (4, "warmpath"), (4, "pow2")]

@@ -400,6 +400,44 @@ def round_order(policies: Sequence[RouterPolicy], round_index: int) -> list[Rout
     return [*policies[shift:], *policies[:shift]]
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedWorkload:
+    """A workload rendered for the cluster's model and checked against its window: what a run sends."""
+
+    name: WorkloadName
+    scale: Literal["cpu", "gpu"]
+    workload: Workload
+    requests: dict[str, list[PreparedRequest]]
+    max_output_tokens: int
+
+
+def prepare_workload(
+    cfg: ClusterConfig,
+    workload_name: WorkloadName,
+    seed: int,
+    num_sessions: int | None,
+    progress: Progress,
+    max_output_tokens: int | None = None,
+    scale: Literal["cpu", "gpu"] = "cpu",
+) -> PreparedWorkload:
+    """Renders a workload with the model's tokenizer and checks that every call fits the model's window.
+
+    Separate from `run_bench` so that a bench of several workloads checks them all before any
+    cluster work (`bench --workload all`).
+
+    Raises:
+        WorkloadTooLong: a call would not fit the model's window.
+    """
+    workload = live_workload(workload_name, scale, seed, cfg.replicas.num_replicas, num_sessions)
+    if max_output_tokens is None:
+        max_output_tokens = GPU_MAX_OUTPUT_TOKENS if scale == "gpu" else DEFAULT_MAX_OUTPUT_TOKENS
+    renderer = _renderer(cfg, progress)
+    progress(f"bench: rendering {workload.num_requests} prompts of {workload_name} with the model's tokenizer")
+    prepared = prepare_requests(workload, renderer, cfg.model.model_id, max_output_tokens)
+    _check_window(prepared, cfg.model.max_model_len_tokens, workload_name, scale)
+    return PreparedWorkload(workload_name, scale, workload, prepared, max_output_tokens)
+
+
 def run_bench(
     cfg: ClusterConfig,
     workload_name: WorkloadName,
@@ -412,6 +450,7 @@ def run_bench(
     rounds: int = 1,
     checkpoint: Callable[[dict], None] = lambda _result: None,
     scale: Literal["cpu", "gpu"] = "cpu",
+    prepared_workload: PreparedWorkload | None = None,
 ) -> dict:
     """Runs one workload under every policy on the local cluster, then the oracle bounds of each trace.
 
@@ -427,6 +466,7 @@ def run_bench(
         rounds: times the policy list runs, rotated each round (module docstring); >= 1.
         checkpoint: gets the result so far after each policy of the first round and after each round.
         scale: the workload's sizes, `cpu()` (2 CPU replicas of the small model) or `gpu()` (`live_workload`).
+        prepared_workload: the workload `prepare_workload` rendered with these arguments (else rendered here).
 
     Returns:
         The result document `bench.report` prints, plots and `bench.simulator.reproduce_live_run` reads;
@@ -441,13 +481,10 @@ def run_bench(
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    workload = live_workload(workload_name, scale, seed, cfg.replicas.num_replicas, num_sessions)
-    if max_output_tokens is None:
-        max_output_tokens = GPU_MAX_OUTPUT_TOKENS if scale == "gpu" else DEFAULT_MAX_OUTPUT_TOKENS
-    renderer = _renderer(cfg, progress)
-    progress(f"bench: rendering {workload.num_requests} prompts of {workload_name} with the model's tokenizer")
-    prepared = prepare_requests(workload, renderer, cfg.model.model_id, max_output_tokens)
-    _check_window(prepared, cfg.model.max_model_len_tokens, workload_name, scale)
+    if prepared_workload is None:
+        prepared_workload = prepare_workload(cfg, workload_name, seed, num_sessions, progress, max_output_tokens, scale)
+    workload, prepared = prepared_workload.workload, prepared_workload.requests
+    max_output_tokens = prepared_workload.max_output_tokens
     result = {
         "kind": "warmpath-bench",
         "workload": workload_name,

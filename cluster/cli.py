@@ -497,12 +497,19 @@ def bench(
     if scale not in ("cpu", "gpu"):
         _refuse(f"--scale must be cpu or gpu, got {scale}")
     _check_writable_dir(out, [f"bench-{name}.{ext}" for name in names for ext in ("json", "png")])
+    try:  # every workload rendered and checked against the window before any cluster work
+        prepared = {name: live.prepare_workload(cfg, name, seed, sessions, progress, scale=scale) for name in names}
+    except live.WorkloadTooLong as err:
+        _refuse(f"error: {err}")
+    except local.BringUpError as err:  # no model, or its tokenizer out of reach
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1)
     failed: list[str] = []
     for name in names:
         try:
             result = live.run_bench(cfg, name, chosen, seed, sessions, time_scale, progress, rounds=rounds,
                                     checkpoint=_in_progress_writer(out / f"bench-{name}.json", "policies"),
-                                    scale=scale)
+                                    scale=scale, prepared_workload=prepared.pop(name))
         except live.BenchInterrupted as stop:
             _write_bench(out, name, stop.result)
             _stop_interrupted()
@@ -511,8 +518,6 @@ def bench(
         except local.BringUpError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(1)
-        except live.WorkloadTooLong as err:
-            _refuse(f"error: {err}")
         _write_bench(out, name, result)
         failed += [f"{name} {failure}" for failure in live.failures(result)]
     _exit_if_failed(failed)

@@ -366,8 +366,26 @@ def test_bench_scale_defaults_to_the_configs_accelerator(monkeypatch, tmp_path, 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(live, "run_bench", run_bench)
+    monkeypatch.setattr(live, "prepare_workload", lambda *args, **kwargs: None)
     CliRunner().invoke(app, [*BENCH, *flag, "--out", str(tmp_path)])
     assert seen == [scale]
+
+
+def test_bench_of_every_workload_checks_each_against_the_window_before_running_any(monkeypatch, tmp_path):
+    rendered = []
+
+    def prepare_workload(cfg, name, *args, **kwargs):
+        rendered.append(name)
+        if name == "coding":
+            raise live.WorkloadTooLong("the longest coding call at GPU sizes needs 33000 tokens")
+        return None
+
+    monkeypatch.setattr(live, "prepare_workload", prepare_workload)
+    monkeypatch.setattr(live, "run_bench", _never)
+    result = CliRunner().invoke(app, ["bench", "--workload", "all", "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == "error: the longest coding call at GPU sizes needs 33000 tokens"
+    assert "coding" in rendered and list(tmp_path.iterdir()) == []
 
 
 def test_bench_refuses_an_unknown_scale(monkeypatch, tmp_path):

@@ -9,6 +9,7 @@ import os
 import socket
 import stat
 import subprocess
+import sys
 import time
 
 import pytest
@@ -250,3 +251,35 @@ def test_the_write_probe_leaves_a_symbolic_link_in_place(tmp_path):
     link.symlink_to(tmp_path / "results" / "target.json")
     assert unwritable_file_problem(link) is None
     assert link.is_symlink() and not (tmp_path / "results" / "target.json").exists()
+
+
+_DASHBOARD_HEADERS = """
+import json, sys
+from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+from cluster import local
+
+ServeSubmissionClient._check_connection_and_version_with_url = lambda self, **kwargs: None
+state = local.LocalState(**json.loads(sys.argv[1]))
+print(json.dumps(local._serve_client(state)._headers))
+"""
+
+
+@pytest.mark.parametrize("recorded, is_sent", [
+    ({"ray_started": True, "ray_address": "auto"}, True),  # the head `up` started
+    ({"ray_address": "auto"}, True),  # a local head joined deliberately
+    ({"ray_address": "ray://head.example:10001", "dashboard_url": "http://head.example:8265"}, False),
+])
+def test_a_local_heads_dashboard_gets_the_machines_ray_token_as_rays_own_clients_send_it(tmp_path, recorded, is_sent):
+    """With RAY_AUTH_MODE unset, a head started where a Ray token exists (any earlier `ray.init()` leaves
+    one in ~/.ray) requires it: `serve deploy` failed "Missing authentication token". As in `ray.init`,
+    an explicit address never turns token authentication on by itself. Run apart: Ray keeps the mode
+    in process-wide state."""
+    token = tmp_path / "auth_token"
+    token.write_text("a" * 64)
+    env = {name: value for name, value in os.environ.items() if not name.startswith("RAY_AUTH")}
+    env.update(HOME=str(tmp_path), RAY_AUTH_TOKEN_PATH=str(token), PYTHONPATH=os.getcwd())
+    shown = subprocess.run([sys.executable, "-c", _DASHBOARD_HEADERS, json.dumps(recorded)], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    headers = json.loads(shown.stdout.strip().splitlines()[-1])
+    assert (headers.get("authorization") == f"Bearer {'a' * 64}") is is_sent, headers

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -402,6 +403,8 @@ def _can_listen(host: str, port: int) -> bool:
 
 def _ray_head_up() -> bool:
     """Whether `ray status` finds a head (the local one, or `RAY_ADDRESS`'s)."""
+    if os.environ.get("RAY_ADDRESS") in (None, "", "auto", "local"):
+        _use_machine_token()  # `ray status` itself does not, and fails on a head that requires the token
     try:
         result = subprocess.run([_bin("ray"), "status"], capture_output=True, text=True, timeout=RAY_STATUS_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -547,11 +550,22 @@ def _local_token_auth(state: LocalState) -> None:
     joined cluster) never turns it on: set `RAY_AUTH_MODE=token` for such a cluster.
     """
     if state.ray_started or state.ray_address in (None, "auto", "local"):
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
+        _use_machine_token()
 
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+def _use_machine_token() -> None:
+    """Turns Ray's token authentication on for this process and its children (`ray status`, `ray stop`) when
+    `RAY_AUTH_MODE` is unset and this machine has a token, as `ray start` decides for the head it starts."""
+    from ray._private.authentication import authentication_token_setup
+
+    # Quietly: `ray start` already said so when it started the head, and `status` would say it at every call.
+    token_logger = logging.getLogger(authentication_token_setup.__name__)
+    level = token_logger.level
+    token_logger.setLevel(logging.ERROR)
+    try:
+        authentication_token_setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        token_logger.setLevel(level)
 
 
 def deploy(cfg: ClusterConfig, state: LocalState, progress: Progress) -> None:

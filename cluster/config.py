@@ -70,7 +70,12 @@ class ReplicaConfig(_Strict):
 
     num_replicas: int = Field(2, description="Number of vLLM replicas.", ge=1, le=512)
     accelerator: Literal["cpu", "gpu"] = Field("cpu", description="Where the engine runs.")
-    num_cpus: float = Field(1.0, description="Logical CPUs per replica (engine bundle).", gt=0)
+    num_cpus: float = Field(
+        1.0, description=(
+            "Logical CPUs per replica: a CPU replica's engine bundle. GPU replicas take Ray Serve LLM's bundles "
+            "(one CPU with each GPU); there it sizes only the Ray CPUs each KubeRay worker offers (num_cpus + 1)."
+        ), gt=0,
+    )
     num_gpus: int = Field(0, description="GPUs per replica; must equal tensor_parallel_size on GPU.", ge=0)
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallel degree.", ge=1)
     kv_cache_space_gib: int = Field(1, description="CPU only: KV cache GiB per replica (VLLM_CPU_KVCACHE_SPACE, whole GiB).", ge=1)

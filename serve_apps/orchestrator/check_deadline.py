@@ -7,7 +7,11 @@ more than their size:
 - a backtracking `pattern` (`^(a+)+$`) doubles its time under Python's `re` with
   each extra character. jsonschema calls `re.search` from two of its modules;
   those calls go through `DeadlineRe`, which uses the `regex` engine (same
-  syntax) with a timeout while a deadline is active, and plain `re` otherwise;
+  syntax) with a timeout while a deadline is active, and plain `re` otherwise.
+  It reads the pattern as JSON Schema does, in ECMAScript's dialect
+  (`as_ecmascript`): Python's `$` also matches before a final newline and its
+  `\d`, `\w` match any script's digits and letters, so `^[a-z0-9-]+$` would let
+  `"report-1\n"` through and `^\d{4}$` the Arabic-Indic `"١٢٣٤"`;
 - subschemas applied to one value many times over: an `allOf` of four `$ref`s,
   each to a definition that is another such `allOf`, applies the last one 4^15
   times on 15 levels (1.8 KB of schema). jsonschema remembers nothing it has
@@ -17,6 +21,7 @@ more than their size:
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Iterator
@@ -39,6 +44,45 @@ class PatternCheckTimeout(CheckTimeout):
     """A schema's regular expression ran past the check's deadline."""
 
 
+# ECMAScript's classes, as Python spells them: ASCII digits and word characters.
+_ECMASCRIPT_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_"}
+
+
+@functools.lru_cache(maxsize=1024)
+def as_ecmascript(pattern: str) -> str:
+    """`pattern` rewritten so that Python's regex engines match what ECMAScript's matches.
+
+    `$` outside a character class becomes `\Z` (the very end only); `\d`, `\w` become their
+    ASCII classes and `\D`, `\W` those classes negated (inside a class, `\d` and `\w` only).
+    """
+    out: list[str] = []
+    in_class = False
+    at = 0
+    while at < len(pattern):
+        char = pattern[at]
+        if char == "\\" and at + 1 < len(pattern):
+            escaped = pattern[at + 1]
+            if escaped.lower() in _ECMASCRIPT_CLASSES and (not in_class or escaped.islower()):
+                ascii_class = _ECMASCRIPT_CLASSES[escaped.lower()]
+                if in_class:
+                    out.append(ascii_class)
+                else:
+                    out.append(f"[{ascii_class}]" if escaped.islower() else f"[^{ascii_class}]")
+            else:
+                out.append(pattern[at:at + 2])
+            at += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "$":
+            char = r"\Z"
+        out.append(char)
+        at += 1
+    return "".join(out)
+
+
 class DeadlineRe:
     """What jsonschema's keyword modules call `re`: `search` bounded by the active deadline, the rest `re`'s."""
 
@@ -54,7 +98,7 @@ class DeadlineRe:
         if remaining <= 0:
             raise PatternCheckTimeout
         try:
-            return regex.search(pattern, string, flags, timeout=remaining)
+            return regex.search(as_ecmascript(pattern), string, flags, timeout=remaining)
         except TimeoutError:
             raise PatternCheckTimeout from None
 

@@ -47,6 +47,8 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import JsonValue
 
+from serve_apps.orchestrator.check_deadline import as_ecmascript
+
 # Bounds on a tool's `parameters`. Real tool schemas are a few KiB and a handful of
 # levels deep; these leave room for them while keeping validation cheap and its
 # recursion (several Python frames per level) far below the interpreter's limit.
@@ -243,7 +245,7 @@ def _check_pattern(pattern: str, where: str) -> None:
     """A regular expression the call checks can run: they run it with `regex` (`check_deadline`), which
     refuses some that `re` (the metaschema's check) compiles, such as `[[:foo:]]`."""
     try:
-        regex.compile(pattern)
+        regex.compile(as_ecmascript(pattern))
     except regex.error as err:
         raise ValueError(f"{where}: {pattern!r} is not a regular expression the checks can run: {err}") from None
 

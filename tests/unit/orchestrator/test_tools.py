@@ -541,3 +541,20 @@ def test_a_schema_that_applies_its_subschemas_exponentially_often_is_a_violation
 def test_a_schema_applying_a_few_subschemas_in_place_still_decides():
     tools = _pattern_tool(_fanned_out_refs(fanout=2, depth=3))
     assert isinstance(validate_tool_call(ToolCall(id="c1", name="lookup", arguments="{}"), tools), ToolCall)
+
+
+@pytest.mark.parametrize("schema, arguments, is_valid", [
+    # JSON Schema's patterns are ECMAScript's: `$` is the very end, `\d` and `\w` are ASCII.
+    ({"properties": {"q": {"type": "string", "pattern": "^[a-z0-9-]+$"}}}, {"q": "report-1\n"}, False),
+    ({"properties": {"q": {"type": "string", "pattern": "^[a-z0-9-]+$"}}}, {"q": "report-1"}, True),
+    ({"properties": {"q": {"type": "string", "pattern": r"^\d{4}$"}}}, {"q": "\u0661\u0662\u0663\u0664"}, False),
+    ({"properties": {"q": {"type": "string", "pattern": r"^\d{4}$"}}}, {"q": "1234"}, True),
+    ({"properties": {"q": {"type": "string", "pattern": r"^\w+$"}}}, {"q": "r\u00e9sum\u00e9"}, False),
+    ({"properties": {"q": {"type": "string", "pattern": r"^[\w-]+\$$"}}}, {"q": "a-b$"}, True),
+    ({"patternProperties": {r"^x-\d+$": {}}, "additionalProperties": False}, {"x-1\n": 1}, False),
+    ({"patternProperties": {r"^x-\d+$": {}}, "additionalProperties": False}, {"x-12": 1}, True),
+])
+def test_patterns_match_as_json_schema_reads_them(schema, arguments, is_valid):
+    call = ToolCall(id="c1", name="lookup", arguments=json.dumps(arguments))
+    result = validate_tool_call(call, _pattern_tool(schema))
+    assert isinstance(result, ToolCall) is is_valid, result

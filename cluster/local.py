@@ -63,6 +63,9 @@ class LocalState:
     """What `up` started, so `down` stops only that."""
 
     redis_pid: Optional[int] = None
+    # The port of the redis-server `up` started (redis_pid), which names it among other Redis servers.
+    redis_port: Optional[int] = None
+    # The Redis the cluster uses: that server's, or the one `redis_url` gave.
     redis_url: Optional[str] = None
     ray_started: bool = False
     # The session folder of the head `up` started (`session_<date>_<pid>`): a head started later by
@@ -127,7 +130,7 @@ def _is_recorded_type(value: object, name: str) -> bool:
     """Whether `value` has the type `LocalState.<name>` is recorded with."""
     if name == "ray_started":
         return isinstance(value, bool)
-    if name == "redis_pid":
+    if name in ("redis_pid", "redis_port"):
         return value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
     if name == "dashboard_url":
         return isinstance(value, str)
@@ -227,12 +230,12 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
         return cfg.redis_url
     port = cfg.ports.local_redis_port
     url = f"redis://127.0.0.1:{port}/0"
-    if state.redis_pid and _is_redis_process(state.redis_pid):
+    if state.redis_pid and _is_redis_process(state.redis_pid, state.redis_port):
         # Never a second server on the same data directory: both would write its AOF.
-        if state.redis_url and state.redis_url != url:
+        if state.redis_port and state.redis_port != port:
             raise BringUpError(
-                f"the redis-server this state directory started (pid {state.redis_pid}) serves {state.redis_url}, "
-                f"not {url}: `warmpath down` first to move it to ports.local_redis_port {port}"
+                f"the redis-server this state directory started (pid {state.redis_pid}) listens on port "
+                f"{state.redis_port}, not {port}: `warmpath down` first to move it to ports.local_redis_port {port}"
             )
         if not _redis_ping(url, OWN_REDIS_ANSWER_TIMEOUT_S):  # a big AOF loads for a while
             raise BringUpError(
@@ -240,7 +243,7 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
                 f"after {OWN_REDIS_ANSWER_TIMEOUT_S} s; see {state_dir_of(cfg) / 'redis' / 'redis.log'}"
             )
         progress(f"redis: already running at {url} (pid {state.redis_pid})")
-        state.redis_url = url
+        state.redis_port, state.redis_url = port, url
         return url
     server = shutil.which("redis-server")
     if server is None:
@@ -269,7 +272,7 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
     if not is_answering:
         _kill(proc)
         raise BringUpError(f"redis-server did not answer on {url}; see {data_dir / 'redis.log'}")
-    state.redis_pid, state.redis_url = proc.pid, url
+    state.redis_pid, state.redis_port, state.redis_url = proc.pid, port, url
     return url
 
 
@@ -523,15 +526,19 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _is_redis_process(pid: int) -> bool:
-    """Whether `pid` is alive and a redis-server: after a reboot a recorded pid can name anything."""
+def _is_redis_process(pid: int, port: Optional[int] = None) -> bool:
+    """Whether `pid` is alive and a redis-server, listening on `port` when given: after a reboot a
+    recorded pid can name anything, another Redis (the system's, on 6379) included."""
     if not _alive(pid):
         return False
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True  # no /proc to ask (not Linux): the pid alone
-    return b"redis-server" in command
+    if b"redis-server" not in command:
+        return False
+    # redis-server titles itself "redis-server 127.0.0.1:<port>".
+    return port is None or f":{port}".encode() in command
 
 
 def _serve_client(state: LocalState):
@@ -937,7 +944,7 @@ def stop_redis(state: LocalState, progress: Progress, timeout_s: float = 10) -> 
     """
     if not state.redis_pid:
         return True
-    if not _is_redis_process(state.redis_pid):
+    if not _is_redis_process(state.redis_pid, state.redis_port):
         progress(f"redis: pid {state.redis_pid} is no longer the redis-server `up` started; nothing to stop")
         return True
     os.kill(state.redis_pid, signal.SIGTERM)  # redis flushes its AOF on SIGTERM
@@ -1070,7 +1077,7 @@ def down(cfg: ClusterConfig, progress: Progress) -> bool:
             progress(f"serve: could not delete applications {', '.join(sorted(own))} ({err}); still recorded")
             left.ray_address, left.dashboard_url = state.ray_address, state.dashboard_url
     if not stop_redis(state, progress):
-        left.redis_pid, left.redis_url = state.redis_pid, state.redis_url
+        left.redis_pid, left.redis_port, left.redis_url = state.redis_pid, state.redis_port, state.redis_url
     left.save(state_dir)
     if not left.is_empty():
         progress(f"not everything stopped: {LocalState.path(state_dir)} still records it; `warmpath down` tries again")

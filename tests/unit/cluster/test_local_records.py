@@ -145,9 +145,13 @@ def test_a_redis_started_in_this_process_stops_at_once_and_a_port_change_is_refu
     try:
         assert url == f"redis://127.0.0.1:{port}/0" and state.redis_url == url
         moved = _cfg(tmp_path, ports={"local_redis_port": _free_port()})
-        with pytest.raises(BringUpError, match=rf"serves redis://127.0.0.1:{port}/0.*`warmpath down` first"):
+        with pytest.raises(BringUpError, match=rf"listens on port {port}, not .*`warmpath down` first"):
             local.start_redis(moved, state, progress=lambda msg: None)
         assert state.redis_url == url
+        assert local._is_redis_process(state.redis_pid, port) and not local._is_redis_process(state.redis_pid, 6379)
+        # Moved to a Redis of its own, the cluster still records the server it started, and `down` stops it.
+        state.redis_url = "redis://redis.example:6379/0"
+        state.save(tmp_path)
         started = time.monotonic()
         lines = []
         assert local.down(_cfg(tmp_path), lines.append)

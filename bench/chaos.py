@@ -60,6 +60,9 @@ class ScenarioResult:
     num_lost: int = 0
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # What the scenario promises besides the turns' fates that did not hold (a 503 while Redis is down):
+    # like a lost turn, it fails the run.
+    broken_promises: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -120,25 +123,41 @@ class ChaosClient:
             time.sleep(1.0)
 
 
+def turn_in_transcript(messages: list[dict], content: str) -> tuple[int, bool]:
+    """How many user messages of the transcript carry `content`, and whether the one turn they start is whole:
+    at least one assistant message before the next user message (a later turn's answer is not this one's)."""
+    starts = [i for i, m in enumerate(messages) if m["role"] == "user" and m.get("content") == content]
+    if len(starts) != 1:
+        return len(starts), False
+    following = messages[starts[0] + 1:]
+    next_turn = next((i for i, m in enumerate(following) if m["role"] == "user"), len(following))
+    return 1, any(m["role"] == "assistant" for m in following[:next_turn])
+
+
 def audit(client: ChaosClient, fates: list[TurnFate], result: ScenarioResult) -> ScenarioResult:
     """Classifies every turn against its session's transcript (see the module docstring)."""
     by_session: dict[str, list[TurnFate]] = {}
     for fate in fates:
         by_session.setdefault(fate.session_id, []).append(fate)
     for session_id, session_fates in by_session.items():
-        messages = client.transcript(session_id)
+        try:
+            messages = client.transcript(session_id)
+        except httpx.HTTPStatusError as err:
+            if err.response.status_code != 404:
+                raise
+            messages = []  # the session itself is gone: every turn it was told committed is lost
+            result.notes.append(f"session {session_id}: gone (404)")
         for fate in session_fates:
             result.num_attempted += 1
-            starts = [i for i, m in enumerate(messages) if m["role"] == "user" and m.get("content") == fate.content]
-            is_whole = len(starts) == 1 and any(m["role"] == "assistant" for m in messages[starts[0] + 1:])
+            num_starts, is_whole = turn_in_transcript(messages, fate.content)
             if fate.status == "completed" and is_whole:
                 result.num_completed += 1
-            elif fate.status != "completed" and not starts:
+            elif fate.status != "completed" and not num_starts:
                 result.num_failed_cleanly += 1
             else:
                 result.num_lost += 1
                 result.notes.append(
-                    f"session {session_id}: turn {fate.content!r} told {fate.status}, found {len(starts)} copies "
+                    f"session {session_id}: turn {fate.content!r} told {fate.status}, found {num_starts} copies "
                     f"({'whole' if is_whole else 'not whole'}); last error {fate.last_error}"
                 )
     return result
@@ -224,18 +243,22 @@ def redis_restart(client: ChaosClient, cfg: ClusterConfig, progress: Progress, n
     before = _fates(client, cfg, num_sessions, "before-restart")
     for fate in before:
         client.send_turn(fate)
-    local.stop_redis(state, progress, timeout_s=30)
     during = [TurnFate(f.session_id, f.content.replace("before-restart", "during-outage"), str(uuid.uuid4()))
               for f in before]
-    for fate in during:
-        started = time.monotonic()
-        client.send_turn(fate, deadline_s=0)  # one attempt: it must fail, and fast
-        elapsed = time.monotonic() - started
-        result.notes.append(f"during outage: {fate.last_error[:60]} in {elapsed:.2f}s")
-        if not fate.last_error.startswith("503"):
-            result.notes.append("expected 503 while Redis is down")
-    local.start_redis(cfg, state, progress)
-    local.LocalState.save(state, local.state_dir_of(cfg))
+    try:
+        if not local.stop_redis(state, progress, timeout_s=30):
+            result.broken_promises.append("Redis did not stop, so no outage was tried")
+            during = []
+        for fate in during:
+            started = time.monotonic()
+            client.send_turn(fate, deadline_s=0)  # one attempt: it must fail, and fast
+            elapsed = time.monotonic() - started
+            result.notes.append(f"during outage: {fate.last_error[:60]} in {elapsed:.2f}s")
+            if not fate.last_error.startswith("503"):
+                result.broken_promises.append(f"a turn while Redis was down got {fate.last_error[:60]!r}, not 503")
+    finally:  # whatever happened, the cluster gets its Redis back
+        local.start_redis(cfg, state, progress)
+        local.LocalState.save(state, local.state_dir_of(cfg))
     after = [TurnFate(f.session_id, f.content.replace("before-restart", "after-restart"), str(uuid.uuid4()))
              for f in before]
     for fate in after:
@@ -280,9 +303,11 @@ def tool_faults(client: ChaosClient, cfg: ClusterConfig, progress: Progress) -> 
             started = time.monotonic()
             client.send_turn(fate, tool_choice="required", deadline_s=0)
             results = [m["content"] for m in client.transcript(session_id) if m["role"] == "tool"]
-            seen = "the model saw an error result" if results and all('"error"' in r for r in results) else \
-                f"NO error result reached the model: {results[:1]}"
+            is_seen = bool(results) and all('"error"' in r for r in results)
+            seen = "the model saw an error result" if is_seen else f"NO error result reached the model: {results[:1]}"
             result.notes.append(f"{path}: {fate.status} in {time.monotonic() - started:.1f}s; {seen}")
+            if not is_seen:
+                result.broken_promises.append(f"{path}: no error result reached the model")
             fates.append(fate)
     finally:
         server.shutdown()
@@ -309,14 +334,12 @@ def client_disconnect(client: ChaosClient, cfg: ClusterConfig, progress: Progres
         client.send_turn(fate)
     audited = audit(client, followups, result)
     for fate in fates:  # the abandoned turns: whole or absent, never half
-        messages = client.transcript(fate.session_id)
-        starts = [i for i, m in enumerate(messages) if m["role"] == "user" and m.get("content") == fate.content]
-        is_whole = len(starts) == 1 and any(m["role"] == "assistant" for m in messages[starts[0] + 1:])
-        if starts and not is_whole:
+        num_starts, is_whole = turn_in_transcript(client.transcript(fate.session_id), fate.content)
+        if num_starts and not is_whole:
             audited.num_lost += 1
             audited.notes.append(f"session {fate.session_id}: abandoned turn half-written")
         else:
-            audited.notes.append(f"abandoned turn {'committed' if starts else 'aborted'}")
+            audited.notes.append(f"abandoned turn {'committed' if num_starts else 'aborted'}")
     return audited
 
 
@@ -353,4 +376,5 @@ def report(results: list[ScenarioResult]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     for r in results:
         lines += [f"{r.scenario}: {note}" for note in r.notes]
+        lines += [f"{r.scenario}: BROKEN: {promise}" for promise in r.broken_promises]
     return "\n".join(lines)

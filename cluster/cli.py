@@ -582,7 +582,7 @@ def chaos(
     document = json.dumps({"kind": "warmpath-chaos", "results": [r.to_json() for r in results]}, indent=2)
     _write_or_exit(out, lambda path: path.write_text(document))
     typer.echo(f"wrote {out}")
-    if any(r.num_lost for r in results):
+    if any(r.num_lost or r.broken_promises for r in results):
         raise typer.Exit(1)
 
 

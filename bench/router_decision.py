@@ -6,7 +6,8 @@ Measures, at block size 32 with 16 replicas and an index of about 200k blocks:
   cold: a prompt no replica holds (hashing stops at block 0, but recording
         the placement hashes the whole prompt for its pending entries);
   warm: a prompt whose first N-256 tokens one replica holds, no session
-        (every held block is hashed; the lookup bisects);
+        (the hashes of the latest request with the same first block are taken
+        over, as for a shared system prompt; the lookup bisects);
   session: the same, but the previous turn of the same session went through
         this policy, so the shared prefix's hashes are reused.
   A decision includes hashing, lookup, load guard, scoring, ranking and
@@ -86,10 +87,13 @@ def stored_event(tokens: array, first_block: int, num_blocks: int, engine_hashes
 def fill_frames(rng: random.Random, target_blocks: int) -> tuple[list[tuple[ReplicaId, list[bytes]]], int]:
     """Multipart messages that fill the index: agent conversations of 64 blocks
     (a 16-block system prompt shared by one of 8 agent types, then 48 own blocks),
-    each published as two events (root, then an extension naming its parent),
-    8 events per batch, one sequence per replica."""
+    8 events per batch, one sequence per replica. As vLLM publishes them: a replica
+    stores a system prompt once (its first conversation of that type; later ones hit
+    it and store only their own blocks, an extension naming the prompt's last block)."""
     encoder = msgspec.msgpack.Encoder()
     system_prompts = [random_tokens(rng, 16 * BLOCK_SIZE) for _ in range(8)]
+    # (replica, agent type) -> the engine hashes of the system prompt that replica stored.
+    stored_prompts: dict[tuple[ReplicaId, int], list[bytes]] = {}
     pending: dict[ReplicaId, list[BlockStored]] = {ReplicaId(f"replica-{i}"): [] for i in range(NUM_REPLICAS)}
     seqs = dict.fromkeys(pending, 0)
     frames: list[tuple[ReplicaId, list[bytes]]] = []
@@ -103,10 +107,16 @@ def fill_frames(rng: random.Random, target_blocks: int) -> tuple[list[tuple[Repl
 
     while num_blocks < target_blocks:
         replica_id = ReplicaId(f"replica-{rng.randrange(NUM_REPLICAS)}")
-        tokens = system_prompts[rng.randrange(8)] + random_tokens(rng, 48 * BLOCK_SIZE)
-        engine_hashes = [rng.randbytes(32) for _ in range(64)]
-        pending[replica_id] += [stored_event(tokens, 0, 16, engine_hashes), stored_event(tokens, 16, 48, engine_hashes)]
-        num_blocks += 64
+        agent_type = rng.randrange(8)
+        tokens = system_prompts[agent_type] + random_tokens(rng, 48 * BLOCK_SIZE)
+        prompt_hashes = stored_prompts.get((replica_id, agent_type))
+        if prompt_hashes is None:
+            prompt_hashes = stored_prompts[(replica_id, agent_type)] = [rng.randbytes(32) for _ in range(16)]
+            pending[replica_id].append(stored_event(tokens, 0, 16, prompt_hashes))
+            num_blocks += 16
+        engine_hashes = prompt_hashes + [rng.randbytes(32) for _ in range(48)]
+        pending[replica_id].append(stored_event(tokens, 16, 48, engine_hashes))
+        num_blocks += 48
         if len(pending[replica_id]) >= 8:
             flush(replica_id)
     for replica_id in pending:

@@ -220,6 +220,12 @@ def _kill_mid_turn(scenario: str, actor_part: str, client: ChaosClient, cfg: Clu
     result.notes.append(f"killed {killed[0]}")
     progress(f"chaos: waiting for Serve to replace {killed[0]}")
     _wait_replaced(cfg, killed[0])
+    from cluster import local
+
+    # A replica killed hard leaves its vLLM engine processes running (`reap_orphaned_engines`), holding
+    # the model and its KV cache beside the replacement's.
+    if reaped := local.reap_orphaned_engines():
+        result.notes.append(f"stopped {len(reaped)} vLLM engine processes the killed replica left behind")
     return audit(client, fates, result)
 
 

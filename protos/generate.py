@@ -74,7 +74,12 @@ def generate(out_dir: Path) -> list[Path]:
     exit_code = protoc.main(args)
     if exit_code != 0:
         raise RuntimeError(f"protoc exited with {exit_code}")
-    for package_dir in sorted({out_dir / SOURCE_PACKAGE} | {out_dir / s.parent for s in sources}):
+    # Every folder from the package root down to each source's, the middle ones too (warmpath/v2/ext/x.proto
+    # needs warmpath/v2 as a package): setuptools installs only regular packages.
+    package_dirs = {out_dir / SOURCE_PACKAGE}
+    for source in sources:
+        package_dirs.update(out_dir / parent for parent in source.parents if parent != Path("."))
+    for package_dir in sorted(package_dirs):
         package_dir.joinpath("__init__.py").write_text(INIT_TEXT)
     return generated_files(out_dir)
 

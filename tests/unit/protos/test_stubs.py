@@ -104,3 +104,18 @@ def test_servicer_functions_importable(path):
     from ray._common.utils import import_attr
 
     assert callable(import_attr(path))
+
+
+def test_every_folder_above_a_proto_is_a_regular_package(tmp_path, monkeypatch):
+    """setuptools installs regular packages only: a folder between the root and a source needs its own
+    `__init__.py`, not just the folders holding sources."""
+    sources = tmp_path / "src"
+    nested = sources / generate.SOURCE_PACKAGE / "v2" / "ext"
+    nested.mkdir(parents=True)
+    (nested / "x.proto").write_text('syntax = "proto3";\npackage warmpath.v2.ext;\nmessage X {}\n')
+    monkeypatch.setattr(generate, "PROTO_ROOT", sources)
+    out = tmp_path / "out"
+    out.mkdir()
+    generate.generate(out)
+    for package in ("warmpath", "warmpath/v2", "warmpath/v2/ext"):
+        assert (out / package / "__init__.py").is_file(), package

@@ -60,6 +60,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from redis.exceptions import RedisError, ResponseError, WatchError
 
+from cluster.config import MAX_KEY_BURST
 from cluster.redis_errors import redis_refusal, retry_on_dead_connection
 
 T = TypeVar("T")
@@ -75,6 +76,7 @@ MAX_REFILL_S = 1e12
 # The bucket's expiry and a refusal's retry delay are capped here, in whole milliseconds.
 MAX_BUCKET_TTL_MS = int(MAX_REFILL_S * 1000)
 _NS = "warmpath:"
+MAX_BURST = MAX_KEY_BURST
 MAX_KEY_LIFETIME_DAYS = 36_500  # 100 years; Redis expiry instants must fit in 64-bit milliseconds
 logger = logging.getLogger(__name__)
 
@@ -160,7 +162,7 @@ class ApiKeyRecord(BaseModel):
     requests_per_s: float = Field(
         description="Sustained request rate of the key's token bucket.", gt=0, allow_inf_nan=False
     )
-    burst: int = Field(description="Bucket size: requests allowed at once after idling.", ge=1)
+    burst: int = Field(description="Bucket size: requests allowed at once after idling.", ge=1, le=MAX_BURST)
     created_at_s: float = Field(description="Unix time of creation.", allow_inf_nan=False)
     expires_at_s: Optional[float] = Field(
         None, description="Unix time the key stops working; None: never.", allow_inf_nan=False
@@ -308,7 +310,7 @@ class ApiKeyStore:
                 requests_per_s=requests_per_s, burst=burst, created_at_s=now_s,
                 expires_at_s=None if expires_in_s is None else now_s + expires_in_s,
             )
-            await self._write(key_hash, record, expires_in_s)
+            await self._write(key_hash, record)
         except WatchError:  # the only key watched is the revocation marker: it was set meanwhile
             raise KeyRevoked(f"API key {key_id_of(key_hash)} was revoked") from None
         except RedisError as err:
@@ -320,8 +322,12 @@ class ApiKeyStore:
         seconds, microseconds = await retry_on_dead_connection(self._redis, self._redis.time)
         return seconds + microseconds / 1e6
 
-    async def _write(self, key_hash: str, record: ApiKeyRecord, expires_in_s: float | None) -> None:
-        """Stores `record` unless its key was revoked (checked and written in one transaction)."""
+    async def _write(self, key_hash: str, record: ApiKeyRecord) -> None:
+        """Stores `record` unless its key was revoked (checked and written in one transaction).
+
+        An expiring key's entries expire at the record's `expires_at_s` itself (Redis' clock when
+        `create` read it, plus the lifetime), not a lifetime counted from this later write.
+        """
         entries = (_NS + "apikey:" + key_hash, _NS + "apikey-id:" + record.key_id)
         marker = _NS + "apikey-revoked:" + key_hash
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -331,9 +337,9 @@ class ApiKeyStore:
             pipe.multi()
             pipe.hset(entries[0], "record", record.model_dump_json())
             pipe.set(entries[1], key_hash)
-            if expires_in_s is not None:
+            if record.expires_at_s is not None:
                 for entry in entries:
-                    pipe.pexpire(entry, math.ceil(expires_in_s * 1000))
+                    pipe.pexpireat(entry, math.ceil(record.expires_at_s * 1000))
             await pipe.execute()
 
     async def lookup(self, key: str) -> Optional[ApiKeyRecord]:

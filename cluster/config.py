@@ -276,6 +276,9 @@ class TelemetryConfig(_Strict):
         return endpoint
 
 
+# Largest token bucket of an API key: far past any use, and exact as a Lua number (the rate-limit
+# script keeps 14 digits).
+MAX_KEY_BURST = 10**9
 # gRPC's message size options are C ints: the gRPC proxy cannot start with a larger limit.
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
 
@@ -289,7 +292,9 @@ class AccessConfig(_Strict):
     default_requests_per_s: float = Field(
         20.0, description="Sustained request rate of keys created without their own.", gt=0, allow_inf_nan=False
     )
-    default_burst: int = Field(40, description="Token bucket size of keys created without their own.", ge=1)
+    default_burst: int = Field(
+        40, description="Token bucket size of keys created without their own.", ge=1, le=MAX_KEY_BURST
+    )
     max_request_bytes: int = Field(
         4 * 1024 * 1024, description="Largest HTTP request body or gRPC message accepted (413 beyond).", ge=1024,
         le=MAX_GRPC_MESSAGE_BYTES,

@@ -1,5 +1,6 @@
 import asyncio
 import json
+import math
 import shutil
 import stat
 import subprocess
@@ -115,7 +116,8 @@ def test_records_refuse_non_finite_and_non_positive_values(field, value):
     (["--requests-per-s", "inf"], "--requests-per-s must be a finite number > 0, got inf"),
     (["--requests-per-s", "nan"], "--requests-per-s must be a finite number > 0, got nan"),
     (["--requests-per-s", "0"], "--requests-per-s must be a finite number > 0"),
-    (["--burst", "0"], "--burst must be >= 1, got 0"),
+    (["--burst", "0"], "--burst must be 1 to 1000000000, got 0"),
+    (["--burst", "1" + "0" * 400], "--burst must be 1 to 1000000000, got 1000"),
     (["--expires-in-days", "inf"], "--expires-in-days must be at most 36500"),
     (["--expires-in-days", "nan"], "--expires-in-days must be > 0, got nan"),
     (["--expires-in-days", "1e-12"], "--expires-in-days must be at least 1 minute"),
@@ -403,7 +405,7 @@ def test_the_slowest_bucket_records_allow_keeps_an_expiry_redis_takes(redis_url)
     assert redis.Redis.from_url(redis_url).pttl("warmpath:ratelimit:" + record.key_id) > 99_000_000_000_000
 
 
-@pytest.mark.parametrize("requests_per_s, burst", [(1e-12, 1), (1.0, 10**12), (1e-15, 1), (1000.0, 10**18)])
+@pytest.mark.parametrize("requests_per_s, burst", [(1e-12, 1), (1e-3, 10**9), (1e-15, 1), (1e-4, 10**9)])
 def test_records_refuse_a_bucket_that_takes_1e12_s_or_more_to_refill(requests_per_s, burst):
     fields = {"key_id": "key_x", "name": "n", "permissions": ("*",), "created_at_s": 0}
     with pytest.raises(ValidationError, match="must be under 1e\\+12 s"):
@@ -412,7 +414,7 @@ def test_records_refuse_a_bucket_that_takes_1e12_s_or_more_to_refill(requests_pe
 
 @pytest.mark.parametrize("flags, refill", [
     (["--requests-per-s", "1e-15", "--burst", "1"], "1e+15 s"),
-    (["--requests-per-s", "1", "--burst", "1000000000000"], "1e+12 s"),
+    (["--requests-per-s", "0.001", "--burst", "1000000000"], "1e+12 s"),
 ])
 def test_keys_create_refuses_a_bucket_that_takes_1e12_s_or_more_to_refill(flags, refill):
     result = CliRunner().invoke(app, ["keys", "create", "--name", "x", *flags, "--redis-url", UNREACHABLE_REDIS])
@@ -420,3 +422,40 @@ def test_keys_create_refuses_a_bucket_that_takes_1e12_s_or_more_to_refill(flags,
     assert result.output.strip() == (
         f"--burst / --requests-per-s (how long an empty bucket takes to refill) must be under 1e+12 s, got {refill}"
     )
+
+
+@pytest.mark.parametrize("burst", [10**9 + 1, 10**400])
+def test_records_refuse_a_burst_past_the_bound_as_a_validation_error(burst):
+    """10**400 made the refill check's division raise OverflowError, which no caller takes for a bad record."""
+    fields = {"key_id": "key_x", "name": "n", "permissions": ("*",), "requests_per_s": 1.0, "created_at_s": 0}
+    with pytest.raises(ValidationError, match="burst"):
+        ApiKeyRecord(**fields, burst=burst)
+
+
+def test_a_stored_record_with_a_huge_burst_is_an_unknown_key_not_a_crash(redis_url):
+    key = generate_api_key()
+    raw = ('{"key_id": "%s", "name": "n", "permissions": ["*"], "requests_per_s": 1.0, "burst": 1%s, '
+           '"created_at_s": 1}' % (key_id_of(hash_api_key(key)), "0" * 400))
+    client = redis.Redis.from_url(redis_url)
+    client.hset("warmpath:apikey:" + hash_api_key(key), "record", raw)
+    client.set("warmpath:apikey-id:" + key_id_of(hash_api_key(key)), hash_api_key(key))
+    assert run_with_store(redis_url, lambda store: store.authorize(key)).record is None
+    assert run_with_store(redis_url, lambda store: store.lookup(key)) is None
+    listing = run_with_store(redis_url, lambda store: store.list())
+    assert [unreadable.key_id for unreadable in listing.unreadable] == [key_id_of(hash_api_key(key))]
+
+
+def test_an_expiring_key_expires_at_the_instant_its_record_names(redis_url, monkeypatch):
+    """The write comes round trips after Redis' clock was read: a lifetime counted from it would outlive
+    the record's `expires_at_s`."""
+    write = ApiKeyStore._write
+
+    async def slow_write(self, key_hash, record):
+        await asyncio.sleep(1.0)  # a slow link between reading Redis' clock and the transaction
+        await write(self, key_hash, record)
+
+    monkeypatch.setattr(ApiKeyStore, "_write", slow_write)
+    key, record = run_with_store(redis_url, lambda store: store.create("k", ["*"], 1.0, 1, expires_in_s=300))
+    client = redis.Redis.from_url(redis_url)
+    for entry in ("warmpath:apikey:" + hash_api_key(key), "warmpath:apikey-id:" + record.key_id):
+        assert client.pexpiretime(entry) == math.ceil(record.expires_at_s * 1000)

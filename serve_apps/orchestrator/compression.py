@@ -53,9 +53,13 @@ _EDGE = ".,:;="
 _DOT_LEADS = frozenset("0123456789./")
 _UNITS = (
     r"%|‰|[KMGT]i?B|B|ns|µs|us|ms|s|sec|secs|min|mins|h|hr|hrs|days?|weeks?|months?|years?|"
-    r"kg|g|mg|t|lbs?|oz|km|m|cm|mm|mi|ft|L|ml|°C|°F|USD|EUR|GBP|CNY|JPY|RMB|tokens?|x"
+    r"kg|g|mg|t|lbs?|oz|km|m|cm|mm|mi|ft|L|ml|°C|°F|USD|EUR|GBP|CHF|CNY|JPY|RMB|tokens?|x|€|£|¥|₹|\$"
 )
 _UNIT_AFTER = re.compile(rf" ?(?:{_UNITS})(?![0-9A-Za-z_])")
+# A base64 value's padding: kept where the run with it is whole base64 (its length a multiple of 4).
+_BASE64_PADDED = re.compile(r"[A-Za-z0-9+/]{6,}={1,2}")
+_MONTHS = (r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|"
+           r"Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)")
 _EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}", re.ASCII)
 _ZONE = r"(?:Z|UTC|GMT|CET|EET|WET|[A-Z]{1,3}[SD]T|[+-]\d{2}:?\d{2})"
 _MERIDIEM = r"(?: ?[AaPp]\.?[Mm]\.?(?![A-Za-z]))"
@@ -69,6 +73,13 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("url", r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]{0,15}://[^\s<>\"'`]+[^\s<>\"'`.,;:!?)\]}]", re.ASCII),
         ("datetime", rf"(?<![0-9])\d{{4}}-\d{{2}}-\d{{2}} \d{{1,2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?{_MERIDIEM}?(?: ?{_ZONE}(?![A-Za-z]))?", re.ASCII),
         ("time", rf"(?<![0-9:])\d{{1,2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?(?:{_MERIDIEM}(?: {_ZONE}(?![A-Za-z]))?| {_ZONE}(?![A-Za-z]))", re.ASCII),
+        # An hour with its meridiem alone: `3 pm PST`, `8 a.m.`.
+        ("hour", rf"(?<![0-9:.,])\d{{1,2}}{_MERIDIEM}(?: {_ZONE}(?![A-Za-z]))?", re.ASCII),
+        # Dates with the month's name: `Nov 30, 2026`, `November 30th 2026`, `30 Dec 2026`.
+        ("month_date", rf"(?<![A-Za-z]){_MONTHS}\.? \d{{1,2}}(?:st|nd|rd|th)?,? \d{{4}}(?![0-9])"
+                       rf"|(?<![0-9])\d{{1,2}}(?:st|nd|rd|th)? {_MONTHS}\.?,? \d{{4}}(?![0-9])", re.ASCII),
+        # Numbers grouped by spaces or apostrophes: `1 000 000`, `1'250'000` (a unit after them joins them).
+        ("grouped_number", r"(?<![0-9.,'])\d{1,3}(?:[ \u00a0\u202f']\d{3})+(?:[.,]\d+)?(?![0-9])", 0),
         ("quoted", r'"([^"\n]{1,200})"|“([^”\n]{1,200})”|(?<!\w)\'([^\'\n]{1,200})\'(?!\w)', 0),
     )
 )
@@ -92,9 +103,12 @@ def _is_single_line(text: str) -> bool:
 
 
 def _trimmed(text: str, start: int, end: int) -> tuple[int, int]:
-    """A run without the punctuation around it (`5.` is `5`; `.5` and `./src` keep their dot)."""
-    while end > start and text[end - 1] in _EDGE:
-        end -= 1
+    """A run without the punctuation around it (`5.` is `5`; `.5` and `./src` keep their dot; a base64
+    value keeps its `=` padding)."""
+    padded = _BASE64_PADDED.fullmatch(text, start, end)
+    if padded is None or (end - start) % 4:
+        while end > start and text[end - 1] in _EDGE:
+            end -= 1
     while start < end and text[start] in _EDGE and not (text[start] == "." and text[start + 1 : start + 2] in _DOT_LEADS):
         start += 1
     return start, end
@@ -175,10 +189,18 @@ def _regex_facts(text: str) -> list[str]:
     return facts
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _json_string(text: str) -> str:
-    """A JSON string literal on one line (the separators `str.splitlines` honours are escaped too)."""
+    """A JSON string literal on one line (the separators `str.splitlines` honours are escaped too).
+
+    A lone surrogate (a JSON document's `"\\ud83d"`, decoded) stays the escape it was: as a
+    character it is not Unicode text, and the summary message holding it could not be stored.
+    """
     encoded = json.dumps(text, ensure_ascii=False)
-    return encoded.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
+    encoded = encoded.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
+    return _LONE_SURROGATE.sub(lambda match: f"\\u{ord(match.group()):04x}", encoded)
 
 
 def _compact(node: object) -> str:

@@ -316,13 +316,7 @@ class TurnRunner:
                 report = event.report
                 yield event
             messages, tools = self._chat_request(self.history)
-            account = self._account(self.history)
-            if account.remaining_tokens < 0:
-                raise TurnFailed(
-                    "context_overflow",
-                    f"the prompt needs {account.total_tokens} tokens plus {self._limits.output_reserve_tokens} "
-                    f"for the answer, over the session's {self._window}-token window",
-                )
+            account = self._fitting_account()
             # The output reserve is the step's answer budget.
             max_tokens = min(self._limits.output_reserve_tokens, self._window - account.total_tokens)
             reply = ModelReply()
@@ -419,11 +413,31 @@ class TurnRunner:
                 f"tool_choice {tool_choice!r} requires a tool call, but the model made no valid one in the turn's "
                 f"{self._limits.max_steps_per_turn} steps (limits.max_steps_per_turn)",
             )
+        # What the last step's tools returned has not been measured: the session's next turn starts from it,
+        # so it must fit as a next step's prompt would (compressed if need be), or nothing is kept.
+        async for event in self._maybe_compress():
+            yield event
+        self._fitting_account()
         exhausted = ErrorEvent(
             code="max_steps", message=f"the turn used all {self._limits.max_steps_per_turn} steps; its messages are kept"
         )
         await self._commit(exhausted)
         yield exhausted
+
+    def _fitting_account(self) -> TokenAccount:
+        """The token account of the history as the next step's prompt, which must leave the output reserve free.
+
+        Raises:
+            TurnFailed: `context_overflow`: it does not fit the window (nothing is committed).
+        """
+        account = self._account(self.history)
+        if account.remaining_tokens < 0:
+            raise TurnFailed(
+                "context_overflow",
+                f"the prompt needs {account.total_tokens} tokens plus {self._limits.output_reserve_tokens} "
+                f"for the answer, over the session's {self._window}-token window",
+            )
+        return account
 
     async def _maybe_compress(self) -> AsyncIterator[CompressionEvent]:
         """Compresses the stored history when the plan says so and the result keeps every value and is shorter.

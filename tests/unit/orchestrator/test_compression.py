@@ -57,6 +57,14 @@ def test_extract_facts_from_text(text, expected):
         ("call +1-555-123-4567", ["+1-555-123-4567"]),
         ("on 2026.11.30, 30/11/2026 or 2026-11-30 08:15 PST", ["2026.11.30", "30/11/2026", "2026-11-30 08:15 PST"]),
         ("at 9:30 PM UTC, then 12:30:45.123", ["9:30 PM UTC", "12:30:45.123"]),
+        # The same read back whole, though written with spaces, names or padding.
+        ("Refund of 12,50 € approved; fee 3 £.", ["12,50 €", "3 £"]),
+        ("Budget 1 000 000 EUR, deposit 1 500 EUR, balance 1'250'000 CHF.",
+         ["1 000 000 EUR", "1 500 EUR", "1'250'000 CHF"]),
+        ("Delivery on Nov 30, 2026 (not 30 Dec 2026), or September 1st 2027.",
+         ["Nov 30, 2026", "30 Dec 2026", "September 1st 2027"]),
+        ("Meeting at 3 pm PST, call 8 a.m. tomorrow.", ["3 pm PST", "8 a.m."]),
+        ("pass cursor eyJpZCI6MTIzfQ== to page 2; total=5", ["eyJpZCI6MTIzfQ==", "2", "total=5"]),
         ("1_000_000 rows, 5k users, ids ABC123 A1B2C3, commit 9fceb02", ["1_000_000", "5k", "ABC123", "A1B2C3", "9fceb02"]),
         ("it is 5. Then .5 and (7)", ["5", ".5", "7"]),
         # Values next to CJK text, and the dashes of other scripts.
@@ -111,6 +119,19 @@ def test_a_json_document_is_one_compact_value_with_numerals_as_written(document,
 def test_every_line_separator_in_a_json_string_stays_escaped():
     (value,) = extract_facts('{"sep": "x\u2028y\u2029z\u0085"}')
     assert value == '{"sep":"x\\u2028y\\u2029z\\u0085"}' and value.splitlines() == [value]
+
+
+@pytest.mark.parametrize("document", [
+    '{"note": "emoji half \\ud83d", "order": "ORD-7"}',
+    json.dumps({"log": "step ok; " * 40 + "half \ud83d ORD-7"}),  # a long string: by its values
+])
+def test_a_lone_surrogate_escape_in_a_json_string_stays_an_escape(document):
+    """Decoded, it is no Unicode text: the summary message holding it could not be stored, and every later
+    compression of the session failed."""
+    (value,) = extract_facts(document)
+    assert "\\ud83d" in value or "values:" in value
+    assert value.encode("utf-8")  # no lone surrogate
+    Message(role="user", content=value)  # what the summary holds validates
 
 
 def test_extract_facts_reads_truncated_json_fields():

@@ -19,6 +19,7 @@ from serve_apps.orchestrator.prompt import ZERO_WIDTH_SPACE
 from serve_apps.orchestrator.store import RememberedTurn, SessionRecord, request_fingerprint
 from serve_apps.orchestrator.models import TurnRequest
 from serve_apps.orchestrator import turns
+from serve_apps.orchestrator.tools import ToolOutcome
 from serve_apps.orchestrator.turns import MAX_REPAIRS_PER_TURN, ModelReply, TurnRunner
 
 SCHEMA = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
@@ -371,3 +372,31 @@ def test_count_memos_are_kept_per_session_for_the_most_recent_sessions():
         turns.count_memo(f"memo-other-{i}")
     assert len(turns._COUNT_MEMOS) == turns.MAX_COUNT_MEMOS
     assert turns.count_memo("memo-a") is not first  # evicted as the least recently used
+
+
+def _server_tool_record(max_steps_per_turn: int) -> SessionRecord:
+    request = CreateSessionRequest.model_validate({
+        "model": "m", "system_prompt": "Support agent.",
+        "tools": [{"name": "lookup_order", "parameters": SCHEMA,
+                   "execution": {"kind": "http", "url": "http://tools.internal/orders"}}],
+        "limits": {"output_reserve_tokens": 256, "context_budget_tokens": 4096,
+                   "max_steps_per_turn": max_steps_per_turn, "max_tool_result_bytes": 16384},
+    })
+    return SessionRecord(session_id="s1", owner_key_id="k", request=request, prefix_fingerprint="f", created_at_s=0.0)
+
+
+@pytest.mark.parametrize("max_steps_per_turn", [2, 3])
+def test_tool_results_that_leave_no_room_fail_the_turn_at_its_last_step_too(monkeypatch, max_steps_per_turn):
+    """A turn out of steps commits its last step's tool results: unmeasured, they left a transcript over the
+    window that every later turn failed on (its round too recent to compress). One step earlier the same
+    results failed the turn, committing nothing: so at the last step too."""
+    big = json.dumps({"rows": [f"row {i} lorem ipsum dolor" for i in range(120)]})  # about 3,600 tokens
+
+    async def tool(spec, arguments, timeout_s, max_bytes, network=None):
+        return ToolOutcome("ok", big, False)
+
+    monkeypatch.setattr(turns, "run_http_tool", tool)
+    script = [([], _call("c1")), ([], _call("c2")), ([], ModelReply(content="done"))]
+    events, store, _ = _run(script[:max_steps_per_turn], "auto", record=_server_tool_record(max_steps_per_turn))
+    assert events[-1].kind == "error" and events[-1].code == "context_overflow", events[-1]
+    assert store.commits == []

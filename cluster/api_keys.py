@@ -339,7 +339,7 @@ class ApiKeyStore:
             pipe.set(entries[1], key_hash)
             if record.expires_at_s is not None:
                 for entry in entries:
-                    pipe.pexpireat(entry, math.ceil(record.expires_at_s * 1000))
+                    pipe.pexpireat(entry, math.floor(record.expires_at_s * 1000))  # never past it
             await pipe.execute()
 
     async def lookup(self, key: str) -> Optional[ApiKeyRecord]:

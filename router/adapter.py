@@ -557,6 +557,10 @@ class PrefixKVRouter(RequestRouter):
             token_ids, self.args.model_id, session_of(pending_request, request), getattr(request, "cache_salt", None)
         )
         by_id = {ReplicaId(r.replica_id.unique_id): r for r in candidate_replicas}
+        previous = self._decisions.get(pending_request.metadata.internal_request_id)
+        if previous is not None:
+            # Serve asks again (every replica refused it): its own earlier placement must not draw it back.
+            self.withdraw(previous)
         with self.lock:
             decision = self.policy.choose(
                 routing_request, list(by_id), loads, self.index, self.sessions, time.monotonic()
@@ -578,12 +582,16 @@ class PrefixKVRouter(RequestRouter):
         self._inflight.place(request_id, ReplicaId(replica_id.unique_id), time.monotonic(), True)
         if decision is None or decision.replica_id == replica_id.unique_id:
             return
-        # Serve fell back to another replica (the chosen one was full): record where it really went.
+        # Serve fell back to another replica (the chosen one was full): the placement moves where the request
+        # really went. Left on the chosen one, it would credit that replica with blocks it never computes, and
+        # every decision it drew there would renew it.
+        self.withdraw(decision)
         with self.lock:
             self.policy.record(decision, ReplicaId(replica_id.unique_id), self.index, self.sessions, time.monotonic())
 
     def withdraw(self, decision: Decision, replica_id: Optional[str] = None) -> None:
-        """Forgets the placement of a decision whose request the engine refused (`PrefixIndex.withdraw_pending`)."""
+        """Forgets the placement of a decision (`PrefixIndex.withdraw_pending`) whose request the engine refused,
+        Serve sent elsewhere, or Serve asks to place again."""
         blocks = decision.request_blocks
         if blocks is None or not blocks.num_blocks:
             return

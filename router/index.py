@@ -34,7 +34,9 @@ Data layout (chosen for bytes per block, see bench/router_decision.py):
   be. The one case it misses: a placement's last checkpoint still pending
   after the replica dropped the block of the grid checkpoint before it
   (indexed, then removed); it is credited at most PENDING_STRIDE_BLOCKS - 1
-  blocks short until that entry expires.
+  blocks short until that entry expires. A pending entry on a block the
+  replica drops goes with the block: one on a block it held gets no event
+  to confirm it, and would credit the replica with the prefix it dropped.
 
 Lookups bisect (`leading_runs`). Along a request's chain, a replica's bit can
 only drop, never come back, because vLLM frees a request's blocks tail first,
@@ -371,8 +373,12 @@ class PrefixIndex:
         state = self._replicas.get(replica_id)
         if state is None or not state.pending or not block_hashes:
             return 0
+        return self._drop_pending(state, [block_hash for _, block_hash in _checkpoints(block_hashes)])
+
+    def _drop_pending(self, state: _ReplicaState, block_hashes: Iterable[BlockHash]) -> int:
+        """Drops the replica's pending entries at `block_hashes`; returns how many it had."""
         pending = state.pending
-        dropped = [block_hash for _, block_hash in _checkpoints(block_hashes) if pending.pop(block_hash, None) is not None]
+        dropped = [block_hash for block_hash in block_hashes if pending.pop(block_hash, None) is not None]
         drop_owner_bit(self._pending_owners, dropped, state.bit)
         return len(dropped)
 
@@ -536,6 +542,10 @@ class PrefixIndex:
         # No copies involved (the usual event): `_remove_blockwise` with the loops in C.
         gone = list(filter(None, map(state.blocks.pop, keys, repeat(None))))
         drop_owner_bit(self._owners, gone, state.bit)
+        if state.pending:
+            # A pending entry on a block the replica held (the grid checkpoint before an off-grid
+            # last) gets no event to confirm it: gone with the block, it would credit the replica.
+            self._drop_pending(state, gone)
         return len(gone)
 
     def _remove_blockwise(self, state: _ReplicaState, keys: list[int]) -> int:
@@ -553,6 +563,8 @@ class PrefixIndex:
             block_hash = blocks.pop(engine_key, None)
             if block_hash is not None:
                 self._drop_bit(self._owners, block_hash, state.bit)
+                if state.pending:
+                    self._drop_pending(state, (block_hash,))
                 num_removed += 1
         return num_removed
 

@@ -171,8 +171,9 @@ class PrefixAwarePolicy:
         """Notes that the decision's request went to `replica_id`.
 
         `choose` calls it for its top choice. Call it again when Ray Serve sent
-        the request to a fallback replica instead; the top choice's pending
-        entries then simply expire.
+        the request to a fallback replica instead, after withdrawing the top
+        choice's pending entries (`PrefixIndex.withdraw_pending`): left there,
+        they would credit it with blocks it never computes.
 
         Args:
             decision: from `choose`.

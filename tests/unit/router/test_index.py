@@ -527,3 +527,21 @@ def test_engine_keys_are_the_low_64_bits_of_each_hash_whatever_the_lengths(lengt
     expected = [int.from_bytes(h, "big") & ((1 << 64) - 1) for h in hashes]
     assert _engine_keys(hashes) == expected
     assert _engine_keys([int.from_bytes(h, "big") for h in hashes]) == expected  # hashes as ints
+
+
+def test_a_pending_entry_on_a_held_block_goes_when_the_replica_drops_it(index):
+    """A placement whose last block is off the grid is also pending at the grid checkpoint before it, even
+    where the replica holds that block: no event confirms that entry, so the block's removal must take it,
+    or the replica is credited with the prefix it no longer holds (until the entry expires, extended by
+    every placement through it)."""
+    system_prompt = list(range(1000, 1000 + 18 * BS))  # 18 blocks
+    turn = system_prompt + list(range(5000, 5000 + 2 * BS))  # 20 blocks: the last, 19, is off the grid
+    other = system_prompt + list(range(7000, 7000 + 3 * BS))
+    turn_hashes, other_hashes = request_hashes(tokens=turn), request_hashes(tokens=other)
+    index.apply(A, [stored(0, 18, tokens=turn)])
+    index.add_pending(A, turn_hashes, 0.0, 2.0, num_held_blocks=18)
+    index.apply(A, [stored(18, 2, tokens=turn, parent=17)])  # the turn's prefill: confirms its last block
+    assert index.longest_prefix(other_hashes, 1.0) == {A: 18}
+    index.apply(A, [BlockRemoved(block_hashes=[ehash(i) for i in reversed(range(20))], medium="GPU")])
+    assert index.longest_prefix(other_hashes, 1.0) == {}
+    assert index.snapshot(1.0).num_pending_blocks_by_replica.get(A, 0) == 0

@@ -20,6 +20,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve._private.request_router.common import PendingRequest
 from router import decision_log
 from router.adapter import PrefixKVRouter
+from router.hashing import hash_request_blocks, root_hash
 from router.prompt_tokens import FORWARDED_IDS_KEY, EngineRendering, PromptTokenizer
 
 BS = 4
@@ -211,3 +212,39 @@ def test_serves_backoff_asking_again_for_one_request_counts_one_decision(new_rou
         return sum(decision_log.STATS.num_decisions_by_reason.values()) - before
 
     assert asyncio.run(route()) == 1
+
+
+def _routing_router(new_router):
+    router = new_router()
+    router.update_replicas([StandInReplica("R1"), StandInReplica("R2")])
+    router.tokenizer.token_ids = lambda request, rendering: list(request.prompt)
+    return router
+
+
+def test_a_request_serve_asks_again_for_is_not_drawn_back_by_its_own_placement(new_router):
+    async def route():
+        router = _routing_router(new_router)
+        request = pending(SimpleNamespace(prompt=list(range(64))))
+        replicas = list(router.curr_replicas.values())
+        await router.choose_replicas(replicas, request)
+        await router.choose_replicas(replicas, request)  # every replica refused it: Serve asks again
+        return router._decisions[request.metadata.internal_request_id]
+
+    decision = asyncio.run(route())
+    assert decision.reason != "prefix-hit" and not any(decision.predicted_cached_tokens.values()), decision
+
+
+def test_a_request_serve_sent_elsewhere_moves_its_placement_there(new_router):
+    async def route():
+        router = _routing_router(new_router)
+        request = pending(SimpleNamespace(prompt=list(range(64))))
+        replicas = {r.replica_id.unique_id: r for r in router.curr_replicas.values()}
+        (chosen,), *_ = await router.choose_replicas(list(replicas.values()), request)
+        other = next(r for name, r in replicas.items() if name != chosen.replica_id.unique_id)
+        router.on_request_routed(request, other.replica_id, None)  # the chosen one was full
+        return chosen.replica_id.unique_id, other.replica_id.unique_id, router
+
+    chosen, other, router = asyncio.run(route())
+    hashes = hash_request_blocks(list(range(64)), BS, root_hash("m", None))
+    held = router.index.longest_prefix(hashes, time.monotonic())
+    assert chosen not in held and held.get(other) == 16, held

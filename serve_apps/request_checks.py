@@ -17,8 +17,9 @@ Each check returns `(message, param)` for a 400, or None.
 - A `/detokenize` token id of 32 bits or more: the tokenizer raises an
   `OverflowError` on it.
 - Text that cannot be encoded as UTF-8 (a lone surrogate, from a `\\ud800`
-  escape or from invalid bytes JSON decoding let through): the tokenizer
-  raises a `TypeError` on it.
+  escape or from invalid bytes JSON decoding let through), in any field:
+  the tokenizer raises a `TypeError` on it, and the message that carries the
+  request to the engine process a `UnicodeEncodeError` (`stop`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,17 @@ def chat_request_problem(body: Any) -> Optional[Problem]:
         unencodable_text_problem(messages, "messages")
         or _arguments_problem(messages)
         or unencodable_text_problem(getattr(body, "tools", None), "tools")
+        or _other_fields_problem(body, ("messages", "tools"))
     )
+
+
+def _other_fields_problem(body: Any, checked: tuple[str, ...]) -> Optional[Problem]:
+    """Text UTF-8 cannot encode in any other field of the request (`stop`, `bad_words`, `vllm_xargs`, ...):
+    the tokenizer or the message to the engine process fails on it as an internal error."""
+    for name, value in getattr(body, "__dict__", {}).items():
+        if name not in checked and (problem := unencodable_text_problem(value, name)) is not None:
+            return problem
+    return None
 
 
 def _arguments_problem(messages: list) -> Optional[Problem]:
@@ -83,8 +94,12 @@ def _arguments_problem(messages: list) -> Optional[Problem]:
 
 
 def completion_request_problem(body: Any) -> Optional[Problem]:
-    """The first thing wrong with a completion request's prompt, or None."""
-    return _choices_problem(body) or unencodable_text_problem(getattr(body, "prompt", None), "prompt")
+    """The first thing wrong with a completion request's prompt or other text, or None."""
+    return (
+        _choices_problem(body)
+        or unencodable_text_problem(getattr(body, "prompt", None), "prompt")
+        or _other_fields_problem(body, ("prompt",))
+    )
 
 
 def tokenize_request_problem(body: Any) -> Optional[Problem]:

@@ -101,3 +101,21 @@ def test_a_tokenize_prompt_with_a_lone_surrogate_is_refused():
     body = TokenizeCompletionRequest.model_validate(json.loads('{"model":"m","prompt":"a\\ud800"}'))
     assert tokenize_request_problem(body)[1] == "prompt"
     assert tokenize_request_problem(TokenizeCompletionRequest(model="m", prompt="fine")) is None
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("stop", ["end", "x\ud800"], "stop[1]"),  # the message to the engine process fails to encode it
+    ("bad_words", ["\ud800"], "bad_words[0]"),  # the tokenizer fails on it
+    ("vllm_xargs", {"k": "\udfff"}, "vllm_xargs.k"),
+    ("request_id", "r\ud800", "request_id"),
+])
+def test_text_utf8_cannot_encode_in_any_field_is_refused(field, value, param):
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **{field: value})
+    problem = chat_request_problem(chat)
+    assert problem is not None and problem[1] == param, problem
+    completion = CompletionRequest(model="m", prompt="hi", **{field: value})
+    assert completion_request_problem(completion)[1] == param
+    # The same fields with valid text pass.
+    clean = {"stop": ["end"], "bad_words": ["x"], "vllm_xargs": {"k": "v"}, "request_id": "r1"}[field]
+    assert chat_request_problem(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                      **{field: clean})) is None

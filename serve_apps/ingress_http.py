@@ -48,7 +48,7 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.access import Caller, store_retry_headers
-from serve_apps.api_errors import engine_error, error_body, error_type, exception_response
+from serve_apps.api_errors import engine_error, error_body, error_type, exception_body, exception_response
 from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import (
     chat_request_problem,
@@ -124,21 +124,30 @@ async def _recording_usage(
     usage = None
     is_recorded = False
     try:
-        async for frame in frames:
-            if '"usage"' in frame:  # a frame may hold several batched chunks, [DONE] included
-                usage = _frame_usage(frame) or usage
-                if not is_usage_asked:
-                    frame = without_usage_chunks(frame)
-                    if not frame:
-                        continue
-            if '"error"' in frame:  # an engine error after the first chunk (a quote in text is escaped)
-                _record_error_frame(span, frame)
-                frame = readable_error_frame(frame)
-            if "data: [DONE]" in frame:
-                _record_usage(logged, served_by, usage)
-                _annotate_usage(span, usage)
-                is_recorded = True
-            yield frame
+        try:
+            async for frame in frames:
+                if '"usage"' in frame:  # a frame may hold several batched chunks, [DONE] included
+                    usage = _frame_usage(frame) or usage
+                    if not is_usage_asked:
+                        frame = without_usage_chunks(frame)
+                        if not frame:
+                            continue
+                if '"error"' in frame:  # an engine error after the first chunk (a quote in text is escaped)
+                    _record_error_frame(span, frame)
+                    frame = readable_error_frame(frame)
+                if "data: [DONE]" in frame:
+                    _record_usage(logged, served_by, usage)
+                    _annotate_usage(span, usage)
+                    is_recorded = True
+                yield frame
+        except Exception as err:
+            # The replica died mid-stream, after the 200 went out: the stream ends as vLLM ends a failed one,
+            # an error frame then [DONE] (a bare close reads as a transport error to OpenAI's clients).
+            logger.warning("a streamed call failed after its first chunk", exc_info=True)
+            _, body = exception_body(err, "")
+            frame = f"data: {json.dumps(body)}\n\n"
+            _record_error_frame(span, frame)
+            yield frame + "data: [DONE]\n\n"
     finally:
         if not is_recorded:  # the stream broke off or ended without [DONE]
             _record_usage(logged, served_by, usage)
@@ -208,12 +217,17 @@ def readable_error_frame(frame: str) -> str:
         error = chunk.get("error")
         if isinstance(error, dict):
             status, message = engine_error(error)
+            if (status or 500) == 500:  # the engine's own failure: its text is for the log, as before the stream
+                logger.warning("engine error in a stream: %s", message)
+                message = INTERNAL_SERVER_ERROR
             chunk["error"] = error_body(status or 500, message)["error"]
             lines[position] = "data: " + json.dumps(chunk)
     return "\n".join(lines)
 
 
 INTERNAL_ERROR = error_body(500, "internal error in the session service; see the server logs", code="internal")
+# What a call answers for the engine's own failure, before its stream started or after (Ray Serve LLM's text).
+INTERNAL_SERVER_ERROR = "Internal Server Error"
 IDEMPOTENCY_HEADER = "idempotency-key"
 REPLAY_HEADER = "x-warmpath-idempotent-replay"
 

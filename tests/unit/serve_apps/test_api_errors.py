@@ -133,6 +133,15 @@ def test_an_error_chunk_mid_stream_is_rewritten_and_other_chunks_are_not():
     }}
 
 
+def test_an_engine_failure_mid_stream_says_no_more_than_before_the_stream():
+    from serve_apps.ingress_http import readable_error_frame
+
+    internal = {"error": {"message": "'NoneType' object has no attribute 'token_ids' in /app/kv.py",
+                          "type": "InternalServerError", "code": 500}}
+    (line, *_) = readable_error_frame(f"data: {json.dumps(internal)}\n\n").split("\n")
+    assert json.loads(line[len("data: "):])["error"]["message"] == "Internal Server Error"
+
+
 class _Item(BaseModel):
     role: str
 

@@ -47,21 +47,25 @@ def test_usage_is_recorded_before_done_is_sent(monkeypatch, frames):
     assert events.index(("record", 640, 608)) < events.index(("sent", True))
 
 
-def test_a_stream_that_breaks_off_is_still_recorded(monkeypatch):
+def test_a_stream_that_breaks_off_is_still_recorded_and_ends_as_a_failed_stream_does(monkeypatch):
+    """The 200 went out: an error frame then [DONE] end it, as vLLM ends a failed stream (a bare close reads
+    as a transport error to OpenAI's clients), and the replica's text stays in the log."""
     recorded = []
     monkeypatch.setattr(ingress_http, "_record_usage", lambda logged, served_by, usage: recorded.append(usage))
 
     async def source():
         yield _chunk()
-        raise RuntimeError("replica died")
+        raise RuntimeError("replica died at /app/secret.py line 12")
 
     async def consume():
-        with pytest.raises(RuntimeError):
-            async for _ in ingress_http._recording_usage(source(), None, None):
-                pass
+        return [frame async for frame in ingress_http._recording_usage(source(), None, None)]
 
-    asyncio.run(consume())
+    frames = asyncio.run(consume())
     assert recorded == [None]
+    error_frame, done = frames[-1].split("\n\n")[:2]
+    assert done == "data: [DONE]"
+    error = json.loads(error_frame[len("data: "):])["error"]
+    assert error["type"] == "InternalServerError" and "secret" not in error["message"]
 
 
 def test_a_client_that_did_not_ask_for_usage_gets_no_usage_chunk(monkeypatch):

@@ -36,7 +36,9 @@ from ray.llm._internal.serve.core.ingress.ingress import (
     OpenAiIngress,
     router_request_timeout,
 )
+from ray.exceptions import RayActorError
 from ray.llm._internal.serve.constants import DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.llm._internal.serve.core.ingress.utils import (
     NON_STREAMING_RESPONSE_TYPES,
     _openai_json_wrapper,
@@ -47,7 +49,7 @@ from vllm.entrypoints.generate.base.protocol import StreamOptions
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
-from serve_apps.access import Caller, store_retry_headers
+from serve_apps.access import Caller, retry_after_header, store_retry_headers
 from serve_apps.api_errors import engine_error, error_body, error_type, exception_body, exception_response
 from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import (
@@ -279,7 +281,19 @@ async def _call(remote, span: trace.Span = trace.INVALID_SPAN) -> Response:
     except Exception as err:
         logger.exception("session call failed")
         span.record_exception(err)
-        return JSONResponse(INTERNAL_ERROR, status_code=500)
+        return _session_failure(err)
+
+
+# An orchestrator that is gone (its replica died, none runs) or full: the call may be retried, as over gRPC.
+_RETRYABLE_FAILURES = (RayActorError, DeploymentUnavailableError, BackPressureError)
+
+
+def _session_failure(err: Exception) -> JSONResponse:
+    """503 with `Retry-After` where no orchestrator could take the call; else a clean 500."""
+    if isinstance(err, _RETRYABLE_FAILURES):
+        body = error_body(503, "a serving process is unavailable; retry", code="unavailable")
+        return JSONResponse(body, status_code=503, headers=dict([retry_after_header(1)]))
+    return JSONResponse(INTERNAL_ERROR, status_code=500)
 
 
 def merged_deltas(events: list[Dict[str, Any]]) -> list[Dict[str, Any]]:
@@ -306,7 +320,7 @@ async def _turn_response(
     except Exception as err:
         logger.exception("turn of session %s failed before it started", session_id)
         span.record_exception(err)
-        return JSONResponse(INTERNAL_ERROR, status_code=500)
+        return _session_failure(err)
     if first["status"] != 200:
         return _unary(first)
     headers = {REPLAY_HEADER: "true"} if first.get("is_replay") else {}

@@ -47,3 +47,31 @@ def test_a_whole_answer_is_one_delta_in_a_unary_turn_and_retries_keep_their_boun
         {"kind": "delta", "text": "Hel"}, retry, {"kind": "delta", "text": "Hello there"}, final,
     ]
     assert ingress_http.merged_deltas([]) == []
+
+
+def _dead_orchestrator():
+    from ray.exceptions import RayActorError
+
+    return RayActorError()
+
+
+@pytest.mark.parametrize("failure, status, code", [
+    (_dead_orchestrator, 503, "unavailable"),  # retryable, as gRPC's UNAVAILABLE says
+    (lambda: RuntimeError("a bug at /app/x.py"), 500, "internal"),
+])
+def test_an_orchestrator_that_cannot_take_the_call_is_a_503_to_retry_not_a_500(failure, status, code):
+    async def failing():
+        raise failure()
+        yield  # pragma: no cover
+
+    turn = asyncio.run(ingress_http._turn_response("s1", failing(), is_streaming=False))
+
+    async def unary():
+        raise failure()
+
+    call = asyncio.run(ingress_http._call(unary()))
+    for response in (turn, call):
+        assert response.status_code == status
+        body = json.loads(response.body)
+        assert body["error"]["code"] == code and "/app" not in body["error"]["message"]
+        assert ("retry-after" in response.headers) is (status == 503)

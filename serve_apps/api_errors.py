@@ -104,7 +104,18 @@ def exception_body(err: Exception, request_id: str) -> tuple[int, dict[str, Any]
     from ray.llm._internal.serve.utils.server_utils import get_response_for_error
 
     error = get_response_for_error(err, request_id).error
-    return error.code, error_body(error.code, error.message)
+    param = getattr(err, "param", None)  # an engine refusal's field, where the ingress carried it (`refusal`)
+    return error.code, error_body(error.code, error.message, param=param if isinstance(param, str) else None)
+
+
+def refusal(error: Mapping[str, Any]) -> Exception:
+    """An engine's `ErrorResponse.error` (as a dict) as the exception the ingress answers it with, its `param` kept."""
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+
+    status, message = engine_error(error)
+    exception = OpenAIHTTPException(message=message, status_code=status or 500, type=error_type(status or 500))
+    exception.param = error.get("param")
+    return exception
 
 
 def exception_response(err: Exception, request: Optional[Request]) -> JSONResponse:

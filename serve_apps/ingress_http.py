@@ -50,7 +50,7 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.access import Caller, retry_after_header, store_retry_headers
-from serve_apps.api_errors import engine_error, error_body, error_type, exception_body, exception_response
+from serve_apps.api_errors import engine_error, error_body, exception_body, exception_response, refusal
 from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import (
     chat_request_problem,
@@ -222,7 +222,8 @@ def readable_error_frame(frame: str) -> str:
             if (status or 500) == 500:  # the engine's own failure: its text is for the log, as before the stream
                 logger.warning("engine error in a stream: %s", message)
                 message = INTERNAL_SERVER_ERROR
-            chunk["error"] = error_body(status or 500, message)["error"]
+            param = error.get("param")
+            chunk["error"] = error_body(status or 500, message, param=param if isinstance(param, str) else None)["error"]
             lines[position] = "data: " + json.dumps(chunk)
     return "\n".join(lines)
 
@@ -554,15 +555,10 @@ class WarmpathIngress(OpenAiIngress):
                 first, gen = await _peek_at_generator(gen)
             first_chunk = first[0] if isinstance(first, list) else first
             if isinstance(first_chunk, ErrorResponse):
-                raise OpenAIHTTPException(
-                    message=first_chunk.error.message,
-                    status_code=first_chunk.error.code,
-                    type=first_chunk.error.type,
-                )
+                raise refusal(first_chunk.error.model_dump())
             leading_error = stream_leading_error(first_chunk)
             if leading_error is not None:  # refused before any token: a status, not a 200 with an error frame
-                status, message = engine_error(leading_error)
-                raise OpenAIHTTPException(message=message, status_code=status or 500, type=error_type(status or 500))
+                raise refusal(leading_error)
             headers, logged = _route_headers(served_by)
             if span.is_recording():
                 _annotate(span, headers)

@@ -280,3 +280,15 @@ def test_a_message_echoing_a_megabyte_of_client_text_is_taken_apart_in_linear_ti
 ])
 def test_the_parameter_is_the_first_that_runs_to_the_messages_end(text, param):
     assert error_body(400, text)["error"]["param"] == param
+
+
+def test_the_field_vllm_names_apart_from_its_text_is_kept():
+    from serve_apps.api_errors import exception_body, refusal
+    from serve_apps.ingress_http import readable_error_frame
+
+    error = {"message": "suffix is only supported for models with FIM completion rendering",
+             "type": "BadRequestError", "code": 400, "param": "suffix"}
+    status, body = exception_body(refusal(error), "rid")
+    assert status == 400 and body["error"]["param"] == "suffix"
+    (line, *_) = readable_error_frame(f"data: {json.dumps({'error': error})}\n\n").split("\n")
+    assert json.loads(line[len("data: "):])["error"]["param"] == "suffix"

@@ -107,12 +107,28 @@ def _record_usage(
     record_model_usage(logged, served_by.replica_id if served_by else "", usage)
 
 
-async def _recording_usage(
+def _recording_usage(
     frames: AsyncIterator[str],
     logged: Optional[decision_log.LoggedDecision],
     served_by: Optional[ServedBy],
     is_usage_asked: bool = True,
     span=None,
+) -> AsyncIterator[str]:
+    """`_usage_recorded` over `frames`; a stream dropped before it started (its client left before the body
+    began, and Starlette never iterates it) records the call without usage when it is collected."""
+    on_drop: list[weakref.finalize] = []  # filled before the stream can start; the stream detaches it
+    stream = _usage_recorded(frames, logged, served_by, is_usage_asked, span, on_drop)
+    on_drop.append(weakref.finalize(stream, _record_usage, logged, served_by, None))
+    return stream
+
+
+async def _usage_recorded(
+    frames: AsyncIterator[str],
+    logged: Optional[decision_log.LoggedDecision],
+    served_by: Optional[ServedBy],
+    is_usage_asked: bool,
+    span,
+    on_drop: list[weakref.finalize],
 ) -> AsyncIterator[str]:
     """Passes SSE frames through and records the last usage seen (vLLM sends it in the last data frame).
 
@@ -125,6 +141,7 @@ async def _recording_usage(
     """
     usage = None
     is_recorded = False
+    on_drop[0].detach()  # started: the stream records its own usage below
     try:
         try:
             async for frame in frames:

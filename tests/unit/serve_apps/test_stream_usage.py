@@ -103,3 +103,27 @@ def test_a_stream_refused_before_its_first_token_is_an_error_status():
     assert ingress_http.stream_leading_error(_chunk() + "data: " + json.dumps({"error": error}) + "\n\n") is None
     assert ingress_http.stream_leading_error(_chunk()) is None
     assert ingress_http.stream_leading_error(["not a frame"]) is None
+
+
+def test_a_stream_dropped_before_it_started_is_recorded_once_when_collected(monkeypatch):
+    """Starlette drops the body of a response whose client left before it began, never iterating it."""
+    import gc
+
+    recorded = []
+    monkeypatch.setattr(ingress_http, "_record_usage", lambda logged, served_by, usage: recorded.append(usage))
+
+    async def source():
+        yield _chunk(USAGE)
+        yield "data: [DONE]\n\n"
+
+    dropped = ingress_http._recording_usage(source(), None, None)
+    del dropped
+    gc.collect()
+    assert recorded == [None]
+
+    async def consume():
+        return [frame async for frame in ingress_http._recording_usage(source(), None, None)]
+
+    asyncio.run(consume())
+    gc.collect()
+    assert recorded == [None, USAGE]  # a stream that ran records its own usage, and only that

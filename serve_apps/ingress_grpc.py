@@ -93,7 +93,7 @@ from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import chat_request_problem
 from serve_apps.orchestrator.models import TOOL_CHOICE_KEYWORDS, TURN_ERROR_STATUS, TURN_INTERRUPTED, Message
 from serve_apps.orchestrator.prompt import to_wire_message
-from serve_apps.sse_frames import sse_payloads
+from serve_apps.sse_frames import sse_payloads, stream_leading_error
 from serve_apps.vllm_replica import ServedBy
 from warmpath.v1 import agent_pb2, inference_pb2
 
@@ -102,6 +102,8 @@ logger = logging.getLogger("ray.serve")
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name
 INTERNAL_MESSAGE = "internal error in the gRPC ingress; see the server logs"
+# What a call answers for the engine's own failure (the HTTP ingress' text for it).
+ENGINE_FAILURE_MESSAGE = "Internal Server Error"
 # Suggested wait before retrying a call refused by back-pressure when Serve names none.
 BACK_PRESSURE_RETRY_AFTER_S = 1.0
 IDEMPOTENCY_METADATA = "idempotency-key"
@@ -338,8 +340,8 @@ def chat_response_to_proto(response: Mapping[str, Any], replica_id: str) -> infe
         usage=usage_to_proto(response.get("usage")),
         replica_id=replica_id,
     )
-    if message.get("content"):  # unset when the model only called tools, as the proto says
-        out.content = message["content"]
+    if message.get("content") or not message.get("tool_calls"):  # unset when the model only called tools
+        out.content = message.get("content") or ""
     return out
 
 
@@ -375,8 +377,11 @@ def engine_failure(error: Mapping[str, Any]) -> RpcFailure:
     message without Ray Serve LLM's wrapping (`serve_apps.api_errors`).
     """
     status, message = engine_error(error)
-    if status is None:
-        return RpcFailure(grpc.StatusCode.INTERNAL, "model_error", message)
+    if status is None or status == 500:
+        # The engine's own failure: its text is for the log, as the HTTP ingress keeps it.
+        logger.warning("engine error in a gRPC call: %s", message)
+        code = "model_error" if status is None else error_type(status)
+        return RpcFailure(grpc.StatusCode.INTERNAL, code, ENGINE_FAILURE_MESSAGE)
     return RpcFailure(grpc_code(status), error_type(status), message)
 
 
@@ -445,10 +450,13 @@ def failure_from_exception(err: Exception, request_id: str = "") -> RpcFailure:
         return RpcFailure(
             grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", err.message, [retry_after_header(retry_after_s)]
         )
+    # Where HTTP answers 503 with `Retry-After: 1`, so does the status' trailing metadata.
     if isinstance(err, DeploymentUnavailableError):
-        return RpcFailure(grpc.StatusCode.UNAVAILABLE, "unavailable", err.message)
+        return RpcFailure(grpc.StatusCode.UNAVAILABLE, "unavailable", err.message, [retry_after_header(1)])
     if isinstance(err, RayActorError):
-        return RpcFailure(grpc.StatusCode.UNAVAILABLE, "unavailable", "a serving process is unavailable; retry")
+        return RpcFailure(
+            grpc.StatusCode.UNAVAILABLE, "unavailable", "a serving process is unavailable; retry", [retry_after_header(1)]
+        )
     if isinstance(err, RequestCancelledError):
         return RpcFailure(grpc.StatusCode.CANCELLED, "cancelled", "the request was cancelled")
     if isinstance(err, TimeoutError):
@@ -601,13 +609,17 @@ class GrpcIngress:
     async def _chat_chunks(self, request: inference_pb2.ChatCompletionRequest) -> AsyncIterator[inference_pb2.ChatCompletionChunk]:
         chat_request = self._chat_request(request, is_streaming=True)
         usage = _LastUsage()
+        has_chunks = False
         async with aclosing(self._engine_outputs(chat_request, request.session_id, usage)) as outputs:
             async for replica_id, output in outputs:
                 for payload in sse_payloads(output):
                     if "error" in payload:
                         raise engine_failure(payload["error"])
                     usage.note(payload.get("usage"))
+                    has_chunks = True
                     yield chat_chunk_to_proto(payload, replica_id)
+        if not has_chunks:  # as the unary call and HTTP answer it, not an OK stream of nothing
+            raise RpcFailure(grpc.StatusCode.INTERNAL, "empty_response", "the engine returned no completion")
 
     def _chat_request(self, request: inference_pb2.ChatCompletionRequest, is_streaming: bool) -> ChatCompletionRequest:
         if request.model and request.model != self._model_id:
@@ -657,6 +669,8 @@ class GrpcIngress:
                     for output in item if isinstance(item, list) else [item]:
                         if isinstance(output, ErrorResponse):
                             raise engine_failure(output.error.model_dump())
+                        if not has_output and (refused := stream_leading_error(output)) is not None:
+                            raise engine_failure(refused)  # refused before any token: settled as a refusal
                         has_output = True
                         first_output_deadline.reschedule(None)
                         yield replica_id, output

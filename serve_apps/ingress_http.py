@@ -59,7 +59,7 @@ from serve_apps.request_checks import (
     tokenize_request_problem,
 )
 from serve_apps.orchestrator.models import TURN_ERROR_STATUS, TURN_INTERRUPTED, CreateSessionRequest, ToolResultsSubmission, TurnRequest
-from serve_apps.sse_frames import data_objects, sse_lines
+from serve_apps.sse_frames import data_objects, sse_lines, stream_leading_error
 from serve_apps.vllm_replica import ServedBy
 
 logger = logging.getLogger("ray.serve")
@@ -179,16 +179,6 @@ def _frame_usage(frame: str) -> Optional[dict]:
     """The `usage` of the last `data:` chunk in `frame` that has one."""
     usages = [chunk["usage"] for _, chunk in data_objects(sse_lines(frame)) if isinstance(chunk.get("usage"), dict)]
     return usages[-1] if usages else None
-
-
-def stream_leading_error(chunk: Any) -> Optional[dict]:
-    """The `error` of a stream whose first data chunk is an error (vLLM refused it after the stream began)."""
-    if not isinstance(chunk, str) or '"error"' not in chunk:
-        return None
-    for _, payload in data_objects(chunk.split("\n")):
-        error = payload.get("error")
-        return error if isinstance(error, dict) else None
-    return None
 
 
 def asks_for_usage(body: Any) -> bool:

@@ -49,3 +49,13 @@ def sse_lines(frame: str) -> list[str]:
 def sse_payloads(frame: str) -> list[dict]:
     """The JSON objects of one streamed engine output, in order; raises ValueError on a malformed data line."""
     return [payload for _, payload in data_objects(sse_lines(str(frame)), is_strict=True)]
+
+
+def stream_leading_error(chunk: object) -> dict | None:
+    """The `error` of a stream whose first data chunk is an error (vLLM refused it after the stream began)."""
+    if not isinstance(chunk, str) or '"error"' not in chunk:
+        return None
+    for _, payload in data_objects(sse_lines(chunk)):
+        error = payload.get("error")
+        return error if isinstance(error, dict) else None
+    return None

@@ -44,6 +44,10 @@ def test_content_is_unset_when_the_model_only_called_tools():
     spoken = copy.deepcopy(response)
     spoken["choices"][0]["message"]["content"] = "hi"
     assert chat_response_to_proto(spoken, "r").content == "hi"
+    # An empty answer without calls is an answer: content set to "", as HTTP's `"content": ""`.
+    silent = copy.deepcopy(response)
+    silent["choices"][0]["message"].update(content="", tool_calls=[])
+    assert chat_response_to_proto(silent, "r").HasField("content")
 
 
 class _Context:

@@ -182,3 +182,41 @@ def test_the_first_output_deadline_does_not_bound_the_rest_of_a_stream(recorded,
     chunks = asyncio.run(read())
     assert context.code is None
     assert [chunk.content for chunk in chunks] == ["Hi", "Hi"]
+
+
+def test_a_stream_the_engine_refuses_in_its_first_frame_withdraws_its_placement(recorded, two_decisions, monkeypatch):
+    """vLLM refuses a streamed call with an error frame before any token: a refusal, as HTTP takes it."""
+    withdrawn = []
+    monkeypatch.setattr(decision_log, "withdraw_placement", lambda logged, replica: withdrawn.append(logged))
+    frame = 'data: {"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}\n\n'
+    context = FakeContext()
+
+    async def read():
+        ingress = _ingress(ServedBy("replica-a"), [frame])
+        return [chunk async for chunk in ingress.StreamChatCompletion(_request(), context)]
+
+    chunks = asyncio.run(read())
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and chunks[-1].error.message == "prompt too long"
+    assert recorded.calls == []
+    assert [logged.decision.reason for logged in withdrawn] == ["prefix-hit"]
+
+
+@pytest.mark.parametrize("error", ["actor", "deployment"])
+def test_no_process_to_take_the_call_is_unavailable_with_a_retry_after(error):
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    err = RayActorError() if error == "actor" else DeploymentUnavailableError("llm")
+    failure = ingress_grpc.failure_from_exception(err)
+    assert failure.status == grpc.StatusCode.UNAVAILABLE
+    assert ("retry-after", "1") in tuple(failure.trailing_metadata)
+
+
+def test_a_stream_the_engine_sends_nothing_for_fails_as_the_unary_call_does(recorded, two_decisions):
+    context = FakeContext()
+
+    async def read():
+        return [chunk async for chunk in _ingress(ServedBy("replica-a")).StreamChatCompletion(_request(), context)]
+
+    chunks = asyncio.run(read())
+    assert context.code == grpc.StatusCode.INTERNAL and chunks[-1].error.code == "empty_response"

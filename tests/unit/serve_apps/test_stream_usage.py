@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from serve_apps import ingress_http
+from serve_apps import ingress_http, sse_frames
 
 
 def _chunk(usage=None) -> str:
@@ -99,10 +99,10 @@ def test_usage_is_asked_for_only_by_include_usage(options, is_asked):
 
 def test_a_stream_refused_before_its_first_token_is_an_error_status():
     error = {"message": "Failed to transform json schema into a grammar", "type": "BadRequestError", "code": 400}
-    assert ingress_http.stream_leading_error("data: " + json.dumps({"error": error}) + "\n\n") == error
-    assert ingress_http.stream_leading_error(_chunk() + "data: " + json.dumps({"error": error}) + "\n\n") is None
-    assert ingress_http.stream_leading_error(_chunk()) is None
-    assert ingress_http.stream_leading_error(["not a frame"]) is None
+    assert sse_frames.stream_leading_error("data: " + json.dumps({"error": error}) + "\n\n") == error
+    assert sse_frames.stream_leading_error(_chunk() + "data: " + json.dumps({"error": error}) + "\n\n") is None
+    assert sse_frames.stream_leading_error(_chunk()) is None
+    assert sse_frames.stream_leading_error(["not a frame"]) is None
 
 
 def test_a_stream_dropped_before_it_started_is_recorded_once_when_collected(monkeypatch):

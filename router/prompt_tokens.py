@@ -170,25 +170,30 @@ def _arguments_object(arguments: Any) -> dict:
 _BILLING_HEADER = "x-anthropic-billing-header"
 
 
-def template_messages(messages: list) -> list[dict]:
-    """Plain-text messages (`is_forwardable`) as vLLM's chat parsing hands them to the template.
+def template_messages(messages: list, is_string_content: bool = False) -> list[dict]:
+    """Messages as vLLM's chat parsing hands them to the template.
 
-    vLLM builds each message anew (`parse_chat_messages`, content format
-    "string") with only: the role; the content (None as ""; a system text's
-    billing-header line dropped); an assistant's tool calls (arguments as
-    objects, an empty list as none) and its reasoning, also as
-    `reasoning_content`; a tool message's call id; a string `name` and `task`.
-    Any other key a client sent never reaches the template. Content parts (a
-    request the router only routes, not forwards) are passed as they are.
-    Copies; the request is untouched.
+    vLLM builds each message anew (`parse_chat_messages`) with only: the role;
+    the content (None as ""; a system text's billing-header line dropped); an
+    assistant's tool calls (arguments as objects, an empty list as none) and its
+    reasoning, also as `reasoning_content`; a tool message's call id; a string
+    `name` and `task`. Any other key a client sent never reaches the template.
+    With `is_string_content` (the replicas pass content as strings, as those
+    that render like the router do), text parts are joined with newlines, as
+    vLLM joins them (a system prompt sent as parts by an Anthropic gateway);
+    other content parts, and every part otherwise, are passed as they are (a
+    request the router only routes). Copies; the request is untouched.
     """
     out = []
     for message in messages:
         message = message if isinstance(message, dict) else message.model_dump()
         role, content = message.get("role"), message.get("content")
         content = "" if content is None else content
-        if role == "system" and isinstance(content, str) and content.startswith(_BILLING_HEADER):
-            content = content.partition("\n")[2]
+        texts = [content] if isinstance(content, str) else _texts(content) if is_string_content else None
+        if texts is not None:
+            if role == "system":
+                texts = [rest for rest in map(_without_billing_header, texts) if rest is not None]
+            content = "\n".join(texts)
         item: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
             calls = message.get("tool_calls")
@@ -203,6 +208,28 @@ def template_messages(messages: list) -> list[dict]:
                 item[key] = message[key]
         out.append(item)
     return out
+
+
+def _texts(parts: Any) -> Optional[list[str]]:
+    """The texts of content parts that are all text (`{"type": "text", "text": ...}` or strings), else None."""
+    if not isinstance(parts, list):
+        return None
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            return None
+    return texts
+
+
+def _without_billing_header(text: str) -> Optional[str]:
+    """A system text without Claude Code's attribution line, as vLLM drops it; None for a text that was only it."""
+    if not text.startswith(_BILLING_HEADER):
+        return text
+    return text.partition("\n")[2] or None
 
 
 def _template_call(call: Any) -> Any:
@@ -288,7 +315,8 @@ class PromptTokenizer:
 
     def chat_token_ids(self, request: Any, rendering: Optional[EngineRendering] = None) -> list[int]:
         """Token ids of a chat completion request as vLLM renders it, with the replicas' `rendering` settings."""
-        messages = template_messages(list(request.messages))
+        is_string_content = rendering is not None and rendering.renders_like_router
+        messages = template_messages(list(request.messages), is_string_content)
         arguments = template_arguments(request, rendering)
         tools = arguments.get("tools")
         text = self.tokenizer.apply_chat_template(
@@ -315,11 +343,13 @@ class PromptTokenizer:
         """The prompt's token ids, or None if it has no single prompt, does not render, or skips the cache,
         or while the tokenizer is not loaded yet (this never waits for it).
 
-        vLLM computes a request that asks for prompt logprobs (`prompt_logprobs`,
-        or `echo` with logprobs) without reading the prefix cache, so no replica's
-        cache is worth routing it to.
+        vLLM computes a request that asks for prompt logprobs (`prompt_logprobs`; a
+        completion's `echo` with `logprobs`; a chat `echo`, whose prompt logprobs vLLM
+        sets) without reading the prefix cache, so no replica's cache is worth routing it to.
         """
-        if getattr(request, "prompt_logprobs", None) is not None or getattr(request, "echo", False):
+        if getattr(request, "prompt_logprobs", None) is not None:
+            return None
+        if getattr(request, "echo", False) and (hasattr(request, "messages") or getattr(request, "logprobs", None) is not None):
             return None
         if not self.is_loaded and not (hasattr(request, "prompt") and _is_token_ids(_single_prompt(request.prompt))):
             return None

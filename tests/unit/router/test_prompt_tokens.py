@@ -99,10 +99,16 @@ def _prompt_tokenizer():
     return prompt_tokenizer
 
 
-@pytest.mark.parametrize("fields", [{"prompt_logprobs": 1}, {"prompt_logprobs": 0}, {"echo": True}])
+@pytest.mark.parametrize("fields", [{"prompt_logprobs": 1}, {"prompt_logprobs": 0}, {"echo": True, "logprobs": 0}])
 def test_requests_that_skip_the_prefix_cache_have_nothing_to_route_on(fields):
     assert _prompt_tokenizer().token_ids(_chat(**fields)) is None
     assert _prompt_tokenizer().token_ids(SimpleNamespace(prompt="abc", **fields)) is None
+
+
+def test_a_completion_echoed_without_logprobs_reads_the_cache_so_it_is_routed():
+    """vLLM asks prompt logprobs of an echoed completion only with `logprobs`; a chat `echo` always."""
+    assert _prompt_tokenizer().token_ids(SimpleNamespace(prompt="abc", echo=True, logprobs=None)) == [97, 98, 99]
+    assert _prompt_tokenizer().token_ids(_chat(echo=True)) is None
 
 
 def test_the_renderers_own_arguments_win_over_chat_template_kwargs():
@@ -260,6 +266,34 @@ def test_forwarded_ids_of_each_kind_of_message_are_the_ids_vllm_renders(template
 
     request = ChatCompletionRequest(model="m", messages=messages)
     assert is_forwardable(request, ALIKE)
+    expected = _vllm_ids(AutoTokenizer.from_pretrained(template_tokenizer_dir), request, ALIKE)
+    assert PromptTokenizer(template_tokenizer_dir).chat_token_ids(request, ALIKE) == expected
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        # An Anthropic gateway's system prompt: text parts, the first Claude Code's attribution line.
+        [{"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: cch=111"},
+                                        {"type": "text", "text": "system hello"}]},
+         {"role": "user", "content": "hello"}],
+        [{"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: cch=1\nsystem"}]},
+         {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}],
+        # Tool results as Claude Code and Cursor send them.
+        [{"role": "user", "content": "hello"}, CALL,
+         {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "line 1"},
+                                                          {"type": "text", "text": "line 2"}]}],
+    ],
+    ids=["system-parts", "user-parts", "tool-parts"],
+)
+def test_text_parts_render_as_vllm_joins_them_for_routing(template_tokenizer_dir, messages):
+    """The router only routes these (content parts are not forwarded), but on ids that must match the engine's,
+    or every block after the first part is a miss, and a system prompt of parts rendered nothing at all."""
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(model="m", messages=messages)
+    assert not is_forwardable(request, ALIKE)
     expected = _vllm_ids(AutoTokenizer.from_pretrained(template_tokenizer_dir), request, ALIKE)
     assert PromptTokenizer(template_tokenizer_dir).chat_token_ids(request, ALIKE) == expected
 

@@ -22,8 +22,10 @@ Invariants:
   HTTP layer maps it to 503 in one place.
 - A Redis full under `noeviction` refuses writes and anything queued in MULTI,
   so what a client needs to recover works without either: `get`, `transcript`
-  (a `no-writes` script), `step_stats`, idempotency lookups and `delete` (an
-  `allow-oom` script that only DELs, freeing memory). Script flags need Redis 7.
+  (a `no-writes` script), `step_stats`, `lookup_turn_result` and `delete` (an
+  `allow-oom` script that only DELs, freeing memory). A turn's replay is read
+  under its turn lock, which is a write: a full Redis refuses it with the turn.
+  Script flags need Redis 7.
 - Idempotent reads, lock calls and deletes retry once on a dead pooled
   connection (`retry_on_dead_connection`), so the first call after a Redis
   restart succeeds; a commit is never retried (a ConnectionError does not say
@@ -427,10 +429,11 @@ class SessionStore:
         try:
             with _redis_errors(session_id):
                 outcome = await self._idempotent(lambda: self._acquire(**lock_args))
-        except StoreUnavailable:
-            # Redis may have taken the lock and lost only its reply (a timeout): freed with this holder's
-            # token, or the session would refuse turns as busy until the lock expires.
-            await self._release_lock(session_id, lock_args)
+        except BaseException:
+            # Redis may have taken the lock and only its reply be lost (a timeout), or the turn cancelled
+            # while the script ran (its client hung up): freed with this holder's token, or the session
+            # would refuse turns as busy until the lock expires. Shielded: a cancellation must not stop it.
+            await asyncio.shield(self._release_lock(session_id, lock_args))
             raise
         if outcome == -1:
             raise SessionNotFound(session_id)

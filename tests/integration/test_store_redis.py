@@ -137,6 +137,38 @@ def test_a_lock_taken_with_its_reply_lost_is_freed_not_left_busy(redis_url):
     assert _run(redis_url, scenario, lock_ttl_s=600)
 
 
+def test_a_turn_cancelled_while_taking_its_lock_leaves_it_free(redis_url):
+    """The acquire script ran in Redis, but the turn was cancelled (its client hung up) before the reply."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        acquire = store._acquire
+        ran = asyncio.Event()
+
+        async def reply_pending(**lock_args):
+            outcome = await acquire(**lock_args)
+            ran.set()
+            await asyncio.Event().wait()  # the reply never comes before the cancellation
+            return outcome
+
+        store._acquire = reply_pending
+
+        async def turn():
+            async with store.turn_lock(record.session_id):
+                pytest.fail("the lock was reported taken")
+
+        task = asyncio.create_task(turn())
+        await ran.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        store._acquire = acquire
+        async with store.turn_lock(record.session_id):  # not SessionBusy until the lock expires
+            return True
+
+    assert _run(redis_url, scenario, lock_ttl_s=600)
+
+
 def test_concurrent_turns_one_wins(redis_url):
     async def scenario(store):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")

@@ -115,52 +115,33 @@ def test_turn_lock_is_exclusive_and_released(redis_url):
     assert _run(redis_url, scenario)
 
 
-def test_a_lock_taken_with_its_reply_lost_is_freed_not_left_busy(redis_url):
-    """Redis ran the acquire script but its reply timed out: the turn fails 503, and the next turn runs."""
-
-    async def scenario(store):
-        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
-        acquire = store._acquire
-
-        async def reply_lost(**lock_args):
-            await acquire(**lock_args)
-            raise redis.exceptions.TimeoutError("Timeout reading from socket")
-
-        store._acquire = reply_lost
-        with pytest.raises(StoreUnavailable):
-            async with store.turn_lock(record.session_id):
-                pytest.fail("the lock was reported taken")
-        store._acquire = acquire
-        async with store.turn_lock(record.session_id):  # not SessionBusy until the lock expires
-            return True
-
-    assert _run(redis_url, scenario, lock_ttl_s=600)
-
-
-def test_a_turn_cancelled_while_taking_its_lock_leaves_it_free(redis_url):
-    """The acquire script ran in Redis, but the turn was cancelled (its client hung up) before the reply."""
+@pytest.mark.parametrize("fate", ["reply-timed-out", "turn-cancelled"])
+def test_a_lock_taken_without_its_reply_is_freed_not_left_busy(redis_url, fate):
+    """Redis ran the acquire script, but its reply timed out (the turn fails 503) or the turn was cancelled
+    before it came (its client hung up): either way the next turn runs at once."""
 
     async def scenario(store):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
         acquire = store._acquire
         ran = asyncio.Event()
 
-        async def reply_pending(**lock_args):
-            outcome = await acquire(**lock_args)
+        async def reply_missing(**lock_args):
+            await acquire(**lock_args)
             ran.set()
+            if fate == "reply-timed-out":
+                raise redis.exceptions.TimeoutError("Timeout reading from socket")
             await asyncio.Event().wait()  # the reply never comes before the cancellation
-            return outcome
-
-        store._acquire = reply_pending
 
         async def turn():
             async with store.turn_lock(record.session_id):
                 pytest.fail("the lock was reported taken")
 
+        store._acquire = reply_missing
         task = asyncio.create_task(turn())
         await ran.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        if fate == "turn-cancelled":
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError if fate == "turn-cancelled" else StoreUnavailable):
             await task
         store._acquire = acquire
         async with store.turn_lock(record.session_id):  # not SessionBusy until the lock expires

@@ -21,23 +21,18 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Literal, Mapping, Union
-
-from typing_extensions import TypeAliasType
+from typing import Literal, Mapping
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import redis
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
 DEFAULT_MODEL_ID = "warmpath-tiny"
 ENV_PREFIX = "WARMPATH_"
 
 # JSON-shaped values that vLLM engine arguments accept (passed through verbatim), nested as deep as vLLM's
 # own (`hf_overrides: {rope_scaling: {...}}`, `compilation_config: {pass_config: {...}}`).
-JsonValue = TypeAliasType(
-    "JsonValue", Union[str, int, float, bool, None, list["JsonValue"], dict[str, "JsonValue"]]
-)
 EngineArgValue = JsonValue
 
 

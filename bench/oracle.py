@@ -39,7 +39,7 @@ from typing import Sequence
 from bench.fingerprint_set import FingerprintSet
 from bench.sim_cache import BlockCache
 from bench.trace import RequestRecord
-from router.hashing import BlockHash, hash_request_blocks, root_hash
+from router.hashing import BlockHash, hash_request_blocks, reusable_blocks, root_hash
 from router.index import add_owner_bit, drop_owner_bit, leading_runs
 
 
@@ -106,10 +106,6 @@ class OracleBounds:
         return asdict(self)
 
 
-def _usable_blocks(num_tokens: int, block_size_tokens: int) -> int:
-    return max(num_tokens - 1, 0) // block_size_tokens
-
-
 def request_block_hashes(records: Sequence[RequestRecord], block_size_tokens: int, model_id: str) -> list[list[BlockHash]]:
     """Full-block hashes of each record's prompt (records must carry `token_ids`)."""
     root = root_hash(model_id, None)
@@ -166,7 +162,7 @@ class StreamingBounds:
         Returns:
             The replica the greedy placement chose (for `cache`).
         """
-        usable = _usable_blocks(num_tokens, self.block_size_tokens)
+        usable = reusable_blocks(num_tokens, self.block_size_tokens)
         self.prompt_tokens += num_tokens
         self.infinite_hits.append(_use_infinite(self._seen, chain, usable) * self.block_size_tokens)
 
@@ -303,7 +299,7 @@ def oracle_bounds(
         hits = 0
         for record, chain in zip(replayed, chains):
             if record.error is None:
-                hits += _use_infinite(seen, chain, _usable_blocks(len(record.token_ids), block_size_tokens))
+                hits += _use_infinite(seen, chain, reusable_blocks(len(record.token_ids), block_size_tokens))
             else:
                 seen.update(chain)
         prompt = sum(len(record.token_ids) for record in ok)

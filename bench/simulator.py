@@ -79,7 +79,7 @@ from bench.trace import RequestRecord, TraceSummary, summarize
 from bench.workload_render import PromptRenderer, SyntheticRenderer
 from bench.workloads import Session, Workload, WorkloadName, default_params, generate
 from cluster.config import DEFAULT_MODEL_ID, RouterConfig, RouterPolicy
-from router.hashing import BlockHash, RequestBlockHashes, root_hash
+from router.hashing import BlockHash, RequestBlockHashes, reusable_blocks, root_hash
 
 
 # --- sources --------------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ class Simulation:
         cache = self._caches[replica]
         num_cached_blocks = cache.longest_prefix(hashes)
         num_tokens = len(request.token_ids)
-        cached = min(num_cached_blocks, max(num_tokens - 1, 0) // block_size) * block_size
+        cached = min(num_cached_blocks, reusable_blocks(num_tokens, block_size)) * block_size
         request.record.cached_tokens = cached
         first_new, evicted = cache.use(hashes, num_cached_blocks)
         self._is_busy[replica] = True

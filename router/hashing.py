@@ -138,6 +138,13 @@ def chain_block_hashes(parent: BlockHash, token_bytes: bytes, block_size_tokens:
     return out
 
 
+def reusable_blocks(num_tokens: int, block_size_tokens: int) -> int:
+    """The most leading blocks of a `num_tokens`-token prompt a cache hit can reuse: the full blocks before
+    its last token, which vLLM always computes (1184 of 1206 tokens at block 32, and a prompt that fills
+    its last block exactly computes that block again)."""
+    return max(num_tokens - 1, 0) // block_size_tokens
+
+
 def hash_request_blocks(token_ids: Iterable[int], block_size_tokens: int, root: BlockHash) -> list[BlockHash]:
     """Hashes of all full blocks of a request's tokens.
 

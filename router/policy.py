@@ -41,7 +41,7 @@ from itertools import chain
 from typing import Mapping, MutableMapping, Sequence
 
 from cluster.config import RouterConfig
-from router.hashing import RequestBlockHashes, root_hash
+from router.hashing import RequestBlockHashes, reusable_blocks, root_hash
 from router.index import PrefixIndex
 from router.load_guard import apply_load_guard
 from router.picker import rank_tiers, total_scores
@@ -126,9 +126,8 @@ class PrefixAwarePolicy:
             raise ValueError(f"no load reported for candidate replicas {missing}")
         blocks = self._request_blocks(request)
         held = index.longest_prefix(blocks.hashes(), now_s)
-        # vLLM always computes the prompt's last token, so a hit reuses at most the full blocks
-        # before it (1184 of 1206 tokens at block 32); a replica holding more saves no more.
-        usable_blocks = max(request.num_tokens - 1, 0) // self._block_size_tokens
+        # A replica holding more than the reusable blocks saves no more.
+        usable_blocks = reusable_blocks(request.num_tokens, self._block_size_tokens)
         prefix_blocks = {r: min(held[r], usable_blocks) for r in candidate_ids if r in held} if usable_blocks else {}
         cached_tokens = {r: n * self._block_size_tokens for r, n in prefix_blocks.items()}
         session_replica = sessions.get(request.session_id) if request.session_id is not None else None
@@ -151,7 +150,7 @@ class PrefixAwarePolicy:
         decision = Decision(
             ranked_tiers=ranked,
             reason=self._reason(chosen, candidate_ids, prefix_blocks, removed, session_replica),
-            predicted_cached_tokens=self._predicted_tokens(ranked, prefix_blocks),
+            predicted_cached_tokens=self._predicted_tokens(ranked, cached_tokens),
             scores=totals,
             session_id=request.session_id,
             request_blocks=blocks,
@@ -241,12 +240,7 @@ class PrefixAwarePolicy:
             return "cold"
         return "least-loaded"
 
-    def _predicted_tokens(
-        self, ranked: list[list[ReplicaId]], prefix_blocks: Mapping[ReplicaId, int]
-    ) -> dict[ReplicaId, int]:
-        """The cached tokens vLLM will count on each candidate: its reusable leading blocks (`choose`)."""
-        predicted = dict.fromkeys(chain.from_iterable(ranked), 0)
-        for r, n in prefix_blocks.items():
-            if r in predicted:
-                predicted[r] = n * self._block_size_tokens
-        return predicted
+    @staticmethod
+    def _predicted_tokens(ranked: list[list[ReplicaId]], cached_tokens: Mapping[ReplicaId, int]) -> dict[ReplicaId, int]:
+        """The cached tokens vLLM will count on each ranked candidate: its reusable leading blocks (`choose`)."""
+        return {r: cached_tokens.get(r, 0) for r in chain.from_iterable(ranked)}

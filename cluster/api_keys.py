@@ -76,7 +76,6 @@ MAX_REFILL_S = 1e12
 # The bucket's expiry and a refusal's retry delay are capped here, in whole milliseconds.
 MAX_BUCKET_TTL_MS = int(MAX_REFILL_S * 1000)
 _NS = "warmpath:"
-MAX_BURST = MAX_KEY_BURST
 MAX_KEY_LIFETIME_DAYS = 36_500  # 100 years; Redis expiry instants must fit in 64-bit milliseconds
 logger = logging.getLogger(__name__)
 
@@ -162,7 +161,7 @@ class ApiKeyRecord(BaseModel):
     requests_per_s: float = Field(
         description="Sustained request rate of the key's token bucket.", gt=0, allow_inf_nan=False
     )
-    burst: int = Field(description="Bucket size: requests allowed at once after idling.", ge=1, le=MAX_BURST)
+    burst: int = Field(description="Bucket size: requests allowed at once after idling.", ge=1, le=MAX_KEY_BURST)
     created_at_s: float = Field(description="Unix time of creation.", allow_inf_nan=False)
     expires_at_s: Optional[float] = Field(
         None, description="Unix time the key stops working; None: never.", allow_inf_nan=False

@@ -19,7 +19,7 @@ from typing import Callable, NoReturn, Optional, get_args
 
 import typer
 
-from cluster.config import ClusterConfig, ConfigError, RouterPolicy, check_redis_url, load_config
+from cluster.config import MAX_KEY_BURST, ClusterConfig, ConfigError, RouterPolicy, check_redis_url, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="warmpath: a Ray Serve cluster for LLM agents.")
 render_app = typer.Typer(no_args_is_help=True, help="Render generated files from the cluster config.")
@@ -249,7 +249,7 @@ def _key_problems(
     name: str, permissions: list[str], requests_per_s: float, burst: int, expires_in_days: Optional[float]
 ) -> list[str]:
     """What is wrong with `keys create`'s flags, one item per flag (the record model would refuse the same)."""
-    from cluster.api_keys import MAX_BURST, MAX_KEY_LIFETIME_DAYS, MAX_KEY_NAME_LENGTH, MAX_REFILL_S
+    from cluster.api_keys import MAX_KEY_LIFETIME_DAYS, MAX_KEY_NAME_LENGTH, MAX_REFILL_S
 
     problems = []
     if not name.strip() or len(name) > MAX_KEY_NAME_LENGTH:
@@ -260,8 +260,8 @@ def _key_problems(
     is_rate_valid = math.isfinite(requests_per_s) and requests_per_s > 0
     if not is_rate_valid:
         problems.append(f"--requests-per-s must be a finite number > 0, got {requests_per_s}")
-    if not 1 <= burst <= MAX_BURST:
-        problems.append(f"--burst must be 1 to {MAX_BURST}, got {burst}")
+    if not 1 <= burst <= MAX_KEY_BURST:
+        problems.append(f"--burst must be 1 to {MAX_KEY_BURST}, got {burst}")
     elif is_rate_valid and not burst / requests_per_s < MAX_REFILL_S:
         problems.append(
             f"--burst / --requests-per-s (how long an empty bucket takes to refill) must be under "

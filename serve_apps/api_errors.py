@@ -12,6 +12,7 @@ exceptions, and `param` when vLLM named the parameter.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Mapping, Optional, Sequence
 
@@ -26,6 +27,13 @@ ERROR_TYPES = {
     422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError", 502: "BadGatewayError",
     503: "ServiceUnavailableError", 504: "GatewayTimeoutError",
 }
+
+logger = logging.getLogger("ray.serve")
+
+# Ray Serve LLM's text for a call the engine itself failed (its own text goes to the log: paths, devices).
+ENGINE_FAILURE_MESSAGE = "Internal Server Error"
+# What an ingress answers where no process behind it can take the call (its replica died, none runs yet).
+UNAVAILABLE_MESSAGE = "a serving process is unavailable; retry"
 
 # Messages echo what clients sent (a model name, a role, a value), so they are taken apart with
 # `str.find` and anchored matches only: a regex that backtracks over the rest of the text at every
@@ -128,6 +136,16 @@ def engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:
     """(HTTP status or None, readable message) of an engine `ErrorResponse.error` as a dict."""
     status = error.get("code")
     return (status if isinstance(status, int) else None), readable_message(str(error.get("message") or ""))
+
+
+def client_engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:
+    """`engine_error` as a client may read it: the engine's own failure (a 500, or no status) is said as Ray
+    Serve LLM says it before a stream (`ENGINE_FAILURE_MESSAGE`), its text logged, not sent."""
+    status, message = engine_error(error)
+    if (status or 500) == 500:
+        logger.warning("engine error: %s", message)
+        return status, ENGINE_FAILURE_MESSAGE
+    return status, message
 
 
 def validation_problem(errors: Sequence[Mapping[str, Any]], prefix: str = "") -> tuple[str, Optional[str]]:

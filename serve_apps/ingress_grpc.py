@@ -86,7 +86,13 @@ from serve_apps.access import (
     retry_after_header,
     store_retry_headers,
 )
-from serve_apps.api_errors import engine_error, error_type, exception_body, validation_problem
+from serve_apps.api_errors import (
+    UNAVAILABLE_MESSAGE,
+    client_engine_error,
+    error_type,
+    exception_body,
+    validation_problem,
+)
 from serve_apps.grpc_decoding import UndecodableRequest
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.metrics import record_model_usage
@@ -102,8 +108,6 @@ logger = logging.getLogger("ray.serve")
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name
 INTERNAL_MESSAGE = "internal error in the gRPC ingress; see the server logs"
-# What a call answers for the engine's own failure (the HTTP ingress' text for it).
-ENGINE_FAILURE_MESSAGE = "Internal Server Error"
 # Suggested wait before retrying a call refused by back-pressure when Serve names none.
 BACK_PRESSURE_RETRY_AFTER_S = 1.0
 IDEMPOTENCY_METADATA = "idempotency-key"
@@ -376,12 +380,9 @@ def engine_failure(error: Mapping[str, Any]) -> RpcFailure:
     The code names the status as the HTTP API's `error.type` does; the details are the
     message without Ray Serve LLM's wrapping (`serve_apps.api_errors`).
     """
-    status, message = engine_error(error)
-    if status is None or status == 500:
-        # The engine's own failure: its text is for the log, as the HTTP ingress keeps it.
-        logger.warning("engine error in a gRPC call: %s", message)
-        code = "model_error" if status is None else error_type(status)
-        return RpcFailure(grpc.StatusCode.INTERNAL, code, ENGINE_FAILURE_MESSAGE)
+    status, message = client_engine_error(error)  # the engine's own failure said as over HTTP
+    if status is None:
+        return RpcFailure(grpc.StatusCode.INTERNAL, "model_error", message)
     return RpcFailure(grpc_code(status), error_type(status), message)
 
 
@@ -455,7 +456,7 @@ def failure_from_exception(err: Exception, request_id: str = "") -> RpcFailure:
         return RpcFailure(grpc.StatusCode.UNAVAILABLE, "unavailable", err.message, [retry_after_header(1)])
     if isinstance(err, RayActorError):
         return RpcFailure(
-            grpc.StatusCode.UNAVAILABLE, "unavailable", "a serving process is unavailable; retry", [retry_after_header(1)]
+            grpc.StatusCode.UNAVAILABLE, "unavailable", UNAVAILABLE_MESSAGE, [retry_after_header(1)]
         )
     if isinstance(err, RequestCancelledError):
         return RpcFailure(grpc.StatusCode.CANCELLED, "cancelled", "the request was cancelled")

@@ -50,7 +50,15 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
 from serve_apps.access import Caller, retry_after_header, store_retry_headers
-from serve_apps.api_errors import engine_error, error_body, exception_body, exception_response, refusal
+from serve_apps.api_errors import (
+    UNAVAILABLE_MESSAGE,
+    client_engine_error,
+    engine_error,
+    error_body,
+    exception_body,
+    exception_response,
+    refusal,
+)
 from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import (
     chat_request_problem,
@@ -225,10 +233,7 @@ def readable_error_frame(frame: str) -> str:
     for position, chunk in data_objects(lines):
         error = chunk.get("error")
         if isinstance(error, dict):
-            status, message = engine_error(error)
-            if (status or 500) == 500:  # the engine's own failure: its text is for the log, as before the stream
-                logger.warning("engine error in a stream: %s", message)
-                message = INTERNAL_SERVER_ERROR
+            status, message = client_engine_error(error)  # the engine's own failure said as before the stream
             param = error.get("param")
             chunk["error"] = error_body(status or 500, message, param=param if isinstance(param, str) else None)["error"]
             lines[position] = "data: " + json.dumps(chunk)
@@ -236,8 +241,6 @@ def readable_error_frame(frame: str) -> str:
 
 
 INTERNAL_ERROR = error_body(500, "internal error in the session service; see the server logs", code="internal")
-# What a call answers for the engine's own failure, before its stream started or after (Ray Serve LLM's text).
-INTERNAL_SERVER_ERROR = "Internal Server Error"
 IDEMPOTENCY_HEADER = "idempotency-key"
 REPLAY_HEADER = "x-warmpath-idempotent-replay"
 
@@ -299,7 +302,7 @@ _RETRYABLE_FAILURES = (RayActorError, DeploymentUnavailableError, BackPressureEr
 def _session_failure(err: Exception) -> JSONResponse:
     """503 with `Retry-After` where no orchestrator could take the call; else a clean 500."""
     if isinstance(err, _RETRYABLE_FAILURES):
-        body = error_body(503, "a serving process is unavailable; retry", code="unavailable")
+        body = error_body(503, UNAVAILABLE_MESSAGE, code="unavailable")
         return JSONResponse(body, status_code=503, headers=dict([retry_after_header(1)]))
     return JSONResponse(INTERNAL_ERROR, status_code=500)
 

@@ -111,6 +111,8 @@ INTERNAL_MESSAGE = "internal error in the gRPC ingress; see the server logs"
 # Suggested wait before retrying a call refused by back-pressure when Serve names none.
 BACK_PRESSURE_RETRY_AFTER_S = 1.0
 IDEMPOTENCY_METADATA = "idempotency-key"
+# Routing affinity for an Inference call whose `session_id` field is empty (the HTTP header's name).
+SESSION_METADATA = "x-session-id"
 # Trailing metadata of a turn answered from its idempotency record (HTTP's `x-warmpath-idempotent-replay` header).
 REPLAY_METADATA = "x-warmpath-idempotent-replay"
 
@@ -516,14 +518,16 @@ class GrpcIngress:
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, grpc_context):
         """One completion, returned whole (the engine runs it unstreamed)."""
         return await self._unary(
-            INFERENCE_SERVICE, "ChatCompletion", grpc_context, request, lambda caller: self._chat_completion(request),
+            INFERENCE_SERVICE, "ChatCompletion", grpc_context, request,
+            lambda caller: self._chat_completion(request, _session_of(request, grpc_context)),
             inference_pb2.ChatCompletionResponse(),
         )
 
     async def StreamChatCompletion(self, request: inference_pb2.ChatCompletionRequest, grpc_context):
         """One completion, streamed chunk by chunk; a failure ends it with an `error` chunk."""
         chunks = self._streamed(
-            INFERENCE_SERVICE, "StreamChatCompletion", grpc_context, request, lambda caller, rpc: self._chat_chunks(request),
+            INFERENCE_SERVICE, "StreamChatCompletion", grpc_context, request,
+            lambda caller, rpc: self._chat_chunks(request, _session_of(request, grpc_context)),
             error_chunk,
         )
         async with aclosing(chunks):  # closed with this stream, so the RPC's span ends when the caller leaves
@@ -593,11 +597,13 @@ class GrpcIngress:
 
     # Helpers
 
-    async def _chat_completion(self, request: inference_pb2.ChatCompletionRequest) -> inference_pb2.ChatCompletionResponse:
+    async def _chat_completion(
+        self, request: inference_pb2.ChatCompletionRequest, session_id: str
+    ) -> inference_pb2.ChatCompletionResponse:
         chat_request = self._chat_request(request, is_streaming=False)
         response: inference_pb2.ChatCompletionResponse | None = None
         usage = _LastUsage()
-        async with aclosing(self._engine_outputs(chat_request, request.session_id, usage)) as outputs:
+        async with aclosing(self._engine_outputs(chat_request, session_id, usage)) as outputs:
             async for replica_id, output in outputs:
                 if isinstance(output, ChatCompletionResponse):
                     body = output.model_dump()
@@ -607,11 +613,13 @@ class GrpcIngress:
             raise RpcFailure(grpc.StatusCode.INTERNAL, "empty_response", "the engine returned no completion")
         return response
 
-    async def _chat_chunks(self, request: inference_pb2.ChatCompletionRequest) -> AsyncIterator[inference_pb2.ChatCompletionChunk]:
+    async def _chat_chunks(
+        self, request: inference_pb2.ChatCompletionRequest, session_id: str
+    ) -> AsyncIterator[inference_pb2.ChatCompletionChunk]:
         chat_request = self._chat_request(request, is_streaming=True)
         usage = _LastUsage()
         has_chunks = False
-        async with aclosing(self._engine_outputs(chat_request, request.session_id, usage)) as outputs:
+        async with aclosing(self._engine_outputs(chat_request, session_id, usage)) as outputs:
             async for replica_id, output in outputs:
                 for payload in sse_payloads(output):
                     if "error" in payload:
@@ -886,6 +894,11 @@ def _string_metadata(grpc_context) -> list[tuple[str, str]]:
 
 def _metadata(grpc_context, name: str) -> str | None:
     return next((value for key, value in _string_metadata(grpc_context) if key.lower() == name), None)
+
+
+def _session_of(request: inference_pb2.ChatCompletionRequest, grpc_context) -> str:
+    """The call's routing session: its `session_id` field, else its `x-session-id` metadata (as over HTTP)."""
+    return request.session_id or _metadata(grpc_context, SESSION_METADATA) or ""
 
 
 def _fail(grpc_context, rpc: _RpcSpan, method: str, err: Exception) -> RpcFailure:

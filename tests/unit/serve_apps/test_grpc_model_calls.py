@@ -220,3 +220,28 @@ def test_a_stream_the_engine_sends_nothing_for_fails_as_the_unary_call_does(reco
 
     chunks = asyncio.run(read())
     assert context.code == grpc.StatusCode.INTERNAL and chunks[-1].error.code == "empty_response"
+
+
+@pytest.mark.parametrize(
+    ("field", "metadata", "expected"),
+    [
+        ("s-field", [], "s-field"),
+        ("", [("x-session-id", "s-header")], "s-header"),
+        ("s-field", [("x-session-id", "s-header")], "s-field"),  # the message's own field wins
+        ("", [], None),
+    ],
+)
+def test_a_call_routes_by_its_session_field_else_its_session_metadata(recorded, two_decisions, field, metadata, expected):
+    for streamed in (False, True):
+        llm = FakeHandle(chat=lambda request, raw_request_info: _items(ServedBy("replica-a"), ChatCompletionResponse(**OPENAI_RESPONSE)))
+        ingress = ingress_grpc.GrpcIngress(llm, FakeHandle(), "warmpath-tiny", {"access": {"is_auth_enabled": False}})
+        request = inference_pb2.ChatCompletionRequest(
+            messages=[inference_pb2.ChatMessage(role="user", content="hi")], session_id=field
+        )
+        if streamed:
+            async def drain():
+                return [chunk async for chunk in ingress.StreamChatCompletion(request, FakeContext(metadata))]
+            asyncio.run(drain())
+        else:
+            asyncio.run(ingress.ChatCompletion(request, FakeContext(metadata)))
+        assert [options.get("session_id") for options in llm.options_calls] == [expected]

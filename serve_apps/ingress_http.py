@@ -243,6 +243,8 @@ def readable_error_frame(frame: str) -> str:
 INTERNAL_ERROR = error_body(500, "internal error in the session service; see the server logs", code="internal")
 IDEMPOTENCY_HEADER = "idempotency-key"
 REPLAY_HEADER = "x-warmpath-idempotent-replay"
+# OpenAI's clients read it before retrying a 5xx by themselves.
+NO_CLIENT_RETRY_HEADER = "x-should-retry"
 
 
 def _caller(request: Request) -> Caller:
@@ -343,7 +345,10 @@ async def _turn_response(
         logger.exception("turn of session %s broke off", session_id)
         span.record_exception(err)
         error = error_body(503, TURN_INTERRUPTED["message"], code=TURN_INTERRUPTED["code"])["error"]
-        return JSONResponse({"session_id": session_id, "status": "failed", "error": error}, status_code=503)
+        # The turn may have committed: only a retry under the same Idempotency-Key is safe, so OpenAI's
+        # clients, which retry a 503 by themselves without one, are told not to.
+        return JSONResponse({"session_id": session_id, "status": "failed", "error": error}, status_code=503,
+                            headers={NO_CLIENT_RETRY_HEADER: "false"})
     collected = merged_deltas(collected)
     last = collected[-1] if collected else {"kind": "error", "code": "empty_turn", "message": "the turn produced nothing"}
     status_by_kind = {"final": "completed", "requires_action": "requires_action"}

@@ -6,7 +6,10 @@ checks some inputs only deep in the replica, where a bad value surfaces as a
 mapping cannot tell from a bug, so the client got a 500 for its own mistake.
 Each check returns `(message, param)` for a 400, or None.
 
-- A message without a known role (vLLM's renderer indexes `message["role"]`).
+- A message without a role, or with one that is not a string (vLLM's
+  renderer indexes `message["role"]` and the template joins it into text).
+  Any string is a role: vLLM takes custom ones (`ipython`, `observation`)
+  and hands them to the chat template as written.
 - Message content or tool calls that fail validation: pydantic validates an
   `Iterable` field lazily, so a content part of an unknown type raised only
   when Ray Serve LLM materialised the list. Materialising it here, with the
@@ -30,7 +33,6 @@ from typing import Any, Optional
 
 MAX_CHOICES = 128
 MAX_TOKEN_ID_EXCLUSIVE = 2**32
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 Problem = tuple[str, Optional[str]]
 
@@ -42,8 +44,9 @@ def chat_request_problem(body: Any) -> Optional[Problem]:
     messages = body.messages or []
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
-        if role not in CHAT_ROLES:
-            return f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"messages[{index}].role"
+        if not isinstance(role, str):
+            return f"messages[{index}].role must be a string (user, assistant, system, tool, ...), got {role!r}", \
+                f"messages[{index}].role"
         if isinstance(message, dict):
             for field in ("content", "tool_calls"):
                 value = message.get(field)

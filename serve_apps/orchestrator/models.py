@@ -1,7 +1,8 @@
 """Wire and stored models of the agent session API.
 
-Requests forbid unknown fields, so a malformed body fails with a 422 that names
-the offending field instead of being half-understood. The same models are what
+Requests forbid unknown fields, so a malformed body is refused naming the
+offending field instead of being half-understood (400 `invalid_parameter` over
+HTTP, where the ingress validates these models first; INVALID_ARGUMENT over gRPC). The same models are what
 the session store persists (as JSON), so a stored session always re-validates.
 
 Invariants the validators hold:

@@ -242,6 +242,13 @@ def test_malformed_bodies_are_rejected_with_the_field(cluster, body, field):
     assert resp.json()["error"]["param"] == field and field in resp.json()["error"]["message"]
 
 
+def test_a_custom_role_reaches_the_chat_template_as_vllm_takes_it(cluster, openai_client):
+    messages = [{"role": "user", "content": "weather?"}, {"role": "ipython", "content": "sunny, 21 C"}]
+    reply = openai_client.chat.completions.create(model=cluster.model_id, messages=messages, max_tokens=2)
+    plain = openai_client.chat.completions.create(model=cluster.model_id, messages=messages[:1], max_tokens=2)
+    assert reply.usage.prompt_tokens > plain.usage.prompt_tokens  # the custom message was rendered, not dropped
+
+
 @pytest.mark.parametrize("path, body, field", [
     ("/v1/chat/completions", '{"model":"warmpath-tiny","messages":[{"role":"user","content":"a\\ud800"}],"max_tokens":2}',
      "messages[0].content"),

@@ -75,3 +75,13 @@ def test_an_orchestrator_that_cannot_take_the_call_is_a_503_to_retry_not_a_500(f
         body = json.loads(response.body)
         assert body["error"]["code"] == code and "/app" not in body["error"]["message"]
         assert ("retry-after" in response.headers) is (status == 503)
+
+
+def test_a_turn_that_broke_off_tells_openai_clients_not_to_retry_it_by_themselves():
+    async def broke_off():
+        yield {"status": 200}
+        raise ConnectionError("the orchestrator replica died")
+
+    response = asyncio.run(ingress_http._turn_response("s1", broke_off(), is_streaming=False))
+    assert response.status_code == 503 and json.loads(response.body)["error"]["code"] == "turn_interrupted"
+    assert response.headers["x-should-retry"] == "false"  # it may have committed: only a retry under its key is safe

@@ -149,6 +149,9 @@ async def _usage_recorded(
     """
     usage = None
     is_recorded = False
+    # A frame that finishes a choice, kept back (only while the client did not ask for usage) until the
+    # frame after it: vLLM puts the system fingerprint on the usage-only chunk that follows, which is dropped.
+    held = ""
     on_drop[0].detach()  # started: the stream records its own usage below
     try:
         try:
@@ -156,9 +159,18 @@ async def _usage_recorded(
                 if '"usage"' in frame:  # a frame may hold several batched chunks, [DONE] included
                     usage = _frame_usage(frame) or usage
                     if not is_usage_asked:
+                        fingerprint = usage_fingerprint(frame)
                         frame = without_usage_chunks(frame)
-                        if not frame:
-                            continue
+                        if fingerprint is not None:
+                            held, frame = with_fingerprint(held, fingerprint), with_fingerprint(frame, fingerprint)
+                if held:
+                    yield held
+                    held = ""
+                if not frame:
+                    continue
+                if not is_usage_asked and FINISH_MARK in frame and "data: [DONE]" not in frame:
+                    held = frame
+                    continue
                 if '"error"' in frame:  # an engine error after the first chunk (a quote in text is escaped)
                     _record_error_frame(span, frame)
                     frame = readable_error_frame(frame)
@@ -167,6 +179,8 @@ async def _usage_recorded(
                     _annotate_usage(span, usage)
                     is_recorded = True
                 yield frame
+            if held:  # the stream ended without [DONE]
+                yield held
         except Exception as err:
             # The replica died mid-stream, after the 200 went out: the stream ends as vLLM ends a failed one,
             # an error frame then [DONE] (a bare close reads as a transport error to OpenAI's clients).
@@ -174,13 +188,17 @@ async def _usage_recorded(
             _, body = exception_body(err, "")
             frame = f"data: {json.dumps(body)}\n\n"
             _record_error_frame(span, frame)
-            yield frame + "data: [DONE]\n\n"
+            yield held + frame + "data: [DONE]\n\n"
     finally:
         if not is_recorded:  # the stream broke off or ended without [DONE]
             _record_usage(logged, served_by, usage)
             _annotate_usage(span, usage)
             if span is not None and span.is_recording():
                 span.set_attribute(INCOMPLETE_STREAM_ATTRIBUTE, True)
+
+
+# A chunk that finishes a choice, as vLLM writes it (compact JSON; null is not a string).
+FINISH_MARK = '"finish_reason":"'
 
 
 def _frame_usage(frame: str) -> Optional[dict]:
@@ -214,6 +232,35 @@ def without_usage_chunks(frame: str) -> str:
         skip_blank = False
         kept.append(line)
     return "\n".join(kept) if any(kept) else ""
+
+
+def usage_fingerprint(frame: str) -> Optional[str]:
+    """The `system_fingerprint` of `frame`'s usage-only chunk, if it has one."""
+    for _, chunk in data_objects(sse_lines(frame)):
+        if not chunk.get("choices") and isinstance(chunk.get("usage"), dict):
+            fingerprint = chunk.get("system_fingerprint")
+            return fingerprint if isinstance(fingerprint, str) else None
+    return None
+
+
+def with_fingerprint(frame: str, fingerprint: str) -> str:
+    """`frame` with `fingerprint` on each chunk that finishes a choice and has none.
+
+    Where vLLM puts it for a client that did not ask for usage; the ingress asked for
+    usage on the client's behalf, so vLLM put it on the usage-only chunk instead.
+    """
+    if FINISH_MARK not in frame:
+        return frame
+    lines = frame.split("\n")
+    for position, chunk in data_objects(lines):
+        choices = chunk.get("choices")
+        is_finishing = isinstance(choices, list) and any(
+            isinstance(choice, dict) and choice.get("finish_reason") is not None for choice in choices
+        )
+        if is_finishing and chunk.get("system_fingerprint") is None:
+            chunk["system_fingerprint"] = fingerprint
+            lines[position] = "data: " + json.dumps(chunk)
+    return "\n".join(lines)
 
 
 def _record_error_frame(span, frame: str) -> None:

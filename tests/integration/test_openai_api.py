@@ -104,6 +104,8 @@ def test_a_stream_that_did_not_ask_for_usage_has_a_choice_in_every_chunk(openai_
         stream = openai_client.completions.create(model=cluster.model_id, prompt="Count.", max_tokens=4, stream=True)
     chunks = list(stream)
     assert chunks and all(c.choices and c.usage is None for c in chunks)
+    # As vLLM sends a stream without usage: the fingerprint on the chunk that finishes the choice.
+    assert chunks[-1].choices[0].finish_reason is not None and chunks[-1].system_fingerprint
     if cluster.cfg.router.policy == "warmpath":
         assert cluster.client.get("/v1/router", timeout=30).json()["stats"]["num_predictions"] > before
 

@@ -127,3 +127,54 @@ def test_a_stream_dropped_before_it_started_is_recorded_once_when_collected(monk
     asyncio.run(consume())
     gc.collect()
     assert recorded == [None, USAGE]  # a stream that ran records its own usage, and only that
+
+
+def _finishing(fingerprint=None) -> str:
+    chunk = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    if fingerprint is not None:
+        chunk["system_fingerprint"] = fingerprint
+    return "data: " + json.dumps(chunk, separators=(",", ":")) + "\n\n"
+
+
+def _usage_only(fingerprint: str) -> str:
+    return "data: " + json.dumps({"choices": [], "usage": USAGE, "system_fingerprint": fingerprint}) + "\n\n"
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [_chunk(), _finishing(), _usage_only("vllm-0.32-ab12cd34"), "data: [DONE]\n\n"],
+        [_chunk(), _finishing() + _usage_only("vllm-0.32-ab12cd34") + "data: [DONE]\n\n"],  # batched
+        [_chunk(), _finishing(), _usage_only("vllm-0.32-ab12cd34") + "data: [DONE]\n\n"],
+    ],
+    ids=["separate", "batched", "usage-with-done"],
+)
+def test_a_client_that_did_not_ask_for_usage_gets_the_fingerprint_on_its_finishing_chunk(monkeypatch, frames):
+    """As vLLM sends it without usage: the ingress asked for usage, so vLLM put it on the chunk the client never sees."""
+    monkeypatch.setattr(ingress_http, "_record_usage", lambda logged, served_by, usage: None)
+
+    async def source():
+        for frame in frames:
+            yield frame
+
+    async def consume():
+        return [frame async for frame in ingress_http._recording_usage(source(), None, None, False)]
+
+    sent = "".join(asyncio.run(consume()))
+    chunks = [json.loads(line[len("data: "):]) for line in sent.split("\n") if line.startswith("data: {")]
+    assert [chunk.get("system_fingerprint") for chunk in chunks] == [None, "vllm-0.32-ab12cd34"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and sent.endswith("data: [DONE]\n\n")
+
+
+def test_a_finishing_chunk_kept_back_for_its_fingerprint_still_goes_out_when_the_stream_breaks_off(monkeypatch):
+    monkeypatch.setattr(ingress_http, "_record_usage", lambda logged, served_by, usage: None)
+
+    async def source():
+        yield _finishing()
+        raise RuntimeError("replica died")
+
+    async def consume():
+        return [frame async for frame in ingress_http._recording_usage(source(), None, None, False)]
+
+    sent = "".join(asyncio.run(consume()))
+    assert sent.startswith(_finishing()) and sent.endswith("data: [DONE]\n\n") and '"error"' in sent

@@ -211,18 +211,36 @@ def template_messages(messages: list, is_string_content: bool = False) -> list[d
 
 
 def _texts(parts: Any) -> Optional[list[str]]:
-    """The texts of content parts that are all text (`{"type": "text", "text": ...}` or strings), else None."""
+    """The texts of content parts that are all text, as vLLM reads them for string content, else None.
+
+    Strings and the parts vLLM takes as text (`_TEXT_PART_KEYS`); a part whose text is
+    empty or null is dropped, as vLLM drops it. A part with a `uuid` vLLM reads as media.
+    """
     if not isinstance(parts, list):
         return None
     texts = []
     for part in parts:
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
+        if isinstance(part, dict):
+            part_type = part.get("type")
+            key = _TEXT_PART_KEYS.get(part_type) if isinstance(part_type, str) and part.get("uuid") is None else None
+            if key is None:
+                return None
+            part = part.get(key)
+            if part is None:
+                continue
+        if not isinstance(part, str):
             return None
+        if part:
+            texts.append(part)
     return texts
+
+
+# Content part types vLLM renders as text in string content, and the key that holds each one's text
+# (`vllm/renderers/chat_utils.py`: MM_PARSER_MAP's text types, and a tool reference's name).
+_TEXT_PART_KEYS = {
+    "text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking",
+    "tool_reference": "name",
+}
 
 
 def _without_billing_header(text: str) -> Optional[str]:
@@ -400,7 +418,8 @@ def is_forwardable(request: Any, rendering: Optional[EngineRendering]) -> bool:
 
     Only chat requests, to replicas that advertised they render as the router
     does, whose messages are plain text with no `developer` role (vLLM turns it
-    into `system` for templates without one), rendered with the served chat
+    into `system` for templates without one) and whose tool calls are function
+    calls (`_calls_are_functions`), rendered with the served chat
     template and no argument that has vLLM render otherwise
     (`_UNREPRODUCED_ARGUMENTS`, or `tokenize`), without `echo` (vLLM
     re-renders for it anyway), `documents` or `truncate_prompt_tokens`.
@@ -415,7 +434,7 @@ def is_forwardable(request: Any, rendering: Optional[EngineRendering]) -> bool:
     arguments = _template_arguments(request, rendering, tools=None)
     if arguments.get("tokenize") is not False or not _UNREPRODUCED_ARGUMENTS.isdisjoint(arguments):
         return False
-    return all(_is_plain_text(message) for message in request.messages)
+    return all(_is_plain_text(message) and _calls_are_functions(message) for message in request.messages)
 
 
 def _is_plain_text(message: Any) -> bool:
@@ -425,6 +444,26 @@ def _is_plain_text(message: Any) -> bool:
     else:
         content, role = getattr(message, "content", None), getattr(message, "role", None)
     return (content is None or isinstance(content, str)) and role != "developer"
+
+
+def _calls_are_functions(message: Any) -> bool:
+    """Whether a message's tool calls are all function calls, which is all vLLM takes.
+
+    vLLM checks them while it renders (another `type`, or no `function` object, is a 400);
+    forwarded ids skip that rendering, so such a request is not forwarded and vLLM refuses it.
+    """
+    calls = message.get("tool_calls") if isinstance(message, dict) else getattr(message, "tool_calls", None)
+    if not calls:
+        return True
+    if not isinstance(calls, list):
+        return False
+    for call in calls:
+        call = call if isinstance(call, dict) else getattr(call, "model_dump", lambda: None)()
+        if not isinstance(call, dict) or call.get("type", "function") != "function":
+            return False
+        if not isinstance(call.get("function"), dict):
+            return False
+    return True
 
 
 def forward_token_ids(request: Any, token_ids: list[int]) -> None:

@@ -244,6 +244,19 @@ def test_malformed_bodies_are_rejected_with_the_field(cluster, body, field):
     assert resp.json()["error"]["param"] == field and field in resp.json()["error"]["message"]
 
 
+def test_a_tool_call_that_is_not_a_function_call_is_refused_as_vllm_refuses_it(cluster):
+    """The router forwards the ids it rendered, which skips vLLM's own rendering and its checks, for text-only
+    requests; a call of another type is not one of them, so vLLM still sees it and refuses it."""
+    call = {"id": "c1", "type": "custom", "function": {"name": "lookup_order", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "where is my order?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "shipped"}]
+    resp = cluster.client.post("/v1/chat/completions", json={
+        "model": cluster.model_id, "messages": messages, "max_tokens": 2}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert "of type 'function'" in resp.json()["error"]["message"]
+
+
 def test_a_custom_role_reaches_the_chat_template_as_vllm_takes_it(cluster, openai_client):
     messages = [{"role": "user", "content": "weather?"}, {"role": "ipython", "content": "sunny, 21 C"}]
     reply = openai_client.chat.completions.create(model=cluster.model_id, messages=messages, max_tokens=2)

@@ -43,6 +43,10 @@ def _chat(messages=TEXT, **fields):
         (_chat(chat_template_kwargs={"conversation": []}), False),
         (_chat(chat_template_kwargs={"enable_thinking": False, "tokenize": None}), True),
         (_chat(reasoning_effort="none"), True),
+        # vLLM refuses a call that is not a function call while it renders, which forwarded ids skip.
+        (_chat(TEXT + [{**CALL, "tool_calls": [{**CALL["tool_calls"][0], "type": "custom"}]}]), False),
+        (_chat(TEXT + [{**CALL, "tool_calls": [{"id": "c", "type": "function"}]}]), False),
+        (_chat(TEXT + [{**CALL, "tool_calls": ["not an object"]}]), False),
     ],
 )
 def test_only_requests_the_router_renders_exactly_are_forwarded(request_, expected):
@@ -283,8 +287,18 @@ def test_forwarded_ids_of_each_kind_of_message_are_the_ids_vllm_renders(template
         [{"role": "user", "content": "hello"}, CALL,
          {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "line 1"},
                                                           {"type": "text", "text": "line 2"}]}],
+        # Parts vLLM drops (empty or null text) or reads as text (other text types, a tool reference's name).
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""},
+                                      {"type": "text", "text": None}, "", {"type": "text", "text": "b"}]}],
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"},
+                                      {"type": "output_text", "text": "c"}]},
+         {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm"}, {"type": "text", "text": "d"},
+                                           {"type": "refusal", "refusal": "no"}]}],
+        [{"role": "user", "content": "hello"}, CALL,
+         {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "l1"},
+                                                          {"type": "tool_reference", "name": "lookup"}]}],
     ],
-    ids=["system-parts", "user-parts", "tool-parts"],
+    ids=["system-parts", "user-parts", "tool-parts", "empty-parts", "other-text-types", "tool-reference"],
 )
 def test_text_parts_render_as_vllm_joins_them_for_routing(template_tokenizer_dir, messages):
     """The router only routes these (content parts are not forwarded), but on ids that must match the engine's,

@@ -210,6 +210,36 @@ def template_messages(messages: list, is_string_content: bool = False) -> list[d
     return out
 
 
+def developer_as_system(messages: list[dict], chat_template: str) -> list[dict]:
+    """`messages` as vLLM hands them to a template that never names the `developer` role.
+
+    vLLM (`vllm/renderers/hf.py`) makes each developer message a system one, then
+    merges the system messages into one in front, their texts joined by a blank line,
+    when one is not first or there are several. A template that names the role
+    gets the messages as they are.
+    """
+    if '"developer"' in chat_template or "'developer'" in chat_template:
+        return messages
+    converted = [{**message, "role": "system"} if message["role"] == "developer" else message for message in messages]
+    system_texts: list[str] = []
+    others: list[dict] = []
+    needs_merging = False
+    for position, message in enumerate(converted):
+        if message["role"] != "system":
+            others.append(message)
+            continue
+        needs_merging = needs_merging or position > 0 or bool(system_texts)
+        content = message.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(part["text"] if isinstance(part, dict) else part for part in content
+                                if (isinstance(part, dict) and "text" in part) or isinstance(part, str))
+        if content:
+            system_texts.append(content)
+    if not needs_merging:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]
+
+
 def _texts(parts: Any) -> Optional[list[str]]:
     """The texts of content parts that are all text, as vLLM reads them for string content, else None.
 
@@ -337,6 +367,8 @@ class PromptTokenizer:
         messages = template_messages(list(request.messages), is_string_content)
         arguments = template_arguments(request, rendering)
         tools = arguments.get("tools")
+        if any(message["role"] == "developer" for message in messages):
+            messages = developer_as_system(messages, self.tokenizer.get_chat_template(None, tools=tools))
         text = self.tokenizer.apply_chat_template(
             messages,
             tools=tools,

@@ -297,12 +297,18 @@ def test_forwarded_ids_of_each_kind_of_message_are_the_ids_vllm_renders(template
         [{"role": "user", "content": "hello"}, CALL,
          {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "l1"},
                                                           {"type": "tool_reference", "name": "lookup"}]}],
+        # A template that never names `developer`: vLLM makes it `system`, merging system messages in front.
+        [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hello"}],
+        [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello"},
+         {"role": "developer", "content": [{"type": "text", "text": "be brief"}]}, {"role": "system", "content": ""}],
     ],
-    ids=["system-parts", "user-parts", "tool-parts", "empty-parts", "other-text-types", "tool-reference"],
+    ids=["system-parts", "user-parts", "tool-parts", "empty-parts", "other-text-types", "tool-reference",
+         "developer", "developer-merged"],
 )
-def test_text_parts_render_as_vllm_joins_them_for_routing(template_tokenizer_dir, messages):
-    """The router only routes these (content parts are not forwarded), but on ids that must match the engine's,
-    or every block after the first part is a miss, and a system prompt of parts rendered nothing at all."""
+def test_messages_the_router_only_routes_render_as_vllm_renders_them(template_tokenizer_dir, messages):
+    """The router only routes these (content parts and the developer role are not forwarded), but on ids that
+    must match the engine's, or every block after the first difference is a miss (a system prompt of parts
+    rendered nothing at all)."""
     from transformers import AutoTokenizer
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 

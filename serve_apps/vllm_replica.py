@@ -44,7 +44,9 @@ from cluster import telemetry
 from cluster.config import TelemetryConfig
 from ray import serve
 from router.prompt_tokens import FORWARDED_IDS_KEY, EngineRendering
+from serve_apps.api_errors import engine_error
 from serve_apps.metrics import WarmpathMetrics
+from serve_apps.sse_frames import data_objects, sse_lines
 from serve_apps.stream_batches import eager_first_batches
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.llm import LLMConfig
@@ -93,6 +95,23 @@ async def _ending_span_on_failure(call: Awaitable[T], span: trace.Span) -> T:
         telemetry.record_exception_failure(span, err)
         span.end()
         raise
+
+
+def engine_failures(item: Any) -> list[tuple[Optional[int], str]]:
+    """(status, message) of each error in one item of an engine stream: an `ErrorResponse`, or error chunks.
+
+    A streamed call's items are lists of server-sent-event text; a call that is not
+    streamed yields its response, or Ray Serve LLM's `ErrorResponse`, as one item.
+    """
+    failures = []
+    for output in item if isinstance(item, list) else [item]:
+        error = getattr(output, "error", None)
+        if error is not None and hasattr(error, "model_dump"):
+            failures.append(engine_error(error.model_dump()))
+        elif isinstance(output, str) and '"error"' in output:
+            failures.extend(engine_error(chunk["error"]) for _, chunk in data_objects(sse_lines(output))
+                            if isinstance(chunk.get("error"), dict))
+    return failures
 
 
 def _attach_tokenization(engine: Any) -> None:
@@ -275,13 +294,19 @@ class WarmpathLLMServer(LLMServer):
         try:
             yield ServedBy(self._replica_id)
             async for item in stream:
-                if is_first:
+                failures = engine_failures(item) if span.is_recording() else []
+                for status, message in failures:  # answered in the stream, as Ray Serve LLM reports them
+                    telemetry.record_failure_status(span, str(status or 500), status or 500, message)
+                if is_first and not failures:
                     ttft_s = time.monotonic() - start
                     WarmpathMetrics.get().ttft.observe(ttft_s, tags={"replica": self._replica_id})
                     if span.is_recording():
                         span.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
                 is_first = False
                 yield item
+        except Exception as err:  # the engine failed mid-stream (a caller leaving is no failure)
+            telemetry.record_exception_failure(span, err)
+            raise
         finally:
             span.end()
 

@@ -247,7 +247,8 @@ def test_malformed_bodies_are_rejected_with_the_field(cluster, body, field):
 def test_a_tool_call_that_is_not_a_function_call_is_refused_as_vllm_refuses_it(cluster):
     """The router forwards the ids it rendered, which skips vLLM's own rendering and its checks, for text-only
     requests; a call of another type is not one of them, so vLLM still sees it and refuses it."""
-    call = {"id": "c1", "type": "custom", "function": {"name": "lookup_order", "arguments": "{}"}}
+    call = {"id": "c1", "type": "custom", "custom": {"name": "lookup_order", "input": "ORD-1"},
+            "function": {"name": "lookup_order", "arguments": "{}"}}
     messages = [{"role": "user", "content": "where is my order?"},
                 {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "c1", "content": "shipped"}]

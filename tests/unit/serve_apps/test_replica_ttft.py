@@ -44,3 +44,65 @@ def test_only_a_streamed_calls_first_item_is_its_first_token(ttft, is_streaming,
 
     assert asyncio.run(read()) == [ServedBy("r1"), "first", "second"]
     assert len(ttft.observed) == num_observed
+
+
+def _recording_span():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("test").start_span("vllm.chat"), exporter
+
+
+def _error_response(code: int, message: str):
+    from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo, ErrorResponse
+
+    return ErrorResponse(error=ErrorInfo(message=message, type="ServiceUnavailableError", code=code))
+
+
+@pytest.mark.parametrize(
+    "items, is_streaming, status, error_type",
+    [
+        ([_error_response(503, "engine is overloaded")], False, "ERROR", "503"),
+        ([['data: {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}\n\n']],
+         True, "ERROR", "500"),
+        ([_error_response(400, "bad grammar")], False, "UNSET", "400"),  # the caller's mistake: not an outage
+        ([["data: {\"choices\": []}\n\n"]], True, "UNSET", None),
+    ],
+    ids=["unary-503", "stream-500", "unary-400", "no-error"],
+)
+def test_an_engine_failure_answered_in_the_stream_is_on_the_replica_span(ttft, items, is_streaming, status, error_type):
+    server = object.__new__(WarmpathLLMServer)
+    server._replica_id = "r1"
+    span, exporter = _recording_span()
+
+    async def read():
+        return [item async for item in server._tagged(_engine(*items), span, is_streaming)]
+
+    asyncio.run(read())
+    (finished,) = exporter.get_finished_spans()
+    assert finished.status.status_code.name == status
+    assert finished.attributes.get("error.type") == error_type
+    assert ("gen_ai.server.time_to_first_token" in finished.attributes) is (is_streaming and error_type is None)
+
+
+def test_an_engine_that_fails_mid_stream_leaves_the_exception_on_the_replica_span(ttft):
+    server = object.__new__(WarmpathLLMServer)
+    server._replica_id = "r1"
+    span, exporter = _recording_span()
+
+    async def failing():
+        yield ["data: {\"choices\": []}\n\n"]
+        raise RuntimeError("engine core died")
+
+    async def read():
+        return [item async for item in server._tagged(failing(), span, True)]
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(read())
+    (finished,) = exporter.get_finished_spans()
+    assert finished.status.status_code.name == "ERROR" and finished.attributes["error.type"] == "RuntimeError"
+    assert [event.name for event in finished.events] == ["exception"]

@@ -28,6 +28,7 @@ from jsonschema import Draft202012Validator
 from pydantic import JsonValue
 from referencing import Registry
 
+from cluster import telemetry
 from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
 from serve_apps.orchestrator.check_deadline import (
     CheckTimeout, PatternCheckTimeout, check_deadline, deadline_checked, install,
@@ -80,11 +81,16 @@ class ToolCallError:
 
 @dataclass(frozen=True)
 class ToolOutcome:
-    """Result of running one tool; `content` is what the model sees."""
+    """Result of running one tool; `content` is what the model sees.
+
+    `reason` says why a call failed without any text the tool or the model sent
+    (a tool's error body may echo user data): what a trace may carry.
+    """
 
     status: ToolStatus
     content: str
     is_truncated: bool = False
+    reason: str = ""
 
 
 def _reject_constant(name: str) -> NoReturn:
@@ -298,13 +304,16 @@ def truncate_text(text: str, max_bytes: int) -> tuple[str, bool]:
     return f"{kept}…[truncated {omitted} bytes]", True
 
 
-def _error(tool_name: str, message: str, status: ToolStatus = "error") -> ToolOutcome:
-    return ToolOutcome(status, json.dumps({"error": message, "tool": tool_name}, ensure_ascii=False))
+def _error(tool_name: str, message: str, status: ToolStatus = "error", reason: str | None = None) -> ToolOutcome:
+    """An error result the model sees as `{"error", "tool"}`; `reason` (default: `message`) is for traces."""
+    return ToolOutcome(status, json.dumps({"error": message, "tool": tool_name}, ensure_ascii=False),
+                       reason=message if reason is None else reason)
 
 
 async def _post(client: httpx.AsyncClient, destination: Destination, body: bytes, tool_name: str,
                 max_bytes: int, timeout: httpx.Timeout) -> ToolOutcome:
-    headers = {"content-type": "application/json", "accept": "application/json"}
+    # The turn's trace goes on in a tool server that reads W3C trace context.
+    headers = telemetry.inject({"content-type": "application/json", "accept": "application/json"})
     url = httpx.URL(destination.url)
     extensions = {}
     targets = [url]
@@ -338,7 +347,7 @@ async def _send(client: httpx.AsyncClient, url: httpx.URL, headers: dict, extens
     raw = b"".join(chunks)
     if not response.is_success:
         snippet = raw[:_ERROR_BODY_SNIPPET_BYTES].decode("utf-8", errors="replace")
-        return _error(tool_name, f"HTTP {response.status_code}: {snippet}")
+        return _error(tool_name, f"HTTP {response.status_code}: {snippet}", reason=f"HTTP {response.status_code}")
     if not raw.strip():
         # A success with nothing to say (204 No Content, or an empty 200): the model learns it worked.
         return ToolOutcome("ok", json.dumps({"status": response.status_code}))
@@ -391,7 +400,8 @@ async def run_http_tool(
     try:
         parse_arguments(arguments)
     except ValueError as err:
-        return _error(spec.name, f"arguments are not a JSON document: {err}")
+        return _error(spec.name, f"arguments are not a JSON document: {err}",
+                      reason="arguments are not a JSON document")
     body = f'{{"name":{json.dumps(spec.name)},"arguments":{arguments}}}'.encode("utf-8")
     own_client = client is None
     # Tool endpoints are addressed directly; proxy variables must not reroute them.

@@ -395,7 +395,7 @@ class TurnRunner:
                     span.set_attribute("warmpath.tool.is_truncated", outcome.is_truncated)
                     if outcome.status != "ok":
                         span.set_attribute("error.type", outcome.status)
-                        span.set_status(trace.Status(trace.StatusCode.ERROR, outcome.content[:200]))
+                        span.set_status(trace.Status(trace.StatusCode.ERROR, outcome.reason or outcome.status))
                 WarmpathMetrics.get().tool_calls.inc(tags={"status": outcome.status})
                 self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=outcome.content))
                 yield ToolResultEvent(

@@ -174,6 +174,8 @@ class _ToolHandler(http.server.BaseHTTPRequestHandler):
     """`/lookup` answers ORDER_RESULT, `/fail` HTTP 500, `/gate` as `/lookup` once opened, anything else garbage."""
 
     calls: list = []
+    # The W3C trace context header of each call, None where it had none.
+    traceparents: list = []
     # `/gate` answers only once the test opens it, after telling the test the call arrived.
     gate_reached = threading.Event()
     gate_open = threading.Event()
@@ -181,6 +183,7 @@ class _ToolHandler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 - http.server naming
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         _ToolHandler.calls.append((self.path, body))
+        _ToolHandler.traceparents.append(self.headers.get("traceparent"))
         if self.path == "/gate":
             _ToolHandler.gate_reached.set()
             _ToolHandler.gate_open.wait(60)

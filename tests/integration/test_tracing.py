@@ -7,7 +7,7 @@ import secrets
 import grpc
 import pytest
 
-from tests.integration.conftest import LOOKUP_SCHEMA
+from tests.integration.conftest import LOOKUP_SCHEMA, _ToolHandler
 from warmpath.v1 import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -64,6 +64,8 @@ def test_agent_turn_trace_tree(cluster, otlp_receiver, tool_server):
         assert engine.attributes["gen_ai.server.time_to_first_token"] > 0
     tool = names["execute_tool lookup_order"][0]
     assert tool.parent_span_id == turn.span_id and tool.attributes["warmpath.tool.status"] == "ok"
+    # The tool server got the trace: its own spans would be children of the tool call's.
+    assert any((header or "").startswith(f"00-{trace_id}-{tool.span_id}-") for header in _ToolHandler.traceparents)
     second = max(model_calls, key=lambda c: c.attributes["warmpath.cached_tokens"])
     assert second.attributes["gen_ai.usage.input_tokens"] > 0 and second.attributes["warmpath.cached_tokens"] > 0
     # Three processes took part, each under the configured service name.

@@ -283,6 +283,7 @@ class _ToolHandler(BaseHTTPRequestHandler):
     """Loopback tool server; the path picks the behaviour."""
 
     release = threading.Event()
+    traceparents: list = []  # each call's W3C trace context header, None where it had none
 
     def log_message(self, *args):
         pass
@@ -296,6 +297,7 @@ class _ToolHandler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["content-length"]))
+        _ToolHandler.traceparents.append(self.headers.get("traceparent"))
         if self.path == "/ok":
             self._reply(200, b'{"order_id": "ORD-98231", "total": 1284.50, "eta": "2026-11-30"}')
         elif self.path == "/echo":
@@ -365,6 +367,18 @@ def test_tool_faults_become_outcomes(tool_server, path, status, fragment):
     outcome = _run(f"{tool_server}{path}", timeout_s=0.3 if path == "/hang" else 5.0)
     assert outcome.status == status
     assert fragment in json.loads(outcome.content)["error"]
+    assert "db down" not in outcome.reason  # what traces carry: never the tool's own text
+
+
+def test_a_tool_call_carries_the_turns_trace_context(tool_server):
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("execute_tool create_order") as span:
+        outcome = _run(f"{tool_server}/ok")
+    context = span.get_span_context()
+    assert outcome.status == "ok"
+    assert _ToolHandler.traceparents[-1].startswith(f"00-{context.trace_id:032x}-{context.span_id:016x}-")
 
 
 def test_connection_refused_is_an_error_outcome():

@@ -31,6 +31,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
     OpenAIHTTPException,
     TokenizeCompletionRequest,
 )
+from ray.llm._internal.common.utils.lora_utils import get_base_model_id
 from ray.llm._internal.serve.core.ingress.ingress import (
     DEFAULT_ENDPOINTS,
     OpenAiIngress,
@@ -199,6 +200,24 @@ async def _usage_recorded(
 
 # A chunk that finishes a choice, as vLLM writes it (compact JSON; null is not a string).
 FINISH_MARK = '"finish_reason":"'
+
+
+# GenAI's operation names for Ray Serve LLM's call methods (`completions` is `text_completion` there).
+GEN_AI_OPERATIONS = {"chat": "chat", "completions": "text_completion"}
+# Longest model name kept on a span: a client's string, however long it sent it.
+MAX_SPAN_MODEL_CHARS = 256
+
+
+def _llm_span_attributes(call_method: str, model: str, raw_request: Optional[Request]) -> dict[str, Any]:
+    """A chat or completion call's server span attributes: GenAI's, and HTTP's as the session routes have them."""
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": GEN_AI_OPERATIONS.get(call_method, call_method),
+        "gen_ai.request.model": model[:MAX_SPAN_MODEL_CHARS], "gen_ai.system": "vllm", "gen_ai.provider.name": "vllm",
+    }
+    if raw_request is not None:
+        attributes.update({"http.request.method": raw_request.method, "http.route": raw_request.url.path,
+                           "url.path": raw_request.url.path, "url.scheme": raw_request.url.scheme})
+    return attributes
 
 
 def _frame_usage(frame: str) -> Optional[dict]:
@@ -575,8 +594,8 @@ class WarmpathIngress(OpenAiIngress):
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
         parent = telemetry.extract(dict(raw_request.headers)) if raw_request is not None else None
         span = telemetry.tracer().start_span(
-            f"{call_method} {body.model}", context=parent, kind=trace.SpanKind.SERVER,
-            attributes={"gen_ai.operation.name": call_method, "gen_ai.request.model": str(body.model), "gen_ai.system": "vllm"},
+            self._span_name(call_method, str(body.model)), context=parent, kind=trace.SpanKind.SERVER,
+            attributes=_llm_span_attributes(call_method, str(body.model), raw_request),
         )
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
@@ -603,6 +622,12 @@ class WarmpathIngress(OpenAiIngress):
         finally:
             otel_context.detach(token)
         return _finish_span(span, response)
+
+    def _span_name(self, call_method: str, model: str) -> str:
+        """`{operation} {model}` (GenAI's span name) for a served model, else the operation alone: a name
+        a client made up must not add a span name per request to the tracing backend."""
+        base_model = get_base_model_id(model)
+        return f"{call_method} {base_model}" if base_model in self._default_serve_handles else call_method
 
     async def _traced_llm_request(
         self, body, call_method: str, raw_request: Optional[Request], span, is_usage_asked: bool

@@ -86,6 +86,7 @@ def test_chat_completion_trace(cluster, otlp_receiver):
     assert wanted <= set(names), sorted(names)
     ingress = names[f"chat {cluster.model_id}"][0]
     assert ingress.attributes["warmpath.replica"] == resp.headers["x-warmpath-replica"]
+    assert (ingress.attributes["http.request.method"], ingress.attributes["http.route"]) == ("POST", "/v1/chat/completions")
     assert ingress.attributes["gen_ai.usage.input_tokens"] > 0
     assert names["vllm.chat"][0].parent_span_id == ingress.span_id
     # The prefix-aware router hands the engine its token ids; other policies leave rendering to the engine.
@@ -101,8 +102,10 @@ def test_a_client_error_is_recorded_but_not_a_span_error(cluster, otlp_receiver)
         headers={"traceparent": traceparent}, timeout=120,
     )
     assert resp.status_code == 404, resp.text
-    names = _by_name(otlp_receiver.wait_for(trace_id, {"chat no-such-model"}))
-    ingress = names["chat no-such-model"][0]
+    # A model name the client made up is an attribute, not a span name of its own.
+    names = _by_name(otlp_receiver.wait_for(trace_id, {"chat"}))
+    ingress = names["chat"][0]
+    assert ingress.attributes["gen_ai.request.model"] == "no-such-model"
     assert ingress.attributes["http.response.status_code"] == 404
     assert "error.type" not in ingress.attributes and not ingress.is_error  # ERROR only for 5xx
 

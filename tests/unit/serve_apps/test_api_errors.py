@@ -204,6 +204,9 @@ class _FailingIngress:
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
+    def _span_name(self, call_method: str, model: str) -> str:
+        return call_method
+
     async def _traced_llm_request(self, body, call_method, raw_request, span, is_usage_asked):
         raise self.error
 

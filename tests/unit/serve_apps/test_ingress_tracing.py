@@ -97,6 +97,7 @@ def _chat_ingress(*items) -> WarmpathIngress:
             yield item
 
     ingress._get_response = get_response
+    ingress._default_serve_handles = {"m": None}  # the model it serves, by Ray Serve LLM's name for that map
     return ingress
 
 
@@ -500,3 +501,13 @@ def test_a_stream_its_caller_closes_ends_its_span_as_cancelled_without_leaking_i
     span = _only(spans)
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert span.status.status_code is StatusCode.UNSET
+
+
+@pytest.mark.parametrize("model, name", [("m", "chat m"), ("made-up-" + "x" * 300, "chat")])
+def test_a_chat_span_is_named_by_a_served_model_only_and_has_http_attributes(spans, model, name):
+    body = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    _run(_chat_ingress(ServedBy("r1"), OpenAIHTTPException(status_code=404, message="not served", type="NotFoundError"))
+         ._process_llm_request(body, "chat", _http_request()))
+    span = _only(spans)
+    assert span.name == name and span.attributes["gen_ai.request.model"] == model[:256]
+    assert span.attributes["http.request.method"] == "POST" and span.attributes["gen_ai.operation.name"] == "chat"

@@ -781,7 +781,8 @@ class GrpcIngress:
                     stream = messages(await self._admit(grpc_context), rpc).__aiter__()
                 # Closed with this stream, in the caller's task: one left to the garbage collector would
                 # settle its model call (`_settle_decision`) in whichever request's context runs then.
-                async with aclosing(stream):
+                # Closed under the RPC's span, so a caller that leaves mid-stream keeps its routing span.
+                try:
                     while True:
                         with rpc.current():  # current while the stream works, not while its consumer holds a message
                             try:
@@ -789,6 +790,9 @@ class GrpcIngress:
                             except StopAsyncIteration:
                                 break
                         yield message
+                finally:
+                    with rpc.current():
+                        await stream.aclose()
             except Exception as err:
                 yield error_message(_fail(grpc_context, rpc, method, err))
 

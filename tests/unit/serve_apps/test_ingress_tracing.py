@@ -38,7 +38,7 @@ from serve_apps.ingress_grpc import GrpcIngress
 from serve_apps.ingress_http import WarmpathIngress
 from serve_apps.orchestrator.models import CreateSessionRequest, TurnRequest
 from serve_apps.vllm_replica import ServedBy, WarmpathLLMServer
-from warmpath.v1 import agent_pb2
+from warmpath.v1 import agent_pb2, inference_pb2
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -511,3 +511,61 @@ def test_a_chat_span_is_named_by_a_served_model_only_and_has_http_attributes(spa
     span = _only(spans)
     assert span.name == name and span.attributes["gen_ai.request.model"] == model[:256]
     assert span.attributes["http.request.method"] == "POST" and span.attributes["gen_ai.operation.name"] == "chat"
+
+
+class _DecidingLLM:
+    """An LLM handle whose call logs a routing decision, as the router does, then streams three chunks."""
+
+    def options(self, **options):
+        return self
+
+    @property
+    def chat(self):
+        return self
+
+    def remote(self, request, raw_request_info):
+        import time
+        from types import SimpleNamespace
+
+        from ray.serve.context import _get_serve_request_context
+
+        from router import decision_log
+
+        context = _get_serve_request_context()
+        decision = SimpleNamespace(reason="prefix-hit", replica_id="r1", predicted_cached_tokens={})
+        now = time.time_ns()
+        decision_log.DECISIONS.put(context.request_id, context._internal_request_id,
+                                   decision_log.LoggedDecision(decision, now, now))
+
+        async def outputs():
+            yield ServedBy("r1")
+            for _ in range(3):
+                yield ['data: {"id":"c","model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n']
+
+        return outputs()
+
+
+@pytest.mark.parametrize("is_left", [False, True], ids=["read-whole", "left-mid-stream"])
+def test_a_streamed_rpc_keeps_its_routing_span_when_the_caller_leaves(spans, monkeypatch, is_left):
+    from opentelemetry import trace as trace_api
+
+    from serve_apps import ingress_grpc
+
+    provider_tracer = telemetry.tracer()
+    monkeypatch.setattr(trace_api, "get_tracer", lambda *args, **kwargs: provider_tracer)  # the route span's tracer
+    monkeypatch.setattr(ingress_grpc, "record_model_usage", lambda *args: None)
+    ingress = GrpcIngress(_DecidingLLM(), _Orchestrator(), "m", {"access": {"is_auth_enabled": False}})
+    request = inference_pb2.ChatCompletionRequest(model="m", messages=[inference_pb2.ChatMessage(role="user", content="hi")])
+
+    async def call():
+        stream = ingress.StreamChatCompletion(request, _GrpcContext())
+        if is_left:
+            await anext(stream)
+            await stream.aclose()
+        else:
+            [_ async for _ in stream]
+
+    _run(call())
+    by_name = {span.name: span for span in spans.get_finished_spans()}
+    rpc = by_name["warmpath.v1.Inference/StreamChatCompletion"]
+    assert by_name["warmpath.route"].parent.span_id == rpc.context.span_id

@@ -169,7 +169,7 @@ async def _usage_recorded(
                     held = ""
                 if not frame:
                     continue
-                if not is_usage_asked and FINISH_MARK in frame and "data: [DONE]" not in frame:
+                if not is_usage_asked and FINISH_MARK in frame and "data: [DONE]" not in frame and '"error"' not in frame:
                     held = frame
                     continue
                 if '"error"' in frame:  # an engine error after the first chunk (a quote in text is escaped)

@@ -9,11 +9,14 @@ the model's transcript. Two rules, from `cluster.config.ToolNetworkConfig`:
   so `http://tools.internal@evil/` is evil's, and a `..` segment is refused);
 - no URL may reach a `blocked_networks` address: its host is checked when the
   session is created (a literal address) and, before every call, each address
-  the host resolves to, with the IPv4 address an IPv6 one embeds and the
-  loopback that 0.0.0.0 and :: connect to. The call then connects to those addresses, in the
+  the host resolves to, with the IPv4 address an IPv6 one embeds, the
+  loopback that 0.0.0.0 and :: connect to, and either family's loopback for
+  the other's (blocking 127.0.0.0/8 blocks ::1 too). The call then connects to those addresses, in the
   resolver's order (`Destination`), not to the name: a DNS answer that changes
   after the check (rebinding) cannot move it. Redirects are never followed
   (`tools.run_http_tool`), so a checked address is the one connected to.
+A URL whose port the HTTP client reads otherwise than the check
+(`http://[::1]8265/`) is refused: the check must judge the call that is sent.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
+
+import httpx
 
 from cluster.config import ToolNetworkConfig
 
@@ -135,7 +140,14 @@ def _parse(url: str) -> _ParsedUrl | str:
         return f"tool URL {url} names no host"
     if any(unquote(segment) in (".", "..") for segment in parts.path.split("/")):
         return f"tool URL {url} has a '.' or '..' path segment"
-    return _ParsedUrl(parts.scheme, host, port or _DEFAULT_PORTS.get(parts.scheme, 80), parts.path)
+    port = port or _DEFAULT_PORTS.get(parts.scheme, 80)
+    try:
+        sent = httpx.URL(url)  # how the call is sent
+    except httpx.InvalidURL as err:
+        return f"tool URL {url} cannot be parsed ({err})"
+    if (sent.port or _DEFAULT_PORTS.get(sent.scheme, 80)) != port:
+        return f"tool URL {url} is ambiguous: its port reads as {port} here and {sent.port} to the HTTP client"
+    return _ParsedUrl(parts.scheme, host, port, parts.path)
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -182,6 +194,10 @@ def _reached(
     # Also an IPv4 address embedded in an IPv6 one: Linux connects ::ffff:0.0.0.0 to 127.0.0.1 too.
     if any(isinstance(a, ipaddress.IPv4Address) and a in _THIS_NETWORK for a in reached):
         reached.append(ipaddress.IPv4Address("127.0.0.1"))
+    # This host's loopback in one family is this host's in the other (a dual-stack service answers both):
+    # a list that blocks 127.0.0.0/8 alone still means loopback.
+    if any(a.is_loopback for a in reached):
+        reached.extend((ipaddress.IPv4Address("127.0.0.1"), ipaddress.IPv6Address("::1")))
     return reached
 
 

@@ -227,6 +227,17 @@ def tool_gate(tool_server):
 
 
 @pytest.fixture
+def tool_traceparents(tool_server) -> list:
+    """The W3C `traceparent` header of each call `tool_server` gets from now on (None for a call without one).
+
+    A fixture, not an import: pytest loads this file as a module of its own, apart from
+    `tests.integration.conftest`, whose `_ToolHandler` no server uses.
+    """
+    _ToolHandler.traceparents.clear()
+    return _ToolHandler.traceparents
+
+
+@pytest.fixture
 def ray_connection():
     """This process connected to the cluster's Ray (named actors, Serve handles); disconnected after the test."""
     import ray

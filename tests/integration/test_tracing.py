@@ -7,7 +7,7 @@ import secrets
 import grpc
 import pytest
 
-from tests.integration.conftest import LOOKUP_SCHEMA, _ToolHandler
+from tests.integration.conftest import LOOKUP_SCHEMA
 from warmpath.v1 import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -25,7 +25,7 @@ def _by_name(spans):
     return out
 
 
-def test_agent_turn_trace_tree(cluster, otlp_receiver, tool_server):
+def test_agent_turn_trace_tree(cluster, otlp_receiver, tool_server, tool_traceparents):
     body = {
         "model": cluster.model_id, "system_prompt": "You are a support agent.",
         "tools": [{"name": "lookup_order", "description": "Look up an order.", "parameters": LOOKUP_SCHEMA,
@@ -65,7 +65,7 @@ def test_agent_turn_trace_tree(cluster, otlp_receiver, tool_server):
     tool = names["execute_tool lookup_order"][0]
     assert tool.parent_span_id == turn.span_id and tool.attributes["warmpath.tool.status"] == "ok"
     # The tool server got the trace: its own spans would be children of the tool call's.
-    assert any((header or "").startswith(f"00-{trace_id}-{tool.span_id}-") for header in _ToolHandler.traceparents)
+    assert any((header or "").startswith(f"00-{trace_id}-{tool.span_id}-") for header in tool_traceparents)
     second = max(model_calls, key=lambda c: c.attributes["warmpath.cached_tokens"])
     assert second.attributes["gen_ai.usage.input_tokens"] > 0 and second.attributes["warmpath.cached_tokens"] > 0
     # Three processes took part, each under the configured service name.
@@ -73,7 +73,26 @@ def test_agent_turn_trace_tree(cluster, otlp_receiver, tool_server):
     assert {s.resource["service.name"] for s in spans} == {"warmpath-test"}
 
 
+def _wait_for_replicas_routing_stats(cluster, timeout_s: float = 90.0) -> None:
+    """Until the ingress's routers have every replica's routing stats (KV cache size, how it renders prompts):
+    a router made by this process's first call forwards no token ids before them."""
+    import time
+
+    cluster.client.post("/v1/chat/completions", json={
+        "model": cluster.model_id, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}, timeout=120)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        routers = cluster.client.get("/v1/router", timeout=30).json()["routers"]
+        if routers and all(replica["capacity_blocks"] for router in routers for replica in router["kv_cache"].values()):
+            return
+        assert time.monotonic() < deadline, routers
+        time.sleep(0.5)
+
+
 def test_chat_completion_trace(cluster, otlp_receiver):
+    is_forwarded = cluster.cfg.router.policy == "warmpath" and cluster.cfg.router.forward_prompt_token_ids
+    if is_forwarded:
+        _wait_for_replicas_routing_stats(cluster)
     trace_id, traceparent = _traceparent()
     resp = cluster.client.post(
         "/v1/chat/completions",
@@ -90,7 +109,6 @@ def test_chat_completion_trace(cluster, otlp_receiver):
     assert ingress.attributes["gen_ai.usage.input_tokens"] > 0
     assert names["vllm.chat"][0].parent_span_id == ingress.span_id
     # The prefix-aware router hands the engine its token ids; other policies leave rendering to the engine.
-    is_forwarded = cluster.cfg.router.policy == "warmpath" and cluster.cfg.router.forward_prompt_token_ids
     assert names["vllm.chat"][0].attributes["warmpath.prompt_ids_forwarded"] is is_forwarded
 
 

@@ -659,3 +659,16 @@ def test_the_network_policy_keeps_ray_and_redis_to_the_namespace_and_serving_por
             assert labels[selector["key"]] in selector["values"]
     assert redis_policy["spec"]["ingress"] == [{"from": [{"podSelector": {}}]}]
 
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_an_overlays_tools_cannot_reach_the_pods_own_loopback(overlay: Path):
+    """A pod's loopback holds Ray's unauthenticated ports (dashboard and Jobs API, GCS, metrics)."""
+    from cluster.config import DEFAULT_BLOCKED_TOOL_NETWORKS
+    from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
+
+    tool_network = k8s_render.load_overlay_config(overlay).tool_network
+    assert set(DEFAULT_BLOCKED_TOOL_NETWORKS) <= set(tool_network.blocked_networks)
+    policy = ToolNetworkPolicy(tool_network)
+    for url in ("http://127.0.0.1:8265/api/jobs/", "http://[::1]:6379/", "http://0.0.0.0:8080/"):
+        assert "blocked network" in policy.check_url(url)

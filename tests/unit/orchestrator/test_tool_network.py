@@ -253,3 +253,23 @@ def test_a_call_tries_the_next_checked_address_when_one_refuses_the_connection(m
         server.server_close()
     refused = asyncio.run(run_http_tool(spec, "{}", 5.0, 4096, network=DEFAULT))
     assert refused.status == "error" and "ConnectError" in json.loads(refused.content)["error"]
+
+
+@pytest.mark.parametrize("blocked, url", [
+    (["127.0.0.0/8"], "http://[::1]:8265/api/jobs/x/stop"),
+    (["::1/128"], "http://127.0.0.1:8265/api/jobs/x/stop"),
+    (["127.0.0.0/8"], "http://[::ffff:127.0.0.1]:8265/"),
+])
+def test_either_familys_loopback_blocks_the_other(blocked, url):
+    policy = ToolNetworkPolicy(ToolNetworkConfig(blocked_networks=blocked))
+    assert "blocked network" in policy.check_url(url)
+
+
+@pytest.mark.parametrize("url", ["http://[::1]8265/api/x", "http://[fd00::10]6379/api/x"])
+def test_a_url_whose_port_the_http_client_reads_otherwise_is_refused(url):
+    """`urlsplit` reads no port after `]` without a colon; httpx reads the digits as one: a prefix pinned
+    to port 80 would admit a call to another port."""
+    host = url.split("]")[0] + "]"
+    policy = ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=[f"{host}/api/"], blocked_networks=[]))
+    assert "ambiguous" in policy.check_url(url)
+    assert policy.check_url(f"{host}/api/x") is None

@@ -19,9 +19,12 @@ expected outcome.
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from opentelemetry import trace
@@ -292,6 +295,12 @@ def _unicode(text: str) -> str:
     return text.encode("utf-8", errors="replace").decode("utf-8")
 
 
+# Where a new session's checks run (its validation, tool schemas, and the tokenization of its prompt): a
+# body of megabytes takes seconds of CPU there, which on the event loop would stall every session's turns.
+# One thread: it alone uses the orchestrator's second tokenizer (`_session_tokenizer`).
+_SESSION_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warmpath-session-checks")
+
+
 class Orchestrator:
     """Session API behind the ingress; one instance per replica, state in Redis."""
 
@@ -306,6 +315,7 @@ class Orchestrator:
         self._max_model_len_tokens = cfg.model.max_model_len_tokens
         self._store = SessionStore.from_url(redis_url, ttl_s=cfg.session_ttl_s)
         self._tokenizer = AutoTokenizer.from_pretrained(cfg.model_source())
+        self._session_tokenizer = copy.deepcopy(self._tokenizer)  # `_SESSION_CHECKS`'s own
         self._model = HandleModelClient(llm_handle, cfg.model.model_id)
         self._tool_network = ToolNetworkPolicy(cfg.tool_network)
         telemetry.setup_tracing(cfg.telemetry, "orchestrator")
@@ -326,11 +336,24 @@ class Orchestrator:
         return record
 
     async def create_session(self, body: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
+        who = _caller(caller)
+        checked = await asyncio.get_running_loop().run_in_executor(_SESSION_CHECKS, self._checked_session, body, who)
+        if isinstance(checked, dict):
+            return checked
+        request, fingerprint = checked
+        try:
+            record = await self._store.create(request, who.key_id, fingerprint)
+        except StoreUnavailable as err:
+            return _error(503, f"session store unavailable: {err}", "store_unavailable")
+        response = CreateSessionResponse(session_id=record.session_id, prefix_fingerprint=fingerprint)
+        return {"status": 201, "body": response.model_dump()}
+
+    def _checked_session(self, body: dict[str, Any], who: Caller) -> dict[str, Any] | tuple[CreateSessionRequest, str]:
+        """The session `body` asks for and its prefix's fingerprint, or the refusal (on `_SESSION_CHECKS`)."""
         try:
             request = CreateSessionRequest.model_validate(body)
         except ValidationError as err:
             return _invalid(err)
-        who = _caller(caller)
         denied = _missing_permission(who, request.tools)
         if denied is not None:
             return denied
@@ -347,19 +370,13 @@ class Orchestrator:
             window = effective_window_tokens(request.limits, self._max_model_len_tokens)
         except ValueError as err:
             return _error(400, str(err), "invalid_limits")
-        prefix_ids = prefix_token_ids(self._tokenizer, request.system_prompt, request.tools)
-        smallest = smallest_prompt_tokens(self._tokenizer, request.system_prompt, request.tools)
+        prefix_ids = prefix_token_ids(self._session_tokenizer, request.system_prompt, request.tools)
+        smallest = smallest_prompt_tokens(self._session_tokenizer, request.system_prompt, request.tools)
         overflow = prefix_overflow(len(prefix_ids), smallest, window, request.limits.output_reserve_tokens)
         if overflow is not None:
             # Every turn of such a session would fail with context_overflow: refuse it now.
             return _error(400, overflow, "context_overflow")
-        fingerprint = token_ids_fingerprint(prefix_ids)
-        try:
-            record = await self._store.create(request, who.key_id, fingerprint)
-        except StoreUnavailable as err:
-            return _error(503, f"session store unavailable: {err}", "store_unavailable")
-        response = CreateSessionResponse(session_id=record.session_id, prefix_fingerprint=fingerprint)
-        return {"status": 201, "body": response.model_dump()}
+        return request, token_ids_fingerprint(prefix_ids)
 
     async def get_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -94,7 +94,7 @@ def _orchestrator(replies=()) -> Orchestrator:
     orchestrator._model_id = "m"
     orchestrator._max_model_len_tokens = 8192
     orchestrator._store = MemoryStore()
-    orchestrator._tokenizer = CharTokenizer()
+    orchestrator._tokenizer = orchestrator._session_tokenizer = CharTokenizer()
     orchestrator._model = ScriptedModel(replies)
     orchestrator._tool_network = None
     return orchestrator
@@ -213,3 +213,38 @@ def test_a_session_whose_limits_no_longer_fit_a_redeployed_model_is_refused_with
     shown = asyncio.run(orchestrator.get_session(session_id, CALLER))  # still readable, its transcript whole
     assert shown["status"] == 200 and shown["body"]["tokens"]["context_window_tokens"] == 1024
     assert shown["body"]["tokens"]["remaining_tokens"] < 0
+
+
+class _SlowTokenizer(CharTokenizer):
+    """Takes the time a prompt of megabytes takes to tokenize, holding its thread."""
+
+    def apply_chat_template(self, *args, **kwargs):
+        import time
+
+        time.sleep(0.3)
+        return super().apply_chat_template(*args, **kwargs)
+
+
+def test_creating_a_session_does_not_stall_the_turns_of_others():
+    """The orchestrator is one event loop for every session: a session's checks (validation, schemas, tokenizing
+    its prompt) run beside it, so turns, streams and turn-lock renewals go on meanwhile."""
+    orchestrator = _orchestrator()
+    orchestrator._tokenizer = orchestrator._session_tokenizer = _SlowTokenizer()
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        created = await orchestrator.create_session({"model": "m", "system_prompt": "x" * 1000}, CALLER)
+        ticker.cancel()
+        return created, ticks
+
+    created, ticks = asyncio.run(main())
+    assert created["status"] == 201
+    assert ticks >= 20  # the loop ran through the 0.6 s of tokenizing, not after it

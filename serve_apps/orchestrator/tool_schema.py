@@ -25,7 +25,11 @@ Invariants `check_tool_parameters` holds for every accepted schema:
   or a tool name), so it is refused at creation;
 - every `pattern` (and `patternProperties` name) compiles under the `regex`
   engine the call checks run it with (`check_deadline`): one that only `re`
-  compiles would fail every call of its tool inside the orchestrator.
+  compiles would fail every call of its tool inside the orchestrator; and it
+  unrolls to at most `MAX_PATTERN_UNROLLED` elements (`[a-z]{1,30000}` is
+  30,000): the grammar compiler expands counted repeats, and its time grows
+  about with their square (30,000 took 74 s on one core; `maxLength` bounds a
+  long string without that).
 
 What the compiler still refuses at a turn is the request's fault, not a replica's:
 `grammar_failure_message` recognises the engine's error for it. So is a `$defs`
@@ -39,6 +43,8 @@ import copy
 import json
 import math
 import re
+import re._constants
+import re._parser
 import sys
 from urllib.parse import unquote
 
@@ -241,13 +247,54 @@ def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
         )
 
 
+# Most elements a `pattern` may unroll to (`_unrolled_size`): 4,096 compiles in about 0.3 s.
+MAX_PATTERN_UNROLLED = 4096
+
+
 def _check_pattern(pattern: str, where: str) -> None:
     """A regular expression the call checks can run: they run it with `regex` (`check_deadline`), which
-    refuses some that `re` (the metaschema's check) compiles, such as `[[:foo:]]`."""
+    refuses some that `re` (the metaschema's check) compiles, such as `[[:foo:]]`; and one the grammar
+    compiler expands to at most `MAX_PATTERN_UNROLLED` elements."""
     try:
         regex.compile(as_ecmascript(pattern))
     except regex.error as err:
         raise ValueError(f"{where}: {pattern!r} is not a regular expression the checks can run: {err}") from None
+    try:
+        parsed = re._parser.parse(as_ecmascript(pattern))
+    except (re.error, RecursionError, OverflowError):
+        return  # a pattern only `regex` reads: its repeats are not counted
+    size = _unrolled_size(parsed.data)
+    if size > MAX_PATTERN_UNROLLED:
+        raise ValueError(
+            f"{where}: {pattern[:80]!r} unrolls to {min(size, 10**9)}{'+' if size > 10**9 else ''} elements, over "
+            f"{MAX_PATTERN_UNROLLED}: the grammar of "
+            "forced tool calls expands counted repeats ({n,m}), which takes minutes at this size; bound a long "
+            "string with maxLength instead"
+        )
+
+
+def _unrolled_size(items) -> int:
+    """Elements of a parsed pattern (`re._parser`) with every counted repeat written out: a repeat counts its
+    body as often as its bound (an unbounded one as often as its minimum, then once more for its loop)."""
+    size = 0
+    for op, value in items:
+        if op in (re._constants.MAX_REPEAT, re._constants.MIN_REPEAT, re._constants.POSSESSIVE_REPEAT):
+            low, high, body = value
+            copies = max(low, 1) if high == re._constants.MAXREPEAT else high
+            size += copies * _unrolled_size(body)
+        elif op is re._constants.SUBPATTERN:
+            size += _unrolled_size(value[-1])
+        elif op is re._constants.ATOMIC_GROUP:
+            size += _unrolled_size(value)
+        elif op is re._constants.BRANCH:
+            size += sum(_unrolled_size(branch) for branch in value[1])
+        elif op in (re._constants.ASSERT, re._constants.ASSERT_NOT):
+            size += _unrolled_size(value[1])
+        else:
+            size += 1
+        if size > MAX_PATTERN_UNROLLED:
+            return size  # enough to refuse: nested bounds must not multiply into a huge int first
+    return size
 
 
 def _check_integer_bounds(schema: dict[str, JsonValue], path: str) -> None:

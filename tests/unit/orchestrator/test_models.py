@@ -504,6 +504,24 @@ def test_a_pattern_only_pythons_re_compiles_is_refused_at_creation(schema, fragm
     assert fragment in str(info.value) and "not a regular expression the checks can run" in str(info.value)
 
 
+@pytest.mark.parametrize("pattern, is_accepted", [
+    ("^ORD-[0-9]{5}$", True),
+    ("^[a-z]{1,4000}$", True),
+    ("^[A-Za-z0-9+/]+={0,2}$", True),  # unbounded repeats are loops, not copies
+    ("^[a-z]{1,30000}$", False),  # 74 s of grammar compiling on one core
+    ("^(ab{1,200}){1,200}$", False),  # nested bounds multiply
+    ("^(?:(?:(?:a{1,65535}){1,65535}){1,65535}){1,65535}$", False),
+])
+def test_a_pattern_the_grammar_compiler_would_unroll_for_minutes_is_refused(pattern, is_accepted):
+    parameters = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}
+    if is_accepted:
+        ToolSpec.model_validate(_tool(parameters=parameters))
+        return
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters=parameters))
+    assert "unrolls to" in str(info.value) and "maxLength" in str(info.value)
+
+
 @pytest.mark.parametrize("name", ["auto", "none", "required"])
 def test_a_tool_named_as_a_tool_choice_keyword_is_refused(name):
     with pytest.raises(ValidationError) as info:

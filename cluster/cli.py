@@ -281,7 +281,7 @@ def _key_problems(
 @keys_app.command("create")
 def keys_create(
     name: str = typer.Option(..., help="Label of the key."),
-    permission: list[str] = typer.Option([], "--permission", "-p", help="A permission the key holds (repeat; '*' = all)."),
+    permission: list[str] = typer.Option([], "--permission", "-p", help="A permission the key holds (repeat; '*' = all; tools:http lets it define server-side HTTP tools)."),
     requests_per_s: Optional[float] = typer.Option(None, help="Sustained rate (default: access.default_requests_per_s)."),
     burst: Optional[int] = typer.Option(None, help="Bucket size (default: access.default_burst)."),
     expires_in_days: Optional[float] = typer.Option(None, help="The key stops working this many days from now (default: never)."),

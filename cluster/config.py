@@ -298,6 +298,8 @@ class AccessConfig(_Strict):
 
 # Never a tool: link-local addresses (cloud metadata services answer there) and the other metadata endpoints.
 DEFAULT_BLOCKED_TOOL_NETWORKS = ("169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "100.100.100.200/32")
+# What a key must hold to define server-side HTTP tools: any other key would aim the cluster's requests.
+DEFAULT_HTTP_TOOLS_PERMISSION = "tools:http"
 
 
 class ToolNetworkConfig(_Strict):
@@ -311,6 +313,11 @@ class ToolNetworkConfig(_Strict):
     blocked_networks: list[str] = Field(
         default_factory=lambda: list(DEFAULT_BLOCKED_TOOL_NETWORKS),
         description="CIDRs no HTTP tool may reach, checked on the URL's host and every address it resolves to.",
+    )
+    http_tools_permission: str | None = Field(
+        DEFAULT_HTTP_TOOLS_PERMISSION,
+        description="Permission an API key needs to give a session server-side HTTP tools (the cluster POSTs to "
+        "URLs the session names); null: any key may. Client-side tools need none.",
     )
 
     @field_validator("allowed_url_prefixes")
@@ -327,6 +334,13 @@ class ToolNetworkConfig(_Strict):
         if bad:
             raise ValueError(f"URL prefixes must be http(s)://host[:port][/path], got {bad}")
         return prefixes
+
+    @field_validator("http_tools_permission")
+    @classmethod
+    def _permission(cls, permission: str | None) -> str | None:
+        if permission is not None and (not permission or any(c.isspace() for c in permission)):
+            raise ValueError(f"must be non-empty without whitespace (or null), got {permission!r}")
+        return permission
 
     @field_validator("blocked_networks")
     @classmethod

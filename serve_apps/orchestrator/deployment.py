@@ -106,14 +106,25 @@ def _caller(caller: dict[str, Any]) -> Caller:
     return Caller(key_id=caller["key_id"], permissions=tuple(caller["permissions"]))
 
 
-def _missing_permission(caller: Caller, tools) -> dict[str, Any] | None:
-    """A 403 naming the first permission a tool needs and the caller's key lacks, or None."""
+def _missing_permission(caller: Caller, tools, http_tools_permission: str | None) -> dict[str, Any] | None:
+    """A 403 naming the first permission a tool needs and the caller's key lacks, or None.
+
+    A tool's own `required_permissions`, and for a server-side HTTP tool the operator's
+    `http_tools_permission` (`tool_network`): the cluster itself sends its requests.
+    """
     for tool in tools:
         missing = missing_permissions(caller.permissions, tool.required_permissions)
         if missing:
             return _error(
                 403, f"tool '{tool.name}' requires permission '{missing[0]}', which API key {caller.key_id} lacks",
                 "missing_permission",
+            )
+        if http_tools_permission and tool.execution.kind == "http" and missing_permissions(
+            caller.permissions, [http_tools_permission]
+        ):
+            return _error(
+                403, f"tool '{tool.name}' is a server-side HTTP tool, which needs permission '{http_tools_permission}' "
+                f"(tool_network.http_tools_permission); API key {caller.key_id} lacks it", "missing_permission",
             )
     return None
 
@@ -354,7 +365,7 @@ class Orchestrator:
             request = CreateSessionRequest.model_validate(body)
         except ValidationError as err:
             return _invalid(err)
-        denied = _missing_permission(who, request.tools)
+        denied = _missing_permission(who, request.tools, self._tool_network.http_tools_permission)
         if denied is not None:
             return denied
         for tool in request.tools:
@@ -543,7 +554,7 @@ class Orchestrator:
             # record cannot change after; taking the lock fails as not found if the session is gone by then.
             record = await self._owned_record(session_id, caller)
             async with self._store.turn_lock(session_id):
-                denied = _missing_permission(caller, record.request.tools)
+                denied = _missing_permission(caller, record.request.tools, self._tool_network.http_tools_permission)
                 if denied is not None:
                     yield denied
                     return

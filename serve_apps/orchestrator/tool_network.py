@@ -54,6 +54,8 @@ class ToolNetworkPolicy:
     """Checks HTTP tool URLs: each check returns a refusal message, else None (`check_url`) or a `Destination`."""
 
     def __init__(self, config: ToolNetworkConfig) -> None:
+        # What a key must hold to give a session HTTP tools (None: any key may).
+        self.http_tools_permission = config.http_tools_permission
         self._prefixes = tuple(_parse_prefix(prefix) for prefix in config.allowed_url_prefixes)
         self._blocked: tuple[IpNetwork, ...] = tuple(ipaddress.ip_network(n, strict=False) for n in config.blocked_networks)
 

@@ -96,6 +96,27 @@ def test_tool_permissions_are_checked_at_registration(cluster):
         _revoke(cluster, record.key_id)
 
 
+def test_only_a_key_with_the_http_tools_permission_gives_a_session_server_side_tools(cluster, tool_server):
+    http_tool = {"name": "lookup_order", "parameters": LOOKUP_SCHEMA,
+                 "execution": {"kind": "http", "url": f"{tool_server}/lookup"}}
+    scoped, scoped_record = _make_key(cluster, ["orders:read"])
+    trusted, trusted_record = _make_key(cluster, ["orders:read", "tools:http"])
+    try:
+        with cluster.http(api_key=scoped) as client:
+            denied = client.post("/v1/sessions", json={"model": cluster.model_id, "tools": [http_tool]})
+            assert denied.status_code == 403, denied.text
+            assert denied.json()["error"]["code"] == "missing_permission" and "tools:http" in denied.text
+            allowed = client.post("/v1/sessions", json={"model": cluster.model_id,
+                                                        "tools": [_tool("lookup_order", ["orders:read"])]})
+            assert allowed.status_code == 201, allowed.text  # a client-side tool sends nothing from the cluster
+        with cluster.http(api_key=trusted) as client:
+            created = client.post("/v1/sessions", json={"model": cluster.model_id, "tools": [http_tool]})
+            assert created.status_code == 201, created.text
+    finally:
+        _revoke(cluster, scoped_record.key_id)
+        _revoke(cluster, trusted_record.key_id)
+
+
 def test_a_tool_aimed_at_the_cloud_metadata_service_is_refused(cluster):
     tool = {"name": "steal", "parameters": {"type": "object"},
             "execution": {"kind": "http", "url": "http://169.254.169.254/latest/meta-data/"}}

@@ -15,7 +15,9 @@ from types import SimpleNamespace
 import pytest
 
 from serve_apps import metrics
+from cluster.config import ToolNetworkConfig
 from serve_apps.orchestrator.deployment import Orchestrator
+from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.models import Message, ToolCall
 from serve_apps.orchestrator.store import SessionNotFound, SessionRecord, StaleTurn, TranscriptSnapshot
 from serve_apps.orchestrator.turns import ModelReply
@@ -96,7 +98,7 @@ def _orchestrator(replies=()) -> Orchestrator:
     orchestrator._store = MemoryStore()
     orchestrator._tokenizer = orchestrator._session_tokenizer = CharTokenizer()
     orchestrator._model = ScriptedModel(replies)
-    orchestrator._tool_network = None
+    orchestrator._tool_network = ToolNetworkPolicy(ToolNetworkConfig())
     return orchestrator
 
 
@@ -248,3 +250,31 @@ def test_creating_a_session_does_not_stall_the_turns_of_others():
     created, ticks = asyncio.run(main())
     assert created["status"] == 201
     assert ticks >= 20  # the loop ran through the 0.6 s of tokenizing, not after it
+
+
+HTTP_TOOL = {"name": "lookup", "parameters": {"type": "object"},
+             "execution": {"kind": "http", "url": "http://tools.internal/lookup"}}
+ASK_TOOL = {"name": "ask", "parameters": {"type": "object"}, "execution": {"kind": "client"}}
+
+
+@pytest.mark.parametrize("permissions, tools, status", [
+    (["orders:read"], [HTTP_TOOL], 403),  # the cluster would send requests where this key says
+    (["orders:read", "tools:http"], [HTTP_TOOL], 201),
+    (["*"], [HTTP_TOOL], 201),
+    (["orders:read"], [ASK_TOOL], 201),  # the client runs it: nothing is sent from the cluster
+])
+def test_only_a_key_holding_the_http_tools_permission_gives_a_session_http_tools(permissions, tools, status):
+    caller = {"key_id": "key_2", "permissions": permissions}
+    created = asyncio.run(_orchestrator().create_session({"model": "m", "tools": tools}, caller))
+    assert created["status"] == status, created
+    if status == 403:
+        error = created["body"]["error"]
+        assert error["code"] == "missing_permission" and "'tools:http'" in error["message"]
+
+
+def test_the_http_tools_permission_can_be_lifted():
+    orchestrator = _orchestrator()
+    orchestrator._tool_network = ToolNetworkPolicy(ToolNetworkConfig(http_tools_permission=None))
+    created = asyncio.run(orchestrator.create_session(
+        {"model": "m", "tools": [HTTP_TOOL]}, {"key_id": "key_2", "permissions": ["orders:read"]}))
+    assert created["status"] == 201, created

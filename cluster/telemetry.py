@@ -78,6 +78,17 @@ def extract(carrier: Optional[Mapping[str, str]]) -> context.Context:
     return propagate.extract(lowered)
 
 
+def annotate_usage(span: Optional[trace.Span], usage: Optional[Mapping]) -> None:
+    """Token counts on a model call's span, from the response's OpenAI `usage` as JSON (a stream's last usage)."""
+    if span is None or not usage or not span.is_recording():
+        return
+    span.set_attribute("gen_ai.usage.input_tokens", usage.get("prompt_tokens") or 0)
+    span.set_attribute("gen_ai.usage.output_tokens", usage.get("completion_tokens") or 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is not None:
+        span.set_attribute("warmpath.cached_tokens", cached)
+
+
 def record_failure_status(span: trace.Span, error_type: str, status: int, message: str) -> None:
     """A failure with an HTTP-style status on its span, by OTel's conventions.
 

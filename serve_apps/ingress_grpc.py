@@ -694,6 +694,7 @@ class GrpcIngress:
             ) from None
         finally:
             _settle_decision(replica_id, usage.usage if has_output else None, has_output)
+            _annotate_model_call(chat_request, replica_id, usage.usage if has_output else None)
 
     async def _turn_events(self, stream, grpc_context, rpc: _RpcSpan) -> AsyncIterator[agent_pb2.SessionEvent]:
         """An orchestrator turn stream (envelope, then event dicts) as `SessionEvent`s.
@@ -806,6 +807,19 @@ class _LastUsage:
     def note(self, usage: Any) -> None:
         if isinstance(usage, Mapping):
             self.usage = usage
+
+
+def _annotate_model_call(chat_request: ChatCompletionRequest, replica_id: str, usage: Optional[Mapping[str, Any]]) -> None:
+    """The model call on the RPC's span, as the HTTP ingress has it on its own: GenAI's names, the replica
+    that served it, and the last usage it sent."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    span.set_attribute("gen_ai.operation.name", "chat")
+    span.set_attribute("gen_ai.request.model", str(chat_request.model))
+    if replica_id:
+        span.set_attribute("warmpath.replica", replica_id)
+    telemetry.annotate_usage(span, usage)
 
 
 def _settle_decision(replica_id: str, usage: Optional[Mapping[str, Any]], is_answered: bool) -> None:

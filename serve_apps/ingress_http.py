@@ -177,7 +177,7 @@ async def _usage_recorded(
                     frame = readable_error_frame(frame)
                 if "data: [DONE]" in frame:
                     _record_usage(logged, served_by, usage)
-                    _annotate_usage(span, usage)
+                    telemetry.annotate_usage(span, usage)
                     is_recorded = True
                 yield frame
             if held:  # the stream ended without [DONE]
@@ -193,7 +193,7 @@ async def _usage_recorded(
     finally:
         if not is_recorded:  # the stream broke off or ended without [DONE]
             _record_usage(logged, served_by, usage)
-            _annotate_usage(span, usage)
+            telemetry.annotate_usage(span, usage)
             if span is not None and span.is_recording():
                 span.set_attribute(INCOMPLETE_STREAM_ATTRIBUTE, True)
 
@@ -490,17 +490,6 @@ def _annotate(span, headers: Dict[str, str]) -> None:
         span.set_attribute("warmpath.route.predicted_cached_tokens", int(headers[PREDICTED_CACHED_HEADER]))
 
 
-def _annotate_usage(span, usage: Optional[dict]) -> None:
-    """Token counts on the call's span, from the response's `usage` as JSON (a stream's last usage)."""
-    if span is None or not usage or not span.is_recording():
-        return
-    span.set_attribute("gen_ai.usage.input_tokens", usage.get("prompt_tokens") or 0)
-    span.set_attribute("gen_ai.usage.output_tokens", usage.get("completion_tokens") or 0)
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    if cached is not None:
-        span.set_attribute("warmpath.cached_tokens", cached)
-
-
 def _record_http_status(span, status: int, message: str = "") -> None:
     """A response's status on its server span, by OTel's HTTP server conventions (`error.type` is a 5xx's code)."""
     if span.is_recording():
@@ -652,7 +641,7 @@ class WarmpathIngress(OpenAiIngress):
             if isinstance(first_chunk, NON_STREAMING_RESPONSE_TYPES):
                 usage = getattr(first_chunk, "usage", None)
                 usage = usage.model_dump() if usage is not None else None
-                _annotate_usage(span, usage)
+                telemetry.annotate_usage(span, usage)
                 _record_usage(logged, served_by, usage)
                 return JSONResponse(content=first_chunk.model_dump(), headers=headers)
             frames = _recording_usage(_openai_json_wrapper(gen), logged, served_by, is_usage_asked, span)

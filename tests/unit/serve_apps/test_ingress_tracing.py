@@ -541,6 +541,8 @@ class _DecidingLLM:
             yield ServedBy("r1")
             for _ in range(3):
                 yield ['data: {"id":"c","model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n']
+            yield ['data: {"id":"c","model":"m","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":3,'
+                   '"prompt_tokens_details":{"cached_tokens":32}}}\n\n']
 
         return outputs()
 
@@ -569,3 +571,7 @@ def test_a_streamed_rpc_keeps_its_routing_span_when_the_caller_leaves(spans, mon
     by_name = {span.name: span for span in spans.get_finished_spans()}
     rpc = by_name["warmpath.v1.Inference/StreamChatCompletion"]
     assert by_name["warmpath.route"].parent.span_id == rpc.context.span_id
+    # The model call on the RPC's span, as the HTTP chat span has it (usage only from a stream read to its end).
+    assert (rpc.attributes["gen_ai.operation.name"], rpc.attributes["warmpath.replica"]) == ("chat", "r1")
+    if not is_left:
+        assert (rpc.attributes["gen_ai.usage.input_tokens"], rpc.attributes["warmpath.cached_tokens"]) == (40, 32)

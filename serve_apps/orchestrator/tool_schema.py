@@ -114,6 +114,8 @@ def check_tool_parameters(value: dict[str, JsonValue]) -> None:
     except SchemaError as err:
         where = "/".join(str(p) for p in err.absolute_path) or "<root>"
         raise ValueError(f"not a valid Draft 2020-12 JSON Schema at {where}: {err.message}") from None
+    except RecursionError:  # past the bounds, only a `pattern` recurses (its "regex" format check parses it)
+        raise ValueError("a pattern nests its groups too deeply to be checked (hundreds of nested parentheses)") from None
     if value.get("type") != "object":
         raise ValueError('tool arguments are a JSON object: the schema needs "type": "object"')
     refs: dict[str, str] = {}
@@ -259,11 +261,12 @@ def _check_pattern(pattern: str, where: str) -> None:
         regex.compile(as_ecmascript(pattern))
     except regex.error as err:
         raise ValueError(f"{where}: {pattern!r} is not a regular expression the checks can run: {err}") from None
+    except RecursionError:  # the engine parses groups recursively: hundreds nested exhaust the stack
+        raise ValueError(f"{where}: {pattern[:80]!r} nests its groups too deeply to be checked") from None
     try:
-        parsed = re._parser.parse(as_ecmascript(pattern))
+        size = _unrolled_size(re._parser.parse(as_ecmascript(pattern)).data)
     except (re.error, RecursionError, OverflowError):
         return  # a pattern only `regex` reads: its repeats are not counted
-    size = _unrolled_size(parsed.data)
     if size > MAX_PATTERN_UNROLLED:
         raise ValueError(
             f"{where}: {pattern[:80]!r} unrolls to {min(size, 10**9)}{'+' if size > 10**9 else ''} elements, over "

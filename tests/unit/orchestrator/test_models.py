@@ -522,6 +522,15 @@ def test_a_pattern_the_grammar_compiler_would_unroll_for_minutes_is_refused(patt
     assert "unrolls to" in str(info.value) and "maxLength" in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["pattern", "patternProperties"])
+def test_a_pattern_nested_too_deeply_to_parse_is_refused_not_raised(key):
+    pattern = "(" * 500 + "a" + ")" * 500  # 1 KB: Python's regular expression parsers recurse per group
+    schema = {"pattern": pattern, "type": "string"} if key == "pattern" else {"patternProperties": {pattern: {}}}
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters={"type": "object", "properties": {"a": schema}}))
+    assert "nests its groups too deeply" in str(info.value)
+
+
 @pytest.mark.parametrize("name", ["auto", "none", "required"])
 def test_a_tool_named_as_a_tool_choice_keyword_is_refused(name):
     with pytest.raises(ValidationError) as info:

@@ -161,6 +161,10 @@ def _schema(parameters_json: str, where: str) -> Any:
         return json.loads(parameters_json)
     except json.JSONDecodeError as err:
         raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"{where}: not JSON: {err}") from None
+    except RecursionError:  # arrays or objects nested thousands deep: the parser recurses per level
+        raise RpcFailure(
+            grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"{where}: nested too deeply to parse"
+        ) from None
 
 
 def tool_to_dict(tool: agent_pb2.Tool, index: int) -> dict[str, Any]:

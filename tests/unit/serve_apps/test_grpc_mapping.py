@@ -388,6 +388,10 @@ def test_create_session_bad_schema_json_names_the_tool():
         create_session_body(agent_pb2.CreateSessionRequest(model="m", tools=[_tool(), _tool(parameters_json="{nope")]))
     assert info.value.status is Code.INVALID_ARGUMENT
     assert info.value.message.startswith("tools[1].parameters_json: not JSON")
+    with pytest.raises(RpcFailure) as info:
+        create_session_body(agent_pb2.CreateSessionRequest(
+            model="m", tools=[_tool(parameters_json='{"a":' * 100_000 + "1" + "}" * 100_000)]))
+    assert (info.value.status, info.value.message) == (Code.INVALID_ARGUMENT, "tools[0].parameters_json: nested too deeply to parse")
 
 
 @pytest.mark.parametrize(
@@ -607,6 +611,8 @@ def test_sampling_options_and_response_format_carry_over_as_the_http_api_names_t
     (inference_pb2.ResponseFormat(type="json_schema"), "response_format.schema_json: must be a JSON object (a JSON Schema), not empty"),
     (inference_pb2.ResponseFormat(type="json_schema", schema_json="[1]"), "response_format.schema_json: must be a JSON object (a JSON Schema), not an array"),
     (inference_pb2.ResponseFormat(type="json_schema", schema_json="{"), "response_format.schema_json: not JSON: "),
+    (inference_pb2.ResponseFormat(type="json_schema", schema_json="[" * 200_000 + "]" * 200_000),
+     "response_format.schema_json: nested too deeply to parse"),  # a client's error, not an INTERNAL
     (inference_pb2.ResponseFormat(type="text", schema_json="{}"), "response_format: name, schema_json and strict belong to type json_schema, not text"),
 ])
 def test_a_response_format_the_api_cannot_pass_on_is_invalid_argument(form, message):

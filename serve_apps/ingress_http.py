@@ -334,21 +334,28 @@ def _unary(result: Dict[str, Any]) -> Response:
 def _sse(
     first: Dict[str, Any], events: AsyncIterator[Dict[str, Any]], span: trace.Span = trace.INVALID_SPAN
 ) -> AsyncIterator[str]:
-    """A turn's events as SSE frames; a turn that fails after its 200 is noted on the route's `span`."""
+    """A turn's events as SSE frames; a turn that fails after its 200 is noted on the route's `span`, and so
+    is a stream its client left before `done` (as a chat stream's is)."""
     async def frames() -> AsyncIterator[str]:
+        is_done = False
         try:
-            async for event in events:
-                if event["kind"] == "error":  # after the 200: `error.type` carries the turn's own status
-                    status = TURN_ERROR_STATUS.get(event.get("code"), 500)
-                    telemetry.record_failure_status(
-                        span, str(status), status, str(event.get("message") or "the turn failed")
-                    )
-                yield f"event: {event['kind']}\ndata: {json.dumps(event)}\n\n"
-        except Exception as err:
-            logger.exception("turn stream broke off")
-            telemetry.record_exception_failure(span, err)
-            yield f"event: error\ndata: {json.dumps({'kind': 'error', **TURN_INTERRUPTED})}\n\n"
-        yield "event: done\ndata: {}\n\n"
+            try:
+                async for event in events:
+                    if event["kind"] == "error":  # after the 200: `error.type` carries the turn's own status
+                        status = TURN_ERROR_STATUS.get(event.get("code"), 500)
+                        telemetry.record_failure_status(
+                            span, str(status), status, str(event.get("message") or "the turn failed")
+                        )
+                    yield f"event: {event['kind']}\ndata: {json.dumps(event)}\n\n"
+            except Exception as err:
+                logger.exception("turn stream broke off")
+                telemetry.record_exception_failure(span, err)
+                yield f"event: error\ndata: {json.dumps({'kind': 'error', **TURN_INTERRUPTED})}\n\n"
+            yield "event: done\ndata: {}\n\n"
+            is_done = True
+        finally:
+            if not is_done and span.is_recording():
+                span.set_attribute(INCOMPLETE_STREAM_ATTRIBUTE, True)
 
     return frames()
 

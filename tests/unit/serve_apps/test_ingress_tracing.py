@@ -338,6 +338,22 @@ def test_a_streamed_turn_span_ends_with_its_stream_and_records_its_failure(spans
     assert [e.attributes["exception.type"] for e in span.events if e.name == "exception"] == (
         [exception] if exception else []
     )
+    assert "warmpath.stream.incomplete" not in span.attributes
+
+
+def test_a_streamed_turn_its_client_left_ends_its_span_marked_incomplete(spans):
+    final = {"kind": "final", "message": {"role": "assistant", "content": "x"}}
+    ingress = _session_ingress(send_message=_turn({"status": 200}, {"kind": "delta", "text": "x"}, final))
+
+    async def leave_after_one_frame():
+        response = await ingress.post_message("s1", TurnRequest(content="hi", stream=True), _session_request())
+        frames = response.body_iterator
+        await frames.__anext__()
+        await frames.aclose()
+
+    _run(leave_after_one_frame())
+    span = _only(spans)
+    assert span.attributes["warmpath.stream.incomplete"] is True and span.status.status_code is StatusCode.UNSET
 
 
 def test_an_unauthenticated_session_call_is_traced_as_a_401(spans):

@@ -8,12 +8,13 @@ not carry it.
 
 Configuration: `TelemetryConfig.otlp_endpoint` (from the cluster config or
 `OTEL_EXPORTER_OTLP_ENDPOINT`), `service_name`, and the standard `OTEL_*`
-variables the SDK reads itself (sampler, resource attributes, headers). With
+variables the SDK reads itself (sampler, resource attributes, headers, batch
+delay: half a second unless `OTEL_BSP_SCHEDULE_DELAY` is set). With
 no endpoint, no provider is installed: the API's no-op tracer creates
 non-recording spans, so tracing costs a few attribute checks per request.
 
-Shutdown: spans wait in the `BatchSpanProcessor` queue for up to half a
-second. Ray Serve stops a replica by calling its deployment's `__del__` and
+Shutdown: spans wait in the `BatchSpanProcessor` queue for up to the batch
+delay. Ray Serve stops a replica by calling its deployment's `__del__` and
 then killing the actor (no `atexit`), so every deployment's `__del__` calls
 `flush_spans` (bounded: it must not hold up the stop when the collector is down).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from typing import Mapping, MutableMapping, Optional
 
@@ -32,6 +34,8 @@ from cluster.config import TelemetryConfig
 logger = logging.getLogger(__name__)
 
 TRACER_NAME = "warmpath"
+# How long finished spans wait to be batched out, unless OTEL_BSP_SCHEDULE_DELAY says.
+DEFAULT_SCHEDULE_DELAY_MS = 500
 # Longest a stopping replica waits for its queued spans to be exported.
 SHUTDOWN_FLUSH_TIMEOUT_S = 2.0
 _configured = threading.Lock()
@@ -56,7 +60,9 @@ def setup_tracing(config: TelemetryConfig, component: str) -> None:
         endpoint = config.otlp_endpoint.rstrip("/")
         if not endpoint.endswith("/v1/traces"):
             endpoint += "/v1/traces"
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=500))
+        # Half a second unless the operator set OTel's own variable (the SDK's default is 5 s).
+        delay_ms = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else DEFAULT_SCHEDULE_DELAY_MS
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=delay_ms))
         trace.set_tracer_provider(provider)
         _is_configured = True
 

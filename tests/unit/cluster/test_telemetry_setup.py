@@ -1,0 +1,31 @@
+"""The tracer provider warmpath installs takes OTel's own batch-delay variable over its half-second default."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import telemetry
+from cluster.config import TelemetryConfig
+
+
+@pytest.mark.parametrize("environ, delay_ms", [({}, 500), ({"OTEL_BSP_SCHEDULE_DELAY": "2000"}, None)])
+def test_the_batch_delay_is_otels_variable_when_set(monkeypatch, environ, delay_ms):
+    import opentelemetry.sdk.trace.export as export
+
+    made = []
+
+    class Recording:
+        def __init__(self, exporter, **options):
+            made.append(options)
+
+        def __getattr__(self, name):  # what the provider calls on a span processor
+            return lambda *args, **kwargs: None
+
+    monkeypatch.delenv("OTEL_BSP_SCHEDULE_DELAY", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(export, "BatchSpanProcessor", Recording)
+    monkeypatch.setattr(telemetry.trace, "set_tracer_provider", lambda provider: None)
+    monkeypatch.setattr(telemetry, "_is_configured", False)
+    telemetry.setup_tracing(TelemetryConfig(otlp_endpoint="http://127.0.0.1:4318"), "test")
+    assert made == [{"schedule_delay_millis": delay_ms}]  # None: the SDK reads the variable itself

@@ -278,7 +278,7 @@ def with_fingerprint(frame: str, fingerprint: str) -> str:
         )
         if is_finishing and chunk.get("system_fingerprint") is None:
             chunk["system_fingerprint"] = fingerprint
-            lines[position] = "data: " + json.dumps(chunk)
+            lines[position] = "data: " + json.dumps(chunk, separators=(",", ":"))  # as vLLM writes its chunks
     return "\n".join(lines)
 
 

@@ -462,7 +462,16 @@ class TurnRunner:
                              f"the prompt does not fit, and compression would drop exact values: {report}")
 
     async def _compress(self, history: list[Message], plan: CompressionPlan) -> CompressionReport | None:
-        """Summarises and applies `plan`; the report if the result was kept, else None (`_declined` says why)."""
+        """Summarises and applies `plan`; the report if the result was kept, else None (`_declined` says why).
+
+        When the facts ledger alone (an empty summary) already makes the prompt no shorter, no
+        summary can: the model is not asked for one (a session of dense values would pay a
+        summarising call at every turn and every resume, each declined).
+        """
+        _, floor = apply_compression(history, plan, "", recount=self._account)
+        if floor.tokens_after >= floor.tokens_before:
+            self._declined = (plan.num_messages_compressed, floor)
+            return None
         summary = ModelReply()
         prompt = [
             {"role": "system", "content": "Summarise the conversation below in a few sentences."},

@@ -171,6 +171,9 @@ def _turn_after(history: list[Message], output_reserve_tokens: int = 64, model: 
     return asyncio.run(main()), store
 
 
+SUMMARISE_INSTRUCTION = "Summarise the conversation below in a few sentences."
+
+
 def _prose(i: int) -> str:
     return f"Order ORD-{i} is moving through the regional hub. " + "Tracking updates daily. " * 28
 
@@ -178,9 +181,12 @@ def _prose(i: int) -> str:
 def test_a_compression_that_would_not_shorten_the_prompt_is_dropped():
     """Results that are all exact values (compact JSON) make a ledger no shorter than themselves."""
     dense = lambda i: json.dumps([{"sku": f"A-{i}-{j}", "qty": j} for j in range(24)], separators=(",", ":"))
-    events, store = _turn_after(_stored_rounds(dense))
+    model = ScriptedModel([(["Hi"], ModelReply(content="Hi"))])
+    events, store = _turn_after(_stored_rounds(dense), model=model)
     assert not any(e.kind == "compression" for e in events)
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is None
+    # The ledger alone made the prompt no shorter, so no summary could: the model was not asked for one.
+    assert all(p[0]["content"] != SUMMARISE_INSTRUCTION for p in model.prompts) and len(model.prompts) == 1
 
 
 def test_a_compression_that_shortens_the_prompt_is_kept():
@@ -217,15 +223,15 @@ def test_a_compression_that_would_lose_a_value_keeps_the_messages_of_a_turn_that
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is None
 
 
-def test_a_compression_not_kept_is_not_summarised_again_at_the_turns_next_step():
+def test_a_compression_not_kept_is_not_summarised_again_at_the_turns_next_step(monkeypatch):
     """An invalid call makes the turn take a second step; the same cut would be summarised to no avail."""
-    dense = lambda i: json.dumps([{"sku": f"A-{i}-{j}", "qty": j} for j in range(24)], separators=(",", ":"))  # noqa: E731
+    _losing_one_value(monkeypatch)
     bad_call = ToolCall(id="call-x", name="lookup_order", arguments=json.dumps({"order_id": 5}))
     model = ScriptedModel([([], ModelReply(content="a summary")), ([], ModelReply(tool_calls=[bad_call])),
                            (["Hi"], ModelReply(content="Hi"))])
-    events, store = _turn_after(_stored_rounds(dense), model=model, context_budget_tokens=4300)
+    events, store = _turn_after(_stored_rounds(_prose), model=model, context_budget_tokens=5500)
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is None
-    assert [p[0]["content"] for p in model.prompts].count("Summarise the conversation below in a few sentences.") == 1
+    assert [p[0]["content"] for p in model.prompts].count(SUMMARISE_INSTRUCTION) == 1
 
 
 def test_a_long_json_string_whose_values_run_into_each_other_compresses():

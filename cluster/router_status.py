@@ -48,6 +48,7 @@ def router_status_lines(state: Mapping[str, Any]) -> list[str]:
         lines.append(f"  {router.get('policy')} router: {len(subscribed)}/{len(replicas)} replicas subscribed")
         blocks = (router.get("index") or {}).get("num_blocks_by_replica") or {}
         kv_cache = router.get("kv_cache") or {}
+        rendering = router.get("renders_like_router") or {}
         for replica_id, stream in sorted((router.get("event_streams") or {}).items()):
             since = stream.get("seconds_since_last_batch")
             problem = stream_problem(stream)
@@ -56,9 +57,18 @@ def router_status_lines(state: Mapping[str, Any]) -> list[str]:
                 + _kv_cache_size(kv_cache.get(replica_id))
                 + (", no event yet" if since is None else f", last event {since:.0f}s ago")
                 + f", {stream.get('num_probes', 0)} probes"
+                + _rendering(rendering.get(replica_id))
                 + (f"; PROBLEM: {problem}" if problem else "")
             )
     return lines
+
+
+def _rendering(renders_like_router: bool | None) -> str:
+    """How the replica gets chat prompts: the router's token ids, or its own rendering (the router cannot
+    reproduce it, or the replica has not said yet); "" where the router did not report it."""
+    if renders_like_router is None:
+        return ""
+    return ", prompt ids forwarded" if renders_like_router else ", renders prompts itself (ids not forwarded)"
 
 
 def _kv_cache_size(kv_cache: Mapping[str, Any] | None) -> str:

@@ -608,16 +608,21 @@ class PrefixKVRouter(RequestRouter):
         report them), subscriptions and index counts."""
         with self.lock:
             index = self.index.snapshot(time.monotonic())
-        kv_cache = {}
+        kv_cache, renders_like_router = {}, {}
         for replica in list(self.curr_replicas.values()):
             stats = replica.routing_stats or {}
-            kv_cache[replica.replica_id.unique_id] = {
+            replica_id = replica.replica_id.unique_id
+            kv_cache[replica_id] = {
                 "capacity_blocks": stats.get("kv_capacity_blocks"), "usage": stats.get("kv_cache_usage"),
             }
+            # Whether the router may hand it prompt token ids (None until its routing stats say).
+            rendering = EngineRendering.from_routing_stats(stats)
+            renders_like_router[replica_id] = None if rendering is None else rendering.renders_like_router
         return {
             "policy": self.args.router.policy,
             "replicas": sorted(r.unique_id for r in self.curr_replicas),
             "kv_cache": kv_cache,
+            "renders_like_router": renders_like_router,
             "subscribed_replicas": self._pump.subscribed_replicas(),
             "event_streams": self._pump.stream_states(),
             "num_sessions": len(self.sessions),

@@ -146,6 +146,8 @@ def test_router_state_and_prediction_accuracy(warmpath_router):
     assert set(router["kv_cache"]) == set(router["replicas"])
     capacities = {kv_cache["capacity_blocks"] for kv_cache in router["kv_cache"].values()}
     assert capacities == {kv_capacity_blocks(cluster.cfg)} and None not in capacities, router["kv_cache"]
+    # The served template renders as the router does: every replica takes its token ids.
+    assert router["renders_like_router"] == {replica: True for replica in router["replicas"]}
     stats = state["stats"]
     assert stats["num_predictions"] >= 2
     assert stats["prediction_accuracy"] >= 0.5, stats

@@ -39,15 +39,17 @@ def test_lines_name_each_replica_and_flag_the_blind_one():
             "kv_cache": {"a": {"capacity_blocks": 2048, "usage": 0.4404},
                          "b": {"capacity_blocks": None, "usage": None}},
             "event_streams": {"b": {**HEALTHY, "num_stored_blocks": 0, "num_orphaned_blocks": 812,
-                                    "seconds_since_last_batch": None}, "a": HEALTHY},
+                                    "seconds_since_last_batch": None}, "a": HEALTHY, "c": HEALTHY},
+            "renders_like_router": {"a": True, "b": None, "c": False},
         }],
         "stats": {"prediction_accuracy": 0.675, "num_predictions": 203},
     }
     assert router_status_lines(state) == [
         "routing: prediction accuracy 0.68 over 203 calls",
         "  warmpath router: 2/2 replicas subscribed",
-        "    a: 900 blocks indexed (KV cache: 2048 blocks, 44% in use), last event 1s ago, 2 probes",
+        "    a: 900 blocks indexed (KV cache: 2048 blocks, 44% in use), last event 1s ago, 2 probes, prompt ids forwarded",
         "    b: 0 blocks indexed, no event yet, 2 probes; PROBLEM: blind: every stored block arrived without its parent",
+        "    c: 0 blocks indexed, last event 1s ago, 2 probes, renders prompts itself (ids not forwarded)",
     ]
 
 

@@ -189,10 +189,9 @@ def template_messages(messages: list, is_string_content: bool = False) -> list[d
         message = message if isinstance(message, dict) else message.model_dump()
         role, content = message.get("role"), message.get("content")
         content = "" if content is None else content
-        texts = [content] if isinstance(content, str) else _texts(content) if is_string_content else None
+        is_text = isinstance(content, str)
+        texts = _texts([content] if is_text else content, role == "system") if is_text or is_string_content else None
         if texts is not None:
-            if role == "system":
-                texts = [rest for rest in map(_without_billing_header, texts) if rest is not None]
             content = "\n".join(texts)
         item: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
@@ -240,26 +239,32 @@ def developer_as_system(messages: list[dict], chat_template: str) -> list[dict]:
     return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]
 
 
-def _texts(parts: Any) -> Optional[list[str]]:
+def _texts(parts: Any, is_system: bool = False) -> Optional[list[str]]:
     """The texts of content parts that are all text, as vLLM reads them for string content, else None.
 
     Strings and the parts vLLM takes as text (`_TEXT_PART_KEYS`); a part whose text is
     empty or null is dropped, as vLLM drops it. A part with a `uuid` vLLM reads as media.
+    In a system message, a string or `text` part (those only, as vLLM) loses Claude
+    Code's attribution line (`_without_billing_header`).
     """
     if not isinstance(parts, list):
         return None
     texts = []
     for part in parts:
+        is_plain = isinstance(part, str)
         if isinstance(part, dict):
             part_type = part.get("type")
             key = _TEXT_PART_KEYS.get(part_type) if isinstance(part_type, str) and part.get("uuid") is None else None
             if key is None:
                 return None
+            is_plain = part_type == "text"
             part = part.get(key)
             if part is None:
                 continue
         if not isinstance(part, str):
             return None
+        if is_system and is_plain:
+            part = _without_billing_header(part) or ""
         if part:
             texts.append(part)
     return texts

@@ -297,13 +297,17 @@ def test_forwarded_ids_of_each_kind_of_message_are_the_ids_vllm_renders(template
         [{"role": "user", "content": "hello"}, CALL,
          {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "l1"},
                                                           {"type": "tool_reference", "name": "lookup"}]}],
+        # vLLM drops Claude Code's attribution line from string and `text` parts only.
+        [{"role": "system", "content": [{"type": "input_text", "text": "x-anthropic-billing-header: cch=1\nrest"},
+                                        {"type": "text", "text": "x-anthropic-billing-header: cch=2\nmore"}]},
+         {"role": "user", "content": "hello"}],
         # A template that never names `developer`: vLLM makes it `system`, merging system messages in front.
         [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hello"}],
         [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello"},
          {"role": "developer", "content": [{"type": "text", "text": "be brief"}]}, {"role": "system", "content": ""}],
     ],
     ids=["system-parts", "user-parts", "tool-parts", "empty-parts", "other-text-types", "tool-reference",
-         "developer", "developer-merged"],
+         "billing-header-text-parts-only", "developer", "developer-merged"],
 )
 def test_messages_the_router_only_routes_render_as_vllm_renders_them(template_tokenizer_dir, messages):
     """The router only routes these (content parts and the developer role are not forwarded), but on ids that

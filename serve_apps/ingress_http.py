@@ -278,7 +278,8 @@ def with_fingerprint(frame: str, fingerprint: str) -> str:
         )
         if is_finishing and chunk.get("system_fingerprint") is None:
             chunk["system_fingerprint"] = fingerprint
-            lines[position] = "data: " + json.dumps(chunk, separators=(",", ":"))  # as vLLM writes its chunks
+            # As vLLM writes its chunks: compact, text as it is.
+            lines[position] = "data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
     return "\n".join(lines)
 
 
@@ -536,8 +537,9 @@ def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
     the generator started, and Starlette drops a response whose client left
     before its body began; the span would stay open, never exported. The inner
     stream is closed first, so what it records on the span at its end (usage,
-    an incomplete stream) lands before the span ends. A failure inside the
-    stream came after its 200 went out, so it is recorded as the failure itself.
+    an incomplete stream) lands before the span ends; one dropped unstarted is
+    incomplete too. A failure inside the stream came after its 200 went out, so
+    it is recorded as the failure itself.
     """
     async def relay() -> AsyncIterator[str]:
         try:
@@ -552,11 +554,19 @@ def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
                 if aclose is not None:
                     await aclose()
             finally:
-                end()
+                if end.detach() is not None:  # started: ended here, once, whatever the stream recorded
+                    span.end()
 
     stream = relay()
-    end = weakref.finalize(stream, span.end)
+    end = weakref.finalize(stream, _end_unstarted, span)
     return stream
+
+
+def _end_unstarted(span) -> None:
+    """Ends the span of a stream dropped before its body began: its client left, so it is incomplete."""
+    if span.is_recording():
+        span.set_attribute(INCOMPLETE_STREAM_ATTRIBUTE, True)
+    span.end()
 
 
 def _bad_request(problem: tuple[str, Optional[str]]) -> JSONResponse:

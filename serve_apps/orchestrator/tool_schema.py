@@ -264,9 +264,10 @@ def _check_pattern(pattern: str, where: str) -> None:
     except RecursionError:  # the engine parses groups recursively: hundreds nested exhaust the stack
         raise ValueError(f"{where}: {pattern[:80]!r} nests its groups too deeply to be checked") from None
     try:
-        size = _unrolled_size(re._parser.parse(as_ecmascript(pattern)).data)
+        size = _unrolled_size(re._parser.parse(_as_re_syntax(as_ecmascript(pattern))).data)
     except (re.error, RecursionError, OverflowError):
-        return  # a pattern only `regex` reads: its repeats are not counted
+        # Syntax `re` cannot parse: no nesting is known, so the largest single count must fit.
+        size = max((max(int(low), int(high or 0)) for low, high in _COUNTED_REPEAT.findall(pattern)), default=0)
     if size > MAX_PATTERN_UNROLLED:
         raise ValueError(
             f"{where}: {pattern[:80]!r} unrolls to {min(size, 10**9)}{'+' if size > 10**9 else ''} elements, over "
@@ -276,9 +277,20 @@ def _check_pattern(pattern: str, where: str) -> None:
         )
 
 
+# The numbers of counted repeats (`{n}`, `{n,}`, `{n,m}`), for a pattern `re` cannot parse.
+_COUNTED_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def _as_re_syntax(pattern: str) -> str:
+    """`pattern` in the syntax of Python's `re` where ECMAScript or `regex` write it otherwise, for counting its
+    repeats only: named groups `(?<name>` become `(?P<name>`, and `\\p{...}` classes any character."""
+    pattern = re.sub(r"\(\?<(?![=!])", "(?P<", pattern)
+    return re.sub(r"\\[pP]\{[^}]*\}", ".", pattern)
+
+
 def _unrolled_size(items) -> int:
     """Elements of a parsed pattern (`re._parser`) with every counted repeat written out: a repeat counts its
-    body as often as its bound (an unbounded one as often as its minimum, then once more for its loop)."""
+    body as often as its bound (an unbounded one as often as its minimum, at least once: its loop)."""
     size = 0
     for op, value in items:
         if op in (re._constants.MAX_REPEAT, re._constants.MIN_REPEAT, re._constants.POSSESSIVE_REPEAT):
@@ -291,6 +303,8 @@ def _unrolled_size(items) -> int:
             size += _unrolled_size(value)
         elif op is re._constants.BRANCH:
             size += sum(_unrolled_size(branch) for branch in value[1])
+        elif op is re._constants.GROUPREF_EXISTS:  # (?(1)yes|no)
+            size += sum(_unrolled_size(branch) for branch in value[1:] if branch is not None)
         elif op in (re._constants.ASSERT, re._constants.ASSERT_NOT):
             size += _unrolled_size(value[1])
         else:

@@ -418,7 +418,7 @@ async def run_http_tool(
     except (TimeoutError, httpx.TimeoutException):
         return _error(spec.name, f"no complete reply within {timeout_s:g} s", status="timeout")
     except (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL, OSError) as err:
-        return _error(spec.name, f"{type(err).__name__}: {err}")
+        return _error(spec.name, f"{type(err).__name__}: {err}", reason=type(err).__name__)  # may quote its reply
     finally:
         if own_client:
             await http.aclose()

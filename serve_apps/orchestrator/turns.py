@@ -244,8 +244,9 @@ class TurnRunner:
         self._new: list[Message] = []
         self._stats: list[StepStats] = []
         self._compaction: Compaction | None = None
-        # A compression this turn made and did not keep (its cut, its report): not summarised again.
-        self._declined: tuple[int, CompressionReport] | None = None
+        # A compression this turn made and did not keep (its cut, its report, whether it lost a value):
+        # not summarised again.
+        self._declined: tuple[int, CompressionReport, bool] | None = None
         self._tools_by_name = {t.name: t for t in self._request.tools}
 
     @property
@@ -456,8 +457,8 @@ class TurnRunner:
             if report is not None:
                 yield CompressionEvent(report=report)
                 return
-        _cut, report = self._declined
-        if report.ledger_retained_fraction < 1.0 and account.remaining_tokens < 0:
+        _cut, report, loses_values = self._declined
+        if loses_values and account.remaining_tokens < 0:
             raise TurnFailed("compression_lost_values",
                              f"the prompt does not fit, and compression would drop exact values: {report}")
 
@@ -470,7 +471,7 @@ class TurnRunner:
         """
         _, floor = apply_compression(history, plan, "", recount=self._account)
         if floor.tokens_after >= floor.tokens_before:
-            self._declined = (plan.num_messages_compressed, floor)
+            self._declined = (plan.num_messages_compressed, floor, False)  # not shorter: no value was judged
             return None
         summary = ModelReply()
         prompt = [
@@ -490,7 +491,7 @@ class TurnRunner:
             if report.ledger_retained_fraction < 1.0:
                 logger.warning("session %s: compression would drop exact values; its messages are kept: %s",
                                self._record.session_id, report)
-            self._declined = (plan.num_messages_compressed, report)
+            self._declined = (plan.num_messages_compressed, report, report.ledger_retained_fraction < 1.0)
             return None
         self._compaction = Compaction(num_messages_replaced=plan.num_messages_compressed, summary=compressed[0])
         self._stored = compressed[: len(compressed) - len(self._new)]

@@ -189,6 +189,18 @@ def test_a_compression_that_would_not_shorten_the_prompt_is_dropped():
     assert all(p[0]["content"] != SUMMARISE_INSTRUCTION for p in model.prompts) and len(model.prompts) == 1
 
 
+def test_a_prompt_no_compression_can_shorten_fails_as_an_overflow_not_as_lost_values(monkeypatch):
+    """Without a summary the ledger is judged on no summary at all: whether a value would be lost is unknown,
+    and beside the point, since no compression could make the prompt fit."""
+    dense = lambda i: json.dumps([{"sku": f"A-{i}-{j}", "qty": j} for j in range(24)], separators=(",", ":"))  # noqa: E731
+    real = turns.apply_compression
+    monkeypatch.setattr(turns, "apply_compression", lambda *args, **kwargs: (lambda pair: (
+        pair[0], pair[1].model_copy(update={"ledger_retained_fraction": 0.5})))(real(*args, **kwargs)))
+    events, store = _turn_after(_stored_rounds(dense), model=ScriptedModel([]), context_budget_tokens=3000)
+    assert [(e.kind, e.code) for e in events] == [("error", "context_overflow")]
+    assert store.commits == []
+
+
 def test_a_compression_that_shortens_the_prompt_is_kept():
     events, store = _turn_after(_stored_rounds(_prose))
     (compression,) = [e for e in events if e.kind == "compression"]

@@ -185,7 +185,22 @@ def test_a_streamed_response_dropped_before_its_body_started_still_ends_its_span
         gc.collect()
 
     _run(drop())
-    assert _only(spans).name == "chat m"
+    span = _only(spans)
+    assert span.name == "chat m" and span.attributes["warmpath.stream.incomplete"] is True
+
+
+def test_a_streamed_turn_dropped_before_its_body_started_ends_its_span_marked_incomplete(spans):
+    final = {"kind": "final", "message": {"role": "assistant", "content": "x"}}
+    ingress = _session_ingress(send_message=_turn({"status": 200}, final))
+
+    async def drop():
+        response = await ingress.post_message("s1", TurnRequest(content="hi", stream=True), _session_request())
+        assert spans.get_finished_spans() == ()
+        del response
+        gc.collect()
+
+    _run(drop())
+    assert _only(spans).attributes["warmpath.stream.incomplete"] is True
 
 
 def test_a_sampled_out_call_still_forwards_its_trace_context(monkeypatch):

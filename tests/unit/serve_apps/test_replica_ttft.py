@@ -106,3 +106,18 @@ def test_an_engine_that_fails_mid_stream_leaves_the_exception_on_the_replica_spa
     (finished,) = exporter.get_finished_spans()
     assert finished.status.status_code.name == "ERROR" and finished.attributes["error.type"] == "RuntimeError"
     assert [event.name for event in finished.events] == ["exception"]
+
+
+@pytest.mark.parametrize("is_traced", [False, True])
+def test_a_refusal_as_the_first_item_is_no_first_token_traced_or_not(ttft, is_traced):
+    """The histogram must not change with the tracing configuration."""
+    server = object.__new__(WarmpathLLMServer)
+    server._replica_id = "r1"
+    span = _recording_span()[0] if is_traced else NonRecordingSpan(INVALID_SPAN_CONTEXT)
+    refusal = ['data: {"error": {"message": "overloaded", "type": "ServiceUnavailableError", "code": 503}}\n\n']
+
+    async def read():
+        return [item async for item in server._tagged(_engine(refusal), span, True)]
+
+    asyncio.run(read())
+    assert ttft.observed == []

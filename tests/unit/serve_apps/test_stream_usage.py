@@ -178,3 +178,10 @@ def test_a_finishing_chunk_kept_back_for_its_fingerprint_still_goes_out_when_the
 
     sent = "".join(asyncio.run(consume()))
     assert sent.startswith(_finishing()) and sent.endswith("data: [DONE]\n\n") and '"error"' in sent
+
+
+def test_a_chunk_given_the_fingerprint_keeps_its_text_as_written():
+    finishing = 'data: {"choices":[{"index":0,"delta":{"content":"h\u00e9llo"},"finish_reason":"stop"}]}\n\n'
+    stamped = ingress_http.with_fingerprint(finishing, "fp-1")
+    assert stamped == 'data: {"choices":[{"index":0,"delta":{"content":"h\u00e9llo"},"finish_reason":"stop"}],' \
+                      '"system_fingerprint":"fp-1"}\n\n'

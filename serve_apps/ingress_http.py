@@ -15,14 +15,18 @@ usage-only chunk on only to clients that asked for it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from pydantic import RootModel, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ray.llm._internal.serve.core.configs.openai_api_models import (
@@ -305,6 +309,30 @@ def readable_error_frame(frame: str) -> str:
             chunk["error"] = error_body(status or 500, message, param=param if isinstance(param, str) else None)["error"]
             lines[position] = "data: " + json.dumps(chunk)
     return "\n".join(lines)
+
+
+# Where a create-session body is validated: its tool schemas' checks take seconds for a body of megabytes,
+# which on the event loop would hold up every stream this ingress relays.
+_BODY_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warmpath-body-checks")
+
+
+class CreateSessionBody(RootModel[dict[str, Any]]):
+    """A create-session body as parsed JSON, documented as `CreateSessionRequest` (`create_session` validates it
+    off the event loop, answered as FastAPI answers a body that fails its model)."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        return handler(CreateSessionRequest.__pydantic_core_schema__)
+
+
+async def _validated_off_loop(body: CreateSessionBody) -> CreateSessionRequest:
+    """`body` as a `CreateSessionRequest`, checked on `_BODY_CHECKS`; raises RequestValidationError as FastAPI would."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(
+            _BODY_CHECKS, CreateSessionRequest.model_validate, body.root
+        )
+    except ValidationError as err:
+        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in err.errors()]) from None
 
 
 INTERNAL_ERROR = error_body(500, "internal error in the session service; see the server logs", code="internal")
@@ -683,11 +711,13 @@ class WarmpathIngress(OpenAiIngress):
             raise OpenAIHTTPException(status_code=404, message="the session API is not deployed", type="NotFoundError")
         return self._orchestrator
 
-    async def create_session(self, body: CreateSessionRequest, request: Request) -> Response:
+    async def create_session(self, body: CreateSessionBody, request: Request) -> Response:
         """Create an agent session (system prompt, tools, limits); returns its id and prefix fingerprint.
 
         The session belongs to the calling API key; a tool needing a permission the key lacks is refused (403).
         """
+        body = await _validated_off_loop(body)
+
         def respond(span: trace.Span) -> Awaitable[Response]:
             remote = self._sessions().create_session.remote(body.model_dump(mode="json"), _caller(request).to_dict())
             return _call(remote, span)

@@ -35,7 +35,7 @@ from serve_apps import vllm_replica
 from serve_apps.access import Caller
 from serve_apps.grpc_status import RpcFailure
 from serve_apps.ingress_grpc import GrpcIngress
-from serve_apps.ingress_http import WarmpathIngress
+from serve_apps.ingress_http import CreateSessionBody, WarmpathIngress
 from serve_apps.orchestrator.models import CreateSessionRequest, TurnRequest
 from serve_apps.vllm_replica import ServedBy, WarmpathLLMServer
 from warmpath.v1 import agent_pb2, inference_pb2
@@ -271,7 +271,7 @@ def _session_request(path="/v1/sessions/s1/messages") -> Request:
 
 
 ERROR_BODY = {"error": {"message": "no such session", "type": "NotFoundError", "code": "session_not_found"}}
-CREATE_BODY = CreateSessionRequest(model="m", system_prompt="You help.")
+CREATE_BODY = CreateSessionBody(CreateSessionRequest(model="m", system_prompt="You help.").model_dump(mode="json"))
 
 
 @pytest.mark.parametrize(

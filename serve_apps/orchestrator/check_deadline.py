@@ -1,4 +1,4 @@
-"""JSON Schema validation of a tool call, checked under a deadline.
+r"""JSON Schema validation of a tool call, checked under a deadline.
 
 Why: a session's tool schemas come from its client and the arguments from the
 model, which a prompt can steer, and the check runs on the orchestrator's event
@@ -50,7 +50,7 @@ _ECMASCRIPT_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_"}
 
 @functools.lru_cache(maxsize=1024)
 def as_ecmascript(pattern: str) -> str:
-    """`pattern` rewritten so that Python's regex engines match what ECMAScript's matches.
+    r"""`pattern` rewritten so that Python's regex engines match what ECMAScript's matches.
 
     `$` outside a character class becomes `\Z` (the very end only); `\d`, `\w` become their
     ASCII classes and `\D`, `\W` those classes negated (inside a class, `\d` and `\w` only).

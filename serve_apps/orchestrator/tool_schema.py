@@ -24,8 +24,12 @@ Invariants `check_tool_parameters` holds for every accepted schema:
   Schema but fails every turn forced to call a tool (`tool_choice: "required"`
   or a tool name), so it is refused at creation;
 - every `pattern` (and `patternProperties` name) compiles under the `regex`
-  engine the call checks run it with (`check_deadline`): one that only `re`
-  compiles would fail every call of its tool inside the orchestrator; and it
+  engine the call checks run it with (`check_deadline`), in JSON Schema's
+  ECMAScript dialect (named groups `(?<name>...)` too, which Python's `re`
+  refuses: the metaschema's own format check is left to this one); one that
+  only `re` compiles would fail every call of its tool inside the orchestrator;
+  it has no Unicode property class (`\\p{L}`), which the grammar compiler
+  cannot take; and it
   unrolls to at most `MAX_PATTERN_UNROLLED` elements (`[a-z]{1,30000}` is
   30,000): the grammar compiler expands counted repeats, and its time grows
   about with their square (30,000 took 74 s on one core; `maxLength` bounds a
@@ -105,17 +109,27 @@ _GRAMMAR_FAILURE = re.compile(
 SchemaLocation = tuple[str | int, ...]
 
 
+def _checked_as_a_pattern(pattern: object) -> bool:
+    """The metaschema's `format: regex` (on `pattern`s and `patternProperties` names) is left to
+    `_check_pattern`, which compiles in JSON Schema's own ECMAScript dialect with `regex` (named groups
+    `(?<name>...)`, `\\p{L}` classes): the default check compiles with Python's `re`, which refuses both."""
+    return True
+
+
+# The metaschema's format checks, `regex` left to `_check_pattern` (`_checked_as_a_pattern`).
+_METASCHEMA_FORMATS = copy.deepcopy(Draft202012Validator.FORMAT_CHECKER)
+_METASCHEMA_FORMATS.checks("regex")(_checked_as_a_pattern)
+
+
 def check_tool_parameters(value: dict[str, JsonValue]) -> None:
     """Raises ValueError, with a message naming the problem, unless `value` holds the invariants above."""
     # Bounds first: the metaschema check recurses per level and would overflow the stack on deep input.
     _check_bounds(value)
     try:
-        Draft202012Validator.check_schema(value)
+        Draft202012Validator.check_schema(value, format_checker=_METASCHEMA_FORMATS)
     except SchemaError as err:
         where = "/".join(str(p) for p in err.absolute_path) or "<root>"
         raise ValueError(f"not a valid Draft 2020-12 JSON Schema at {where}: {err.message}") from None
-    except RecursionError:  # past the bounds, only a `pattern` recurses (its "regex" format check parses it)
-        raise ValueError("a pattern nests its groups too deeply to be checked (hundreds of nested parentheses)") from None
     if value.get("type") != "object":
         raise ValueError('tool arguments are a JSON object: the schema needs "type": "object"')
     refs: dict[str, str] = {}
@@ -263,6 +277,11 @@ def _check_pattern(pattern: str, where: str) -> None:
         raise ValueError(f"{where}: {pattern!r} is not a regular expression the checks can run: {err}") from None
     except RecursionError:  # the engine parses groups recursively: hundreds nested exhaust the stack
         raise ValueError(f"{where}: {pattern[:80]!r} nests its groups too deeply to be checked") from None
+    if _has_property_class(pattern):
+        raise ValueError(
+            f"{where}: {pattern[:80]!r} uses a Unicode property class (\\p{{...}}), which the grammar of forced "
+            "tool calls (xgrammar) cannot take; spell the characters out in a class ([A-Za-z\\u00C0-\\u024F])"
+        )
     try:
         size = _unrolled_size(re._parser.parse(_as_re_syntax(as_ecmascript(pattern))).data)
     except (re.error, RecursionError, OverflowError):
@@ -275,6 +294,16 @@ def _check_pattern(pattern: str, where: str) -> None:
             "forced tool calls expands counted repeats ({n,m}), which takes minutes at this size; bound a long "
             "string with maxLength instead"
         )
+
+
+def _has_property_class(pattern: str) -> bool:
+    """Whether `pattern` has a `\\p{...}` or `\\P{...}` escape (an escaped backslash before a `p` is none)."""
+    at = 0
+    while (at := pattern.find("\\", at)) >= 0:
+        if pattern[at + 1:at + 2] in ("p", "P") and pattern[at + 2:at + 3] == "{":
+            return True
+        at += 2
+    return False
 
 
 # The numbers of counted repeats (`{n}`, `{n,}`, `{n,m}`), for a pattern `re` cannot parse.

@@ -269,8 +269,8 @@ MAX_PATTERN_UNROLLED = 4096
 
 def _check_pattern(pattern: str, where: str) -> None:
     """A regular expression the call checks can run: they run it with `regex` (`check_deadline`), which
-    refuses some that `re` (the metaschema's check) compiles, such as `[[:foo:]]`; and one the grammar
-    compiler expands to at most `MAX_PATTERN_UNROLLED` elements."""
+    refuses some that `re` compiles, such as `[[:foo:]]`; and one the grammar compiler takes (no
+    `\\p{...}` class) and expands to at most `MAX_PATTERN_UNROLLED` elements."""
     try:
         regex.compile(as_ecmascript(pattern))
     except regex.error as err:
@@ -311,10 +311,9 @@ _COUNTED_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 
 def _as_re_syntax(pattern: str) -> str:
-    """`pattern` in the syntax of Python's `re` where ECMAScript or `regex` write it otherwise, for counting its
-    repeats only: named groups `(?<name>` become `(?P<name>`, and `\\p{...}` classes any character."""
-    pattern = re.sub(r"\(\?<(?![=!])", "(?P<", pattern)
-    return re.sub(r"\\[pP]\{[^}]*\}", ".", pattern)
+    """`pattern` with ECMAScript's named groups `(?<name>` in the syntax of Python's `re`, `(?P<name>`, for
+    counting its repeats."""
+    return re.sub(r"\(\?<(?![=!])", "(?P<", pattern)
 
 
 def _unrolled_size(items) -> int:

@@ -21,6 +21,7 @@ from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.models import Message, ToolCall
 from serve_apps.orchestrator.store import SessionNotFound, SessionRecord, StaleTurn, TranscriptSnapshot
 from serve_apps.orchestrator.turns import ModelReply
+from tests.unit.loop_ticks import with_loop_ticks
 from tests.unit.orchestrator.test_turns import CharTokenizer
 
 CALLER = {"key_id": "key_1", "permissions": ["*"]}
@@ -233,21 +234,8 @@ def test_creating_a_session_does_not_stall_the_turns_of_others():
     orchestrator = _orchestrator()
     orchestrator._tokenizer = orchestrator._session_tokenizer = _SlowTokenizer()
 
-    async def main():
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        created = await orchestrator.create_session({"model": "m", "system_prompt": "x" * 1000}, CALLER)
-        ticker.cancel()
-        return created, ticks
-
-    created, ticks = asyncio.run(main())
+    created, ticks = asyncio.run(with_loop_ticks(
+        orchestrator.create_session({"model": "m", "system_prompt": "x" * 1000}, CALLER)))
     assert created["status"] == 201
     assert ticks >= 20  # the loop ran through the 0.6 s of tokenizing, not after it
 

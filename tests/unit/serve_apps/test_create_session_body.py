@@ -13,6 +13,7 @@ from serve_apps import ingress_http
 from serve_apps.api_errors import validation_error_body
 from serve_apps.ingress_http import CreateSessionBody
 from serve_apps.orchestrator.models import CreateSessionRequest
+from tests.unit.loop_ticks import with_loop_ticks
 
 
 def test_a_valid_body_becomes_the_request_model():
@@ -40,21 +41,8 @@ def test_checking_a_body_leaves_the_event_loop_free(monkeypatch):
 
     monkeypatch.setattr(ingress_http.CreateSessionRequest, "model_validate", slow)
 
-    async def main():
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        await ingress_http._validated_off_loop(CreateSessionBody({"model": "m"}))
-        ticker.cancel()
-        return ticks
-
-    assert asyncio.run(main()) >= 10
+    _, ticks = asyncio.run(with_loop_ticks(ingress_http._validated_off_loop(CreateSessionBody({"model": "m"}))))
+    assert ticks >= 10
 
 
 def test_the_api_documents_the_body_as_the_request_model():

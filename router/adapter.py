@@ -58,7 +58,14 @@ from router.events import DEFAULT_MAX_REPLAY_BATCHES, BufferedBatches, ReplicaEv
 from router.index import PrefixIndex
 from router.inflight import InflightRequests
 from router.policy import PrefixAwarePolicy
-from router.prompt_tokens import EngineRendering, PromptTokenizer, forward_token_ids, is_forwardable, session_of
+from router.prompt_tokens import (
+    EngineRendering,
+    PromptTokenizer,
+    forward_token_ids,
+    is_forwardable,
+    prompt_chars,
+    session_of,
+)
 from router.stream_watch import EventStreamWatch
 from router.types import Decision, ReplicaId, ReplicaLoad, RoutingRequest
 
@@ -70,6 +77,9 @@ from ray.serve._private.request_router.request_router import RequestRouter
 logger = logging.getLogger("ray.serve")
 
 MAX_SESSIONS = 100_000
+# Characters per token past which a prompt cannot fit the engines' window (text runs about four; only long
+# runs of one character come near this), so it is not rendered for routing.
+MAX_CHARS_PER_TOKEN = 16
 # The replica methods whose requests prefill a prompt (LLMServer.chat, .completions).
 PREFIX_ROUTED_METHODS = frozenset({"chat", "completions"})
 MAX_DECISIONS = 4096
@@ -97,6 +107,9 @@ class RouterArgs(BaseModel):
     model_id: str = Field(description="Model name; roots the block hash chains.")
     model_source: str = Field(description="Folder or hub id whose tokenizer and chat template the engines use.")
     block_size_tokens: int = Field(description="The engines' KV block size.", ge=1)
+    max_model_len_tokens: Optional[int] = Field(
+        None, ge=1, description="The engines' context window: a prompt far longer is routed by load, untokenized."
+    )
 
 
 class _BoundedSessions(OrderedDict):
@@ -545,6 +558,11 @@ class PrefixKVRouter(RequestRouter):
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         if pending_request is not None and pending_request.metadata.call_method not in PREFIX_ROUTED_METHODS:
             request = None  # /tokenize and the like prefill nothing: no prefix to match, no placement to record
+        window = self.args.max_model_len_tokens
+        if request is not None and window is not None and prompt_chars(request) > window * MAX_CHARS_PER_TOKEN:
+            # The engine refuses it (over the window), and rendering megabytes would hold up every other
+            # request this router places for seconds.
+            request = None
         rendering = _advertised_rendering(candidate_replicas)
         token_ids = self.tokenizer.token_ids(request, rendering) if request is not None else None
         loads = self._loads(candidate_replicas)

@@ -422,6 +422,24 @@ class PromptTokenizer:
         return token_ids or None
 
 
+def prompt_chars(request: Any) -> int:
+    """Characters of a request's message texts (chat) or text prompt (completions): a lower bound on the
+    rendered prompt, read without rendering it (token ids need no rendering: 0)."""
+    messages = getattr(request, "messages", None)
+    if messages is None:
+        prompt = getattr(request, "prompt", None)
+        return len(prompt) if isinstance(prompt, str) else 0
+    total = 0
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text") or "") for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return total
+
+
 def _single_prompt(prompt: Any) -> Any:
     """A completion request's prompt, unwrapped from a batch of one."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

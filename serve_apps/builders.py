@@ -56,6 +56,7 @@ def request_router_config(cfg: ClusterConfig) -> dict[str, Any] | None:
             "model_id": cfg.model.model_id,
             "model_source": cfg.model_source(),
             "block_size_tokens": cfg.replicas.block_size_tokens,
+            "max_model_len_tokens": cfg.model.max_model_len_tokens,
         }
     return {
         "request_router_class": router_class,

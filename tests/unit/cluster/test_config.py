@@ -212,3 +212,12 @@ def test_a_cpu_replica_bundle_takes_its_custom_ray_resources_beside_its_cpus():
     plain = load_config(environ={})
     assert llm_config(plain).placement_group_config == {"bundles": [{"CPU": 1.0}]}
 
+
+
+def test_the_prefix_aware_router_gets_arguments_it_accepts_with_the_engines_window():
+    from router.adapter import RouterArgs
+    from serve_apps.builders import request_router_config
+
+    cfg = load_config(environ={}, overrides={"model": {"max_model_len_tokens": 4096}})
+    args = RouterArgs.model_validate(request_router_config(cfg)["request_router_kwargs"])
+    assert args.max_model_len_tokens == 4096 and args.block_size_tokens == cfg.replicas.block_size_tokens

@@ -248,3 +248,20 @@ def test_a_request_serve_sent_elsewhere_moves_its_placement_there(new_router):
     hashes = hash_request_blocks(list(range(64)), BS, root_hash("m", None))
     held = router.index.longest_prefix(hashes, time.monotonic())
     assert chosen not in held and held.get(other) == 16, held
+
+
+@pytest.mark.parametrize(("num_chars", "is_rendered"), [(100, True), (200, False)])
+def test_a_prompt_far_past_the_window_is_routed_by_load_without_rendering_it(new_router, num_chars, is_rendered):
+    """Past 16 characters a token of an 8-token window the engine refuses it anyway, and rendering megabytes
+    would hold up every request the router places meanwhile."""
+    async def route() -> None:
+        router = new_router()
+        router.args = router.args.model_copy(update={"max_model_len_tokens": 8})
+        recorder = with_stand_in_tokenizer(router)
+        replica = StandInReplica("R1", EngineRendering({}, renders_like_router=True).routing_stats())
+        router.update_replicas([replica])
+        await router.choose_replicas([replica], pending(chat("x" * num_chars), "chat"))
+        assert bool(recorder.template_calls) is is_rendered
+        assert bool(router._decisions) is is_rendered
+
+    asyncio.run(route())

@@ -294,8 +294,8 @@ class WarmpathLLMServer(LLMServer):
         try:
             yield ServedBy(self._replica_id)
             async for item in stream:
-                failures = engine_failures(item)
-                for status, message in failures if span.is_recording() else ():  # answered in the stream, as Ray Serve LLM reports them
+                failures = engine_failures(item)  # answered in the stream, as Ray Serve LLM reports them
+                for status, message in failures if span.is_recording() else ():
                     telemetry.record_failure_status(span, str(status or 500), status or 500, message)
                 if is_first and not failures:
                     ttft_s = time.monotonic() - start

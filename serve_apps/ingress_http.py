@@ -100,6 +100,13 @@ def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optio
     return headers, logged
 
 
+def _refused_by(err: Exception, served_by: Optional[ServedBy]) -> Exception:
+    """`err`, an engine's refusal, naming the replica that refused it (its response's `x-warmpath-replica`)."""
+    if served_by is not None:
+        err.replica_id = served_by.replica_id
+    return err
+
+
 def _withdraw_placement() -> None:
     """A call that failed before its response started: the router's placement for it is withdrawn.
 
@@ -653,6 +660,8 @@ class WarmpathIngress(OpenAiIngress):
             span.record_exception(err)
             # Answered here, in the API's one error shape, not by Ray's middleware (`serve_apps.api_errors`).
             response = exception_response(err, raw_request)
+            if (refusing_replica := getattr(err, "replica_id", None)) is not None:
+                response.headers[REPLICA_HEADER] = refusing_replica
         finally:
             otel_context.detach(token)
         return _finish_span(span, response)
@@ -676,10 +685,10 @@ class WarmpathIngress(OpenAiIngress):
                 first, gen = await _peek_at_generator(gen)
             first_chunk = first[0] if isinstance(first, list) else first
             if isinstance(first_chunk, ErrorResponse):
-                raise refusal(first_chunk.error.model_dump())
+                raise _refused_by(refusal(first_chunk.error.model_dump()), served_by)
             leading_error = stream_leading_error(first_chunk)
             if leading_error is not None:  # refused before any token: a status, not a 200 with an error frame
-                raise refusal(leading_error)
+                raise _refused_by(refusal(leading_error), served_by)
             headers, logged = _route_headers(served_by)
             if span.is_recording():
                 _annotate(span, headers)

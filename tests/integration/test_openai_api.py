@@ -93,9 +93,23 @@ def test_streamed_chat_completion_ends_with_usage_when_asked(openai_client, clus
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def _wait_until_the_router_predicts(cluster, timeout_s: float = 90.0) -> None:
+    """Until the ingress's router has its tokenizer and counts predictions (it routes by load before)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while cluster.client.get("/v1/router", timeout=30).json()["stats"].get("num_predictions", 0) == 0:
+        assert time.monotonic() < deadline, "the router made no prediction"
+        cluster.client.post("/v1/chat/completions", json={
+            "model": cluster.model_id, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}, timeout=120)
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 def test_a_stream_that_did_not_ask_for_usage_has_a_choice_in_every_chunk(openai_client, cluster, kind):
     """As OpenAI's: `chunk.choices[0]` holds for every chunk; the router still counts the call."""
+    if cluster.cfg.router.policy == "warmpath":
+        _wait_until_the_router_predicts(cluster)
     before = cluster.client.get("/v1/router", timeout=30).json()["stats"].get("num_predictions", 0)
     if kind == "chat":
         stream = openai_client.chat.completions.create(
@@ -218,6 +232,7 @@ def test_prompt_longer_than_the_context_window_is_400_naming_both_lengths(cluste
         timeout=120,
     )
     assert resp.status_code == 400, resp.text
+    assert resp.headers["x-warmpath-replica"]  # the replica that refused it
     message = resp.json()["error"]["message"]
     assert not message.startswith("Message: "), message
     assert str(window) in message

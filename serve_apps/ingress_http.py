@@ -72,7 +72,7 @@ from serve_apps.request_checks import (
     tokenize_request_problem,
 )
 from serve_apps.orchestrator.models import TURN_ERROR_STATUS, TURN_INTERRUPTED, CreateSessionRequest, ToolResultsSubmission, TurnRequest
-from serve_apps.sse_frames import data_objects, sse_lines, stream_leading_error
+from serve_apps.sse_frames import data_objects, frame_errors, sse_lines, stream_leading_error
 from serve_apps.vllm_replica import ServedBy
 
 logger = logging.getLogger("ray.serve")
@@ -298,11 +298,9 @@ def _record_error_frame(span, frame: str) -> None:
     """Each engine error in `frame` on the call's span, with the status the engine gave it (500 without one)."""
     if span is None:
         return
-    for _, chunk in data_objects(frame.split("\n")):
-        error = chunk.get("error")
-        if isinstance(error, dict):
-            status, message = engine_error(error)
-            telemetry.record_failure_status(span, str(status or 500), status or 500, message)
+    for error in frame_errors(frame):
+        status, message = engine_error(error)
+        telemetry.record_failure_status(span, str(status or 500), status or 500, message)
 
 
 def readable_error_frame(frame: str) -> str:

@@ -51,6 +51,14 @@ def sse_payloads(frame: str) -> list[dict]:
     return [payload for _, payload in data_objects(sse_lines(str(frame)), is_strict=True)]
 
 
+def frame_errors(frame: str) -> list[dict]:
+    """The `error` object of each data chunk in one frame of streamed output (an engine's failure mid-stream)."""
+    if '"error"' not in frame:
+        return []
+    errors = (payload.get("error") for _, payload in data_objects(sse_lines(frame)))
+    return [error for error in errors if isinstance(error, dict)]
+
+
 def stream_leading_error(chunk: object) -> dict | None:
     """The `error` of a stream whose first data chunk is an error (vLLM refused it after the stream began)."""
     if not isinstance(chunk, str) or '"error"' not in chunk:

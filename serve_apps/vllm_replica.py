@@ -46,7 +46,7 @@ from ray import serve
 from router.prompt_tokens import FORWARDED_IDS_KEY, EngineRendering
 from serve_apps.api_errors import engine_error
 from serve_apps.metrics import WarmpathMetrics
-from serve_apps.sse_frames import data_objects, sse_lines
+from serve_apps.sse_frames import frame_errors
 from serve_apps.stream_batches import eager_first_batches
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.llm import LLMConfig
@@ -108,9 +108,8 @@ def engine_failures(item: Any) -> list[tuple[Optional[int], str]]:
         error = getattr(output, "error", None)
         if error is not None and hasattr(error, "model_dump"):
             failures.append(engine_error(error.model_dump()))
-        elif isinstance(output, str) and '"error"' in output:
-            failures.extend(engine_error(chunk["error"]) for _, chunk in data_objects(sse_lines(output))
-                            if isinstance(chunk.get("error"), dict))
+        elif isinstance(output, str):
+            failures.extend(map(engine_error, frame_errors(output)))
     return failures
 
 

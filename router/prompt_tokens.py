@@ -431,7 +431,7 @@ def prompt_chars(request: Any) -> int:
         return len(prompt) if isinstance(prompt, str) else 0
     total = 0
     for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+        content = _field(message, "content")
         if isinstance(content, str):
             total += len(content)
         elif isinstance(content, list):
@@ -492,13 +492,15 @@ def is_forwardable(request: Any, rendering: Optional[EngineRendering]) -> bool:
     return all(_is_plain_text(message) and _calls_are_functions(message) for message in request.messages)
 
 
+def _field(message: Any, name: str) -> Any:
+    """A field of a chat message as a request carries it: a dict, or a pydantic message."""
+    return message.get(name) if isinstance(message, dict) else getattr(message, name, None)
+
+
 def _is_plain_text(message: Any) -> bool:
     """Whether a message's content is text (or none) and its role one every template knows as written."""
-    if isinstance(message, dict):
-        content, role = message.get("content"), message.get("role")
-    else:
-        content, role = getattr(message, "content", None), getattr(message, "role", None)
-    return (content is None or isinstance(content, str)) and role != "developer"
+    content = _field(message, "content")
+    return (content is None or isinstance(content, str)) and _field(message, "role") != "developer"
 
 
 def _calls_are_functions(message: Any) -> bool:
@@ -507,7 +509,7 @@ def _calls_are_functions(message: Any) -> bool:
     vLLM checks them while it renders (another `type`, or no `function` object, is a 400);
     forwarded ids skip that rendering, so such a request is not forwarded and vLLM refuses it.
     """
-    calls = message.get("tool_calls") if isinstance(message, dict) else getattr(message, "tool_calls", None)
+    calls = _field(message, "tool_calls")
     if not calls:
         return True
     if not isinstance(calls, list):

@@ -84,6 +84,15 @@ def extract(carrier: Optional[Mapping[str, str]]) -> context.Context:
     return propagate.extract(lowered)
 
 
+# GenAI's operation names for Ray Serve LLM's call methods (`completions` is `text_completion` there).
+_GEN_AI_OPERATIONS = {"completions": "text_completion"}
+
+
+def gen_ai_operation(call_method: str) -> str:
+    """`gen_ai.operation.name` of a model call made through Ray Serve LLM's `call_method` (chat, completions)."""
+    return _GEN_AI_OPERATIONS.get(call_method, call_method)
+
+
 def annotate_usage(span: Optional[trace.Span], usage: Optional[Mapping]) -> None:
     """Token counts on a model call's span, from the response's OpenAI `usage` as JSON (a stream's last usage)."""
     if span is None or not usage or not span.is_recording():

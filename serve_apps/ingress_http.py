@@ -213,8 +213,6 @@ async def _usage_recorded(
 FINISH_MARK = '"finish_reason":"'
 
 
-# GenAI's operation names for Ray Serve LLM's call methods (`completions` is `text_completion` there).
-GEN_AI_OPERATIONS = {"chat": "chat", "completions": "text_completion"}
 # Longest model name kept on a span: a client's string, however long it sent it.
 MAX_SPAN_MODEL_CHARS = 256
 
@@ -222,7 +220,7 @@ MAX_SPAN_MODEL_CHARS = 256
 def _llm_span_attributes(call_method: str, model: str, raw_request: Optional[Request]) -> dict[str, Any]:
     """A chat or completion call's server span attributes: GenAI's, and HTTP's as the session routes have them."""
     attributes: dict[str, Any] = {
-        "gen_ai.operation.name": GEN_AI_OPERATIONS.get(call_method, call_method),
+        "gen_ai.operation.name": telemetry.gen_ai_operation(call_method),
         "gen_ai.request.model": model[:MAX_SPAN_MODEL_CHARS], "gen_ai.system": "vllm", "gen_ai.provider.name": "vllm",
     }
     if raw_request is not None:

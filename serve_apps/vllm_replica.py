@@ -313,7 +313,7 @@ class WarmpathLLMServer(LLMServer):
         headers = raw_request_info.headers if raw_request_info is not None else None
         span = telemetry.tracer().start_span(
             f"vllm.{operation}", context=telemetry.extract(headers), kind=trace.SpanKind.SERVER,
-            attributes={"gen_ai.operation.name": "text_completion" if operation == "completions" else operation,
+            attributes={"gen_ai.operation.name": telemetry.gen_ai_operation(operation),
                         "gen_ai.request.model": str(request.model),
                         "warmpath.replica": self._replica_id},
         )

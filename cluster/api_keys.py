@@ -166,6 +166,10 @@ class ApiKeyRecord(BaseModel):
     expires_at_s: Optional[float] = Field(
         None, description="Unix time the key stops working; None: never.", allow_inf_nan=False
     )
+    max_sessions: Optional[int] = Field(
+        None, description="Live sessions the key may hold at once; None: the cluster's access.max_sessions_per_key.",
+        ge=1,
+    )
 
     @model_validator(mode="after")
     def _check_refill_time(self) -> "ApiKeyRecord":
@@ -289,7 +293,7 @@ class ApiKeyStore:
 
     async def create(
         self, name: str, permissions: list[str], requests_per_s: float, burst: int, key: str | None = None,
-        expires_in_s: float | None = None,
+        expires_in_s: float | None = None, max_sessions: int | None = None,
     ) -> tuple[str, ApiKeyRecord]:
         """Stores a new key (or registers `key`, e.g. one kept in a local state file); returns it and its record.
 
@@ -307,7 +311,7 @@ class ApiKeyStore:
             record = ApiKeyRecord(
                 key_id=key_id_of(key_hash), name=name, permissions=tuple(permissions),
                 requests_per_s=requests_per_s, burst=burst, created_at_s=now_s,
-                expires_at_s=None if expires_in_s is None else now_s + expires_in_s,
+                expires_at_s=None if expires_in_s is None else now_s + expires_in_s, max_sessions=max_sessions,
             )
             await self._write(key_hash, record)
         except WatchError:  # the only key watched is the revocation marker: it was set meanwhile
@@ -334,7 +338,9 @@ class ApiKeyStore:
             if await pipe.exists(marker):
                 raise KeyRevoked(f"API key {record.key_id} was revoked")
             pipe.multi()
-            pipe.hset(entries[0], "record", record.model_dump_json())
+            # Without a field left unset (`max_sessions`), an older build still reads the records of keys
+            # that do not use it.
+            pipe.hset(entries[0], "record", record.model_dump_json(exclude_none=True))
             pipe.set(entries[1], key_hash)
             if record.expires_at_s is not None:
                 for entry in entries:

@@ -246,7 +246,8 @@ def _with_key_store(url: str, work):
 
 
 def _key_problems(
-    name: str, permissions: list[str], requests_per_s: float, burst: int, expires_in_days: Optional[float]
+    name: str, permissions: list[str], requests_per_s: float, burst: int, expires_in_days: Optional[float],
+    max_sessions: Optional[int] = None,
 ) -> list[str]:
     """What is wrong with `keys create`'s flags, one item per flag (the record model would refuse the same)."""
     from cluster.api_keys import MAX_KEY_LIFETIME_DAYS, MAX_KEY_NAME_LENGTH, MAX_REFILL_S
@@ -275,6 +276,8 @@ def _key_problems(
             problems.append(f"--expires-in-days must be at least 1 minute ({min_days:.6f} days), got {expires_in_days}")
         elif expires_in_days > MAX_KEY_LIFETIME_DAYS:
             problems.append(f"--expires-in-days must be at most {MAX_KEY_LIFETIME_DAYS} (100 years), got {expires_in_days}")
+    if max_sessions is not None and max_sessions < 1:
+        problems.append(f"--max-sessions must be at least 1, got {max_sessions}")
     return problems
 
 
@@ -285,6 +288,9 @@ def keys_create(
     requests_per_s: Optional[float] = typer.Option(None, help="Sustained rate (default: access.default_requests_per_s)."),
     burst: Optional[int] = typer.Option(None, help="Bucket size (default: access.default_burst)."),
     expires_in_days: Optional[float] = typer.Option(None, help="The key stops working this many days from now (default: never)."),
+    max_sessions: Optional[int] = typer.Option(
+        None, help="Live sessions the key may hold at once (default: access.max_sessions_per_key; none for '*')."
+    ),
     config: Optional[Path] = ConfigOpt,
     redis_url: Optional[str] = typer.Option(None, help="Key store (default: the config's or the local cluster's)."),
     state_dir: Optional[str] = StateDirOpt,
@@ -293,12 +299,12 @@ def keys_create(
     cfg = _load(config)
     rate = requests_per_s if requests_per_s is not None else cfg.access.default_requests_per_s
     size = burst if burst is not None else cfg.access.default_burst
-    if problems := _key_problems(name, permission, rate, size, expires_in_days):
+    if problems := _key_problems(name, permission, rate, size, expires_in_days, max_sessions):
         _refuse("; ".join(problems))
     expires_in_s = None if expires_in_days is None else expires_in_days * 86400
     key, record = _with_key_store(
         _keys_redis_url(config, redis_url, state_dir),
-        lambda store: store.create(name, permission, rate, size, expires_in_s=expires_in_s),
+        lambda store: store.create(name, permission, rate, size, expires_in_s=expires_in_s, max_sessions=max_sessions),
     )
     typer.echo(json.dumps({"api_key": key, **record.model_dump(mode="json")}))
 

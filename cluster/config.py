@@ -294,6 +294,12 @@ class AccessConfig(_Strict):
         4 * 1024 * 1024, description="Largest HTTP request body or gRPC message accepted (413 beyond).", ge=1024,
         le=MAX_GRPC_MESSAGE_BYTES,
     )
+    max_sessions_per_key: int | None = Field(
+        1000,
+        description="Live sessions one API key may hold at once (429 `session_quota_exceeded` beyond), unless the "
+        "key was created with its own `--max-sessions`; null: no limit. Keys holding '*' have none.",
+        ge=1,
+    )
 
 
 # Never a tool: link-local addresses (cloud metadata services answer there) and the other metadata endpoints.

@@ -49,13 +49,21 @@ PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-red
 
 @dataclass(frozen=True)
 class Caller:
-    """Who is calling: the key's public id and its permissions ('*' holds all)."""
+    """Who is calling: the key's public id, its permissions ('*' holds all) and its own session limit."""
 
     key_id: str
     permissions: tuple[str, ...]
+    max_sessions: Optional[int] = None  # None: the cluster's `access.max_sessions_per_key`
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key_id": self.key_id, "permissions": list(self.permissions)}
+        return {"key_id": self.key_id, "permissions": list(self.permissions), "max_sessions": self.max_sessions}
+
+    @classmethod
+    def from_dict(cls, caller: dict[str, Any]) -> "Caller":
+        """The caller `to_dict` wrote (as it crosses to the orchestrator)."""
+        return cls(
+            key_id=caller["key_id"], permissions=tuple(caller["permissions"]), max_sessions=caller.get("max_sessions")
+        )
 
 
 ANONYMOUS = Caller(key_id=ANONYMOUS_KEY_ID, permissions=(ALL_PERMISSIONS,))
@@ -191,7 +199,8 @@ class AccessGuard:
                 f"({outcome.record.requests_per_s:g} requests/s, burst {outcome.record.burst})",
                 outcome.retry_after_s,
             )
-        return Caller(key_id=outcome.record.key_id, permissions=outcome.record.permissions)
+        record = outcome.record
+        return Caller(key_id=record.key_id, permissions=record.permissions, max_sessions=record.max_sessions)
 
 
 class AccessMiddleware:

@@ -341,8 +341,10 @@ async def _validated_off_loop(body: CreateSessionBody) -> CreateSessionRequest:
 INTERNAL_ERROR = error_body(500, "internal error in the session service; see the server logs", code="internal")
 IDEMPOTENCY_HEADER = "idempotency-key"
 REPLAY_HEADER = "x-warmpath-idempotent-replay"
-# OpenAI's clients read it before retrying a 5xx by themselves.
+# OpenAI's clients read it before retrying a 408, 409, 429 or 5xx by themselves.
 NO_CLIENT_RETRY_HEADER = "x-should-retry"
+# Refusals a prompt retry cannot change: a key at its session quota stays there until a session goes.
+NO_CLIENT_RETRY_CODES = frozenset({"session_quota_exceeded"})
 
 
 def _caller(request: Request) -> Caller:
@@ -359,7 +361,10 @@ def _unary(result: Dict[str, Any]) -> Response:
         return Response(status_code=204)
     body = result["body"]
     error = body.get("error") if isinstance(body, dict) else None
-    headers = store_retry_headers(error.get("code")) if isinstance(error, dict) else {}
+    code = error.get("code") if isinstance(error, dict) else None
+    headers = store_retry_headers(code)
+    if code in NO_CLIENT_RETRY_CODES:
+        headers[NO_CLIENT_RETRY_HEADER] = "false"
     return JSONResponse(body, status_code=result["status"], headers=headers)
 
 
@@ -719,7 +724,8 @@ class WarmpathIngress(OpenAiIngress):
     async def create_session(self, body: CreateSessionBody, request: Request) -> Response:
         """Create an agent session (system prompt, tools, limits); returns its id and prefix fingerprint.
 
-        The session belongs to the calling API key; a tool needing a permission the key lacks is refused (403).
+        The session belongs to the calling API key; a tool needing a permission the key lacks is refused (403),
+        and so is a session beyond the key's quota of live sessions (429 `session_quota_exceeded`).
         """
         body = await _validated_off_loop(body)
 

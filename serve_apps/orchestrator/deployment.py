@@ -61,6 +61,7 @@ from serve_apps.orchestrator.prompt import (
     smallest_prompt_tokens,
     token_ids_fingerprint,
 )
+from serve_apps.orchestrator.owner_sessions import SessionQuotaExceeded, session_quota
 from serve_apps.orchestrator.store import (
     RememberedTurn,
     SessionBusy,
@@ -100,10 +101,6 @@ def _invalid(err: ValidationError) -> dict[str, Any]:
     """The 422 of a body that fails its model, naming the field at fault."""
     message, param = validation_problem(err.errors())
     return _error(422, message, "invalid_request", param)
-
-
-def _caller(caller: dict[str, Any]) -> Caller:
-    return Caller(key_id=caller["key_id"], permissions=tuple(caller["permissions"]))
 
 
 def _missing_permission(caller: Caller, tools, http_tools_permission: str | None) -> dict[str, Any] | None:
@@ -324,6 +321,7 @@ class Orchestrator:
             raise ValueError("the orchestrator needs redis_url in the cluster config or REDIS_URL in its environment")
         self._model_id = cfg.model.model_id
         self._max_model_len_tokens = cfg.model.max_model_len_tokens
+        self._max_sessions_per_key = cfg.access.max_sessions_per_key
         self._store = SessionStore.from_url(redis_url, ttl_s=cfg.session_ttl_s)
         self._tokenizer = AutoTokenizer.from_pretrained(cfg.model_source())
         self._session_tokenizer = copy.deepcopy(self._tokenizer)  # `_SESSION_CHECKS`'s own
@@ -347,13 +345,17 @@ class Orchestrator:
         return record
 
     async def create_session(self, body: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
-        who = _caller(caller)
+        who = Caller.from_dict(caller)
         checked = await asyncio.get_running_loop().run_in_executor(_SESSION_CHECKS, self._checked_session, body, who)
         if isinstance(checked, dict):
             return checked
         request, fingerprint = checked
         try:
-            record = await self._store.create(request, who.key_id, fingerprint)
+            record = await self._store.create(
+                request, who.key_id, fingerprint, session_quota(who, self._max_sessions_per_key)
+            )
+        except SessionQuotaExceeded as err:
+            return _error(429, str(err), "session_quota_exceeded")
         except StoreUnavailable as err:
             return _error(503, f"session store unavailable: {err}", "store_unavailable")
         response = CreateSessionResponse(session_id=record.session_id, prefix_fingerprint=fingerprint)
@@ -391,7 +393,7 @@ class Orchestrator:
 
     async def get_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
         try:
-            record = await self._owned_record(session_id, _caller(caller))
+            record = await self._owned_record(session_id, Caller.from_dict(caller))
             snapshot = await self._store.transcript(session_id)
             steps = await self._store.step_stats(session_id)
         except SessionNotFound:
@@ -437,8 +439,8 @@ class Orchestrator:
 
     async def delete_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
         try:
-            await self._owned_record(session_id, _caller(caller))
-            existed = await self._store.delete(session_id)
+            record = await self._owned_record(session_id, Caller.from_dict(caller))
+            existed = await self._store.delete(session_id, record.owner_key_id)
         except SessionNotFound:
             return _not_found(session_id)
         except StoreUnavailable as err:
@@ -470,7 +472,7 @@ class Orchestrator:
             yield _invalid(err)
             return
         async for item in self._traced_turn(
-            session_id, trace_carrier, turn.tool_choice, _caller(caller), idempotency_key,
+            session_id, trace_carrier, turn.tool_choice, Caller.from_dict(caller), idempotency_key,
             request_sha256=request_fingerprint("messages", turn), user_content=turn.content,
         ):
             yield item
@@ -494,7 +496,7 @@ class Orchestrator:
             yield _invalid(err)
             return
         async for item in self._traced_turn(
-            session_id, trace_carrier, "auto", _caller(caller), idempotency_key,
+            session_id, trace_carrier, "auto", Caller.from_dict(caller), idempotency_key,
             request_sha256=request_fingerprint("tool_results", submission), results=submission,
         ):
             yield item

@@ -61,6 +61,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cluster.redis_errors import redis_refusal, retry_on_dead_connection
 from serve_apps.orchestrator.models import CreateSessionRequest, Message, PrefixFingerprint, SessionId, StepStats
+from serve_apps.orchestrator.owner_sessions import OwnerSessions, SessionQuota
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -323,6 +324,9 @@ class SessionStore:
         self._acquire = client.register_script(_ACQUIRE_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
         self._renew = client.register_script(_RENEW_SCRIPT)
+        self._owners = OwnerSessions(
+            client, lambda session_id: self._key(session_id, "meta"), ttl_ms=self._ttl_ms, key_prefix=key_prefix
+        )
 
     @classmethod
     def from_url(cls, url: str, **kwargs: float | int | str) -> "SessionStore":
@@ -352,9 +356,17 @@ class SessionStore:
         }
 
     async def create(
-        self, request: CreateSessionRequest, owner_key_id: str, prefix_fingerprint: PrefixFingerprint
+        self,
+        request: CreateSessionRequest,
+        owner_key_id: str,
+        prefix_fingerprint: PrefixFingerprint,
+        quota: SessionQuota | None = None,
     ) -> SessionRecord:
-        """Stores a new session with an empty transcript."""
+        """Stores a new session with an empty transcript.
+
+        With a `quota` the session counts among its key's live sessions (`owner_sessions`),
+        and SessionQuotaExceeded is raised, nothing written, when the key is at its limit.
+        """
         record = SessionRecord(
             session_id=SessionId(secrets.token_urlsafe(24)),
             owner_key_id=owner_key_id,
@@ -370,8 +382,16 @@ class SessionStore:
                 pipe.pexpire(meta, self._ttl_ms)
                 await pipe.execute()
 
-        with _redis_errors(record.session_id):
-            await self._idempotent(write)
+        if quota is not None:
+            with _redis_errors(record.session_id):
+                await self._idempotent(lambda: self._owners.reserve(owner_key_id, quota, record.session_id))
+        try:
+            with _redis_errors(record.session_id):
+                await self._idempotent(write)
+        except BaseException:
+            if quota is not None:  # shielded: a cancelled create must not leave its place taken
+                await asyncio.shield(self._uncount(owner_key_id, record.session_id))
+            raise
         return record
 
     async def get(self, session_id: str) -> SessionRecord:
@@ -382,11 +402,12 @@ class SessionStore:
             raise SessionNotFound(session_id)
         return SessionRecord.model_validate_json(raw)
 
-    async def delete(self, session_id: str) -> bool:
+    async def delete(self, session_id: str, owner_key_id: str | None = None) -> bool:
         """Deletes every key of the session at once, also on a full Redis; True if it existed.
 
         A try retried after a dead connection counts as having deleted it: the first try may have
-        run with its reply lost, leaving the retry nothing to delete.
+        run with its reply lost, leaving the retry nothing to delete. With `owner_key_id`, the
+        session stops counting among that key's live sessions.
         """
         keys = [*self._keys(session_id), self._key(session_id, "lock")]
         num_tries = 0
@@ -397,7 +418,19 @@ class SessionStore:
             return await self._delete(keys=keys)
 
         with _redis_errors(session_id):
-            return bool(await self._idempotent(delete_keys)) or num_tries > 1
+            existed = bool(await self._idempotent(delete_keys)) or num_tries > 1
+        if owner_key_id is not None:
+            await self._uncount(owner_key_id, session_id)
+        return existed
+
+    async def _uncount(self, owner_key_id: str, session_id: str) -> None:
+        """Drops the session from its key's count; an outage only logs (the key's creations drop it once its
+        recorded expiry passes and its record is found gone)."""
+        try:
+            with _redis_errors(session_id):
+                await self._idempotent(lambda: self._owners.release(owner_key_id, session_id))
+        except StoreUnavailable as err:
+            logger.warning("could not uncount session %s of key %s: %s", session_id, owner_key_id, err)
 
     async def transcript(self, session_id: str) -> TranscriptSnapshot:
         """The stored transcript and its logical length, read atomically (also on a full Redis)."""

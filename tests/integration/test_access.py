@@ -24,8 +24,11 @@ pytestmark = pytest.mark.integration
 LOOKUP_SCHEMA = LOOKUP_TOOL["function"]["parameters"]
 
 
-def _make_key(cluster, permissions, requests_per_s=100.0, burst=100, name="test"):
-    return run_with_store(cluster.redis_url, lambda store: store.create(name, permissions, requests_per_s, burst))
+def _make_key(cluster, permissions, requests_per_s=100.0, burst=100, name="test", max_sessions=None):
+    return run_with_store(
+        cluster.redis_url,
+        lambda store: store.create(name, permissions, requests_per_s, burst, max_sessions=max_sessions),
+    )
 
 
 def _revoke(cluster, key_id):
@@ -156,6 +159,34 @@ def test_rate_limit_answers_429_with_retry_after(cluster):
         limited = statuses[-1]
         assert limited.json()["error"]["code"] == "rate_limited"
         assert 1 <= int(limited.headers["retry-after"]) <= 5
+    finally:
+        _revoke(cluster, record.key_id)
+
+
+def test_a_key_at_its_session_quota_gets_429_over_http_and_grpc_until_it_deletes_one(cluster):
+    key, record = _make_key(cluster, [], max_sessions=2)
+    app = ("application", grpc_app_name(cluster.cfg))
+    body = {"model": cluster.model_id, "system_prompt": "quota"}
+    try:
+        with cluster.http(api_key=key) as client:
+            sids = [client.post("/v1/sessions", json=body).json()["session_id"] for _ in range(2)]
+            refused = client.post("/v1/sessions", json=body)
+            assert refused.status_code == 429, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "session_quota_exceeded" and f"API key {record.key_id} holds 2" in error["message"]
+            # OpenAI's clients would retry a 429 twice by themselves; a full quota does not clear in seconds.
+            assert refused.headers["x-should-retry"] == "false" and "retry-after" not in refused.headers
+            with grpc.insecure_channel(f"127.0.0.1:{cluster.cfg.ports.grpc_port}") as channel:
+                agent = agent_pb2_grpc.AgentStub(channel)
+                with pytest.raises(grpc.RpcError) as err:
+                    agent.CreateSession(agent_pb2.CreateSessionRequest(model=cluster.model_id),
+                                        metadata=[app, ("x-api-key", key)], timeout=60)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "live sessions" in err.value.details()
+            # The admin key holds '*': no quota, and another key's full quota is not its concern.
+            assert cluster.client.post("/v1/sessions", json=body).status_code == 201
+            assert client.delete(f"/v1/sessions/{sids[0]}").status_code == 204
+            assert client.post("/v1/sessions", json=body).status_code == 201
     finally:
         _revoke(cluster, record.key_id)
 

@@ -124,6 +124,7 @@ def test_records_refuse_non_finite_and_non_positive_values(field, value):
     (["-p", ""], "--permission must be non-empty and contain no whitespace, got ''"),
     (["-p", "orders:read", "-p", "a b"], "--permission must be non-empty and contain no whitespace, got 'a b'"),
     (["-p", " "], "got ' '"),
+    (["--max-sessions", "0"], "--max-sessions must be at least 1, got 0"),
 ])
 def test_keys_create_refuses_bad_flags_on_one_line_before_touching_the_store(flags, message):
     result = CliRunner().invoke(app, ["keys", "create", "--name", "x", *flags, "--redis-url", UNREACHABLE_REDIS])
@@ -315,6 +316,22 @@ def test_a_revoked_key_stays_refused_and_cannot_be_registered_again(redis_url):
 
     outcome, looked_up, is_revoked_again = run_with_store(redis_url, work)
     assert outcome.record is None and not outcome.is_allowed and looked_up is None and not is_revoked_again
+
+
+def test_a_keys_own_session_limit_reaches_its_callers_and_an_unset_one_is_not_stored(redis_url):
+    """An unset limit stays out of the stored record, so a build from before it existed still reads the key."""
+
+    async def work(store):
+        limited_key, limited = await store.create("limited", [], 10.0, 10, max_sessions=5)
+        plain_key, plain = await store.create("plain", [], 10.0, 10)
+        return (await store.authorize(limited_key)).record, (await store.authorize(plain_key)).record, plain
+
+    limited, plain, plain_created = run_with_store(redis_url, work)
+    assert limited.max_sessions == 5 and plain.max_sessions is None
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        key_hash = client.get("warmpath:apikey-id:" + plain_created.key_id)
+        stored = json.loads(client.hget("warmpath:apikey:" + key_hash, "record"))
+    assert "max_sessions" not in stored and "expires_at_s" not in stored
 
 
 def test_a_key_can_be_revoked_on_a_redis_too_full_to_take_writes(redis_url):

@@ -55,6 +55,13 @@ def test_a_request_size_grpc_cannot_take_is_refused():
     assert _load(access={"max_request_bytes": 2**31 - 1}).access.max_request_bytes == 2**31 - 1
 
 
+def test_the_session_quota_per_key_is_at_least_one_or_none():
+    assert _load().access.max_sessions_per_key == 1000
+    assert _load(access={"max_sessions_per_key": None}).access.max_sessions_per_key is None
+    with pytest.raises(ConfigError, match="access.max_sessions_per_key"):
+        _load(access={"max_sessions_per_key": 0})
+
+
 @pytest.mark.parametrize("environ", [{"WARMPATH_TELEMETRY__OTLP_ENDPOINT": ""}, {"OTEL_EXPORTER_OTLP_ENDPOINT": ""}])
 def test_an_empty_otlp_endpoint_is_off_everywhere(environ):
     assert _load(environ).telemetry.otlp_endpoint is None

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_apps import metrics
+from serve_apps import ingress_http, metrics
 from cluster.config import ToolNetworkConfig
 from serve_apps.orchestrator.deployment import Orchestrator
+from serve_apps.orchestrator.owner_sessions import SessionQuota, SessionQuotaExceeded
 from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.models import Message, ToolCall
 from serve_apps.orchestrator.store import SessionNotFound, SessionRecord, StaleTurn, TranscriptSnapshot
@@ -35,8 +36,10 @@ class MemoryStore:
         self.records: dict[str, SessionRecord] = {}
         self.logs: dict[str, list[str]] = {}
         self.stats: dict[str, list] = {}
+        self.quotas: list = []  # the quota each creation counted against
 
-    async def create(self, request, owner, fingerprint):
+    async def create(self, request, owner, fingerprint, quota=None):
+        self.quotas.append(quota)
         session_id = secrets.token_urlsafe(24)
         self.records[session_id] = SessionRecord(session_id=session_id, owner_key_id=owner, request=request,
                                                  prefix_fingerprint=fingerprint, created_at_s=0.0)
@@ -96,6 +99,7 @@ def _orchestrator(replies=()) -> Orchestrator:
     orchestrator = Orchestrator.__new__(Orchestrator)
     orchestrator._model_id = "m"
     orchestrator._max_model_len_tokens = 8192
+    orchestrator._max_sessions_per_key = 1000
     orchestrator._store = MemoryStore()
     orchestrator._tokenizer = orchestrator._session_tokenizer = CharTokenizer()
     orchestrator._model = ScriptedModel(replies)
@@ -266,3 +270,29 @@ def test_the_http_tools_permission_can_be_lifted():
     created = asyncio.run(orchestrator.create_session(
         {"model": "m", "tools": [HTTP_TOOL]}, {"key_id": "key_2", "permissions": ["orders:read"]}))
     assert created["status"] == 201, created
+
+
+@pytest.mark.parametrize("caller, quota", [
+    ({"key_id": "key_2", "permissions": ["orders:read"]}, SessionQuota(limit=1000)),  # the cluster's default
+    ({"key_id": "key_2", "permissions": [], "max_sessions": 3}, SessionQuota(limit=3)),  # the key's own
+    ({"key_id": "key_2", "permissions": ["*"], "max_sessions": 3}, None),  # an admin key is not counted
+])
+def test_a_session_counts_against_its_keys_quota(caller, quota):
+    orchestrator = _orchestrator()
+    created = asyncio.run(orchestrator.create_session({"model": "m"}, caller))
+    assert created["status"] == 201 and orchestrator._store.quotas == [quota]
+
+
+def test_a_key_at_its_session_quota_is_refused_with_429_which_clients_do_not_retry():
+    orchestrator = _orchestrator()
+
+    async def full(request, owner, fingerprint, quota=None):
+        raise SessionQuotaExceeded(owner, quota.limit)
+
+    orchestrator._store.create = full
+    created = asyncio.run(orchestrator.create_session({"model": "m"}, {"key_id": "key_2", "permissions": []}))
+    error = created["body"]["error"]
+    assert created["status"] == 429 and error["code"] == "session_quota_exceeded"
+    assert "API key key_2 holds 1000 live sessions" in error["message"]
+    response = ingress_http._unary(created)
+    assert response.headers["x-should-retry"] == "false" and "retry-after" not in response.headers

@@ -13,7 +13,7 @@ import pytest
 
 from cluster.api_keys import ApiKeyRecord, Authorization, StoreUnavailable
 from serve_apps import access, metrics
-from serve_apps.access import AccessDenied, AccessMiddleware, GuardSettings, credentials_from
+from serve_apps.access import AccessDenied, AccessGuard, AccessMiddleware, Caller, GuardSettings, credentials_from
 from serve_apps.grpc_status import RpcFailure
 from serve_apps.ingress_grpc import GrpcIngress
 from tests.unit.serve_apps.test_access_size import post_through
@@ -28,8 +28,9 @@ SETTINGS = {"access": {"is_auth_enabled": True, "max_request_bytes": LIMIT}, "re
 class _KeyStore:
     """`ApiKeyStore.authorize` over one known key (or failing as an unreachable store), recording what it was asked."""
 
-    def __init__(self, error: Exception | None = None) -> None:
+    def __init__(self, error: Exception | None = None, max_sessions: int | None = None) -> None:
         self.error = error
+        self.max_sessions = max_sessions
         self.asked: list[str] = []
 
     async def authorize(self, key: str) -> Authorization:
@@ -39,7 +40,8 @@ class _KeyStore:
         if key != KEY:
             return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
         record = ApiKeyRecord(
-            key_id="key_good", name="n", permissions=("*",), requests_per_s=10, burst=10, created_at_s=0
+            key_id="key_good", name="n", permissions=("*",), requests_per_s=10, burst=10, created_at_s=0,
+            max_sessions=self.max_sessions,
         )
         return Authorization(record=record, is_allowed=True, retry_after_s=0.0)
 
@@ -168,3 +170,13 @@ def test_a_grpc_request_over_the_limit_is_counted_as_over_http(key_store, denial
         ingress._check_request(agent_pb2.SendMessageRequest(session_id="s", content="x" * LIMIT))
     assert (info.value.status, info.value.code) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "request_too_large")
     assert denials.by_code == {"request_too_large": 1}
+
+
+@pytest.mark.parametrize("max_sessions", [None, 7])
+def test_a_callers_session_limit_comes_from_its_key_and_survives_the_trip_to_the_orchestrator(
+    key_store, denials, max_sessions
+):
+    key_store.max_sessions = max_sessions
+    caller = asyncio.run(AccessGuard(GuardSettings.model_validate(SETTINGS)).admit_call([("x-api-key", KEY)]))
+    assert caller.max_sessions == max_sessions
+    assert Caller.from_dict(caller.to_dict()) == caller

@@ -278,6 +278,8 @@ def _key_problems(
             problems.append(f"--expires-in-days must be at most {MAX_KEY_LIFETIME_DAYS} (100 years), got {expires_in_days}")
     if max_sessions is not None and max_sessions < 1:
         problems.append(f"--max-sessions must be at least 1, got {max_sessions}")
+    elif max_sessions is not None and "*" in permissions:
+        problems.append("--max-sessions does not apply to a key holding '*' (such keys have no session quota)")
     return problems
 
 

@@ -555,7 +555,8 @@ class Orchestrator:
             # while the owner's turn runs), and never holds the lock the owner's next request needs. The
             # record cannot change after; taking the lock fails as not found if the session is gone by then.
             record = await self._owned_record(session_id, caller)
-            async with self._store.turn_lock(session_id):
+            is_counted = session_quota(caller, self._max_sessions_per_key) is not None
+            async with self._store.turn_lock(session_id, record.owner_key_id if is_counted else None):
                 denied = _missing_permission(caller, record.request.tools, self._tool_network.http_tools_permission)
                 if denied is not None:
                     yield denied

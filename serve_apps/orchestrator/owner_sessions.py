@@ -12,13 +12,22 @@ ids, each scored by the Unix time (ms) its session was last known to expire. One
 key's sessions live in as many hash slots as they have ids, so the index has a
 slot of its own and is never read inside a session's scripts.
 
-Kept exact lazily, with no work on the turn path: a session's expiry moves with
-each turn, but its score is only read when it has passed. Before each creation
-the members whose scores have passed are looked up (`PTTL` of each one's
-record): those gone (expired, or deleted while their index entry was not) are
-removed, the others are scored again by their remaining time. Deleting a session
-removes its member at once. Counting and adding are one script, so two
-creations racing for a key's last place cannot both have it.
+Settled lazily, with no work on the turn path but one expiry refresh: a
+creation first takes a place scored a short grace ahead (`RESERVATION_GRACE_MS`),
+since whether its record gets written is not known yet (a reply lost to a
+timeout, a cancelled call). Before each creation, the members whose scores have
+passed, and those scored further ahead than a session now lives (`session_ttl_s`
+was lowered), are looked up by the `PTTL` of their records: those gone (expired,
+deleted while the index was not told, never written) are removed, the others are
+scored by their remaining time. So a place taken by a creation that failed is
+free again within the grace, and a session written after all counts. A creation
+Redis refused outright (full, read-only) gives its place back at once, and so
+does a delete. Counting and adding are one script, so two creations racing for
+a key's last place cannot both have it.
+
+The index expires `session_ttl_s` after its key's last creation or turn (`touch`),
+the same events that move its sessions' expiries, so it outlives every session
+it counts and goes away with the last of them.
 
 What is not counted: sessions created before the index existed (until they
 expire), and those of keys holding every permission ('*': the admin key, and
@@ -39,9 +48,25 @@ from serve_apps.access import Caller
 # Members looked up per round trip while pruning.
 PRUNE_BATCH = 512
 
-# KEYS[1]: the owner's index. ARGV: session id, its expiry (ms), limit ('' for none). Returns 1 when the
-# id is counted (also when a retried call finds it already is), 0 when the key is at its limit.
-_RESERVE_SCRIPT = """
+# How long a new session's place is held before its record is looked up: longer than a creation's
+# write can take to land, so one that lands late is still counted.
+RESERVATION_GRACE_MS = 60_000
+
+# Extends KEYS[1]'s expiry to ARGV[1] ms unless it already lasts longer (PEXPIRE GT leaves a key
+# without expiry alone, and a new index has none).
+_EXTEND_LUA = """
+local function extend(key, ttl_ms)
+  local left = redis.call('PTTL', key)
+  if left ~= -2 and left < tonumber(ttl_ms) then
+    redis.call('PEXPIRE', key, ttl_ms)
+  end
+end
+"""
+
+# KEYS[1]: the owner's index. ARGV: session id, its provisional score (ms), limit ('' for none), the
+# index's TTL (ms). Returns 1 when the id is counted (also when a retried call finds it already is),
+# 0 when the key is at its limit.
+_RESERVE_SCRIPT = _EXTEND_LUA + """
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   return 1
 end
@@ -50,6 +75,12 @@ if limit and redis.call('ZCARD', KEYS[1]) >= limit then
   return 0
 end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+extend(KEYS[1], ARGV[4])
+return 1
+"""
+
+_TOUCH_SCRIPT = _EXTEND_LUA + """
+extend(KEYS[1], ARGV[1])
 return 1
 """
 
@@ -95,6 +126,7 @@ class OwnerSessions:
         self._ttl_ms = ttl_ms
         self._prefix = key_prefix
         self._reserve = client.register_script(_RESERVE_SCRIPT)
+        self._touch = client.register_script(_TOUCH_SCRIPT)
 
     def index_key(self, owner_key_id: str) -> str:
         return f"{self._prefix}:{{owner:{owner_key_id}}}:sessions"
@@ -109,21 +141,23 @@ class OwnerSessions:
         now_ms = _now_ms()
         await self._prune(index, now_ms)
         limit = "" if quota.limit is None else quota.limit
-        if not await self._reserve(keys=[index], args=[session_id, now_ms + self._ttl_ms, limit]):
+        grace_ms = min(RESERVATION_GRACE_MS, self._ttl_ms)
+        args = [session_id, now_ms + grace_ms, limit, self._ttl_ms]
+        if not await self._reserve(keys=[index], args=args):
             raise SessionQuotaExceeded(owner_key_id, quota.limit)
 
     async def release(self, owner_key_id: str, session_id: str) -> None:
-        """Stops counting `session_id` (deleted, or never written)."""
+        """Stops counting `session_id` (deleted, or refused by Redis before it was written)."""
         await self._redis.zrem(self.index_key(owner_key_id), session_id)
 
-    async def _prune(self, index: str, now_ms: int) -> None:
-        """Drops members whose sessions are gone; scores the others whose known expiry passed by their PTTL.
+    async def touch(self, owner_key_id: str) -> None:
+        """Keeps the key's index for `session_ttl_s` from now, as a turn keeps its session."""
+        await self._touch(keys=[self.index_key(owner_key_id)], args=[self._ttl_ms])
 
-        Each round re-scores what it keeps into the future or removes it, so no
-        member is looked at twice and the loop ends.
-        """
+    async def _prune(self, index: str, now_ms: int) -> None:
+        """Looks up the members due a look (`_due`) by their records' PTTL: drops the gone, re-scores the rest."""
         while True:
-            due = await self._redis.zrangebyscore(index, "-inf", now_ms, start=0, num=PRUNE_BATCH)
+            due = await self._due(index, now_ms)
             if not due:
                 return
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -131,10 +165,11 @@ class OwnerSessions:
                     pipe.pttl(self._record_key(session_id))
                 remaining_ms = await pipe.execute()
             gone = [s for s, ttl in zip(due, remaining_ms) if ttl == -2]
-            # At least 1 ms ahead, so this call does not look at it again; -1 (no expiry) never happens to a
-            # session record, and counts as a full TTL should it.
+            # Within (now, now + TTL], so this call does not look at it again; -1 (no expiry) never happens
+            # to a session record, and counts as a full TTL should it.
             alive = {
-                s: now_ms + (max(ttl, 1) if ttl >= 0 else self._ttl_ms) for s, ttl in zip(due, remaining_ms) if ttl != -2
+                s: now_ms + (min(max(ttl, 1), self._ttl_ms) if ttl >= 0 else self._ttl_ms)
+                for s, ttl in zip(due, remaining_ms) if ttl != -2
             }
             async with self._redis.pipeline(transaction=False) as pipe:
                 if gone:
@@ -144,6 +179,20 @@ class OwnerSessions:
                 await pipe.execute()
             if len(due) < PRUNE_BATCH:
                 return
+
+    async def _due(self, index: str, now_ms: int) -> list[str]:
+        """Up to PRUNE_BATCH members whose recorded expiry passed, or lies further ahead than a session lives.
+
+        The second kind were scored under a longer `session_ttl_s` (lowered since), so their
+        sessions may already be gone.
+        """
+        passed = await self._redis.zrangebyscore(index, "-inf", now_ms, start=0, num=PRUNE_BATCH)
+        if len(passed) == PRUNE_BATCH:
+            return passed
+        beyond = await self._redis.zrangebyscore(
+            index, f"({now_ms + self._ttl_ms}", "+inf", start=0, num=PRUNE_BATCH - len(passed)
+        )
+        return passed + beyond
 
 
 def _now_ms() -> int:

@@ -385,11 +385,18 @@ class SessionStore:
         if quota is not None:
             with _redis_errors(record.session_id):
                 await self._idempotent(lambda: self._owners.reserve(owner_key_id, quota, record.session_id))
+        is_refused = False
         try:
             with _redis_errors(record.session_id):
-                await self._idempotent(write)
+                try:
+                    await self._idempotent(write)
+                except ResponseError:
+                    is_refused = True  # Redis refused the transaction (full, read-only): nothing was written
+                    raise
         except BaseException:
-            if quota is not None:  # shielded: a cancelled create must not leave its place taken
+            # Only a refusal is known to have written nothing: after a lost reply or a cancellation the
+            # record may still land, and the place, held for its grace, is settled by its PTTL then.
+            if quota is not None and is_refused:
                 await asyncio.shield(self._uncount(owner_key_id, record.session_id))
             raise
         return record
@@ -425,7 +432,7 @@ class SessionStore:
 
     async def _uncount(self, owner_key_id: str, session_id: str) -> None:
         """Drops the session from its key's count; an outage only logs (the key's creations drop it once its
-        recorded expiry passes and its record is found gone)."""
+        recorded expiry passes and its record is found gone: `owner_sessions`)."""
         try:
             with _redis_errors(session_id):
                 await self._idempotent(lambda: self._owners.release(owner_key_id, session_id))
@@ -444,12 +451,14 @@ class SessionStore:
         return TranscriptSnapshot(messages=messages, length=int(removed) + len(messages))
 
     @asynccontextmanager
-    async def turn_lock(self, session_id: str) -> AsyncIterator[None]:
+    async def turn_lock(self, session_id: str, owner_key_id: str | None = None) -> AsyncIterator[None]:
         """Holds the session's turn lock for the block; raises SessionBusy if another turn holds it.
 
         Raises SessionNotFound if the session does not exist. Taking the lock
         and each renewal also refresh the TTL of every key of the session, so
-        the session cannot expire under a running turn.
+        the session cannot expire under a running turn. With `owner_key_id`, its
+        key's count of live sessions is kept as long (`OwnerSessions.touch`), then
+        and when the block ends.
 
         While the block runs, the lock is renewed every third of `lock_ttl_s`
         (or of `ttl_s`, if shorter), so a live turn keeps it however long it
@@ -472,12 +481,24 @@ class SessionStore:
             raise SessionNotFound(session_id)
         if outcome == 0:
             raise SessionBusy(f"session {session_id} is running another turn")
-        renewer = asyncio.ensure_future(self._keep_lock(session_id, lock_args))
+        await self._touch_owner(owner_key_id)
+        renewer = asyncio.ensure_future(self._keep_lock(session_id, lock_args, owner_key_id))
         try:
             yield
         finally:
             renewer.cancel()
             await self._release_lock(session_id, lock_args)
+            await self._touch_owner(owner_key_id)
+
+    async def _touch_owner(self, owner_key_id: str | None) -> None:
+        """Keeps the key's session count as long as its sessions (`OwnerSessions.touch`); an outage only logs."""
+        if owner_key_id is None:
+            return
+        try:
+            with _redis_errors():
+                await self._idempotent(lambda: self._owners.touch(owner_key_id))
+        except StoreUnavailable as err:
+            logger.warning("could not refresh the session count of key %s: %s", owner_key_id, err)
 
     async def _release_lock(self, session_id: str, lock_args: dict[str, list]) -> None:
         """Frees the lock if this holder still has it; an outage only logs, the lock's TTL frees it then."""
@@ -489,8 +510,8 @@ class SessionStore:
             # Raising here would hide the turn's own outcome.
             logger.warning("could not release turn lock of %s: %s", session_id, err)
 
-    async def _keep_lock(self, session_id: str, lock_args: dict[str, list]) -> None:
-        """Renews the lock and the session's TTL until cancelled, or until the lock is found lost."""
+    async def _keep_lock(self, session_id: str, lock_args: dict[str, list], owner_key_id: str | None) -> None:
+        """Renews the lock and the session's TTL (and its key's count's) until cancelled, or the lock is lost."""
         interval_s = min(self._lock_ttl_ms, self._ttl_ms) / 3000
         while True:
             await asyncio.sleep(interval_s)
@@ -499,6 +520,8 @@ class SessionStore:
                     return  # lost it (expired while Redis was away); the commit's length check still guards
             except Exception as err:  # Redis away: keep trying, the turn's own calls report the outage
                 logger.warning("could not renew turn lock of %s: %s", session_id, err)
+                continue
+            await self._touch_owner(owner_key_id)
 
     async def commit_turn(
         self,

@@ -1,11 +1,17 @@
 """Per-key session quotas in the session store, against a real redis-server started for this module."""
 
 import asyncio
+import time
 
 import pytest
 import redis
 
-from serve_apps.orchestrator.owner_sessions import PRUNE_BATCH, SessionQuota, SessionQuotaExceeded
+from serve_apps.orchestrator.owner_sessions import (
+    PRUNE_BATCH,
+    RESERVATION_GRACE_MS,
+    SessionQuota,
+    SessionQuotaExceeded,
+)
 from serve_apps.orchestrator.store import SessionRecord, SessionStore, StoreUnavailable
 from tests.integration.test_store_redis import REQUEST, _run
 
@@ -112,20 +118,115 @@ def test_keys_without_a_quota_are_not_counted_and_unlimited_ones_are(redis_url):
         assert client.zcard(_index("k-unlimited")) == 3
 
 
-def test_a_creation_whose_write_fails_gives_its_place_back(redis_url, monkeypatch):
-    def failing_dump(self, **kwargs):
+def test_a_creation_redis_refuses_gives_its_place_back_at_once(redis_url):
+    """Redis fills up between the place and the record: the refused write frees the place (ZREM runs when full)."""
+
+    async def scenario(store):
+        real_reserve = store._owners.reserve
+
+        async def reserve_then_fill(*args):
+            await real_reserve(*args)
+            with redis.Redis.from_url(redis_url) as client:
+                client.config_set("maxmemory-policy", "noeviction")
+                client.config_set("maxmemory", 1)
+
+        store._owners.reserve = reserve_then_fill
+        try:
+            with pytest.raises(StoreUnavailable, match="out of memory"):
+                await _create(store, "k-refused", SessionQuota(limit=1))
+        finally:
+            with redis.Redis.from_url(redis_url) as client:
+                client.config_set("maxmemory", 0)
+        store._owners.reserve = real_reserve
+        return await _create(store, "k-refused", SessionQuota(limit=1))
+
+    sid = _run(redis_url, scenario)
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        assert client.zrange(_index("k-refused"), 0, -1) == [sid]
+
+
+def test_a_creation_whose_outcome_is_unknown_holds_its_place_until_its_record_is_looked_up(redis_url, monkeypatch):
+    """A lost reply may hide a write that landed: the place is held for the grace, then settled by the record."""
+
+    def reply_lost(self, **kwargs):
         raise redis.exceptions.ConnectionError("Connection closed by server.")
 
     async def scenario(store):
         with monkeypatch.context() as patched:
-            patched.setattr(SessionRecord, "model_dump_json", failing_dump)
+            patched.setattr(SessionRecord, "model_dump_json", reply_lost)
             with pytest.raises(StoreUnavailable):
-                await _create(store, "k-failed", SessionQuota(limit=1))
-        return await _create(store, "k-failed", SessionQuota(limit=1))
+                await _create(store, "k-unknown", SessionQuota(limit=1))
+        with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+            (held, score), = client.zrange(_index("k-unknown"), 0, -1, withscores=True)
+            with pytest.raises(SessionQuotaExceeded):
+                await _create(store, "k-unknown", SessionQuota(limit=1))
+            client.zadd(_index("k-unknown"), {held: 1})  # the grace has passed: no record was written
+            return held, score, await _create(store, "k-unknown", SessionQuota(limit=1))
 
-    sid = _run(redis_url, scenario)
+    held, score, sid = _run(redis_url, scenario)
+    assert 0 < score - time.time() * 1000 <= RESERVATION_GRACE_MS
     with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-        assert client.zrange(_index("k-failed"), 0, -1) == [sid]
+        assert client.zrange(_index("k-unknown"), 0, -1) == [sid]
+
+
+def test_a_place_whose_record_landed_late_stays_counted_after_its_grace(redis_url):
+    async def scenario(store):
+        await store._owners.reserve("k-late", SessionQuota(limit=1), "late-session")
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset("warmpath:{late-session}:meta", "removed", 0)  # the write that landed after its reply was lost
+            client.pexpire("warmpath:{late-session}:meta", 3_600_000)
+            client.zadd(_index("k-late"), {"late-session": 1})
+        with pytest.raises(SessionQuotaExceeded):
+            await _create(store, "k-late", SessionQuota(limit=1))
+
+    _run(redis_url, scenario)
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        assert client.zscore(_index("k-late"), "late-session") > time.time() * 1000 + 3_500_000
+
+
+def test_sessions_counted_under_a_longer_ttl_are_looked_up_once_it_is_lowered(redis_url):
+    """A redeploy lowered session_ttl_s: scores from the old TTL lie past any session's life and are checked."""
+
+    async def scenario():
+        before = SessionStore.from_url(redis_url, ttl_s=3600)
+        after = SessionStore.from_url(redis_url, ttl_s=60)
+        try:
+            gone = [await _create(before, "k-ttl", SessionQuota(limit=2)) for _ in range(2)]
+            with redis.Redis.from_url(redis_url) as client:
+                # Settled under the old TTL (scored by what their records had left), then one expired sooner.
+                old_expiry = time.time() * 1000 + 3_500_000
+                client.zadd(_index("k-ttl"), {gone[0]: old_expiry, gone[1]: old_expiry})
+                client.delete(f"warmpath:{{{gone[0]}}}:meta")
+            return gone, await _create(after, "k-ttl", SessionQuota(limit=2))
+        finally:
+            await before.aclose()
+            await after.aclose()
+
+    gone, sid = asyncio.run(scenario())
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        members = dict(client.zrange(_index("k-ttl"), 0, -1, withscores=True))
+    assert set(members) == {gone[1], sid}
+    assert members[gone[1]] <= time.time() * 1000 + 60_000  # scored again by what it has left
+
+
+def test_a_keys_count_lasts_as_long_as_its_sessions(redis_url):
+    """The index expires with its key's last session: a creation and each turn keep it `ttl_s` ahead."""
+
+    async def scenario(store):
+        sid = await _create(store, "k-index", SessionQuota(limit=None))
+        with redis.Redis.from_url(redis_url) as client:
+            at_creation = client.pttl(_index("k-index"))
+            client.pexpire(_index("k-index"), 1000)
+            async with store.turn_lock(sid, "k-index"):
+                in_turn = client.pttl(_index("k-index"))
+            client.pexpire(_index("k-index"), 1000)
+            async with store.turn_lock(sid):  # an uncounted key's turn touches nothing
+                uncounted = client.pttl(_index("k-index"))
+            return at_creation, in_turn, uncounted
+
+    at_creation, in_turn, uncounted = _run(redis_url, scenario, ttl_s=3600)
+    assert 3_590_000 < at_creation <= 3_600_000 and 3_590_000 < in_turn <= 3_600_000
+    assert uncounted <= 1000
 
 
 def test_a_reservation_retried_after_a_lost_reply_counts_once(redis_url):

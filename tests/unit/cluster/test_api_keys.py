@@ -125,6 +125,7 @@ def test_records_refuse_non_finite_and_non_positive_values(field, value):
     (["-p", "orders:read", "-p", "a b"], "--permission must be non-empty and contain no whitespace, got 'a b'"),
     (["-p", " "], "got ' '"),
     (["--max-sessions", "0"], "--max-sessions must be at least 1, got 0"),
+    (["--max-sessions", "5", "-p", "*"], "--max-sessions does not apply to a key holding '*'"),
 ])
 def test_keys_create_refuses_bad_flags_on_one_line_before_touching_the_store(flags, message):
     result = CliRunner().invoke(app, ["keys", "create", "--name", "x", *flags, "--redis-url", UNREACHABLE_REDIS])

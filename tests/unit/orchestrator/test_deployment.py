@@ -124,7 +124,7 @@ def test_a_failure_before_the_turn_starts_is_an_error_status_not_an_event():
             return SimpleNamespace(owner_key_id="k")
 
         @contextlib.asynccontextmanager
-        async def turn_lock(self, session_id):
+        async def turn_lock(self, session_id, owner_key_id=None):
             raise RuntimeError("OOM command not allowed when used memory > 'maxmemory'")
             yield
 

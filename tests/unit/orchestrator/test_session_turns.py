@@ -56,7 +56,7 @@ class MemoryStore:
         return TranscriptSnapshot(messages=tuple(Message.model_validate_json(m) for m in log), length=len(log))
 
     @contextlib.asynccontextmanager
-    async def turn_lock(self, session_id):
+    async def turn_lock(self, session_id, owner_key_id=None):
         await self.get(session_id)
         yield
 

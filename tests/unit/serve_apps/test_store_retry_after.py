@@ -32,7 +32,7 @@ class _DownStore:
     delete = transcript = step_stats = get
 
     @contextlib.asynccontextmanager
-    async def turn_lock(self, session_id):
+    async def turn_lock(self, session_id, owner_key_id=None):
         raise StoreUnavailable("Connection refused")
         yield
 

@@ -403,6 +403,9 @@ class TurnRunner:
                     tool_call_id=call.id, status=outcome.status, content=outcome.content, is_truncated=outcome.is_truncated
                 )
             if client_calls:
+                if len(client_calls) < len(checked):
+                    async for event in self._fitted_for_resume():  # server-side results came in this step too
+                        yield event
                 pause = RequiresActionEvent(tool_calls=client_calls)
                 await self._commit(pause)
                 yield pause
@@ -414,16 +417,25 @@ class TurnRunner:
                 f"tool_choice {tool_choice!r} requires a tool call, but the model made no valid one in the turn's "
                 f"{self._limits.max_steps_per_turn} steps (limits.max_steps_per_turn)",
             )
-        # What the last step's tools returned has not been measured: the session's next turn starts from it,
-        # so it must fit as a next step's prompt would (compressed if need be), or nothing is kept.
-        async for event in self._maybe_compress():
+        async for event in self._fitted_for_resume():
             yield event
-        self._fitting_account()
         exhausted = ErrorEvent(
             code="max_steps", message=f"the turn used all {self._limits.max_steps_per_turn} steps; its messages are kept"
         )
         await self._commit(exhausted)
         yield exhausted
+
+    async def _fitted_for_resume(self) -> AsyncIterator[CompressionEvent]:
+        """Compresses if need be, then raises TurnFailed (`context_overflow`) unless the history fits a next step.
+
+        For a turn that commits what its last step's server-side tools returned, unmeasured:
+        the session's next step (a new turn, or the resume after client results) starts from
+        it, and that round is too recent to compress then. Committed over the window, it would
+        fail every later step until the session expired; failed now, nothing is kept.
+        """
+        async for event in self._maybe_compress():
+            yield event
+        self._fitting_account()
 
     def _fitting_account(self) -> TokenAccount:
         """The token account of the history as the next step's prompt, which must leave the output reserve free.

@@ -418,3 +418,39 @@ def test_tool_results_that_leave_no_room_fail_the_turn_at_its_last_step_too(monk
     events, store, _ = _run(script[:max_steps_per_turn], "auto", record=_server_tool_record(max_steps_per_turn))
     assert events[-1].kind == "error" and events[-1].code == "context_overflow", events[-1]
     assert store.commits == []
+
+
+def _mixed_tools_record() -> SessionRecord:
+    """A server-side `lookup_order` and a client-side `ask_user`."""
+    record = _server_tool_record(4)
+    ask = {"name": "ask_user", "parameters": {"type": "object"}, "execution": {"kind": "client"}}
+    tools = [*record.request.tools, type(record.request.tools[0]).model_validate(ask)]
+    return record.model_copy(update={"request": record.request.model_copy(update={"tools": tools})})
+
+
+def _server_and_client_calls() -> ModelReply:
+    return ModelReply(tool_calls=[ToolCall(id="c1", name="lookup_order", arguments='{"order_id": "ORD-1"}'),
+                                  ToolCall(id="c2", name="ask_user", arguments="{}")])
+
+
+def test_a_pause_for_client_calls_after_server_results_that_leave_no_room_fails_the_turn(monkeypatch):
+    """A step calls a client tool and a server-side one: the pause committed the server result unmeasured, and
+    every resume then failed on it (its round too recent to compress) while new turns got 409: stuck."""
+    big = json.dumps({"rows": [f"row {i} lorem ipsum dolor" for i in range(120)]})  # about 3,600 tokens
+
+    async def tool(spec, arguments, timeout_s, max_bytes, network=None):
+        return ToolOutcome("ok", big, False)
+
+    monkeypatch.setattr(turns, "run_http_tool", tool)
+    events, store, _ = _run([([], _server_and_client_calls())], "auto", record=_mixed_tools_record())
+    assert events[-1].kind == "error" and events[-1].code == "context_overflow", events[-1]
+    assert store.commits == []
+
+
+def test_a_pause_after_server_results_that_fit_is_committed(monkeypatch):
+    async def tool(spec, arguments, timeout_s, max_bytes, network=None):
+        return ToolOutcome("ok", '{"status": "shipped"}', False)
+
+    monkeypatch.setattr(turns, "run_http_tool", tool)
+    events, store, _ = _run([([], _server_and_client_calls())], "auto", record=_mixed_tools_record())
+    assert events[-1].kind == "requires_action" and len(store.commits) == 1

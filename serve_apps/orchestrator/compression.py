@@ -44,24 +44,30 @@ FACTS_HEADER = "Facts:"
 _MAX_INLINE_STRING_CHARS = 200
 # A run of value characters longer than this is a blob (base64, minified code), not a key value.
 _MAX_VALUE_CHARS = 256
-# What values are written with: ASCII letters and digits, signs and separators, currency, degree and
-# per-mille signs, the dashes and minus of other scripts, and CJK date units (2026年11月30日). Every
+# What values are written with: ASCII letters, the decimal digits of any script (`٣٤٥`, `１２３`), signs and
+# separators, currency, degree and per-mille signs, the dashes and minus of other scripts, and CJK date
+# units (2026年11月30日). Every
 # other character (spaces, brackets, quotes, CJK words) ends a value, so `金额¥1,200元` yields `¥1,200`.
-_VALUE_CHARS = "0-9A-Za-z_.,:/#%+=@~$€£¥₹°µ‰\\-\u2010-\u2015\u2212年月日時分秒"
+_VALUE_CHARS = "\\d0-9A-Za-z_.,:/#%+=@~$€£¥₹°µ‰\\-\u2010-\u2015\u2212年月日時分秒"
 _RUN = re.compile(f"[{_VALUE_CHARS}]+")
 _EDGE = ".,:;="
 _DOT_LEADS = frozenset("0123456789./")
 _UNITS = (
     r"%|‰|[KMGT]i?B|B|ns|µs|us|ms|s|sec|secs|min|mins|h|hr|hrs|days?|weeks?|months?|years?|"
-    r"kg|g|mg|t|lbs?|oz|km|m|cm|mm|mi|ft|L|ml|°C|°F|USD|EUR|GBP|CHF|CNY|JPY|RMB|tokens?|x|€|£|¥|₹|\$"
+    r"kg|g|mg|t|lbs?|oz|km|m|cm|mm|mi|ft|L|ml|°C|°F|USD|EUR|GBP|CHF|CNY|JPY|RMB|tokens?|x|€|£|¥|₹|\$|hours?"
 )
-_UNIT_AFTER = re.compile(rf" ?(?:{_UNITS})(?![0-9A-Za-z_])")
+# A unit with its power or per-unit (`50 m²`, `100 km/h`): never the first part alone, which would be
+# another value (`50 m`); a unit followed by a slash that is no unit is left off.
+_UNIT_AFTER = re.compile(rf" ?(?:{_UNITS})(?:[²³]|/(?:{_UNITS}))?(?![0-9A-Za-z_²³/])")
+# Currency codes and signs that stand before an amount, with a space (`EUR 1,234.50`, `€ 12`).
+_CURRENCY = r"(?:USD|EUR|GBP|CHF|CNY|JPY|RMB|INR|CAD|AUD|[$€£¥₹])"
 # A base64 value's padding: kept where the run with it is whole base64 (its length a multiple of 4).
 _BASE64_PADDED = re.compile(r"[A-Za-z0-9+/]{6,}={1,2}")
 _MONTHS = (r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|"
            r"Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)")
 _EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}", re.ASCII)
-_ZONE = r"(?:Z|UTC|GMT|CET|EET|WET|[A-Z]{1,3}[SD]T|[+-]\d{2}:?\d{2})"
+# A zone: an abbreviation, an offset, or an IANA name (`Europe/Paris`, `America/Argentina/Buenos_Aires`).
+_ZONE = r"(?:Z|UTC|GMT|CET|EET|WET|[A-Z]{1,3}[SD]T|[+-]\d{2}:?\d{2}|[A-Z][a-z]+(?:/[A-Z][A-Za-z_-]+)+)"
 _MERIDIEM = r"(?: ?[AaPp]\.?[Mm]\.?(?![A-Za-z]))"
 # Values a run of value characters cannot hold whole (spaces, `?`, `&`); the longest match at a start wins.
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
@@ -78,6 +84,17 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Dates with the month's name: `Nov 30, 2026`, `November 30th 2026`, `30 Dec 2026`.
         ("month_date", rf"(?<![A-Za-z]){_MONTHS}\.? \d{{1,2}}(?:st|nd|rd|th)?,? \d{{4}}(?![0-9])"
                        rf"|(?<![0-9])\d{{1,2}}(?:st|nd|rd|th)? {_MONTHS}\.?,? \d{{4}}(?![0-9])", re.ASCII),
+        # ... and without a year: `due Nov 30`, `30 November`.
+        ("month_day", rf"(?<![A-Za-z]){_MONTHS}\.? \d{{1,2}}(?:st|nd|rd|th)?(?![0-9A-Za-z])"
+                      rf"|(?<![0-9])\d{{1,2}}(?:st|nd|rd|th)? {_MONTHS}\.?(?![A-Za-z])", re.ASCII),
+        # An amount after its currency (`EUR 1,234.50`, `€ 12`), and one in an accountant's parentheses,
+        # which make it negative (`(1,234.50)`).
+        ("currency_amount", rf"(?<![A-Za-z]){_CURRENCY} ?[-\u2212]?\d(?:[\d,.]*\d)?", re.ASCII),
+        ("negative_amount", rf"\((?:{_CURRENCY} ?)?\d{{1,3}}(?:,\d{{3}})*\.\d{{2}}\)", re.ASCII),
+        # Scientific notation as typeset: `1.5×10⁻³`.
+        ("typeset_exponent", r"(?<![0-9.])\d+(?:\.\d+)?\s?[×x·]\s?10[⁻⁺]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+", re.ASCII),
+        # Codes in capitals joined by dashes or underscores, digits or not: `SKU-XL-RED`, `EU_WEST`.
+        ("code", r"(?<![A-Za-z0-9_-])[A-Z][A-Z0-9]*(?:[-_][A-Z0-9]+)+(?![A-Za-z0-9_-])", re.ASCII),
         # Numbers grouped by spaces or apostrophes: `1 000 000`, `1'250'000` (a unit after them joins them).
         ("grouped_number", r"(?<![0-9.,'])\d{1,3}(?:[ \u00a0\u202f']\d{3})+(?:[.,]\d+)?(?![0-9])", 0),
         ("quoted", r'"([^"\n]{1,200})"|“([^”\n]{1,200})”|(?<!\w)\'([^\'\n]{1,200})\'(?!\w)', 0),
@@ -115,10 +132,10 @@ def _trimmed(text: str, start: int, end: int) -> tuple[int, int]:
 
 
 def _is_value(run: str) -> bool:
-    """A number, id, date, version, hash or amount (it has a digit), an email, or a file path."""
+    """A number, id, date, version, hash or amount (it has a digit, of any script), an email, or a file path."""
     if len(run) > _MAX_VALUE_CHARS:
         return False
-    if any("0" <= c <= "9" for c in run):
+    if any(c.isdecimal() for c in run):
         return True
     if "@" in run:
         return _EMAIL.fullmatch(run) is not None
@@ -412,6 +429,26 @@ def _summary_content(summary_text: str, num_messages: int, ledger: Sequence[str]
     )
 
 
+def _joins(char: str) -> bool:
+    """Whether `char` beside a value would make it part of a longer one: a letter or digit, `_`."""
+    return char.isdecimal() or (char.isascii() and (char.isalnum() or char == "_"))
+
+
+def _appears_whole(value: str, context: str) -> bool:
+    """Whether `value` is in `context` as a value of its own, not inside a longer one (`12` in `1234`)."""
+    if not value:
+        return True
+    at = context.find(value)
+    while at >= 0:
+        end = at + len(value)
+        is_joined_before = at > 0 and _joins(value[0]) and _joins(context[at - 1])
+        is_joined_after = end < len(context) and _joins(value[-1]) and _joins(context[end])
+        if not (is_joined_before or is_joined_after):
+            return True
+        at = context.find(value, at + 1)
+    return False
+
+
 def _context_text(messages: Sequence[Message]) -> str:
     parts = []
     for message in messages:
@@ -430,7 +467,8 @@ def apply_compression(
     """Replaces the planned messages by one summary message with a facts ledger.
 
     The report measures what was kept: the fraction of the dropped messages' own values
-    (`source_values`) found verbatim in the new context, and the tokens of the new prompt. The
+    (`source_values`) found verbatim in the new context, each as a value of its own (`12` is not
+    kept by `1234`), and the tokens of the new prompt. The
     caller keeps the result only when that fraction is 1 and the prompt got shorter.
 
     Args:
@@ -449,7 +487,7 @@ def apply_compression(
     new_messages = [summary, *messages[cut:]]
     context = _context_text(new_messages)
     values = source_values(messages[:cut])
-    retained = sum(1 for value in values if value in context)
+    retained = sum(1 for value in values if _appears_whole(value, context))
     report = CompressionReport(
         num_messages_compressed=cut,
         tokens_before=plan.tokens_before,

@@ -87,6 +87,18 @@ def test_extract_facts_from_text(text, expected):
         ("at 2024-05-01 12:00 GMT+08:00 and 10:30 UTC+5", ["2024-05-01 12:00 GMT+08:00", "10:30 UTC+5"]),
         ('config: "version": 1.2.3, "ratio": 12.5%, "timeout": 30 ms',
          ["version=1.2.3", "ratio=12.5%", "timeout=30", "30 ms"]),
+        # A unit's power or per-unit is part of it (`50 m` would be another value); a currency before an
+        # amount, an accountant's negative, a date without its year, an IANA zone, typeset exponents.
+        ("area 50 m², 2 cm³, at 100 km/h or 5 m/s for 3 hours", ["50 m²", "2 cm³", "100 km/h", "5 m/s", "3 hours"]),
+        ("a 3 m/ wall", ["3"]),
+        ("Total: EUR 1,234.50, tip € 12, fee USD 5", ["EUR 1,234.50", "€ 12", "USD 5"]),
+        ("balance (1,234.50) after (7)", ["(1,234.50)", "7"]),
+        ("due Nov 30, or 1st March", ["Nov 30", "1st March"]),
+        ("at 2026-11-30 08:15 Europe/Paris", ["2026-11-30 08:15 Europe/Paris"]),
+        ("a rate of 1.5×10⁻³", ["1.5×10⁻³"]),
+        # Digits of other scripts, and codes in capitals without digits.
+        ("٣٤٥ and １２３４", ["٣٤٥", "１２３４"]),
+        ("size SKU-XL-RED in EU_WEST", ["SKU-XL-RED", "EU_WEST"]),
     ],
 )
 def test_extract_facts_keeps_values_whole(text, expected):
@@ -143,7 +155,9 @@ def test_json_nested_too_deep_to_walk_is_scanned_as_text():
     assert extract_facts("[" * 5000 + "7" + "]" * 5000) == ["7"]
 
 
-@pytest.mark.parametrize("unit", ["a-", "a", "a@", "A1", "aaa@bbb.", '"', "1:", "http://", "x.y/"])
+@pytest.mark.parametrize(
+    "unit", ["a-", "a", "a@", "A1", "aaa@bbb.", '"', "1:", "http://", "x.y/", "EUR 1,", "$ 1.", "A-", "(1,", "5 m/"]
+)
 def test_the_scan_is_linear_in_the_text(unit):
     """256 KiB (the longest message a turn takes) of a pattern that made the earlier scan quadratic."""
     text = unit * (262_144 // len(unit))
@@ -440,6 +454,29 @@ def test_retention_is_measured_against_the_dropped_messages_not_the_ledger():
     )
     _, report = apply_compression(history, incomplete, "", recount=lambda m: _account(m, 100))
     assert report.ledger_retained_fraction < 1.0
+
+
+def test_a_value_inside_a_longer_one_is_not_counted_as_kept():
+    """The ledger lacks `12`; a kept message saying `1234` does not keep it."""
+    history = [Message(role="user", content="Refund 12 on order 4471"), Message(role="assistant", content="ok"),
+               Message(role="user", content="Order 1234 and 4471?"), Message(role="assistant", content="yes")]
+    plan = CompressionPlan(num_messages_compressed=2, tokens_before=100, tokens_compressed=50,
+                           remaining_tokens_before=0, ledger=("user: 4471",))
+    _, report = apply_compression(history, plan, "", recount=lambda m: _account(m, 100))
+    assert report.ledger_retained_fraction == 0.5
+
+
+def test_values_beside_cjk_text_in_a_json_result_are_kept_through_compression():
+    """A value ends where CJK text begins: `ORD-5` is whole in `ORD-5已发货`."""
+    result = json.dumps({"状态": "ORD-5已发货", "日期": "2026-11-30到达"}, ensure_ascii=False)
+    call = ToolCall(id="c1", name="get_order", arguments="{}")
+    history = [Message(role="user", content="where?"), Message(role="assistant", tool_calls=[call]),
+               Message(role="tool", tool_call_id="c1", name="get_order", content=result),
+               Message(role="assistant", content=PROSE), Message(role="user", content="and now?"),
+               Message(role="assistant", content="ok")]
+    plan = plan_compression(history, _account(history, 100), SessionLimits(keep_last_rounds=1))
+    _, report = apply_compression(history, plan, "", recount=lambda m: _account(m, 100))
+    assert plan.num_messages_compressed == 4 and report.ledger_retained_fraction == 1.0
 
 
 def test_a_value_that_runs_past_the_one_before_it_is_kept_through_compression():

@@ -103,13 +103,26 @@ def error_body(status: int, message: str, code: Optional[str] = None, param: Opt
     return {"error": {"message": text, "type": error_type(status), "param": param, "code": code}}
 
 
+def is_unavailable(err: Exception) -> bool:
+    """Whether `err` says no process could take the call (its replica died, none runs yet, or all are full)."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    return isinstance(err, (RayActorError, DeploymentUnavailableError, BackPressureError))
+
+
 def exception_body(err: Exception, request_id: str) -> tuple[int, dict[str, Any]]:
     """Status and body for an exception that escaped a route, classified as Ray Serve LLM does.
 
-    vLLM's client errors (a `tool_choice` naming no tool) are 400s with their own text; anything
-    unexpected is a 500 whose message says no more than that (the log has the rest).
+    A call no process could take is a 503 `unavailable` (retry; the gRPC ingress answers
+    UNAVAILABLE). vLLM's client errors (a `tool_choice` naming no tool) are 400s with their own
+    text; anything unexpected is a 500 whose message says no more than that (the log has the rest).
     """
     from ray.llm._internal.serve.utils.server_utils import get_response_for_error
+
+    if is_unavailable(err):
+        logger.warning("no serving process could take the call: %r", err)
+        return 503, error_body(503, UNAVAILABLE_MESSAGE, code="unavailable")
 
     error = get_response_for_error(err, request_id).error
     param = getattr(err, "param", None)  # an engine refusal's field, where the ingress carried it (`refusal`)
@@ -127,9 +140,11 @@ def refusal(error: Mapping[str, Any]) -> Exception:
 
 
 def exception_response(err: Exception, request: Optional[Request]) -> JSONResponse:
-    """`exception_body` as the response, under the request id Ray's middleware gave `request`."""
+    """`exception_body` as the response, under the request id Ray's middleware gave `request` (a 503
+    `unavailable` with `Retry-After`)."""
     status, body = exception_body(err, getattr(request.state, "request_id", "") if request is not None else "")
-    return JSONResponse(body, status_code=status)
+    is_retryable = body["error"].get("code") == "unavailable"
+    return JSONResponse(body, status_code=status, headers={"retry-after": "1"} if is_retryable else None)
 
 
 def engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:

@@ -41,9 +41,7 @@ from ray.llm._internal.serve.core.ingress.ingress import (
     OpenAiIngress,
     router_request_timeout,
 )
-from ray.exceptions import RayActorError
 from ray.llm._internal.serve.constants import DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.llm._internal.serve.core.ingress.utils import (
     NON_STREAMING_RESPONSE_TYPES,
     _openai_json_wrapper,
@@ -62,6 +60,7 @@ from serve_apps.api_errors import (
     error_body,
     exception_body,
     exception_response,
+    is_unavailable,
     refusal,
 )
 from serve_apps.metrics import record_model_usage
@@ -407,13 +406,9 @@ async def _call(remote, span: trace.Span = trace.INVALID_SPAN) -> Response:
         return _session_failure(err)
 
 
-# An orchestrator that is gone (its replica died, none runs) or full: the call may be retried, as over gRPC.
-_RETRYABLE_FAILURES = (RayActorError, DeploymentUnavailableError, BackPressureError)
-
-
 def _session_failure(err: Exception) -> JSONResponse:
-    """503 with `Retry-After` where no orchestrator could take the call; else a clean 500."""
-    if isinstance(err, _RETRYABLE_FAILURES):
+    """503 with `Retry-After` where no orchestrator could take the call (retry, as over gRPC); else a clean 500."""
+    if is_unavailable(err):
         body = error_body(503, UNAVAILABLE_MESSAGE, code="unavailable")
         return JSONResponse(body, status_code=503, headers=dict([retry_after_header(1)]))
     return JSONResponse(INTERNAL_ERROR, status_code=500)

@@ -18,6 +18,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import StatusCode, get_current_span
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -147,6 +149,18 @@ def test_an_engine_refusal_names_the_replica_that_refused_it(spans, items, repli
     response = _run(_chat_ingress(*items)._process_llm_request(_chat(stream=True), "chat", _http_request()))
     assert response.status_code in (400, 404)
     assert response.headers.get("x-warmpath-replica") == replica
+
+
+@pytest.mark.parametrize("failure", [
+    RayActorError(), DeploymentUnavailableError("warmpath"), BackPressureError(num_queued_requests=1, max_queued_requests=1),
+], ids=["replica-died", "no-replica", "full"])
+def test_a_call_no_replica_could_take_is_a_503_to_retry_as_over_grpc(spans, failure):
+    response = _run(_chat_ingress(failure)._process_llm_request(_chat(), "chat", _http_request()))
+    error = json.loads(response.body)["error"]
+    assert (response.status_code, response.headers.get("retry-after"), error["code"]) == (503, "1", "unavailable")
+    streamed = _run(_streamed(_chat_ingress(ServedBy("r1"), CHUNK, failure), _chat(stream=True), _http_request()))
+    error_frame, done = streamed[-1].split("\n\n", 1)  # the failure's frame, then [DONE], as vLLM ends one
+    assert json.loads(error_frame.removeprefix("data: "))["error"]["code"] == "unavailable" and done == DONE
 
 
 def test_a_server_error_marks_the_chat_span_with_its_message(spans):

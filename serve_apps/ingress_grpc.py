@@ -97,7 +97,13 @@ from serve_apps.grpc_decoding import UndecodableRequest
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import chat_request_problem
-from serve_apps.orchestrator.models import TOOL_CHOICE_KEYWORDS, TURN_ERROR_STATUS, TURN_INTERRUPTED, Message
+from serve_apps.orchestrator.models import (
+    TOOL_CHOICE_KEYWORDS,
+    TURN_ERROR_STATUS,
+    TURN_INTERRUPTED,
+    Message,
+    outcome_checked,
+)
 from serve_apps.orchestrator.prompt import to_wire_message
 from serve_apps.sse_frames import sse_payloads, stream_leading_error
 from serve_apps.vllm_replica import ServedBy
@@ -711,7 +717,7 @@ class GrpcIngress:
         if envelope.get("is_replay"):
             grpc_context.set_trailing_metadata([(REPLAY_METADATA, "true")])
         try:
-            async for event in events:
+            async for event in outcome_checked(events):
                 message = session_event_to_proto(event)
                 if event["kind"] == "error":
                     status = turn_error_status(event["code"])

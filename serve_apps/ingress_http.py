@@ -70,7 +70,14 @@ from serve_apps.request_checks import (
     detokenize_request_problem,
     tokenize_request_problem,
 )
-from serve_apps.orchestrator.models import TURN_ERROR_STATUS, TURN_INTERRUPTED, CreateSessionRequest, ToolResultsSubmission, TurnRequest
+from serve_apps.orchestrator.models import (
+    TURN_ERROR_STATUS,
+    TURN_INTERRUPTED,
+    CreateSessionRequest,
+    ToolResultsSubmission,
+    TurnRequest,
+    outcome_checked,
+)
 from serve_apps.sse_frames import data_objects, frame_errors, sse_lines, stream_leading_error
 from serve_apps.vllm_replica import ServedBy
 
@@ -441,6 +448,7 @@ async def _turn_response(
         return _session_failure(err)
     if first["status"] != 200:
         return _unary(first)
+    events = outcome_checked(events)
     headers = {REPLAY_HEADER: "true"} if first.get("is_replay") else {}
     if is_streaming:
         return StreamingResponse(_sse(first, events, span), media_type="text/event-stream", headers=headers)

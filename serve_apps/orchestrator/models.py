@@ -19,6 +19,7 @@ Invariants the validators hold:
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Annotated, Literal, NewType
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
@@ -310,6 +311,28 @@ TURN_ERROR_STATUS = {
     "store_unavailable": 503,
     "internal": 500,
 }
+
+
+# Events that end a turn: a turn's stream holds exactly one.
+TURN_OUTCOME_KINDS = frozenset({"final", "requires_action", "error"})
+
+
+class TurnCutShort(RuntimeError):
+    """A turn's stream ended without its outcome: to its client, the turn was interrupted (`TURN_INTERRUPTED`)."""
+
+
+async def outcome_checked(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """A turn's events as the orchestrator streams them; raises TurnCutShort after them when none ended the turn.
+
+    So an ingress answers a stream that stopped short as one that broke off (503 `turn_interrupted`,
+    UNAVAILABLE over gRPC), never as a turn that ended well with nothing said.
+    """
+    has_outcome = False
+    async for event in events:
+        has_outcome = has_outcome or event.get("kind") in TURN_OUTCOME_KINDS
+        yield event
+    if not has_outcome:
+        raise TurnCutShort("the turn's stream ended without its outcome")
 
 
 # A turn's stream broke off between orchestrator and ingress (the orchestrator replica died or was replaced).

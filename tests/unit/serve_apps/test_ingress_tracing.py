@@ -544,6 +544,13 @@ def test_a_turn_stream_span_has_the_status_its_last_event_sets(spans, last, code
     assert (span.status.status_code is StatusCode.ERROR) is is_error
 
 
+def test_a_turn_stream_that_ends_without_its_outcome_fails_as_interrupted(spans):
+    context = _GrpcContext()
+    ingress = _grpc_ingress(send_message=_turn({"status": 200}, {"kind": "delta", "text": "a"}))
+    *_, last = _run(_send_message(ingress, context))
+    assert context.code is grpc.StatusCode.UNAVAILABLE and last.error.code == "turn_interrupted"
+
+
 def test_a_stream_its_caller_closes_ends_its_span_as_cancelled_without_leaking_it(spans):
     ingress = _grpc_ingress(send_message=_turn({"status": 200}, *[{"kind": "delta", "text": "a"}] * 3))
 

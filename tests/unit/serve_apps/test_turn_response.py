@@ -85,3 +85,20 @@ def test_a_turn_that_broke_off_tells_openai_clients_not_to_retry_it_by_themselve
     response = asyncio.run(ingress_http._turn_response("s1", broke_off(), is_streaming=False))
     assert response.status_code == 503 and json.loads(response.body)["error"]["code"] == "turn_interrupted"
     assert response.headers["x-should-retry"] == "false"  # it may have committed: only a retry under its key is safe
+
+
+@pytest.mark.parametrize("is_streaming", [False, True])
+def test_a_turn_stream_that_ends_without_its_outcome_is_an_interrupted_turn(is_streaming):
+    """No final, requires_action or error event: the turn was cut short, not finished with nothing to say."""
+    events = _events({"status": 200}, {"kind": "delta", "text": "Hel"})
+    response = asyncio.run(ingress_http._turn_response("s1", events, is_streaming=is_streaming))
+    if not is_streaming:
+        assert response.status_code == 503 and json.loads(response.body)["error"]["code"] == "turn_interrupted"
+        return
+
+    async def frames():
+        return [frame async for frame in response.body_iterator]
+
+    *_, error, done = asyncio.run(frames())
+    assert error.startswith("event: error\n") and '"code": "turn_interrupted"' in error
+    assert done == "event: done\ndata: {}\n\n"

@@ -13,6 +13,7 @@ exceptions, and `param` when vLLM named the parameter.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any, Mapping, Optional, Sequence
 
@@ -141,10 +142,12 @@ def refusal(error: Mapping[str, Any]) -> Exception:
 
 def exception_response(err: Exception, request: Optional[Request]) -> JSONResponse:
     """`exception_body` as the response, under the request id Ray's middleware gave `request` (a 503
-    `unavailable` with `Retry-After`)."""
+    `unavailable` with `Retry-After`: the delay Serve's back-pressure names, else 1 s)."""
     status, body = exception_body(err, getattr(request.state, "request_id", "") if request is not None else "")
-    is_retryable = body["error"].get("code") == "unavailable"
-    return JSONResponse(body, status_code=status, headers={"retry-after": "1"} if is_retryable else None)
+    if body["error"].get("code") != "unavailable":
+        return JSONResponse(body, status_code=status)
+    retry_after_s = getattr(err, "retry_after_s", None) or 1
+    return JSONResponse(body, status_code=status, headers={"retry-after": str(max(1, math.ceil(retry_after_s)))})
 
 
 def engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:

@@ -44,11 +44,11 @@ FACTS_HEADER = "Facts:"
 _MAX_INLINE_STRING_CHARS = 200
 # A run of value characters longer than this is a blob (base64, minified code), not a key value.
 _MAX_VALUE_CHARS = 256
-# What values are written with: ASCII letters, the decimal digits of any script (`٣٤٥`, `１２３`), signs and
-# separators, currency, degree and per-mille signs, the dashes and minus of other scripts, and CJK date
+# What values are written with: ASCII letters, the decimal digits of any script (`٣٤٥`, `１２３`) and
+# Arabic's separators (`١٢٫٥`), signs and separators, currency, degree and per-mille signs, the dashes and minus of other scripts, and CJK date
 # units (2026年11月30日). Every
 # other character (spaces, brackets, quotes, CJK words) ends a value, so `金额¥1,200元` yields `¥1,200`.
-_VALUE_CHARS = "\\d0-9A-Za-z_.,:/#%+=@~$€£¥₹°µ‰\\-\u2010-\u2015\u2212年月日時分秒"
+_VALUE_CHARS = "\\d0-9A-Za-z_.,:/#%+=@~$€£¥₹°µ‰\u066b\u066c\\-\u2010-\u2015\u2212年月日時分秒"
 _RUN = re.compile(f"[{_VALUE_CHARS}]+")
 _EDGE = ".,:;="
 _DOT_LEADS = frozenset("0123456789./")
@@ -56,9 +56,9 @@ _UNITS = (
     r"%|‰|[KMGT]i?B|B|ns|µs|us|ms|s|sec|secs|min|mins|h|hr|hrs|days?|weeks?|months?|years?|"
     r"kg|g|mg|t|lbs?|oz|km|m|cm|mm|mi|ft|L|ml|°C|°F|USD|EUR|GBP|CHF|CNY|JPY|RMB|tokens?|x|€|£|¥|₹|\$|hours?"
 )
-# A unit with its power or per-unit (`50 m²`, `100 km/h`): never the first part alone, which would be
-# another value (`50 m`); a unit followed by a slash that is no unit is left off.
-_UNIT_AFTER = re.compile(rf" ?(?:{_UNITS})(?:[²³]|/(?:{_UNITS}))?(?![0-9A-Za-z_²³/])")
+# A unit with its power or per-unit (`50 m²`, `100 km/h`, `9.81 m/s²`): never the first part alone, which
+# would be another value (`50 m`); a slash after it that starts no unit (`30 ms/req`) is not part of it.
+_UNIT_AFTER = re.compile(rf" ?(?:{_UNITS})[²³]?(?:/(?:{_UNITS})[²³]?)?(?![0-9A-Za-z_²³])")
 # Currency codes and signs that stand before an amount, with a space (`EUR 1,234.50`, `€ 12`).
 _CURRENCY = r"(?:USD|EUR|GBP|CHF|CNY|JPY|RMB|INR|CAD|AUD|[$€£¥₹])"
 # A base64 value's padding: kept where the run with it is whole base64 (its length a multiple of 4).
@@ -84,13 +84,13 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Dates with the month's name: `Nov 30, 2026`, `November 30th 2026`, `30 Dec 2026`.
         ("month_date", rf"(?<![A-Za-z]){_MONTHS}\.? \d{{1,2}}(?:st|nd|rd|th)?,? \d{{4}}(?![0-9])"
                        rf"|(?<![0-9])\d{{1,2}}(?:st|nd|rd|th)? {_MONTHS}\.?,? \d{{4}}(?![0-9])", re.ASCII),
-        # ... and without a year: `due Nov 30`, `30 November`.
-        ("month_day", rf"(?<![A-Za-z]){_MONTHS}\.? \d{{1,2}}(?:st|nd|rd|th)?(?![0-9A-Za-z])"
-                      rf"|(?<![0-9])\d{{1,2}}(?:st|nd|rd|th)? {_MONTHS}\.?(?![A-Za-z])", re.ASCII),
+        # ... and without a year, month first (`due Nov 30`; `3 May` is as often a count before a verb).
+        ("month_day", rf"(?<![A-Za-z]){_MONTHS}\.? \d{{1,2}}(?:st|nd|rd|th)?(?![0-9A-Za-z])", re.ASCII),
         # An amount after its currency (`EUR 1,234.50`, `€ 12`), and one in an accountant's parentheses,
         # which make it negative (`(1,234.50)`).
-        ("currency_amount", rf"(?<![A-Za-z]){_CURRENCY} ?[-\u2212]?\d(?:[\d,.]*\d)?", re.ASCII),
-        ("negative_amount", rf"\((?:{_CURRENCY} ?)?\d{{1,3}}(?:,\d{{3}})*\.\d{{2}}\)", re.ASCII),
+        # Not where the code ends the amount before it (`12 USD 30 days`).
+        ("currency_amount", rf"(?<![A-Za-z])(?<![0-9] )(?<![0-9]){_CURRENCY} ?[-\u2212]?\d(?:[\d,.]*\d)?", re.ASCII),
+        ("negative_amount", rf"\((?:{_CURRENCY} ?)?(?:\d{{1,3}}(?:,\d{{3}})+|\d+)\.\d{{2}}\)", re.ASCII),
         # Scientific notation as typeset: `1.5×10⁻³`.
         ("typeset_exponent", r"(?<![0-9.])\d+(?:\.\d+)?\s?[×x·]\s?10[⁻⁺]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+", re.ASCII),
         # Codes in capitals joined by dashes or underscores, digits or not: `SKU-XL-RED`, `EU_WEST`.
@@ -434,6 +434,13 @@ def _joins(char: str) -> bool:
     return char.isdecimal() or (char.isascii() and (char.isalnum() or char == "_"))
 
 
+def _joins_before(context: str, at: int) -> bool:
+    """Whether the text before `context[at]` joins a value starting there; a JSON escape (`\\n3`) does not."""
+    if at == 0 or not _joins(context[at - 1]):
+        return False
+    return not (context[at - 1] in "bfnrt" and context[at - 2 : at - 1] == "\\")
+
+
 def _appears_whole(value: str, context: str) -> bool:
     """Whether `value` is in `context` as a value of its own, not inside a longer one (`12` in `1234`)."""
     if not value:
@@ -441,12 +448,31 @@ def _appears_whole(value: str, context: str) -> bool:
     at = context.find(value)
     while at >= 0:
         end = at + len(value)
-        is_joined_before = at > 0 and _joins(value[0]) and _joins(context[at - 1])
+        is_joined_before = _joins(value[0]) and _joins_before(context, at)
         is_joined_after = end < len(context) and _joins(value[-1]) and _joins(context[end])
         if not (is_joined_before or is_joined_after):
             return True
         at = context.find(value, at + 1)
     return False
+
+
+def _ledger_values(ledger: Sequence[str]) -> set[str]:
+    """The ledger's lines and the values they list, as `source_values` reads values: a value found here is
+    kept without a scan of the whole context (most are: the ledger lists what the dropped messages held)."""
+    values = set(ledger)
+    for line in ledger:
+        label_end = min((i for i in (line.find(": "), line.find("=")) if i >= 0), default=-1)
+        if label_end < 0:
+            continue
+        listed = line[label_end + (2 if line.startswith(": ", label_end) else 1):]
+        document = _parsed_json(listed) if line[label_end] == "=" else None
+        if document is not None:
+            leaves: list[str] = []
+            _leaf_values(document, leaves)
+            values.update(leaves)
+        else:
+            values.update(listed.split(" | "))
+    return values
 
 
 def _context_text(messages: Sequence[Message]) -> str:
@@ -487,7 +513,8 @@ def apply_compression(
     new_messages = [summary, *messages[cut:]]
     context = _context_text(new_messages)
     values = source_values(messages[:cut])
-    retained = sum(1 for value in values if _appears_whole(value, context))
+    listed = _ledger_values(plan.ledger)
+    retained = sum(1 for value in values if value in listed or _appears_whole(value, context))
     report = CompressionReport(
         num_messages_compressed=cut,
         tokens_before=plan.tokens_before,

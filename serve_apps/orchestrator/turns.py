@@ -280,9 +280,13 @@ class TurnRunner:
         turn takes at most `max_steps_per_turn` model calls however often it pauses.
         `results` answer exactly the pending calls (the caller has checked).
         """
-        names = {call.id: call.name for call in pending_client_calls(self._stored)}
+        pending = pending_client_calls(self._stored)
+        names = {call.id: call.name for call in pending}
+        order = {call.id: index for index, call in enumerate(pending)}
         messages, events = [], []
-        for result in results:
+        # In the calls' order, whatever the client's: a template that does not print call ids pairs each
+        # result with the call in its place.
+        for result in sorted(results, key=lambda r: order[r.tool_call_id]):
             content, is_truncated = truncate_text(result.content, self._limits.max_tool_result_bytes)
             content = ("error: " + content) if result.is_error else content
             messages.append(Message(role="tool", tool_call_id=result.tool_call_id, name=names[result.tool_call_id],
@@ -403,9 +407,8 @@ class TurnRunner:
                     tool_call_id=call.id, status=outcome.status, content=outcome.content, is_truncated=outcome.is_truncated
                 )
             if client_calls:
-                if len(client_calls) < len(checked):
-                    async for event in self._fitted_for_resume():  # server-side results came in this step too
-                        yield event
+                async for event in self._fitted_for_resume(client_calls):
+                    yield event
                 pause = RequiresActionEvent(tool_calls=client_calls)
                 await self._commit(pause)
                 yield pause
@@ -425,25 +428,28 @@ class TurnRunner:
         await self._commit(exhausted)
         yield exhausted
 
-    async def _fitted_for_resume(self) -> AsyncIterator[CompressionEvent]:
+    async def _fitted_for_resume(self, pending: Sequence[ToolCall] = ()) -> AsyncIterator[CompressionEvent]:
         """Compresses if need be, then raises TurnFailed (`context_overflow`) unless the history fits a next step.
 
-        For a turn that commits what its last step's server-side tools returned, unmeasured:
-        the session's next step (a new turn, or the resume after client results) starts from
-        it, and that round is too recent to compress then. Committed over the window, it would
-        fail every later step until the session expired; failed now, nothing is kept.
+        For a turn about to commit what its last step added, unmeasured (its tools' results, its
+        calls): the session's next step (a new turn, or the resume after client results) starts
+        from it, and that round is too recent to compress then. Committed over the window, it would
+        fail every later step (and a pause, every resume, with new messages refused while calls
+        are pending) until the session expired; failed now, nothing is kept. The `pending` client
+        calls are counted with empty results, the least their answers add.
         """
         async for event in self._maybe_compress():
             yield event
-        self._fitting_account()
+        self._fitting_account([Message(role="tool", tool_call_id=c.id, name=c.name, content="") for c in pending])
 
-    def _fitting_account(self) -> TokenAccount:
-        """The token account of the history as the next step's prompt, which must leave the output reserve free.
+    def _fitting_account(self, to_come: Sequence[Message] = ()) -> TokenAccount:
+        """The token account of the history (and messages `to_come`) as the next step's prompt, which must leave
+        the output reserve free.
 
         Raises:
             TurnFailed: `context_overflow`: it does not fit the window (nothing is committed).
         """
-        account = self._account(self.history)
+        account = self._account([*self.history, *to_come])
         if account.remaining_tokens < 0:
             raise TurnFailed(
                 "context_overflow",

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from serve_apps.orchestrator import compression
 from serve_apps.orchestrator.compression import (
     SUMMARY_MESSAGE_NAME,
     CompressionPlan,
@@ -89,15 +90,16 @@ def test_extract_facts_from_text(text, expected):
          ["version=1.2.3", "ratio=12.5%", "timeout=30", "30 ms"]),
         # A unit's power or per-unit is part of it (`50 m` would be another value); a currency before an
         # amount, an accountant's negative, a date without its year, an IANA zone, typeset exponents.
-        ("area 50 m², 2 cm³, at 100 km/h or 5 m/s for 3 hours", ["50 m²", "2 cm³", "100 km/h", "5 m/s", "3 hours"]),
-        ("a 3 m/ wall", ["3"]),
+        ("area 50 m², 2 cm³, at 100 km/h or 9.81 m/s² for 3 hours", ["50 m²", "2 cm³", "100 km/h", "9.81 m/s²", "3 hours"]),
+        ("30 ms/req, 3 m³/s, 2 GB/3 GB", ["30 ms", "3 m³/s", "2 GB/3 GB"]),
         ("Total: EUR 1,234.50, tip € 12, fee USD 5", ["EUR 1,234.50", "€ 12", "USD 5"]),
-        ("balance (1,234.50) after (7)", ["(1,234.50)", "7"]),
-        ("due Nov 30, or 1st March", ["Nov 30", "1st March"]),
+        ("Refund 12 USD 30 days after, paid 5 EUR 3 USD", ["12 USD", "30 days", "5 EUR", "3 USD"]),
+        ("balance (1,234.50) or (1234.50) after (7)", ["(1,234.50)", "(1234.50)", "7"]),
+        ("due Nov 30, not 3 May fail", ["Nov 30", "3"]),
         ("at 2026-11-30 08:15 Europe/Paris", ["2026-11-30 08:15 Europe/Paris"]),
         ("a rate of 1.5×10⁻³", ["1.5×10⁻³"]),
         # Digits of other scripts, and codes in capitals without digits.
-        ("٣٤٥ and １２３４", ["٣٤٥", "１２３４"]),
+        ("٣٤٥ and １２３４ and ١٢٫٥", ["٣٤٥", "１２３４", "١٢٫٥"]),
         ("size SKU-XL-RED in EU_WEST", ["SKU-XL-RED", "EU_WEST"]),
     ],
 )
@@ -466,17 +468,54 @@ def test_a_value_inside_a_longer_one_is_not_counted_as_kept():
     assert report.ledger_retained_fraction == 0.5
 
 
-def test_values_beside_cjk_text_in_a_json_result_are_kept_through_compression():
-    """A value ends where CJK text begins: `ORD-5` is whole in `ORD-5已发货`."""
-    result = json.dumps({"状态": "ORD-5已发货", "日期": "2026-11-30到达"}, ensure_ascii=False)
+@pytest.mark.parametrize("value, context, is_whole", [
+    ("12", "Order 1234", False),
+    ("12", "Order 12, 1234", True),
+    ("3", '{"note":"Items:\\n3 widgets"}', True),  # after a JSON escape, as the ledger writes a newline
+    ("200", '{"log":"ok\\r\\n200"}', True),
+    ("ORD-5", "ORD-5已发货", True),
+])
+def test_a_value_is_whole_beside_anything_but_a_letter_or_digit(value, context, is_whole):
+    assert compression._appears_whole(value, context) is is_whole
+
+
+def test_a_json_result_with_escaped_line_breaks_keeps_every_value_through_compression():
+    result = json.dumps({"address": "221B Baker St\nLondon NW1 6XE", "note": "Items:\n3 widgets\tORD-5",
+                         "log": "ok\r\n200"})
+    _, report = _compressed_first_round(result)
+    assert report.ledger_retained_fraction == 1.0
+
+
+def test_checking_what_a_compression_kept_is_linear_in_the_values_it_lists():
+    """Values that also sit inside longer ones (`1` in `11`) are found in the ledger, not by a scan for each."""
+    text = " ".join(digit * length for digit in "12345678" for length in range(250, 0, -1))  # about 250 KB
+    history = [Message(role="user", content=text), Message(role="assistant", content="ok"),
+               Message(role="user", content="next"), Message(role="assistant", content="ok")]
+    plan = CompressionPlan(num_messages_compressed=2, tokens_before=100, tokens_compressed=50,
+                           remaining_tokens_before=0, ledger=tuple(build_ledger(history[:2])))
+    started = time.perf_counter()
+    _, report = apply_compression(history, plan, "", recount=lambda m: _account(m, 100))
+    assert report.ledger_retained_fraction == 1.0
+    assert time.perf_counter() - started < 5  # about 0.06 s here; a scan per value took 13 s
+
+
+def _compressed_first_round(result: str):
+    """The first round of a two-round history, whose tool returned `result`, compressed."""
     call = ToolCall(id="c1", name="get_order", arguments="{}")
     history = [Message(role="user", content="where?"), Message(role="assistant", tool_calls=[call]),
                Message(role="tool", tool_call_id="c1", name="get_order", content=result),
                Message(role="assistant", content=PROSE), Message(role="user", content="and now?"),
                Message(role="assistant", content="ok")]
     plan = plan_compression(history, _account(history, 100), SessionLimits(keep_last_rounds=1))
-    _, report = apply_compression(history, plan, "", recount=lambda m: _account(m, 100))
-    assert plan.num_messages_compressed == 4 and report.ledger_retained_fraction == 1.0
+    assert plan.num_messages_compressed == 4
+    return apply_compression(history, plan, "", recount=lambda m: _account(m, 100))
+
+
+def test_values_beside_cjk_text_in_a_json_result_are_kept_through_compression():
+    """A value ends where CJK text begins: `ORD-5` is whole in `ORD-5已发货`."""
+    result = json.dumps({"状态": "ORD-5已发货", "日期": "2026-11-30到达"}, ensure_ascii=False)
+    _, report = _compressed_first_round(result)
+    assert report.ledger_retained_fraction == 1.0
 
 
 def test_a_value_that_runs_past_the_one_before_it_is_kept_through_compression():

@@ -454,3 +454,42 @@ def test_a_pause_after_server_results_that_fit_is_committed(monkeypatch):
     monkeypatch.setattr(turns, "run_http_tool", tool)
     events, store, _ = _run([([], _server_and_client_calls())], "auto", record=_mixed_tools_record())
     assert events[-1].kind == "requires_action" and len(store.commits) == 1
+
+
+def test_results_go_to_the_model_in_the_order_of_their_calls_whatever_order_they_came_in():
+    """A template that prints no call ids pairs each result with the call in its place."""
+    history = [Message(role="user", content="Where are ORD-1 and ORD-2?"),
+               Message(role="assistant", content=None, tool_calls=[
+                   ToolCall(id="c1", name="lookup_order", arguments='{"order_id": "ORD-1"}'),
+                   ToolCall(id="c2", name="lookup_order", arguments='{"order_id": "ORD-2"}')])]
+    store, model = MemoryStore(), ScriptedModel([([], ModelReply(content="Both shipped."))])
+    runner = TurnRunner(_record(), history, len(history), store, model, CharTokenizer(), 8192)
+    results = [ToolResult(tool_call_id="c2", content="second"), ToolResult(tool_call_id="c1", content="first")]
+
+    async def main():
+        return [e async for e in runner.resume(results, 1)]
+
+    events = asyncio.run(main())
+    assert [e.tool_call_id for e in events if e.kind == "tool_result"] == ["c1", "c2"]
+    assert [m.tool_call_id for m in store.commits[0]["messages"] if m.role == "tool"] == ["c1", "c2"]
+    assert [m["content"] for m in model.prompts[0][-2:]] == ["first", "second"]
+
+
+def test_a_pause_whose_calls_leave_no_room_for_their_results_fails_the_turn():
+    """The call leaves no room for its result: committed, every resume failed and new messages got 409 (stuck)."""
+    record = _record(output_reserve_tokens=200)
+    big_call = ModelReply(tool_calls=[ToolCall(id="c1", name="lookup_order", arguments=json.dumps({"order_id": "O" * 150}))])
+    store, model = MemoryStore(), ScriptedModel([([], big_call)])
+    runner = TurnRunner(record, (), 0, store, model, CharTokenizer(), 8192)
+    # A message that leaves room for the call and 4 tokens more, fewer than even an empty result takes.
+    after_call = runner._account([Message(role="user", content=""),
+                                  Message(role="assistant", tool_calls=big_call.tool_calls)]).remaining_tokens
+    filler = "x" * (after_call - 4)
+
+    async def main():
+        return [e async for e in runner.run([Message(role="user", content=filler)], "auto")]
+
+    events = asyncio.run(main())
+    assert len(model.prompts) == 1  # the step's own prompt fit
+    assert events[-1].kind == "error" and events[-1].code == "context_overflow", events[-1]
+    assert store.commits == []

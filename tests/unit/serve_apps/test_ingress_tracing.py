@@ -151,13 +151,16 @@ def test_an_engine_refusal_names_the_replica_that_refused_it(spans, items, repli
     assert response.headers.get("x-warmpath-replica") == replica
 
 
-@pytest.mark.parametrize("failure", [
-    RayActorError(), DeploymentUnavailableError("warmpath"), BackPressureError(num_queued_requests=1, max_queued_requests=1),
-], ids=["replica-died", "no-replica", "full"])
-def test_a_call_no_replica_could_take_is_a_503_to_retry_as_over_grpc(spans, failure):
+@pytest.mark.parametrize("failure, retry_after", [
+    (RayActorError(), "1"),
+    (DeploymentUnavailableError("warmpath"), "1"),
+    (BackPressureError(num_queued_requests=1, max_queued_requests=1), "1"),
+    (BackPressureError(num_queued_requests=1, max_queued_requests=1, retry_after_s=2.5), "3"),  # Serve's own delay
+], ids=["replica-died", "no-replica", "full", "full-with-delay"])
+def test_a_call_no_replica_could_take_is_a_503_to_retry(spans, failure, retry_after):
     response = _run(_chat_ingress(failure)._process_llm_request(_chat(), "chat", _http_request()))
     error = json.loads(response.body)["error"]
-    assert (response.status_code, response.headers.get("retry-after"), error["code"]) == (503, "1", "unavailable")
+    assert (response.status_code, response.headers.get("retry-after"), error["code"]) == (503, retry_after, "unavailable")
     streamed = _run(_streamed(_chat_ingress(ServedBy("r1"), CHUNK, failure), _chat(stream=True), _http_request()))
     error_frame, done = streamed[-1].split("\n\n", 1)  # the failure's frame, then [DONE], as vLLM ends one
     assert json.loads(error_frame.removeprefix("data: "))["error"]["code"] == "unavailable" and done == DONE

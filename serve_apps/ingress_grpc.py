@@ -393,8 +393,7 @@ def engine_failure(error: Mapping[str, Any]) -> RpcFailure:
     message without Ray Serve LLM's wrapping (`serve_apps.api_errors`).
     """
     status, message = client_engine_error(error)  # the engine's own failure said as over HTTP
-    if status is None:
-        return RpcFailure(grpc.StatusCode.INTERNAL, "model_error", message)
+    status = status or 500  # none named: the engine's own failure, a 500 over HTTP (not a turn's `model_error`)
     return RpcFailure(grpc_code(status), error_type(status), message)
 
 

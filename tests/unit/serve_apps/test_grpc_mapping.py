@@ -183,7 +183,7 @@ def test_failure_from_exception(err, expected):
         # The engine's own failure: its text stays in the log, as over HTTP.
         ({"message": "engine dead at /opt/vllm/worker.py:1432", "type": "InternalServerError", "code": 500},
          Code.INTERNAL, "InternalServerError", "Internal Server Error"),
-        ({"message": "odd"}, Code.INTERNAL, "model_error", "Internal Server Error"),
+        ({"message": "odd"}, Code.INTERNAL, "InternalServerError", "Internal Server Error"),
         # as Ray Serve LLM wraps an engine's refusal: the details carry the text alone
         ({"message": "Message: max_tokens must be at least 1, got -1. (Request ID: 5f2a), Internal exception: "
                      "ray.llm._internal.serve.core.configs.openai_api_models.OpenAIHTTPException (Request ID: 5f2a), "

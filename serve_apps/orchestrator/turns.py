@@ -499,9 +499,16 @@ class TurnRunner:
         ]
         # A summary longer than a quarter of what it replaces would defeat the compression.
         max_tokens = max(MIN_SUMMARY_TOKENS, min(self._limits.output_reserve_tokens, plan.tokens_compressed // 4))
-        async for item in self._model.chat(self._record.session_id, prompt, [], "none", max_tokens):
-            if isinstance(item, ModelReply):
-                summary = item
+        try:
+            async for item in self._model.chat(self._record.session_id, prompt, [], "none", max_tokens):
+                if isinstance(item, ModelReply):
+                    summary = item
+        except TurnFailed as err:
+            # The summary is prose beside the ledger, which holds every value: without it the compression
+            # still stands (the engine refused a transcript longer than its window, say).
+            logger.warning("session %s: the summarising call failed (%s); the facts ledger stands alone",
+                           self._record.session_id, err)
+            summary = ModelReply()
         compressed, report = apply_compression(history, plan, summary.content, recount=self._account)
         if report.ledger_retained_fraction < 1.0 or report.tokens_after >= report.tokens_before:
             # Values dense enough that their ledger is no shorter than the messages, or a value the

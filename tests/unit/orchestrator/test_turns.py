@@ -20,7 +20,7 @@ from serve_apps.orchestrator.store import RememberedTurn, SessionRecord, request
 from serve_apps.orchestrator.models import TurnRequest
 from serve_apps.orchestrator import turns
 from serve_apps.orchestrator.tools import ToolOutcome
-from serve_apps.orchestrator.turns import MAX_REPAIRS_PER_TURN, ModelReply, TurnRunner
+from serve_apps.orchestrator.turns import MAX_REPAIRS_PER_TURN, ModelReply, TurnFailed, TurnRunner
 
 SCHEMA = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
 
@@ -206,6 +206,28 @@ def test_a_compression_that_shortens_the_prompt_is_kept():
     (compression,) = [e for e in events if e.kind == "compression"]
     assert compression.report.tokens_after < compression.report.tokens_before
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
+
+
+class SummaryRefusingModel(ScriptedModel):
+    """Refuses the summarising call as vLLM refuses a prompt over its window; answers the rest by its script."""
+
+    async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
+        if messages[0]["content"] == SUMMARISE_INSTRUCTION:
+            self.prompts.append(messages)
+            raise TurnFailed("model_error", "This model's maximum context length is 4096 tokens.")
+        async for item in super().chat(session_id, messages, tools, tool_choice, max_tokens):
+            yield item
+
+
+def test_a_summary_the_model_cannot_write_leaves_the_ledger_to_stand_alone():
+    """The summarising call failed the whole turn (model_error) though the ledger alone kept every value."""
+    model = SummaryRefusingModel([(["Hi"], ModelReply(content="Hi"))])
+    events, store = _turn_after(_stored_rounds(_prose), model=model)
+    (compression,) = [e for e in events if e.kind == "compression"]
+    assert compression.report.ledger_retained_fraction == 1.0
+    assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
+    summary = store.commits[0]["compaction"].summary.content
+    assert summary.startswith("[Summary of") and "ORD-1" in summary
 
 
 def _losing_one_value(monkeypatch) -> None:

@@ -9,8 +9,8 @@ application's `args` so `serve_apps.builders.build_app` can validate it again on
 the other side of the process boundary.
 
 Precedence, lowest to highest: field defaults < YAML file < environment
-(`WARMPATH_<SECTION>__<FIELD>`, plus the standard `REDIS_URL` and
-`OTEL_EXPORTER_OTLP_ENDPOINT`) < CLI flags.
+(`WARMPATH_<SECTION>__<FIELD>`, plus the standard `REDIS_URL`,
+`OTEL_EXPORTER_OTLP_ENDPOINT` and `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) < CLI flags.
 
 Configs do no I/O beyond `load_config` reading the file, and hold no runtime state.
 """
@@ -500,8 +500,10 @@ def env_overrides(environ: Mapping[str, str]) -> dict:
         out.setdefault("redis_url", environ["REDIS_URL"])
     telemetry = out.setdefault("telemetry", {})
     if isinstance(telemetry, dict):  # else WARMPATH_TELEMETRY set it whole, to what validation then names
-        if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-            telemetry.setdefault("otlp_endpoint", environ["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        # OTLP's signal-specific variable turns tracing on too (`telemetry.traces_endpoint` sends spans there).
+        for variable in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+            if environ.get(variable):
+                telemetry.setdefault("otlp_endpoint", environ[variable])
         if environ.get("OTEL_SERVICE_NAME"):
             telemetry.setdefault("service_name", environ["OTEL_SERVICE_NAME"])
         if not telemetry:

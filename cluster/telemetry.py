@@ -6,8 +6,9 @@ Ray worker process, so each configures its own tracer provider from the same
 (`traceparent`/`tracestate`) alongside the request, since Ray handle calls do
 not carry it.
 
-Configuration: `TelemetryConfig.otlp_endpoint` (from the cluster config or
-`OTEL_EXPORTER_OTLP_ENDPOINT`), `service_name`, and the standard `OTEL_*`
+Configuration: `TelemetryConfig.otlp_endpoint` (from the cluster config,
+`OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, which,
+when set, is where spans go as written), `service_name`, and the standard `OTEL_*`
 variables the SDK reads itself (sampler, resource attributes, headers, batch
 delay: half a second unless `OTEL_BSP_SCHEDULE_DELAY` is set). With
 no endpoint, no provider is installed: the API's no-op tracer creates
@@ -57,14 +58,22 @@ def setup_tracing(config: TelemetryConfig, component: str) -> None:
 
         resource = Resource.create({"service.name": config.service_name, "warmpath.component": component})
         provider = TracerProvider(resource=resource)
-        endpoint = config.otlp_endpoint.rstrip("/")
-        if not endpoint.endswith("/v1/traces"):
-            endpoint += "/v1/traces"
+        endpoint = traces_endpoint(config)
         # Half a second unless the operator set OTel's own variable (the SDK's default is 5 s).
         delay_ms = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else DEFAULT_SCHEDULE_DELAY_MS
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=delay_ms))
         trace.set_tracer_provider(provider)
         _is_configured = True
+
+
+def traces_endpoint(config: TelemetryConfig) -> str:
+    """Where spans are sent: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` as written (OTLP's signal-specific
+    variable, a whole URL), else the configured endpoint with `/v1/traces` (OTLP/HTTP's path)."""
+    explicit = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    if explicit:
+        return explicit
+    endpoint = (config.otlp_endpoint or "").rstrip("/")
+    return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
 
 
 def tracer() -> trace.Tracer:

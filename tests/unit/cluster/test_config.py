@@ -31,6 +31,7 @@ def test_defaults_describe_a_two_replica_cpu_cluster():
         ({"WARMPATH_ROUTER__LOAD_GUARD_FACTOR": "2.5"}, ("router", "load_guard_factor"), 2.5),
         ({"REDIS_URL": "redis://r:6379/0"}, ("redis_url",), "redis://r:6379/0"),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, ("telemetry", "otlp_endpoint"), "http://c:4318"),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/spans"}, ("telemetry", "otlp_endpoint"), "http://c:4318/spans"),
         ({"WARMPATH_PORTS__HTTP_PORT": "8100"}, ("ports", "http_port"), 8100),
     ],
 )

@@ -29,3 +29,16 @@ def test_the_batch_delay_is_otels_variable_when_set(monkeypatch, environ, delay_
     monkeypatch.setattr(telemetry, "_is_configured", False)
     telemetry.setup_tracing(TelemetryConfig(otlp_endpoint="http://127.0.0.1:4318"), "test")
     assert made == [{"schedule_delay_millis": delay_ms}]  # None: the SDK reads the variable itself
+
+
+@pytest.mark.parametrize("configured, environ, expected", [
+    ("http://c:4318", {}, "http://c:4318/v1/traces"),
+    ("http://c:4318/v1/traces", {}, "http://c:4318/v1/traces"),
+    # OTLP's signal-specific variable is a whole URL, used as written.
+    ("http://c:4318", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4318/custom/spans"}, "http://t:4318/custom/spans"),
+])
+def test_spans_go_to_the_traces_endpoint_as_otlp_names_it(monkeypatch, configured, environ, expected):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert telemetry.traces_endpoint(TelemetryConfig(otlp_endpoint=configured)) == expected

@@ -50,7 +50,7 @@ _MAX_VALUE_CHARS = 256
 # other character (spaces, brackets, quotes, CJK words) ends a value, so `金额¥1,200元` yields `¥1,200`.
 _VALUE_CHARS = "\\d0-9A-Za-z_.,:/#%+=@~$€£¥₹°µ‰\u066b\u066c\\-\u2010-\u2015\u2212年月日時分秒"
 _RUN = re.compile(f"[{_VALUE_CHARS}]+")
-_EDGE = ".,:;="
+_EDGE = ".,:;=\u066b\u066c"
 _DOT_LEADS = frozenset("0123456789./")
 _UNITS = (
     r"%|‰|[KMGT]i?B|B|ns|µs|us|ms|s|sec|secs|min|mins|h|hr|hrs|days?|weeks?|months?|years?|"
@@ -66,8 +66,10 @@ _BASE64_PADDED = re.compile(r"[A-Za-z0-9+/]{6,}={1,2}")
 _MONTHS = (r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|"
            r"Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)")
 _EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}", re.ASCII)
-# A zone: an abbreviation, an offset, or an IANA name (`Europe/Paris`, `America/Argentina/Buenos_Aires`).
-_ZONE = r"(?:Z|UTC|GMT|CET|EET|WET|[A-Z]{1,3}[SD]T|[+-]\d{2}:?\d{2}|[A-Z][a-z]+(?:/[A-Z][A-Za-z_-]+)+)"
+# A zone: an abbreviation, an offset, or an IANA name (`Europe/Paris`, `America/Argentina/Buenos_Aires`)
+# under one of the tz database's areas (`Design/Engineering` after a time is no zone).
+_IANA_AREAS = r"(?:Africa|America|Antarctica|Arctic|Asia|Atlantic|Australia|Europe|Indian|Pacific|Etc)"
+_ZONE = rf"(?:Z|UTC|GMT|CET|EET|WET|[A-Z]{{1,3}}[SD]T|[+-]\d{{2}}:?\d{{2}}|{_IANA_AREAS}(?:/[A-Z][A-Za-z_+-]*)+)"
 _MERIDIEM = r"(?: ?[AaPp]\.?[Mm]\.?(?![A-Za-z]))"
 # Values a run of value characters cannot hold whole (spaces, `?`, `&`); the longest match at a start wins.
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
@@ -89,7 +91,8 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # An amount after its currency (`EUR 1,234.50`, `€ 12`), and one in an accountant's parentheses,
         # which make it negative (`(1,234.50)`).
         # Not where the code ends the amount before it (`12 USD 30 days`).
-        ("currency_amount", rf"(?<![A-Za-z])(?<![0-9] )(?<![0-9]){_CURRENCY} ?[-\u2212]?\d(?:[\d,.]*\d)?", re.ASCII),
+        # Nor a pair's second code (`GBP/USD 1.2650` is a rate).
+        ("currency_amount", rf"(?<![A-Za-z/])(?<![0-9] )(?<![0-9]){_CURRENCY} ?[-\u2212]?\d(?:[\d,.]*\d)?", re.ASCII),
         ("negative_amount", rf"\((?:{_CURRENCY} ?)?(?:\d{{1,3}}(?:,\d{{3}})+|\d+)\.\d{{2}}\)", re.ASCII),
         # Scientific notation as typeset: `1.5×10⁻³`.
         ("typeset_exponent", r"(?<![0-9.])\d+(?:\.\d+)?\s?[×x·]\s?10[⁻⁺]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+", re.ASCII),
@@ -472,6 +475,8 @@ def _ledger_values(ledger: Sequence[str]) -> set[str]:
             values.update(leaves)
         else:
             values.update(listed.split(" | "))
+    # A `key=value` pair read from text holding JSON (`"m1": 1` in a tool's stdout) lists both halves.
+    values.update(half for value in list(values) if "=" in value for half in value.split("=", 1))
     return values
 
 

@@ -78,6 +78,7 @@ from serve_apps.orchestrator.tool_schema import grammar_failure_message
 from serve_apps.orchestrator.tools import conflicting_defs
 from serve_apps.orchestrator.turns import (
     ModelReply,
+    ModelRefusal,
     ModelRetry,
     TurnFailed,
     TurnRunner,
@@ -254,7 +255,7 @@ def engine_failure(message: str, status: int) -> Exception:
         )
     if status >= 500:  # the engine failed, not the request
         return ReplicaFailure(message)
-    return TurnFailed("model_error", message)
+    return ModelRefusal(message)
 
 
 def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]) -> str:

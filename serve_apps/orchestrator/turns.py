@@ -145,6 +145,13 @@ class TurnFailed(Exception):
         self.code = code
 
 
+class ModelRefusal(TurnFailed):
+    """The engine refused the request itself (a 4xx: a prompt over its window, say), not a replica failing."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("model_error", message)
+
+
 def tool_choice_problem(tool_choice: str, tool_names: Sequence[str]) -> str | None:
     """Why `tool_choice` cannot apply to a session with these tools, or None when it can.
 
@@ -429,7 +436,7 @@ class TurnRunner:
         yield exhausted
 
     async def _fitted_for_resume(self, pending: Sequence[ToolCall] = ()) -> AsyncIterator[CompressionEvent]:
-        """Compresses if need be, then raises TurnFailed (`context_overflow`) unless the history fits a next step.
+        """Raises TurnFailed (`context_overflow`) unless the history fits a next step, compressed if it must be.
 
         For a turn about to commit what its last step added, unmeasured (its tools' results, its
         calls): the session's next step (a new turn, or the resume after client results) starts
@@ -438,9 +445,14 @@ class TurnRunner:
         are pending) until the session expired; failed now, nothing is kept. The `pending` client
         calls are counted with empty results, the least their answers add.
         """
+        empty_results = [Message(role="tool", tool_call_id=c.id, name=c.name, content="") for c in pending]
+        if self._account([*self.history, *empty_results]).remaining_tokens >= 0:
+            return  # it fits: compressing can wait for the next step, which may not need it yet
         async for event in self._maybe_compress():
+            if self._stats and self._stats[-1].compression is None:  # the turn's last step: GET counts it there
+                self._stats[-1] = self._stats[-1].model_copy(update={"compression": event.report})
             yield event
-        self._fitting_account([Message(role="tool", tool_call_id=c.id, name=c.name, content="") for c in pending])
+        self._fitting_account(empty_results)
 
     def _fitting_account(self, to_come: Sequence[Message] = ()) -> TokenAccount:
         """The token account of the history (and messages `to_come`) as the next step's prompt, which must leave
@@ -503,9 +515,10 @@ class TurnRunner:
             async for item in self._model.chat(self._record.session_id, prompt, [], "none", max_tokens):
                 if isinstance(item, ModelReply):
                     summary = item
-        except TurnFailed as err:
+        except ModelRefusal as err:
             # The summary is prose beside the ledger, which holds every value: without it the compression
-            # still stands (the engine refused a transcript longer than its window, say).
+            # still stands (the engine refused a transcript longer than its window, say). A replica that
+            # failed is not that: the turn fails, and the next one summarises.
             logger.warning("session %s: the summarising call failed (%s); the facts ledger stands alone",
                            self._record.session_id, err)
             summary = ModelReply()

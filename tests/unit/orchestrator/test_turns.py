@@ -20,7 +20,7 @@ from serve_apps.orchestrator.store import RememberedTurn, SessionRecord, request
 from serve_apps.orchestrator.models import TurnRequest
 from serve_apps.orchestrator import turns
 from serve_apps.orchestrator.tools import ToolOutcome
-from serve_apps.orchestrator.turns import MAX_REPAIRS_PER_TURN, ModelReply, TurnFailed, TurnRunner
+from serve_apps.orchestrator.turns import MAX_REPAIRS_PER_TURN, ModelRefusal, ModelReply, TurnFailed, TurnRunner
 
 SCHEMA = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
 
@@ -73,7 +73,7 @@ class MemoryStore:
     async def commit_turn(self, session_id, expected_len, new_messages, stats, *, compaction=None, idem_key=None,
                           result_json=None):
         self.commits.append({"messages": list(new_messages), "idem_key": idem_key, "result_json": result_json,
-                             "compaction": compaction})
+                             "compaction": compaction, "stats": list(stats)})
         return expected_len + len(new_messages)
 
 
@@ -208,15 +208,23 @@ def test_a_compression_that_shortens_the_prompt_is_kept():
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
 
 
-class SummaryRefusingModel(ScriptedModel):
-    """Refuses the summarising call as vLLM refuses a prompt over its window; answers the rest by its script."""
+class SummaryFailingModel(ScriptedModel):
+    """Fails the summarising call with its `failure`; answers the rest by its script."""
+
+    failure: Exception = TurnFailed("model_error", "the model call failed twice (RayActorError)")
 
     async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
         if messages[0]["content"] == SUMMARISE_INSTRUCTION:
             self.prompts.append(messages)
-            raise TurnFailed("model_error", "This model's maximum context length is 4096 tokens.")
+            raise self.failure
         async for item in super().chat(session_id, messages, tools, tool_choice, max_tokens):
             yield item
+
+
+class SummaryRefusingModel(SummaryFailingModel):
+    """Refuses the summarising call as vLLM refuses a prompt over its window."""
+
+    failure = ModelRefusal("This model's maximum context length is 4096 tokens.")
 
 
 def test_a_summary_the_model_cannot_write_leaves_the_ledger_to_stand_alone():
@@ -228,6 +236,12 @@ def test_a_summary_the_model_cannot_write_leaves_the_ledger_to_stand_alone():
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
     summary = store.commits[0]["compaction"].summary.content
     assert summary.startswith("[Summary of") and "ORD-1" in summary
+
+
+def test_a_summarising_call_whose_replicas_failed_fails_the_turn():
+    """Only the engine's refusal leaves the ledger alone: a passing failure keeps the summary for a later turn."""
+    events, store = _turn_after(_stored_rounds(_prose), model=SummaryFailingModel([(["Hi"], ModelReply(content="Hi"))]))
+    assert events[-1].kind == "error" and events[-1].code == "model_error" and store.commits == []
 
 
 def _losing_one_value(monkeypatch) -> None:
@@ -515,3 +529,45 @@ def test_a_pause_whose_calls_leave_no_room_for_their_results_fails_the_turn():
     assert len(model.prompts) == 1  # the step's own prompt fit
     assert events[-1].kind == "error" and events[-1].code == "context_overflow", events[-1]
     assert store.commits == []
+
+
+def _pause_after_stored_rounds(call_chars: int, reserve: int, budget_for) -> tuple[list, MemoryStore, ScriptedModel]:
+    """A turn over `_stored_rounds(_prose)` whose one step calls the client tool with `call_chars` of arguments,
+    in a window `budget_for(tokens at the step's start, tokens after the call)` chooses."""
+    history = _stored_rounds(_prose)
+    call = ModelReply(tool_calls=[ToolCall(id="c9", name="lookup_order", arguments=json.dumps({"order_id": "O" * call_chars}))])
+    probe = TurnRunner(_record(reserve, context_budget_tokens=100_000), history, len(history), MemoryStore(),
+                       ScriptedModel([]), CharTokenizer(), 8192)
+    asked = [*history, Message(role="user", content="next")]
+    before = probe._account(asked).total_tokens
+    after = probe._account([*asked, Message(role="assistant", tool_calls=call.tool_calls)]).total_tokens
+    store, model = MemoryStore(), ScriptedModel([([], call), ([], ModelReply(content="a summary"))])
+    runner = TurnRunner(_record(reserve, context_budget_tokens=budget_for(before, after)), history, len(history), store,
+                        model, CharTokenizer(), 8192)
+
+    async def main():
+        return [e async for e in runner.run([Message(role="user", content="next")], "auto")]
+
+    return asyncio.run(main()), store, model
+
+
+def test_a_pause_that_fits_leaves_compressing_to_the_next_step():
+    """Past the compression threshold after the call, but with room for its result: no summary call at the pause."""
+    events, store, model = _pause_after_stored_rounds(400, 64, lambda before, after: int((after + 64) / 0.8) - 5)
+    assert [e.kind for e in events] == ["usage", "tool_call", "requires_action"]
+    assert len(model.prompts) == 1 and store.commits[0]["compaction"] is None
+
+
+def test_a_pause_that_must_compress_records_it_on_the_turns_last_step():
+    """No room for the result until the older rounds are compressed: the session's stats count that compression."""
+    reserve = 2000
+
+    def budget(before, after):
+        window = int((before + reserve) / 0.8) + 1  # no compression before the step
+        assert window < after + reserve  # the call leaves no room for a result
+        return window
+
+    events, store, _ = _pause_after_stored_rounds(1800, reserve, budget)
+    assert [e.kind for e in events] == ["usage", "tool_call", "compression", "requires_action"]
+    (stats,) = store.commits[0]["stats"]
+    assert store.commits[0]["compaction"] is not None and stats.compression == events[2].report

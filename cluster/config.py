@@ -217,6 +217,11 @@ class RouterConfig(_Strict):
         bad = {k: v for k, v in self.scorer_weights.items() if not 0 <= v <= MAX_SCORER_WEIGHT}
         if bad:
             raise ValueError(f"router.scorer_weights must be finite, >= 0 and <= {MAX_SCORER_WEIGHT:g}, got {bad}")
+        if not any(self.scorer_weights.values()):
+            raise ValueError(
+                "router.scorer_weights needs at least one weight above 0: with none, every replica scores 0 and "
+                "the warmpath policy picks at random (for that, use policy: pow2 or round-robin)"
+            )
         return self
 
 

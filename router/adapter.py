@@ -597,7 +597,7 @@ class PrefixKVRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         request_id = pending_request.metadata.internal_request_id
         decision = self._decisions.pop(request_id, None)
-        self._inflight.place(request_id, ReplicaId(replica_id.unique_id), time.monotonic(), True)
+        self._inflight.dispatch(request_id, ReplicaId(replica_id.unique_id), time.monotonic())
         if decision is None or decision.replica_id == replica_id.unique_id:
             return
         # Serve fell back to another replica (the chosen one was full): the placement moves where the request

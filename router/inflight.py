@@ -42,6 +42,16 @@ class InflightRequests:
         while len(self._undispatched) + len(self._dispatched) > MAX_INFLIGHT:
             self._drop_oldest()
 
+    def dispatch(self, request_id: str, replica_id: ReplicaId, now_s: float) -> None:
+        """Counts a placed request as sent to `replica_id` (where Serve sent it, the chosen one or not).
+
+        A request no longer placed is left alone: Serve may report a request the engine refused at
+        once complete before it reports it routed (two hops on the router's loop), and placed again
+        it would count as in flight for `INFLIGHT_TIMEOUT_S`.
+        """
+        if request_id in self._undispatched or request_id in self._dispatched:
+            self.place(request_id, replica_id, now_s, True)
+
     def complete(self, request_id: str, replica_id: ReplicaId | None = None) -> bool:
         """Stops counting the request; with `replica_id`, only if it is placed there.
 

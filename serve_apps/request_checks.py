@@ -37,9 +37,24 @@ MAX_TOKEN_ID_EXCLUSIVE = 2**32
 Problem = tuple[str, Optional[str]]
 
 
+def _kv_report_problem(body: Any) -> Optional[Problem]:
+    """A request asking the engine to report its whole cached prefix again (`kv_cache_report_mode: full`).
+
+    The router's KV index counts each `BlockStored` as one more copy of a block, and each
+    `BlockRemoved` as one fewer: blocks a request re-announced would stay in the index after the
+    engine evicted them, drawing that prefix's traffic to a replica that no longer holds it.
+    """
+    xargs = getattr(body, "vllm_xargs", None)
+    mode = xargs.get("kv_cache_report_mode", "incremental") if isinstance(xargs, dict) else "incremental"
+    if mode == "incremental":
+        return None
+    return (f"vllm_xargs.kv_cache_report_mode must be 'incremental' (the cluster's KV-cache routing reads the "
+            f"engine's events as increments), got {mode!r}"), "vllm_xargs.kv_cache_report_mode"
+
+
 def chat_request_problem(body: Any) -> Optional[Problem]:
     """The first thing wrong with a chat request's messages and tools, or None."""
-    if (problem := _choices_problem(body)) is not None:
+    if (problem := _choices_problem(body) or _kv_report_problem(body)) is not None:
         return problem
     messages = body.messages or []
     for index, message in enumerate(messages):
@@ -100,6 +115,7 @@ def completion_request_problem(body: Any) -> Optional[Problem]:
     """The first thing wrong with a completion request's prompt or other text, or None."""
     return (
         _choices_problem(body)
+        or _kv_report_problem(body)
         or unencodable_text_problem(getattr(body, "prompt", None), "prompt")
         or _other_fields_problem(body, ("prompt",))
     )

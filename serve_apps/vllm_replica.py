@@ -174,14 +174,28 @@ def _attach_kv_cache_usage(engine: Any) -> Optional[KvCacheUsageRecorder]:
     return recorder
 
 
+def _engine_cache_config(engine: Any) -> Any:
+    """The frontend's `CacheConfig` of Ray Serve LLM's vLLM engine, or None where it is not."""
+    return getattr(getattr(getattr(engine, "_engine_client", None), "vllm_config", None), "cache_config", None)
+
+
+def engine_block_size(engine: Any) -> Optional[int]:
+    """The tokens per KV block the engine uses, which vLLM may have set over the configured one; None if unknown.
+
+    The router hashes prompts in blocks of the size a replica advertises: with another size than
+    the engine's, every KV event of the replica would be skipped, and the router blind to it.
+    """
+    block_size = getattr(_engine_cache_config(engine), "block_size", None)
+    return block_size if isinstance(block_size, int) and block_size > 0 else None
+
+
 def engine_kv_capacity_blocks(engine: Any) -> Optional[int]:
     """The KV blocks of Ray Serve LLM's vLLM engine, as its cores reported them at start-up; None if unknown.
 
     vLLM's frontend keeps the sum over its engine cores (data parallel) in
     `cache_config.num_gpu_blocks`, filled in by the start-up handshake.
     """
-    cache_config = getattr(getattr(getattr(engine, "_engine_client", None), "vllm_config", None), "cache_config", None)
-    num_blocks = getattr(cache_config, "num_gpu_blocks", None)
+    num_blocks = getattr(_engine_cache_config(engine), "num_gpu_blocks", None)
     if isinstance(num_blocks, int) and num_blocks > 0:
         return num_blocks
     logger.info("the engine's KV cache size is not where expected: it is not reported to the router")
@@ -281,6 +295,11 @@ class WarmpathLLMServer(LLMServer):
         self._rendering_stats = rendering.routing_stats() if rendering is not None else {}
         self._kv_cache_usage = _attach_kv_cache_usage(self.engine)
         self._advertised["kv_capacity_blocks"] = engine_kv_capacity_blocks(self.engine)
+        block_size = engine_block_size(self.engine)
+        if block_size is not None and block_size != self._advertised["block_size"]:
+            logger.warning("vLLM set the KV block size to %d (configured: %s); the router hashes in %d-token blocks",
+                           block_size, self._advertised["block_size"], block_size)
+            self._advertised["block_size"] = block_size
 
     async def _tagged(self, stream: AsyncGenerator, span, is_streaming: bool) -> AsyncGenerator:
         """Tags the stream with this replica and times it: a streamed call's first item is its first token.

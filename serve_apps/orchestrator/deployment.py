@@ -69,6 +69,7 @@ from serve_apps.orchestrator.store import (
     SessionRecord,
     SessionStore,
     StaleTurn,
+    StepTotals,
     StoreUnavailable,
     idempotency_key_problem,
     request_fingerprint,
@@ -397,6 +398,7 @@ class Orchestrator:
             record = await self._owned_record(session_id, Caller.from_dict(caller))
             snapshot = await self._store.transcript(session_id)
             steps = await self._store.step_stats(session_id)
+            totals = await self._store.step_totals(session_id) or StepTotals.of(steps)  # older sessions: kept steps
         except SessionNotFound:
             return _not_found(session_id)
         except StoreUnavailable as err:
@@ -410,8 +412,6 @@ class Orchestrator:
             self._tokenizer, messages, tools, context_window_tokens=window,
             output_reserve_tokens=request.limits.output_reserve_tokens, memo=count_memo(session_id),
         )
-        prompt_tokens = sum(s.prompt_tokens for s in steps)
-        cached_tokens = sum(s.cached_tokens for s in steps)
         body = {
             "session_id": record.session_id,
             "model": request.model,
@@ -429,11 +429,12 @@ class Orchestrator:
             },
             "cache": {
                 "cacheable_prefix_tokens": account.prefix_tokens,
-                "prompt_tokens": prompt_tokens,
-                "cached_tokens": cached_tokens,
-                "hit_ratio": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
-                "num_compressions": sum(1 for s in steps if s.compression is not None),
-                "steps": [s.model_dump() for s in steps],
+                "prompt_tokens": totals.prompt_tokens,
+                "cached_tokens": totals.cached_tokens,
+                "hit_ratio": totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0,
+                "num_compressions": totals.num_compressions,
+                "num_steps": totals.num_steps,
+                "steps": [s.model_dump() for s in steps],  # the last `max_step_stats` (1,024)
             },
         }
         return {"status": 200, "body": body}

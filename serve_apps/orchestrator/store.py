@@ -89,7 +89,8 @@ end
 """
 
 # KEYS: meta, log, stats, idem, idem-order. ARGV: expected_len, num_replaced, summary, ttl_ms, num_messages,
-# num_stats, idem_key, result_json, max_step_stats, max_idempotency_records, then the messages and the stats.
+# num_stats, idem_key, result_json, max_step_stats, max_idempotency_records, then the messages, the stats,
+# and the stats' prompt tokens, cached tokens and compressions, added to the session's running totals.
 _COMMIT_SCRIPT = _REMEMBER_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('WARMPATH_NOT_FOUND')
@@ -118,6 +119,13 @@ for i = 1, num_stats do
   redis.call('RPUSH', KEYS[3], ARGV[10 + num_messages + i])
 end
 redis.call('LTRIM', KEYS[3], -tonumber(ARGV[9]), -1)
+if redis.call('HEXISTS', KEYS[1], 'steps_total') == 1 then  -- a session created with running totals
+  local totals = 10 + num_messages + num_stats
+  redis.call('HINCRBY', KEYS[1], 'steps_total', num_stats)
+  redis.call('HINCRBY', KEYS[1], 'prompt_tokens_total', ARGV[totals + 1])
+  redis.call('HINCRBY', KEYS[1], 'cached_tokens_total', ARGV[totals + 2])
+  redis.call('HINCRBY', KEYS[1], 'compressions_total', ARGV[totals + 3])
+end
 if ARGV[7] ~= '' then
   remember(KEYS[4], KEYS[5], ARGV[7], ARGV[8], tonumber(ARGV[10]))
 end
@@ -257,6 +265,27 @@ def request_fingerprint(endpoint: str, request: BaseModel) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+# The session record's running totals (`StepTotals`), in its field order.
+_TOTALS = ("steps_total", "prompt_tokens_total", "cached_tokens_total", "compressions_total")
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Every step's figures summed, kept by each commit: the stored stats keep only the last `max_step_stats`."""
+
+    num_steps: int
+    prompt_tokens: int
+    cached_tokens: int
+    num_compressions: int
+
+    @classmethod
+    def of(cls, stats: Sequence[StepStats]) -> "StepTotals":
+        return cls(
+            len(stats), sum(s.prompt_tokens for s in stats), sum(s.cached_tokens for s in stats),
+            sum(1 for s in stats if s.compression is not None),
+        )
+
+
 @dataclass(frozen=True)
 class TranscriptSnapshot:
     """The transcript as one turn read it; pass `length` back as `commit_turn(expected_len=...)`."""
@@ -378,7 +407,7 @@ class SessionStore:
 
         async def write() -> None:  # the same record twice is the same write: safe to retry
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(meta, mapping={"record": record.model_dump_json(), "removed": 0})
+                pipe.hset(meta, mapping={"record": record.model_dump_json(), "removed": 0, **dict.fromkeys(_TOTALS, 0)})
                 pipe.pexpire(meta, self._ttl_ms)
                 await pipe.execute()
 
@@ -567,6 +596,8 @@ class SessionStore:
         ]
         args.extend(m.model_dump_json(exclude_none=True) for m in new_messages)
         args.extend(s.model_dump_json() for s in stats)
+        added = StepTotals.of(stats)
+        args.extend([added.prompt_tokens, added.cached_tokens, added.num_compressions])
         try:
             with _redis_errors(session_id):
                 return int(await self._commit(keys=self._keys(session_id), args=args))
@@ -582,6 +613,14 @@ class SessionStore:
         """The result remembered under `idem_key`, or None when the turn never completed."""
         with _redis_errors(session_id):
             return await self._idempotent(lambda: self._redis.hget(self._key(session_id, "idem"), idem_key))
+
+    async def step_totals(self, session_id: str) -> StepTotals | None:
+        """The session's running totals over every step; None for a session created before they were kept."""
+        with _redis_errors(session_id):
+            values = await self._idempotent(lambda: self._redis.hmget(self._key(session_id, "meta"), _TOTALS))
+        if any(value is None for value in values):
+            return None
+        return StepTotals(*(int(value) for value in values))
 
     async def step_stats(self, session_id: str) -> list[StepStats]:
         """Per-step cache stats of the session, oldest first (the last `max_step_stats`)."""

@@ -21,6 +21,7 @@ from serve_apps.orchestrator.store import (
     SessionNotFound,
     SessionStore,
     StaleTurn,
+    StepTotals,
     StoreUnavailable,
 )
 from tests.integration.conftest import REDIS_SERVER, free_port
@@ -704,3 +705,35 @@ def test_the_token_bucket_refills_at_its_rate(redis_url):
     assert any(outcome.is_allowed for outcome in burst)
     assert refused and all(0 < outcome.retry_after_s <= 0.05 for outcome in refused)  # one token per 50 ms
     assert is_allowed_again
+
+
+def test_running_totals_count_every_step_beyond_those_kept(redis_url):
+    async def scenario(store):
+        record = await store.create(REQUEST, "k1", "ab" * 32)
+        sid = record.session_id
+        for step in range(3):
+            report = CompressionReport(num_messages_compressed=2, tokens_before=10, tokens_after=5, ledger_size=1,
+                                       ledger_retained_fraction=1.0) if step == 1 else None
+            await store.commit_turn(sid, 2 * step, _turn(step), [_stats(step, report)])
+        return await store.step_stats(sid), await store.step_totals(sid)
+
+    kept, totals = _run(redis_url, scenario, max_step_stats=2)
+    assert [s.step_index for s in kept] == [1, 2]
+    assert totals == StepTotals(num_steps=3, prompt_tokens=2700, cached_tokens=2304, num_compressions=1)
+
+
+def test_a_session_from_before_running_totals_reports_none_and_gets_none(redis_url):
+    """Its totals would count only the steps after the upgrade: GET sums its kept steps instead."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, "k1", "ab" * 32)
+        with redis.Redis.from_url(redis_url) as client:
+            client.hdel(f"warmpath:{{{record.session_id}}}:meta", "steps_total", "prompt_tokens_total",
+                        "cached_tokens_total", "compressions_total")
+        await store.commit_turn(record.session_id, 0, _turn(0), [_stats(0)])
+        with redis.Redis.from_url(redis_url) as client:
+            fields = client.hkeys(f"warmpath:{{{record.session_id}}}:meta")
+        return await store.step_totals(record.session_id), fields
+
+    totals, fields = _run(redis_url, scenario)
+    assert totals is None and sorted(fields) == [b"record", b"removed"]

@@ -71,6 +71,8 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"router": {"scorer_weights": {"load": float("inf")}}}, "finite"),
         ({"router": {"scorer_weights": {"load": 1e300}}}, "<= 1000"),
         ({"router": {"scorer_weights": {"load": float("nan")}}}, "finite"),
+        ({"router": {"scorer_weights": dict.fromkeys(["prefix-cache", "load", "session-affinity", "session-balance"], 0)}},
+         "at least one weight above 0"),
         ({"router": {"load_guard_factor": float("inf")}}, "router.load_guard_factor"),
         ({"router": {"load_guard_factor": float("nan")}}, "router.load_guard_factor"),
         ({"router": {"load_guard_factor": 1e308}}, "router.load_guard_factor"),

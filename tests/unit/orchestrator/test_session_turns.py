@@ -20,7 +20,7 @@ from serve_apps.orchestrator.deployment import Orchestrator
 from serve_apps.orchestrator.owner_sessions import SessionQuota, SessionQuotaExceeded
 from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.models import Message, ToolCall
-from serve_apps.orchestrator.store import SessionNotFound, SessionRecord, StaleTurn, TranscriptSnapshot
+from serve_apps.orchestrator.store import SessionNotFound, SessionRecord, StaleTurn, StepTotals, TranscriptSnapshot
 from serve_apps.orchestrator.turns import ModelReply
 from tests.unit.loop_ticks import with_loop_ticks
 from tests.unit.orchestrator.test_turns import CharTokenizer
@@ -37,6 +37,7 @@ class MemoryStore:
         self.logs: dict[str, list[str]] = {}
         self.stats: dict[str, list] = {}
         self.quotas: list = []  # the quota each creation counted against
+        self.max_step_stats = 1024  # stats kept per session, as the store keeps them
 
     async def create(self, request, owner, fingerprint, quota=None):
         self.quotas.append(quota)
@@ -73,7 +74,10 @@ class MemoryStore:
         return len(log)
 
     async def step_stats(self, session_id):
-        return list(self.stats[session_id])
+        return list(self.stats[session_id][-self.max_step_stats:])
+
+    async def step_totals(self, session_id):
+        return StepTotals.of(self.stats[session_id])
 
 
 class ScriptedModel:
@@ -296,3 +300,14 @@ def test_a_key_at_its_session_quota_is_refused_with_429_which_clients_do_not_ret
     assert "API key key_2 holds 1000 live sessions" in error["message"]
     response = ingress_http._unary(created)
     assert response.headers["x-should-retry"] == "false" and "retry-after" not in response.headers
+
+
+def test_a_sessions_cache_figures_count_every_step_though_only_the_last_are_listed():
+    orchestrator = _orchestrator([ModelReply(content=f"a{i}", prompt_tokens=100, cached_tokens=60) for i in range(3)])
+    orchestrator._store.max_step_stats = 2
+    sid = _session(orchestrator)
+    for i in range(3):
+        _collect(orchestrator.send_message(sid, {"content": f"q{i}"}, CALLER))
+    cache = asyncio.run(orchestrator.get_session(sid, CALLER))["body"]["cache"]
+    assert (cache["num_steps"], len(cache["steps"])) == (3, 2)
+    assert (cache["prompt_tokens"], cache["cached_tokens"], cache["hit_ratio"]) == (300, 180, 0.6)

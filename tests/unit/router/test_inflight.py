@@ -22,6 +22,22 @@ def test_a_request_counts_once_on_the_replica_it_was_last_placed_on():
     assert inflight.counts(1.0) == {}
 
 
+def test_a_request_routed_on_to_another_replica_counts_there_once():
+    inflight = InflightRequests()
+    inflight.place("r", A, 0.0, is_dispatched=False)
+    inflight.dispatch("r", B, 0.1)
+    assert inflight.counts(UNDISPATCHED_TIMEOUT_S + 1) == {B: 1}  # dispatched: not expired with the decisions
+
+
+def test_a_request_completed_before_it_is_reported_routed_stays_completed():
+    """The engine refused it at once: Serve reported it complete before routed; it is in flight nowhere."""
+    inflight = InflightRequests()
+    inflight.place("r", A, 0.0, is_dispatched=False)
+    inflight.complete("r", A)
+    inflight.dispatch("r", A, 0.1)
+    assert inflight.counts(1.0) == {}
+
+
 def test_undispatched_decisions_expire_sooner_than_dispatched_requests():
     inflight = InflightRequests()
     inflight.place("decided", A, 0.0, is_dispatched=False)

@@ -15,6 +15,7 @@ from serve_apps.vllm_replica import (
     KvCacheUsageRecorder,
     WarmpathLLMServer,
     _attach_kv_cache_usage,
+    engine_block_size,
     engine_kv_capacity_blocks,
     engine_rendering,
 )
@@ -85,6 +86,23 @@ def test_the_engines_kv_cache_size_is_what_its_cores_reported_at_start_up():
     assert engine_kv_capacity_blocks(engine(None)) is None  # the handshake has not filled it in
     assert engine_kv_capacity_blocks(engine(0)) is None
     assert engine_kv_capacity_blocks(SimpleNamespace()) is None
+
+
+def test_a_replica_advertises_the_block_size_its_engine_uses(monkeypatch):
+    """vLLM may set another block size than the configured one (CPU MLA: 16): the router must hash in the engine's."""
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+    async def started(self):
+        return None
+
+    monkeypatch.setattr(LLMServer, "_start_engine", started)
+    cache_config = SimpleNamespace(block_size=32, num_gpu_blocks=512)
+    server = object.__new__(_Replica)
+    server.engine = SimpleNamespace(_engine_client=SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache_config)))
+    server._advertised = {"kv_events_endpoint": "tcp://x:1", "block_size": 64}
+    asyncio.run(server._start_engine())
+    assert (server._advertised["block_size"], server._advertised["kv_capacity_blocks"]) == (32, 512)
+    assert engine_block_size(SimpleNamespace()) is None
 
 
 @pytest.fixture(scope="module")

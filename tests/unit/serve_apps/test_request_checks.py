@@ -120,3 +120,15 @@ def test_text_utf8_cannot_encode_in_any_field_is_refused(field, value, param):
     clean = {"stop": ["end"], "bad_words": ["x"], "vllm_xargs": {"k": "v"}, "request_id": "r1"}[field]
     assert chat_request_problem(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                                       **{field: clean})) is None
+
+
+@pytest.mark.parametrize("mode, is_refused", [("full", True), ("incremental", False), (None, False)])
+def test_a_request_may_not_switch_the_engines_kv_events_to_full_reports(mode, is_refused):
+    """Re-announced blocks would stay in the router's index after the engine evicted them."""
+    xargs = {} if mode is None else {"kv_cache_report_mode": mode}
+    chat = _chat(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "vllm_xargs": xargs}))
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "vllm_xargs": xargs})
+    for problem in (chat_request_problem(chat), completion_request_problem(completion)):
+        assert (problem is not None) is is_refused
+        if is_refused:
+            assert problem[1] == "vllm_xargs.kv_cache_report_mode" and "'full'" in problem[0]

@@ -152,20 +152,22 @@ class TokenAccounting(_message.Message):
     def __init__(self, prefix_tokens: _Optional[int] = ..., message_tokens: _Optional[_Iterable[int]] = ..., total_tokens: _Optional[int] = ..., context_window_tokens: _Optional[int] = ..., output_reserve_tokens: _Optional[int] = ..., remaining_tokens: _Optional[int] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("cacheable_prefix_tokens", "prompt_tokens", "cached_tokens", "hit_ratio", "num_compressions", "steps")
+    __slots__ = ("cacheable_prefix_tokens", "prompt_tokens", "cached_tokens", "hit_ratio", "num_compressions", "steps", "num_steps")
     CACHEABLE_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPRESSIONS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     cacheable_prefix_tokens: int
     prompt_tokens: int
     cached_tokens: int
     hit_ratio: float
     num_compressions: int
     steps: _containers.RepeatedCompositeFieldContainer[StepStats]
-    def __init__(self, cacheable_prefix_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., num_compressions: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStats, _Mapping]]] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, cacheable_prefix_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., num_compressions: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStats, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class GetSessionResponse(_message.Message):
     __slots__ = ("session_id", "model", "prefix_fingerprint", "transcript", "num_messages_total", "pending_tool_calls", "tokens", "cache")

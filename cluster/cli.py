@@ -235,13 +235,14 @@ def _where_state_is(cfg: ClusterConfig) -> str:
 
 def _with_key_store(url: str, work):
     from cluster.api_keys import InvalidStoreUrl, StoreUnavailable, run_with_store
+    from cluster.config import without_password
 
     try:
         return run_with_store(url, work)
     except InvalidStoreUrl as err:
-        _refuse(f"Redis URL {url!r} is not usable: {err}")
+        _refuse(f"Redis URL {without_password(url)!r} is not usable: {err}")
     except StoreUnavailable as err:
-        typer.echo(f"error: Redis at {url} is unavailable: {err}", err=True)
+        typer.echo(f"error: Redis at {without_password(url)} is unavailable: {err}", err=True)
         raise typer.Exit(1)
 
 

@@ -381,7 +381,9 @@ class ClusterConfig(_Strict):
         description="Sessions expire this long after their creation or last committed turn (1 s to 10 years).",
         ge=1, le=MAX_SESSION_TTL_S, allow_inf_nan=False,
     )
-    state_dir: str = Field(".warmpath", description="Local state: model, Redis data, logs, pid files.")
+    state_dir: str = Field(
+        ".warmpath", description="Local state: model, Redis data, logs, pid files.", min_length=1
+    )
     app_name: str = Field("warmpath", description="Ray Serve application name.", min_length=1)
 
     @field_validator("redis_url")
@@ -392,14 +394,34 @@ class ClusterConfig(_Strict):
         return url
 
     def model_source(self) -> str:
-        """Folder or Hugging Face id the engines load."""
+        """Folder or Hugging Face id the engines load.
+
+        A local path (`/`, `./`, `../`, `~`) is made absolute here, where the config is read: the
+        engines run in Ray's workers, with another working directory, and no shell expands `~` there.
+        """
         if self.model.source:
+            if self.model.source.startswith(LOCAL_PATH_PREFIXES):
+                return os.path.abspath(os.path.expanduser(self.model.source))
             return self.model.source
         return str(Path(self.state_dir).expanduser().resolve() / "models" / self.model.model_id)
 
 
+# How a `model.source` that is a local path starts; anything else may be a Hugging Face id ("org/name").
+LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
+
 # Highest database number a Redis URL may name: Redis' default `databases 16` numbers them 0-15.
 MAX_REDIS_DB = 15
+
+
+def without_password(url: str) -> str:
+    """`url` with the password (if any) masked, for messages."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a netloc it cannot read (an unclosed `[`): masked whole
+        return "<unreadable URL>"
+    if parts.password is None:
+        return url
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
 
 def check_redis_url(url: str) -> None:
@@ -412,11 +434,11 @@ def check_redis_url(url: str) -> None:
     """
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {url!r}")
+        raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {without_password(url)!r}")
     try:
         _ = parts.port  # reading it parses it
     except ValueError:
-        raise ValueError(f"has a port that is not a number: {url!r}") from None
+        raise ValueError(f"has a port that is not a number from 0 to 65535: {without_password(url)!r}") from None
     _check_redis_db(parts)
     _check_redis_options(url)
 
@@ -566,9 +588,13 @@ def load_config(
         if not file.is_file():
             raise ConfigError(f"config file not found: {file}")
         try:
-            loaded = yaml.safe_load(file.read_text()) or {}
+            loaded = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {file} is not valid YAML: {_yaml_problem(err)}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {file} is not UTF-8 text (byte {err.start}): save it as UTF-8") from None
+        except OSError as err:
+            raise ConfigError(f"config file {file} cannot be read: {err.strerror}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {file} must hold a mapping at the top level")
         data = loaded

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
-from cluster.config import ClusterConfig
+from cluster.config import LOCAL_PATH_PREFIXES, ClusterConfig, without_password
 from cluster.model_builder import build_model, is_built
 from cluster.serve_config import (
     grpc_proxy_env,
@@ -40,6 +40,7 @@ from cluster.serve_config import (
 
 Progress = Callable[[str], None]
 DASHBOARD_PORT = 8265
+GCS_PORT = 6379  # `ray start --head`'s default, which a system redis-server also takes
 LOCAL_DASHBOARD_URL = f"http://127.0.0.1:{DASHBOARD_PORT}"
 # `ray status` answers in a few seconds; a head that takes longer is not usable, and `up` must not hang on it.
 RAY_STATUS_TIMEOUT_S = 60
@@ -158,7 +159,7 @@ def ensure_model(cfg: ClusterConfig, progress: Progress) -> None:
     if cfg.model.source:
         source, address = cfg.model.source, os.environ.get("RAY_ADDRESS")
         # Only paths that cannot be Hugging Face ids ("org/name"): a relative "org/name" may be either.
-        is_path = source.startswith(("/", "./", "../", "~"))
+        is_path = source.startswith(LOCAL_PATH_PREFIXES)
         if is_path and not Path(source).expanduser().exists() and not (address and is_remote_address(address)):
             raise BringUpError(f"model.source {source}: no such file or folder on this machine")
         return
@@ -190,15 +191,6 @@ def _redis_ping(url: str, timeout_s: float) -> bool:
         except redis.exceptions.RedisError:  # not listening yet, loading its data, or away
             time.sleep(0.1)
     return False
-
-
-def without_password(url: str) -> str:
-    """`url` with the password (if any) masked, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -377,7 +369,7 @@ def _other_cluster_recorded(state: LocalState, address: Optional[str]) -> Option
 
 
 def ports_in_use(cfg: ClusterConfig) -> list[str]:
-    """The ports a new local head listens on (Serve's proxies, Ray's metrics and dashboard) that something holds.
+    """The ports a new local head listens on (Serve's proxies, Ray's metrics, dashboard and GCS) that something holds.
 
     Why: a proxy that cannot bind leaves `up` waiting minutes for an endpoint, and a taken metrics port
     makes `ray start` fail with "the current node timed out during startup".
@@ -385,7 +377,7 @@ def ports_in_use(cfg: ClusterConfig) -> list[str]:
     ports = cfg.ports
     wanted = [("ports.http_port", ports.host, ports.http_port), ("ports.grpc_port", ports.host, ports.grpc_port),
               ("ports.metrics_export_port", "0.0.0.0", ports.metrics_export_port),
-              ("Ray's dashboard", "127.0.0.1", DASHBOARD_PORT)]
+              ("Ray's dashboard", "127.0.0.1", DASHBOARD_PORT), ("Ray's GCS", "0.0.0.0", GCS_PORT)]
     return [f"port {port} ({name})" for name, host, port in wanted if not _can_listen(host, port)]
 
 
@@ -537,8 +529,9 @@ def _is_redis_process(pid: int, port: Optional[int] = None) -> bool:
         return True  # no /proc to ask (not Linux): the pid alone
     if b"redis-server" not in command:
         return False
-    # redis-server titles itself "redis-server 127.0.0.1:<port>".
-    return port is None or f":{port}".encode() in command
+    # redis-server titles itself "redis-server 127.0.0.1:<port>": the port as a whole word (`:6380` is in
+    # `:63801` too, another server's title).
+    return port is None or re.search(rb":%d(?![0-9])" % port, command) is not None
 
 
 def _serve_client(state: LocalState):
@@ -581,7 +574,7 @@ def deploy(cfg: ClusterConfig, state: LocalState, progress: Progress) -> None:
     out = state_dir_of(cfg) / "serve_config.yaml"
     import yaml
 
-    out.write_text(yaml.safe_dump(doc, sort_keys=True))
+    write_private(out, yaml.safe_dump(doc, sort_keys=True))  # it holds the Redis URL, password and all
     progress(f"serve: deploying {out}")
     deploy_document(state, doc, progress)
 
@@ -929,11 +922,16 @@ def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress)
         raise BringUpError(f"could not register the admin API key in Redis at {without_password(redis_url)}: {err}") from None
     if existing != key:
         file.parent.mkdir(parents=True, exist_ok=True)
-        # O_CREAT's mode applies to a new file only: fchmod makes an existing one private too.
-        with os.fdopen(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-            os.fchmod(out.fileno(), 0o600)
-            out.write(key + "\n")
+        write_private(file, key + "\n")
     return key
+
+
+def write_private(file: Path, text: str) -> None:
+    """Writes `text` to `file` readable by its owner only (mode 0600), an existing file's mode included."""
+    # O_CREAT's mode applies to a new file only: fchmod makes an existing one private too.
+    with os.fdopen(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(text)
 
 
 def stop_redis(state: LocalState, progress: Progress, timeout_s: float = 10) -> bool:

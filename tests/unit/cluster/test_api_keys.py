@@ -477,3 +477,9 @@ def test_an_expiring_key_expires_at_the_instant_its_record_names(redis_url, monk
     client = redis.Redis.from_url(redis_url)
     for entry in ("warmpath:apikey:" + hash_api_key(key), "warmpath:apikey-id:" + record.key_id):
         assert client.pexpiretime(entry) == math.floor(record.expires_at_s * 1000)
+
+
+def test_a_keys_command_never_prints_the_redis_password():
+    result = CliRunner().invoke(app, ["keys", "list", "--redis-url", "redis://:S3cretPass@127.0.0.1:1/0"])
+    assert result.exit_code == 1 and "is unavailable" in result.output
+    assert "S3cretPass" not in result.output and "redis://:***@127.0.0.1:1/0" in result.output

@@ -3,6 +3,8 @@ leak a secret), and accepts what vLLM and Ray accept; environment variables set 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cluster import k8s_render
@@ -101,3 +103,31 @@ def test_an_overlay_redis_url_with_a_password_option_is_refused(tmp_path):
     )
     with pytest.raises(ConfigError, match="redis_url carries a password"):
         k8s_render.load_overlay_config(tmp_path)
+
+
+@pytest.mark.parametrize("source", ["~/models/my-llama", "./models/my-llama", "../my-llama"])
+def test_a_local_model_path_reaches_the_engines_absolute(source, monkeypatch, tmp_path):
+    """The engines run in Ray's workers: another working directory, and no shell to expand `~`."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    resolved = _load(model={"source": source}).model_source()
+    assert os.path.isabs(resolved) and "~" not in resolved and ".." not in resolved.split(os.sep)
+    assert _load(model={"source": "Qwen/Qwen2.5-0.5B"}).model_source() == "Qwen/Qwen2.5-0.5B"  # a hub id as is
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    file = tmp_path / "latin1.yaml"
+    file.write_bytes("model:\n  model_id: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(str(file), environ={})
+
+
+def test_an_empty_state_dir_is_refused_not_taken_as_the_working_directory():
+    with pytest.raises(ConfigError, match="state_dir"):
+        _load(state_dir="")
+
+
+def test_a_redis_password_stays_out_of_config_errors():
+    with pytest.raises(ConfigError) as refused:
+        _load(redis_url="redis://:S3cretPass@127.0.0.1:99999/0")
+    assert "S3cretPass" not in str(refused.value) and "0 to 65535" in str(refused.value)

@@ -4,6 +4,7 @@ engine processes orphaned by killed replicas, and only those."""
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -323,6 +324,24 @@ def test_a_new_head_is_not_started_while_another_process_holds_its_ports(tmp_pat
     assert not any(str(port) in taken for taken in local.ports_in_use(cfg))  # closed: free again
 
 
+def test_a_process_on_rays_gcs_port_stops_a_new_head_before_ray_start(monkeypatch):
+    """A system redis-server on 6379 made `ray start` fail with a dump of its output."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        monkeypatch.setattr(local, "GCS_PORT", holder.getsockname()[1])
+        assert f"port {local.GCS_PORT} (Ray's GCS)" in local.ports_in_use(load_config(environ={}))
+
+
+def test_a_redis_on_a_port_that_only_starts_with_the_recorded_one_is_not_ours(monkeypatch):
+    """`down` matched `:6380` inside `redis-server 127.0.0.1:63801`, another server, and stopped it."""
+    monkeypatch.setattr(local, "_alive", lambda pid: True)
+    monkeypatch.setattr(local.Path, "read_bytes", lambda self: b"redis-server 127.0.0.1:63801\x00")
+    assert not local._is_redis_process(12345, 6380)
+    monkeypatch.setattr(local.Path, "read_bytes", lambda self: b"redis-server 127.0.0.1:6380\x00")
+    assert local._is_redis_process(12345, 6380)
+
+
 def test_a_failing_replicas_message_shows_what_happened_and_the_exception():
     traceback = "\n".join([
         "A replica failed to start with exception. Retrying 2 more time(s). Error:",
@@ -354,3 +373,12 @@ def test_a_local_model_folder_that_is_not_there_is_refused_before_anything_start
     monkeypatch.setattr(local, "is_remote_address", lambda address: True)
     monkeypatch.setenv("RAY_ADDRESS", "ray://gpu-cluster:10001")  # the path is on the cluster's nodes
     local.ensure_model(missing, progress=lambda msg: None)
+
+
+def test_the_rendered_serve_config_is_private_to_its_owner(tmp_path, monkeypatch):
+    """It holds the Redis URL with its password, as `local.json` does (0600)."""
+    monkeypatch.setattr(local, "deploy_document", lambda state, doc, progress: None)
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "redis_url": "redis://:pw@127.0.0.1:6390/0"})
+    local.deploy(cfg, LocalState(), progress=lambda msg: None)
+    written = tmp_path / "serve_config.yaml"
+    assert "redis://:pw@" in written.read_text() and stat.S_IMODE(written.stat().st_mode) == 0o600

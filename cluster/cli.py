@@ -360,7 +360,7 @@ def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateDir
 
 @app.command()
 def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateDirOpt) -> None:
-    """Show the application, its deployments and their replicas."""
+    """Show the application, its deployments and their replicas; exit 1 unless both apps run and Redis answers."""
     from cluster import local
 
     cfg = _load(config, state_dir=state_dir)
@@ -385,10 +385,26 @@ def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateD
         typer.echo(f"http: {state.http_url}/v1")
     if state.grpc_address:
         typer.echo(f"grpc: {state.grpc_address}")
+    redis_problem = _redis_problem(state.redis_url) if state.redis_url else None
     if state.redis_url:
-        typer.echo(f"redis: {local.without_password(state.redis_url)}")
+        answer = f"not answering ({redis_problem})" if redis_problem else "answering"
+        typer.echo(f"redis: {local.without_password(state.redis_url)} ({answer})")
     if state.http_url and app_status == "RUNNING":
         _echo_router_status(cfg, state.http_url)
+    if any(s != "RUNNING" for s in statuses.values()) or redis_problem:
+        raise typer.Exit(1)  # scripts and probes read the exit status: 0 only when everything serves
+
+
+def _redis_problem(url: str) -> Optional[str]:
+    """Why the Redis at `url` does not answer PING within 2 s, or None when it does."""
+    import redis
+
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2) as client:
+            client.ping()
+    except redis.RedisError as err:
+        return err.__class__.__name__
+    return None
 
 
 def _echo_router_status(cfg, http_url: str) -> None:

@@ -877,8 +877,10 @@ def api_key_file(cfg: ClusterConfig) -> Path:
 
 
 def local_api_key(cfg: ClusterConfig) -> Optional[str]:
-    """The admin key `warmpath up` keeps in the state directory, when keys are on."""
-    return api_key_file(cfg).read_text().strip() if cfg.access.is_auth_enabled else None
+    """The admin key `warmpath up` keeps in the state directory; None when keys are off, or when `up` wrote
+    none (`--no-auth`: a cluster brought up so answers calls without a key)."""
+    file = api_key_file(cfg)
+    return file.read_text().strip() if cfg.access.is_auth_enabled and file.is_file() else None
 
 
 def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress) -> str:

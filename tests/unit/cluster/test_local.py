@@ -177,6 +177,25 @@ def test_status_lists_the_http_and_the_grpc_application(tmp_path, monkeypatch):
     assert "application warmpath-grpc: RUNNING" in result.output and "GrpcIngress: HEALTHY (1 RUNNING)" in result.output
 
 
+@pytest.mark.parametrize("grpc_status, redis_url, says", [
+    ("DEPLOY_FAILED", None, "application warmpath-grpc: DEPLOY_FAILED"),
+    ("RUNNING", "redis://:pw@127.0.0.1:1/0", "redis: redis://:***@127.0.0.1:1/0 (not answering (ConnectionError))"),
+])
+def test_status_exits_1_unless_both_applications_run_and_redis_answers(tmp_path, monkeypatch, grpc_status, redis_url,
+                                                                      says):
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    details = {"applications": {
+        "warmpath": {"status": "RUNNING", "deployments": {}}, "warmpath-grpc": {"status": grpc_status, "deployments": {}},
+    }}
+    monkeypatch.setattr(local, "serve_details", lambda state: details)
+    LocalState(redis_url=redis_url).save(tmp_path)
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1 and says in result.output, result.output
+
+
 def test_an_interrupted_ray_start_is_recorded_so_down_stops_it(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)

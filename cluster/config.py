@@ -21,7 +21,7 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence, get_args
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import redis
@@ -498,6 +498,23 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return " ".join(str(err).split())
 
 
+def _text_field_kind(path: Sequence[str]) -> str | None:
+    """"text" or "optional" (text or null) when `path` names a config field typed as text, else None."""
+    model: Any = ClusterConfig
+    for depth, part in enumerate(path):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        if depth < len(path) - 1:
+            model = field.annotation
+            continue
+        if field.annotation is str:
+            return "text"
+        if set(get_args(field.annotation)) == {str, type(None)}:
+            return "optional"
+    return None
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict:
     """Turns `WARMPATH_SECTION__FIELD=value` (YAML-typed values) into a nested dict.
 
@@ -518,10 +535,14 @@ def env_overrides(environ: Mapping[str, str]) -> dict:
             continue
         if path[:2] == ["router", "scorer_weights"] and len(path) == 3:
             path[2] = path[2].replace("_", "-")  # scorer keys are kebab-case; shells allow no dash in a name
-        try:
-            value = yaml.safe_load(raw) if raw else raw
-        except yaml.YAMLError as err:
-            raise ConfigError(f"environment variable {name} is not valid YAML: {_yaml_problem(err)}") from None
+        text_kind = _text_field_kind(path)
+        if text_kind is not None:  # as written: YAML would cut `dir #2` at its comment, read `off` as false
+            value = None if text_kind == "optional" and raw.strip() in ("null", "~") else raw
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw else raw
+            except yaml.YAMLError as err:
+                raise ConfigError(f"environment variable {name} is not valid YAML: {_yaml_problem(err)}") from None
         _set_path(out, path, value)
     if environ.get("REDIS_URL"):
         out.setdefault("redis_url", environ["REDIS_URL"])

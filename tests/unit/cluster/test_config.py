@@ -126,7 +126,7 @@ def test_serve_config_embeds_the_whole_validated_config():
 @pytest.mark.parametrize("environ, message", [
     ({"WARMPATH_REPLICAS__NUM_REPLICAS": "[1"}, "environment variable WARMPATH_REPLICAS__NUM_REPLICAS is not valid YAML"),
     ({"WARMPATH_ROUTER__SCORER_WEIGHTS": "{load: 1"}, "environment variable WARMPATH_ROUTER__SCORER_WEIGHTS is not valid YAML"),
-    ({"WARMPATH_STATE_DIR": "a: b: c"}, "environment variable WARMPATH_STATE_DIR is not valid YAML"),
+    ({"WARMPATH_PORTS__HTTP_PORT": "a: b: c"}, "environment variable WARMPATH_PORTS__HTTP_PORT is not valid YAML"),
 ])
 def test_bad_environment_variables_are_one_line_config_errors(environ, message):
     with pytest.raises(ConfigError) as err:

@@ -131,3 +131,17 @@ def test_a_redis_password_stays_out_of_config_errors():
     with pytest.raises(ConfigError) as refused:
         _load(redis_url="redis://:S3cretPass@127.0.0.1:99999/0")
     assert "S3cretPass" not in str(refused.value) and "0 to 65535" in str(refused.value)
+
+
+@pytest.mark.parametrize("variable, raw, field, value", [
+    ("WARMPATH_STATE_DIR", "/tmp/my dir #2", "state_dir", "/tmp/my dir #2"),  # YAML read ` #2` as a comment
+    ("WARMPATH_STATE_DIR", "off", "state_dir", "off"),  # and `off` as false
+    ("WARMPATH_APP_NAME", "2024", "app_name", "2024"),
+    ("WARMPATH_REDIS_URL", "null", "redis_url", None),  # an optional text field may still be unset
+])
+def test_a_text_field_from_the_environment_is_taken_as_written(variable, raw, field, value):
+    assert getattr(_load({variable: raw}), field) == value
+
+
+def test_a_number_from_the_environment_is_still_read_as_yaml():
+    assert _load({"WARMPATH_REPLICAS__NUM_REPLICAS": "3"}).replicas.num_replicas == 3

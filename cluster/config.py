@@ -177,9 +177,10 @@ class RouterConfig(_Strict):
         description=(
             "Prefill tokens one request over the load guard's limit is worth: a guarded replica that served "
             "the request's session stays a candidate while the history only it holds saves more tokens than "
-            "this times its excess requests. null: the guard counts requests only."
+            "this times its excess requests. null: the guard counts requests only (0 would exempt every "
+            "session from the guard, and is refused)."
         ),
-        ge=0,
+        gt=0,
         le=MAX_TOKENS_PER_EXCESS_REQUEST,
         allow_inf_nan=False,
     )

@@ -67,6 +67,7 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"replicas": {"ray_resources": {"slot": float("inf")}}}, "finite and above 0"),
         ({"router": {"policy": "random"}}, "router.policy"),
         ({"router": {"load_guard_factor": 0.5}}, "router.load_guard_factor"),
+        ({"router": {"load_guard_tokens_per_excess_request": 0}}, "router.load_guard_tokens_per_excess_request"),
         ({"router": {"scorer_weights": {"load": -1}}}, ">= 0"),
         ({"router": {"scorer_weights": {"load": float("inf")}}}, "finite"),
         ({"router": {"scorer_weights": {"load": 1e300}}}, "<= 1000"),

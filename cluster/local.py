@@ -12,6 +12,7 @@ Ordering: model -> Redis -> Ray head -> `serve deploy` of the rendered config
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -41,6 +42,9 @@ from cluster.serve_config import (
 Progress = Callable[[str], None]
 DASHBOARD_PORT = 8265
 GCS_PORT = 6379  # `ray start --head`'s default, which a system redis-server also takes
+# Longest one call to Ray's dashboard may take: a deploy returns once Serve has the config, but deleting
+# the applications waits for Serve to shut down (replicas drain for up to 20 s each, in parallel).
+DASHBOARD_CALL_TIMEOUT_S = 120.0
 LOCAL_DASHBOARD_URL = f"http://127.0.0.1:{DASHBOARD_PORT}"
 # `ray status` answers in a few seconds; a head that takes longer is not usable, and `up` must not hang on it.
 RAY_STATUS_TIMEOUT_S = 60
@@ -535,10 +539,26 @@ def _is_redis_process(pid: int, port: Optional[int] = None) -> bool:
 
 
 def _serve_client(state: LocalState):
+    """Ray's Serve SDK client for the recorded dashboard, each call bounded by `DASHBOARD_CALL_TIMEOUT_S`."""
+    _local_token_auth(state)
+    return _bounded_serve_client_class()(state.dashboard_url)
+
+
+@functools.cache
+def _bounded_serve_client_class():
+    """Ray's `ServeSubmissionClient` with a timeout on every call, its constructor's version check included.
+
+    Ray's SDK sets none: a dashboard that accepts and never answers would hang `status`, `down` and
+    `up` for good. Every call goes through `_do_request`, which hands its keywords on to `requests`.
+    """
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
-    _local_token_auth(state)
-    return ServeSubmissionClient(state.dashboard_url)
+    class BoundedServeSubmissionClient(ServeSubmissionClient):
+        def _do_request(self, method, endpoint, **kwargs):
+            kwargs.setdefault("timeout", DASHBOARD_CALL_TIMEOUT_S)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return BoundedServeSubmissionClient
 
 
 def _local_token_auth(state: LocalState) -> None:
@@ -727,7 +747,14 @@ def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, time
     said_messages: set[str] = set()
     own = [cfg.app_name] + sorted(own_application_names(cfg) - {cfg.app_name})
     while True:
-        details = serve_details(state)
+        try:
+            details = serve_details(state)
+        except OSError as err:  # requests' errors are OSErrors: the dashboard dropped or stalled
+            if time.monotonic() - start > timeout_s:
+                raise BringUpError(f"Ray's dashboard at {state.dashboard_url} stopped answering: {err}") from None
+            progress(f"[{time.monotonic() - start:5.0f}s] serve: the dashboard did not answer ({type(err).__name__}); asking again")
+            time.sleep(2)
+            continue
         status, lines = "RUNNING", []
         for name in own:
             app_status, app_lines = summarize(details, name)

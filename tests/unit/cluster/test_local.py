@@ -401,3 +401,43 @@ def test_the_rendered_serve_config_is_private_to_its_owner(tmp_path, monkeypatch
     local.deploy(cfg, LocalState(), progress=lambda msg: None)
     written = tmp_path / "serve_config.yaml"
     assert "redis://:pw@" in written.read_text() and stat.S_IMODE(written.stat().st_mode) == 0o600
+
+
+def test_a_dashboard_that_accepts_and_never_answers_times_out(monkeypatch):
+    """Ray's SDK sets no timeout: `status` and `down` hung for good on such a dashboard."""
+    monkeypatch.setattr(local, "DASHBOARD_CALL_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(local, "_local_token_auth", lambda state: None)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        state = LocalState(dashboard_url=f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            local.serve_details(state)
+    assert time.monotonic() - started < 10
+
+
+def test_bring_up_asks_a_dashboard_that_dropped_again_and_gives_up_with_a_message(monkeypatch):
+    cfg = load_config(environ={})
+    running = {"applications": {name: {"status": "RUNNING", "deployments": {}}
+                                for name in (cfg.app_name, f"{cfg.app_name}-grpc")}}
+    answers = iter([ConnectionError("dropped"), running])
+
+    def serve_details(state):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(local, "serve_details", serve_details)
+    monkeypatch.setattr(local.time, "sleep", lambda s: None)
+    said = []
+    assert local.wait_running(cfg, LocalState(), said.append, timeout_s=60) == running
+    assert any("did not answer (ConnectionError)" in line for line in said)
+
+    def dropped(state):
+        raise ConnectionError("dropped")
+
+    monkeypatch.setattr(local, "serve_details", dropped)
+    with pytest.raises(BringUpError, match="stopped answering"):
+        local.wait_running(cfg, LocalState(dashboard_url="http://127.0.0.1:8265"), said.append, timeout_s=-1)

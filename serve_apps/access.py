@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -34,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.api_keys import ALL_PERMISSIONS, ApiKeyStore, StoreUnavailable
 from cluster.config import AccessConfig
-from serve_apps.api_errors import error_body
+from serve_apps.api_errors import error_body, retry_after_header
 
 logger = logging.getLogger("ray.serve")
 
@@ -67,11 +66,6 @@ class Caller:
 
 
 ANONYMOUS = Caller(key_id=ANONYMOUS_KEY_ID, permissions=(ALL_PERMISSIONS,))
-
-
-def retry_after_header(retry_after_s: float) -> tuple[str, str]:
-    """`retry-after` in whole seconds, at least 1 (HTTP's delay-seconds form; gRPC carries it as metadata)."""
-    return "retry-after", str(max(1, math.ceil(retry_after_s)))
 
 
 def store_retry_headers(code: Optional[str]) -> dict[str, str]:

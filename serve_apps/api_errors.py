@@ -104,6 +104,20 @@ def error_body(status: int, message: str, code: Optional[str] = None, param: Opt
     return {"error": {"message": text, "type": error_type(status), "param": param, "code": code}}
 
 
+def retry_after_header(retry_after_s: float) -> tuple[str, str]:
+    """`retry-after` in whole seconds, at least 1 (HTTP's delay-seconds form; gRPC carries it as metadata)."""
+    return "retry-after", str(max(1, math.ceil(retry_after_s)))
+
+
+def _unavailable_body() -> dict[str, Any]:
+    return error_body(503, UNAVAILABLE_MESSAGE, code="unavailable")
+
+
+def unavailable_response(retry_after_s: float = 1) -> JSONResponse:
+    """The 503 `unavailable` of a call no process could take, with `Retry-After`."""
+    return JSONResponse(_unavailable_body(), status_code=503, headers=dict([retry_after_header(retry_after_s)]))
+
+
 def is_unavailable(err: Exception) -> bool:
     """Whether `err` says no process could take the call (its replica died, none runs yet, or all are full)."""
     from ray.exceptions import RayActorError
@@ -123,7 +137,7 @@ def exception_body(err: Exception, request_id: str) -> tuple[int, dict[str, Any]
 
     if is_unavailable(err):
         logger.warning("no serving process could take the call: %r", err)
-        return 503, error_body(503, UNAVAILABLE_MESSAGE, code="unavailable")
+        return 503, _unavailable_body()
 
     error = get_response_for_error(err, request_id).error
     param = getattr(err, "param", None)  # an engine refusal's field, where the ingress carried it (`refusal`)
@@ -144,10 +158,8 @@ def exception_response(err: Exception, request: Optional[Request]) -> JSONRespon
     """`exception_body` as the response, under the request id Ray's middleware gave `request` (a 503
     `unavailable` with `Retry-After`: the delay Serve's back-pressure names, else 1 s)."""
     status, body = exception_body(err, getattr(request.state, "request_id", "") if request is not None else "")
-    if body["error"].get("code") != "unavailable":
-        return JSONResponse(body, status_code=status)
-    retry_after_s = getattr(err, "retry_after_s", None) or 1
-    return JSONResponse(body, status_code=status, headers={"retry-after": str(max(1, math.ceil(retry_after_s)))})
+    headers = dict([retry_after_header(getattr(err, "retry_after_s", None) or 1)]) if is_unavailable(err) else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:

@@ -83,7 +83,6 @@ from serve_apps.access import (
     Caller,
     GuardSettings,
     request_too_large,
-    retry_after_header,
     store_retry_headers,
 )
 from serve_apps.api_errors import (
@@ -91,6 +90,7 @@ from serve_apps.api_errors import (
     client_engine_error,
     error_type,
     exception_body,
+    retry_after_header,
     validation_problem,
 )
 from serve_apps.grpc_decoding import UndecodableRequest

@@ -52,9 +52,8 @@ from vllm.entrypoints.generate.base.protocol import StreamOptions
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
-from serve_apps.access import Caller, retry_after_header, store_retry_headers
+from serve_apps.access import Caller, store_retry_headers
 from serve_apps.api_errors import (
-    UNAVAILABLE_MESSAGE,
     client_engine_error,
     engine_error,
     error_body,
@@ -62,6 +61,7 @@ from serve_apps.api_errors import (
     exception_response,
     is_unavailable,
     refusal,
+    unavailable_response,
 )
 from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import (
@@ -416,8 +416,7 @@ async def _call(remote, span: trace.Span = trace.INVALID_SPAN) -> Response:
 def _session_failure(err: Exception) -> JSONResponse:
     """503 with `Retry-After` where no orchestrator could take the call (retry, as over gRPC); else a clean 500."""
     if is_unavailable(err):
-        body = error_body(503, UNAVAILABLE_MESSAGE, code="unavailable")
-        return JSONResponse(body, status_code=503, headers=dict([retry_after_header(1)]))
+        return unavailable_response()
     return JSONResponse(INTERNAL_ERROR, status_code=500)
 
 

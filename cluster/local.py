@@ -164,7 +164,7 @@ def ensure_model(cfg: ClusterConfig, progress: Progress) -> None:
         source, address = cfg.model.source, os.environ.get("RAY_ADDRESS")
         # Only paths that cannot be Hugging Face ids ("org/name"): a relative "org/name" may be either.
         is_path = source.startswith(LOCAL_PATH_PREFIXES)
-        if is_path and not Path(source).expanduser().exists() and not (address and is_remote_address(address)):
+        if is_path and not Path(cfg.model_source()).exists() and not (address and is_remote_address(address)):
             raise BringUpError(f"model.source {source}: no such file or folder on this machine")
         return
     out = Path(cfg.model_source())

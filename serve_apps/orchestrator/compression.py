@@ -45,10 +45,10 @@ _MAX_INLINE_STRING_CHARS = 200
 # A run of value characters longer than this is a blob (base64, minified code), not a key value.
 _MAX_VALUE_CHARS = 256
 # What values are written with: ASCII letters, the decimal digits of any script (`٣٤٥`, `１２３`) and
-# Arabic's separators (`١٢٫٥`), signs and separators, currency, degree and per-mille signs, the dashes and minus of other scripts, and CJK date
-# units (2026年11月30日). Every
-# other character (spaces, brackets, quotes, CJK words) ends a value, so `金额¥1,200元` yields `¥1,200`.
-_VALUE_CHARS = "\\d0-9A-Za-z_.,:/#%+=@~$€£¥₹°µ‰\u066b\u066c\\-\u2010-\u2015\u2212年月日時分秒"
+# Arabic's separators (`١٢٫٥`), signs and separators, currency, degree and per-mille signs, the dashes
+# and minus of other scripts, and CJK date units (2026年11月30日). Every other character (spaces,
+# brackets, quotes, CJK words) ends a value, so `金额¥1,200元` yields `¥1,200`.
+_VALUE_CHARS = "\\dA-Za-z_.,:/#%+=@~$€£¥₹°µ‰\u066b\u066c\\-\u2010-\u2015\u2212年月日時分秒"
 _RUN = re.compile(f"[{_VALUE_CHARS}]+")
 _EDGE = ".,:;=\u066b\u066c"
 _DOT_LEADS = frozenset("0123456789./")
@@ -88,11 +88,10 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
                        rf"|(?<![0-9])\d{{1,2}}(?:st|nd|rd|th)? {_MONTHS}\.?,? \d{{4}}(?![0-9])", re.ASCII),
         # ... and without a year, month first (`due Nov 30`; `3 May` is as often a count before a verb).
         ("month_day", rf"(?<![A-Za-z]){_MONTHS}\.? \d{{1,2}}(?:st|nd|rd|th)?(?![0-9A-Za-z])", re.ASCII),
-        # An amount after its currency (`EUR 1,234.50`, `€ 12`), and one in an accountant's parentheses,
-        # which make it negative (`(1,234.50)`).
-        # Not where the code ends the amount before it (`12 USD 30 days`).
-        # Nor a pair's second code (`GBP/USD 1.2650` is a rate).
+        # An amount after its currency (`EUR 1,234.50`, `€ 12`); not where the code ends the amount before
+        # it (`12 USD 30 days`), nor a pair's second code (`GBP/USD 1.2650` is a rate).
         ("currency_amount", rf"(?<![A-Za-z/])(?<![0-9] )(?<![0-9]){_CURRENCY} ?[-\u2212]?\d(?:[\d,.]*\d)?", re.ASCII),
+        # An amount in an accountant's parentheses, which make it negative (`(1,234.50)`).
         ("negative_amount", rf"\((?:{_CURRENCY} ?)?(?:\d{{1,3}}(?:,\d{{3}})+|\d+)\.\d{{2}}\)", re.ASCII),
         # Scientific notation as typeset: `1.5×10⁻³`.
         ("typeset_exponent", r"(?<![0-9.])\d+(?:\.\d+)?\s?[×x·]\s?10[⁻⁺]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+", re.ASCII),

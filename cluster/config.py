@@ -227,7 +227,23 @@ class RouterConfig(_Strict):
 
 
 # Ports a Ray head listens on by default, which no other listener of the cluster may take.
-RAY_HEAD_PORTS = {6379: "its GCS", 8265: "its dashboard"}
+RAY_HEAD_PORTS = {6379: "its GCS", 8265: "its dashboard", 10001: "its client server", 52365: "its dashboard agent"}
+
+# One label of a DNS name (RFC 1123): letters, digits and inner hyphens.
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _is_host_name(text: str) -> bool:
+    """Whether `text` is an IP address or a DNS name a proxy can bind to (no scheme, port or brackets)."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        pass
+    labels = text[:-1].split(".") if text.endswith(".") else text.split(".")
+    if len(text) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return False
+    return not labels[-1].isdigit()  # `10.0.0.300` is a mistyped address, not a name
 
 
 class PortsConfig(_Strict):
@@ -243,6 +259,15 @@ class PortsConfig(_Strict):
         6380, description="Port of the redis-server `warmpath up` starts when redis_url is unset (6379 is Ray's).",
         ge=1, le=65535,
     )
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, host: str) -> str:
+        if not _is_host_name(host):
+            raise ValueError(
+                f"{host!r} is not an IP address or host name (write it bare: 0.0.0.0, ::, 127.0.0.1, my-host.local)"
+            )
+        return host
 
     @model_validator(mode="after")
     def _distinct(self) -> "PortsConfig":
@@ -517,7 +542,16 @@ def _text_field_kind(path: Sequence[str]) -> str | None:
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict:
-    """Turns `WARMPATH_SECTION__FIELD=value` (YAML-typed values) into a nested dict.
+    """Turns `WARMPATH_SECTION__FIELD=value` (YAML-typed values) into a nested dict."""
+    return env_layer(environ)[0]
+
+
+def env_layer(environ: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], str]]:
+    """The environment's overrides as a nested dict, and the variable that set each path.
+
+    Why the variables: a value that fails validation is named by its field
+    (`ports.http_port`), which a user who set `WARMPATH_PORTS__HTTP_PORT` or `REDIS_URL`
+    would not look for in their shell.
 
     A variable is configuration when its first part names a section or field of
     the config, or when it has the `__` of a nested one (a misspelt section is
@@ -528,6 +562,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict:
         ConfigError: a variable names no field, or its value is not valid YAML.
     """
     out: dict = {}
+    sources: dict[tuple[str, ...], str] = {}
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX) or name == "WARMPATH_CONFIG":
             continue
@@ -545,19 +580,23 @@ def env_overrides(environ: Mapping[str, str]) -> dict:
             except yaml.YAMLError as err:
                 raise ConfigError(f"environment variable {name} is not valid YAML: {_yaml_problem(err)}") from None
         _set_path(out, path, value)
-    if environ.get("REDIS_URL"):
-        out.setdefault("redis_url", environ["REDIS_URL"])
+        sources[tuple(path)] = name
+    if environ.get("REDIS_URL") and "redis_url" not in out:
+        out["redis_url"] = environ["REDIS_URL"]
+        sources[("redis_url",)] = "REDIS_URL"
     telemetry = out.setdefault("telemetry", {})
     if isinstance(telemetry, dict):  # else WARMPATH_TELEMETRY set it whole, to what validation then names
         # OTLP's signal-specific variable turns tracing on too (`telemetry.traces_endpoint` sends spans there).
         for variable in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-            if environ.get(variable):
-                telemetry.setdefault("otlp_endpoint", environ[variable])
-        if environ.get("OTEL_SERVICE_NAME"):
-            telemetry.setdefault("service_name", environ["OTEL_SERVICE_NAME"])
+            if environ.get(variable) and "otlp_endpoint" not in telemetry:
+                telemetry["otlp_endpoint"] = environ[variable]
+                sources[("telemetry", "otlp_endpoint")] = variable
+        if environ.get("OTEL_SERVICE_NAME") and "service_name" not in telemetry:
+            telemetry["service_name"] = environ["OTEL_SERVICE_NAME"]
+            sources[("telemetry", "service_name")] = "OTEL_SERVICE_NAME"
         if not telemetry:
             del out["telemetry"]
-    return out
+    return out, sources
 
 
 def deep_merge(base: dict, override: Mapping) -> dict:
@@ -571,20 +610,37 @@ def deep_merge(base: dict, override: Mapping) -> dict:
     return merged
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, sources: Mapping[tuple[str, ...], str] | None = None) -> str:
+    """One line per problem, naming the environment variable that set the field where `sources` has one."""
     lines = [f"invalid cluster config ({err.error_count()} problem(s)):"]
     for item in err.errors():
-        where = ".".join(str(p) for p in item["loc"]) or "<root>"
+        loc = tuple(str(p) for p in item["loc"])
+        where = ".".join(loc) or "<root>"
+        variable = _setting_variable(loc, sources or {})
+        if variable is not None:
+            where += f" (set by environment variable {variable})"
         lines.append(f"  {where}: {item['msg']}")
     return "\n".join(lines)
 
 
-def validate_config(data: Mapping) -> ClusterConfig:
-    """Validates a plain mapping; raises ConfigError with one line per problem."""
+def _setting_variable(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> str | None:
+    """The variable that set `loc` or a section holding it (`WARMPATH_ROUTER` for `router.policy`)."""
+    for depth in range(len(loc), 0, -1):
+        if loc[:depth] in sources:
+            return sources[loc[:depth]]
+    return None
+
+
+def validate_config(data: Mapping, sources: Mapping[tuple[str, ...], str] | None = None) -> ClusterConfig:
+    """Validates a plain mapping; raises ConfigError with one line per problem.
+
+    Args:
+        sources: the environment variable that set each path, named beside its problems.
+    """
     try:
         return ClusterConfig.model_validate(dict(data))
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err, sources)) from None
 
 
 def load_config(
@@ -621,9 +677,22 @@ def load_config(
             raise ConfigError(f"config file {file} must hold a mapping at the top level")
         data = loaded
     defaults = ClusterConfig().model_dump()
-    for layer in (env_overrides(environ), overrides or {}):
+    env, sources = env_layer(environ)
+    for layer in (env, overrides or {}):
         data = deep_merge(_with_defaults_under(data, layer, defaults), layer)
-    return validate_config(data)
+    flags = set(_leaf_paths(overrides or {}))
+    return validate_config(data, {path: name for path, name in sources.items() if path not in flags})
+
+
+def _leaf_paths(layer: Mapping, above: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every path a layer of overrides sets, sections and the fields below them alike."""
+    paths = []
+    for key, value in layer.items():
+        path = above + (str(key),)
+        paths.append(path)
+        if isinstance(value, Mapping):
+            paths.extend(_leaf_paths(value, path))
+    return paths
 
 
 def _with_defaults_under(data: dict, layer: Mapping, defaults: Mapping) -> dict:

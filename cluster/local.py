@@ -488,6 +488,26 @@ def check_remote_join(cfg: ClusterConfig, address: str | None) -> None:
         raise BringUpError(f"RAY_ADDRESS={address} is a cluster on other machines, and " + "; ".join(problems))
 
 
+def check_proxy_host(cfg: ClusterConfig, address: str | None) -> None:
+    """Refuses, before anything starts, a `ports.host` the proxies could not listen on here.
+
+    Why: a proxy that cannot bind its address never answers, and `up` would wait out its
+    two minutes for the endpoints with nothing to say but a timeout. A cluster on other
+    machines binds its own addresses, so a join there is not checked.
+    """
+    if address and is_remote_address(address):
+        return
+    host = cfg.ports.host
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError as err:
+        raise BringUpError(f"ports.host {host!r} does not resolve to an address ({err}); set it to one of this "
+                           "machine's addresses (0.0.0.0 for all of them)") from None
+    if not any(_is_this_machine(ip) for ip in addresses):
+        raise BringUpError(f"ports.host {host!r} ({', '.join(sorted(addresses))}) is not an address of this machine, "
+                           "so the proxies could not listen there; set it to one of its addresses (0.0.0.0 for all)")
+
+
 def dashboard_url_for(address: str) -> str:
     """The dashboard (Serve's REST API) of the cluster at `RAY_ADDRESS` `address`.
 
@@ -860,6 +880,7 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     running application first so new code is picked up with the same config.
     """
     check_remote_join(cfg, os.environ.get("RAY_ADDRESS"))
+    check_proxy_host(cfg, os.environ.get("RAY_ADDRESS"))
     state_dir = state_dir_of(cfg)
     state = LocalState.load(state_dir)
     ensure_model(cfg, progress)

@@ -84,10 +84,43 @@ def test_a_telemetry_section_set_whole_by_the_environment_is_a_config_error_not_
     ({"http_port": 8265}, "ports.http_port is 8265, which a Ray head takes"),
     ({"local_redis_port": 6379}, "ports.local_redis_port is 6379, which a Ray head takes"),
     ({"local_redis_port": 9000}, "ports.grpc_port and ports.local_redis_port are both 9000"),
+    ({"http_port": 10001}, "ports.http_port is 10001, which a Ray head takes \\(its client server\\)"),
+    ({"metrics_export_port": 52365}, "ports.metrics_export_port is 52365, which a Ray head takes"),
 ])
 def test_ports_two_listeners_would_share_are_refused(ports, match):
     with pytest.raises(ConfigError, match=match):
         _load(ports=ports)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "127.0.0.1", "::1", "localhost", "node-1.cluster.local"])
+def test_a_bare_address_or_name_is_a_proxy_host(host):
+    assert _load(ports={"host": host}).ports.host == host
+
+
+@pytest.mark.parametrize("host", ["[::]", "http://0.0.0.0", "0.0.0.0:8000", "10.0.0.300", "", "my host", "-node"])
+def test_a_proxy_host_that_is_no_address_or_name_is_refused(host):
+    with pytest.raises(ConfigError, match=r"ports.host: .*is not an IP address or host name"):
+        _load(ports={"host": host})
+
+
+def test_a_problem_set_by_the_environment_names_its_variable():
+    with pytest.raises(ConfigError) as err:
+        _load({"WARMPATH_PORTS__HTTP_PORT": "eighty", "REDIS_URL": "http://cache:6379",
+               "WARMPATH_ROUTER": "fast", "OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"})
+    lines = str(err.value).splitlines()[1:]
+    assert any(line.startswith("  ports.http_port (set by environment variable WARMPATH_PORTS__HTTP_PORT): ")
+               for line in lines)
+    assert any(line.startswith("  redis_url (set by environment variable REDIS_URL): ") for line in lines)
+    assert any(line.startswith("  router (set by environment variable WARMPATH_ROUTER): ") for line in lines)
+    assert any(line.startswith("  telemetry.otlp_endpoint (set by environment variable OTEL_EXPORTER_OTLP_ENDPOINT)")
+               for line in lines)
+
+
+def test_a_problem_a_flag_set_over_the_environment_names_no_variable():
+    with pytest.raises(ConfigError) as err:
+        _load({"WARMPATH_PORTS__HTTP_PORT": "8001"}, ports={"http_port": "eighty"})
+    assert "  ports.http_port: Input should be a valid integer" in str(err.value)
+    assert "WARMPATH_PORTS__HTTP_PORT" not in str(err.value)
 
 
 @pytest.mark.parametrize("overrides, where", [({"app_name": ""}, "app_name"),

@@ -249,6 +249,32 @@ def test_a_join_of_another_machines_cluster_needs_a_model_and_a_redis_it_can_rea
     local.check_remote_join(cfg, None)
 
 
+@pytest.mark.parametrize("host, problem", [("192.0.2.7", "is not an address of this machine"),
+                                           ("no-such-host.invalid", "does not resolve to an address")])
+def test_up_refuses_a_proxy_host_this_machine_cannot_listen_on_before_starting_anything(tmp_path, monkeypatch,
+                                                                                      host, problem):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    started = []
+    monkeypatch.setattr(local, "ensure_model", lambda *a: started.append("model"))
+    monkeypatch.setattr(local, "start_redis", lambda *a: started.append("redis"))
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {"host": host}})
+    with pytest.raises(BringUpError, match=f"ports.host '{host}'.* {problem}"):
+        local.up(cfg, progress=lambda msg: None)
+    assert started == []
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1", "localhost", socket.gethostname()])
+def test_a_proxy_host_of_this_machine_passes(tmp_path, host):
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {"host": host}})
+    local.check_proxy_host(cfg, None)
+
+
+def test_a_proxy_host_is_not_checked_here_for_a_cluster_on_other_machines(tmp_path, monkeypatch):
+    monkeypatch.setattr(local, "is_remote_address", lambda address: True)
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {"host": "192.0.2.7"}})
+    local.check_proxy_host(cfg, "ray://head.example:10001")
+
+
 def test_up_refuses_a_remote_join_before_starting_anything(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "ray://head.example:10001")
     monkeypatch.setattr(local, "is_remote_address", lambda address: True)

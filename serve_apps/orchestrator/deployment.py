@@ -499,7 +499,9 @@ class Orchestrator:
             return
         async for item in self._traced_turn(
             session_id, trace_carrier, "auto", Caller.from_dict(caller), idempotency_key,
-            request_sha256=request_fingerprint("tool_results", submission), results=submission,
+            request_sha256=request_fingerprint("tool_results", submission.by_call_id()), results=submission,
+            # Records written before fingerprints were taken in call-id order hold the body as it was sent.
+            sent_sha256=request_fingerprint("tool_results", submission),
         ):
             yield item
 
@@ -548,6 +550,7 @@ class Orchestrator:
         request_sha256: str,
         user_content: str | None = None,
         results: ToolResultsSubmission | None = None,
+        sent_sha256: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         # Before the 200 envelope a failure is an envelope of its own (an HTTP status);
         # after it, the stream has begun and a failure can only be its last event.
@@ -571,7 +574,7 @@ class Orchestrator:
                     stored = await self._store.lookup_turn_result(session_id, idempotency_key)
                     if stored is not None:
                         remembered = RememberedTurn.from_stored(stored)
-                        if remembered.request_sha256 not in (None, request_sha256):
+                        if remembered.request_sha256 not in (None, request_sha256, sent_sha256):
                             yield _error(
                                 422, "this Idempotency-Key was already used with a different request on this "
                                 "session; send a new key for a new request", "idempotency_key_reused",

@@ -218,6 +218,15 @@ class ToolResultsSubmission(_Strict):
             raise ValueError("each tool_call_id may be answered once")
         return self
 
+    def by_call_id(self) -> "ToolResultsSubmission":
+        """The same submission with its results in `tool_call_id` order.
+
+        Why: results answer calls by id, and the turn resumes with them in the calls'
+        order whatever order they came in, so a retry that lists them otherwise is the
+        same request (its idempotency fingerprint is taken of this form).
+        """
+        return self.model_copy(update={"results": sorted(self.results, key=lambda result: result.tool_call_id)})
+
 
 class CompressionReport(_Strict):
     """What one context compression did. `ledger_retained_fraction` is measured, and must be 1.0."""

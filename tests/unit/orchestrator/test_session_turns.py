@@ -20,7 +20,10 @@ from serve_apps.orchestrator.deployment import Orchestrator
 from serve_apps.orchestrator.owner_sessions import SessionQuota, SessionQuotaExceeded
 from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.models import Message, ToolCall
-from serve_apps.orchestrator.store import SessionNotFound, SessionRecord, StaleTurn, StepTotals, TranscriptSnapshot
+from serve_apps.orchestrator.models import ToolResultsSubmission
+from serve_apps.orchestrator.store import (
+    RememberedTurn, SessionNotFound, SessionRecord, StaleTurn, StepTotals, TranscriptSnapshot, request_fingerprint,
+)
 from serve_apps.orchestrator.turns import ModelReply
 from tests.unit.loop_ticks import with_loop_ticks
 from tests.unit.orchestrator.test_turns import CharTokenizer
@@ -37,6 +40,7 @@ class MemoryStore:
         self.logs: dict[str, list[str]] = {}
         self.stats: dict[str, list] = {}
         self.quotas: list = []  # the quota each creation counted against
+        self.remembered: dict[tuple[str, str], str] = {}  # (session, idempotency key) -> RememberedTurn JSON
         self.max_step_stats = 1024  # stats kept per session, as the store keeps them
 
     async def create(self, request, owner, fingerprint, quota=None):
@@ -62,13 +66,15 @@ class MemoryStore:
         yield
 
     async def lookup_turn_result(self, session_id, key):
-        return None
+        return self.remembered.get((session_id, key))
 
     async def commit_turn(self, session_id, expected_len, new, stats, *, compaction=None, idem_key=None,
                           result_json=None):
         log = self.logs[session_id]
         if len(log) != expected_len:
             raise StaleTurn(session_id, expected_len, len(log))
+        if idem_key is not None:
+            self.remembered[(session_id, idem_key)] = result_json
         log.extend(m.model_dump_json(exclude_none=True) for m in new)
         self.stats[session_id].extend(stats)
         return len(log)
@@ -311,3 +317,42 @@ def test_a_sessions_cache_figures_count_every_step_though_only_the_last_are_list
     cache = asyncio.run(orchestrator.get_session(sid, CALLER))["body"]["cache"]
     assert (cache["num_steps"], len(cache["steps"])) == (3, 2)
     assert (cache["prompt_tokens"], cache["cached_tokens"], cache["hit_ratio"]) == (300, 180, 0.6)
+
+
+def _two_pending_calls(orchestrator: Orchestrator) -> str:
+    sid = _session(orchestrator, [CLIENT_TOOL])
+    paused = _collect(orchestrator.send_message(sid, {"content": "go"}, CALLER))
+    assert [call["id"] for call in paused[-1]["tool_calls"]] == ["c1", "c0"]
+    return sid
+
+
+TWO_RESULTS = [{"tool_call_id": "c0", "content": "zero"}, {"tool_call_id": "c1", "content": "one"}]
+
+
+def test_a_tool_results_retry_listing_them_in_another_order_is_the_same_request():
+    orchestrator = _orchestrator([ModelReply(tool_calls=[ToolCall(id="c1", name="fetch", arguments="{}"),
+                                                         ToolCall(id="c0", name="fetch", arguments="{}")]),
+                                  ModelReply(content="Both fetched.")])
+    sid = _two_pending_calls(orchestrator)
+    first = _collect(orchestrator.submit_tool_results(sid, {"results": TWO_RESULTS}, CALLER, idempotency_key="k"))
+    assert first[-1]["kind"] == "final" and "is_replay" not in first[0]
+    again = _collect(orchestrator.submit_tool_results(
+        sid, {"results": TWO_RESULTS[::-1]}, CALLER, idempotency_key="k"))
+    assert again[0] == {"status": 200, "is_replay": True} and again[1:] == first[1:]
+    changed = [dict(TWO_RESULTS[0], content="ZERO"), TWO_RESULTS[1]]
+    other = _collect(orchestrator.submit_tool_results(sid, {"results": changed}, CALLER, idempotency_key="k"))
+    assert other[0]["status"] == 422 and other[0]["body"]["error"]["code"] == "idempotency_key_reused"
+    assert len(orchestrator._model.calls) == 2
+
+
+def test_a_tool_results_record_fingerprinted_as_sent_still_answers_its_retry():
+    orchestrator = _orchestrator([ModelReply(tool_calls=[ToolCall(id="c1", name="fetch", arguments="{}"),
+                                                         ToolCall(id="c0", name="fetch", arguments="{}")])])
+    sid = _two_pending_calls(orchestrator)
+    as_sent = ToolResultsSubmission.model_validate({"results": TWO_RESULTS[::-1]})
+    events = [{"kind": "final", "message": {"role": "assistant", "content": "Both fetched."}}]
+    orchestrator._store.remembered[(sid, "k")] = RememberedTurn(
+        request_sha256=request_fingerprint("tool_results", as_sent), events=events).model_dump_json()
+    again = _collect(orchestrator.submit_tool_results(
+        sid, {"results": TWO_RESULTS[::-1]}, CALLER, idempotency_key="k"))
+    assert again == [{"status": 200, "is_replay": True}, *events]

@@ -86,8 +86,11 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Dates with the month's name: `Nov 30, 2026`, `November 30th 2026`, `30 Dec 2026`.
         ("month_date", rf"(?<![A-Za-z]){_MONTHS}\.? \d{{1,2}}(?:st|nd|rd|th)?,? \d{{4}}(?![0-9])"
                        rf"|(?<![0-9])\d{{1,2}}(?:st|nd|rd|th)? {_MONTHS}\.?,? \d{{4}}(?![0-9])", re.ASCII),
-        # ... and without a year, month first (`due Nov 30`; `3 May` is as often a count before a verb).
-        ("month_day", rf"(?<![A-Za-z]){_MONTHS}\.? \d{{1,2}}(?:st|nd|rd|th)?(?![0-9A-Za-z])", re.ASCII),
+        # ... and without a year, month first (`due Nov 30`) or day first (`by 10 June`) but for May:
+        # `3 May` is as often a count before a verb.
+        ("month_day", rf"(?<![A-Za-z]){_MONTHS}\.? \d{{1,2}}(?:st|nd|rd|th)?(?![0-9A-Za-z])"
+                      rf"|(?<![0-9])(?:[12]\d|3[01]|0?[1-9])(?:st|nd|rd|th)? (?!May){_MONTHS}(?![0-9A-Za-z])",
+         re.ASCII),
         # An amount after its currency (`EUR 1,234.50`, `€ 12`); not where the code ends the amount before
         # it (`12 USD 30 days`), nor a pair's second code (`GBP/USD 1.2650` is a rate).
         ("currency_amount", rf"(?<![A-Za-z/])(?<![0-9] )(?<![0-9]){_CURRENCY} ?[-\u2212]?\d(?:[\d,.]*\d)?", re.ASCII),

@@ -96,6 +96,7 @@ def test_extract_facts_from_text(text, expected):
         ("Refund 12 USD 30 days after, paid 5 EUR 3 USD", ["12 USD", "30 days", "5 EUR", "3 USD"]),
         ("balance (1,234.50) or (1234.50) after (7)", ["(1,234.50)", "(1234.50)", "7"]),
         ("due Nov 30, not 3 May fail", ["Nov 30", "3"]),
+        ("by 10 June, 1st Dec. or 31 Jan, not 45 Dec nor 7 Mayday", ["10 June", "1st Dec", "31 Jan", "45", "7"]),
         ("at 2026-11-30 08:15 Europe/Paris, not 09:30 Design/Engineering", ["2026-11-30 08:15 Europe/Paris", "09:30"]),
         ("GBP/USD 1.2650", ["1.2650"]),  # a rate, not an amount in dollars
         ("a rate of 1.5×10⁻³", ["1.5×10⁻³"]),

@@ -58,7 +58,8 @@ _UNITS = (
 )
 # A unit with its power or per-unit (`50 m²`, `100 km/h`, `9.81 m/s²`): never the first part alone, which
 # would be another value (`50 m`); a slash after it that starts no unit (`30 ms/req`) is not part of it.
-_UNIT_AFTER = re.compile(rf" ?(?:{_UNITS})[²³]?(?:/(?:{_UNITS})[²³]?)?(?![0-9A-Za-z_²³])")
+_UNIT_AFTER_TEXT = rf" ?(?:{_UNITS})[²³]?(?:/(?:{_UNITS})[²³]?)?(?![0-9A-Za-z_²³])"
+_UNIT_AFTER = re.compile(_UNIT_AFTER_TEXT)
 # Currency codes and signs that stand before an amount, with a space (`EUR 1,234.50`, `€ 12`).
 _CURRENCY = r"(?:USD|EUR|GBP|CHF|CNY|JPY|RMB|INR|CAD|AUD|[$€£¥₹])"
 # A base64 value's padding: kept where the run with it is whole base64 (its length a multiple of 4).
@@ -96,8 +97,9 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("currency_amount", rf"(?<![A-Za-z/])(?<![0-9] )(?<![0-9]){_CURRENCY} ?[-\u2212]?\d(?:[\d,.]*\d)?", re.ASCII),
         # An amount in an accountant's parentheses, which make it negative (`(1,234.50)`).
         ("negative_amount", rf"\((?:{_CURRENCY} ?)?(?:\d{{1,3}}(?:,\d{{3}})+|\d+)\.\d{{2}}\)", re.ASCII),
-        # Scientific notation as typeset: `1.5×10⁻³`.
-        ("typeset_exponent", r"(?<![0-9.])\d+(?:\.\d+)?\s?[×x·]\s?10[⁻⁺]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+", re.ASCII),
+        # Scientific notation as typeset, with its unit: `1.5×10⁻³`, `3·10⁸ m/s`.
+        ("typeset_exponent", rf"(?<![0-9.])\d+(?:\.\d+)?\s?[×x·]\s?10[⁻⁺]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+(?:{_UNIT_AFTER_TEXT})?",
+         re.ASCII),
         # Codes in capitals joined by dashes or underscores, digits or not: `SKU-XL-RED`, `EU_WEST`.
         ("code", r"(?<![A-Za-z0-9_-])[A-Z][A-Z0-9]*(?:[-_][A-Z0-9]+)+(?![A-Za-z0-9_-])", re.ASCII),
         # Numbers grouped by spaces or apostrophes: `1 000 000`, `1'250'000` (a unit after them joins them).

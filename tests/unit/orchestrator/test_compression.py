@@ -100,6 +100,7 @@ def test_extract_facts_from_text(text, expected):
         ("at 2026-11-30 08:15 Europe/Paris, not 09:30 Design/Engineering", ["2026-11-30 08:15 Europe/Paris", "09:30"]),
         ("GBP/USD 1.2650", ["1.2650"]),  # a rate, not an amount in dollars
         ("a rate of 1.5×10⁻³", ["1.5×10⁻³"]),
+        ("light at 3·10⁸ m/s, 6.02×10²³ per mol, 2×10³ ms/req", ["3·10⁸ m/s", "6.02×10²³", "2×10³ ms"]),
         # Digits of other scripts, and codes in capitals without digits.
         ("٣٤٥ and １２３４ and ١٢٫٥, then ١٢٫", ["٣٤٥", "１２３４", "١٢٫٥", "١٢"]),
         ("size SKU-XL-RED in EU_WEST", ["SKU-XL-RED", "EU_WEST"]),

@@ -62,6 +62,7 @@ from redis.exceptions import RedisError, ResponseError, WatchError
 
 from cluster.config import MAX_KEY_BURST
 from cluster.redis_errors import redis_refusal, retry_on_dead_connection
+from cluster.redis_pool import pooled_client
 
 T = TypeVar("T")
 KEY_PREFIX = "wp_"
@@ -281,9 +282,7 @@ class ApiKeyStore:
     def from_url(cls, url: str) -> "ApiKeyStore":
         """A store on the Redis at `url`; raises InvalidStoreUrl when `url` cannot name one (nothing connects yet)."""
         try:
-            client = aioredis.Redis.from_url(
-                url, decode_responses=True, socket_timeout=REDIS_REPLY_TIMEOUT_S, socket_connect_timeout=2
-            )
+            client = pooled_client(url, reply_timeout_s=REDIS_REPLY_TIMEOUT_S, connect_timeout_s=2)
         except ValueError as err:
             raise InvalidStoreUrl(str(err)) from None
         return cls(client)

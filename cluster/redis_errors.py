@@ -24,6 +24,8 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from cluster.redis_pool import is_pool_exhausted
+
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ async def retry_on_dead_connection(client: aioredis.Redis, call: Callable[[], Aw
     try:
         return await call()
     except RedisConnectionError as err:
+        if is_pool_exhausted(err):  # every connection busy, none dead: dropping the idle ones would not help
+            raise
         logger.info("Redis connection failed (%s); retrying once on a new connection", err)
         await client.connection_pool.disconnect(inuse_connections=False)
         return await call()

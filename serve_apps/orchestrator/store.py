@@ -60,6 +60,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cluster.redis_errors import redis_refusal, retry_on_dead_connection
+from cluster.redis_pool import is_pool_exhausted, pooled_client
 from serve_apps.orchestrator.models import CreateSessionRequest, Message, PrefixFingerprint, SessionId, StepStats
 from serve_apps.orchestrator.owner_sessions import OwnerSessions, SessionQuota
 
@@ -313,6 +314,8 @@ def _redis_errors(session_id: str = "") -> Iterator[None]:
     except (RedisConnectionError, RedisTimeoutError, OSError) as err:
         # Callers see what failed, not where Redis lives (its address is in redis-py's text): that goes to the log.
         logger.warning("session store unreachable: %s", err)
+        if is_pool_exhausted(err):
+            raise StoreUnavailable("every connection to the session store is busy; retry shortly") from err
         failure = "timed out" if isinstance(err, (RedisTimeoutError, TimeoutError)) else "no connection"
         raise StoreUnavailable(f"session store unreachable ({failure})") from err
     except ResponseError as err:
@@ -360,8 +363,7 @@ class SessionStore:
     @classmethod
     def from_url(cls, url: str, **kwargs: float | int | str) -> "SessionStore":
         """A store over a new client with bounded connect and command timeouts."""
-        client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2.0, socket_timeout=5.0)
-        return cls(client, **kwargs)
+        return cls(pooled_client(url, reply_timeout_s=5.0, connect_timeout_s=2.0), **kwargs)
 
     async def aclose(self) -> None:
         await self._redis.aclose()

@@ -14,11 +14,13 @@ import redis.asyncio as aioredis
 
 from cluster.api_keys import ApiKeyStore, hash_api_key, run_with_store
 from cluster.api_keys import StoreUnavailable as KeyStoreUnavailable
+from cluster.redis_pool import pooled_client
 from serve_apps.orchestrator.models import CompressionReport, CreateSessionRequest, Message, StepStats
 from serve_apps.orchestrator.store import (
     Compaction,
     SessionBusy,
     SessionNotFound,
+    SessionRecord,
     SessionStore,
     StaleTurn,
     StepTotals,
@@ -737,3 +739,41 @@ def test_a_session_from_before_running_totals_reports_none_and_gets_none(redis_u
 
     totals, fields = _run(redis_url, scenario)
     assert totals is None and sorted(fields) == [b"record", b"removed"]
+
+
+def test_more_calls_at_once_than_the_pool_has_connections_wait_for_one(redis_url):
+    """A burst above the pool's size waits for connections instead of failing (redis-py's default pool
+    failed every call past its 100th at once); only a wait past the pool's limit is an outage."""
+
+    async def burst(store):
+        await store.create(REQUEST, "key_1", "ab" * 32)
+        record = await store.create(REQUEST, "key_1", "ab" * 32)
+        found = await asyncio.gather(*(store.get(record.session_id) for _ in range(300)), return_exceptions=True)
+        return [type(item).__name__ for item in found if not isinstance(item, SessionRecord)]
+
+    async def main(max_connections, pool_wait_s):
+        client = pooled_client(redis_url, reply_timeout_s=5, connect_timeout_s=2, max_connections=max_connections,
+                               pool_wait_s=pool_wait_s)
+        store = SessionStore(client)
+        try:
+            return await burst(store)
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(main(max_connections=16, pool_wait_s=10)) == []
+    assert _run(redis_url, burst) == []  # the store's own pool
+    assert _run(redis_url, lambda store: asyncio.sleep(0, store._redis.connection_pool.max_connections)) >= 512
+
+    async def held():
+        client = pooled_client(redis_url, reply_timeout_s=5, connect_timeout_s=2, max_connections=1, pool_wait_s=0.2)
+        store = SessionStore(client)
+        record = await store.create(REQUEST, "key_1", "ab" * 32)
+        only = await client.connection_pool.get_connection()  # the pool's only connection, held
+        try:
+            with pytest.raises(StoreUnavailable, match="every connection to the session store is busy"):
+                await store.get(record.session_id)
+        finally:
+            await client.connection_pool.release(only)
+            await store.aclose()
+
+    asyncio.run(held())

@@ -71,6 +71,7 @@ from serve_apps.orchestrator.store import (
     StaleTurn,
     StepTotals,
     StoreUnavailable,
+    TurnLockTaken,
     idempotency_key_problem,
     request_fingerprint,
 )
@@ -561,7 +562,7 @@ class Orchestrator:
             # record cannot change after; taking the lock fails as not found if the session is gone by then.
             record = await self._owned_record(session_id, caller)
             is_counted = session_quota(caller, self._max_sessions_per_key) is not None
-            async with self._store.turn_lock(session_id, record.owner_key_id if is_counted else None):
+            async with self._store.turn_lock(session_id, record.owner_key_id if is_counted else None) as lock_token:
                 denied = _missing_permission(caller, record.request.tools, self._tool_network.http_tools_permission)
                 if denied is not None:
                     yield denied
@@ -607,7 +608,7 @@ class Orchestrator:
                 runner = TurnRunner(
                     record, snapshot.messages, snapshot.length, self._store, self._model, self._tokenizer,
                     self._max_model_len_tokens, idempotency_key=idempotency_key, tool_network=self._tool_network,
-                    request_sha256=request_sha256 if idempotency_key is not None else None,
+                    request_sha256=request_sha256 if idempotency_key is not None else None, lock_token=lock_token,
                 )
                 has_started = True
                 yield {"status": 200}
@@ -630,7 +631,7 @@ class Orchestrator:
             yield {"kind": "error", "code": "store_unavailable", "message": message} if has_started else _error(
                 503, message, "store_unavailable"
             )
-        except StaleTurn as err:
+        except (StaleTurn, TurnLockTaken) as err:
             yield {"kind": "error", "code": "stale_turn", "message": str(err)}
         except TurnFailed as err:
             yield {"kind": "error", "code": err.code, "message": str(err)}

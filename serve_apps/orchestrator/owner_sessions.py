@@ -22,7 +22,8 @@ deleted while the index was not told, never written) are removed, the others are
 scored by their remaining time. So a place taken by a creation that failed is
 free again within the grace, and a session written after all counts. A creation
 Redis refused outright (full, read-only) gives its place back at once, and so
-does a delete. Counting and adding are one script, so two creations racing for
+does a delete (the store deletes a session whose creation's outcome it could not
+learn: the client never got its id). Counting and adding are one script, so two creations racing for
 a key's last place cannot both have it.
 
 The index expires `session_ttl_s` after its key's last creation or turn (`touch`),

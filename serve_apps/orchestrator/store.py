@@ -15,7 +15,12 @@ Invariants:
   commit, or the last time a turn took or renewed its lock: a running turn
   keeps its session alive however long it takes.
 - A turn lock is released only by the holder whose random token it still stores
-  (compare-and-delete), so a holder whose lock expired cannot free another's.
+  (compare-and-delete), so a holder whose lock expired cannot free another's; nor
+  can it commit while another turn holds the lock (the commit checks the token).
+- A commit whose reply was lost is settled before the turn reports: saved if
+  Redis ran it, else voided so that it cannot land later (`_SETTLE_SCRIPT`).
+- A session created while the reply to its write was lost is deleted (its id
+  never reached the client), so it holds no place of its key's quota.
 - Redis being unreachable, or refusing for a state of its own (out of memory,
   read-only replica, failed snapshot save, no such database), surfaces as
   `StoreUnavailable` naming that state, never as a redis-py exception, so the
@@ -69,6 +74,8 @@ T = TypeVar("T")
 
 # What the HTTP ingress accepts in `Idempotency-Key`; the orchestrator checks it again for every ingress.
 MAX_IDEMPOTENCY_KEY_CHARS = 256
+# How soon a renewal that failed (Redis slow or away) is tried again, within the lock's lease.
+LOCK_RENEW_RETRY_S = 1.0
 # Idempotency records a session keeps (its most recent keyed turns); each holds every event of its turn.
 MAX_IDEMPOTENCY_RECORDS = 64
 # The parts of a session's key, in the order the scripts take them as KEYS[1..5].
@@ -89,12 +96,24 @@ local function remember(hash, order, key, value, max_records)
 end
 """
 
-# KEYS: meta, log, stats, idem, idem-order. ARGV: expected_len, num_replaced, summary, ttl_ms, num_messages,
-# num_stats, idem_key, result_json, max_step_stats, max_idempotency_records, then the messages, the stats,
-# and the stats' prompt tokens, cached tokens and compressions, added to the session's running totals.
-_COMMIT_SCRIPT = _REMEMBER_LUA + """
+# KEYS: meta, log, stats, idem, idem-order, lock. ARGV: expected_len, num_replaced, summary, ttl_ms,
+# num_messages, num_stats, idem_key, result_json, max_step_stats, max_idempotency_records, lock token ('' for
+# none), commit id, then the messages, the stats, and the stats' prompt tokens, cached tokens and compressions,
+# added to the session's running totals. A turn whose lock another turn holds now is refused (its own lock
+# expired: the other turn runs on the same transcript), and so is a commit `_SETTLE_SCRIPT` voided. Flagged
+# (no flags: not `allow-oom`) so that a full Redis refuses the whole script up front: unflagged, Redis
+# refuses only at the first write that may grow memory, and a compaction's first write is LTRIM.
+_COMMIT_SCRIPT = "#!lua\n" + _REMEMBER_LUA + """
+local FIXED = 12
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('WARMPATH_NOT_FOUND')
+end
+if redis.call('HGET', KEYS[1], 'voided_commit') == ARGV[12] then
+  return redis.error_reply('WARMPATH_VOIDED')
+end
+local holder = redis.call('GET', KEYS[6])
+if ARGV[11] ~= '' and holder and holder ~= ARGV[11] then
+  return redis.error_reply('WARMPATH_LOCK_TAKEN')
 end
 local stored = redis.call('LLEN', KEYS[2])
 local removed = tonumber(redis.call('HGET', KEYS[1], 'removed') or '0')
@@ -114,14 +133,14 @@ end
 local num_messages = tonumber(ARGV[5])
 local num_stats = tonumber(ARGV[6])
 for i = 1, num_messages do
-  redis.call('RPUSH', KEYS[2], ARGV[10 + i])
+  redis.call('RPUSH', KEYS[2], ARGV[FIXED + i])
 end
 for i = 1, num_stats do
-  redis.call('RPUSH', KEYS[3], ARGV[10 + num_messages + i])
+  redis.call('RPUSH', KEYS[3], ARGV[FIXED + num_messages + i])
 end
 redis.call('LTRIM', KEYS[3], -tonumber(ARGV[9]), -1)
 if redis.call('HEXISTS', KEYS[1], 'steps_total') == 1 then  -- a session created with running totals
-  local totals = 10 + num_messages + num_stats
+  local totals = FIXED + num_messages + num_stats
   redis.call('HINCRBY', KEYS[1], 'steps_total', num_stats)
   redis.call('HINCRBY', KEYS[1], 'prompt_tokens_total', ARGV[totals + 1])
   redis.call('HINCRBY', KEYS[1], 'cached_tokens_total', ARGV[totals + 2])
@@ -130,10 +149,25 @@ end
 if ARGV[7] ~= '' then
   remember(KEYS[4], KEYS[5], ARGV[7], ARGV[8], tonumber(ARGV[10]))
 end
+redis.call('HSET', KEYS[1], 'last_commit', ARGV[12])
 for i = 1, 5 do
   redis.call('PEXPIRE', KEYS[i], ARGV[4])
 end
 return length + num_messages
+"""
+
+# KEYS: meta. ARGV: a commit id whose reply was lost. 1: that commit ran; 0: it did not, and never will (the
+# commit script refuses a voided id); -1: the session is gone. Atomic against the commit itself, so a commit
+# still on its way when this runs is voided, not left to land after the turn was reported failed.
+_SETTLE_SCRIPT = """#!lua flags=allow-oom
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return -1
+end
+if redis.call('HGET', KEYS[1], 'last_commit') == ARGV[1] then
+  return 1
+end
+redis.call('HSET', KEYS[1], 'voided_commit', ARGV[1])
+return 0
 """
 
 # Read-only, so a Redis full under noeviction still runs it (MULTI would be refused): the record's
@@ -206,6 +240,11 @@ class SessionNotFound(LookupError):
 
 class SessionBusy(RuntimeError):
     """Another turn holds the session's lock; callers answer 409."""
+
+
+class TurnLockTaken(RuntimeError):
+    """The turn's lock expired (its holder stalled or Redis lost it) and another turn holds it now; nothing was
+    written: the other turn runs on the same transcript, and of the two only it may commit."""
 
 
 class StaleTurn(RuntimeError):
@@ -356,6 +395,7 @@ class SessionStore:
         self._acquire = client.register_script(_ACQUIRE_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
         self._renew = client.register_script(_RENEW_SCRIPT)
+        self._settle = client.register_script(_SETTLE_SCRIPT)
         self._owners = OwnerSessions(
             client, lambda session_id: self._key(session_id, "meta"), ttl_ms=self._ttl_ms, key_prefix=key_prefix
         )
@@ -425,12 +465,23 @@ class SessionStore:
                     is_refused = True  # Redis refused the transaction (full, read-only): nothing was written
                     raise
         except BaseException:
-            # Only a refusal is known to have written nothing: after a lost reply or a cancellation the
-            # record may still land, and the place, held for its grace, is settled by its PTTL then.
-            if quota is not None and is_refused:
-                await asyncio.shield(self._uncount(owner_key_id, record.session_id))
+            # A refusal wrote nothing. After a lost reply or a cancellation the record may have landed, but
+            # its id never reached the client: deleted, uncounted. Should that fail too, the place is held
+            # for its grace, then settled by the record's PTTL.
+            if is_refused:
+                if quota is not None:
+                    await asyncio.shield(self._uncount(owner_key_id, record.session_id))
+            else:
+                await asyncio.shield(self._discard(record.session_id, owner_key_id if quota is not None else None))
             raise
         return record
+
+    async def _discard(self, session_id: str, owner_key_id: str | None) -> None:
+        """Deletes a session whose creation failed after its write may have landed; an outage only logs."""
+        try:
+            await self.delete(session_id, owner_key_id)
+        except StoreUnavailable as err:
+            logger.warning("could not remove session %s, whose creation failed: %s", session_id, err)
 
     async def get(self, session_id: str) -> SessionRecord:
         """The session's record; raises SessionNotFound."""
@@ -482,8 +533,8 @@ class SessionStore:
         return TranscriptSnapshot(messages=messages, length=int(removed) + len(messages))
 
     @asynccontextmanager
-    async def turn_lock(self, session_id: str, owner_key_id: str | None = None) -> AsyncIterator[None]:
-        """Holds the session's turn lock for the block; raises SessionBusy if another turn holds it.
+    async def turn_lock(self, session_id: str, owner_key_id: str | None = None) -> AsyncIterator[str]:
+        """Holds the session's turn lock for the block, giving its token; raises SessionBusy if another turn holds it.
 
         Raises SessionNotFound if the session does not exist. Taking the lock
         and each renewal also refresh the TTL of every key of the session, so
@@ -495,8 +546,8 @@ class SessionStore:
         (or of `ttl_s`, if shorter), so a live turn keeps it however long it
         takes, and a dead holder (a killed orchestrator replica) frees it within
         `lock_ttl_s`: a retried turn can start soon after. A turn that loses the
-        lock anyway (Redis restarted without it) is still safe because
-        `commit_turn` checks the length.
+        lock anyway (its process stalled, Redis restarted without it) cannot commit
+        over another: `commit_turn` takes the token and checks it and the length.
         """
         lock_args = self._lock_args(session_id, secrets.token_hex(16))
         try:
@@ -512,12 +563,14 @@ class SessionStore:
             raise SessionNotFound(session_id)
         if outcome == 0:
             raise SessionBusy(f"session {session_id} is running another turn")
-        await self._touch_owner(owner_key_id)
-        renewer = asyncio.ensure_future(self._keep_lock(session_id, lock_args, owner_key_id))
-        try:
-            yield
+        renewer = None
+        try:  # from here on the lock is released however the block ends, a cancellation included
+            await self._touch_owner(owner_key_id)
+            renewer = asyncio.ensure_future(self._keep_lock(session_id, lock_args, owner_key_id))
+            yield lock_args["args"][0]
         finally:
-            renewer.cancel()
+            if renewer is not None:
+                renewer.cancel()
             await self._release_lock(session_id, lock_args)
             await self._touch_owner(owner_key_id)
 
@@ -544,14 +597,17 @@ class SessionStore:
     async def _keep_lock(self, session_id: str, lock_args: dict[str, list], owner_key_id: str | None) -> None:
         """Renews the lock and the session's TTL (and its key's count's) until cancelled, or the lock is lost."""
         interval_s = min(self._lock_ttl_ms, self._ttl_ms) / 3000
+        delay_s = interval_s
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(delay_s)
             try:
                 if not await self._idempotent(lambda: self._renew(**lock_args)):
-                    return  # lost it (expired while Redis was away); the commit's length check still guards
+                    return  # lost it (expired while Redis was away); the commit checks the token
             except Exception as err:  # Redis away: keep trying, the turn's own calls report the outage
                 logger.warning("could not renew turn lock of %s: %s", session_id, err)
+                delay_s = min(interval_s, LOCK_RENEW_RETRY_S)  # a failed renewal used up part of the lease
                 continue
+            delay_s = interval_s
             await self._touch_owner(owner_key_id)
 
     async def commit_turn(
@@ -564,8 +620,13 @@ class SessionStore:
         compaction: Compaction | None = None,
         idem_key: str | None = None,
         result_json: str | None = None,
+        lock_token: str | None = None,
     ) -> int:
         """Appends one turn atomically, if the transcript is still at `expected_len`.
+
+        When Redis' reply is lost (a timeout, a dropped connection), the commit is settled
+        on a fresh connection (`_SETTLE_SCRIPT`): reported saved if it ran, else voided so
+        that it never lands after the turn was reported failed.
 
         Args:
             session_id: the session.
@@ -576,13 +637,18 @@ class SessionStore:
             idem_key: with `result_json`, remembered as the turn's result in the same write (the
                 oldest record beyond the session's `max_idempotency_records` is dropped).
             result_json: the turn's result as returned to the client.
+            lock_token: the turn lock the turn holds (`turn_lock`'s), so that a turn whose lock another
+                turn took after it expired cannot commit.
 
         Returns:
             The new logical length.
 
         Raises:
             StaleTurn: the transcript changed since `expected_len`; nothing was written.
+            TurnLockTaken: another turn holds the session's lock now; nothing was written.
             SessionNotFound: the session is gone.
+            StoreUnavailable: Redis refused or could not be reached; nothing was written, or (said in
+                its message) whether it was is unknown, Redis having gone before it could be settled.
         """
         if not new_messages:
             raise ValueError("a turn commits at least one message")
@@ -592,24 +658,55 @@ class SessionStore:
             raise ValueError("a compaction replaces at least one message")
         num_replaced = compaction.num_messages_replaced if compaction else 0
         summary_json = compaction.summary.model_dump_json(exclude_none=True) if compaction else ""
+        commit_id = secrets.token_hex(12)
         args: list[str | int] = [
             expected_len, num_replaced, summary_json, self._ttl_ms, len(new_messages), len(stats),
             idem_key or "", result_json or "", self._max_step_stats, self._max_idempotency_records,
+            lock_token or "", commit_id,
         ]
         args.extend(m.model_dump_json(exclude_none=True) for m in new_messages)
         args.extend(s.model_dump_json() for s in stats)
         added = StepTotals.of(stats)
         args.extend([added.prompt_tokens, added.cached_tokens, added.num_compressions])
+        keys = [*self._keys(session_id), self._key(session_id, "lock")]
         try:
             with _redis_errors(session_id):
-                return int(await self._commit(keys=self._keys(session_id), args=args))
+                try:
+                    return int(await self._commit(keys=keys, args=args))
+                except (RedisConnectionError, RedisTimeoutError, OSError) as err:
+                    if is_pool_exhausted(err):  # never sent
+                        raise
+                    lost = err
         except ResponseError as err:
             kind, _, value = str(err).partition(" ")
             if kind == "WARMPATH_STALE":
                 raise StaleTurn(session_id, expected_len, int(value)) from None
+            if kind == "WARMPATH_LOCK_TAKEN":
+                raise TurnLockTaken(f"session {session_id}: this turn's lock expired and another turn holds it "
+                                    "now; nothing of this turn was saved") from None
             if kind == "WARMPATH_BAD_COMPACTION":
                 raise ValueError(f"compaction replaces {num_replaced} messages but {value} are stored") from None
             raise
+        return await self._settled(session_id, commit_id, expected_len + len(new_messages), lost)
+
+    async def _settled(self, session_id: str, commit_id: str, new_len: int, lost: Exception) -> int:
+        """The new length if the commit whose reply was lost ran; else raises StoreUnavailable (it never will)."""
+        logger.warning("session %s: the reply to a commit was lost (%s); settling it", session_id, lost)
+        try:
+            with _redis_errors(session_id):
+                outcome = await self._idempotent(lambda: self._settle(keys=[self._key(session_id, "meta")],
+                                                                      args=[commit_id]))
+        except StoreUnavailable as err:
+            raise StoreUnavailable(
+                f"the session store went away while saving the turn ({err}); whether it was saved is unknown: "
+                "read the session before sending the turn again, or resend it with the same Idempotency-Key"
+            ) from lost
+        if outcome == -1:
+            raise SessionNotFound(session_id)
+        if outcome == 1:
+            return new_len
+        failure = "timed out" if isinstance(lost, (RedisTimeoutError, TimeoutError)) else "no connection"
+        raise StoreUnavailable(f"session store unreachable ({failure}); the turn was not saved") from lost
 
     async def lookup_turn_result(self, session_id: str, idem_key: str) -> str | None:
         """The result remembered under `idem_key`, or None when the turn never completed."""

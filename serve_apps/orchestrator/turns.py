@@ -229,10 +229,12 @@ class TurnRunner:
         idempotency_key: str | None = None,
         tool_network: ToolNetworkPolicy | None = None,
         request_sha256: str | None = None,
+        lock_token: str | None = None,
     ) -> None:
         if (idempotency_key is None) != (request_sha256 is None):
             raise ValueError("idempotency_key and request_sha256 go together")
         self._record = record
+        self._lock_token = lock_token  # the session's turn lock held for this turn; the commit checks it
         self._tool_network = tool_network
         self._idempotency_key = idempotency_key
         self._request_sha256 = request_sha256
@@ -548,5 +550,5 @@ class TurnRunner:
             result_json = remembered.model_dump_json()
         await self._store.commit_turn(
             self._record.session_id, self._stored_len, self._new, self._stats, compaction=self._compaction,
-            idem_key=self._idempotency_key, result_json=result_json,
+            idem_key=self._idempotency_key, result_json=result_json, lock_token=self._lock_token,
         )

@@ -145,15 +145,42 @@ def test_a_creation_redis_refuses_gives_its_place_back_at_once(redis_url):
         assert client.zrange(_index("k-refused"), 0, -1) == [sid]
 
 
-def test_a_creation_whose_outcome_is_unknown_holds_its_place_until_its_record_is_looked_up(redis_url, monkeypatch):
-    """A lost reply may hide a write that landed: the place is held for the grace, then settled by the record."""
+def test_a_creation_whose_outcome_is_unknown_is_removed_and_gives_its_place_back(redis_url, monkeypatch):
+    """A lost reply may hide a write that landed, but its id never reached the client: the session is deleted
+    and uncounted at once, so a retry of the creation finds its place free."""
 
     def reply_lost(self, **kwargs):
         raise redis.exceptions.ConnectionError("Connection closed by server.")
 
     async def scenario(store):
+        with redis.Redis.from_url(redis_url) as client:
+            before = set(client.scan_iter("warmpath:{*}:meta"))
         with monkeypatch.context() as patched:
             patched.setattr(SessionRecord, "model_dump_json", reply_lost)
+            with pytest.raises(StoreUnavailable):
+                await _create(store, "k-lost", SessionQuota(limit=1))
+        with redis.Redis.from_url(redis_url) as client:
+            assert client.zcard(_index("k-lost")) == 0 and set(client.scan_iter("warmpath:{*}:meta")) == before
+        return await _create(store, "k-lost", SessionQuota(limit=1))
+
+    sid = _run(redis_url, scenario)
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        assert client.zrange(_index("k-lost"), 0, -1) == [sid]
+
+
+def test_a_creation_whose_outcome_stays_unknown_holds_its_place_until_its_record_is_looked_up(redis_url, monkeypatch):
+    """When Redis is away for the delete too, the place is held for the grace, then settled by the record."""
+
+    def reply_lost(self, **kwargs):
+        raise redis.exceptions.ConnectionError("Connection closed by server.")
+
+    async def delete_lost(keys):
+        raise redis.exceptions.ConnectionError("Connection refused")
+
+    async def scenario(store):
+        with monkeypatch.context() as patched:
+            patched.setattr(SessionRecord, "model_dump_json", reply_lost)
+            patched.setattr(store, "_delete", delete_lost)
             with pytest.raises(StoreUnavailable):
                 await _create(store, "k-unknown", SessionQuota(limit=1))
         with redis.Redis.from_url(redis_url, decode_responses=True) as client:

@@ -41,6 +41,7 @@ class MemoryStore:
         self.stats: dict[str, list] = {}
         self.quotas: list = []  # the quota each creation counted against
         self.remembered: dict[tuple[str, str], str] = {}  # (session, idempotency key) -> RememberedTurn JSON
+        self.commit_locks: list = []  # the lock token each commit was made under
         self.max_step_stats = 1024  # stats kept per session, as the store keeps them
 
     async def create(self, request, owner, fingerprint, quota=None):
@@ -63,18 +64,19 @@ class MemoryStore:
     @contextlib.asynccontextmanager
     async def turn_lock(self, session_id, owner_key_id=None):
         await self.get(session_id)
-        yield
+        yield f"lock-of-{session_id}"
 
     async def lookup_turn_result(self, session_id, key):
         return self.remembered.get((session_id, key))
 
     async def commit_turn(self, session_id, expected_len, new, stats, *, compaction=None, idem_key=None,
-                          result_json=None):
+                          result_json=None, lock_token=None):
         log = self.logs[session_id]
         if len(log) != expected_len:
             raise StaleTurn(session_id, expected_len, len(log))
         if idem_key is not None:
             self.remembered[(session_id, idem_key)] = result_json
+        self.commit_locks.append(lock_token)
         log.extend(m.model_dump_json(exclude_none=True) for m in new)
         self.stats[session_id].extend(stats)
         return len(log)
@@ -356,3 +358,11 @@ def test_a_tool_results_record_fingerprinted_as_sent_still_answers_its_retry():
     again = _collect(orchestrator.submit_tool_results(
         sid, {"results": TWO_RESULTS[::-1]}, CALLER, idempotency_key="k"))
     assert again == [{"status": 200, "is_replay": True}, *events]
+
+
+def test_a_turn_commits_under_the_lock_it_holds():
+    orchestrator = _orchestrator([_fetch("c0"), ModelReply(content="Fetched.")])
+    sid = _session(orchestrator, [CLIENT_TOOL])
+    _collect(orchestrator.send_message(sid, {"content": "go"}, CALLER))
+    _collect(orchestrator.submit_tool_results(sid, {"results": [{"tool_call_id": "c0", "content": "{}"}]}, CALLER))
+    assert orchestrator._store.commit_locks == [f"lock-of-{sid}"] * 2

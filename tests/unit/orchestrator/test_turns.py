@@ -71,7 +71,7 @@ class MemoryStore:
         self.commits: list[dict] = []
 
     async def commit_turn(self, session_id, expected_len, new_messages, stats, *, compaction=None, idem_key=None,
-                          result_json=None):
+                          result_json=None, lock_token=None):
         self.commits.append({"messages": list(new_messages), "idem_key": idem_key, "result_json": result_json,
                              "compaction": compaction, "stats": list(stats)})
         return expected_len + len(new_messages)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
@@ -66,7 +67,7 @@ class ToolNetworkPolicy:
 
     def _check_literal(self, url: str, parsed: "_ParsedUrl") -> str | None:
         if self._prefixes and not any(prefix.admits(parsed) for prefix in self._prefixes):
-            return f"tool URL {url} is outside the allowed prefixes (tool_network.allowed_url_prefixes)"
+            return f"tool URL {shown_url(url)} is outside the allowed prefixes (tool_network.allowed_url_prefixes)"
         address = _address(parsed.host)
         if address is None:
             return None  # a name: checked on what it resolves to, before each call
@@ -90,21 +91,21 @@ class ToolNetworkPolicy:
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(parsed.host, parsed.port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError) as err:  # UnicodeError: a name IDNA cannot encode (an empty label)
-            return f"tool URL {url}: its host does not resolve ({err})"
+            return f"tool URL {shown_url(url)}: its host does not resolve ({err})"
         addresses = list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
         for address in addresses:
             problem = self._blocked_message(url, ipaddress.ip_address(address))
             if problem is not None:
                 return problem
         if not addresses:
-            return f"tool URL {url}: its host resolves to no address"
+            return f"tool URL {shown_url(url)}: its host resolves to no address"
         return Destination(url, tuple(addresses))
 
     def _blocked_message(self, url: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
         for candidate in _reached(address):
             for network in self._blocked:
                 if candidate.version == network.version and candidate in network:
-                    return f"tool URL {url} reaches {candidate}, in blocked network {network} (tool_network.blocked_networks)"
+                    return f"tool URL {shown_url(url)} reaches {candidate}, in blocked network {network} (tool_network.blocked_networks)"
         return None
 
 
@@ -137,22 +138,38 @@ def _parse(url: str) -> _ParsedUrl | str:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port
     except ValueError as err:  # a bracketed host that is no IPv6 address, a port out of range
-        return f"tool URL {url} cannot be parsed ({err})"
+        return f"tool URL {shown_url(url)} cannot be parsed ({err})"
     if not host:
-        return f"tool URL {url} names no host"
+        return f"tool URL {shown_url(url)} names no host"
     if any(unquote(segment) in (".", "..") for segment in parts.path.split("/")):
-        return f"tool URL {url} has a '.' or '..' path segment"
+        return f"tool URL {shown_url(url)} has a '.' or '..' path segment"
     port = port or _DEFAULT_PORTS.get(parts.scheme, 80)
     try:
         sent = httpx.URL(url)  # how the call is sent
     except httpx.InvalidURL as err:
-        return f"tool URL {url} cannot be parsed ({err})"
+        return f"tool URL {shown_url(url)} cannot be parsed ({err})"
     if (sent.port or _DEFAULT_PORTS.get(sent.scheme, 80)) != port:
-        return f"tool URL {url} is ambiguous: its port reads as {port} here and {sent.port} to the HTTP client"
+        return f"tool URL {shown_url(url)} is ambiguous: its port reads as {port} here and {sent.port} to the HTTP client"
     return _ParsedUrl(parts.scheme, host, port, parts.path)
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+# A URL's userinfo (`user:password@`), up to the last `@` before its path, query or fragment.
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
+def shown_url(url: str) -> str:
+    """`url` as refusals show it, to the model, the client, logs and traces: without its userinfo or query.
+
+    Why: a tool URL may carry a password or a token (`https://svc:pw@host/x?api_key=...`),
+    which the session's creator gave the orchestrator to call with, not to be repeated.
+    """
+    text = _USERINFO.sub(r"\1***@", url)
+    for mark in "?#":
+        head, found, _ = text.partition(mark)
+        if found:
+            text = head + mark + "…"
+    return text
 
 
 def _parse_prefix(prefix: str) -> _ParsedUrl:

@@ -413,7 +413,7 @@ async def run_http_tool(
             else:
                 destination = await network.check_destination(spec.execution.url)
             if isinstance(destination, str):
-                return _error(spec.name, destination)
+                return _error(spec.name, destination, reason="destination refused by tool_network")
             return await _post(http, destination, body, spec.name, max_bytes, _phase_timeout(timeout_s))
     except (TimeoutError, httpx.TimeoutException):
         return _error(spec.name, f"no complete reply within {timeout_s:g} s", status="timeout")

@@ -273,3 +273,21 @@ def test_a_url_whose_port_the_http_client_reads_otherwise_is_refused(url):
     policy = ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=[f"{host}/api/"], blocked_networks=[]))
     assert "ambiguous" in policy.check_url(url)
     assert policy.check_url(f"{host}/api/x") is None
+
+
+@pytest.mark.parametrize("url, network", [
+    ("https://svc:S3CRET@orders.no-such-host.invalid/lookup?api_key=sk-LIVE-1", DEFAULT),
+    ("http://svc:S3CRET@169.254.169.254/latest?api_key=sk-LIVE-1", DEFAULT),
+    ("https://svc:S3CRET@tools.internal/x?api_key=sk-LIVE-1",
+     ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=["https://tools.example/"]))),
+])
+def test_a_refused_tool_url_is_shown_without_its_password_or_query(url, network):
+    """The refusal reaches the model, the transcript and logs; the trace gets a fixed reason."""
+    spec = ToolSpec(name="lookup", parameters={"type": "object"}, execution={"kind": "http", "url": url})
+    outcome = asyncio.run(run_http_tool(spec, "{}", 5.0, 4096, network=network))
+    said = json.loads(outcome.content)["error"]
+    assert outcome.status == "error" and "tool URL " in said and "***@" in said
+    for secret in ("S3CRET", "sk-LIVE-1", "svc"):
+        assert secret not in said and secret not in outcome.reason
+    assert outcome.reason == "destination refused by tool_network"
+    assert "S3CRET" not in (network.check_url(url) or "")

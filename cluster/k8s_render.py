@@ -33,8 +33,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
-from cluster.config import ClusterConfig, ConfigError, load_config
-from cluster.serve_config import dump_serve_config, grpc_proxy_env
+from cluster.config import LOCAL_PATH_PREFIXES, ClusterConfig, ConfigError, load_config
+from cluster.serve_config import SERVICE_NUM_CPUS, dump_serve_config, grpc_proxy_env
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
 CLUSTER_CONFIG_FILE = "cluster.yaml"
@@ -90,8 +90,8 @@ def load_overlay_config(overlay_dir: Path) -> ClusterConfig:
         The config, read with `environ={}` (defaults < file only).
 
     Raises:
-        ConfigError: the file is missing or invalid, `model.source` is empty (it would
-            resolve to a path on the machine that renders), or `redis_url` carries a
+        ConfigError: the file is missing or invalid, `model.source` is empty or relative
+            (`./m`, `~/m`: either resolves to a path on the machine that renders), or `redis_url` carries a
             password (it would be readable by anyone who can read the RayService).
     """
     cfg = load_config(overlay_dir / CLUSTER_CONFIG_FILE, environ={})
@@ -101,12 +101,21 @@ def load_overlay_config(overlay_dir: Path) -> ClusterConfig:
             f"{where}: model.source must name the model inside the pod "
             "(a folder in the image or a Hugging Face id)"
         )
+    if cfg.model.source.startswith(_RENDERER_RELATIVE_PREFIXES):
+        raise ConfigError(
+            f"{where}: model.source {cfg.model.source!r} is relative to the machine that renders, not the pod: "
+            "write the folder's absolute path inside the image, or a Hugging Face id"
+        )
     if cfg.redis_url and _carries_password(cfg.redis_url):
         raise ConfigError(
             f"{where}: redis_url carries a password, which would be written into the RayService; "
             "leave redis_url unset and let pods read REDIS_URL built from the Secret"
         )
     return cfg
+
+
+# A local model path that means a folder of the machine reading the config (`model_source()` resolves it there).
+_RENDERER_RELATIVE_PREFIXES = tuple(prefix for prefix in LOCAL_PATH_PREFIXES if prefix != "/")
 
 
 def _carries_password(url: str) -> bool:
@@ -119,8 +128,12 @@ def _carries_password(url: str) -> bool:
 
 
 def worker_ray_cpus(cfg: ClusterConfig) -> int:
-    """Ray logical CPUs of one worker pod: one replica bundle plus room for the ingress."""
-    return math.ceil(cfg.replicas.num_cpus) + 1
+    """Ray logical CPUs of one worker pod: one replica bundle plus room for the ingresses and orchestrator.
+
+    Why all of them: with one replica, a worker with room for fewer left the gRPC ingress
+    unplaced, and the autoscaler added a whole worker pod for it.
+    """
+    return math.ceil(cfg.replicas.num_cpus + SERVICE_NUM_CPUS)
 
 
 def _resource_amount(amount: float) -> int | float:

@@ -18,6 +18,13 @@ from cluster.config import ClusterConfig
 BUILDER_IMPORT_PATH = "serve_apps.builders:build_app"
 GRPC_BUILDER_IMPORT_PATH = "serve_apps.builders:build_grpc_app"
 # Serve's proxy only registers applications with a route prefix; HTTP there answers 404.
+# Ray CPUs of the deployments beside the replicas (`serve_apps.builders`), one in all: a KubeRay worker offers
+# a replica's bundle and this one more (`k8s_render.worker_ray_cpus`), no more than its pod's CPU limit.
+HTTP_INGRESS_NUM_CPUS = 0.5
+ORCHESTRATOR_NUM_CPUS = 0.25
+GRPC_INGRESS_NUM_CPUS = 0.25
+SERVICE_NUM_CPUS = HTTP_INGRESS_NUM_CPUS + ORCHESTRATOR_NUM_CPUS + GRPC_INGRESS_NUM_CPUS
+
 GRPC_ROUTE_PREFIX = "/grpc"
 GRPC_SERVICER_FUNCTIONS = [
     # The generated add_*Servicer_to_server, but a request that does not decode is INVALID_ARGUMENT, not UNKNOWN.

@@ -22,6 +22,7 @@ from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from cluster.config import ClusterConfig, RouterPolicy, validate_config
+from cluster.serve_config import GRPC_INGRESS_NUM_CPUS, HTTP_INGRESS_NUM_CPUS, ORCHESTRATOR_NUM_CPUS
 from ray.llm._internal.serve.core.server.builder import _get_deployment_name
 from ray.serve.handle import DeploymentHandle
 
@@ -140,10 +141,10 @@ def build_llm_app(cfg: ClusterConfig) -> Application:
     ingress_cls = make_fastapi_ingress(WarmpathIngress, endpoint_map=ENDPOINTS, app=app)
     orchestrator = serve.deployment(
         Orchestrator, name=ORCHESTRATOR_DEPLOYMENT, num_replicas=1, max_ongoing_requests=256,
-        ray_actor_options={"num_cpus": 0.5},
+        ray_actor_options={"num_cpus": ORCHESTRATOR_NUM_CPUS},
     ).bind(replicas, cfg.model_dump(mode="json"))
     options = WarmpathIngress.get_deployment_options([llm])
-    options["ray_actor_options"] = {"num_cpus": 0.5}
+    options["ray_actor_options"] = {"num_cpus": HTTP_INGRESS_NUM_CPUS}
     return serve.deployment(ingress_cls, name="OpenAiIngress", **options).bind(
         llm_deployments={cfg.model.model_id: replicas},
         model_cards={cfg.model.model_id: to_model_metadata(cfg.model.model_id, llm)},
@@ -172,7 +173,7 @@ def build_grpc_app(args: dict[str, Any]) -> Application:
     cfg = validate_config(args)
     return serve.deployment(
         GrpcIngress, name="GrpcIngress", num_replicas=1, max_ongoing_requests=256,
-        ray_actor_options={"num_cpus": 0.25},
+        ray_actor_options={"num_cpus": GRPC_INGRESS_NUM_CPUS},
     ).bind(
         llm_handle=DeploymentHandle(llm_deployment_name(cfg), app_name=cfg.app_name),
         orchestrator_handle=DeploymentHandle(ORCHESTRATOR_DEPLOYMENT, app_name=cfg.app_name),

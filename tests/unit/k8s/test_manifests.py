@@ -40,7 +40,7 @@ from typer.testing import CliRunner
 from cluster import k8s_render
 from cluster.cli import app
 from cluster.config import ConfigError, validate_config
-from cluster.serve_config import render_serve_config
+from cluster.serve_config import SERVICE_NUM_CPUS, render_serve_config
 
 K8S_DIR = k8s_render.K8S_DIR
 KUBERNETES_VERSION = "1.30"
@@ -381,7 +381,7 @@ def test_worker_group_fits_one_replica_per_pod(overlay: Path):
     assert workers["replicas"] == cfg.replicas.num_replicas
     assert workers["minReplicas"] <= cfg.replicas.num_replicas <= workers["maxReplicas"]
     ray_cpus = int(workers["rayStartParams"]["num-cpus"])
-    assert ray_cpus >= cfg.replicas.num_cpus + 0.5, "a replica bundle plus the ingress must fit"
+    assert ray_cpus >= cfg.replicas.num_cpus + SERVICE_NUM_CPUS, "a replica bundle and the services must fit"
     assert _cpu_cores(resources["limits"]["cpu"]) >= ray_cpus
     assert int(workers["rayStartParams"]["num-gpus"]) == cfg.replicas.num_gpus
     assert resources["limits"].get("nvidia.com/gpu", 0) == cfg.replicas.num_gpus
@@ -512,6 +512,8 @@ def test_gpu_overlay_loads_a_hugging_face_model_with_a_token_secret():
     "config, message",
     [
         ("model:\n  source: ''\n", "model.source"),
+        ("model:\n  source: ./models/m\n", "relative to the machine that renders"),
+        ("model:\n  source: ~/models/m\n", "relative to the machine that renders"),
         ("model:\n  source: /m\nredis_url: redis://:secret@r:6379/1\n", "password"),
         ("replicas:\n  num_replicas: 0\n", "replicas.num_replicas"),
     ],
@@ -624,8 +626,8 @@ def test_unsupported_kustomizations_fail_loudly(tmp_path: Path, kustomization: d
 def test_the_guides_api_key_goes_to_the_redis_database_the_pods_read():
     """k8s/README.md's `keys create` must write where the pods' `REDIS_URL` looks, or every call is a 401."""
     guide = (k8s_render.K8S_DIR / "README.md").read_text()
-    created = re.findall(r'warmpath keys create --redis-url "([^"]+)"', guide)
-    assert created, "the guide no longer creates a key with --redis-url"
+    created = re.findall(r'REDIS_URL="([^"]+)" warmpath keys create', guide)
+    assert created, "the guide no longer creates a key with REDIS_URL"
     rayservice = yaml.safe_load((k8s_render.K8S_DIR / "base" / "rayservice.yaml").read_text())
     cluster_spec = rayservice["spec"]["rayClusterConfig"]
     pods = [cluster_spec["headGroupSpec"], *cluster_spec["workerGroupSpecs"]]

@@ -24,7 +24,9 @@ from typing import Annotated, Literal, NewType
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
 
-from serve_apps.orchestrator.tool_schema import check_tool_parameters
+from serve_apps.orchestrator.tool_schema import (
+    MAX_SESSION_PATTERN_UNROLLED, check_tool_parameters, pattern_elements,
+)
 from serve_apps.request_checks import lone_surrogate_at
 
 SessionId = NewType("SessionId", str)
@@ -143,6 +145,17 @@ class CreateSessionRequest(_Strict):
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"tool names must be unique, repeated: {duplicates}")
+        return self
+
+    @model_validator(mode="after")
+    def _bounded_grammar(self) -> "CreateSessionRequest":
+        elements = sum(pattern_elements(tool.parameters) for tool in self.tools)
+        if elements > MAX_SESSION_PATTERN_UNROLLED:
+            raise ValueError(
+                f"the tools' patterns unroll to {elements} elements together, over {MAX_SESSION_PATTERN_UNROLLED}: "
+                "a turn forced to call a tool builds one grammar of every tool, which would take minutes; "
+                "bound long strings with maxLength instead of counted repeats ({n,m})"
+            )
         return self
 
 

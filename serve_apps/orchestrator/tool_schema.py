@@ -33,7 +33,9 @@ Invariants `check_tool_parameters` holds for every accepted schema:
   unrolls to at most `MAX_PATTERN_UNROLLED` elements (`[a-z]{1,30000}` is
   30,000): the grammar compiler expands counted repeats, and its time grows
   about with their square (30,000 took 74 s on one core; `maxLength` bounds a
-  long string without that).
+  long string without that). The size is measured before anything compiles the
+  pattern, and a session's tools together stay within
+  `MAX_SESSION_PATTERN_UNROLLED` (`pattern_elements`, checked by `CreateSessionRequest`).
 
 What the compiler still refuses at a turn is the request's fault, not a replica's:
 `grammar_failure_message` recognises the engine's error for it. So is a `$defs`
@@ -50,6 +52,8 @@ import re
 import re._constants
 import re._parser
 import sys
+import warnings
+from collections.abc import Iterator
 from urllib.parse import unquote
 
 import regex
@@ -134,8 +138,42 @@ def check_tool_parameters(value: dict[str, JsonValue]) -> None:
         raise ValueError('tool arguments are a JSON object: the schema needs "type": "object"')
     refs: dict[str, str] = {}
     _check_keywords(value, "", refs)
+    for pattern, where in _schema_patterns(value, ""):
+        _check_pattern(pattern, where)
     # After the metaschema check: resolution relies on keyword values having their schema shapes.
     _check_ref_chains(value, refs)
+
+
+def pattern_elements(schema: JsonValue) -> int:
+    """The elements every `pattern` of an accepted schema unrolls to, summed: what its grammar costs to build.
+
+    A session's tools are compiled into one grammar for a turn forced to call one
+    (`tool_choice: "required"`), so `CreateSessionRequest` bounds the sum over all of them
+    (`MAX_SESSION_PATTERN_UNROLLED`).
+    """
+    return sum(_pattern_size(pattern) for pattern, _ in _schema_patterns(schema, ""))
+
+
+def _schema_patterns(node: JsonValue, path: str) -> Iterator[tuple[str, str]]:
+    """Every regular expression of a schema (`pattern` values, `patternProperties` names) and where it is,
+    walked as `_check_keywords` walks: data keywords hold values, not schemas."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            where = f"{path}/{key}"
+            if key in _DATA_KEYWORDS:
+                continue
+            if key == "pattern" and isinstance(value, str):
+                yield value, where
+            if key == "patternProperties" and isinstance(value, dict):
+                yield from ((name, f"{where}/{name}") for name in value)
+            if key in _SUBSCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+                for name, sub in value.items():
+                    yield from _schema_patterns(sub, f"{where}/{name}")
+            else:
+                yield from _schema_patterns(value, where)
+    elif isinstance(node, list):
+        for index, item in enumerate(node):
+            yield from _schema_patterns(item, f"{path}/{index}")
 
 
 def compact_json_utf8(value: JsonValue, what: str) -> bytes:
@@ -242,11 +280,6 @@ def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
                 raise ValueError(f"{where}: only Draft 2020-12 ({_DRAFT_2020_12_URIS[0]}) is supported, got {value!r}")
             if key in _DATA_KEYWORDS:
                 continue
-            if key == "pattern" and isinstance(value, str):
-                _check_pattern(value, where)
-            if key == "patternProperties" and isinstance(value, dict):
-                for name in value:
-                    _check_pattern(name, f"{where}/{name}")
             if key in _SUBSCHEMA_MAP_KEYWORDS and isinstance(value, dict):
                 for name, sub in value.items():
                     _check_keywords(sub, f"{where}/{name}", refs)
@@ -265,28 +298,20 @@ def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
 
 # Most elements a `pattern` may unroll to (`_unrolled_size`): 4,096 compiles in about 0.3 s.
 MAX_PATTERN_UNROLLED = 4096
+# Most elements all patterns of a session's tools may unroll to, together: the grammar of a forced call
+# holds every tool, and builds in about 0.2 s per thousand elements (16 patterns of 4,095 took 14 s).
+MAX_SESSION_PATTERN_UNROLLED = 16384
 
 
 def _check_pattern(pattern: str, where: str) -> None:
-    """A regular expression the call checks can run: they run it with `regex` (`check_deadline`), which
-    refuses some that `re` compiles, such as `[[:foo:]]`; and one the grammar compiler takes (no
-    `\\p{...}` class) and expands to at most `MAX_PATTERN_UNROLLED` elements."""
-    try:
-        regex.compile(as_ecmascript(pattern))
-    except regex.error as err:
-        raise ValueError(f"{where}: {pattern!r} is not a regular expression the checks can run: {err}") from None
-    except RecursionError:  # the engine parses groups recursively: hundreds nested exhaust the stack
-        raise ValueError(f"{where}: {pattern[:80]!r} nests its groups too deeply to be checked") from None
-    if _has_property_class(pattern):
-        raise ValueError(
-            f"{where}: {pattern[:80]!r} uses a Unicode property class (\\p{{...}}), which the grammar of forced "
-            "tool calls (xgrammar) cannot take; spell the characters out in a class ([A-Za-z\\u00C0-\\u024F])"
-        )
-    try:
-        size = _unrolled_size(re._parser.parse(_as_re_syntax(as_ecmascript(pattern))).data)
-    except (re.error, RecursionError, OverflowError):
-        # Syntax `re` cannot parse: no nesting is known, so the largest single count must fit.
-        size = max((max(int(low), int(high or 0)) for low, high in _COUNTED_REPEAT.findall(pattern)), default=0)
+    """A regular expression the grammar compiler takes (no `\\p{...}` class) and expands to at most
+    `MAX_PATTERN_UNROLLED` elements, and that the call checks can run: they run it with `regex`
+    (`check_deadline`), which refuses some that `re` compiles, such as `[[:foo:]]`.
+
+    Measured before compiling: `regex` writes counted repeats out as it compiles, and a
+    15-character `a{100000000,}` took gigabytes; the check compiles uncached.
+    """
+    size = _pattern_size(pattern)
     if size > MAX_PATTERN_UNROLLED:
         raise ValueError(
             f"{where}: {pattern[:80]!r} unrolls to {min(size, 10**9)}{'+' if size > 10**9 else ''} elements, over "
@@ -294,6 +319,28 @@ def _check_pattern(pattern: str, where: str) -> None:
             "forced tool calls expands counted repeats ({n,m}), which takes minutes at this size; bound a long "
             "string with maxLength instead"
         )
+    if _has_property_class(pattern):
+        raise ValueError(
+            f"{where}: {pattern[:80]!r} uses a Unicode property class (\\p{{...}}), which the grammar of forced "
+            "tool calls (xgrammar) cannot take; spell the characters out in a class ([A-Za-z\\u00C0-\\u024F])"
+        )
+    try:
+        regex.compile(as_ecmascript(pattern), cache_pattern=False)
+    except regex.error as err:
+        raise ValueError(f"{where}: {pattern!r} is not a regular expression the checks can run: {err}") from None
+    except RecursionError:  # the engine parses groups recursively: hundreds nested exhaust the stack
+        raise ValueError(f"{where}: {pattern[:80]!r} nests its groups too deeply to be checked") from None
+
+
+def _pattern_size(pattern: str) -> int:
+    """The elements `pattern` unrolls to (`_unrolled_size`), found by parsing alone (microseconds)."""
+    try:
+        with warnings.catch_warnings():  # `re` warns of syntax it may read otherwise one day (`[[`): only counted here
+            warnings.simplefilter("ignore", FutureWarning)
+            return _unrolled_size(re._parser.parse(_as_re_syntax(as_ecmascript(pattern))).data)
+    except (re.error, RecursionError, OverflowError):
+        # Syntax `re` cannot parse: no nesting is known, so the largest single count must fit.
+        return max((max(int(low), int(high or 0)) for low, high in _COUNTED_REPEAT.findall(pattern)), default=0)
 
 
 def _has_property_class(pattern: str) -> bool:

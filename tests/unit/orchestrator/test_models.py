@@ -20,7 +20,10 @@ from serve_apps.orchestrator.models import (
     ToolSpec,
     TurnRequest,
 )
-from serve_apps.orchestrator.tool_schema import MAX_REF_HOPS, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
+from serve_apps.orchestrator import tool_schema
+from serve_apps.orchestrator.tool_schema import (
+    MAX_REF_HOPS, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, MAX_SESSION_PATTERN_UNROLLED, pattern_elements,
+)
 
 HTTP = {"kind": "http", "url": "http://127.0.0.1:9/tool", "timeout_s": 2}
 OBJECT_SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
@@ -521,6 +524,42 @@ def test_a_pattern_the_grammar_compiler_would_unroll_for_minutes_is_refused(patt
     with pytest.raises(ValidationError) as info:
         ToolSpec.model_validate(_tool(parameters=parameters))
     assert "unrolls to" in str(info.value) and "maxLength" in str(info.value)
+
+
+def test_a_pattern_is_measured_before_it_is_compiled_and_compiled_uncached(monkeypatch):
+    """`regex` writes counted repeats out as it compiles: `a{100000000,}` took gigabytes before its refusal,
+    and its cache kept them after."""
+    compiled = []
+    real_compile = tool_schema.regex.compile
+    monkeypatch.setattr(tool_schema.regex, "compile",
+                        lambda pattern, *args, **kwargs: compiled.append((pattern, kwargs)) or real_compile(
+                            pattern, *args, **kwargs))
+    huge = {"type": "object", "properties": {"a": {"type": "string", "pattern": "a{100000000,}"}}}
+    with pytest.raises(ValidationError, match="unrolls to 100000000 elements"):
+        ToolSpec.model_validate(_tool(parameters=huge))
+    assert compiled == []
+    fine = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^ORD-[0-9]{5}$"}}}
+    ToolSpec.model_validate(_tool(parameters=fine))
+    assert [kwargs for _, kwargs in compiled] == [{"cache_pattern": False}]
+
+
+def _tools_with_patterns(count: int, pattern: str) -> dict:
+    return {"model": "m", "tools": [
+        _tool(name=f"t{i}", parameters={"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}},
+                                       "patternProperties": {"^x-[a-z]{2}$": {}}})
+        for i in range(count)]}
+
+
+def test_the_patterns_of_all_a_sessions_tools_are_bounded_together():
+    """A forced call's grammar holds every tool: 355 patterns each within the bound took 308 s to compile."""
+    per_tool = 4000 + 6  # `[a-z]{4000}` and `^x-[a-z]{2}$`
+    fits = MAX_SESSION_PATTERN_UNROLLED // per_tool
+    CreateSessionRequest.model_validate(_tools_with_patterns(fits, "[a-z]{4000}"))
+    with pytest.raises(ValidationError, match=f"unroll to {(fits + 1) * per_tool} elements together"):
+        CreateSessionRequest.model_validate(_tools_with_patterns(fits + 1, "[a-z]{4000}"))
+    # A value in `const` or `enum` is data, not a pattern.
+    assert pattern_elements({"type": "object", "const": {"pattern": "a{4000}"},
+                             "properties": {"pattern": {"type": "string", "pattern": "b{3}"}}}) == 3
 
 
 @pytest.mark.parametrize("pattern, is_accepted", [

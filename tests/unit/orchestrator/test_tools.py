@@ -535,6 +535,22 @@ def test_patterns_still_decide_as_before_under_the_deadline():
     assert Draft202012Validator({"pattern": "^(a|a)*$"}).is_valid("aaaa")
 
 
+@pytest.mark.parametrize("rows, is_valid", [
+    ([{}] + list(range(8000)), True),  # jsonschema compared every pair once `{}` made them unsortable: 12 s
+    ([{"a": 1, "b": [1, 2]}, {"b": [1, 2], "a": 1.0}], False),  # equal as JSON Schema reads them
+    ([True, 1, None, False, 0, "", [1, 2], [2, 1]], True),  # a boolean is no number; arrays keep their order
+])
+def test_unique_items_is_decided_in_one_pass_within_the_budget(rows, is_valid):
+    tools = _pattern_tool({"properties": {"rows": {"type": "array", "uniqueItems": True}}})
+    call = ToolCall(id="c1", name="lookup", arguments=json.dumps({"rows": rows}))
+    start = time.monotonic()
+    result = validate_tool_call(call, tools)
+    assert time.monotonic() - start < 10 * CHECK_BUDGET_S
+    assert (result == call) is is_valid
+    if not is_valid:
+        assert isinstance(result, ToolCallError) and "non-unique" in result.violations[0].message
+
+
 def _fanned_out_refs(fanout: int, depth: int) -> dict:
     """Definitions each applying the next one `fanout` times to the same value: `fanout ** depth` applications."""
     defs = {f"d{level}": {"allOf": [{"$ref": f"#/$defs/d{level + 1}"}] * fanout} for level in range(depth)}

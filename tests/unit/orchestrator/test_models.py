@@ -543,6 +543,23 @@ def test_a_pattern_is_measured_before_it_is_compiled_and_compiled_uncached(monke
     assert [kwargs for _, kwargs in compiled] == [{"cache_pattern": False}]
 
 
+@pytest.mark.parametrize("pattern, problem", [
+    (r"^\bfoo\b$", "Word boundary is not supported yet"),
+    ("(?<=a)b", "Regex parsing error"),
+    ("(?i:a)", "Group modifier flag is not supported yet"),
+    ("x{,5}", "Invalid repetition count"),
+])
+def test_a_pattern_the_grammar_compiler_cannot_read_is_refused_at_creation(pattern, problem):
+    """Else every turn forced to call the tool would fail (400 invalid_tool_schema) for the session's life."""
+    parameters = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters=parameters))
+    message = info.value.errors()[0]["msg"]
+    assert "grammar of forced tool calls (xgrammar) cannot read" in message and problem in message
+    assert "\n" not in message
+    xgrammar.Grammar.from_regex("^(?<area>[0-9]{3})-[0-9]{4}$")  # what is accepted, it reads
+
+
 def _tools_with_patterns(count: int, pattern: str) -> dict:
     return {"model": "m", "tools": [
         _tool(name=f"t{i}", parameters={"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}},

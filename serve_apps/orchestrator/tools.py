@@ -276,13 +276,16 @@ def conflicting_defs(tools: Sequence[ToolSpec]) -> str | None:
     vLLM hoists every tool's top-level `$defs` into one map under their plain
     names and refuses a name two tools define differently ("Tool definition ...
     has multiple schemas"), so every forced turn of such a session would fail.
-    A name defined identically by several tools is merged and accepted.
+    A name defined identically by several tools is merged and accepted. Identically means
+    as JSON text: vLLM compares Python values, to which `true` and `1` are equal, and would
+    keep one of `{"const": true}` and `{"const": 1}` for both tools.
     """
-    defined_by: dict[str, tuple[str, JsonValue]] = {}
+    defined_by: dict[str, tuple[str, bytes]] = {}
     for tool in sorted(tools, key=lambda t: t.name):
         for def_name, definition in (tool.parameters.get("$defs") or {}).items():
-            first = defined_by.setdefault(def_name, (tool.name, definition))
-            if first[1] != definition:
+            text = compact_json_utf8(definition, f"$defs/{def_name}")
+            first = defined_by.setdefault(def_name, (tool.name, text))
+            if first[1] != text:
                 return (
                     f"tools {first[0]!r} and {tool.name!r} both define $defs/{def_name} with different schemas; "
                     "the grammar of a forced tool call merges all tools' $defs by name, so rename one of them"

@@ -490,6 +490,13 @@ def test_tools_defining_one_def_name_differently_are_named():
     assert "'add_to_cart' and 'refund'" in problem and "$defs/Item" in problem
 
 
+@pytest.mark.parametrize("first, second", [({"const": True}, {"const": 1}), ({"enum": [0, 1]}, {"enum": [False, 1]})])
+def test_definitions_python_calls_equal_but_json_does_not_are_named(first, second):
+    """vLLM merges them as equal and keeps one: the grammar would force a value validation then refuses."""
+    problem = conflicting_defs([_with_defs("a", {"Flag": first}), _with_defs("b", {"Flag": second})])
+    assert problem is not None and "$defs/Flag" in problem
+
+
 @pytest.mark.parametrize(
     "tools",
     [

@@ -49,16 +49,24 @@ class PatternCheckTimeout(CheckTimeout):
     """A schema's regular expression ran past the check's deadline."""
 
 
-# ECMAScript's classes, as Python spells them: ASCII digits and word characters.
-_ECMASCRIPT_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_"}
+# ECMAScript's classes, as Python spells them: ASCII digits and word characters, and its white space (Python's
+# also holds \x1c-\x1f and \x85, and lacks the byte order mark).
+_ECMASCRIPT_CLASSES = {
+    "d": "0-9", "w": "A-Za-z0-9_",
+    "s": "\\t\\n\\x0b\\f\\r \\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000\\ufeff",
+}
+# What ECMAScript's `.` matches: anything but its four line terminators (Python's `.` stops at `\n` only).
+_ECMASCRIPT_DOT = "[^\\n\\r\\u2028\\u2029]"
 
 
 @functools.lru_cache(maxsize=1024)
 def as_ecmascript(pattern: str) -> str:
     r"""`pattern` rewritten so that Python's regex engines match what ECMAScript's matches.
 
-    `$` outside a character class becomes `\Z` (the very end only); `\d`, `\w` become their
-    ASCII classes and `\D`, `\W` those classes negated (inside a class, `\d` and `\w` only).
+    `$` outside a character class becomes `\Z` (the very end only), and `.` anything but a line
+    terminator (`\r`, U+2028 and U+2029 too, so `^.+$` keeps a value on one line); `\d`, `\w`,
+    `\s` become ECMAScript's classes (ASCII digits and word characters, its white space) and `\D`,
+    `\W`, `\S` those classes negated (inside a class, the lowercase ones only).
     """
     out: list[str] = []
     in_class = False
@@ -83,6 +91,8 @@ def as_ecmascript(pattern: str) -> str:
             in_class = True
         elif char == "$":
             char = r"\Z"
+        elif char == ".":
+            char = _ECMASCRIPT_DOT
         out.append(char)
         at += 1
     return "".join(out)

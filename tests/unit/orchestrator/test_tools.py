@@ -590,6 +590,14 @@ def test_a_schema_applying_a_few_subschemas_in_place_still_decides():
     ({"properties": {"q": {"type": "string", "pattern": r"^[\w-]+\$$"}}}, {"q": "a-b$"}, True),
     ({"patternProperties": {r"^x-\d+$": {}}, "additionalProperties": False}, {"x-1\n": 1}, False),
     ({"patternProperties": {r"^x-\d+$": {}}, "additionalProperties": False}, {"x-12": 1}, True),
+    # `.` stops at every line terminator, `\s` is ECMAScript's white space.
+    ({"properties": {"q": {"type": "string", "pattern": "^.+$"}}}, {"q": "a\rb"}, False),
+    ({"properties": {"q": {"type": "string", "pattern": "^.+$"}}}, {"q": "a\u2028b"}, False),
+    ({"properties": {"q": {"type": "string", "pattern": "^a.b$"}}}, {"q": "a b"}, True),
+    ({"properties": {"q": {"type": "string", "pattern": "^[.]$"}}}, {"q": "x"}, False),
+    ({"properties": {"q": {"type": "string", "pattern": r"^\s$"}}}, {"q": "\ufeff"}, True),
+    ({"properties": {"q": {"type": "string", "pattern": r"^\s$"}}}, {"q": "\x1c"}, False),
+    ({"properties": {"q": {"type": "string", "pattern": r"^[\s,]+\S$"}}}, {"q": "\ufeff, x"}, True),
 ])
 def test_patterns_match_as_json_schema_reads_them(schema, arguments, is_valid):
     call = ToolCall(id="c1", name="lookup", arguments=json.dumps(arguments))

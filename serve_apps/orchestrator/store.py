@@ -41,8 +41,11 @@ Invariants:
   the same request replays exactly that, and another request under the same
   key is recognised and refused instead of silently answered with the first.
   A session keeps the records of its last `max_idempotency_records` (64) keyed
-  turns: the commit that stores a record evicts the oldest beyond that, in the
-  same script. A retry under an evicted key runs as a new turn.
+  turns, and of those only the newest that fit `max_idempotency_bytes` (512 KiB)
+  together, the last stored always kept: the commit that stores a record evicts
+  the oldest beyond either bound, in the same script. A retry under an evicted
+  key runs as a new turn. (Each record holds every tool result of its turn: by
+  count alone, a session of tool-heavy turns kept megabytes of them.)
 """
 
 from __future__ import annotations
@@ -78,13 +81,16 @@ MAX_IDEMPOTENCY_KEY_CHARS = 256
 LOCK_RENEW_RETRY_S = 1.0
 # Idempotency records a session keeps (its most recent keyed turns); each holds every event of its turn.
 MAX_IDEMPOTENCY_RECORDS = 64
+# Bytes those records may take together; the newest is kept whatever its size.
+MAX_IDEMPOTENCY_BYTES = 512 * 1024
 # The parts of a session's key, in the order the scripts take them as KEYS[1..5].
 _SESSION_PARTS = ("meta", "log", "stats", "idem", "idem-order")
 
-# remember(hash, order, key, value, max): HSETNX, and the key joins the insertion order; keys beyond the
-# `max` newest lose their records. Returns 1 if stored, 0 if the key already had one (the first wins).
+# remember(hash, order, key, value, max_records, max_bytes): HSETNX, and the key joins the insertion order;
+# the oldest records are dropped while more than `max_records` are kept or they take more than `max_bytes`
+# (the one just stored stays). Returns 1 if stored, 0 if the key already had one (the first wins).
 _REMEMBER_LUA = """
-local function remember(hash, order, key, value, max_records)
+local function remember(hash, order, key, value, max_records, max_bytes)
   if redis.call('HSETNX', hash, key, value) == 0 then
     return 0
   end
@@ -92,19 +98,30 @@ local function remember(hash, order, key, value, max_records)
   for _ = 1, redis.call('LLEN', order) - max_records do
     redis.call('HDEL', hash, redis.call('LPOP', order))
   end
+  local keys = redis.call('LRANGE', order, 0, -1)
+  local total = 0
+  for i = 1, #keys do
+    total = total + redis.call('HSTRLEN', hash, keys[i])
+  end
+  local at = 1
+  while total > max_bytes and at < #keys do
+    total = total - redis.call('HSTRLEN', hash, keys[at])
+    redis.call('HDEL', hash, redis.call('LPOP', order))
+    at = at + 1
+  end
   return 1
 end
 """
 
 # KEYS: meta, log, stats, idem, idem-order, lock. ARGV: expected_len, num_replaced, summary, ttl_ms,
 # num_messages, num_stats, idem_key, result_json, max_step_stats, max_idempotency_records, lock token ('' for
-# none), commit id, then the messages, the stats, and the stats' prompt tokens, cached tokens and compressions,
+# none), commit id, max_idempotency_bytes, then the messages, the stats, and the stats' prompt tokens, cached tokens and compressions,
 # added to the session's running totals. A turn whose lock another turn holds now is refused (its own lock
 # expired: the other turn runs on the same transcript), and so is a commit `_SETTLE_SCRIPT` voided. Flagged
 # (no flags: not `allow-oom`) so that a full Redis refuses the whole script up front: unflagged, Redis
 # refuses only at the first write that may grow memory, and a compaction's first write is LTRIM.
 _COMMIT_SCRIPT = "#!lua\n" + _REMEMBER_LUA + """
-local FIXED = 12
+local FIXED = 13
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('WARMPATH_NOT_FOUND')
 end
@@ -147,7 +164,7 @@ if redis.call('HEXISTS', KEYS[1], 'steps_total') == 1 then  -- a session created
   redis.call('HINCRBY', KEYS[1], 'compressions_total', ARGV[totals + 3])
 end
 if ARGV[7] ~= '' then
-  remember(KEYS[4], KEYS[5], ARGV[7], ARGV[8], tonumber(ARGV[10]))
+  remember(KEYS[4], KEYS[5], ARGV[7], ARGV[8], tonumber(ARGV[10]), tonumber(ARGV[13]))
 end
 redis.call('HSET', KEYS[1], 'last_commit', ARGV[12])
 for i = 1, 5 do
@@ -377,6 +394,7 @@ class SessionStore:
         lock_ttl_s: float = 15.0,
         max_step_stats: int = 1024,
         max_idempotency_records: int = MAX_IDEMPOTENCY_RECORDS,
+        max_idempotency_bytes: int = MAX_IDEMPOTENCY_BYTES,
         key_prefix: str = "warmpath",
     ) -> None:
         if ttl_s <= 0 or lock_ttl_s <= 0 or max_step_stats < 1 or max_idempotency_records < 1:
@@ -388,6 +406,7 @@ class SessionStore:
         self._lock_ttl_ms = int(lock_ttl_s * 1000)
         self._max_step_stats = max_step_stats
         self._max_idempotency_records = max_idempotency_records
+        self._max_idempotency_bytes = max_idempotency_bytes
         self._prefix = key_prefix
         self._commit = client.register_script(_COMMIT_SCRIPT)
         self._read_transcript = client.register_script(_TRANSCRIPT_SCRIPT)
@@ -635,7 +654,8 @@ class SessionStore:
             stats: per-step cache stats of the turn.
             compaction: a compression done during the turn, applied before the append.
             idem_key: with `result_json`, remembered as the turn's result in the same write (the
-                oldest record beyond the session's `max_idempotency_records` is dropped).
+                oldest records beyond the session's `max_idempotency_records`, or past
+                `max_idempotency_bytes` together, are dropped).
             result_json: the turn's result as returned to the client.
             lock_token: the turn lock the turn holds (`turn_lock`'s), so that a turn whose lock another
                 turn took after it expired cannot commit.
@@ -662,7 +682,7 @@ class SessionStore:
         args: list[str | int] = [
             expected_len, num_replaced, summary_json, self._ttl_ms, len(new_messages), len(stats),
             idem_key or "", result_json or "", self._max_step_stats, self._max_idempotency_records,
-            lock_token or "", commit_id,
+            lock_token or "", commit_id, self._max_idempotency_bytes,
         ]
         args.extend(m.model_dump_json(exclude_none=True) for m in new_messages)
         args.extend(s.model_dump_json() for s in stats)

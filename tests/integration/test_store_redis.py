@@ -571,6 +571,25 @@ def test_idempotency_records_keep_only_the_most_recent(redis_url):
         client.close()
 
 
+def test_idempotency_records_keep_only_the_newest_that_fit_their_bytes(redis_url):
+    """Each record holds every tool result of its turn: counted alone, tool-heavy sessions kept megabytes."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        sid, length = record.session_id, 0
+        for index, size in enumerate([400, 400, 400, 300, 2000]):
+            length = await store.commit_turn(
+                sid, length, _turn(index), [], idem_key=f"t{index}", result_json=str(index) * size
+            )
+            yield [key for key in (f"t{i}" for i in range(5)) if await store.lookup_turn_result(sid, key)]
+
+    async def collect(store):
+        return [kept async for kept in scenario(store)]
+
+    kept = _run(redis_url, collect, max_idempotency_bytes=1000)
+    assert kept == [["t0"], ["t0", "t1"], ["t1", "t2"], ["t2", "t3"], ["t4"]]  # the newest stays, whatever its size
+
+
 def test_a_running_turn_keeps_its_session_alive_past_its_ttl(redis_url):
     async def scenario(store):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")

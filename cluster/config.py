@@ -289,7 +289,11 @@ class TelemetryConfig(_Strict):
     otlp_endpoint: str | None = Field(
         None, description="OTLP/HTTP endpoint, e.g. http://collector:4318; unset or empty: tracing is off."
     )
-    service_name: str = Field("warmpath", description="OpenTelemetry service.name.", min_length=1)
+    service_name: str | None = Field(
+        None, min_length=1,
+        description="OpenTelemetry service.name; unset: OTEL_SERVICE_NAME, else the service.name of "
+        "OTEL_RESOURCE_ATTRIBUTES, else warmpath.",
+    )
 
     @field_validator("otlp_endpoint")
     @classmethod

@@ -172,7 +172,9 @@ def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
         })
     env = dict(grpc_proxy_env(cfg))
     if cfg.telemetry.otlp_endpoint:
-        env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": cfg.telemetry.otlp_endpoint, "OTEL_SERVICE_NAME": cfg.telemetry.service_name})
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = cfg.telemetry.otlp_endpoint
+        if cfg.telemetry.service_name:
+            env["OTEL_SERVICE_NAME"] = cfg.telemetry.service_name
     for container in (_HEAD_CONTAINER, _WORKER_CONTAINER):
         for name, value in env.items():
             ops.append({"op": "add", "path": f"{container}/env/-", "value": {"name": name, "value": value}})

@@ -43,6 +43,10 @@ _configured = threading.Lock()
 _is_configured = False
 
 
+# `service.name` when neither the config nor OTel's environment variables name one.
+DEFAULT_SERVICE_NAME = "warmpath"
+
+
 def setup_tracing(config: TelemetryConfig, component: str) -> None:
     """Installs an OTLP/HTTP exporting tracer provider once per process (no-op without an endpoint)."""
     global _is_configured
@@ -56,7 +60,13 @@ def setup_tracing(config: TelemetryConfig, component: str) -> None:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        resource = Resource.create({"service.name": config.service_name, "warmpath.component": component})
+        attributes = {"warmpath.component": component}
+        if config.service_name is not None:
+            attributes["service.name"] = config.service_name
+        # Unset, the SDK reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES, else says "unknown_service".
+        resource = Resource.create(attributes)
+        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({"service.name": DEFAULT_SERVICE_NAME}))
         provider = TracerProvider(resource=resource)
         endpoint = traces_endpoint(config)
         # Half a second unless the operator set OTel's own variable (the SDK's default is 5 s).

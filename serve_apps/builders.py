@@ -112,7 +112,8 @@ def llm_config(cfg: ClusterConfig) -> LLMConfig:
     extra: dict[str, Any] = {}
     if cfg.telemetry.otlp_endpoint:
         env_vars["OTEL_EXPORTER_OTLP_ENDPOINT"] = cfg.telemetry.otlp_endpoint
-        env_vars["OTEL_SERVICE_NAME"] = cfg.telemetry.service_name
+        if cfg.telemetry.service_name:
+            env_vars["OTEL_SERVICE_NAME"] = cfg.telemetry.service_name
     if not cfg.model.source:
         env_vars["HF_HUB_OFFLINE"] = "1"  # the built model: never look for it on a hub
     if cfg.replicas.accelerator == "cpu":

@@ -903,15 +903,19 @@ def record_rpc_status(span: trace.Span, status: grpc.StatusCode, message: str = 
     """An RPC's status on its server span, by OTel's RPC conventions.
 
     `rpc.grpc.status_code` goes on every span, OK (0) included, so a query by
-    code sees every call. Only the codes that say this service failed
-    (`SERVER_ERROR_CODES`) mark the span ERROR: NOT_FOUND, INVALID_ARGUMENT,
+    code sees every call, and so does `rpc.response.status_code` (the code's name,
+    the newer conventions' spelling). Only the codes that say this service failed
+    (`SERVER_ERROR_CODES`) mark the span ERROR, with that name as `error.type`
+    (as the HTTP ingress marks a 5xx): NOT_FOUND, INVALID_ARGUMENT,
     UNAUTHENTICATED, RESOURCE_EXHAUSTED and the like are the caller's, and
     leave it UNSET.
     """
     if not span.is_recording():
         return
     span.set_attribute("rpc.grpc.status_code", status.value[0])
+    span.set_attribute("rpc.response.status_code", status.name)
     if status in SERVER_ERROR_CODES:
+        span.set_attribute("error.type", status.name)
         span.set_status(trace.Status(trace.StatusCode.ERROR, message[:200]))
 
 

@@ -284,8 +284,9 @@ class WarmpathLLMServer(LLMServer):
         self._kv_cache_usage: Optional[KvCacheUsageRecorder] = None
         endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if endpoint:
-            service = os.environ.get("OTEL_SERVICE_NAME", "warmpath")
-            telemetry.setup_tracing(TelemetryConfig(otlp_endpoint=endpoint, service_name=service), "replica")
+            # service.name as the other processes have it: OTEL_SERVICE_NAME (the config's, set by the
+            # ingress), else OTEL_RESOURCE_ATTRIBUTES, else warmpath (`setup_tracing` reads them).
+            telemetry.setup_tracing(TelemetryConfig(otlp_endpoint=endpoint), "replica")
         await super().__init__(llm_config, **kwargs)
 
     async def _start_engine(self):

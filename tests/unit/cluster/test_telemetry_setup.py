@@ -42,3 +42,23 @@ def test_spans_go_to_the_traces_endpoint_as_otlp_names_it(monkeypatch, configure
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     assert telemetry.traces_endpoint(TelemetryConfig(otlp_endpoint=configured)) == expected
+
+
+@pytest.mark.parametrize("configured, environ, expected", [
+    (None, {}, "warmpath"),
+    (None, {"OTEL_RESOURCE_ATTRIBUTES": "service.name=billing-llm,deployment.environment=prod"}, "billing-llm"),
+    (None, {"OTEL_SERVICE_NAME": "agents", "OTEL_RESOURCE_ATTRIBUTES": "service.name=billing-llm"}, "agents"),
+    ("from-config", {"OTEL_RESOURCE_ATTRIBUTES": "service.name=billing-llm"}, "from-config"),
+])
+def test_the_service_name_is_the_configs_else_otels_variables_else_warmpath(monkeypatch, configured, environ, expected):
+    installed = []
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(telemetry.trace, "set_tracer_provider", installed.append)
+    monkeypatch.setattr(telemetry, "_is_configured", False)
+    telemetry.setup_tracing(TelemetryConfig(otlp_endpoint="http://127.0.0.1:4318", service_name=configured), "test")
+    attributes = installed[0].resource.attributes
+    assert attributes["service.name"] == expected and attributes["warmpath.component"] == "test"
+    installed[0].shutdown()

@@ -500,7 +500,10 @@ def test_an_rpc_span_is_an_error_only_for_server_failures(spans, status, code, i
     assert context.code is code
     span = _only(spans)
     assert span.attributes["rpc.grpc.status_code"] == code.value[0]
+    assert span.attributes["rpc.response.status_code"] == code.name
     assert (span.status.status_code is StatusCode.ERROR) is is_error
+    # As over HTTP, a failure of this service names its type; the caller's mistakes do not.
+    assert span.attributes.get("error.type") == (code.name if is_error else None)
     assert format(span.parent.span_id, "016x") == PARENT_ID
 
 

@@ -26,6 +26,8 @@ import asyncio
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Mapping, MutableMapping, Optional
 
 from opentelemetry import context, propagate, trace
@@ -95,6 +97,17 @@ def inject(carrier: Optional[MutableMapping[str, str]] = None) -> dict[str, str]
     carrier = dict(carrier or {})
     propagate.inject(carrier)
     return carrier
+
+
+@contextmanager
+def current_context(ctx: context.Context) -> Iterator[None]:
+    """`ctx` as the current context for the block: a span set in the caller's extracted context keeps its
+    baggage for what the block sends on (`trace.use_span` would set it in the current one instead)."""
+    token = context.attach(ctx)
+    try:
+        yield
+    finally:
+        context.detach(token)
 
 
 def extract(carrier: Optional[Mapping[str, str]]) -> context.Context:

@@ -60,6 +60,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, O
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from pydantic import ValidationError
 from ray.exceptions import RayActorError
@@ -855,18 +856,19 @@ class _RpcSpan:
     keep that turn's status rather than end as OK.
     """
 
-    def __init__(self, span: trace.Span) -> None:
+    def __init__(self, span: trace.Span, parent: Optional[otel_context.Context] = None) -> None:
         self.span = span
+        self.parent = parent  # the caller's context: its baggage goes on with the span's trace
         self.status: Optional[grpc.StatusCode] = None
 
     @classmethod
     def start(cls, service: str, method: str, grpc_context) -> "_RpcSpan":
         """The span of `service/method`, child of the W3C context in the call's metadata; not yet current."""
-        carrier = dict(_string_metadata(grpc_context))
+        parent = telemetry.extract(dict(_string_metadata(grpc_context)))
         return cls(telemetry.tracer().start_span(
-            f"{service}/{method}", context=telemetry.extract(carrier), kind=trace.SpanKind.SERVER,
+            f"{service}/{method}", context=parent, kind=trace.SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
-        ))
+        ), parent)
 
     def record(self, status: grpc.StatusCode, message: str = "") -> None:
         """The RPC's final status (a later one replaces it)."""
@@ -880,7 +882,7 @@ class _RpcSpan:
         yield: its consumer may close it from another task, where the
         attached context could not be detached (and would leak into the consumer).
         """
-        return trace.use_span(self.span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
+        return telemetry.current_context(trace.set_span_in_context(self.span, self.parent))
 
     @contextmanager
     def lifetime(self) -> Iterator["_RpcSpan"]:

@@ -497,11 +497,11 @@ async def _traced_session_call(
     attributes = {"http.request.method": method, "http.route": route}
     if session_id is not None:
         attributes["warmpath.session_id"] = session_id
-    span = telemetry.tracer().start_span(
-        f"{method} {route}", context=telemetry.extract(dict(request.headers)), kind=trace.SpanKind.SERVER,
-        attributes=attributes,
-    )
-    token = otel_context.attach(trace.set_span_in_context(span))
+    parent = telemetry.extract(dict(request.headers))
+    span = telemetry.tracer().start_span(f"{method} {route}", context=parent, kind=trace.SpanKind.SERVER,
+                                         attributes=attributes)
+    # On the caller's context, so its baggage goes on with the trace (`telemetry.inject`).
+    token = otel_context.attach(trace.set_span_in_context(span, parent))
     try:
         response = await respond(span)
     except OpenAIHTTPException as err:  # no caller (401), no session API (404): answered by `api_errors.install`
@@ -641,7 +641,7 @@ class WarmpathIngress(OpenAiIngress):
             self._span_name(call_method, str(body.model)), context=parent, kind=trace.SpanKind.SERVER,
             attributes=_llm_span_attributes(call_method, str(body.model), raw_request),
         )
-        token = otel_context.attach(trace.set_span_in_context(span))
+        token = otel_context.attach(trace.set_span_in_context(span, parent))  # the caller's baggage kept
         try:
             problem = chat_request_problem(body) if call_method == "chat" else completion_request_problem(body)
             if problem is not None:

@@ -510,8 +510,9 @@ class Orchestrator:
         self, session_id: str, trace_carrier, tool_choice: str, caller: Caller, idempotency_key: str | None, **kwargs
     ) -> AsyncIterator[dict[str, Any]]:
         """One `invoke_agent` span per turn (or resumption), child of the caller's trace."""
-        with telemetry.tracer().start_as_current_span(
-            "invoke_agent warmpath", context=telemetry.extract(trace_carrier), kind=trace.SpanKind.SERVER,
+        # The caller's context made current first: the span joins it, baggage and all, for the model and tool calls.
+        with telemetry.current_context(telemetry.extract(trace_carrier)), telemetry.tracer().start_as_current_span(
+            "invoke_agent warmpath", kind=trace.SpanKind.SERVER,
             attributes={"gen_ai.operation.name": "invoke_agent", "warmpath.session_id": session_id,
                         "gen_ai.request.model": self._model_id},
         ) as span:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from serve_apps import ingress_http, metrics
+from cluster import telemetry
 from cluster.config import ToolNetworkConfig
 from serve_apps.orchestrator.deployment import Orchestrator
 from serve_apps.orchestrator.owner_sessions import SessionQuota, SessionQuotaExceeded
@@ -96,7 +97,7 @@ class ScriptedModel:
         self.calls: list[dict] = []
 
     async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
-        self.calls.append({"messages": messages, "tool_choice": tool_choice})
+        self.calls.append({"messages": messages, "tool_choice": tool_choice, "sent_context": telemetry.inject()})
         yield self.replies.pop(0)
 
 
@@ -366,3 +367,11 @@ def test_a_turn_commits_under_the_lock_it_holds():
     _collect(orchestrator.send_message(sid, {"content": "go"}, CALLER))
     _collect(orchestrator.submit_tool_results(sid, {"results": [{"tool_call_id": "c0", "content": "{}"}]}, CALLER))
     assert orchestrator._store.commit_locks == [f"lock-of-{sid}"] * 2
+
+
+def test_a_turn_sends_the_callers_baggage_on_to_the_model():
+    orchestrator = _orchestrator([ModelReply(content="Done.")])
+    sid = _session(orchestrator)
+    carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "baggage": "tenant=acme"}
+    _collect(orchestrator.send_message(sid, {"content": "go"}, CALLER, trace_carrier=carrier))
+    assert orchestrator._model.calls[0]["sent_context"]["baggage"] == "tenant=acme"

@@ -644,3 +644,28 @@ def test_a_streamed_rpc_keeps_its_routing_span_when_the_caller_leaves(spans, mon
     assert (rpc.attributes["gen_ai.operation.name"], rpc.attributes["warmpath.replica"]) == ("chat", "r1")
     if not is_left:
         assert (rpc.attributes["gen_ai.usage.input_tokens"], rpc.attributes["warmpath.cached_tokens"]) == (40, 32)
+
+
+BAGGAGE = "tenant=acme,experiment=b7"
+
+
+def test_the_callers_baggage_goes_on_with_a_turns_trace_over_http_and_grpc(spans):
+    """W3C baggage is the caller's to send on with its trace; it reached the replica over HTTP chat only."""
+    http = _session_ingress(send_message=_turn({"status": 200}, {"kind": "final", "message": {
+        "role": "assistant", "content": "a"}}))
+    request = _http_request({"traceparent": TRACEPARENT, "baggage": BAGGAGE}, "/v1/sessions/s1/messages",
+                            Caller("k1", ("*",)))
+    _run(http.post_message("s1", TurnRequest(content="hi"), request))
+    carriers = [http._orchestrator.send_message.calls[0][3]]
+
+    class _BaggageContext(_GrpcContext):
+        def invocation_metadata(self):
+            return [("traceparent", TRACEPARENT), ("baggage", BAGGAGE)]
+
+    grpc_ingress = _grpc_ingress(send_message=_turn({"status": 200}, {"kind": "final", "message": {
+        "role": "assistant", "content": "a"}}))
+    _run(_send_message(grpc_ingress, _BaggageContext()))
+    carriers.append(grpc_ingress._orchestrator.send_message.calls[0][3])
+    for carrier in carriers:
+        assert sorted(carrier["baggage"].split(",")) == sorted(BAGGAGE.split(","))
+        assert carrier["traceparent"].split("-")[1] == TRACEPARENT.split("-")[1]

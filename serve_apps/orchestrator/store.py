@@ -115,11 +115,11 @@ end
 
 # KEYS: meta, log, stats, idem, idem-order, lock. ARGV: expected_len, num_replaced, summary, ttl_ms,
 # num_messages, num_stats, idem_key, result_json, max_step_stats, max_idempotency_records, lock token ('' for
-# none), commit id, max_idempotency_bytes, then the messages, the stats, and the stats' prompt tokens, cached tokens and compressions,
-# added to the session's running totals. A turn whose lock another turn holds now is refused (its own lock
-# expired: the other turn runs on the same transcript), and so is a commit `_SETTLE_SCRIPT` voided. Flagged
-# (no flags: not `allow-oom`) so that a full Redis refuses the whole script up front: unflagged, Redis
-# refuses only at the first write that may grow memory, and a compaction's first write is LTRIM.
+# none), commit id, max_idempotency_bytes (FIXED of them), then the messages, the stats, and the stats' prompt
+# tokens, cached tokens and compressions, added to the session's running totals. A turn whose lock another turn
+# holds now is refused (its own lock expired: the other turn runs on the same transcript), and so is a commit
+# `_SETTLE_SCRIPT` voided. Flagged (no flags: not `allow-oom`) so that a full Redis refuses the whole script up
+# front: unflagged, Redis refuses only at the first write that may grow memory, and a compaction's is LTRIM.
 _COMMIT_SCRIPT = "#!lua\n" + _REMEMBER_LUA + """
 local FIXED = 13
 if redis.call('EXISTS', KEYS[1]) == 0 then

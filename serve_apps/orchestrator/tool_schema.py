@@ -304,9 +304,9 @@ MAX_SESSION_PATTERN_UNROLLED = 16384
 
 
 def _check_pattern(pattern: str, where: str) -> None:
-    """A regular expression the grammar compiler takes (no `\\p{...}` class) and expands to at most
-    `MAX_PATTERN_UNROLLED` elements, and that the call checks can run: they run it with `regex`
-    (`check_deadline`), which refuses some that `re` compiles, such as `[[:foo:]]`.
+    """A regular expression the grammar compiler reads (`_grammar_regex_problem`; no `\\p{...}` class) and
+    expands to at most `MAX_PATTERN_UNROLLED` elements, and that the call checks can run: they run it
+    with `regex` (`check_deadline`), which refuses some that `re` compiles, such as `[[:foo:]]`.
 
     Measured before compiling: `regex` writes counted repeats out as it compiles, and a
     15-character `a{100000000,}` took gigabytes; the check compiles uncached.
@@ -324,18 +324,18 @@ def _check_pattern(pattern: str, where: str) -> None:
             f"{where}: {pattern[:80]!r} uses a Unicode property class (\\p{{...}}), which the grammar of forced "
             "tool calls (xgrammar) cannot take; spell the characters out in a class ([A-Za-z\\u00C0-\\u024F])"
         )
-    problem = _grammar_regex_problem(pattern)
-    if problem is not None:
-        raise ValueError(
-            f"{where}: {pattern[:80]!r} is a regular expression the grammar of forced tool calls (xgrammar) cannot "
-            f"read ({problem}): word boundaries (\\b), lookbehind, inline flags and backreferences are beyond it"
-        )
     try:
         regex.compile(as_ecmascript(pattern), cache_pattern=False)
     except regex.error as err:
         raise ValueError(f"{where}: {pattern!r} is not a regular expression the checks can run: {err}") from None
     except RecursionError:  # the engine parses groups recursively: hundreds nested exhaust the stack
         raise ValueError(f"{where}: {pattern[:80]!r} nests its groups too deeply to be checked") from None
+    problem = _grammar_regex_problem(pattern)
+    if problem is not None:
+        raise ValueError(
+            f"{where}: {pattern[:80]!r} is a regular expression the grammar of forced tool calls (xgrammar) cannot "
+            f"read ({problem}): word boundaries (\\b), lookbehind, inline flags and backreferences are beyond it"
+        )
 
 
 def _grammar_regex_problem(pattern: str) -> str | None:

@@ -684,18 +684,18 @@ def load_config(
     env, sources = env_layer(environ)
     for layer in (env, overrides or {}):
         data = deep_merge(_with_defaults_under(data, layer, defaults), layer)
-    flags = set(_leaf_paths(overrides or {}))
+    flags = set(_set_paths(overrides or {}))
     return validate_config(data, {path: name for path, name in sources.items() if path not in flags})
 
 
-def _leaf_paths(layer: Mapping, above: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+def _set_paths(layer: Mapping, above: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     """Every path a layer of overrides sets, sections and the fields below them alike."""
     paths = []
     for key, value in layer.items():
         path = above + (str(key),)
         paths.append(path)
         if isinstance(value, Mapping):
-            paths.extend(_leaf_paths(value, path))
+            paths.extend(_set_paths(value, path))
     return paths
 
 

@@ -131,6 +131,11 @@ return 1
 """
 
 
+# Tries `create` makes: a generated key whose id is taken is drawn again, and a write a concurrent change
+# interrupted is made again.
+KEY_WRITE_ATTEMPTS = 3
+
+
 class StoreUnavailable(RuntimeError):
     """Redis did not answer, or refused for a state of its own; callers answer 503 and never guess."""
 
@@ -143,6 +148,10 @@ def _unavailable(err: RedisError) -> StoreUnavailable:
 
 class KeyRevoked(ValueError):
     """The key given to `create` was revoked: it stays refused, and only a new key can take its place."""
+
+
+class KeyIdTaken(ValueError):
+    """The id of the key given to `create` (the first 48 bits of its hash) is another stored key's."""
 
 
 class InvalidStoreUrl(ValueError):
@@ -298,26 +307,33 @@ class ApiKeyStore:
 
         `expires_in_s` (> 0, at most MAX_KEY_LIFETIME_DAYS) makes the key stop working that
         long after creation, by Redis' clock. Raises ValueError (pydantic's ValidationError for
-        the record's fields) before anything is written, and KeyRevoked when `key` was revoked.
+        the record's fields) before anything is written, KeyRevoked when `key` was revoked, and
+        KeyIdTaken when `key`'s id is another key's (a new key whose id is taken is drawn again:
+        two keys under one id would share a bucket and each other's sessions).
         """
         if expires_in_s is not None and not 0 < expires_in_s <= MAX_KEY_LIFETIME_DAYS * 86_400:
             # Beyond it Redis refuses the expiry inside the transaction, after the key is stored.
             raise ValueError(f"expires_in_s must be > 0 and at most {MAX_KEY_LIFETIME_DAYS} days, got {expires_in_s}")
-        key = key or generate_api_key()
-        key_hash = hash_api_key(key)
-        try:
-            now_s = await self._redis_time_s()
-            record = ApiKeyRecord(
-                key_id=key_id_of(key_hash), name=name, permissions=tuple(permissions),
-                requests_per_s=requests_per_s, burst=burst, created_at_s=now_s,
-                expires_at_s=None if expires_in_s is None else now_s + expires_in_s, max_sessions=max_sessions,
-            )
-            await self._write(key_hash, record)
-        except WatchError:  # the only key watched is the revocation marker: it was set meanwhile
-            raise KeyRevoked(f"API key {key_id_of(key_hash)} was revoked") from None
-        except RedisError as err:
-            raise _unavailable(err) from None
-        return key, record
+        for _ in range(KEY_WRITE_ATTEMPTS):
+            new_key = key or generate_api_key()
+            key_hash = hash_api_key(new_key)
+            try:
+                now_s = await self._redis_time_s()
+                record = ApiKeyRecord(
+                    key_id=key_id_of(key_hash), name=name, permissions=tuple(permissions),
+                    requests_per_s=requests_per_s, burst=burst, created_at_s=now_s,
+                    expires_at_s=None if expires_in_s is None else now_s + expires_in_s, max_sessions=max_sessions,
+                )
+                await self._write(key_hash, record)
+                return new_key, record
+            except KeyIdTaken:
+                if key is not None:
+                    raise
+            except WatchError:  # its revocation marker or its id changed meanwhile: looked at again
+                continue
+            except RedisError as err:
+                raise _unavailable(err) from None
+        raise StoreUnavailable(f"no key could be stored in {KEY_WRITE_ATTEMPTS} tries (its entries kept changing)")
 
     async def _redis_time_s(self) -> float:
         """Redis' clock, in Unix seconds: every key's timestamps agree whichever machine created it."""
@@ -333,9 +349,14 @@ class ApiKeyStore:
         entries = (_NS + "apikey:" + key_hash, _NS + "apikey-id:" + record.key_id)
         marker = _NS + "apikey-revoked:" + key_hash
         async with self._redis.pipeline(transaction=True) as pipe:
-            await pipe.watch(marker)
+            await pipe.watch(marker, entries[1])
             if await pipe.exists(marker):
                 raise KeyRevoked(f"API key {record.key_id} was revoked")
+            if await pipe.get(entries[1]) not in (None, key_hash):
+                raise KeyIdTaken(
+                    f"API key id {record.key_id} (the first 48 bits of the key's hash) is another key's; "
+                    "register another key"
+                )
             pipe.multi()
             # Without a field left unset (`max_sessions`), an older build still reads the records of keys
             # that do not use it.

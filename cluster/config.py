@@ -444,14 +444,21 @@ MAX_REDIS_DB = 15
 
 
 def without_password(url: str) -> str:
-    """`url` with the password (if any) masked, for messages."""
+    """`url` with its password masked, for messages: in `user:password@`, and a `password` option of its
+    query (redis-py reads one there too)."""
     try:
         parts = urlsplit(url)
     except ValueError:  # a netloc it cannot read (an unclosed `[`): masked whole
         return "<unreadable URL>"
-    if parts.password is None:
-        return url
-    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
+    if parts.password is not None:
+        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
+    if parts.query:
+        parts = parts._replace(query=_QUERY_PASSWORD.sub(r"\1***", parts.query))
+    return parts.geturl()
+
+
+# A `password=` option of a URL's query, up to its end or the next option.
+_QUERY_PASSWORD = re.compile(r"((?:^|[&;])password=)[^&;]*", re.IGNORECASE)
 
 
 def check_redis_url(url: str) -> None:

@@ -939,7 +939,7 @@ def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress)
     refuses it): a new key replaces it, in the file too.
     """
     from cluster.api_keys import (
-        ALL_PERMISSIONS, KeyRevoked, StoreUnavailable, hash_api_key, key_id_of, run_with_store,
+        ALL_PERMISSIONS, KeyIdTaken, KeyRevoked, StoreUnavailable, hash_api_key, key_id_of, run_with_store,
     )
 
     file = api_key_file(cfg)
@@ -958,10 +958,11 @@ def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress)
         try:
             key, record = await create(store, existing)  # Redis lost it
             progress(f"api key: registered {record.key_id} (all permissions) in {file}")
-        except KeyRevoked:
+        except (KeyRevoked, KeyIdTaken) as err:
             key, record = await create(store)
+            why = "was revoked" if isinstance(err, KeyRevoked) else "has an id another key holds now"
             progress(
-                f"api key: the key in {file} ({key_id_of(hash_api_key(existing))}) was revoked; "
+                f"api key: the key in {file} ({key_id_of(hash_api_key(existing))}) {why}; "
                 f"created {record.key_id} (all permissions) and wrote it there instead"
             )
         return key

@@ -19,12 +19,13 @@ from redis.exceptions import (
 )
 from typer.testing import CliRunner
 
-from cluster import local
+from cluster import api_keys, local
 from cluster.api_keys import (
     MAX_BUCKET_TTL_MS,
     ApiKeyRecord,
     ApiKeyStore,
     InvalidStoreUrl,
+    KeyIdTaken,
     KeyListing,
     KeyRevoked,
     UnreadableKey,
@@ -319,6 +320,30 @@ def test_a_revoked_key_stays_refused_and_cannot_be_registered_again(redis_url):
     assert outcome.record is None and not outcome.is_allowed and looked_up is None and not is_revoked_again
 
 
+# Two keys whose ids (the first 48 bits of their hashes) are the same.
+COLLIDING_KEYS = ("wp_44176233", "wp_46117317")
+
+
+def test_a_key_whose_id_another_key_holds_is_never_stored_under_it(redis_url, monkeypatch):
+    """Two keys under one id would share a bucket and each other's sessions, and `revoke <id>` would miss one."""
+    first, second = COLLIDING_KEYS
+    assert key_id_of(hash_api_key(first)) == key_id_of(hash_api_key(second))
+    drawn = iter([second, "wp_" + "7" * 40])
+    monkeypatch.setattr(api_keys, "generate_api_key", lambda: next(drawn))
+
+    async def work(store):
+        _, held = await store.create("alice", ["*"], 10.0, 10, key=first)
+        with pytest.raises(KeyIdTaken, match=f"API key id {held.key_id}"):
+            await store.create("bob", ["*"], 10.0, 10, key=second)
+        new_key, new = await store.create("carol", ["*"], 10.0, 10)  # drawn again past the taken id
+        again = await store.create("alice", ["*"], 10.0, 10, key=first)  # the same key registered again
+        return held, new_key, new, again, (await store.authorize(first)).record, await store.lookup(second)
+
+    held, new_key, new, again, alice, bob = run_with_store(redis_url, work)
+    assert new_key == "wp_" + "7" * 40 and new.key_id != held.key_id
+    assert again[1].key_id == alice.key_id == held.key_id and alice.name == "alice" and bob is None
+
+
 def test_a_keys_own_session_limit_reaches_its_callers_and_an_unset_one_is_not_stored(redis_url):
     """An unset limit stays out of the stored record, so a build from before it existed still reads the key."""
 
@@ -479,7 +504,11 @@ def test_an_expiring_key_expires_at_the_instant_its_record_names(redis_url, monk
         assert client.pexpiretime(entry) == math.floor(record.expires_at_s * 1000)
 
 
-def test_a_keys_command_never_prints_the_redis_password():
-    result = CliRunner().invoke(app, ["keys", "list", "--redis-url", "redis://:S3cretPass@127.0.0.1:1/0"])
+@pytest.mark.parametrize("url, shown", [
+    ("redis://:S3cretPass@127.0.0.1:1/0", "redis://:***@127.0.0.1:1/0"),
+    ("redis://127.0.0.1:1/0?password=S3cretPass", "redis://127.0.0.1:1/0?password=***"),  # redis-py reads it there
+])
+def test_a_keys_command_never_prints_the_redis_password(url, shown):
+    result = CliRunner().invoke(app, ["keys", "list", "--redis-url", url])
     assert result.exit_code == 1 and "is unavailable" in result.output
-    assert "S3cretPass" not in result.output and "redis://:***@127.0.0.1:1/0" in result.output
+    assert "S3cretPass" not in result.output and shown in result.output

@@ -16,7 +16,8 @@ Each check returns `(message, param)` for a 400, or None.
   message's index, names the field; Ray's own pass then finds lists.
 - More than `MAX_CHOICES` choices (`n`), OpenAI's own limit: vLLM takes any
   number, and one request with n=1000 holds an engine for as long as a
-  thousand would.
+  thousand would. A completion's batch of prompts multiplies them (each
+  prompt gets `n`), so one request starts at most `MAX_SEQUENCES`.
 - A `/detokenize` token id of 32 bits or more: the tokenizer raises an
   `OverflowError` on it.
 - Text that cannot be encoded as UTF-8 (a lone surrogate, from a `\\ud800`
@@ -32,6 +33,8 @@ import json
 from typing import Any, Optional
 
 MAX_CHOICES = 128
+# Sequences one request may start: a completion's prompts times `n` (vLLM takes 1,024 prompts, each `n` times).
+MAX_SEQUENCES = 1024
 MAX_TOKEN_ID_EXCLUSIVE = 2**32
 
 Problem = tuple[str, Optional[str]]
@@ -138,7 +141,18 @@ def _choices_problem(body: Any) -> Optional[Problem]:
     n = getattr(body, "n", None)
     if isinstance(n, int) and n > MAX_CHOICES:
         return f"n must be at most {MAX_CHOICES}, got {n}", "n"
+    num_prompts = _num_prompts(getattr(body, "prompt", None))
+    if isinstance(n, int) and num_prompts * n > MAX_SEQUENCES:
+        return (f"{num_prompts} prompts with n={n} would start {num_prompts * n} sequences; one request may start "
+                f"at most {MAX_SEQUENCES}: send fewer prompts per request"), "prompt"
     return None
+
+
+def _num_prompts(prompt: Any) -> int:
+    """How many prompts a completion's `prompt` holds: a list of texts or of token lists is a batch."""
+    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+        return len(prompt)
+    return 1
 
 
 def lone_surrogate_at(text: str) -> Optional[int]:

@@ -84,6 +84,21 @@ def test_more_choices_than_openai_allows_are_refused():
     assert completion_request_problem(prompt)[1] == "n"
 
 
+@pytest.mark.parametrize("prompt, n, is_refused", [
+    (["p"] * 1024, 128, True),  # 131,072 sequences from a 5 KB body and one token of the key's bucket
+    ([[1, 2]] * 9, 128, True),  # token-id prompts count alike
+    (["p"] * 8, 128, False),
+    (["p"] * 1024, 1, False),
+    ([1, 2, 3], 128, False),  # one prompt of token ids
+])
+def test_a_completion_batch_starts_at_most_max_sequences(prompt, n, is_refused):
+    problem = completion_request_problem(CompletionRequest.model_validate({"model": "m", "prompt": prompt, "n": n}))
+    if is_refused:
+        assert problem[1] == "prompt" and "one request may start at most 1024" in problem[0]
+    else:
+        assert problem is None
+
+
 def test_a_detokenize_id_beyond_32_bits_is_refused_naming_it():
     from ray.llm._internal.serve.core.configs.openai_api_models import DetokenizeRequest
 

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import FastAPI
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+
 from ray import serve
 from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
 from ray.llm._internal.serve.core.ingress.ingress import init as init_fastapi_app
@@ -131,14 +135,27 @@ def llm_config(cfg: ClusterConfig) -> LLMConfig:
     )
 
 
+def ingress_app(guard: GuardSettings) -> FastAPI:
+    """Ray Serve LLM's OpenAI app with the API's error shapes and the access guard.
+
+    Every route but the public ones (health, OpenAPI) passes the API-key, rate and size
+    checks first. The guard sits just inside the CORS layer, so its refusals (401, 413,
+    429, 503) carry CORS headers and a browser on another origin can read them (and their
+    `Retry-After`); it was the outermost layer.
+    """
+    app = init_fastapi_app()
+    api_errors.install(app)
+    cors_at = next((at for at, layer in enumerate(app.user_middleware) if layer.cls is CORSMiddleware), None)
+    # `user_middleware` lists the outermost first: after CORS is inside it.
+    app.user_middleware.insert(0 if cors_at is None else cors_at + 1, Middleware(AccessMiddleware, settings=guard))
+    return app
+
+
 def build_llm_app(cfg: ClusterConfig) -> Application:
     """Replica deployment plus the OpenAI ingress, from a validated config."""
     llm = llm_config(cfg)
     replicas = build_llm_deployment(llm, deployment_cls=WarmpathLLMServer)
-    app = init_fastapi_app()
-    api_errors.install(app)
-    # Every route but the public ones (health, OpenAPI) passes the API-key, rate and size checks first.
-    app.add_middleware(AccessMiddleware, settings=GuardSettings(access=cfg.access, redis_url=cfg.redis_url))
+    app = ingress_app(GuardSettings(access=cfg.access, redis_url=cfg.redis_url))
     ingress_cls = make_fastapi_ingress(WarmpathIngress, endpoint_map=ENDPOINTS, app=app)
     orchestrator = serve.deployment(
         Orchestrator, name=ORCHESTRATOR_DEPLOYMENT, num_replicas=1, max_ongoing_requests=256,

@@ -180,3 +180,20 @@ def test_a_callers_session_limit_comes_from_its_key_and_survives_the_trip_to_the
     caller = asyncio.run(AccessGuard(GuardSettings.model_validate(SETTINGS)).admit_call([("x-api-key", KEY)]))
     assert caller.max_sessions == max_sessions
     assert Caller.from_dict(caller.to_dict()) == caller
+
+
+def test_the_guards_refusals_carry_cors_headers(key_store, denials):
+    """A browser on another origin reads a 401 or 429 (and its Retry-After) only with CORS headers on it."""
+    from fastapi.testclient import TestClient
+
+    from serve_apps.builders import ingress_app
+
+    app = ingress_app(GuardSettings.model_validate(SETTINGS))
+    app.add_api_route("/v1/models", lambda: {"data": []}, methods=["GET"])
+    with TestClient(app) as client:
+        refused = client.get("/v1/models", headers={"origin": "https://app.example"})
+        allowed = client.get("/v1/models", headers={"origin": "https://app.example", "x-api-key": KEY})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "missing_api_key"
+    assert allowed.status_code == 200
+    for response in (refused, allowed):
+        assert response.headers["access-control-allow-origin"] in ("*", "https://app.example")

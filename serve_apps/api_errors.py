@@ -293,9 +293,26 @@ async def _openai_http_exception(request: Request, err) -> JSONResponse:
     return JSONResponse(error_body(err.status_code, err.message), status_code=err.status_code)
 
 
+# FastAPI's text for a body it could not decode other than as bad JSON syntax (not UTF-8, nested too deep).
+_UNPARSED_BODY = "There was an error parsing the body"
+
+
 async def _http_exception(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    if err.status_code == 400 and err.detail == _UNPARSED_BODY:
+        return JSONResponse(validation_error_body([{"type": "json_invalid", "ctx": {"error": _unparsed_why(err)}}]),
+                            status_code=400)
     return JSONResponse(error_body(err.status_code, str(err.detail)), status_code=err.status_code,
                         headers=getattr(err, "headers", None))
+
+
+def _unparsed_why(err: Exception) -> str:
+    """Why FastAPI could not read a body, in the words `invalid_json` uses."""
+    cause = err.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return f"it is not UTF-8 text (byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "it nests arrays or objects too deeply"
+    return "it could not be decoded"
 
 
 def install(app: FastAPI) -> None:

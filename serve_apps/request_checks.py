@@ -167,8 +167,13 @@ def lone_surrogate_at(text: str) -> Optional[int]:
 
 
 def unencodable_text_problem(value: Any, path: str) -> Optional[Problem]:
-    """A 400 for the first string under `value` that UTF-8 cannot encode, naming where it is."""
-    found = _first_unencodable(value)
+    """A 400 for the first string under `value` that UTF-8 cannot encode, naming where it is; or for a value
+    nested too deeply to walk (JSON's parser takes a few levels more than the walk has left: a free-form field,
+    `chat_template_kwargs` say, could otherwise make it a 500)."""
+    try:
+        found = _first_unencodable(value)
+    except RecursionError:
+        return f"{path}: nests arrays or objects too deeply", path
     if found is None:
         return None
     keys, position = found

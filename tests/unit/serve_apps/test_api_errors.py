@@ -175,6 +175,13 @@ def test_body_validation_names_the_field_as_param():
     error = broken.json()["error"]
     assert error["message"].startswith("the request body is not valid JSON") and error["code"] == "invalid_json"
     assert error["param"] is None
+    # A body FastAPI cannot decode for another reason than JSON syntax is malformed the same way.
+    for raw, why in [(b'{"messages": "\xff\xfe"}', "it is not UTF-8 text (byte 14)"),
+                     (b"[" * 100_000 + b"]" * 100_000, "it nests arrays or objects too deeply")]:
+        unread = client.post("/v1/things", content=raw, headers={"content-type": "application/json"})
+        assert unread.status_code == 400 and unread.json()["error"] == {
+            "message": f"the request body is not valid JSON: {why}", "type": "BadRequestError", "param": None,
+            "code": "invalid_json"}
 
 
 def test_an_exception_from_vllm_is_a_400_with_its_own_text_and_anything_else_a_bare_500():

@@ -99,6 +99,19 @@ def test_a_completion_batch_starts_at_most_max_sequences(prompt, n, is_refused):
         assert problem is None
 
 
+def test_a_free_form_field_nested_past_what_the_check_can_walk_is_a_400_not_a_500(monkeypatch):
+    """JSON's parser takes a few levels more than the check has left below the ingress' frames."""
+    deep = {"a": []}
+    inner = deep["a"]
+    for _ in range(5000):
+        inner.append([])
+        inner = inner[0]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    body.chat_template_kwargs = deep
+    assert chat_request_problem(body) == ("chat_template_kwargs: nests arrays or objects too deeply",
+                                          "chat_template_kwargs")
+
+
 def test_a_detokenize_id_beyond_32_bits_is_refused_naming_it():
     from ray.llm._internal.serve.core.configs.openai_api_models import DetokenizeRequest
 

@@ -258,6 +258,9 @@ def _closest_union_member(errors: list[Mapping[str, Any]]) -> list[Mapping[str, 
     # A member that refused a literal (a message's `role`) is one the client did not mean, if any other is left.
     members = {tag: member for tag, member in members.items()
                if not any(error.get("type") == "literal_error" for error in member)} or members
+    # So is one refusing the value's very type (`stop` as a string, for a list of five): the others say what is wrong.
+    members = {tag: member for tag, member in members.items()
+               if not all(_is_type_miss_at(error, at + 1) for error in member)} or members
     fewest = min(map(len, members.values()))
     closest = [member for member in members.values() if len(member) == fewest]
     if len(closest) > 1:
@@ -270,6 +273,11 @@ def _closest_union_member(errors: list[Mapping[str, Any]]) -> list[Mapping[str, 
             if len(expected) == len(closest):
                 return [{"loc": where, "msg": f"Input should be {', '.join(expected)}", "type": "literal_error"}] + others
     return closest[0] + others
+
+
+def _is_type_miss_at(error: Mapping[str, Any], depth: int) -> bool:
+    """Whether `error` says the value at `depth` of its location is not of the type asked (`string_type`)."""
+    return len(error.get("loc", ())) == depth and str(error.get("type", "")).endswith("_type")
 
 
 def _field_path(loc: Sequence[Any], prefix: str = "") -> Optional[str]:

@@ -8,6 +8,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
 
 from serve_apps import api_errors
 from serve_apps.api_errors import engine_error, error_body, error_type, readable_message
@@ -302,3 +303,26 @@ def test_the_field_vllm_names_apart_from_its_text_is_kept():
     assert status == 400 and body["error"]["param"] == "suffix"
     (line, *_) = readable_error_frame(f"data: {json.dumps({'error': error})}\n\n").split("\n")
     assert json.loads(line[len("data: "):])["error"]["param"] == "suffix"
+
+
+@pytest.mark.parametrize("stop, message, param", [
+    (["a", "b", "c", "d", "e"], "stop: List should have at most 4 items after validation, not 5", "stop"),
+    ([1], "stop[0]: Input should be a valid string", "stop[0]"),
+    (5, "stop: Input should be a valid string", "stop"),
+])
+def test_a_union_field_names_the_problem_of_the_member_the_value_was_of(stop, message, param):
+    """A list of five stops was told it should be a string: the string member's type miss said nothing useful."""
+    from ray.llm._internal.serve.core.ingress.ingress import init
+
+    app = init()
+    api_errors.install(app)
+
+    @app.post("/v1/chat")
+    async def chat(body: ChatCompletionRequest):
+        return {}
+
+    response = TestClient(app).post("/v1/chat", json={"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                       "stop": stop})
+    assert response.status_code == 400
+    assert (response.json()["error"]["message"], response.json()["error"]["param"]) == (message, param)
+

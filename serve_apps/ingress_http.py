@@ -685,7 +685,10 @@ class WarmpathIngress(OpenAiIngress):
             if isinstance(first, ServedBy):
                 served_by = first
                 await gen.__anext__()  # the peeked tag itself
-                first, gen = await _peek_at_generator(gen)
+                try:
+                    first, gen = await _peek_at_generator(gen)
+                except Exception as err:  # the replica failed after it named itself: the answer names it too
+                    raise _refused_by(err, served_by)
             first_chunk = first[0] if isinstance(first, list) else first
             if isinstance(first_chunk, ErrorResponse):
                 raise _refused_by(refusal(first_chunk.error.model_dump()), served_by)

@@ -298,7 +298,9 @@ async def _client_error(request: Request, err: Exception) -> JSONResponse:
 
 
 async def _openai_http_exception(request: Request, err) -> JSONResponse:
-    return JSONResponse(error_body(err.status_code, err.message), status_code=err.status_code)
+    # An engine's own failure is said as before a stream (`client_engine_error`): its text is for the log.
+    _, message = client_engine_error({"code": err.status_code, "message": err.message})
+    return JSONResponse(error_body(err.status_code, message), status_code=err.status_code)
 
 
 # FastAPI's text for a body it could not decode other than as bad JSON syntax (not UTF-8, nested too deep).

@@ -326,3 +326,21 @@ def test_a_union_field_names_the_problem_of_the_member_the_value_was_of(stop, me
     assert response.status_code == 400
     assert (response.json()["error"]["message"], response.json()["error"]["param"]) == (message, param)
 
+
+
+def test_an_engine_failure_raised_as_an_http_exception_says_no_more_than_any_other_500(client):
+    """`/tokenize` and `/detokenize` re-raise the engine's answer: a 500's text (paths, a model folder) is logged."""
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+
+    from serve_apps.api_errors import ENGINE_FAILURE_MESSAGE
+
+    app = client.app
+
+    @app.post("/v1/tokenize-failed")
+    async def tokenize_failed():
+        raise OpenAIHTTPException(status_code=500, message="OOM in /opt/vllm/worker.py for /models/secret",
+                                  type="InternalServerError")
+
+    response = client.post("/v1/tokenize-failed")
+    assert response.status_code == 500 and response.json()["error"]["message"] == ENGINE_FAILURE_MESSAGE
+    assert client.get("/v1/ours").json()["error"]["message"] == "idempotency-key must be 1-256 characters"

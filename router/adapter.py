@@ -203,6 +203,7 @@ class _EventPump(threading.Thread):
         self._forget_departed({ReplicaId(replica.replica_id.unique_id) for replica in replicas})
         advertised: dict[ReplicaId, tuple[str, str | None]] = {}
         capacities: dict[ReplicaId, int] = {}
+        block_sizes: set[int] = set()
         for replica in replicas:
             stats = replica.routing_stats or {}
             endpoint = stats.get("kv_events_endpoint")
@@ -211,12 +212,22 @@ class _EventPump(threading.Thread):
             capacity = stats.get("kv_capacity_blocks")
             if isinstance(capacity, int) and capacity > 0:
                 capacities[ReplicaId(replica.replica_id.unique_id)] = capacity
+            block_size = stats.get("block_size")
+            if isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0:
+                block_sizes.add(block_size)
+        if len(block_sizes) == 1 and (engine_size := next(iter(block_sizes))) != router.block_size_tokens:
+            # vLLM chose another block size than the configured one (hybrid models, some CPU attention
+            # backends): indexed in the configured size, every stored block would be skipped as another
+            # size, and the router would be blind to every replica without a word.
+            logger.warning("the replicas' engines use %d-token KV blocks, not the %d configured: the router "
+                           "hashes in %d-token blocks from now on", engine_size, router.block_size_tokens, engine_size)
+            for replica_id in list(self._sources):
+                self._unsubscribe(replica_id)
+            self._capacities.clear()  # set again on the new index below
+            with router.lock:
+                router.use_block_size(engine_size)
         for replica_id in [r for r in self._sources if r not in advertised or advertised[r][0] != self._sources[r][0]]:
-            _, source, _ = self._sources.pop(replica_id)
-            source.close()
-            self.watch.forget(replica_id)
-            self._fetches.pop(replica_id, None)
-            self._capacities.pop(replica_id, None)
+            self._unsubscribe(replica_id)
             with router.lock:
                 router.index.remove_replica(replica_id)
         for replica_id, capacity in capacities.items():
@@ -230,6 +241,14 @@ class _EventPump(threading.Thread):
             if replica_id in self._sources or self._refused.get(replica_id) == endpoints:
                 continue
             self._subscribe(replica_id, *endpoints)
+
+    def _unsubscribe(self, replica_id: ReplicaId) -> None:
+        """Closes a replica's subscription and forgets what was fetched and heard from it."""
+        _, source, _ = self._sources.pop(replica_id)
+        source.close()
+        self.watch.forget(replica_id)
+        self._fetches.pop(replica_id, None)
+        self._capacities.pop(replica_id, None)
 
     def _subscribe(self, replica_id: ReplicaId, endpoint: str, replay_endpoint: str | None) -> None:
         """Subscribes to one replica; endpoints ZMQ refuses leave it routed by load, said once, tried again
@@ -506,8 +525,7 @@ class PrefixKVRouter(RequestRouter):
         args = RouterArgs.model_validate(kwargs)
         self.args = args
         self.lock = threading.Lock()
-        self.index = PrefixIndex(args.block_size_tokens, args.router.max_blocks_per_replica, args.model_id)
-        self.policy = PrefixAwarePolicy(args.router, args.block_size_tokens)
+        self.use_block_size(args.block_size_tokens)
         self.sessions: _BoundedSessions = _BoundedSessions()
         self.tokenizer = PromptTokenizer(args.model_source)
         self.tokenizer.start_loading()
@@ -516,6 +534,16 @@ class PrefixKVRouter(RequestRouter):
         self._pump = _EventPump(self)
         self._pump.start()
         decision_log.LIVE_ROUTERS.add(self)
+
+    def use_block_size(self, block_size_tokens: int) -> None:
+        """Indexes and scores in `block_size_tokens`-token blocks, starting from an empty index (under `lock`).
+
+        The configured size at first; the engines' own where vLLM chose another (`_EventPump`
+        then subscribes again, so the replicas' caches are replayed into the new index).
+        """
+        self.block_size_tokens = block_size_tokens
+        self.index = PrefixIndex(block_size_tokens, self.args.router.max_blocks_per_replica, self.args.model_id)
+        self.policy = PrefixAwarePolicy(self.args.router, block_size_tokens)
 
     def _loads(self, candidates: List[RunningReplica]) -> dict[ReplicaId, ReplicaLoad]:
         cache = self.replica_queue_len_cache

@@ -546,3 +546,35 @@ def test_a_replay_endpoint_zmq_refuses_fails_every_request_without_blocking():
     asker.join(timeout=10)
     source.close()
     assert outcomes == ["refused", "refused"]  # the second did not block on an unconnected socket
+
+
+class _SizedRouter(SimpleNamespace):
+    """The stand-in router, able to change its block size as `PrefixKVRouter` does."""
+
+    use_block_size = adapter.PrefixKVRouter.use_block_size
+
+
+def test_a_block_size_the_engines_chose_is_the_one_the_router_indexes_in(tmp_path, publisher):
+    """vLLM may set another block size than the configured one: indexed in the configured size, every stored block
+    was skipped as another size and the router was blind to every replica, saying nothing."""
+    from cluster.config import RouterConfig
+
+    engine_bs = 2 * BS
+    publisher.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
+        block_hashes=[i.to_bytes(32, "big") for i in range(3)], parent_block_hash=None,
+        token_ids=list(range(3 * engine_bs)), block_size=engine_bs, lora_id=None, medium="GPU", lora_name=None,
+    )]))
+    published(publisher, 1)
+    replica = advertised(A, tmp_path)
+    replica.routing_stats["block_size"] = engine_bs
+    router = _SizedRouter(curr_replicas={A: replica}, lock=threading.Lock(),
+                          args=SimpleNamespace(router=RouterConfig(), model_id="m"))
+    router.use_block_size(BS)
+    pump = _EventPump(router)
+    try:
+        subscribe(pump)
+        assert router.block_size_tokens == engine_bs and router.policy is not None
+        assert indexed_blocks(pump) == 3  # the replica's history, replayed into the index of the new size
+    finally:
+        for _, source, _ in pump._sources.values():
+            source.close()

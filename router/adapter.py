@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -531,6 +532,7 @@ class PrefixKVRouter(RequestRouter):
         self.tokenizer.start_loading()
         self._decisions: OrderedDict[str, Decision] = OrderedDict()
         self._inflight = InflightRequests()
+        self._tie_breaks = random.Random()
         self._pump = _EventPump(self)
         self._pump.start()
         decision_log.LIVE_ROUTERS.add(self)
@@ -571,13 +573,24 @@ class PrefixKVRouter(RequestRouter):
         except Exception:
             # A routing fault must cost cache hits, never the request: fall back to least loaded.
             logger.exception("prefix-aware routing failed; routing by load for this request")
-            return self._least_loaded_first(candidate_replicas, self._loads(candidate_replicas))
+            return self._least_loaded_first(candidate_replicas, self._loads(candidate_replicas), pending_request)
 
-    @staticmethod
     def _least_loaded_first(
-        candidates: List[RunningReplica], loads: dict[ReplicaId, ReplicaLoad]
+        self, candidates: List[RunningReplica], loads: dict[ReplicaId, ReplicaLoad],
+        pending_request: Optional[PendingRequest],
     ) -> List[List[RunningReplica]]:
-        return [[r] for r in sorted(candidates, key=lambda r: loads[ReplicaId(r.replica_id.unique_id)].num_requests)]
+        """Replicas by load, ties in random order, the request counted in flight on the first.
+
+        Why both: requests routed by load (no tokenizer yet, a prompt that does not render or is
+        over the window) read Serve's lagging counts, and a burst of them, all seeing the same
+        counts, went to whichever replica Serve listed first.
+        """
+        ranked = sorted(candidates, key=lambda r: (loads[ReplicaId(r.replica_id.unique_id)].num_requests,
+                                                   self._tie_breaks.random()))
+        if pending_request is not None:
+            first = ReplicaId(ranked[0].replica_id.unique_id)
+            self._inflight.place(pending_request.metadata.internal_request_id, first, time.monotonic(), False)
+        return [[r] for r in ranked]
 
     def _choose(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest]
@@ -596,7 +609,7 @@ class PrefixKVRouter(RequestRouter):
         loads = self._loads(candidate_replicas)
         if token_ids is None:
             # Nothing to match on (not a chat/completion call, it does not render, or no tokenizer yet).
-            return self._least_loaded_first(candidate_replicas, loads)
+            return self._least_loaded_first(candidate_replicas, loads, pending_request)
         if self.args.router.forward_prompt_token_ids and is_forwardable(request, rendering):
             forward_token_ids(request, token_ids)
         routing_request = RoutingRequest(

@@ -183,6 +183,39 @@ def test_until_the_tokenizer_loads_chat_requests_are_routed_by_load(new_router):
     asyncio.run(route())
 
 
+def test_a_burst_routed_by_load_spreads_over_replicas_serve_lists_as_equally_loaded(new_router):
+    """Routed by load (no tokenizer yet), each request counts in flight where it goes: a burst whose
+    queue lengths Serve had to probe all went to the replica it listed first."""
+
+    async def route() -> None:
+        router = new_router()
+        replicas = [StandInReplica(name) for name in ("r1", "r2", "r3")]
+        router.update_replicas(replicas)
+        chosen = []
+        for _ in range(6):
+            tiers = await router.choose_replicas(replicas, pending(chat(), "chat"))
+            chosen.append(tiers[0][0].replica_id.unique_id)
+        assert sorted(chosen) == ["r1", "r1", "r2", "r2", "r3", "r3"], chosen
+        assert router._inflight.counts(time.monotonic()) == {"r1": 2, "r2": 2, "r3": 2}
+
+    asyncio.run(route())
+
+
+def test_ties_in_load_are_broken_at_random_not_in_serves_order(new_router):
+    async def route() -> set:
+        router = new_router()
+        replicas = [StandInReplica(name) for name in ("r1", "r2", "r3")]
+        router.update_replicas(replicas)
+        firsts = set()
+        for _ in range(40):
+            tiers = await router.choose_replicas(replicas, pending(chat(), "tokenize"))
+            firsts.add(tiers[0][0].replica_id.unique_id)
+            router._inflight = type(router._inflight)()  # every replica equally loaded again
+        return firsts
+
+    assert asyncio.run(route()) == {"r1", "r2", "r3"}
+
+
 def test_a_completion_from_a_replica_that_rejected_the_request_keeps_it_in_flight_where_it_runs(new_router):
     async def route() -> dict:
         router = new_router()

@@ -390,7 +390,8 @@ class PrefixIndex:
         self._state(replica_id).max_blocks = max(self._max_blocks, num_blocks)
 
     def clear_replica(self, replica_id: ReplicaId) -> None:
-        """Forgets every indexed block of the replica (resync); pending entries stay until they expire."""
+        """Forgets every indexed block of the replica (resync); pending entries on blocks it does not hold
+        stay until they expire (a placed request's prefill may still store them)."""
         state = self._replicas.get(replica_id)
         if state is not None:
             self._clear_blocks(state)
@@ -569,7 +570,10 @@ class PrefixIndex:
         return num_removed
 
     def _clear_blocks(self, state: _ReplicaState) -> None:
-        drop_owner_bit(self._owners, list(state.blocks.values()), state.bit)
+        held = list(state.blocks.values())
+        drop_owner_bit(self._owners, held, state.bit)
+        if state.pending:  # as in `_remove`: one on a held block gets no event to confirm it
+            self._drop_pending(state, held)
         state.blocks.clear()
         state.extra_copies.clear()
         state.skipped.clear()

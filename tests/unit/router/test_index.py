@@ -545,3 +545,19 @@ def test_a_pending_entry_on_a_held_block_goes_when_the_replica_drops_it(index):
     index.apply(A, [BlockRemoved(block_hashes=[ehash(i) for i in reversed(range(20))], medium="GPU")])
     assert index.longest_prefix(other_hashes, 1.0) == {}
     assert index.snapshot(1.0).num_pending_blocks_by_replica.get(A, 0) == 0
+
+
+def test_a_clear_drops_the_pending_entry_on_a_block_the_replica_held():
+    """That entry (the grid checkpoint before an off-grid last) gets no event to confirm it: after a clear it
+    credited the replica with a prefix its engine no longer held, as it would after removing the block."""
+    tokens = list(range(45))
+    index = PrefixIndex(1, 1000, "m")
+    index.apply("A", [BlockStored(block_hashes=[i.to_bytes(32, "big") for i in range(41)], parent_block_hash=None,
+                                  token_ids=tokens[:41], block_size=1, lora_id=None, medium="GPU", lora_name=None)])
+    index.add_pending("A", hash_request_blocks(tokens, 1, root_hash("m", None)), now_s=0.0, ttl_s=2.0,
+                      num_held_blocks=41)
+    index.apply("A", [BlockStored(block_hashes=[i.to_bytes(32, "big") for i in range(41, 45)],
+                                  parent_block_hash=(40).to_bytes(32, "big"), token_ids=tokens[41:45], block_size=1,
+                                  lora_id=None, medium="GPU", lora_name=None)])
+    index.apply("A", [AllBlocksCleared()])
+    assert index.longest_prefix(hash_request_blocks(tokens[:40], 1, root_hash("m", None)), 1.0) == {}

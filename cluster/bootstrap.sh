@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.."
 VENV="${WARMPATH_VENV:-.venv}"
 TORCH_CPU_INDEX="${WARMPATH_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 PY="${PYTHON:-python3.11}"
-command -v "$PY" >/dev/null || PY=python3
+# Without PYTHON set, python3 when it is 3.11 (checked below); a PYTHON set is used as given.
+[ -n "${PYTHON:-}" ] || command -v "$PY" >/dev/null || PY=python3
 
 say() { printf '[bootstrap] %s\n' "$*" >&2; }
 SETUP_FAILED=10
@@ -65,16 +66,26 @@ install_python() {
 }
 
 install_redis() {
+  local cmd="$1"
   command -v redis-server >/dev/null && return
-  if [ -n "${REDIS_URL:-}" ]; then
+  # `up` can use the Redis REDIS_URL names; the tests always start redis-servers of their own.
+  if [ -n "${REDIS_URL:-}" ] && [ "$cmd" != test ]; then
     return
   fi
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing redis-server from Debian's packages"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    # On a machine with systemd the package starts a system Redis on 6379, the port a Ray head takes:
+    # warmpath starts the Redis it needs itself, so the one the package started is stopped and disabled.
+    if command -v systemctl >/dev/null && systemctl is-active --quiet redis-server 2>/dev/null; then
+      systemctl disable --now redis-server >/dev/null 2>&1 \
+        && say "stopped and disabled the system redis-server the package started on port 6379 (Ray's)"
+    fi
   else
-    say "redis-server is missing: install it (apt-get install redis-server) or set REDIS_URL"
+    local why="set REDIS_URL"
+    [ "$cmd" = test ] && why="the tests start redis-servers of their own"
+    say "redis-server is missing: install it (sudo apt-get update && sudo apt-get install redis-server), or $why"
     exit $SETUP_FAILED
   fi
 }
@@ -85,10 +96,13 @@ case "$cmd" in
   install|up|test) ;;
   *) say "unknown command '$cmd' (use: up, test, install)"; exit 2 ;;  # before minutes of installing
 esac
-"$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null \
-  || say "warning: $PY is not Python 3.11, which warmpath requires (set PYTHON=/path/to/python3.11)"
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+  # Before minutes of installing: pip refuses the package on another Python anyway.
+  say "$PY is not Python 3.11, which warmpath requires: install it, or set PYTHON=/path/to/python3.11"
+  exit $SETUP_FAILED
+fi
 install_python
-install_redis
+install_redis "$cmd"
 case "$cmd" in
   install) ;;
   up) trap - ERR; exec "$VENV/bin/warmpath" up "$@" ;;

@@ -308,10 +308,13 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
         return "auto"
     taken = ports_in_use(cfg)
     if taken:
-        raise BringUpError(
-            f"{', '.join(taken)} in use by another process, and a new Ray head listens there. Stop that "
-            "process, or set other ports in the config (ports.*)"
-        )
+        configurable = [port for port in taken if "(ports." in port]
+        fix = "Stop that process" + (", or set other ports in the config (ports.*)" if configurable else "")
+        if any(f"port {GCS_PORT} " in port for port in taken):
+            # Not configurable: a system redis-server (the distribution's package starts one) holds it.
+            fix += (f"; port {GCS_PORT} is Ray's own, often held by a system redis-server "
+                    "(sudo systemctl disable --now redis-server: warmpath starts the Redis it needs)")
+        raise BringUpError(f"{', '.join(taken)} in use by another process, and a new Ray head listens there. {fix}")
     # Logical CPUs: one bundle per replica plus room for the ingress and proxies.
     num_cpus = int(cfg.replicas.num_replicas * cfg.replicas.num_cpus) + 4
     progress(f"ray: starting a local head ({num_cpus} logical CPUs)")

@@ -369,13 +369,25 @@ def test_a_new_head_is_not_started_while_another_process_holds_its_ports(tmp_pat
     assert not any(str(port) in taken for taken in local.ports_in_use(cfg))  # closed: free again
 
 
-def test_a_process_on_rays_gcs_port_stops_a_new_head_before_ray_start(monkeypatch):
-    """A system redis-server on 6379 made `ray start` fail with a dump of its output."""
+def test_a_process_on_rays_gcs_port_stops_a_new_head_before_ray_start(tmp_path, monkeypatch):
+    """A system redis-server on 6379 made `ray start` fail with a dump of its output; the refusal says how
+    to free the port, and offers no config field for it (there is none)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(local, "_ray_head_up", lambda: False)
+    monkeypatch.setattr(local.subprocess, "run", lambda *args, **kwargs: pytest.fail("ray start ran"))
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         monkeypatch.setattr(local, "GCS_PORT", holder.getsockname()[1])
-        assert f"port {local.GCS_PORT} (Ray's GCS)" in local.ports_in_use(load_config(environ={}))
+        cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+        assert f"port {local.GCS_PORT} (Ray's GCS)" in local.ports_in_use(cfg)
+        real_can_listen = local._can_listen
+        # The other ports free, whatever else this machine runs.
+        monkeypatch.setattr(local, "_can_listen", lambda host, port: port != local.GCS_PORT or real_can_listen(host, port))
+        with pytest.raises(BringUpError) as refused:
+            local.start_ray(cfg, LocalState(), progress=lambda msg: None)
+    assert "systemctl disable --now redis-server" in str(refused.value)
+    assert "ports.*" not in str(refused.value)
 
 
 def test_a_redis_on_a_port_that_only_starts_with_the_recorded_one_is_not_ours(monkeypatch):

@@ -168,6 +168,8 @@ def _schema(parameters_json: str, where: str) -> Any:
         return json.loads(parameters_json)
     except json.JSONDecodeError as err:
         raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"{where}: not JSON: {err}") from None
+    except ValueError as err:  # an integer past Python's 4,300 digits to convert, refused as over HTTP
+        raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"{where}: not JSON: {err}") from None
     except RecursionError:  # arrays or objects nested thousands deep: the parser recurses per level
         raise RpcFailure(
             grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"{where}: nested too deeply to parse"
@@ -473,7 +475,10 @@ def failure_from_exception(err: Exception, request_id: str = "") -> RpcFailure:
     if isinstance(err, RequestCancelledError):
         return RpcFailure(grpc.StatusCode.CANCELLED, "cancelled", "the request was cancelled")
     if isinstance(err, TimeoutError):
-        return RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", f"the request timed out: {err}")
+        # Fixed text: a timeout another actor raised reaches here wrapped in Ray's error, whose text is the
+        # remote traceback (its pid, address, paths); the log has it.
+        logger.warning("a call timed out: %s", err)
+        return RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", "the request timed out")
     if isinstance(err, ValidationError):
         # Ray Serve LLM calls these 400s too, but in pydantic's multi-line developer text.
         message, _ = validation_problem(err.errors())

@@ -134,6 +134,9 @@ def _exceptions():
         (DeploymentUnavailableError(DeploymentID(name="Orchestrator", app_name="warmpath")), Code.UNAVAILABLE),
         (RayActorError(), Code.UNAVAILABLE),
         (asyncio.TimeoutError(), Code.DEADLINE_EXCEEDED),
+        # Another actor's timeout, as Ray hands it on: its text is the remote traceback.
+        (TimeoutError("boom: Traceback (most recent call last): pid=4242, ip=10.0.0.7, redis://10.0.0.9"),
+         Code.DEADLINE_EXCEEDED),
         (RuntimeError("boom"), Code.INTERNAL),
         (RpcFailure(Code.NOT_FOUND, "session_not_found", "no session"), Code.NOT_FOUND),
     ]
@@ -392,6 +395,11 @@ def test_create_session_bad_schema_json_names_the_tool():
         create_session_body(agent_pb2.CreateSessionRequest(
             model="m", tools=[_tool(parameters_json='{"a":' * 100_000 + "1" + "}" * 100_000)]))
     assert (info.value.status, info.value.message) == (Code.INVALID_ARGUMENT, "tools[0].parameters_json: nested too deeply to parse")
+    # An integer too long for Python to convert is malformed JSON over HTTP (400 invalid_json) too.
+    with pytest.raises(RpcFailure) as info:
+        create_session_body(agent_pb2.CreateSessionRequest(
+            model="m", tools=[_tool(parameters_json='{"type": "object", "maxLength": ' + "9" * 5000 + "}")]))
+    assert info.value.status is Code.INVALID_ARGUMENT and info.value.message.startswith("tools[0].parameters_json: not JSON")
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,9 @@ from typing import Callable, NoReturn, Optional, get_args
 
 import typer
 
-from cluster.config import MAX_KEY_BURST, ClusterConfig, ConfigError, RouterPolicy, check_redis_url, load_config
+from cluster.config import (
+    LOCAL_PATH_PREFIXES, MAX_KEY_BURST, ClusterConfig, ConfigError, RouterPolicy, check_redis_url, load_config,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="warmpath: a Ray Serve cluster for LLM agents.")
 render_app = typer.Typer(no_args_is_help=True, help="Render generated files from the cluster config.")
@@ -132,6 +134,11 @@ def build_model_cmd(
     from cluster.model_builder import build_model
 
     cfg = _load(config)
+    source = cfg.model.source
+    if out is None and source and not source.startswith(LOCAL_PATH_PREFIXES):
+        # A Hugging Face id: read as a folder, it would get random weights under ./<org>/<name>.
+        _refuse(f"model.source {source!r} names a Hugging Face model, not a folder to write the small "
+                "random-weight model into: pass --out, or unset model.source")
     target = out or Path(cfg.model_source())
     _check_writable_dir(target, ["config.json"], "--out" if out else "model.source")
     manifest = build_model(target, seed=seed, progress=progress)

@@ -120,6 +120,14 @@ def test_build_model_refuses_an_out_that_is_a_file(tmp_path):
     _assert_refused(CliRunner().invoke(app, ["build-model", "--out", str(a_file)]), "is not a directory")
 
 
+def test_build_model_refuses_to_write_random_weights_where_a_hugging_face_id_points(tmp_path, monkeypatch):
+    """Read as a folder, `Qwen/Qwen2.5-7B-Instruct` got the small random-weight model under ./Qwen/..."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WARMPATH_MODEL__SOURCE", "Qwen/Qwen2.5-7B-Instruct")
+    _assert_refused(CliRunner().invoke(app, ["build-model"]), "names a Hugging Face model")
+    assert not (tmp_path / "Qwen").exists()
+
+
 def test_simulate_still_writes_its_results(tmp_path):
     out = tmp_path / "deep" / "sim.json"
     result = CliRunner().invoke(app, [*SIMULATE, "--out", str(out)])

@@ -43,7 +43,9 @@ class CostProfile:
 # routing, the engine step and what queueing remains) + 0.177 ms per uncached token; decode a
 # median 11.6 ms per output token, counting the stream's 50 ms chunk gathering (Ray Serve LLM) that
 # the last chunk waits for. The previous fit (75 ms + 0.19 ms per token, decode 7.1 ms) predates
-# sending each stream's first chunk at once. Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens
+# sending each stream's first chunk at once. That fit pooled both runs' records before `fit_cost` looked
+# at each run apart, so it rests on the few requests alone across both runs: refit from a new live run.
+# Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens
 # * 3,072 bytes per token: 2 (K, V) * 6 layers * 2 KV heads * 64 dims * 2 bytes).
 CPU_PROFILE = CostProfile(
     name="cpu-small-model",
@@ -117,18 +119,21 @@ def alone_in_flight(records: Sequence[RequestRecord]) -> list[RequestRecord]:
     return alone
 
 
-def fit_cost(records: Sequence[RequestRecord]) -> CostFit:
+def fit_cost(records: Sequence[RequestRecord], *more_runs: Sequence[RequestRecord]) -> CostFit:
     """Least-squares line of TTFT against uncached prompt tokens; median decode time per output token.
 
     Fits only the requests that ran alone (`alone_in_flight`): the intercept then
     holds what a request pays besides its prefill (HTTP, routing, the engine
-    step) and no queueing. A run at low load has enough of them.
+    step) and no queueing. A run at low load has enough of them. Each run's
+    records (`records`, then `more_runs`) are looked at apart: their send times
+    count from their own run's start, so pooled, every request overlapped its
+    twin of the other run and almost none was alone.
 
     Raises:
         ValueError: fewer than two such requests with distinct uncached token counts, or a line
             whose cost does not grow with the tokens (not a cost model).
     """
-    ok = alone_in_flight(records)
+    ok = [record for run in (records, *more_runs) for record in alone_in_flight(run)]
     xs = [r.prompt_tokens - r.cached_tokens for r in ok]
     if len(set(xs)) < 2:
         raise ValueError(
@@ -174,15 +179,17 @@ def _read_bench_runs(parser: argparse.ArgumentParser, path: Path) -> dict:
     return runs
 
 
-def _records(parser: argparse.ArgumentParser, path: Path, runs: dict, chosen: Sequence[str]) -> list[RequestRecord]:
-    """The request records of the `chosen` runs; a failed or malformed run is a one-line `parser.error`."""
+def _records(
+    parser: argparse.ArgumentParser, path: Path, runs: dict, chosen: Sequence[str]
+) -> list[list[RequestRecord]]:
+    """The request records of each `chosen` run; a failed or malformed run is a one-line `parser.error`."""
     records = []
     for policy in chosen:
         run = runs[policy]
         if run.get("error"):
             parser.error(f"the {policy} run in {path} failed ({run['error']}): it has no records")
         try:
-            records += [RequestRecord.from_json(r) for r in run["records"]]
+            records.append([RequestRecord.from_json(r) for r in run["records"]])
         except (KeyError, TypeError, ValueError) as err:
             parser.error(f"the {policy} run in {path} has malformed records ({type(err).__name__}: {err})")
     return records
@@ -201,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not chosen:
         parser.error(f"{args.bench_json} has no run that finished")
     try:
-        fit = fit_cost(_records(parser, args.bench_json, runs, chosen))
+        fit = fit_cost(*_records(parser, args.bench_json, runs, chosen))
     except ValueError as err:
         parser.error(f"cannot fit {args.bench_json}: {err}")
     decode = "n/a" if fit.decode_s_per_token is None else f"{fit.decode_s_per_token * 1e3:.2f} ms"

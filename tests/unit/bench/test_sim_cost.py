@@ -117,3 +117,15 @@ def test_a_failed_policy_is_skipped_by_default_and_named_when_chosen(tmp_path, c
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["num_requests"] == 2
     line = _error_of([str(path), "--policy", "pow2"], capsys)
     assert "the pow2 run in" in line and "failed (RuntimeError: boom)" in line
+
+
+def test_runs_are_looked_at_apart_for_requests_that_ran_alone(tmp_path, capsys):
+    """Each run's send times count from its own start: pooled, every request overlapped its twin of the other run."""
+    sizes = (100, 400, 900, 2000)
+    runs = {policy: [_record(n, 0.05 + 0.0002 * n, send_s=100.0 * i) for i, n in enumerate(sizes)]
+            for policy in ("pow2", "warmpath")}
+    assert fit_cost(*runs.values()).num_requests == 8
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"policies": {p: {"records": [r.to_json() for r in rs]} for p, rs in runs.items()}}))
+    main([str(path)])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["num_requests"] == 8

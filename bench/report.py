@@ -186,8 +186,10 @@ def paired_ratios(rounds: Sequence[Mapping], baseline: str | None = None) -> dic
 
     Why paired: both runs of a round ran minutes apart on the same machine, so
     the ratio cancels most of what makes the machine faster or slower from one
-    run to the next. A round where the baseline or the policy failed, or lacks
-    the figure, is left out of that figure (`num_rounds` says how many count).
+    run to the next. A round where the baseline or the policy failed, lacks the
+    figure, or covers other requests than the other (a request failed, or a
+    session stopped early: `coverage_notes`) is left out of that figure
+    (`num_rounds` says how many count).
 
     Args:
         rounds: `{"order": [...], "runs": {policy: {"summary": ...} | {"error": ...}}}` per round.
@@ -207,13 +209,19 @@ def paired_ratios(rounds: Sequence[Mapping], baseline: str | None = None) -> dic
             for round_ in rounds:
                 base = (round_["runs"].get(baseline) or {}).get("summary") or {}
                 mine = (round_["runs"].get(policy) or {}).get("summary") or {}
-                if mine.get(key) is not None and base.get(key):
+                if mine.get(key) is not None and base.get(key) and _cover_the_same_requests(mine, base):
                     ratios.append(mine[key] / base[key])
             if ratios:
                 by_key[key] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                                "num_rounds": len(ratios)}
         out[policy] = by_key
     return out
+
+
+def _cover_the_same_requests(summary: Mapping, other: Mapping) -> bool:
+    """Whether two runs' figures describe the same requests: neither lost one, and they completed as many."""
+    return (not summary.get("num_errors") and not other.get("num_errors")
+            and summary.get("num_requests") == other.get("num_requests"))
 
 
 def rounds_section(result: Mapping) -> str:
@@ -234,7 +242,7 @@ def rounds_section(result: Mapping) -> str:
         rows.append([policy] + cells)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"\nratio to {baseline} within each of {len(rounds)} rounds: median [min-max]"
-             " (n=: rounds that count, where some failed)"]
+             " (n=: rounds that count, where some failed or covered fewer requests)"]
     for i, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         if i == 0:

@@ -171,3 +171,18 @@ def test_rounds_section_puts_warmpath_over_every_other_policy():
     section = report.rounds_section({"rounds": rounds})
     assert "warmpath TTFT p50 within each round over: prefix-tree 0.81 [0.62-1.00]" in section
     assert report.rounds_section({"rounds": rounds[:1]}) == ""
+
+
+def test_a_round_whose_runs_cover_other_requests_is_left_out_of_the_paired_ratios():
+    """A live session stops at its first failure: a round where warmpath completed 150 of 203 requests entered
+    the median and range of its sums (prefill tokens) like a full run."""
+    from bench.report import paired_ratios
+
+    def round_(done: int, errors: int, prefill: float) -> dict:
+        return {"order": ["pow2", "warmpath"], "runs": {
+            "pow2": {"summary": {"num_requests": 203, "num_errors": 0, "prefill_tokens": 1000.0}},
+            "warmpath": {"summary": {"num_requests": done, "num_errors": errors, "prefill_tokens": prefill}}}}
+
+    ratios = paired_ratios([round_(203, 0, 600.0), round_(150, 3, 440.0), round_(203, 0, 500.0)])
+    prefill = ratios["warmpath"]["prefill_tokens"]
+    assert (prefill["num_rounds"], prefill["min"], prefill["max"]) == (2, 0.5, 0.6)

@@ -263,8 +263,11 @@ def engine_failure(message: str, status: int) -> Exception:
 def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]) -> str:
     if "error" in data:
         error = data["error"]
-        # An error inside the stream ends the turn (as `model_error` unless it names a schema problem): no retry.
-        raise engine_failure(str(error.get("message", error)), 400)
+        # vLLM puts the HTTP status in an in-stream error's `code`: an engine that failed mid-stream (500, 503)
+        # is a replica's failure, retried once as before the stream; a refusal (or no status) ends the turn.
+        code = error.get("code") if isinstance(error, dict) else None
+        status = code if isinstance(code, int) and not isinstance(code, bool) else 400
+        raise engine_failure(str(error.get("message", error) if isinstance(error, dict) else error), status)
     usage = data.get("usage")
     if usage:
         reply.prompt_tokens = usage.get("prompt_tokens", 0)

@@ -294,3 +294,53 @@ def test_a_replicas_failure_reaches_the_client_as_its_kind_never_its_traceback(m
     assert "RayTaskError(KeyError)" in str(failed.value)
     for text in (str(failed.value), retry.reason):
         assert "4242" not in text and "10.12.0.7" not in text and "Traceback" not in text
+
+
+class _FailingOnceHandle(_StreamingHandle):
+    """Its first call streams some text, then an engine error in the stream (vLLM's in-band shape); later calls
+    stream `frames`."""
+
+    def __init__(self, frames: list[dict], error: dict) -> None:
+        super().__init__(frames)
+        self.error = error
+
+    async def _stream(self):
+        if self.num_calls == 1:
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': 'Hel'}}]})}\n\n"
+            yield f"data: {json.dumps({'error': self.error})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        async for frame in super()._stream():
+            yield frame
+
+
+@pytest.mark.parametrize("code, is_retried", [(500, True), (503, True), (400, False), (None, False)])
+def test_an_engine_failure_inside_the_stream_is_retried_as_one_before_it(monkeypatch, code, is_retried):
+    """vLLM reports an engine dying mid-stream as an in-stream error with `code` 500: read as a 400, the turn failed
+    `model_error` where the same failure before the stream was retried once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serve_apps.orchestrator import deployment
+    from serve_apps.orchestrator.turns import ModelReply, ModelRetry, TurnFailed
+
+    monkeypatch.setattr(deployment, "record_model_call", lambda *args: None)
+    monkeypatch.setattr(deployment.WarmpathMetrics, "get", classmethod(lambda cls: SimpleNamespace(
+        model_retries=SimpleNamespace(inc=lambda: None))))
+    answer = [{"choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": "stop"}]}]
+    error = {"message": "EngineCore encountered an issue.", "type": "InternalServerError", "code": code}
+    handle = _FailingOnceHandle(answer, error)
+    client = deployment.HandleModelClient(handle, "m")
+
+    async def run():
+        return [item async for item in client.chat("s1", [{"role": "user", "content": "hi"}], [], "auto", 16)]
+
+    if is_retried:
+        items = asyncio.run(run())
+        assert handle.num_calls == 2 and isinstance(items[-1], ModelReply) and items[-1].content == "Hello"
+        assert [type(item).__name__ for item in items] == ["str", "ModelRetry", "str", "ModelReply"]
+        assert isinstance(items[1], ModelRetry)
+    else:
+        with pytest.raises(TurnFailed):
+            asyncio.run(run())
+        assert handle.num_calls == 1

@@ -501,7 +501,7 @@ class TurnRunner:
         summary can: the model is not asked for one (a session of dense values would pay a
         summarising call at every turn and every resume, each declined).
         """
-        _, floor = apply_compression(history, plan, "", recount=self._account)
+        ledger_only, floor = apply_compression(history, plan, "", recount=self._account)
         if floor.tokens_after >= floor.tokens_before:
             self._declined = (plan.num_messages_compressed, floor, False)  # not shorter: no value was judged
             return None
@@ -525,6 +525,11 @@ class TurnRunner:
                            self._record.session_id, err)
             summary = ModelReply()
         compressed, report = apply_compression(history, plan, summary.content, recount=self._account)
+        if (report.tokens_after >= report.tokens_before and floor.ledger_retained_fraction == 1.0
+                and report.ledger_retained_fraction == 1.0):
+            # The summary took more than the ledger saved: the ledger, which holds every value, stands alone
+            # (a session of dense values was otherwise refused `context_overflow` with a fitting one at hand).
+            compressed, report = ledger_only, floor
         if report.ledger_retained_fraction < 1.0 or report.tokens_after >= report.tokens_before:
             # Values dense enough that their ledger is no shorter than the messages, or a value the
             # ledger would miss: keep the messages.

@@ -571,3 +571,33 @@ def test_a_pause_that_must_compress_records_it_on_the_turns_last_step():
     assert [e.kind for e in events] == ["usage", "tool_call", "compression", "requires_action"]
     (stats,) = store.commits[0]["stats"]
     assert store.commits[0]["compaction"] is not None and stats.compression == events[2].report
+
+
+class LongSummaryModel(ScriptedModel):
+    """Writes a summary as long as the call allows (one character, one token here); answers the rest by its script."""
+
+    async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
+        if messages[0]["content"] == SUMMARISE_INSTRUCTION:
+            self.prompts.append(messages)
+            yield ModelReply(content=("The customer asked about several orders; each was looked up. " * 50)[:max_tokens])
+            return
+        async for item in super().chat(session_id, messages, tools, tool_choice, max_tokens):
+            yield item
+
+
+def test_a_summary_that_spends_what_the_ledger_saved_leaves_the_ledger_to_stand_alone():
+    """Results of dense values: the ledger alone makes the prompt fit, ledger and summary no shorter than the
+    messages. The whole compression was dropped and the turn refused `context_overflow`."""
+    result = lambda i: json.dumps({"order_id": f"ORD-{i}", "status": "in transit via the regional hub",  # noqa: E731
+                                   "items": [{"sku": f"SKU-{i}-{j}", "qty": j} for j in range(6)]})
+    history = _stored_rounds(result)
+    probe = TurnRunner(_record(64, context_budget_tokens=100_000), history, len(history), MemoryStore(),
+                       ScriptedModel([]), CharTokenizer(), 100_000)
+    needed = probe._account([*history, Message(role="user", content="next")]).total_tokens + 64
+    model = LongSummaryModel([(["Hi"], ModelReply(content="Hi"))])
+    events, store = _turn_after(history, model=model, context_budget_tokens=needed - 20)
+    (compression,) = [e for e in events if e.kind == "compression"]
+    assert compression.report.ledger_retained_fraction == 1.0
+    assert compression.report.tokens_after < compression.report.tokens_before
+    assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
+    assert "The customer asked" not in store.commits[0]["compaction"].summary.content  # the ledger alone

@@ -374,7 +374,8 @@ class CompressionEvent(_Strict):
 
 
 class ModelRetryEvent(_Strict):
-    """A step's model call failed (its replica died) and runs again; discard this step's deltas so far."""
+    """A step's model call failed (its replica died) and runs again, or a step forced to call a tool answered
+    without one (`forced_call_missing`) and the next runs instead; discard this step's deltas so far."""
 
     kind: Literal["model_retry"] = "model_retry"
     step_index: int = Field(description="Step whose model call restarts.", ge=0)

@@ -118,6 +118,10 @@ class ModelReply:
     finish_reason: str | None = None  # "length": the answer stopped at max_tokens
 
 
+# `ModelRetryEvent.reason` of a forced step (`tool_choice` required or a tool's name) that answered without a call.
+FORCED_CALL_MISSING = "forced_call_missing"
+
+
 @dataclass(frozen=True)
 class ModelRetry:
     """The model call failed (its replica died) and starts over; text streamed so far is void."""
@@ -334,12 +338,14 @@ class TurnRunner:
             # The output reserve is the step's answer budget.
             max_tokens = min(self._limits.output_reserve_tokens, self._window - account.total_tokens)
             reply = ModelReply()
+            has_streamed = False
             async for item in self._model.chat(self._record.session_id, messages, tools or [], choice, max_tokens):
                 if isinstance(item, ModelReply):
                     reply = item
                 elif isinstance(item, ModelRetry):
                     yield ModelRetryEvent(step_index=step, reason=item.reason)
                 else:
+                    has_streamed = True
                     yield DeltaEvent(text=item)
             stats = StepStats(
                 step_index=step, prefix_fingerprint=account.prefix_fingerprint, prompt_tokens=reply.prompt_tokens,
@@ -359,6 +365,8 @@ class TurnRunner:
                         "invalid_tool_call",
                         f"tool_choice {tool_choice!r} requires a tool call, but the model answered without one" + cut_off,
                     )
+                if has_streamed:  # the text it streamed is no part of the turn
+                    yield ModelRetryEvent(step_index=step, reason=FORCED_CALL_MISSING)
                 continue
             if not reply.tool_calls:
                 # An empty answer (the model stopped at once) is still an answer: commit it as "".

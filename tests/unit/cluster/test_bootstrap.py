@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -23,3 +25,25 @@ def test_a_python_other_than_3_11_is_refused_as_a_set_up_failure_before_installi
 def test_an_unknown_command_is_refused_before_anything():
     result = _bootstrap("serve", env={})
     assert result.returncode == 2 and "unknown command 'serve'" in result.stderr
+
+
+def _imports_this_checkout(checkout: Path, venv: str) -> bool:
+    lines = (ROOT / "cluster" / "bootstrap.sh").read_text().splitlines()
+    start = lines.index("venv_imports_this_checkout() {")
+    function = "\n".join(lines[start:lines.index("}", start) + 1])
+    script = f"VENV={venv}\n{function}\nvenv_imports_this_checkout"
+    return subprocess.run(["bash", "-c", script], cwd=checkout, timeout=60).returncode == 0
+
+
+def test_a_venv_made_for_a_checkout_elsewhere_is_told_apart(tmp_path):
+    """A venv moved or copied with its checkout imports warmpath from where it was made: every run failed there,
+    or ran the other checkout's code, and its fresh stamp kept it."""
+    venv = ROOT / ".venv"
+    if not (venv / "bin" / "python").exists():
+        pytest.skip("no .venv in this checkout")
+    assert _imports_this_checkout(ROOT, ".venv") and _imports_this_checkout(ROOT, str(venv))
+    copy = tmp_path / "copy"
+    (copy / "cluster").mkdir(parents=True)
+    (copy / "cluster" / "__init__.py").write_text("")
+    (copy / ".venv").symlink_to(venv)
+    assert not _imports_this_checkout(copy, ".venv")

@@ -687,7 +687,9 @@ class SessionStore:
         args.extend(m.model_dump_json(exclude_none=True) for m in new_messages)
         args.extend(s.model_dump_json() for s in stats)
         added = StepTotals.of(stats)
-        args.extend([added.prompt_tokens, added.cached_tokens, added.num_compressions])
+        # A compaction counts though no step reports it (a resume with no steps left that had to compress).
+        num_compressions = max(added.num_compressions, 1 if compaction is not None else 0)
+        args.extend([added.prompt_tokens, added.cached_tokens, num_compressions])
         keys = [*self._keys(session_id), self._key(session_id, "lock")]
         try:
             with _redis_errors(session_id):

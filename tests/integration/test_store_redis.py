@@ -747,6 +747,21 @@ def test_running_totals_count_every_step_beyond_those_kept(redis_url):
     assert totals == StepTotals(num_steps=3, prompt_tokens=2700, cached_tokens=2304, num_compressions=1)
 
 
+def test_a_compaction_no_step_reports_still_counts(redis_url):
+    """A resume with no steps left that had to compress commits its compaction without step stats."""
+    summary = Message(role="user", content="summary\nFacts:\n- ORD-98231", name="warmpath-context-summary")
+
+    async def scenario(store):
+        record = await store.create(REQUEST, "k1", "ab" * 32)
+        sid = record.session_id
+        length = await store.commit_turn(sid, 0, _turn(0), [_stats(0)])
+        await store.commit_turn(sid, length, [Message(role="user", content="more")], [],
+                                compaction=Compaction(num_messages_replaced=2, summary=summary))
+        return await store.step_totals(sid)
+
+    assert _run(redis_url, scenario).num_compressions == 1
+
+
 def test_a_session_from_before_running_totals_reports_none_and_gets_none(redis_url):
     """Its totals would count only the steps after the upgrade: GET sums its kept steps instead."""
 

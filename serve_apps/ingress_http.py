@@ -24,7 +24,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from pydantic import RootModel, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -501,20 +500,18 @@ async def _traced_session_call(
     span = telemetry.tracer().start_span(f"{method} {route}", context=parent, kind=trace.SpanKind.SERVER,
                                          attributes=attributes)
     # On the caller's context, so its baggage goes on with the trace (`telemetry.inject`).
-    token = otel_context.attach(trace.set_span_in_context(span, parent))
-    try:
-        response = await respond(span)
-    except OpenAIHTTPException as err:  # no caller (401), no session API (404): answered by `api_errors.install`
-        span.record_exception(err)
-        _record_http_status(span, err.status_code, err.message)
-        span.end()
-        raise
-    except BaseException as err:
-        telemetry.record_exception_failure(span, err)
-        span.end()
-        raise
-    finally:
-        otel_context.detach(token)
+    with telemetry.current_context(trace.set_span_in_context(span, parent)):
+        try:
+            response = await respond(span)
+        except OpenAIHTTPException as err:  # no caller (401), no session API (404): answered by `api_errors.install`
+            span.record_exception(err)
+            _record_http_status(span, err.status_code, err.message)
+            span.end()
+            raise
+        except BaseException as err:
+            telemetry.record_exception_failure(span, err)
+            span.end()
+            raise
     return _finish_span(span, response)
 
 
@@ -641,32 +638,30 @@ class WarmpathIngress(OpenAiIngress):
             self._span_name(call_method, str(body.model)), context=parent, kind=trace.SpanKind.SERVER,
             attributes=_llm_span_attributes(call_method, str(body.model), raw_request),
         )
-        token = otel_context.attach(trace.set_span_in_context(span, parent))  # the caller's baggage kept
-        try:
-            problem = chat_request_problem(body) if call_method == "chat" else completion_request_problem(body)
-            if problem is not None:
-                return _finish_span(span, _bad_request(problem))
-            is_usage_asked = asks_for_usage(body)
-            if getattr(body, "stream", False) and not is_usage_asked:
-                # The router's per-replica counters read the stream's usage; the client did not ask for it.
-                body.stream_options = StreamOptions(include_usage=True)
-            # A valid context, sampled or not: a sampled-out call still tells the replica not to start a trace.
-            if raw_request is not None and span.get_span_context().is_valid:
-                _forward_trace_context(raw_request)
-            response = await self._traced_llm_request(body, call_method, raw_request, span, is_usage_asked)
-        except BaseException as err:
-            _withdraw_placement()
-            if not isinstance(err, Exception):  # cancellation: no response goes out
-                telemetry.record_exception_failure(span, err)
-                span.end()
-                raise
-            span.record_exception(err)
-            # Answered here, in the API's one error shape, not by Ray's middleware (`serve_apps.api_errors`).
-            response = exception_response(err, raw_request)
-            if (refusing_replica := getattr(err, "replica_id", None)) is not None:
-                response.headers[REPLICA_HEADER] = refusing_replica
-        finally:
-            otel_context.detach(token)
+        with telemetry.current_context(trace.set_span_in_context(span, parent)):  # the caller's baggage kept
+            try:
+                problem = chat_request_problem(body) if call_method == "chat" else completion_request_problem(body)
+                if problem is not None:
+                    return _finish_span(span, _bad_request(problem))
+                is_usage_asked = asks_for_usage(body)
+                if getattr(body, "stream", False) and not is_usage_asked:
+                    # The router's per-replica counters read the stream's usage; the client did not ask for it.
+                    body.stream_options = StreamOptions(include_usage=True)
+                # A valid context, sampled or not: a sampled-out call still tells the replica not to start a trace.
+                if raw_request is not None and span.get_span_context().is_valid:
+                    _forward_trace_context(raw_request)
+                response = await self._traced_llm_request(body, call_method, raw_request, span, is_usage_asked)
+            except BaseException as err:
+                _withdraw_placement()
+                if not isinstance(err, Exception):  # cancellation: no response goes out
+                    telemetry.record_exception_failure(span, err)
+                    span.end()
+                    raise
+                span.record_exception(err)
+                # Answered here, in the API's one error shape, not by Ray's middleware (`serve_apps.api_errors`).
+                response = exception_response(err, raw_request)
+                if (refusing_replica := getattr(err, "replica_id", None)) is not None:
+                    response.headers[REPLICA_HEADER] = refusing_replica
         return _finish_span(span, response)
 
     def _span_name(self, call_method: str, model: str) -> str:

@@ -1,6 +1,7 @@
 """`warmpath up` never deploys into a Ray head it did not start unless told to; `warmpath down` stops vLLM
 engine processes orphaned by killed replicas, and only those."""
 
+import contextlib
 import json
 import os
 import socket
@@ -353,14 +354,25 @@ def test_bring_up_shows_serves_own_word_on_a_pending_deployment_once(tmp_path, m
     assert serve_says[0].endswith(" ".join(message.split()))
 
 
-def test_a_new_head_is_not_started_while_another_process_holds_its_ports(tmp_path, monkeypatch):
+@pytest.fixture
+def no_ray_start(monkeypatch):
+    """A machine with no Ray head running, where `ray start` must not be reached."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)
     monkeypatch.setattr(local.subprocess, "run", lambda *args, **kwargs: pytest.fail("ray start ran"))
+
+
+@contextlib.contextmanager
+def held_port():
+    """A loopback port another process (this one) listens on for the block."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        port = holder.getsockname()[1]
+        yield holder.getsockname()[1]
+
+
+def test_a_new_head_is_not_started_while_another_process_holds_its_ports(tmp_path, no_ray_start):
+    with held_port() as port:
         cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {
             "host": "127.0.0.1", "http_port": port}})
         assert local.ports_in_use(cfg)[0] == f"port {port} (ports.http_port)"
@@ -369,16 +381,11 @@ def test_a_new_head_is_not_started_while_another_process_holds_its_ports(tmp_pat
     assert not any(str(port) in taken for taken in local.ports_in_use(cfg))  # closed: free again
 
 
-def test_a_process_on_rays_gcs_port_stops_a_new_head_before_ray_start(tmp_path, monkeypatch):
+def test_a_process_on_rays_gcs_port_stops_a_new_head_before_ray_start(tmp_path, monkeypatch, no_ray_start):
     """A system redis-server on 6379 made `ray start` fail with a dump of its output; the refusal says how
     to free the port, and offers no config field for it (there is none)."""
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(local, "_ray_head_up", lambda: False)
-    monkeypatch.setattr(local.subprocess, "run", lambda *args, **kwargs: pytest.fail("ray start ran"))
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        monkeypatch.setattr(local, "GCS_PORT", holder.getsockname()[1])
+    with held_port() as port:
+        monkeypatch.setattr(local, "GCS_PORT", port)
         cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
         assert f"port {local.GCS_PORT} (Ray's GCS)" in local.ports_in_use(cfg)
         real_can_listen = local._can_listen

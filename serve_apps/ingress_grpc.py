@@ -166,9 +166,7 @@ def _schema(parameters_json: str, where: str) -> Any:
         return _NO_SCHEMA
     try:
         return json.loads(parameters_json)
-    except json.JSONDecodeError as err:
-        raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"{where}: not JSON: {err}") from None
-    except ValueError as err:  # an integer past Python's 4,300 digits to convert, refused as over HTTP
+    except ValueError as err:  # bad syntax, or an integer past Python's 4,300 digits to convert (as over HTTP)
         raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"{where}: not JSON: {err}") from None
     except RecursionError:  # arrays or objects nested thousands deep: the parser recurses per level
         raise RpcFailure(

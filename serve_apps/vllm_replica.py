@@ -284,8 +284,8 @@ class WarmpathLLMServer(LLMServer):
         self._kv_cache_usage: Optional[KvCacheUsageRecorder] = None
         endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if endpoint:
-            # service.name as the other processes have it: OTEL_SERVICE_NAME (the config's, set by the
-            # ingress), else OTEL_RESOURCE_ATTRIBUTES, else warmpath (`setup_tracing` reads them).
+            # service.name as the other processes have it: OTEL_SERVICE_NAME (the config's, which the builders
+            # put in the replicas' environment), else OTEL_RESOURCE_ATTRIBUTES, else warmpath (`setup_tracing`).
             telemetry.setup_tracing(TelemetryConfig(otlp_endpoint=endpoint), "replica")
         await super().__init__(llm_config, **kwargs)
 

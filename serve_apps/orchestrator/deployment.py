@@ -69,7 +69,6 @@ from serve_apps.orchestrator.store import (
     SessionRecord,
     SessionStore,
     StaleTurn,
-    StepTotals,
     StoreUnavailable,
     TurnLockTaken,
     idempotency_key_problem,
@@ -138,6 +137,13 @@ def _bad_idempotency_key(key: str | None) -> dict[str, Any] | None:
 def _not_found(session_id: str) -> dict[str, Any]:
     # Another key's session answers exactly like a missing one: its existence is not the caller's business.
     return _error(404, f"no session {session_id}", "session_not_found")
+
+
+def _owned_by(record: SessionRecord, caller: Caller) -> SessionRecord:
+    """`record`; SessionNotFound when another key owns it (it answers like a missing one)."""
+    if record.owner_key_id != caller.key_id:
+        raise SessionNotFound(record.session_id)
+    return record
 
 
 class ReplicaFailure(RuntimeError):
@@ -345,10 +351,7 @@ class Orchestrator:
 
     async def _owned_record(self, session_id: str, caller: Caller) -> SessionRecord:
         """The session's record; SessionNotFound also when another key owns it (it answers like a missing one)."""
-        record = await self._store.get(session_id)
-        if record.owner_key_id != caller.key_id:
-            raise SessionNotFound(session_id)
-        return record
+        return _owned_by(await self._store.get(session_id), caller)
 
     async def create_session(self, body: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
         who = Caller.from_dict(caller)
@@ -399,14 +402,13 @@ class Orchestrator:
 
     async def get_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
         try:
-            record = await self._owned_record(session_id, Caller.from_dict(caller))
-            snapshot = await self._store.transcript(session_id)
-            steps = await self._store.step_stats(session_id)
-            totals = await self._store.step_totals(session_id) or StepTotals.of(steps)  # older sessions: kept steps
+            view = await self._store.view(session_id)
+            _owned_by(view.record, Caller.from_dict(caller))
         except SessionNotFound:
             return _not_found(session_id)
         except StoreUnavailable as err:
             return _error(503, f"session store unavailable: {err}", "store_unavailable")
+        record, snapshot, steps, totals = view.record, view.transcript, view.steps, view.totals
         request = record.request
         messages, tools = build_chat_request(
             SessionState(request.system_prompt, request.tools, snapshot.messages), control_tokens_of(self._tokenizer)

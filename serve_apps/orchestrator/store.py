@@ -26,8 +26,8 @@ Invariants:
   `StoreUnavailable` naming that state, never as a redis-py exception, so the
   HTTP layer maps it to 503 in one place.
 - A Redis full under `noeviction` refuses writes and anything queued in MULTI,
-  so what a client needs to recover works without either: `get`, `transcript`
-  (a `no-writes` script), `step_stats`, `lookup_turn_result` and `delete` (an
+  so what a client needs to recover works without either: `get`, `view` and
+  `transcript` (`no-writes` scripts), `step_stats`, `lookup_turn_result` and `delete` (an
   `allow-oom` script that only DELs, freeing memory). A turn's replay is read
   under its turn lock, which is a write: a full Redis refuses it with the turn.
   Script flags need Redis 7.
@@ -189,6 +189,18 @@ return 0
 
 # Read-only, so a Redis full under noeviction still runs it (MULTI would be refused): the record's
 # `removed` offset and the log in one atomic read. Nil when the session does not exist.
+# The whole session as GET shows it, read at one instant: read one by one, a commit landing between the
+# reads showed a transcript without its steps, or totals ahead of both. False if the session does not
+# exist; totals fields are nil for a session created before they were kept. KEYS: meta, log, stats.
+_VIEW_SCRIPT = """#!lua flags=no-writes
+local meta = redis.call('HMGET', KEYS[1], 'record', 'removed', 'steps_total', 'prompt_tokens_total',
+                        'cached_tokens_total', 'compressions_total')
+if not meta[1] or not meta[2] then
+  return false
+end
+return {meta, redis.call('LRANGE', KEYS[2], 0, -1), redis.call('LRANGE', KEYS[3], 0, -1)}
+"""
+
 _TRANSCRIPT_SCRIPT = """#!lua flags=no-writes
 local removed = redis.call('HGET', KEYS[1], 'removed')
 if not removed then
@@ -352,6 +364,16 @@ class TranscriptSnapshot:
 
 
 @dataclass(frozen=True)
+class SessionView:
+    """A session as one read saw it (`SessionStore.view`): record, transcript, kept steps and running totals."""
+
+    record: SessionRecord
+    transcript: TranscriptSnapshot
+    steps: list[StepStats]
+    totals: StepTotals  # summed from the kept steps for a session created before totals were kept
+
+
+@dataclass(frozen=True)
 class Compaction:
     """Replace the first `num_messages_replaced` stored messages by `summary` (from compression)."""
 
@@ -410,6 +432,7 @@ class SessionStore:
         self._prefix = key_prefix
         self._commit = client.register_script(_COMMIT_SCRIPT)
         self._read_transcript = client.register_script(_TRANSCRIPT_SCRIPT)
+        self._read_view = client.register_script(_VIEW_SCRIPT)
         self._delete = client.register_script(_DELETE_SCRIPT)
         self._acquire = client.register_script(_ACQUIRE_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
@@ -550,6 +573,23 @@ class SessionStore:
         removed, items = reply
         messages = tuple(Message.model_validate_json(item) for item in items)
         return TranscriptSnapshot(messages=messages, length=int(removed) + len(messages))
+
+    async def view(self, session_id: str) -> SessionView:
+        """Record, transcript, steps and totals in one read (also on a full Redis); raises SessionNotFound."""
+        keys = [self._key(session_id, part) for part in ("meta", "log", "stats")]
+        with _redis_errors(session_id):
+            reply = await self._idempotent(lambda: self._read_view(keys=keys))
+        if reply is None:
+            raise SessionNotFound(session_id)
+        (record, removed, *totals), items, stat_items = reply
+        messages = tuple(Message.model_validate_json(item) for item in items)
+        steps = [StepStats.model_validate_json(item) for item in stat_items]
+        return SessionView(
+            record=SessionRecord.model_validate_json(record),
+            transcript=TranscriptSnapshot(messages=messages, length=int(removed) + len(messages)),
+            steps=steps,
+            totals=StepTotals.of(steps) if None in totals else StepTotals(*(int(value) for value in totals)),
+        )
 
     @asynccontextmanager
     async def turn_lock(self, session_id: str, owner_key_id: str | None = None) -> AsyncIterator[str]:
@@ -734,14 +774,6 @@ class SessionStore:
         """The result remembered under `idem_key`, or None when the turn never completed."""
         with _redis_errors(session_id):
             return await self._idempotent(lambda: self._redis.hget(self._key(session_id, "idem"), idem_key))
-
-    async def step_totals(self, session_id: str) -> StepTotals | None:
-        """The session's running totals over every step; None for a session created before they were kept."""
-        with _redis_errors(session_id):
-            values = await self._idempotent(lambda: self._redis.hmget(self._key(session_id, "meta"), _TOTALS))
-        if any(value is None for value in values):
-            return None
-        return StepTotals(*(int(value) for value in values))
 
     async def step_stats(self, session_id: str) -> list[StepStats]:
         """Per-step cache stats of the session, oldest first (the last `max_step_stats`)."""

@@ -494,17 +494,18 @@ def test_a_full_redis_still_serves_reads_key_checks_and_deletes(tmp_path):
                 await keys.aclose()
             reads = (
                 await store.get(sid), await store.transcript(sid), await store.step_stats(sid),
-                await store.lookup_turn_result(sid, "t0"),
+                await store.lookup_turn_result(sid, "t0"), await store.view(sid),
             )
             is_deleted = await store.delete(sid)
             with pytest.raises(SessionNotFound):
                 await store.transcript(sid)
             return admitted, reads, is_deleted
 
-        admitted, (fetched, snapshot, stats, remembered), is_deleted = _run(url, scenario)
+        admitted, (fetched, snapshot, stats, remembered, view), is_deleted = _run(url, scenario)
         assert admitted == [True, True, False]  # the bucket still admits, and still limits
         assert fetched.owner_key_id.startswith("key_") and snapshot.messages == tuple(_turn(0)) and snapshot.length == 2
         assert stats == [_stats(0)] and remembered == '{"a": 0}' and is_deleted
+        assert view.transcript == snapshot and view.steps == stats and view.totals.num_steps == 1
 
 
 def test_the_first_calls_after_a_redis_restart_succeed(tmp_path):
@@ -740,7 +741,8 @@ def test_running_totals_count_every_step_beyond_those_kept(redis_url):
             report = CompressionReport(num_messages_compressed=2, tokens_before=10, tokens_after=5, ledger_size=1,
                                        ledger_retained_fraction=1.0) if step == 1 else None
             await store.commit_turn(sid, 2 * step, _turn(step), [_stats(step, report)])
-        return await store.step_stats(sid), await store.step_totals(sid)
+        view = await store.view(sid)
+        return view.steps, view.totals
 
     kept, totals = _run(redis_url, scenario, max_step_stats=2)
     assert [s.step_index for s in kept] == [1, 2]
@@ -757,13 +759,13 @@ def test_a_compaction_no_step_reports_still_counts(redis_url):
         length = await store.commit_turn(sid, 0, _turn(0), [_stats(0)])
         await store.commit_turn(sid, length, [Message(role="user", content="more")], [],
                                 compaction=Compaction(num_messages_replaced=2, summary=summary))
-        return await store.step_totals(sid)
+        return (await store.view(sid)).totals
 
     assert _run(redis_url, scenario).num_compressions == 1
 
 
-def test_a_session_from_before_running_totals_reports_none_and_gets_none(redis_url):
-    """Its totals would count only the steps after the upgrade: GET sums its kept steps instead."""
+def test_a_session_from_before_running_totals_sums_its_kept_steps_and_gets_none(redis_url):
+    """Its totals would count only the steps after the upgrade: its view sums its kept steps instead."""
 
     async def scenario(store):
         record = await store.create(REQUEST, "k1", "ab" * 32)
@@ -773,10 +775,51 @@ def test_a_session_from_before_running_totals_reports_none_and_gets_none(redis_u
         await store.commit_turn(record.session_id, 0, _turn(0), [_stats(0)])
         with redis.Redis.from_url(redis_url) as client:
             fields = client.hkeys(f"warmpath:{{{record.session_id}}}:meta")
-        return await store.step_totals(record.session_id), fields
+        return (await store.view(record.session_id)).totals, fields
 
     totals, fields = _run(redis_url, scenario)
-    assert totals is None and not [field for field in fields if field.endswith(b"_total")], fields
+    assert totals == StepTotals(num_steps=1, prompt_tokens=900, cached_tokens=768, num_compressions=0)
+    assert not [field for field in fields if field.endswith(b"_total")], fields
+
+
+def test_a_view_is_one_instant_while_turns_commit(redis_url):
+    """Each commit adds two messages and one step: every view agrees with itself however the commits
+    interleave (read one by one, a commit landing between reads showed messages without their step)."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, "k1", "ab" * 32)
+        sid = record.session_id
+        views = []
+
+        async def commit_all():
+            length = 0
+            for step in range(150):
+                length = await store.commit_turn(sid, length, _turn(step), [_stats(step)])
+
+        async def read_all():
+            while not committing.done():
+                views.append(await store.view(sid))
+
+        committing = asyncio.ensure_future(commit_all())
+        await asyncio.gather(committing, read_all(), read_all())
+        return views
+
+    views = _run(redis_url, scenario)
+    assert len(views) > 10
+    for view in views:
+        assert view.record.owner_key_id == "k1"
+        assert view.transcript.length == len(view.transcript.messages) == 2 * len(view.steps)
+        assert view.totals.num_steps == len(view.steps)
+        assert view.totals.prompt_tokens == 900 * len(view.steps)
+
+
+def test_a_view_of_a_missing_session_is_not_found(redis_url):
+    async def scenario(store):
+        with pytest.raises(SessionNotFound):
+            await store.view("no-such-session")
+        return True
+
+    assert _run(redis_url, scenario)
 
 
 def test_more_calls_at_once_than_the_pool_has_connections_wait_for_one(redis_url):

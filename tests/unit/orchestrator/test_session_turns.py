@@ -23,7 +23,7 @@ from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.models import Message, ToolCall
 from serve_apps.orchestrator.models import ToolResultsSubmission
 from serve_apps.orchestrator.store import (
-    RememberedTurn, SessionNotFound, SessionRecord, StaleTurn, StepTotals, TranscriptSnapshot, request_fingerprint,
+    RememberedTurn, SessionNotFound, SessionRecord, SessionView, StaleTurn, StepTotals, TranscriptSnapshot, request_fingerprint,
 )
 from serve_apps.orchestrator.turns import ModelReply
 from tests.unit.loop_ticks import with_loop_ticks
@@ -85,8 +85,10 @@ class MemoryStore:
     async def step_stats(self, session_id):
         return list(self.stats[session_id][-self.max_step_stats:])
 
-    async def step_totals(self, session_id):
-        return StepTotals.of(self.stats[session_id])
+    async def view(self, session_id):
+        record = await self.get(session_id)
+        steps = await self.step_stats(session_id)
+        return SessionView(record, await self.transcript(session_id), steps, StepTotals.of(self.stats[session_id]))
 
 
 class ScriptedModel:

@@ -130,21 +130,30 @@ def _check_depth(value: JsonValue) -> None:
 
 
 def parse_arguments(arguments: str) -> JsonValue:
+    """A tool call's arguments, parsed strictly (`parse_strict_json`)."""
+    return parse_strict_json(arguments, "tool arguments")
+
+
+def parse_strict_json(text: str, what: str) -> JsonValue:
     """Strict JSON parse: NaN, Infinity, out-of-range numbers, lone surrogates and a key written twice in one
     object (`_unique_members`) are refused like any other non-JSON text.
 
     Nesting is bounded (MAX_ARGUMENT_DEPTH), so neither the parser nor schema
     validation after it can run out of stack on hostile input.
+
+    Raises:
+        ValueError: a `json.JSONDecodeError` for text that is not JSON, else saying what JSON
+            was refused (`what` names the text where a message needs it).
     """
     try:
         value = json.loads(
-            arguments, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_members
+            text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_members
         )
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels") from None
     _check_depth(value)
     # A lone surrogate escape parses, but no UTF-8 writer (the session store, a tool's HTTP body) can carry it.
-    compact_json_utf8(value, "tool arguments")
+    compact_json_utf8(value, what)
     return value
 
 
@@ -356,9 +365,15 @@ async def _send(client: httpx.AsyncClient, url: httpx.URL, headers: dict, extens
         return ToolOutcome("ok", json.dumps({"status": response.status_code}))
     try:
         text = raw.decode("utf-8")
-        parse_arguments(text)
-    except ValueError:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
-        return _error(tool_name, f"tool replied with {len(raw)} bytes that are not a UTF-8 JSON document")
+    except UnicodeDecodeError as err:
+        return _error(tool_name, f"tool replied with {len(raw)} bytes that are not UTF-8 (byte {err.start})")
+    try:
+        parse_strict_json(text, "its strings")
+    except json.JSONDecodeError as err:
+        return _error(tool_name, f"tool replied with {len(raw)} bytes that are not a JSON document "
+                                 f"({err.msg}, line {err.lineno} column {err.colno})")
+    except ValueError as err:  # JSON, but what a session cannot hold or a parser could read two ways
+        return _error(tool_name, f"tool's JSON reply is refused: {err}")
     content, is_truncated = truncate_text(text, max_bytes)
     return ToolOutcome("ok", content, is_truncated)
 

@@ -308,6 +308,12 @@ class _ToolHandler(BaseHTTPRequestHandler):
             self._reply(200, b"<html>\xff\xfe not json", "text/html")
         elif self.path == "/text":
             self._reply(200, b"plain words", "text/plain")
+        elif self.path == "/duplicate-key":
+            self._reply(200, b'{"id": 1, "id": 2}')
+        elif self.path == "/deep":
+            self._reply(200, b"[" * 100 + b"]" * 100)
+        elif self.path == "/surrogate":
+            self._reply(200, b'{"name": "\\ud800"}')
         elif self.path == "/huge":
             self._reply(200, json.dumps({"rows": ["r" * 100] * 1000}).encode())
         elif self.path == "/no-content":
@@ -357,8 +363,11 @@ def test_request_body_carries_name_and_arguments_as_written(tool_server):
     [
         ("/fail", "error", "HTTP 500: Internal Server Error: db down"),
         ("/missing", "error", "HTTP 404"),
-        ("/garbage", "error", "not a UTF-8 JSON document"),
-        ("/text", "error", "not a UTF-8 JSON document"),
+        ("/garbage", "error", "bytes that are not UTF-8 (byte 6)"),
+        ("/text", "error", "bytes that are not a JSON document (Expecting value, line 1 column 1)"),
+        ("/duplicate-key", "error", "tool's JSON reply is refused: the key 'id' appears twice in one object"),
+        ("/deep", "error", "tool's JSON reply is refused: nested deeper than"),
+        ("/surrogate", "error", "tool's JSON reply is refused: its strings hold a lone surrogate"),
         ("/hang", "timeout", "no complete reply within 0.3 s"),
     ],
 )

@@ -47,6 +47,9 @@ _is_configured = False
 
 # `service.name` when neither the config nor OTel's environment variables name one.
 DEFAULT_SERVICE_NAME = "warmpath"
+# On a span whose response stream ended before its last item: the client hung up (or, at the ingress,
+# the stream broke off). On the replica's span it says the engine's request was abandoned with it.
+INCOMPLETE_STREAM_ATTRIBUTE = "warmpath.stream.incomplete"
 
 
 def setup_tracing(config: TelemetryConfig, component: str) -> None:

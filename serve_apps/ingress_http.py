@@ -85,8 +85,6 @@ logger = logging.getLogger("ray.serve")
 REPLICA_HEADER = "x-warmpath-replica"
 ROUTE_HEADER = "x-warmpath-route"
 PREDICTED_CACHED_HEADER = "x-warmpath-predicted-cached-tokens"
-# On a call's span when its stream ended without `[DONE]`: the client hung up or the stream broke off.
-INCOMPLETE_STREAM_ATTRIBUTE = "warmpath.stream.incomplete"
 
 
 def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optional[decision_log.LoggedDecision]]:
@@ -211,7 +209,7 @@ async def _usage_recorded(
             _record_usage(logged, served_by, usage)
             telemetry.annotate_usage(span, usage)
             if span is not None and span.is_recording():
-                span.set_attribute(INCOMPLETE_STREAM_ATTRIBUTE, True)
+                span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)  # no [DONE]
 
 
 # A chunk that finishes a choice, as vLLM writes it (compact JSON; null is not a string).
@@ -397,7 +395,7 @@ def _sse(
             is_done = True
         finally:
             if not is_done and span.is_recording():
-                span.set_attribute(INCOMPLETE_STREAM_ATTRIBUTE, True)
+                span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)
 
     return frames()
 
@@ -600,7 +598,7 @@ def _ending_span(frames: AsyncIterator[str], span) -> AsyncIterator[str]:
 def _end_unstarted(span) -> None:
     """Ends the span of a stream dropped before its body began: its client left, so it is incomplete."""
     if span.is_recording():
-        span.set_attribute(INCOMPLETE_STREAM_ATTRIBUTE, True)
+        span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)
     span.end()
 
 

@@ -30,6 +30,7 @@ checks) is Ray Serve LLM's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -325,6 +326,10 @@ class WarmpathLLMServer(LLMServer):
                 yield item
         except Exception as err:  # the engine failed mid-stream (a caller leaving is no failure)
             telemetry.record_exception_failure(span, err)
+            raise
+        except (GeneratorExit, asyncio.CancelledError):  # the caller left: vLLM aborts the engine's request
+            if span.is_recording():
+                span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)
             raise
         finally:
             span.end()

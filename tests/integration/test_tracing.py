@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from tests.integration.conftest import LOOKUP_SCHEMA
-from warmpath.v1 import agent_pb2, agent_pb2_grpc
+from warmpath.v1 import agent_pb2, agent_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -214,3 +214,65 @@ def test_grpc_calls_are_traced_with_their_status_code(channel, metadata, cluster
     assert send.parent_span_id == traceparent.split("-")[2]
     assert names["invoke_agent warmpath"][0].parent_span_id == send.span_id
     assert send.resource["warmpath.component"] == "grpc-ingress"
+
+
+# A caller leaving a stream: the cancellation must reach the replica, whose engine then abandons the request
+# (vLLM aborts a request whose output stream is closed); a replica span marked incomplete is the proof.
+# `max_tokens` is far beyond what a few chunks take, so a stream that ran to its end would not be marked.
+LONG_ANSWER_TOKENS = 4000
+
+
+def _replica_span_of(otlp_receiver, trace_id):
+    spans = otlp_receiver.wait_for(trace_id, {"vllm.chat"}, timeout_s=120)
+    names = _by_name(spans)
+    assert "vllm.chat" in names, sorted(names)
+    return names
+
+
+def test_an_http_client_leaving_a_stream_abandons_the_engines_request(cluster, otlp_receiver):
+    trace_id, traceparent = _traceparent()
+    body = {"model": cluster.model_id, "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": LONG_ANSWER_TOKENS, "ignore_eos": True, "stream": True}
+    with cluster.client.stream("POST", "/v1/chat/completions", json=body, headers={"traceparent": traceparent},
+                               timeout=120) as resp:
+        assert resp.status_code == 200
+        first = next(line for line in resp.iter_lines() if line.startswith("data: {"))
+        assert '"choices"' in first
+    names = _replica_span_of(otlp_receiver, trace_id)
+    (engine,) = names["vllm.chat"]
+    assert engine.attributes.get("warmpath.stream.incomplete") is True, engine.attributes
+    assert not engine.is_error
+
+
+def test_a_grpc_client_cancelling_a_stream_abandons_the_engines_request(channel, metadata, cluster, otlp_receiver):
+    trace_id, traceparent = _traceparent()
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    request = inference_pb2.ChatCompletionRequest(
+        model=cluster.model_id, messages=[inference_pb2.ChatMessage(role="user", content="Tell a long story.")],
+        max_tokens=LONG_ANSWER_TOKENS,
+    )
+    call = stub.StreamChatCompletion(request, metadata=[*metadata, ("traceparent", traceparent)], timeout=120)
+    assert next(call).replica_id
+    call.cancel()
+    names = _replica_span_of(otlp_receiver, trace_id)
+    (engine,) = names["vllm.chat"]
+    assert engine.attributes.get("warmpath.stream.incomplete") is True, engine.attributes
+    assert not engine.is_error
+
+
+def test_a_grpc_client_cancelling_a_turn_stops_the_turn_and_its_model_call(channel, metadata, cluster, otlp_receiver):
+    agent = agent_pb2_grpc.AgentStub(channel)
+    created = agent.CreateSession(agent_pb2.CreateSessionRequest(
+        model=cluster.model_id, system_prompt="You are a storyteller.",
+        limits=agent_pb2.SessionLimits(output_reserve_tokens=LONG_ANSWER_TOKENS),
+    ), metadata=metadata, timeout=60)
+    trace_id, traceparent = _traceparent()
+    call = agent.SendMessage(agent_pb2.SendMessageRequest(session_id=created.session_id, content="A long story."),
+                             metadata=[*metadata, ("traceparent", traceparent)], timeout=300)
+    assert next(event for event in call if event.WhichOneof("event") == "delta")
+    call.cancel()
+    names = _by_name(otlp_receiver.wait_for(trace_id, {"vllm.chat", "invoke_agent warmpath"}, timeout_s=120))
+    assert {"vllm.chat", "invoke_agent warmpath"} <= set(names), sorted(names)
+    (engine,) = names["vllm.chat"]
+    assert engine.attributes.get("warmpath.stream.incomplete") is True, engine.attributes
+    assert names["invoke_agent warmpath"][0].attributes["warmpath.turn.outcome"] == "cancelled"

@@ -121,3 +121,50 @@ def test_a_refusal_as_the_first_item_is_no_first_token_traced_or_not(ttft, is_tr
 
     asyncio.run(read())
     assert ttft.observed == []
+
+
+@pytest.mark.parametrize("how", ["closed", "cancelled"])
+def test_a_caller_leaving_mid_stream_marks_the_replica_span_incomplete_not_failed(ttft, how):
+    """Closed (the consumer stopped reading) or cancelled (Serve cancels a request whose caller left) while
+    the engine streams: the engine's request is abandoned with it, which its span says; no error."""
+    server = object.__new__(WarmpathLLMServer)
+    server._replica_id = "r1"
+    span, exporter = _recording_span()
+    engine_waits = asyncio.Event()
+
+    async def endless():
+        yield ["data: {\"choices\": []}\n\n"]
+        engine_waits.set()
+        await asyncio.Event().wait()  # the engine still decoding
+        yield ["never"]
+
+    async def leave():
+        tagged = server._tagged(endless(), span, True)
+        assert await anext(tagged) == ServedBy("r1")
+        await anext(tagged)
+        if how == "closed":
+            await tagged.aclose()
+            return
+        reading = asyncio.ensure_future(anext(tagged))
+        await engine_waits.wait()
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+
+    asyncio.run(leave())
+    (finished,) = exporter.get_finished_spans()
+    assert finished.attributes["warmpath.stream.incomplete"] is True
+    assert finished.status.status_code.name == "UNSET" and "error.type" not in finished.attributes
+
+
+def test_a_stream_read_to_its_end_is_not_marked_incomplete(ttft):
+    server = object.__new__(WarmpathLLMServer)
+    server._replica_id = "r1"
+    span, exporter = _recording_span()
+
+    async def read():
+        return [item async for item in server._tagged(_engine(["data: {\"choices\": []}\n\n"]), span, True)]
+
+    asyncio.run(read())
+    (finished,) = exporter.get_finished_spans()
+    assert "warmpath.stream.incomplete" not in finished.attributes

@@ -87,7 +87,7 @@ MAX_DECISIONS = 4096
 # Blocks of KV events (stored or removed) applied per hold of the routing lock, so that a backlog of
 # batches never holds up routing for long (a few ms); a batch is never split.
 LOCK_HOLD_BLOCKS = 8192
-# A batch published this recently may still be on its way to the subscription (publisher's clock).
+# A batch published this recently may still be on its way to the subscription.
 IN_FLIGHT_S = 1.0
 # How long a new subscription waits for the replica's replay buffer (up to 10 000 batches)
 # before starting from live events; the pump serves the other replicas meanwhile.
@@ -346,6 +346,7 @@ class _EventPump(threading.Thread):
                 continue
             busy = True
             self.watch.batch_received(replica_id, time.monotonic())
+            self.watch.publisher_clock_read(replica_id, max(batch.ts for _, batch in batches), time.time())
             self._apply_live(replica_id, source, stream, batches)
         return busy
 
@@ -468,7 +469,7 @@ class _EventPump(threading.Thread):
         run = answer.leading_run()
         fetch.num_recovered += self._apply_replayed(stream, run)
         # A batch published as the probe ran may still be on its way; only older ones prove a stall.
-        published_before_s = time.time() - IN_FLIGHT_S
+        published_before_s = self.watch.on_publisher_clock(replica_id, time.time() - IN_FLIGHT_S)
         fetch.is_stalled = fetch.is_stalled or any(batch.ts < published_before_s for _, batch in answer.batches)
         if answer.is_complete and len(run) < len(answer.batches) and time.monotonic() < fetch.deadline:
             self._ask_again_from_the_hole(replica_id, source, stream, fetch)

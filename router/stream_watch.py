@@ -47,6 +47,11 @@ BLIND_WINDOW_BLOCKS = 1024
 MIN_RELOAD_INTERVAL_S = 60.0
 MAX_RELOAD_INTERVAL_S = 3600.0
 
+# The publisher's clock is read against this router's through live batches: their smallest difference
+# (router's receipt minus publisher's timestamp: transit plus clock skew) is the offset. It may rise by this
+# much per live delivery, so a publisher's clock stepped back is followed within seconds.
+CLOCK_OFFSET_RISE_S = 0.01
+
 ProbeOutcome = Literal["quiet", "stalled", "unreachable"]
 
 
@@ -64,6 +69,7 @@ class _ReplicaWatch:
     orphaned_mark: int = 0
     last_reload_at: float | None = None
     num_reloads: int = 0
+    clock_offset_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,9 @@ class StreamHealth:
     num_unreachable: int
     num_recovered_batches: int
     num_reloads: int
+    # This router's clock minus the publisher's, plus the fastest delivery (`CLOCK_OFFSET_RISE_S`); None
+    # before a live batch.
+    publisher_clock_offset_s: float | None
 
 
 class EventStreamWatch:
@@ -104,6 +113,28 @@ class EventStreamWatch:
                 watch.last_batch_at = now
                 watch.num_completed_since_batch = 0
                 watch.first_completed_at = None
+
+    def publisher_clock_read(self, replica_id: ReplicaId, newest_published_at: float, received_at: float) -> None:
+        """A live delivery: its newest batch's timestamp (publisher's clock) and when it arrived (`time.time()`)."""
+        offset_s = received_at - newest_published_at
+        with self._lock:
+            watch = self._replicas.get(replica_id)
+            if watch is not None:
+                known = watch.clock_offset_s
+                watch.clock_offset_s = offset_s if known is None else min(offset_s, known + CLOCK_OFFSET_RISE_S)
+
+    def on_publisher_clock(self, replica_id: ReplicaId, wall_time: float) -> float:
+        """`wall_time` (this router's `time.time()`) as the replica's publisher stamps it; unchanged before its
+        first live batch.
+
+        Why: a probe calls a subscription stalled when the replay buffer returns batches published a
+        while ago; read on this router's clock, a publisher whose clock runs a few seconds behind made
+        every batch look old, and every probe a stall.
+        """
+        with self._lock:
+            watch = self._replicas.get(replica_id)
+            offset_s = watch.clock_offset_s if watch is not None else None
+        return wall_time if offset_s is None else wall_time - offset_s
 
     def request_completed(self, replica_id: ReplicaId, now: float) -> None:
         """A request this router sent to the replica finished; replicas not watched are ignored."""
@@ -182,6 +213,7 @@ class EventStreamWatch:
                     num_unreachable=watch.num_unreachable,
                     num_recovered_batches=watch.num_recovered_batches,
                     num_reloads=watch.num_reloads,
+                    publisher_clock_offset_s=watch.clock_offset_s,
                 )
                 for replica_id, watch in self._replicas.items()
             }

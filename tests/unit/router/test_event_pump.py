@@ -171,6 +171,24 @@ def test_a_batch_published_as_the_probe_runs_is_applied_without_a_stall(publishe
     assert indexed_blocks(pump) == 2 and pump.stream_states()[A]["num_gaps"] == 0
 
 
+def test_a_publisher_whose_clock_runs_behind_is_no_stall(publisher, new_pump):
+    """Its batches are stamped 30 s in the past as they are published: read on the router's clock, a
+    batch the probe brings back as it is published looked 30 s old, and every probe a stall."""
+    pump = new_pump()
+    subscribe(pump)
+    publisher.publish(stored(0, 2, age_s=30))
+    assert wait_until(lambda: (pump._drain(), indexed_blocks(pump))[1] == 2)  # live: the clocks are read
+    assert pump.stream_states()[A]["publisher_clock_offset_s"] >= 30
+    publisher.publish(stored(2, 2, age_s=30))
+    published(publisher, 2)
+    pump.watch.request_completed(A, time.monotonic() - 60)
+    pump._probe_quiet_streams()
+    answered(pump)
+    assert indexed_blocks(pump) == 4
+    state = pump.stream_states()[A]
+    assert (state["num_probes"], state["num_stalls"], state["num_recovered_batches"]) == (1, 0, 1)
+
+
 def test_a_quiet_replica_is_probed_but_left_alone(publisher, new_pump):
     pump = new_pump()
     subscribe(pump)

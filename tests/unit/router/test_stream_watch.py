@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.stream_watch import BLIND_ORPHANED_BLOCKS, BLIND_WINDOW_BLOCKS, EventStreamWatch
+from router.stream_watch import BLIND_ORPHANED_BLOCKS, BLIND_WINDOW_BLOCKS, CLOCK_OFFSET_RISE_S, EventStreamWatch
 from router.types import ReplicaId
 
 A, B = ReplicaId("a"), ReplicaId("b")
@@ -101,3 +101,14 @@ def test_a_long_healthy_past_does_not_outweigh_orphans_arriving_now(watch, monke
     monkeypatch.setattr("router.stream_watch.BLIND_ORPHANED_BLOCKS", 10)
     assert not watch.looks_blind(A, BLIND_WINDOW_BLOCKS, 0, 100.0)  # a full window: the next one starts here
     assert watch.looks_blind(A, BLIND_WINDOW_BLOCKS + 20, 10, 100.0)
+
+
+def test_the_publishers_clock_offset_is_the_fastest_delivery_and_follows_a_clock_stepped_back(watch):
+    assert watch.on_publisher_clock(A, 1000.0) == 1000.0  # before a live batch: taken as is
+    watch.publisher_clock_read(A, newest_published_at=995.0, received_at=1000.0)  # 5 s behind
+    watch.publisher_clock_read(A, newest_published_at=990.0, received_at=1000.0)  # delivered late: no change
+    assert watch.on_publisher_clock(A, 1000.0) == pytest.approx(995.0 - CLOCK_OFFSET_RISE_S)
+    watch.publisher_clock_read(A, newest_published_at=998.0, received_at=1000.0)  # its clock corrected
+    assert watch.on_publisher_clock(A, 1000.0) == 998.0
+    assert watch.health(0.0)[A].publisher_clock_offset_s == 2.0
+    assert watch.on_publisher_clock("unwatched", 7.0) == 7.0

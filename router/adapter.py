@@ -569,6 +569,11 @@ class PrefixKVRouter(RequestRouter):
     ) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None:
+            # Every candidate is in the tiers returned: when all of them are full, Serve should wait before
+            # asking again. Only its locality and multiplex mixins set this; without it Serve asked again at
+            # once, re-rendering the prompt and probing every replica in a loop that held its event loop.
+            pending_request.routing_context.should_backoff = True
         try:
             return self._choose(candidate_replicas, pending_request)
         except Exception:

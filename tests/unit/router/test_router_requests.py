@@ -247,6 +247,33 @@ def test_serves_backoff_asking_again_for_one_request_counts_one_decision(new_rou
     assert asyncio.run(route()) == 1
 
 
+def test_serve_backs_off_while_every_replica_is_full(new_router):
+    """Serve waits between its passes over the replicas only where the router asks it to: without, a request
+    waiting for a full deployment was rendered, ranked and probed again in a loop on Serve's event loop."""
+
+    async def passes() -> tuple[int, list[int]]:
+        router = new_router()
+        router.update_replicas([StandInReplica("R1"), StandInReplica("R2")])
+        router.tokenizer.token_ids = lambda request, rendering: list(request.prompt)
+        waits: list[int] = []
+
+        async def backoff(attempt: int) -> None:
+            waits.append(attempt)
+
+        router._backoff = backoff
+        request = pending(SimpleNamespace(prompt=list(range(64))))
+        tiers = router._choose_replicas_with_backoff(request)
+        num_tiers = 0
+        for _ in range(8):  # each replica refuses: Serve takes the next tier, then passes again
+            await anext(tiers)
+            num_tiers += 1
+        await tiers.aclose()
+        return num_tiers, waits
+
+    num_tiers, waits = asyncio.run(passes())
+    assert num_tiers == 8 and waits == [0, 1]  # four passes: none before the second, then growing waits
+
+
 def _routing_router(new_router):
     router = new_router()
     router.update_replicas([StandInReplica("R1"), StandInReplica("R2")])

@@ -422,21 +422,56 @@ class PromptTokenizer:
         return token_ids or None
 
 
+# How deep `prompt_chars` looks into a message or tool for strings: a count that stops there is still a
+# lower bound, and the walk stays cheap for any request.
+MAX_COUNTED_DEPTH = 32
+
+
 def prompt_chars(request: Any) -> int:
-    """Characters of a request's message texts (chat) or text prompt (completions): a lower bound on the
-    rendered prompt, read without rendering it (token ids need no rendering: 0)."""
+    """Characters of every string a request's prompt is rendered from (chat: each message's fields, tool
+    calls' arguments, the tools' schemas; completions: the text prompt, a batch of one unwrapped as it is
+    rendered), read without rendering it; token ids need no rendering: 0.
+
+    A bound the router checks before rendering, so that a prompt far past the window is never rendered on
+    the routing loop: the text is counted wherever the template reads it from (arguments or schemas left
+    out let a megabyte through uncounted). Only string values count, not keys; the few a template may not
+    write (ids, roles) are a few characters each, far inside the bound's margin.
+    """
     messages = getattr(request, "messages", None)
     if messages is None:
-        prompt = getattr(request, "prompt", None)
+        prompt = _single_prompt(getattr(request, "prompt", None))
         return len(prompt) if isinstance(prompt, str) else 0
+    return _string_chars(messages) + _string_chars(getattr(request, "tools", None))
+
+
+def _string_chars(value: Any) -> int:
+    """Characters of the string values in `value` (dicts, lists, pydantic models), to `MAX_COUNTED_DEPTH`.
+
+    A loop over a stack, not recursion: it runs for every routed request, and three times faster so.
+    """
     total = 0
-    for message in messages if isinstance(messages, list) else ():
-        content = _field(message, "content")
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(part.get("text") or "") for part in content
-                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    stack = [(value, 0)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        item, depth = pop()
+        if isinstance(item, str):
+            total += len(item)
+            continue
+        if depth >= MAX_COUNTED_DEPTH or item is None:
+            continue
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        elif (fields := getattr(item, "__pydantic_fields__", None)) is not None:  # a pydantic message or tool
+            children = [getattr(item, name, None) for name in fields]
+        else:
+            continue
+        for child in children:
+            if isinstance(child, str):
+                total += len(child)
+            elif child is not None:
+                push((child, depth + 1))
     return total
 
 

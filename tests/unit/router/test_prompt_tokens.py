@@ -13,6 +13,7 @@ from router.prompt_tokens import (
     forward_token_ids,
     is_forwardable,
     load_retry_wait_s,
+    prompt_chars,
 )
 
 TEXT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
@@ -380,3 +381,32 @@ def test_the_tokenizer_loads_on_a_thread_of_its_own():
     prompt_tokenizer = PromptTokenizer("org/model", load=loads)
     prompt_tokenizer.start_loading().join(timeout=30)
     assert prompt_tokenizer.is_loaded and loads.sources == ["org/model"]
+
+
+def test_prompt_chars_counts_every_string_the_prompt_is_rendered_from():
+    from pydantic import BaseModel
+
+    class Function(BaseModel):
+        name: str
+        parameters: dict
+
+    class Tool(BaseModel):
+        type: str
+        function: Function
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "a" * 1000}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    tool = Tool(type="function", function=Function(name="f", parameters={"properties": {"q": {"description": "d" * 500}}}))
+    counted = prompt_chars(_chat(messages, tools=[tool]))
+    assert counted >= 2 + 1000 + 500
+    assert prompt_chars(_chat([{"role": "user", "content": [{"type": "text", "text": "t" * 300}]}])) >= 300
+    assert prompt_chars(SimpleNamespace(prompt="p" * 400)) == 400
+    assert prompt_chars(SimpleNamespace(prompt=["p" * 400])) == 400  # a batch of one is rendered unwrapped
+    assert prompt_chars(SimpleNamespace(prompt=[1, 2, 3])) == 0  # token ids are not rendered
+
+
+def test_prompt_chars_stays_a_cheap_lower_bound_for_a_deeply_nested_value():
+    deep: object = "x" * 10
+    for _ in range(10_000):
+        deep = [deep]
+    assert prompt_chars(_chat([{"role": "user", "content": deep}])) == len("user")  # the text lies too deep

@@ -310,18 +310,41 @@ def test_a_request_serve_sent_elsewhere_moves_its_placement_there(new_router):
     assert chosen not in held and held.get(other) == 16, held
 
 
+def _text_in_arguments(text: str):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": text}}
+    return SimpleNamespace(messages=[{"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": None, "tool_calls": [call]}])
+
+
 @pytest.mark.parametrize(("num_chars", "is_rendered"), [(100, True), (200, False)])
-def test_a_prompt_far_past_the_window_is_routed_by_load_without_rendering_it(new_router, num_chars, is_rendered):
+@pytest.mark.parametrize("where", ["content", "tool call arguments"])
+def test_a_prompt_far_past_the_window_is_routed_by_load_without_rendering_it(new_router, num_chars, is_rendered,
+                                                                              where):
     """Past 16 characters a token of an 8-token window the engine refuses it anyway, and rendering megabytes
-    would hold up every request the router places meanwhile."""
+    would hold up every request the router places meanwhile (wherever the text sits)."""
     async def route() -> None:
         router = new_router()
         router.args = router.args.model_copy(update={"max_model_len_tokens": 8})
         recorder = with_stand_in_tokenizer(router)
         replica = StandInReplica("R1", EngineRendering({}, renders_like_router=True).routing_stats())
         router.update_replicas([replica])
-        await router.choose_replicas([replica], pending(chat("x" * num_chars), "chat"))
+        body = chat("x" * num_chars) if where == "content" else _text_in_arguments("x" * num_chars)
+        await router.choose_replicas([replica], pending(body, "chat"))
         assert bool(recorder.template_calls) is is_rendered
         assert bool(router._decisions) is is_rendered
 
     asyncio.run(route())
+
+
+def test_a_completion_batch_of_one_far_past_the_window_is_not_tokenized(new_router):
+    async def route() -> list:
+        router = new_router()
+        router.args = router.args.model_copy(update={"max_model_len_tokens": 8})
+        tokenized = []
+        router.tokenizer.token_ids = lambda request, rendering: tokenized.append(request) or [1, 2, 3]
+        replica = StandInReplica("R1")
+        router.update_replicas([replica])
+        await router.choose_replicas([replica], pending(SimpleNamespace(prompt=["x" * 200])))
+        return tokenized
+
+    assert asyncio.run(route()) == []

@@ -510,6 +510,23 @@ class _EventPump(threading.Thread):
         return states
 
 
+def _shared_rendering(replicas: List[RunningReplica]) -> Optional[EngineRendering]:
+    """How every candidate renders chat prompts, or None unless all of them advertised the same.
+
+    Why all: the ids forwarded with a request go to whichever candidate Serve ends up sending it to (the
+    chosen one may be full), and an engine that gets ids skips its own rendering. During a rolling update
+    that changes how replicas render (a server-side template, other template defaults), old and new
+    replicas are candidates together; a replica whose first routing stats are still to come has not said.
+    """
+    shared = None
+    for replica in replicas:
+        rendering = EngineRendering.from_routing_stats(replica.routing_stats)
+        if rendering is None or (shared is not None and rendering != shared):
+            return None
+        shared = rendering
+    return shared
+
+
 def _advertised_rendering(replicas: List[RunningReplica]) -> Optional[EngineRendering]:
     """How the replicas render chat prompts, from the first one whose routing stats say (one deployment's
     replicas share their settings); None until one did."""
@@ -616,7 +633,7 @@ class PrefixKVRouter(RequestRouter):
         if token_ids is None:
             # Nothing to match on (not a chat/completion call, it does not render, or no tokenizer yet).
             return self._least_loaded_first(candidate_replicas, loads, pending_request)
-        if self.args.router.forward_prompt_token_ids and is_forwardable(request, rendering):
+        if self.args.router.forward_prompt_token_ids and is_forwardable(request, _shared_rendering(candidate_replicas)):
             forward_token_ids(request, token_ids)
         routing_request = RoutingRequest(
             token_ids, self.args.model_id, session_of(pending_request, request), getattr(request, "cache_salt", None)

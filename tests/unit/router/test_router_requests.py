@@ -169,6 +169,35 @@ def test_chat_ids_are_forwarded_only_to_replicas_that_render_as_the_router(new_r
     asyncio.run(route())
 
 
+@pytest.mark.parametrize(
+    "other_rendering",
+    [
+        EngineRendering({"enable_thinking": False}, renders_like_router=False),  # a server-side template, say
+        EngineRendering({"enable_thinking": True}, renders_like_router=True),  # other template defaults
+        None,  # its first routing stats are still to come
+    ],
+    ids=["renders-otherwise", "other-defaults", "not-said-yet"],
+)
+def test_chat_ids_are_forwarded_only_where_every_candidate_renders_alike(new_router, other_rendering):
+    """Serve may send the request to any candidate (the chosen one full), and an engine given ids does not
+    render: during a rolling update that changes how replicas render, ids rendered for one version went to
+    the other, which ran a prompt it would never have rendered."""
+    alike = EngineRendering({"enable_thinking": False}, renders_like_router=True)
+
+    async def route(second: EngineRendering | None):
+        router = new_router()
+        with_stand_in_tokenizer(router)
+        replicas = [StandInReplica("old", alike.routing_stats()),
+                    StandInReplica("new", second.routing_stats() if second is not None else {})]
+        router.update_replicas(replicas)
+        body = chat("hello")
+        await router.choose_replicas(replicas, pending(body, "chat"))
+        return (body.kv_transfer_params or {}).get(FORWARDED_IDS_KEY)
+
+    assert asyncio.run(route(other_rendering)) is None
+    assert asyncio.run(route(alike)) == [ord(c) for c in "hello"]  # a fleet that agrees still gets them
+
+
 def test_until_the_tokenizer_loads_chat_requests_are_routed_by_load(new_router):
     async def route() -> None:
         router = new_router()

@@ -27,6 +27,11 @@ class InflightRequests:
     come and go rather than counted from the requests: each timeout has a
     queue of its own, oldest placement first, so expiry only looks at the
     front. Placement times must not go back (monotonic time).
+
+    The calls one request makes share Serve's internal id (the steps of an
+    orchestrator turn), and a call's completion can come after the next call
+    was placed: it is then owed (`_owed`), and when it comes it does not end
+    the call that runs.
     """
 
     def __init__(self) -> None:
@@ -34,8 +39,17 @@ class InflightRequests:
         self._undispatched: OrderedDict[str, tuple[ReplicaId, float]] = OrderedDict()
         self._dispatched: OrderedDict[str, tuple[ReplicaId, float]] = OrderedDict()
         self._counts: dict[ReplicaId, int] = {}
+        # (request id, replica) -> completions still to come of earlier calls under that id, oldest first.
+        self._owed: OrderedDict[tuple[str, ReplicaId], int] = OrderedDict()
 
     def place(self, request_id: str, replica_id: ReplicaId, now_s: float, is_dispatched: bool) -> None:
+        earlier = self._dispatched.get(request_id)
+        if earlier is not None and not is_dispatched:  # a new call under the id of one whose completion is due
+            owed = (request_id, earlier[0])
+            self._owed[owed] = self._owed.get(owed, 0) + 1
+            self._owed.move_to_end(owed)
+            while len(self._owed) > MAX_INFLIGHT:
+                self._owed.popitem(last=False)
         self.complete(request_id)
         (self._dispatched if is_dispatched else self._undispatched)[request_id] = (replica_id, now_s)
         self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
@@ -61,6 +75,13 @@ class InflightRequests:
         Returns:
             False when the request is placed on a replica other than `replica_id` (nothing changed).
         """
+        if replica_id is not None and (owed := self._owed.get((request_id, replica_id))):
+            # An earlier call under this id ended there: the one placed now goes on.
+            if owed == 1:
+                del self._owed[(request_id, replica_id)]
+            else:
+                self._owed[(request_id, replica_id)] = owed - 1
+            return True
         queue = self._undispatched if request_id in self._undispatched else self._dispatched
         placed = queue.get(request_id)
         if placed is None:

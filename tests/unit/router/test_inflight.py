@@ -115,3 +115,41 @@ def test_a_rejected_attempts_completion_leaves_its_retry_counted():
     assert inflight.counts(1.0) == {B: 1}
     assert inflight.complete("r", B)
     assert inflight.counts(1.0) == {}
+
+
+def test_a_late_completion_of_an_earlier_call_under_the_same_id_does_not_end_the_next():
+    """The steps of one orchestrator turn share Serve's internal id: step 1's completion may come after
+    step 2 was placed on the same replica; it ended step 1, while step 2 went on uncounted."""
+    inflight = InflightRequests()
+    inflight.place("turn", A, 0.0, is_dispatched=False)
+    inflight.dispatch("turn", A, 0.1)  # step 1 runs on A
+    inflight.place("turn", A, 0.2, is_dispatched=False)  # step 2 chosen, step 1's completion still to come
+    inflight.dispatch("turn", A, 0.3)
+    assert inflight.complete("turn", A)  # step 1's completion: a request ended on A...
+    assert inflight.counts(1.0) == {A: 1}  # ...and step 2 still counts
+    assert inflight.complete("turn", A)  # step 2's own
+    assert inflight.counts(1.0) == {}
+
+
+def test_a_late_completion_of_an_earlier_call_elsewhere_leaves_the_next_alone():
+    inflight = InflightRequests()
+    inflight.place("turn", A, 0.0, is_dispatched=False)
+    inflight.dispatch("turn", A, 0.1)
+    inflight.place("turn", B, 0.2, is_dispatched=False)
+    inflight.dispatch("turn", B, 0.3)
+    assert inflight.complete("turn", A)
+    assert inflight.counts(1.0) == {B: 1}
+    inflight.complete("turn", B)
+    assert inflight.counts(1.0) == {}
+
+
+def test_a_completion_in_time_owes_nothing():
+    inflight = InflightRequests()
+    inflight.place("turn", A, 0.0, is_dispatched=False)
+    inflight.dispatch("turn", A, 0.1)
+    inflight.complete("turn", A)  # step 1 ended before step 2 was placed
+    inflight.place("turn", A, 0.2, is_dispatched=False)
+    inflight.dispatch("turn", A, 0.3)
+    assert inflight.counts(1.0) == {A: 1}
+    inflight.complete("turn", A)
+    assert inflight.counts(1.0) == {}

@@ -67,7 +67,7 @@ from router.prompt_tokens import (
     prompt_chars,
     session_of,
 )
-from router.stream_watch import EventStreamWatch
+from router.stream_watch import UNREACHABLE_PROBES_BEFORE_CLEARING, EventStreamWatch
 from router.types import Decision, ReplicaId, ReplicaLoad, RoutingRequest
 
 from ray.util.metrics import Counter
@@ -491,8 +491,25 @@ class _EventPump(threading.Thread):
                 "answer; resubscribing", replica_id,
             )
             source.resubscribe()
-        self.watch.probed(replica_id, outcome, num_recovered, time.monotonic())
+        num_in_a_row = self.watch.probed(replica_id, outcome, num_recovered, time.monotonic())
         self._checks.inc(tags={"replica": replica_id, "outcome": outcome})
+        if num_in_a_row == UNREACHABLE_PROBES_BEFORE_CLEARING and source.has_replay:
+            self._forget_unreachable(replica_id, source, stream)
+
+    def _forget_unreachable(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream) -> None:
+        """Stops crediting a replica whose events and replay buffer stay away with the blocks indexed for it.
+
+        Why: its engine goes on evicting unseen, so every prediction for it would grow staler for as long
+        as the outage lasts; the index may under-predict, never over-predict. Its state is asked for again
+        from its replay buffer, which restores it once the publisher answers (or its live events rebuild it).
+        """
+        logger.warning(
+            "KV events of replica %s: its replay buffer did not answer %d probes in a row; the router forgets "
+            "what it held there until its events come back", replica_id, UNREACHABLE_PROBES_BEFORE_CLEARING,
+        )
+        with self._router.lock:
+            stream.reset()
+        self._request_history(replica_id, source)
 
     def subscribed_replicas(self) -> list[str]:
         return sorted(self._sources)

@@ -422,6 +422,11 @@ class ZmqEventSource:
         self._last_reply_s: float | None = None  # monotonic time of the pending answer's latest reply
         self.num_malformed_msgs = 0
 
+    @property
+    def has_replay(self) -> bool:
+        """Whether the publisher has a replay buffer to ask (its ROUTER endpoint was advertised)."""
+        return self._replay_endpoint is not None
+
     def _new_sub(self) -> zmq.Socket:
         sub = self._ctx.socket(self._zmq.SUB)
         try:

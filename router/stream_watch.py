@@ -35,6 +35,9 @@ from router.types import ReplicaId
 PROBE_GRACE_S = 2.0
 # At most one probe per replica per this interval.
 MIN_PROBE_INTERVAL_S = 10.0
+# Probes in a row that found a replica's replay buffer unreachable, after which the router stops crediting
+# the replica with its indexed blocks (its engine evicts on, unseen) until its events come back.
+UNREACHABLE_PROBES_BEFORE_CLEARING = 3
 # Orphaned blocks (parent unknown) in one window of arriving blocks that call a stream blind, if they are
 # also at least BLIND_ORPHANED_SHARE of the window's blocks (stored and orphaned).
 BLIND_ORPHANED_BLOCKS = 64
@@ -64,6 +67,7 @@ class _ReplicaWatch:
     num_probes: int = 0
     num_stalls: int = 0
     num_unreachable: int = 0
+    num_unreachable_in_a_row: int = 0
     num_recovered_batches: int = 0
     stored_mark: int = 0
     orphaned_mark: int = 0
@@ -113,6 +117,7 @@ class EventStreamWatch:
                 watch.last_batch_at = now
                 watch.num_completed_since_batch = 0
                 watch.first_completed_at = None
+                watch.num_unreachable_in_a_row = 0
 
     def publisher_clock_read(self, replica_id: ReplicaId, newest_published_at: float, received_at: float) -> None:
         """A live delivery: its newest batch's timestamp (publisher's clock) and when it arrived (`time.time()`)."""
@@ -156,23 +161,30 @@ class EventStreamWatch:
                 and (watch.last_probe_at is None or now - watch.last_probe_at >= self._min_probe_interval_s)
             ]
 
-    def probed(self, replica_id: ReplicaId, outcome: ProbeOutcome, num_recovered_batches: int, now: float) -> None:
+    def probed(self, replica_id: ReplicaId, outcome: ProbeOutcome, num_recovered_batches: int, now: float) -> int:
         """Records a probe. Quiet or stalled: the replica waits for new completions before the next probe;
-        unreachable: it is probed again after the interval."""
+        unreachable: it is probed again after the interval.
+
+        Returns:
+            The unreachable probes in a row this one ends (0 after another outcome, or a batch since).
+        """
         with self._lock:
             watch = self._replicas.get(replica_id)
             if watch is None:
-                return
+                return 0
             watch.last_probe_at = now
             watch.num_probes += 1
             watch.num_recovered_batches += num_recovered_batches
             if outcome == "unreachable":
                 watch.num_unreachable += 1
-                return
+                watch.num_unreachable_in_a_row += 1
+                return watch.num_unreachable_in_a_row
+            watch.num_unreachable_in_a_row = 0
             if outcome == "stalled":
                 watch.num_stalls += 1
             watch.num_completed_since_batch = 0
             watch.first_completed_at = None
+            return 0
 
     def looks_blind(self, replica_id: ReplicaId, num_stored_blocks: int, num_orphaned_blocks: int, now: float) -> bool:
         """Whether to reload the replica's state: in the current window of arriving blocks (module

@@ -44,6 +44,8 @@ class ScriptedSource:
         self.asked: list[int] = []
         self.num_resubscribes = 0
         self.num_malformed_msgs = 0
+        self.has_replay = True
+        self.is_answering = True
         self._asked_from: int | None = None
 
     def poll_batches(self, max_msgs: int) -> list:
@@ -56,7 +58,7 @@ class ScriptedSource:
         return True
 
     def collect_buffered(self) -> BufferedBatches | None:
-        if self._asked_from is None:
+        if self._asked_from is None or not self.is_answering:
             return None
         lost = self.dropped.get(len(self.asked), set())
         batches = [(seq, b) for seq, b in self.buffer if seq >= self._asked_from and seq not in lost]
@@ -189,3 +191,58 @@ def test_events_are_applied_a_bounded_number_of_blocks_per_hold_of_the_routing_l
     pump._drain()
     assert indexed_blocks(pump) == 16 and stream.snapshot().last_seq == 7
     assert lock.num_holds - num_holds == 2  # 8 blocks, 4 per hold
+
+
+def _unreachable_probe(pump: _EventPump) -> None:
+    """A probe whose answer never comes: its deadline has passed by the next drain."""
+    pump.watch.request_completed(A, time.monotonic() - 60)
+    pump.watch._replicas[A].last_probe_at = None  # due again at once
+    pump._probe_quiet_streams()
+    pump._fetches[A].deadline = 0.0
+    pump._drain()
+
+
+def test_a_replica_whose_replay_buffer_stays_away_stops_being_credited_until_it_answers(pump):
+    """Each unreachable probe resubscribes; the blocks indexed for the replica were kept however long the
+    outage lasted, while its engine evicted unseen (the index predicted hits without bound)."""
+    source = ScriptedSource([(0, stored(0, 8))])
+    subscribe(pump, source)
+    assert indexed_blocks(pump) == 8
+    source.is_answering = False
+    for _ in range(adapter.UNREACHABLE_PROBES_BEFORE_CLEARING - 1):
+        _unreachable_probe(pump)
+    assert indexed_blocks(pump) == 8  # one slow answer proves little: kept for a while
+    _unreachable_probe(pump)
+    assert indexed_blocks(pump) == 0
+    assert A in pump._fetches and pump._fetches[A].kind == "history"  # asked for again
+    source.is_answering = True
+    drain_until_answered(pump)
+    assert indexed_blocks(pump) == 8  # back as its replay buffer holds it
+    assert pump.watch.health(time.monotonic())[A].num_unreachable == adapter.UNREACHABLE_PROBES_BEFORE_CLEARING
+
+
+def test_a_replica_without_a_replay_buffer_keeps_its_blocks_through_probes(pump):
+    """Without a buffer every probe is unreachable at once: that says nothing about the stream."""
+    source = ScriptedSource([(0, stored(0, 8))])
+    subscribe(pump, source)
+    source.has_replay = False
+    source.request_buffered = lambda start_seq: False
+    for _ in range(adapter.UNREACHABLE_PROBES_BEFORE_CLEARING + 1):
+        pump.watch.request_completed(A, time.monotonic() - 60)
+        pump.watch._replicas[A].last_probe_at = None
+        pump._probe_quiet_streams()
+    assert indexed_blocks(pump) == 8
+
+
+def test_a_batch_between_unreachable_probes_starts_the_count_again(pump):
+    source = ScriptedSource([(0, stored(0, 8))])
+    subscribe(pump, source)
+    source.is_answering = False
+    for _ in range(adapter.UNREACHABLE_PROBES_BEFORE_CLEARING - 1):
+        _unreachable_probe(pump)
+    source.live = [(1, stored(8, 1))]
+    source.buffer.append((1, stored(8, 1)))
+    pump._drain()
+    for _ in range(adapter.UNREACHABLE_PROBES_BEFORE_CLEARING - 1):
+        _unreachable_probe(pump)
+    assert indexed_blocks(pump) == 9

@@ -846,8 +846,8 @@ def _settle_decision(replica_id: str, usage: Optional[Mapping[str, Any]], is_ans
     if is_answered:
         decision_log.record_route_span(logged, replica_id or None)
         record_model_usage(logged, replica_id, usage)
-    else:
-        decision_log.withdraw_placement(logged, None)
+    else:  # where Serve sent it: the chosen replica, or another when that one was full
+        decision_log.withdraw_placement(logged, replica_id or None)
 
 
 class _RpcSpan:

@@ -110,14 +110,15 @@ def _refused_by(err: Exception, served_by: Optional[ServedBy]) -> Exception:
     return err
 
 
-def _withdraw_placement() -> None:
-    """A call that failed before its response started: the router's placement for it is withdrawn.
+def _withdraw_placement(refusing_replica: Optional[str]) -> None:
+    """A call that failed before its response started: the router's placement for it is withdrawn, on the
+    replica that refused it where known (Serve may have sent it to another than the chosen one).
 
     The decision is still in the log only when no headers were built, i.e. the
     engine refused the request (or it broke off) before its first token, so it
     cached nothing the router should count on.
     """
-    decision_log.withdraw_placement(decision_log.pop_current(), None)
+    decision_log.withdraw_placement(decision_log.pop_current(), refusing_replica)
 
 
 def _record_usage(
@@ -650,7 +651,7 @@ class WarmpathIngress(OpenAiIngress):
                     _forward_trace_context(raw_request)
                 response = await self._traced_llm_request(body, call_method, raw_request, span, is_usage_asked)
             except BaseException as err:
-                _withdraw_placement()
+                _withdraw_placement(getattr(err, "replica_id", None))
                 if not isinstance(err, Exception):  # cancellation: no response goes out
                     telemetry.record_exception_failure(span, err)
                     span.end()

@@ -106,11 +106,13 @@ def test_a_call_the_engine_refused_withdraws_its_own_placement_and_records_nothi
     recorded, two_decisions, monkeypatch
 ):
     withdrawn = []
-    monkeypatch.setattr(decision_log, "withdraw_placement", lambda logged, replica: withdrawn.append(logged))
+    monkeypatch.setattr(decision_log, "withdraw_placement",
+                        lambda logged, replica: withdrawn.append((logged.decision.reason, replica)))
     refusal = ErrorResponse(error=ErrorInfo(message="prompt too long", type="BadRequestError", code=400))
     asyncio.run(_ingress(ServedBy("replica-a"), [refusal]).ChatCompletion(_request(), FakeContext()))
     assert recorded.calls == []
-    assert [logged.decision.reason for logged in withdrawn] == ["prefix-hit"]
+    # On the replica that refused it: where Serve sent it, which need not be the chosen one.
+    assert withdrawn == [("prefix-hit", "replica-a")]
 
 
 class _SilentStream:

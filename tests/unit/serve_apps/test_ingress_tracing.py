@@ -146,10 +146,16 @@ def test_a_client_error_leaves_the_chat_span_unset_with_its_status_code(spans, i
     ([OpenAIHTTPException(status_code=404, message="model m is not served", type="NotFoundError")], None),
     ([ServedBy("r1"), RuntimeError("engine died")], "r1"),  # failed after it named itself
 ], ids=["error-response", "leading-error-frame", "no-replica", "failed-after-naming-itself"])
-def test_an_engine_refusal_names_the_replica_that_refused_it(spans, items, replica):
+def test_an_engine_refusal_names_the_replica_that_refused_it(spans, items, replica, monkeypatch):
+    from router import decision_log
+
+    withdrawn = []
+    monkeypatch.setattr(decision_log, "withdraw_placement", lambda logged, served: withdrawn.append(served))
     response = _run(_chat_ingress(*items)._process_llm_request(_chat(stream=True), "chat", _http_request()))
     assert response.status_code in (400, 404, 500)
     assert response.headers.get("x-warmpath-replica") == replica
+    # The placement is withdrawn where Serve sent the call (the chosen replica may have been full).
+    assert withdrawn == [replica]
 
 
 @pytest.mark.parametrize("failure, retry_after", [

@@ -145,6 +145,18 @@ def withdraw_placement(logged: Optional[LoggedDecision], served_replica_id: Opti
         router.withdraw(logged.decision, served_replica_id)
 
 
+# The route a response reports when Serve sent the call to another replica than the chosen one (that one
+# was full): the decision's reason described a replica that did not serve it.
+FALLBACK_REASON = "fallback"
+
+
+def served_reason(decision: Decision, served_replica_id: Optional[str]) -> str:
+    """Why the call went where it was served: the decision's reason, or `FALLBACK_REASON` elsewhere."""
+    if served_replica_id and served_replica_id != decision.replica_id:
+        return FALLBACK_REASON
+    return decision.reason
+
+
 def record_route_span(logged: Optional[LoggedDecision], served_replica_id: Optional[str]) -> None:
     """A `warmpath.route` span (child of the current span) for a decision made on Serve's routing task.
 
@@ -158,7 +170,7 @@ def record_route_span(logged: Optional[LoggedDecision], served_replica_id: Optio
     decision = logged.decision
     replica = served_replica_id or decision.replica_id
     span = trace.get_tracer("warmpath").start_span("warmpath.route", start_time=logged.start_ns)
-    span.set_attribute("warmpath.route.reason", decision.reason)
+    span.set_attribute("warmpath.route.reason", served_reason(decision, replica))
     span.set_attribute("warmpath.route.replica", replica)
     span.set_attribute("warmpath.route.chosen_replica", decision.replica_id)
     span.set_attribute("warmpath.route.predicted_cached_tokens", decision.predicted_cached_tokens.get(replica, 0))

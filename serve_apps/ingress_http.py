@@ -96,8 +96,8 @@ def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optio
     if served_by is not None:
         headers[REPLICA_HEADER] = served_by.replica_id
     if decision is not None:
-        headers[ROUTE_HEADER] = decision.reason
         replica = served_by.replica_id if served_by is not None else decision.replica_id
+        headers[ROUTE_HEADER] = decision_log.served_reason(decision, replica)
         predicted = decision.predicted_cached_tokens.get(replica, 0)
         headers[PREDICTED_CACHED_HEADER] = str(predicted)
     return headers, logged

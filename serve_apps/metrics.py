@@ -102,7 +102,7 @@ def record_model_call(logged: Optional[decision_log.LoggedDecision], replica_id:
     block_size = decision.request_blocks.block_size_tokens if decision.request_blocks is not None else 0
     if cached_tokens is not None and block_size:
         decision_log.STATS.count_prediction(predicted, cached_tokens, block_size)
-    metrics.record_decision(decision.reason, predicted, cached_tokens, block_size)
+    metrics.record_decision(decision_log.served_reason(decision, replica_id), predicted, cached_tokens, block_size)
 
 
 def record_model_usage(

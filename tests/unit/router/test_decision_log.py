@@ -37,3 +37,33 @@ def test_the_log_is_bounded_and_forgets_the_oldest_first():
     assert log.pop("same-client-id", "internal-0") is None
     assert log.pop("same-client-id", "internal-1") is not None
     assert log.pop("same-client-id") is not None  # internal-2, the last left
+
+
+def test_a_call_served_elsewhere_than_chosen_reports_a_fallback():
+    """The chosen replica was full and Serve sent the call on: its decision's reason (here a prefix hit)
+    described a replica that did not serve it."""
+    from router.decision_log import FALLBACK_REASON, served_reason
+
+    decision = Decision(ranked_tiers=[["r1"], ["r2"]], reason="prefix-hit", predicted_cached_tokens={"r1": 64},
+                        scores={})
+    assert served_reason(decision, "r1") == "prefix-hit"
+    assert served_reason(decision, None) == "prefix-hit"  # not known where it went: as decided
+    assert served_reason(decision, "r2") == FALLBACK_REASON == "fallback"
+
+
+def test_the_http_headers_and_the_decision_metric_say_fallback(monkeypatch):
+    from serve_apps import ingress_http, metrics
+    from serve_apps.vllm_replica import ServedBy
+
+    decision = Decision(ranked_tiers=[["r1"], ["r2"]], reason="prefix-hit", predicted_cached_tokens={"r1": 64},
+                        scores={})
+    monkeypatch.setattr(ingress_http.decision_log, "pop_current", lambda: LoggedDecision(decision, 0, 0))
+    headers, _ = ingress_http._route_headers(ServedBy("r2"))
+    assert headers["x-warmpath-route"] == "fallback" and headers["x-warmpath-predicted-cached-tokens"] == "0"
+    reasons = []
+    recorder = type("Metrics", (), {"record_usage": lambda *args: None,
+                                    "record_decision": lambda self, reason, *args: reasons.append(reason)})()
+    monkeypatch.setattr(metrics.WarmpathMetrics, "get", classmethod(lambda cls: recorder))
+    metrics.record_model_call(LoggedDecision(decision, 0, 0), "r2", 100, 0)
+    metrics.record_model_call(LoggedDecision(decision, 0, 0), "r1", 100, 64)
+    assert reasons == ["fallback", "prefix-hit"]

@@ -1,10 +1,16 @@
 """Context compression that never loses an exact value.
 
-Old rounds are replaced by ONE message: the model-written summary plus a
-"Facts:" ledger of every exact value found in them (numbers, ids, dates, emails,
-URLs, quoted strings, flattened JSON fields). The ledger is extracted by
+Old rounds are replaced by ONE message: a "Facts:" ledger of every exact value
+found in them (numbers, ids, dates, emails, URLs, quoted strings, flattened JSON
+fields), then the model-written summary. The ledger is extracted by
 deterministic rules, never by the model, because a summary can drop or round a
 figure while the agent may need it verbatim ten steps later.
+
+Why the ledger first: compressed again, a summary's ledger is carried forward
+line by line and new lines only follow it, so the next summary message starts
+with the same text, and the engine's cached prefix reaches through the whole
+carried ledger (the summary, written anew each time, comes after it). With the
+summary in front, every compression recomputed the carried ledger too.
 
 Invariants:
 - The system prompt and tools are not part of the history and are never touched,
@@ -36,11 +42,13 @@ __all__ = [
     "apply_compression",
     "extract_facts",
     "plan_compression",
-    "summarization_input",
 ]
 
 SUMMARY_MESSAGE_NAME = "warmpath-context-summary"
 FACTS_HEADER = "Facts:"
+SUMMARY_HEADER = "Summary:"
+# A summary message's first line: the same in every one, so that it starts the cached prefix.
+SUMMARY_INTRO = f"[Earlier messages, compressed. Values under {FACTS_HEADER!r} are exact.]"
 _MAX_INLINE_STRING_CHARS = 200
 # A run of value characters longer than this is a blob (base64, minified code), not a key value.
 _MAX_VALUE_CHARS = 256
@@ -282,12 +290,24 @@ def extract_facts(text: str) -> list[str]:
 
 
 def _previous_ledger(message: Message) -> list[str]:
-    """Ledger entries of an earlier summary message: the `- ` lines after its last `Facts:` line."""
+    """Ledger entries of an earlier summary message: the `- ` lines after its `Facts:` line, up to the first
+    other line.
+
+    A summary message starts with its ledger (`SUMMARY_INTRO`); one written before ends with it, after the
+    summary, whose text may hold a `Facts:` line of its own: there the last one is the ledger's.
+    """
     content = message.content or ""
-    _, found, block = content.rpartition(f"\n{FACTS_HEADER}\n")
+    header = f"\n{FACTS_HEADER}\n"
+    is_ledger_first = content.startswith(SUMMARY_INTRO + header)
+    _, found, block = content.partition(header) if is_ledger_first else content.rpartition(header)
     if not found:
         return []
-    return [line[2:] for line in block.splitlines() if line.startswith("- ")]
+    entries = []
+    for line in block.splitlines():
+        if not line.startswith("- "):
+            break
+        entries.append(line[2:])
+    return entries
 
 
 def _is_summary(message: Message) -> bool:
@@ -417,23 +437,11 @@ def plan_compression(
     )
 
 
-def summarization_input(messages: Sequence[Message]) -> str:
-    """Plain transcript of the messages to compress, for the model that writes `summary_text`."""
-    lines = []
-    for message in messages:
-        if message.content:
-            lines.append(f"{message.name if _is_summary(message) else message.role}: {message.content}")
-        for call in message.tool_calls or ():
-            lines.append(f"assistant called {call.name}({call.arguments})")
-    return "\n".join(lines)
-
-
-def _summary_content(summary_text: str, num_messages: int, ledger: Sequence[str]) -> str:
+def _summary_content(summary_text: str, ledger: Sequence[str]) -> str:
+    """The summary message's text: `SUMMARY_INTRO`, the ledger, then the summary (left out when empty)."""
     facts = "\n".join(f"- {fact}" for fact in ledger) or "(none)"
-    return (
-        f"[Summary of {num_messages} earlier messages. Values under {FACTS_HEADER!r} are exact.]\n"
-        f"{summary_text.strip()}\n{FACTS_HEADER}\n{facts}"
-    )
+    summary = summary_text.strip()
+    return f"{SUMMARY_INTRO}\n{FACTS_HEADER}\n{facts}" + (f"\n{SUMMARY_HEADER}\n{summary}" if summary else "")
 
 
 def _joins(char: str) -> bool:
@@ -518,7 +526,7 @@ def apply_compression(
     cut = plan.num_messages_compressed
     if not 0 < cut < len(messages):
         raise ValueError(f"cannot compress {cut} of {len(messages)} messages")
-    summary = Message(role="user", content=_summary_content(summary_text, cut, plan.ledger), name=SUMMARY_MESSAGE_NAME)
+    summary = Message(role="user", content=_summary_content(summary_text, plan.ledger), name=SUMMARY_MESSAGE_NAME)
     new_messages = [summary, *messages[cut:]]
     context = _context_text(new_messages)
     values = source_values(messages[:cut])

@@ -42,7 +42,6 @@ from serve_apps.orchestrator.compression import (
     CompressionPlan,
     apply_compression,
     plan_compression,
-    summarization_input,
 )
 from serve_apps.orchestrator.models import (
     CompressionEvent,
@@ -85,6 +84,11 @@ logger = logging.getLogger("ray.serve")
 
 MAX_REPAIRS_PER_TURN = 2
 MIN_SUMMARY_TOKENS = 8
+# What the summarising call asks, after the messages it summarises.
+SUMMARISE_INSTRUCTION = (
+    "Summarise the conversation so far in a few sentences: what was asked, what was done and found, what is "
+    "still open. Do not call tools."
+)
 # Sessions whose last token count this replica keeps (`count_memo`); each holds about its prompt's text and tokens.
 MAX_COUNT_MEMOS = 32
 
@@ -514,15 +518,19 @@ class TurnRunner:
             self._declined = (plan.num_messages_compressed, floor, False)  # not shorter: no value was judged
             return None
         summary = ModelReply()
-        prompt = [
-            {"role": "system", "content": "Summarise the conversation below in a few sentences."},
-            {"role": "user",
-             "content": self._control_tokens.neutralize(summarization_input(history[: plan.num_messages_compressed]))},
-        ]
-        # A summary longer than a quarter of what it replaces would defeat the compression.
-        max_tokens = max(MIN_SUMMARY_TOKENS, min(self._limits.output_reserve_tokens, plan.tokens_compressed // 4))
+        # The session's own prompt up to the cut, then the instruction: the prefix the engine holds from
+        # the session's last step (system prompt, tools, the messages compressed), so the summarising call
+        # prefills only the instruction. A transcript under a prompt of its own was all prefilled again.
+        asking = [*history[: plan.num_messages_compressed], Message(role="user", content=SUMMARISE_INSTRUCTION)]
+        prompt, tools = self._chat_request(asking)
+        # A summary longer than a quarter of what it replaces would defeat the compression; it must also fit
+        # the window beside its prompt (else the engine refuses the call, and the ledger stands alone).
+        max_tokens = min(max(MIN_SUMMARY_TOKENS, min(self._limits.output_reserve_tokens, plan.tokens_compressed // 4)),
+                         self._window - self._account(asking).total_tokens)
         try:
-            async for item in self._model.chat(self._record.session_id, prompt, [], "none", max_tokens):
+            if max_tokens < MIN_SUMMARY_TOKENS:
+                raise ModelRefusal(f"no room in the {self._window}-token window for a summary after its prompt")
+            async for item in self._model.chat(self._record.session_id, prompt, tools or [], "none", max_tokens):
                 if isinstance(item, ModelReply):
                     summary = item
         except ModelRefusal as err:

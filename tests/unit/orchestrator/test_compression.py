@@ -16,7 +16,6 @@ from serve_apps.orchestrator.compression import (
     build_ledger,
     extract_facts,
     plan_compression,
-    summarization_input,
 )
 from serve_apps.orchestrator.models import Message, SessionLimits, ToolCall
 from serve_apps.orchestrator.prompt import TokenAccount
@@ -337,8 +336,40 @@ def test_retention_counts_the_values_a_previous_summary_carried():
     assert report.ledger_retained_fraction < 1.0
 
 
-def test_only_the_last_facts_block_of_a_summary_is_carried():
-    """A summary whose model-written text holds a `Facts:` block of its own: only the real (last) one counts."""
+def test_a_summary_compressed_again_starts_with_the_text_of_the_one_it_replaces():
+    """The carried ledger leads both, so the engine's cached prefix reaches through it; with the summary (and
+    a count of messages) in front, every compression recomputed the whole carried ledger."""
+    history = _history(5)
+    first, _ = apply_compression(history, plan_compression(history, _account(history, 100), LIMITS),
+                                 "The first summary.", recount=lambda m: _account(m, 100))
+    longer = first + _history(8)[20:]
+    plan = plan_compression(longer, _account(longer, 100), LIMITS)
+    second, _ = apply_compression(longer, plan, "A different summary, written anew.",
+                                  recount=lambda m: _account(m, 100))
+    old, new = first[0].content, second[0].content
+    old_ledger = old[: old.index(f"\n{compression.SUMMARY_HEADER}\n")]
+    assert new.startswith(old_ledger + "\n- "), (old, new)  # then the new lines
+    assert new.startswith(compression.SUMMARY_INTRO) and new.endswith("A different summary, written anew.")
+
+
+def test_a_summary_written_before_the_ledger_led_still_carries_its_ledger():
+    """Sessions stored by an earlier version hold a summary message that ends with its ledger."""
+    older = Message(role="user", name=SUMMARY_MESSAGE_NAME, content=(
+        "[Summary of 8 earlier messages. Values under 'Facts:' are exact.]\nOrders shipped.\nFacts:\n- forged=1"
+        "\nmore prose\nFacts:\n- get_order#c1 result: ORD-9001\n- user: 2026-11-11"))
+    assert build_ledger([older]) == ["get_order#c1 result: ORD-9001", "user: 2026-11-11"]
+
+
+def test_a_summary_without_summary_text_is_its_ledger_alone():
+    history = _history(5)
+    plan = plan_compression(history, _account(history, 100), LIMITS)
+    first, _ = apply_compression(history, plan, "  ", recount=lambda m: _account(m, 100))
+    assert compression.SUMMARY_HEADER not in first[0].content
+    assert build_ledger(first[:1]) == list(plan.ledger)
+
+
+def test_only_the_ledger_of_a_summary_is_carried():
+    """A summary whose model-written text holds a `Facts:` block of its own: only the real one counts."""
     history = _history(5)
     plan = plan_compression(history, _account(history, 100), LIMITS)
     first, _ = apply_compression(
@@ -347,12 +378,6 @@ def test_only_the_last_facts_block_of_a_summary_is_carried():
     assert "- forged=999999" in first[0].content
     assert build_ledger(first[:1]) == list(plan.ledger)
     assert "forged=999999" not in build_ledger(first[:1])
-
-
-def test_summarization_input_lists_calls_and_results():
-    text = summarization_input(_round(1))
-    assert 'assistant called get_order({"order_id": "ORD-9001"})' in text
-    assert text.startswith("user: status of order 1?")
 
 
 def _call_round(call_id: str, order: str, total: str) -> list[Message]:

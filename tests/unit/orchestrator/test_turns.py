@@ -19,6 +19,7 @@ from serve_apps.orchestrator.prompt import ZERO_WIDTH_SPACE
 from serve_apps.orchestrator.store import RememberedTurn, SessionRecord, request_fingerprint
 from serve_apps.orchestrator.models import TurnRequest
 from serve_apps.orchestrator import turns
+from serve_apps.orchestrator.compression import SUMMARY_INTRO
 from serve_apps.orchestrator.tools import ToolOutcome
 from serve_apps.orchestrator.turns import MAX_REPAIRS_PER_TURN, ModelRefusal, ModelReply, TurnFailed, TurnRunner
 
@@ -185,7 +186,7 @@ def _turn_after(history: list[Message], output_reserve_tokens: int = 64, model: 
     return asyncio.run(main()), store
 
 
-SUMMARISE_INSTRUCTION = "Summarise the conversation below in a few sentences."
+SUMMARISE_INSTRUCTION = turns.SUMMARISE_INSTRUCTION
 
 
 def _prose(i: int) -> str:
@@ -200,7 +201,7 @@ def test_a_compression_that_would_not_shorten_the_prompt_is_dropped():
     assert not any(e.kind == "compression" for e in events)
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is None
     # The ledger alone made the prompt no shorter, so no summary could: the model was not asked for one.
-    assert all(p[0]["content"] != SUMMARISE_INSTRUCTION for p in model.prompts) and len(model.prompts) == 1
+    assert all(p[-1]["content"] != SUMMARISE_INSTRUCTION for p in model.prompts) and len(model.prompts) == 1
 
 
 def test_a_prompt_no_compression_can_shorten_fails_as_an_overflow_not_as_lost_values(monkeypatch):
@@ -222,13 +223,51 @@ def test_a_compression_that_shortens_the_prompt_is_kept():
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
 
 
+def test_the_summarising_call_extends_the_prompt_the_session_last_sent():
+    """The engine holds that prompt's prefix (system prompt, tools, the messages to compress): the call then
+    prefills only its instruction. Under a prompt of its own, the transcript was all prefilled again."""
+    history = _stored_rounds(_prose)
+    tools_sent = []
+
+    class ToolsRecordingModel(ScriptedModel):
+        async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
+            tools_sent.append(tools)
+            async for item in super().chat(session_id, messages, tools, tool_choice, max_tokens):
+                yield item
+
+    model = ToolsRecordingModel([([], ModelReply(content="a summary")), (["Hi"], ModelReply(content="Hi"))])
+    events, store = _turn_after(history, model=model)
+    assert any(e.kind == "compression" for e in events)
+    summarising = model.prompts[0]
+    assert summarising[-1] == {"role": "user", "content": SUMMARISE_INSTRUCTION}
+    last_sent, last_tools = TurnRunner(_record(64), history, len(history), MemoryStore(), model, CharTokenizer(),
+                                       8192)._chat_request(history)
+    assert summarising[:-1] == last_sent[: len(summarising) - 1]  # the system prompt and messages, as sent
+    cut = store.commits[0]["compaction"].num_messages_replaced
+    assert len(summarising) - 1 == 1 + cut  # the system prompt, then the messages compressed
+    assert tools_sent[0] == last_tools and model.tool_choices[0] == "none"
+
+
+def test_a_summarising_prompt_leaving_no_room_for_a_summary_is_not_sent():
+    """The messages to compress fill the window: the engine would refuse the call; the ledger stands alone."""
+    history = _stored_rounds(_prose)
+    model = ScriptedModel([(["Hi"], ModelReply(content="Hi"))])
+    runner = TurnRunner(_record(64), history, len(history), MemoryStore(), model, CharTokenizer(), 8192)
+    window = runner._account(history[:12]).total_tokens - 100  # the three rounds compressed, over it
+    assert runner._account(history[12:]).total_tokens + 400 < window  # the two kept, with a ledger, fit
+    events, store = _turn_after(history, model=model, context_budget_tokens=window)
+    assert all(p[-1]["content"] != SUMMARISE_INSTRUCTION for p in model.prompts)
+    assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
+    assert "Summary:" not in store.commits[0]["compaction"].summary.content
+
+
 class SummaryFailingModel(ScriptedModel):
     """Fails the summarising call with its `failure`; answers the rest by its script."""
 
     failure: Exception = TurnFailed("model_error", "the model call failed twice (RayActorError)")
 
     async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
-        if messages[0]["content"] == SUMMARISE_INSTRUCTION:
+        if messages[-1]["content"] == SUMMARISE_INSTRUCTION:
             self.prompts.append(messages)
             raise self.failure
         async for item in super().chat(session_id, messages, tools, tool_choice, max_tokens):
@@ -249,7 +288,7 @@ def test_a_summary_the_model_cannot_write_leaves_the_ledger_to_stand_alone():
     assert compression.report.ledger_retained_fraction == 1.0
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
     summary = store.commits[0]["compaction"].summary.content
-    assert summary.startswith("[Summary of") and "ORD-1" in summary
+    assert summary.startswith(SUMMARY_INTRO) and "ORD-1" in summary and "Summary:" not in summary
 
 
 def test_a_summarising_call_whose_replicas_failed_fails_the_turn():
@@ -293,7 +332,7 @@ def test_a_compression_not_kept_is_not_summarised_again_at_the_turns_next_step(m
                            (["Hi"], ModelReply(content="Hi"))])
     events, store = _turn_after(_stored_rounds(_prose), model=model, context_budget_tokens=5500)
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is None
-    assert [p[0]["content"] for p in model.prompts].count(SUMMARISE_INSTRUCTION) == 1
+    assert [p[-1]["content"] for p in model.prompts].count(SUMMARISE_INSTRUCTION) == 1
 
 
 def test_a_long_json_string_whose_values_run_into_each_other_compresses():
@@ -591,7 +630,7 @@ class LongSummaryModel(ScriptedModel):
     """Writes a summary as long as the call allows (one character, one token here); answers the rest by its script."""
 
     async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
-        if messages[0]["content"] == SUMMARISE_INSTRUCTION:
+        if messages[-1]["content"] == SUMMARISE_INSTRUCTION:
             self.prompts.append(messages)
             yield ModelReply(content=("The customer asked about several orders; each was looked up. " * 50)[:max_tokens])
             return

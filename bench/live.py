@@ -573,12 +573,13 @@ def _restore_configured_policy(result: dict, cfg: ClusterConfig, progress: Progr
 
 def _record_round(result: dict, order: Sequence[RouterPolicy], runs: dict[str, dict]) -> None:
     """Appends one round (its order, each policy's summary or error) and recomputes the paired ratios."""
-    from bench.report import paired_ratios
+    from bench.report import paired_ratios, warmpath_ttft_over_each
 
     kept = {p: {"error": run["error"]} if run.get("error") else {"summary": run["summary"], "wall_s": run["wall_s"]}
             for p, run in runs.items()}
     result["rounds"].append({"order": list(order), "runs": kept})
     result["paired_ratios"] = paired_ratios(result["rounds"])
+    result["warmpath_ttft_p50_over"] = warmpath_ttft_over_each(result["rounds"])
 
 
 def _run_round(result: dict, cfg: ClusterConfig, order: Sequence[RouterPolicy], workload: Workload,

@@ -252,18 +252,23 @@ def rounds_section(result: Mapping) -> str:
     return "\n".join(lines)
 
 
-def _warmpath_against_each(rounds: Sequence[Mapping], baseline: str | None) -> list[str]:
-    """warmpath's TTFT p50 over every other policy's within each round: the issue's targets name two baselines."""
+def warmpath_ttft_over_each(rounds: Sequence[Mapping]) -> dict[str, dict]:
+    """warmpath's TTFT p50 over every other policy's within each round (`paired_ratios`' figure with that
+    policy as the baseline): the issue's targets name two baselines. Empty without warmpath."""
     policies = _round_policies(rounds)
     if "warmpath" not in policies:
-        return []
-    parts = []
+        return {}
+    over = {}
     for other in policies:
-        if other in ("warmpath", baseline):
-            continue
-        figure = paired_ratios(rounds, other).get("warmpath", {}).get("ttft_p50_s")
-        if figure is not None:
-            parts.append(f"{other} {figure['median']:.2f} [{figure['min']:.2f}-{figure['max']:.2f}]")
+        if other != "warmpath" and (figure := paired_ratios(rounds, other).get("warmpath", {}).get("ttft_p50_s")):
+            over[other] = figure
+    return over
+
+
+def _warmpath_against_each(rounds: Sequence[Mapping], baseline: str | None) -> list[str]:
+    """The report's line of `warmpath_ttft_over_each`, the baseline's column left to the table."""
+    parts = [f"{other} {figure['median']:.2f} [{figure['min']:.2f}-{figure['max']:.2f}]"
+             for other, figure in warmpath_ttft_over_each(rounds).items() if other != baseline]
     return [f"warmpath TTFT p50 within each round over: {', '.join(parts)}"] if parts else []
 
 

@@ -193,6 +193,8 @@ def test_rounds_pair_each_policy_with_the_same_rounds_baseline(ttft_by_call):
     ttft = result["paired_ratios"]["warmpath"]["ttft_p50_s"]
     assert ttft == {"median": 0.6, "min": 0.5, "max": 0.8, "num_rounds": 3}  # 0.6/1.0, 1.0/2.0, 0.4/0.5
     assert result["paired_ratios"]["pow2"]["ttft_p50_s"]["median"] == 1.0
+    # The targets name two baselines: warmpath over each other policy is in the JSON too.
+    assert result["warmpath_ttft_p50_over"] == {"pow2": ttft}
     assert live.failures(result) == []
 
 
@@ -229,7 +231,7 @@ def test_bench_prints_the_paired_ratios_of_its_rounds(ttft_by_call, tmp_path):
 
 def test_one_round_writes_no_rounds(no_cluster):
     result = _run_bench(("pow2", "warmpath"))
-    assert "rounds" not in result and "paired_ratios" not in result
+    assert "rounds" not in result and "paired_ratios" not in result and "warmpath_ttft_p50_over" not in result
 
 
 def test_the_cluster_is_left_with_its_configured_policy(no_cluster):

@@ -270,6 +270,9 @@ async def _send(client, url: str, prepared: PreparedRequest, start_s: float) -> 
     except Exception as err:  # a failed request is recorded, never fatal to the run
         record.error = f"{type(err).__name__}: {err}"
         return record
+    finally:
+        if record.latency_s is None:  # failed: how long it was in flight (`sim_cost.alone_in_flight` reads it)
+            record.latency_s = time.monotonic() - sent
     if usage is None:
         record.error = "no usage in the stream"
         return record

@@ -104,16 +104,16 @@ def alone_in_flight(records: Sequence[RequestRecord]) -> list[RequestRecord]:
 
     Why: a request that waited behind others counts the wait as its own cost, and
     on a few shared cores any other request in flight slows it; only these show
-    what a request costs by itself.
+    what a request costs by itself. A failed request overlaps for as long as it
+    was in flight (its engine may have been prefilling it all along).
     """
-    ok = sorted((r for r in records if r.error is None and r.ttft_s is not None and r.latency_s is not None),
-                key=lambda r: r.send_s)
-    ends = [r.send_s + r.latency_s for r in ok]
+    timed = sorted((r for r in records if r.latency_s is not None), key=lambda r: r.send_s)
+    ends = [r.send_s + r.latency_s for r in timed]
     alone = []
     latest_end = float("-inf")  # of the requests sent before this one
-    for i, record in enumerate(ok):
-        next_start = ok[i + 1].send_s if i + 1 < len(ok) else float("inf")
-        if latest_end <= record.send_s and ends[i] <= next_start:
+    for i, record in enumerate(timed):
+        next_start = timed[i + 1].send_s if i + 1 < len(timed) else float("inf")
+        if latest_end <= record.send_s and ends[i] <= next_start and record.error is None and record.ttft_s is not None:
             alone.append(record)
         latest_end = max(latest_end, ends[i])
     return alone

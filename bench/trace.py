@@ -43,7 +43,7 @@ class RequestRecord:
     output_tokens: int = 0
     replica_id: str | None = None
     ttft_s: float | None = None
-    latency_s: float | None = None
+    latency_s: float | None = None  # to the last token; a failed request's, to its failure
     predicted_cached_tokens: int | None = None
     route: str | None = None
     error: str | None = None

@@ -31,6 +31,19 @@ def test_fit_recovers_the_line_and_the_decode_time():
     assert fit.decode_s_per_token == pytest.approx(0.01)
 
 
+def test_a_failed_request_in_flight_beside_one_makes_it_not_alone():
+    """A request that failed after a while held its engine meanwhile (it was prefilling, say): the one it
+    overlapped paid for both and is no measure of its own cost."""
+    from bench.sim_cost import alone_in_flight
+
+    fine = _record(400, 0.1, send_s=10_000.0)
+    failed = RequestRecord("t", 0, 10_000.05, prompt_tokens=3000, latency_s=2.0, error="HTTP 500")
+    later = _record(400, 0.1, send_s=20_000.0)
+    assert alone_in_flight([fine, failed, later]) == [later]
+    never_timed = RequestRecord("u", 0, 10_000.05, prompt_tokens=3000, error="ConnectError: refused")
+    assert alone_in_flight([fine, never_timed, later]) == [fine, later]
+
+
 def test_fit_leaves_out_requests_that_overlapped_others():
     alone = [_record(n, 0.05 + 0.0002 * n) for n in (100, 400, 900, 2000)]
     # Two requests in flight together, each waiting behind the other: their TTFTs hold queueing, not cost.
@@ -129,3 +142,26 @@ def test_runs_are_looked_at_apart_for_requests_that_ran_alone(tmp_path, capsys):
     path.write_text(json.dumps({"policies": {p: {"records": [r.to_json() for r in rs]} for p, rs in runs.items()}}))
     main([str(path)])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["num_requests"] == 8
+
+
+@pytest.mark.parametrize("status", [500, 0], ids=["refused", "connection-failed"])
+def test_a_failed_live_request_keeps_how_long_it_was_in_flight(status):
+    import asyncio
+
+    import httpx
+
+    from bench import live
+
+    def answer(request):
+        if not status:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(status, text="engine died")
+
+    prepared = live.PreparedRequest("s", 0, {"model": "m"}, [1, 2, 3], 0.0)
+
+    async def send():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await live._send(client, "http://cluster/v1/chat/completions", prepared, 0.0)
+
+    record = asyncio.run(send())
+    assert record.error and record.latency_s is not None and record.latency_s >= 0

@@ -374,13 +374,18 @@ def plot_live(result: Mapping, path: Path) -> None:
     if policies:
         ax_ttft.legend()
     hits = [result["policies"][p]["summary"].get("hit_rate") or 0.0 for p in policies]
-    ax_hit.bar(policies, hits, color="tab:blue")
-    oracle = result.get("oracle", {}).get("warmpath")
-    if oracle:
+    ax_hit.bar(range(len(policies)), hits, color="tab:blue", tick_label=policies)
+    # Each policy's bounds are those of its own trace: drawn across its own bar only.
+    labelled = set()
+    for x, policy in enumerate(policies):
+        bounds = result.get("oracle", {}).get(policy) or {}
         for key, style, name in (("infinite_hit_rate", "--", "infinite cache"), ("placed_hit_rate", ":", "greedy placement")):
-            if oracle.get(key) is not None:
-                ax_hit.axhline(oracle[key], linestyle=style, color="black", label=f"oracle: {name}")
-        ax_hit.legend()
+            if bounds.get(key) is not None:
+                label = None if key in labelled else f"oracle of its trace: {name}"
+                ax_hit.hlines(bounds[key], x - 0.4, x + 0.4, linestyles=style, color="black", label=label)
+                labelled.add(key)
+    if labelled:  # under the bars, which reach up to the bounds
+        ax_hit.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize="small")
     ax_hit.set_ylim(0, 1)
     ax_hit.set_ylabel("prefix hit rate (vLLM cached / prompt tokens)")
     ax_hit.set_title("hit rate per policy")

@@ -39,6 +39,21 @@ def test_plot_is_a_png_of_the_figures_size(tmp_path, with_oracle):
     assert (width, height) == (12 * 110, int(4.5 * 110))
 
 
+def test_each_policys_oracle_bounds_are_drawn_across_its_own_bar(tmp_path, monkeypatch):
+    """Each bound is of that policy's own trace: drawn across every bar, warmpath's looked like everyone's."""
+    from matplotlib.axes import Axes
+
+    drawn = []
+    real = Axes.hlines
+    monkeypatch.setattr(Axes, "hlines", lambda self, y, xmin, xmax, **kw: drawn.append((y, xmin, xmax)) or real(
+        self, y, xmin, xmax, **kw))
+    result = _result(with_oracle=True)
+    result["oracle"]["pow2"] = {"infinite_hit_rate": 0.9, "placed_hit_rate": None}
+    plot_live(result, tmp_path / "bench.png")
+    # Bars in the policies' order: pow2 at 0, warmpath at 1.
+    assert sorted(drawn) == [(0.9, -0.4, 0.4), (0.92, 0.6, 1.4), (0.93, 0.6, 1.4)]
+
+
 def test_plot_skips_a_policy_that_failed(tmp_path):
     result = _result(with_oracle=False)
     result["policies"]["pow2"] = {"error": "RuntimeError: redeploy failed"}  # no records, no summary

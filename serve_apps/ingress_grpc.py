@@ -96,6 +96,7 @@ from serve_apps.api_errors import (
 )
 from serve_apps.grpc_decoding import UndecodableRequest
 from serve_apps.grpc_status import RpcFailure, grpc_code
+from serve_apps.handle_streams import cancelled_if_left
 from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import chat_request_problem
 from serve_apps.orchestrator.models import (
@@ -683,24 +684,24 @@ class GrpcIngress:
         raw_request_info = RawRequestInfo(headers=telemetry.inject())
         stream = self._llm.options(**options).chat.remote(chat_request, raw_request_info)
         try:
-            async with asyncio.timeout(self.first_output_timeout_s) as first_output_deadline:
-                async for item in stream:
-                    if isinstance(item, ServedBy):
-                        replica_id = item.replica_id
-                        continue
-                    for output in item if isinstance(item, list) else [item]:
-                        if isinstance(output, ErrorResponse):
-                            raise engine_failure(output.error.model_dump())
-                        if not has_output and (refused := stream_leading_error(output)) is not None:
-                            raise engine_failure(refused)  # refused before any token: settled as a refusal
-                        has_output = True
-                        first_output_deadline.reschedule(None)
-                        yield replica_id, output
+            with cancelled_if_left(stream):  # the caller left, or the call failed: the engine stops decoding
+                async with asyncio.timeout(self.first_output_timeout_s) as first_output_deadline:
+                    async for item in stream:
+                        if isinstance(item, ServedBy):
+                            replica_id = item.replica_id
+                            continue
+                        for output in item if isinstance(item, list) else [item]:
+                            if isinstance(output, ErrorResponse):
+                                raise engine_failure(output.error.model_dump())
+                            if not has_output and (refused := stream_leading_error(output)) is not None:
+                                raise engine_failure(refused)  # refused before any token: settled as a refusal
+                            has_output = True
+                            first_output_deadline.reschedule(None)
+                            yield replica_id, output
         except TimeoutError:
             if not first_output_deadline.expired():  # the engine's own timeout, not this wait
                 raise
-            stream.cancel()
-            raise RpcFailure(
+            raise RpcFailure(  # the call was cancelled on the way out
                 grpc.StatusCode.DEADLINE_EXCEEDED, "request_timeout",
                 f"the engine sent no output within {self.first_output_timeout_s:g} s "
                 "(RAY_SERVE_LLM_ROUTER_HTTP_TIMEOUT sets this limit)",
@@ -715,21 +716,23 @@ class GrpcIngress:
         A turn's own `error` event sets the RPC's status (context and span) before it is yielded.
         """
         events = stream.__aiter__()
-        envelope = await anext(events)
+        with cancelled_if_left(stream):  # the caller left, or the RPC failed: the turn stops with it
+            envelope = await anext(events)
         envelope_body(envelope, 200)
         if envelope.get("is_replay"):
             grpc_context.set_trailing_metadata([(REPLAY_METADATA, "true")])
         try:
-            async for event in outcome_checked(events):
-                message = session_event_to_proto(event)
-                if event["kind"] == "error":
-                    status = turn_error_status(event["code"])
-                    if status != grpc.StatusCode.OK:
-                        retry_after = store_retry_headers(event["code"]).items()
-                        failure = RpcFailure(status, event["code"], event["message"], retry_after)
-                        failure.set_on(grpc_context)
-                        rpc.record(failure.status, failure.message)
-                yield message
+            with cancelled_if_left(stream):
+                async for event in outcome_checked(events):
+                    message = session_event_to_proto(event)
+                    if event["kind"] == "error":
+                        status = turn_error_status(event["code"])
+                        if status != grpc.StatusCode.OK:
+                            retry_after = store_retry_headers(event["code"]).items()
+                            failure = RpcFailure(status, event["code"], event["message"], retry_after)
+                            failure.set_on(grpc_context)
+                            rpc.record(failure.status, failure.message)
+                    yield message
         except (RpcFailure, RequestCancelledError):
             raise
         except Exception as err:

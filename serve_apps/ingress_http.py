@@ -62,6 +62,7 @@ from serve_apps.api_errors import (
     refusal,
     unavailable_response,
 )
+from serve_apps.handle_streams import cancelled_if_left
 from serve_apps.metrics import record_model_usage
 from serve_apps.request_checks import (
     chat_request_problem,
@@ -373,21 +374,24 @@ def _unary(result: Dict[str, Any]) -> Response:
 
 
 def _sse(
-    first: Dict[str, Any], events: AsyncIterator[Dict[str, Any]], span: trace.Span = trace.INVALID_SPAN
+    first: Dict[str, Any], events: AsyncIterator[Dict[str, Any]], span: trace.Span = trace.INVALID_SPAN,
+    stream: Any = None,
 ) -> AsyncIterator[str]:
     """A turn's events as SSE frames; a turn that fails after its 200 is noted on the route's `span`, and so
-    is a stream its client left before `done` (as a chat stream's is)."""
+    is a stream its client left before `done` (as a chat stream's is). The turn's handle call `stream`
+    is cancelled when the client leaves."""
     async def frames() -> AsyncIterator[str]:
         is_done = False
         try:
             try:
-                async for event in events:
-                    if event["kind"] == "error":  # after the 200: `error.type` carries the turn's own status
-                        status = TURN_ERROR_STATUS.get(event.get("code"), 500)
-                        telemetry.record_failure_status(
-                            span, str(status), status, str(event.get("message") or "the turn failed")
-                        )
-                    yield f"event: {event['kind']}\ndata: {json.dumps(event)}\n\n"
+                with cancelled_if_left(stream):
+                    async for event in events:
+                        if event["kind"] == "error":  # after the 200: `error.type` carries the turn's own status
+                            status = TURN_ERROR_STATUS.get(event.get("code"), 500)
+                            telemetry.record_failure_status(
+                                span, str(status), status, str(event.get("message") or "the turn failed")
+                            )
+                        yield f"event: {event['kind']}\ndata: {json.dumps(event)}\n\n"
             except Exception as err:
                 logger.exception("turn stream broke off")
                 telemetry.record_exception_failure(span, err)
@@ -438,7 +442,8 @@ async def _turn_response(
     """Maps the orchestrator's turn stream (envelope first, then events) to HTTP; exceptions go on `span`."""
     events = stream_events.__aiter__()
     try:
-        first = await events.__anext__()
+        with cancelled_if_left(stream_events):  # the client left, or the call failed: the turn stops with it
+            first = await events.__anext__()
     except Exception as err:
         logger.exception("turn of session %s failed before it started", session_id)
         span.record_exception(err)
@@ -448,9 +453,11 @@ async def _turn_response(
     events = outcome_checked(events)
     headers = {REPLAY_HEADER: "true"} if first.get("is_replay") else {}
     if is_streaming:
-        return StreamingResponse(_sse(first, events, span), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_sse(first, events, span, stream_events), media_type="text/event-stream",
+                                 headers=headers)
     try:
-        collected = [event async for event in events]
+        with cancelled_if_left(stream_events):
+            collected = [event async for event in events]
     except Exception as err:
         logger.exception("turn of session %s broke off", session_id)
         span.record_exception(err)

@@ -37,6 +37,7 @@ from cluster.api_keys import missing_permissions
 from serve_apps.access import Caller
 from serve_apps.api_errors import error_body, readable_message, validation_problem
 from serve_apps.metrics import WarmpathMetrics, record_model_call
+from serve_apps.handle_streams import cancelled_if_left
 from serve_apps.orchestrator.models import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -219,17 +220,18 @@ class HandleModelClient:
             # Ray handle calls carry no trace context: it travels in the request headers.
             raw_request_info = RawRequestInfo(headers=telemetry.inject())
             stream = self._handle.options(stream=True, session_id=session_id).chat.remote(request, raw_request_info)
-            async for item in stream:
-                if isinstance(item, ServedBy):
-                    reply.replica_id = item.replica_id
-                    continue
-                for chunk in item if isinstance(item, list) else [item]:
-                    if isinstance(chunk, ErrorResponse):
-                        raise engine_failure(chunk.error.message, int(chunk.error.code or 500))
-                    for data in sse_payloads(chunk):
-                        text = _apply_chunk(data, reply, calls)
-                        if text:
-                            yield text
+            with cancelled_if_left(stream):  # a turn cancelled or failing mid-stream stops its engine's decoding
+                async for item in stream:
+                    if isinstance(item, ServedBy):
+                        reply.replica_id = item.replica_id
+                        continue
+                    for chunk in item if isinstance(item, list) else [item]:
+                        if isinstance(chunk, ErrorResponse):
+                            raise engine_failure(chunk.error.message, int(chunk.error.code or 500))
+                        for data in sse_payloads(chunk):
+                            text = _apply_chunk(data, reply, calls)
+                            if text:
+                                yield text
             logged = decision_log.pop_current()
             decision_log.record_route_span(logged, reply.replica_id or None)
             record_model_call(logged, reply.replica_id, reply.prompt_tokens, reply.cached_tokens)

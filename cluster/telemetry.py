@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Mapping, MutableMapping, Optional
+from typing import Iterable, Mapping, MutableMapping, Optional, Union
 
 from opentelemetry import context, propagate, trace
 
@@ -113,10 +113,18 @@ def current_context(ctx: context.Context) -> Iterator[None]:
         context.detach(token)
 
 
-def extract(carrier: Optional[Mapping[str, str]]) -> context.Context:
-    """The trace context a caller sent (case-insensitive header lookup)."""
-    lowered = {k.lower(): v for k, v in (carrier or {}).items()}
-    return propagate.extract(lowered)
+def extract(carrier: Union[Mapping[str, str], Iterable[tuple[str, str]], None]) -> context.Context:
+    """The trace context a caller sent: headers as a mapping or as (name, value) pairs, names in any case.
+
+    A header sent on several lines (W3C allows it for `tracestate` and `baggage`) is joined with commas,
+    as HTTP combines repeated fields; a mapping of a request's headers keeps one line only.
+    """
+    pairs = carrier.items() if isinstance(carrier, Mapping) else (carrier or ())
+    joined: dict[str, str] = {}
+    for name, value in pairs:
+        name = name.lower()
+        joined[name] = f"{joined[name]},{value}" if name in joined else value
+    return propagate.extract(joined)
 
 
 # GenAI's operation names for Ray Serve LLM's call methods (`completions` is `text_completion` there).

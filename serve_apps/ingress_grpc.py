@@ -870,7 +870,7 @@ class _RpcSpan:
     @classmethod
     def start(cls, service: str, method: str, grpc_context) -> "_RpcSpan":
         """The span of `service/method`, child of the W3C context in the call's metadata; not yet current."""
-        parent = telemetry.extract(dict(_string_metadata(grpc_context)))
+        parent = telemetry.extract(_string_metadata(grpc_context))
         return cls(telemetry.tracer().start_span(
             f"{service}/{method}", context=parent, kind=trace.SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},

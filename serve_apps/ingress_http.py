@@ -502,7 +502,7 @@ async def _traced_session_call(
     attributes = {"http.request.method": method, "http.route": route}
     if session_id is not None:
         attributes["warmpath.session_id"] = session_id
-    parent = telemetry.extract(dict(request.headers))
+    parent = telemetry.extract(request.headers.items())
     span = telemetry.tracer().start_span(f"{method} {route}", context=parent, kind=trace.SpanKind.SERVER,
                                          attributes=attributes)
     # On the caller's context, so its baggage goes on with the trace (`telemetry.inject`).
@@ -639,7 +639,7 @@ class WarmpathIngress(OpenAiIngress):
             telemetry.flush_spans()
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
-        parent = telemetry.extract(dict(raw_request.headers)) if raw_request is not None else None
+        parent = telemetry.extract(raw_request.headers.items()) if raw_request is not None else None
         span = telemetry.tracer().start_span(
             self._span_name(call_method, str(body.model)), context=parent, kind=trace.SpanKind.SERVER,
             attributes=_llm_span_attributes(call_method, str(body.model), raw_request),

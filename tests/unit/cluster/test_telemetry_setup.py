@@ -62,3 +62,23 @@ def test_the_service_name_is_the_configs_else_otels_variables_else_warmpath(monk
     attributes = installed[0].resource.attributes
     assert attributes["service.name"] == expected and attributes["warmpath.component"] == "test"
     installed[0].shutdown()
+
+
+def test_a_header_sent_on_several_lines_is_joined_as_http_joins_them():
+    """W3C lets `tracestate` and `baggage` be split over several header lines: the second line was dropped
+    (a mapping of the request's headers keeps one line per name)."""
+    from opentelemetry import baggage, trace
+
+    from cluster import telemetry
+
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    pairs = [("traceparent", f"00-{trace_id}-b7ad6b7169203331-01"), ("TraceState", "vendor1=a"),
+             ("tracestate", "vendor2=b"), ("baggage", "user=alice"), ("Baggage", "tenant=acme")]
+    extracted = telemetry.extract(pairs)
+    span_context = trace.get_current_span(extracted).get_span_context()
+    assert format(span_context.trace_id, "032x") == trace_id
+    assert dict(span_context.trace_state) == {"vendor1": "a", "vendor2": "b"}
+    assert baggage.get_all(extracted) == {"user": "alice", "tenant": "acme"}
+    # A mapping still works, one line per name.
+    assert dict(trace.get_current_span(telemetry.extract({"traceparent": pairs[0][1], "tracestate": "v=1"}))
+                .get_span_context().trace_state) == {"v": "1"}

@@ -676,3 +676,12 @@ def test_the_callers_baggage_goes_on_with_a_turns_trace_over_http_and_grpc(spans
     for carrier in carriers:
         assert sorted(carrier["baggage"].split(",")) == sorted(BAGGAGE.split(","))
         assert carrier["traceparent"].split("-")[1] == TRACEPARENT.split("-")[1]
+
+
+def test_a_tracestate_split_over_header_lines_reaches_the_span_whole(spans):
+    """W3C lets `tracestate` come on several lines; the ingress kept only the first."""
+    request = _http_request({"traceparent": TRACEPARENT})
+    request.scope["headers"] += [(b"tracestate", b"vendor1=a"), (b"tracestate", b"vendor2=b")]
+    _run(_chat_ingress(ServedBy("r1"), CHUNK, DONE)._process_llm_request(_chat(), "chat", request))
+    span = _only(spans)
+    assert dict(span.parent.trace_state) == {"vendor1": "a", "vendor2": "b"}

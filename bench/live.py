@@ -662,4 +662,5 @@ def _check_simulator(result: dict, progress: Progress) -> None:
             "measured_hit_rate": check.measured_hit_rate, "simulated_hit_rate": check.simulated_hit_rate,
             "difference": check.difference, "tolerance": check.tolerance,
             "is_within_tolerance": check.is_within_tolerance, "request_agreement": check.request_agreement,
+            "pinned_hit_rate": check.pinned_hit_rate, "pinned_request_agreement": check.pinned_request_agreement,
         }

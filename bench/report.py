@@ -166,6 +166,11 @@ def _check_line(policy: str, check: Mapping) -> str:
     agreement = check.get("request_agreement")
     if agreement is not None:
         line += f"; {agreement:.0%} of requests cached within one block of vLLM's count"
+    pinned = check.get("pinned_hit_rate")
+    if pinned is not None:
+        line += f"; on the live run's own replicas: simulated {pinned:.3f}"
+        if check.get("pinned_request_agreement") is not None:
+            line += f", {check['pinned_request_agreement']:.0%} of requests within one block"
     return line
 
 

@@ -42,6 +42,7 @@ class SimRequest:
     replica: int | None = None
     record: RequestRecord | None = None
     num_blocks_held: int = 0
+    pinned_replica: int | None = None  # a replayed request kept where the live run served it (no routing)
 
 
 class SimRouter:

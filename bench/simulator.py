@@ -115,17 +115,32 @@ class WorkloadSource:
         return self.request(session, request.step_index + 1, done_s + latency_s)
 
 
-def trace_requests(records: Sequence[RequestRecord]) -> list[SimRequest]:
-    """Open-loop requests from a recorded trace (successful records with token ids), in send order."""
+def trace_requests(records: Sequence[RequestRecord], is_pinned: bool = False) -> list[SimRequest]:
+    """Open-loop requests from a recorded trace (successful records with token ids), in send order.
+
+    With `is_pinned`, each request is kept on the replica that served it live (`live_replica_slots`), so
+    that the replay tests the cache model on the live run's own placement, not the simulated router's.
+    """
     ok = sorted((r for r in records if r.error is None and r.token_ids is not None), key=lambda r: r.send_s)
     last_step: dict[str, int] = {}
     for r in ok:
         last_step[r.session_id] = max(last_step.get(r.session_id, r.step_index), r.step_index)
+    slots = live_replica_slots(ok) if is_pinned else {}
     return [
         SimRequest(session_id=r.session_id, step_index=r.step_index, arrival_s=r.send_s, token_ids=r.token_ids,
-                   num_output_tokens=r.output_tokens, is_last_of_session=r.step_index == last_step[r.session_id])
+                   num_output_tokens=r.output_tokens, is_last_of_session=r.step_index == last_step[r.session_id],
+                   pinned_replica=slots.get(r.replica_id))
         for r in ok
     ]
+
+
+def live_replica_slots(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """The live run's replica ids (`x-warmpath-replica`), numbered in the order they first served a request."""
+    slots: dict[str, int] = {}
+    for record in records:
+        if record.replica_id is not None and record.replica_id not in slots:
+            slots[record.replica_id] = len(slots)
+    return slots
 
 
 # --- the simulation -------------------------------------------------------------------------------
@@ -245,9 +260,13 @@ class Simulation:
     def _arrive(self, request: SimRequest, now_s: float) -> None:
         request.record = RequestRecord(request.session_id, request.step_index, request.arrival_s,
                                        prompt_tokens=len(request.token_ids), output_tokens=request.num_output_tokens)
-        if not isinstance(self.router, WarmpathRouter):
+        if request.pinned_replica is not None:  # a replay of where a live run served it
             request.blocks = self._blocks(request)
-        replica = self.router.route(request, now_s)
+            replica = request.pinned_replica
+        else:
+            if not isinstance(self.router, WarmpathRouter):
+                request.blocks = self._blocks(request)
+            replica = self.router.route(request, now_s)
         if request.blocks is None:  # pragma: no cover - every router sets or receives blocks
             request.blocks = self._blocks(request)
         self._session_blocks[request.session_id] = request.blocks
@@ -706,11 +725,20 @@ class ReproductionCheck:
     tolerance: float
     num_requests: int = 0
     num_within_block: int = 0
+    # The same replay with each request kept on the replica that served it live: the cache and cost
+    # model on the live run's own placement, where the routed replay's random choices (pow2's) differ.
+    pinned_hit_rate: float | None = None
+    num_pinned_within_block: int = 0
 
     @property
     def request_agreement(self) -> float | None:
         """Share of the run's successful requests whose simulated cached tokens are within one block of vLLM's."""
         return self.num_within_block / self.num_requests if self.num_requests else None
+
+    @property
+    def pinned_request_agreement(self) -> float | None:
+        """`request_agreement` of the pinned replay."""
+        return self.num_pinned_within_block / self.num_requests if self.num_requests else None
 
     @property
     def difference(self) -> float:
@@ -749,20 +777,30 @@ def reproduce_live_run(bench: dict, policy: RouterPolicy = "warmpath", tolerance
                          "model's shape gave no estimate), which the replay's caches need")
     profile = replace(CPU_PROFILE, block_size_tokens=bench["block_size_tokens"],
                       kv_capacity_blocks=bench["kv_capacity_blocks"])
-    result = simulate(policy, bench["num_replicas"], profile, requests=trace_requests(records), seed=seed,
-                      router_config=RouterConfig.model_validate(bench.get("router_config") or {}),
-                      model_id=bench["model_id"], is_output_reused=False)
     measured_cached = {(r.session_id, r.step_index): r.cached_tokens for r in records if r.error is None}
-    num_within_block = sum(
-        1 for r in result.records
-        if (r.session_id, r.step_index) in measured_cached
-        and abs(r.cached_tokens - measured_cached[(r.session_id, r.step_index)]) <= profile.block_size_tokens
-    )
-    return ReproductionCheck(policy, measured, result.summary.hit_rate or 0.0, tolerance,
-                             len(measured_cached), num_within_block)
+
+    def replay(is_pinned: bool) -> tuple[float, int]:
+        # A replica replaced during the run served under a new id: pinned, it is one more replica.
+        num_replicas = bench["num_replicas"]
+        if is_pinned:
+            num_replicas = max(num_replicas, len(live_replica_slots(records)))
+        result = simulate(policy, num_replicas, profile, requests=trace_requests(records, is_pinned), seed=seed,
+                          router_config=RouterConfig.model_validate(bench.get("router_config") or {}),
+                          model_id=bench["model_id"], is_output_reused=False)
+        num_within_block = sum(
+            1 for r in result.records
+            if (r.session_id, r.step_index) in measured_cached
+            and abs(r.cached_tokens - measured_cached[(r.session_id, r.step_index)]) <= profile.block_size_tokens
+        )
+        return result.summary.hit_rate or 0.0, num_within_block
+
+    routed_hit_rate, num_within_block = replay(is_pinned=False)
+    pinned_hit_rate, num_pinned_within_block = replay(is_pinned=True)
+    return ReproductionCheck(policy, measured, routed_hit_rate, tolerance, len(measured_cached), num_within_block,
+                             pinned_hit_rate, num_pinned_within_block)
 
 
 __all__ = [
     "GridInterrupted", "GridRun", "ReproductionCheck", "Simulation", "SimulationResult", "WorkloadSource", "available_cores",
-    "reproduce_live_run", "run_grid", "simulate", "trace_requests",
+    "live_replica_slots", "reproduce_live_run", "run_grid", "simulate", "trace_requests",
 ]

@@ -138,6 +138,20 @@ def test_live_report_marks_a_failed_policy_and_a_failed_replay():
     assert "warmpath: FAILED: ValueError: bad trace" in text
 
 
+def test_live_report_gives_the_routed_and_the_pinned_replay():
+    result = {
+        "workload": "fanout", "num_sessions": 2, "num_requests": 6, "num_replicas": 2, "time_scale": 1.0,
+        "policies": {"pow2": {"summary": _summary(0.8)}},
+        "simulator_check": {"pow2": {
+            "measured_hit_rate": 0.8, "simulated_hit_rate": 0.9, "tolerance": 0.05, "is_within_tolerance": False,
+            "request_agreement": 0.5, "pinned_hit_rate": 0.81, "pinned_request_agreement": 0.97,
+        }},
+    }
+    assert ("pow2: measured 0.800, simulated 0.900 (OUTSIDE +-0.05); 50% of requests cached within one block of "
+            "vLLM's count; on the live run's own replicas: simulated 0.810, 97% of requests within one block"
+            ) in live_report(result)
+
+
 def test_error_line_is_one_short_line():
     assert error_line(MemoryError()) == "MemoryError"
     assert error_line(RuntimeError("a\n  b")) == "RuntimeError: a b"

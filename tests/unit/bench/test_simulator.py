@@ -225,6 +225,26 @@ def test_reproduces_a_live_run_hit_rate_from_its_trace():
     assert (check.num_requests, check.num_within_block, check.request_agreement) == (6, 3, 0.5)
 
 
+def test_a_pinned_replay_keeps_each_request_where_the_live_run_served_it():
+    """The live run moved one session between two replicas (x, y, x): routed again, the replay kept it on
+    one replica and described another placement; pinned, it reproduces the live count request by request."""
+    rng = random.Random(1)
+    history = [rng.randrange(8192) for _ in range(256)]
+    records = []
+    for step, (replica, cached) in enumerate([("x", 0), ("y", 0), ("x", 544)]):  # x holds step 0's 17 blocks
+        history += [rng.randrange(8192) for _ in range(300)]
+        ids = array("I", history)
+        records.append(RequestRecord("a", step, 20.0 * step, prompt_tokens=len(ids), cached_tokens=cached,
+                                     output_tokens=8, token_ids=ids, replica_id=replica))
+    assert [r.pinned_replica for r in trace_requests(records, is_pinned=True)] == [0, 1, 0]
+    assert [r.pinned_replica for r in trace_requests(records)] == [None, None, None]
+    measured = 544 / sum(r.prompt_tokens for r in records)
+    check = reproduce_live_run(_fake_bench(records, 32, measured), "warmpath")
+    assert check.pinned_hit_rate == pytest.approx(measured)
+    assert check.pinned_request_agreement == 1.0
+    assert check.simulated_hit_rate > measured + 0.2 and check.request_agreement < 1.0  # routed: kept on one
+
+
 def test_a_live_run_without_a_kv_cache_size_is_refused_in_words():
     ids = array("I", range(300))
     records = [RequestRecord("a", 0, 0.0, prompt_tokens=300, output_tokens=8, token_ids=ids, replica_id="a")]

@@ -87,8 +87,7 @@ class StreamHealth:
     num_unreachable: int
     num_recovered_batches: int
     num_reloads: int
-    # This router's clock minus the publisher's, plus the fastest delivery (`CLOCK_OFFSET_RISE_S`); None
-    # before a live batch.
+    # This router's clock minus the publisher's, plus the fastest delivery seen; None before a live batch.
     publisher_clock_offset_s: float | None
 
 

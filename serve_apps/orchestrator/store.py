@@ -441,6 +441,7 @@ class SessionStore:
         self._owners = OwnerSessions(
             client, lambda session_id: self._key(session_id, "meta"), ttl_ms=self._ttl_ms, key_prefix=key_prefix
         )
+        self._lost_locks: set[str] = set()  # tokens of turn locks held here that a renewal found taken
 
     @classmethod
     def from_url(cls, url: str, **kwargs: float | int | str) -> "SessionStore":
@@ -630,8 +631,17 @@ class SessionStore:
         finally:
             if renewer is not None:
                 renewer.cancel()
+            self._lost_locks.discard(lock_args["args"][0])
             await self._release_lock(session_id, lock_args)
             await self._touch_owner(owner_key_id)
+
+    def lock_lost(self, token: str) -> bool:
+        """Whether a renewal found the turn lock `token` names expired or taken (`turn_lock`).
+
+        Why ask: such a turn cannot commit, and another turn may be running the session meanwhile; a turn
+        that asks before each step and each server-side tool stops there instead of running tools twice.
+        """
+        return token in self._lost_locks
 
     async def _touch_owner(self, owner_key_id: str | None) -> None:
         """Keeps the key's session count as long as its sessions (`OwnerSessions.touch`); an outage only logs."""
@@ -661,7 +671,10 @@ class SessionStore:
             await asyncio.sleep(delay_s)
             try:
                 if not await self._idempotent(lambda: self._renew(**lock_args)):
-                    return  # lost it (expired while Redis was away); the commit checks the token
+                    # Lost (expired while Redis was away, or this process stalled past it): the turn stops at
+                    # its next step or tool (`lock_lost`), and the commit checks the token.
+                    self._lost_locks.add(lock_args["args"][0])
+                    return
             except Exception as err:  # Redis away: keep trying, the turn's own calls report the outage
                 logger.warning("could not renew turn lock of %s: %s", session_id, err)
                 delay_s = min(interval_s, LOCK_RENEW_RETRY_S)  # a failed renewal used up part of the lease

@@ -70,7 +70,7 @@ from serve_apps.orchestrator.prompt import (
     count_tokens,
     effective_window_tokens,
 )
-from serve_apps.orchestrator.store import Compaction, RememberedTurn, SessionRecord, SessionStore
+from serve_apps.orchestrator.store import Compaction, RememberedTurn, SessionRecord, SessionStore, TurnLockTaken
 from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
 from serve_apps.orchestrator.tools import (
     ToolCallError,
@@ -270,6 +270,16 @@ class TurnRunner:
     def history(self) -> list[Message]:
         return self._stored + self._new
 
+    def _check_lock(self) -> None:
+        """Raises TurnLockTaken when a renewal found this turn's lock taken (`SessionStore.lock_lost`).
+
+        Such a turn can never commit, and the turn holding the lock now may be running the same tools:
+        it stops before its next model call or server-side tool instead of running on to a refused commit.
+        """
+        if self._lock_token is not None and self._store.lock_lost(self._lock_token):
+            raise TurnLockTaken(f"session {self._record.session_id}: this turn's lock expired and another turn "
+                                "holds it now; the turn stopped and nothing of it was saved")
+
     def _chat_request(self, history: Sequence[Message]) -> tuple[list, list]:
         """Messages and tools the model gets for `history`; token counts are taken over exactly these."""
         state = SessionState(self._request.system_prompt, self._request.tools, tuple(history))
@@ -333,6 +343,7 @@ class TurnRunner:
         choice = _wire_tool_choice(tool_choice, list(self._tools_by_name))
         num_repairs = 0
         for step in range(first_step, self._limits.max_steps_per_turn):
+            self._check_lock()
             report = None
             async for event in self._maybe_compress():
                 report = event.report
@@ -408,6 +419,7 @@ class TurnRunner:
                 if spec.execution.kind == "client":
                     client_calls.append(call)
                     continue
+                self._check_lock()  # a tool's side effects must not happen twice, under two turns
                 with telemetry.tracer().start_as_current_span(
                     f"execute_tool {call.name}",
                     attributes={"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": call.name,

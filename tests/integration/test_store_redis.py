@@ -883,6 +883,26 @@ def test_a_turn_whose_lock_another_turn_took_cannot_commit(redis_url):
     assert messages == (*_turn(1), *_turn(2)) and untaken == 4
 
 
+def test_a_turn_whose_renewal_finds_its_lock_taken_is_told_so(redis_url):
+    """Its commit would be refused; told at once, the turn stops before running more tools (which the turn
+    holding the lock now may be running too)."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        sid = record.session_id
+        async with store.turn_lock(sid) as token:
+            assert not store.lock_lost(token)
+            with redis.Redis.from_url(redis_url) as client:
+                client.set(f"warmpath:{{{sid}}}:lock", "another-turns-token")  # it expired, and was taken
+            deadline = time.monotonic() + 10
+            while not store.lock_lost(token):  # the next renewal (every 0.1 s here) finds out
+                assert time.monotonic() < deadline, "no renewal noticed the lock was taken"
+                await asyncio.sleep(0.05)
+        return store.lock_lost(token)
+
+    assert _run(redis_url, scenario, lock_ttl_s=0.3) is False  # forgotten with its block
+
+
 def test_a_commit_whose_reply_was_lost_is_settled_saved_or_voided(redis_url):
     """A commit Redis ran but whose reply was lost is reported saved; one that had not run is reported not saved
     and refused if it arrives later, so a turn reported failed is never saved after all."""

@@ -43,6 +43,7 @@ class MemoryStore:
         self.quotas: list = []  # the quota each creation counted against
         self.remembered: dict[tuple[str, str], str] = {}  # (session, idempotency key) -> RememberedTurn JSON
         self.commit_locks: list = []  # the lock token each commit was made under
+        self.lost_locks: set[str] = set()  # tokens a renewal found taken (`SessionStore.lock_lost`)
         self.max_step_stats = 1024  # stats kept per session, as the store keeps them
 
     async def create(self, request, owner, fingerprint, quota=None):
@@ -66,6 +67,9 @@ class MemoryStore:
     async def turn_lock(self, session_id, owner_key_id=None):
         await self.get(session_id)
         yield f"lock-of-{session_id}"
+
+    def lock_lost(self, token):
+        return token in self.lost_locks
 
     async def lookup_turn_result(self, session_id, key):
         return self.remembered.get((session_id, key))
@@ -369,6 +373,33 @@ def test_a_turn_commits_under_the_lock_it_holds():
     _collect(orchestrator.send_message(sid, {"content": "go"}, CALLER))
     _collect(orchestrator.submit_tool_results(sid, {"results": [{"tool_call_id": "c0", "content": "{}"}]}, CALLER))
     assert orchestrator._store.commit_locks == [f"lock-of-{sid}"] * 2
+
+
+def test_a_turn_whose_lock_was_taken_stops_before_running_a_server_tool(monkeypatch):
+    """Its commit would be refused, and the turn holding the lock now may run the same tool: the tool's side
+    effects would happen twice. It stops at once, saving nothing."""
+    from serve_apps.orchestrator import turns
+
+    ran = []
+
+    async def run_http_tool(*args, **kwargs):
+        ran.append(args)
+
+    monkeypatch.setattr(turns, "run_http_tool", run_http_tool)
+    lookup = ToolCall(id="c0", name="lookup", arguments="{}")
+    orchestrator = _orchestrator([ModelReply(tool_calls=[lookup]), ModelReply(content="Found.")])
+    sid = _session(orchestrator, [{"name": "lookup", "execution": {"kind": "http", "url": "http://tools.internal/x"}}])
+    store, model_chat = orchestrator._store, orchestrator._model.chat
+
+    async def chat_while_the_lock_expires(*args):
+        store.lost_locks.add(f"lock-of-{sid}")  # a renewal found another turn holding it
+        async for item in model_chat(*args):
+            yield item
+
+    orchestrator._model.chat = chat_while_the_lock_expires
+    events = _collect(orchestrator.send_message(sid, {"content": "go"}, CALLER))
+    assert events[-1]["kind"] == "error" and events[-1]["code"] == "stale_turn", events[-1]
+    assert ran == [] and store.commit_locks == [] and store.logs[sid] == []
 
 
 def test_a_turn_sends_the_callers_baggage_on_to_the_model():

@@ -84,6 +84,10 @@ logger = logging.getLogger("ray.serve")
 
 MAX_REPAIRS_PER_TURN = 2
 MIN_SUMMARY_TOKENS = 8
+# A compression that would free less than this share of the window waits while the prompt still fits: a
+# summarising call and a rewritten history (its cached prefix lost after the summary) for a few tokens cost
+# more than they save, and in a session near its threshold one was made at every turn for one round each.
+MIN_COMPRESSION_SAVING_FRACTION = 0.05
 # What the summarising call asks, after the messages it summarises.
 SUMMARISE_INSTRUCTION = (
     "Summarise the conversation so far in a few sentences: what was asked, what was done and found, what is "
@@ -264,6 +268,7 @@ class TurnRunner:
         # A compression this turn made and did not keep (its cut, its report, whether it lost a value):
         # not summarised again.
         self._declined: tuple[int, CompressionReport, bool] | None = None
+        self._deferred_cut: int | None = None  # a cut whose compression frees too little while the prompt fits
         self._tools_by_name = {t.name: t for t in self._request.tools}
 
     @property
@@ -474,7 +479,7 @@ class TurnRunner:
         empty_results = [Message(role="tool", tool_call_id=c.id, name=c.name, content="") for c in pending]
         if self._account([*self.history, *empty_results]).remaining_tokens >= 0:
             return  # it fits: compressing can wait for the next step, which may not need it yet
-        async for event in self._maybe_compress():
+        async for event in self._maybe_compress(empty_results):
             if self._stats and self._stats[-1].compression is None:  # the turn's last step: GET counts it there
                 self._stats[-1] = self._stats[-1].model_copy(update={"compression": event.report})
             yield event
@@ -496,20 +501,29 @@ class TurnRunner:
             )
         return account
 
-    async def _maybe_compress(self) -> AsyncIterator[CompressionEvent]:
+    async def _maybe_compress(self, to_come: Sequence[Message] = ()) -> AsyncIterator[CompressionEvent]:
         """Compresses the stored history when the plan says so and the result keeps every value and is shorter.
 
         A compression not kept is not tried again in this turn (its cut stays the same while the
         turn runs): the messages stay as they are, and the turn fails only if they do not fit,
-        with `compression_lost_values` where the compression would have dropped a value.
+        with `compression_lost_values` where the compression would have dropped a value. One that
+        would free little waits while the history and the messages `to_come` fit.
         """
         history = self.history
         account = self._account(history)
         plan = plan_compression(history, account, self._limits)
         if plan is None or plan.num_messages_compressed > len(self._stored) or self._compaction is not None:
             return
-        if self._declined is None or self._declined[0] != plan.num_messages_compressed:
-            report = await self._compress(history, plan)
+        fitting = self._account([*history, *to_come]) if to_come else account
+        cut, fits = plan.num_messages_compressed, fitting.remaining_tokens >= 0
+        if fits and self._deferred_cut == cut:
+            return  # the same cut frees as little as it did at the turn's last step
+        if self._declined is None or self._declined[0] != cut:
+            ledger_only, floor = apply_compression(history, plan, "", recount=self._account)
+            if fits and 0 < floor.tokens_before - floor.tokens_after < MIN_COMPRESSION_SAVING_FRACTION * self._window:
+                self._deferred_cut = cut  # later rounds will give it more to free, or the prompt will not fit
+                return
+            report = await self._compress(history, plan, ledger_only, floor)
             if report is not None:
                 yield CompressionEvent(report=report)
                 return
@@ -518,14 +532,14 @@ class TurnRunner:
             raise TurnFailed("compression_lost_values",
                              f"the prompt does not fit, and compression would drop exact values: {report}")
 
-    async def _compress(self, history: list[Message], plan: CompressionPlan) -> CompressionReport | None:
+    async def _compress(self, history: list[Message], plan: CompressionPlan, ledger_only: list[Message],
+                        floor: CompressionReport) -> CompressionReport | None:
         """Summarises and applies `plan`; the report if the result was kept, else None (`_declined` says why).
 
-        When the facts ledger alone (an empty summary) already makes the prompt no shorter, no
-        summary can: the model is not asked for one (a session of dense values would pay a
-        summarising call at every turn and every resume, each declined).
+        `ledger_only` and `floor` are `plan` applied with no summary: when the facts ledger alone already
+        makes the prompt no shorter, no summary can, and the model is not asked for one (a session of dense
+        values would pay a summarising call at every turn and every resume, each declined).
         """
-        ledger_only, floor = apply_compression(history, plan, "", recount=self._account)
         if floor.tokens_after >= floor.tokens_before:
             self._declined = (plan.num_messages_compressed, floor, False)  # not shorter: no value was judged
             return None

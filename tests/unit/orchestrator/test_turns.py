@@ -261,6 +261,39 @@ def test_a_summarising_prompt_leaving_no_room_for_a_summary_is_not_sent():
     assert "Summary:" not in store.commits[0]["compaction"].summary.content
 
 
+def _small_then_large_rounds() -> list[Message]:
+    """Two short rounds, then two with long tool results: compressing the short ones frees little."""
+    history = []
+    for i in range(4):
+        call = ToolCall(id=f"call-{i}", name="lookup_order", arguments=json.dumps({"order_id": f"ORD-{i}"}))
+        result = "Status: moving. " * (220 if i >= 2 else 2)
+        history += [Message(role="user", content=f"q{i}"), Message(role="assistant", content=None, tool_calls=[call]),
+                    Message(role="tool", tool_call_id=f"call-{i}", name="lookup_order", content=result),
+                    Message(role="assistant", content="ok")]
+    return history
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_compression_freeing_little_waits_while_the_prompt_fits(fits):
+    """Near its threshold a session compressed at every turn, one short round each: a summarising call and
+    a rewritten history to free a few tokens. It waits until there is more to free, or the prompt no longer
+    fits (then it compresses as before)."""
+    history = _small_then_large_rounds()
+    asked = [*history, Message(role="user", content="next")]
+    runner = TurnRunner(_record(64), history, len(history), MemoryStore(), ScriptedModel([]), CharTokenizer(), 8192)
+    total = runner._account(asked).total_tokens
+    saving = total - runner._account([Message(role="user", content="summary"), *asked[8:]]).total_tokens
+    window = total + 64 + (100 if fits else -10)  # within 20% of the window, or over it by a little
+    assert saving < turns.MIN_COMPRESSION_SAVING_FRACTION * window
+    model = ScriptedModel([([], ModelReply(content="a summary")), (["Hi"], ModelReply(content="Hi"))] if not fits
+                          else [(["Hi"], ModelReply(content="Hi"))])
+    events, store = _turn_after(history, model=model, context_budget_tokens=window)
+    assert events[-1].kind == "final"
+    is_compressed = store.commits[0]["compaction"] is not None
+    assert is_compressed is not fits
+    assert any(p[-1]["content"] == SUMMARISE_INSTRUCTION for p in model.prompts) is not fits
+
+
 class SummaryFailingModel(ScriptedModel):
     """Fails the summarising call with its `failure`; answers the rest by its script."""
 

@@ -125,6 +125,27 @@ _METASCHEMA_FORMATS = copy.deepcopy(Draft202012Validator.FORMAT_CHECKER)
 _METASCHEMA_FORMATS.checks("regex")(_checked_as_a_pattern)
 
 
+def _is_ecmascript_regex(value: object) -> bool:
+    """`format: regex` on a tool's argument: a regular expression in JSON Schema's ECMAScript dialect.
+
+    The default check compiles the text as Python's `re` does and so refused ECMAScript's named groups
+    (`(?<year>\d{4})`); rewritten to `re`'s syntax first, it is judged as written. `re` does not write
+    counted repeats out, so a model's `a{1000000000}` costs nothing to compile.
+    """
+    if not isinstance(value, str):
+        return True  # a format applies to strings only
+    try:
+        re.compile(_as_re_syntax(as_ecmascript(value)))
+    except (re.error, RecursionError, OverflowError):
+        return False
+    return True
+
+
+# What a tool's arguments are checked with: every format jsonschema can assert, `regex` as ECMAScript's.
+ARGUMENT_FORMATS = copy.deepcopy(Draft202012Validator.FORMAT_CHECKER)
+ARGUMENT_FORMATS.checks("regex")(_is_ecmascript_regex)
+
+
 def check_tool_parameters(value: dict[str, JsonValue]) -> None:
     """Raises ValueError, with a message naming the problem, unless `value` holds the invariants above."""
     # Bounds first: the metaschema check recurses per level and would overflow the stack on deep input.

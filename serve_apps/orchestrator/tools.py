@@ -34,7 +34,7 @@ from serve_apps.orchestrator.check_deadline import (
     CheckTimeout, PatternCheckTimeout, check_deadline, deadline_checked, install,
 )
 from serve_apps.orchestrator.tool_network import Destination, ToolNetworkPolicy
-from serve_apps.orchestrator.tool_schema import compact_json_utf8, prefix_def_refs
+from serve_apps.orchestrator.tool_schema import ARGUMENT_FORMATS, compact_json_utf8, prefix_def_refs
 
 # Bodies beyond this are refused rather than buffered: a tool cannot exhaust replica memory.
 MAX_TOOL_RESPONSE_BYTES = 8 * 1024 * 1024
@@ -194,7 +194,7 @@ def _validator(schema: dict) -> Draft202012Validator:
     # already refuses others), so validation never fetches anything. `format` is
     # asserted wherever jsonschema can check it (date, email, uuid, ipv4, ...): the
     # schema's author asked for it, and the grammar of a forced call does not enforce it.
-    return _DeadlineCheckedValidator(schema, registry=Registry(), format_checker=Draft202012Validator.FORMAT_CHECKER)
+    return _DeadlineCheckedValidator(schema, registry=Registry(), format_checker=ARGUMENT_FORMATS)
 
 
 def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | ToolCallError:

@@ -612,3 +612,17 @@ def test_patterns_match_as_json_schema_reads_them(schema, arguments, is_valid):
     call = ToolCall(id="c1", name="lookup", arguments=json.dumps(arguments))
     result = validate_tool_call(call, _pattern_tool(schema))
     assert isinstance(result, ToolCall) is is_valid, result
+
+
+@pytest.mark.parametrize(("pattern", "is_valid"), [
+    (r"(?<year>\d{4})-(?<month>\d{2})", True),  # ECMAScript's named groups: Python's `re` refused them
+    (r"^[A-Z]{3}-\d+$", True),
+    ("(unclosed", False),
+])
+def test_a_regex_format_argument_is_judged_as_an_ecmascript_regular_expression(pattern, is_valid):
+    spec = _spec("find", {"type": "object", "properties": {"pattern": {"type": "string", "format": "regex"}},
+                          "required": ["pattern"]})
+    checked = validate_tool_call(_call("find", json.dumps({"pattern": pattern})), [spec])
+    assert isinstance(checked, ToolCall) is is_valid, checked
+    if not is_valid:
+        assert "regex" in checked.message

@@ -66,3 +66,10 @@ def test_an_unreachable_store_says_what_failed_but_not_where_redis_lives(error, 
         with store_module._redis_errors("s1"):
             raise error
     assert str(unavailable.value) == f"session store unreachable ({failure})"
+
+
+def test_the_quota_refusal_counts_its_sessions_in_words():
+    from serve_apps.orchestrator.owner_sessions import SessionQuotaExceeded
+
+    assert "holds 1 live session, its limit" in str(SessionQuotaExceeded("k", 1))
+    assert "holds 2 live sessions, its limit" in str(SessionQuotaExceeded("k", 2))

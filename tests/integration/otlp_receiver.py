@@ -27,6 +27,7 @@ class ReceivedSpan:
     attributes: dict
     resource: dict = field(default_factory=dict)
     is_error: bool = False  # the span's status is ERROR (OTLP status code 2)
+    duration_s: float = 0.0
 
 
 def _value(any_value):
@@ -80,6 +81,7 @@ class OtlpReceiver:
                         parent_span_id=span.parent_span_id.hex(),
                         attributes={a.key: _value(a.value) for a in span.attributes}, resource=resource,
                         is_error=span.status.code == 2,
+                        duration_s=(span.end_time_unix_nano - span.start_time_unix_nano) / 1e9,
                     ))
         with self._lock:
             self.spans.extend(spans)

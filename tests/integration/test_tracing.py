@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from tests.integration.conftest import LOOKUP_SCHEMA
-from warmpath.v1 import agent_pb2, agent_pb2_grpc, inference_pb2, inference_pb2_grpc
+from warmpath.v1 import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -244,35 +244,20 @@ def test_an_http_client_leaving_a_stream_abandons_the_engines_request(cluster, o
     assert not engine.is_error
 
 
-def test_a_grpc_client_cancelling_a_stream_abandons_the_engines_request(channel, metadata, cluster, otlp_receiver):
+def test_an_http_client_leaving_a_streamed_turn_stops_the_turn_and_its_model_call(cluster, otlp_receiver):
+    """Ingress, orchestrator, replica: each stops the streaming call it made when its reader leaves."""
+    body = {"model": cluster.model_id, "system_prompt": "You are a storyteller.",
+            "limits": {"output_reserve_tokens": LONG_ANSWER_TOKENS}}
+    sid = cluster.client.post("/v1/sessions", json=body, timeout=60).json()["session_id"]
     trace_id, traceparent = _traceparent()
-    stub = inference_pb2_grpc.InferenceStub(channel)
-    request = inference_pb2.ChatCompletionRequest(
-        model=cluster.model_id, messages=[inference_pb2.ChatMessage(role="user", content="Tell a long story.")],
-        max_tokens=LONG_ANSWER_TOKENS,
-    )
-    call = stub.StreamChatCompletion(request, metadata=[*metadata, ("traceparent", traceparent)], timeout=120)
-    assert next(call).replica_id
-    call.cancel()
-    names = _replica_span_of(otlp_receiver, trace_id)
-    (engine,) = names["vllm.chat"]
-    assert engine.attributes.get("warmpath.stream.incomplete") is True, engine.attributes
-    assert not engine.is_error
-
-
-def test_a_grpc_client_cancelling_a_turn_stops_the_turn_and_its_model_call(channel, metadata, cluster, otlp_receiver):
-    agent = agent_pb2_grpc.AgentStub(channel)
-    created = agent.CreateSession(agent_pb2.CreateSessionRequest(
-        model=cluster.model_id, system_prompt="You are a storyteller.",
-        limits=agent_pb2.SessionLimits(output_reserve_tokens=LONG_ANSWER_TOKENS),
-    ), metadata=metadata, timeout=60)
-    trace_id, traceparent = _traceparent()
-    call = agent.SendMessage(agent_pb2.SendMessageRequest(session_id=created.session_id, content="A long story."),
-                             metadata=[*metadata, ("traceparent", traceparent)], timeout=300)
-    assert next(event for event in call if event.WhichOneof("event") == "delta")
-    call.cancel()
+    with cluster.client.stream("POST", f"/v1/sessions/{sid}/messages", json={"content": "A long story.", "stream": True},
+                               headers={"traceparent": traceparent}, timeout=300) as resp:
+        assert resp.status_code == 200
+        assert next(line for line in resp.iter_lines() if line == "event: delta")
     names = _by_name(otlp_receiver.wait_for(trace_id, {"vllm.chat", "invoke_agent warmpath"}, timeout_s=120))
     assert {"vllm.chat", "invoke_agent warmpath"} <= set(names), sorted(names)
     (engine,) = names["vllm.chat"]
-    assert engine.attributes.get("warmpath.stream.incomplete") is True, engine.attributes
-    assert names["invoke_agent warmpath"][0].attributes["warmpath.turn.outcome"] == "cancelled"
+    turn = names["invoke_agent warmpath"][0]
+    seen = (engine.duration_s, engine.attributes, turn.duration_s, turn.attributes)
+    assert engine.attributes.get("warmpath.stream.incomplete") is True, seen
+    assert turn.attributes["warmpath.turn.outcome"] == "cancelled", seen

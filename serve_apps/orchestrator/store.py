@@ -219,8 +219,11 @@ return existed
 
 # Takes the turn lock (KEYS[6]) for token ARGV[1] and refreshes the session's TTL, so a turn starts with
 # its full `ttl_s` left. Returns -1 if the session does not exist, 0 if another token holds the lock, else
-# 1; taking it again with the same token succeeds (a retried call whose first try got through).
-# KEYS: meta, log, stats, idem, idem-order, lock. ARGV: token, lock_ttl_ms, session_ttl_ms.
+# 1; taking it again with the same token succeeds (a retried call whose first try got through). It also
+# renews a held lock: one that expired untaken (Redis away, or the holder stalled, past its lease) is taken
+# again, since no other turn ran and a commit would be let through; 0 means another turn took it, -1 that
+# the session was deleted mid-turn. KEYS: meta, log, stats, idem, idem-order, lock. ARGV: token,
+# lock_ttl_ms, session_ttl_ms.
 _ACQUIRE_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return -1
@@ -241,21 +244,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
-"""
-
-# Extends the lock only while this holder still owns it, and the session's TTL with it while the
-# session exists (it may have been deleted mid-turn). Same KEYS and ARGV as the acquire script.
-_RENEW_SCRIPT = """
-if redis.call('GET', KEYS[6]) ~= ARGV[1] then
-  return 0
-end
-redis.call('PEXPIRE', KEYS[6], ARGV[2])
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  for i = 1, 5 do
-    redis.call('PEXPIRE', KEYS[i], ARGV[3])
-  end
-end
-return 1
 """
 
 
@@ -436,7 +424,6 @@ class SessionStore:
         self._delete = client.register_script(_DELETE_SCRIPT)
         self._acquire = client.register_script(_ACQUIRE_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
-        self._renew = client.register_script(_RENEW_SCRIPT)
         self._settle = client.register_script(_SETTLE_SCRIPT)
         self._owners = OwnerSessions(
             client, lambda session_id: self._key(session_id, "meta"), ttl_ms=self._ttl_ms, key_prefix=key_prefix
@@ -632,7 +619,9 @@ class SessionStore:
             if renewer is not None:
                 renewer.cancel()
             self._lost_locks.discard(lock_args["args"][0])
-            await self._release_lock(session_id, lock_args)
+            # Shielded: a turn cancelled as it ends (its client left at its last event) still frees the lock,
+            # else the session refused the next turn as busy until the lock expired.
+            await asyncio.shield(self._release_lock(session_id, lock_args))
             await self._touch_owner(owner_key_id)
 
     def lock_lost(self, token: str) -> bool:
@@ -670,11 +659,14 @@ class SessionStore:
         while True:
             await asyncio.sleep(delay_s)
             try:
-                if not await self._idempotent(lambda: self._renew(**lock_args)):
-                    # Lost (expired while Redis was away, or this process stalled past it): the turn stops at
-                    # its next step or tool (`lock_lost`), and the commit checks the token.
+                renewed = await self._idempotent(lambda: self._acquire(**lock_args))
+                if renewed == 0:
+                    # Another turn took it after it expired (Redis away, or this process stalled, past the
+                    # lease): this turn stops at its next step or tool (`lock_lost`); its commit is refused.
                     self._lost_locks.add(lock_args["args"][0])
                     return
+                if renewed == -1:
+                    return  # the session was deleted: the turn's commit reports it
             except Exception as err:  # Redis away: keep trying, the turn's own calls report the outage
                 logger.warning("could not renew turn lock of %s: %s", session_id, err)
                 delay_s = min(interval_s, LOCK_RENEW_RETRY_S)  # a failed renewal used up part of the lease

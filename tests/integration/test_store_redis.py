@@ -903,6 +903,79 @@ def test_a_turn_whose_renewal_finds_its_lock_taken_is_told_so(redis_url):
     assert _run(redis_url, scenario, lock_ttl_s=0.3) is False  # forgotten with its block
 
 
+def test_a_lock_that_expired_untaken_is_taken_again_and_a_deleted_session_is_no_lost_lock(redis_url):
+    """No other turn ran: the turn goes on and commits (a lock gone with its session is the commit's to report,
+    as not found); only another turn holding the lock means the lock was lost."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        sid, lock_key = record.session_id, f"warmpath:{{{record.session_id}}}:lock"
+        async with store.turn_lock(sid) as token:
+            with redis.Redis.from_url(redis_url) as client:
+                client.delete(lock_key)  # its lease ran out while Redis was away; no turn took it
+                deadline = time.monotonic() + 10
+                while client.get(lock_key) != token.encode():  # the next renewal takes it again
+                    assert time.monotonic() < deadline, "no renewal took the lock again"
+                    await asyncio.sleep(0.05)
+            taken_again = not store.lock_lost(token)
+            length = await store.commit_turn(sid, 0, _turn(0), [_stats(0)], lock_token=token)
+            await store.delete(sid)
+            renewals = store._acquire
+            calls = []
+
+            async def counted(**kwargs):
+                calls.append(await renewals(**kwargs))
+                return calls[-1]
+
+            store._acquire = counted
+            deadline = time.monotonic() + 10
+            while not calls:
+                assert time.monotonic() < deadline, "no renewal ran"
+                await asyncio.sleep(0.05)
+            return taken_again, length, calls[0], store.lock_lost(token)
+
+    taken_again, length, renewal, is_lost = _run(redis_url, scenario, lock_ttl_s=0.3)
+    assert taken_again and length == 2
+    assert renewal == -1 and not is_lost  # the session is gone: not a lock another turn took
+
+
+def test_a_turn_cancelled_as_it_frees_its_lock_still_frees_it(redis_url):
+    """Its client left at the turn's last event; the release was cancelled with it, and the session refused
+    the next turn as busy until the lock expired."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        sid = record.session_id
+        release, releasing = store._release, asyncio.Event()
+
+        async def slow_release(**kwargs):
+            releasing.set()
+            await asyncio.sleep(0.2)  # a Redis round trip under load
+            return await release(**kwargs)
+
+        store._release = slow_release
+
+        async def turn():
+            async with store.turn_lock(sid):
+                pass
+
+        running = asyncio.ensure_future(turn())
+        await releasing.wait()
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        with redis.Redis.from_url(redis_url) as client:
+            deadline = time.monotonic() + 10
+            while client.exists(f"warmpath:{{{sid}}}:lock"):  # the shielded release finishes on its own
+                assert time.monotonic() < deadline, "the lock was left held"
+                await asyncio.sleep(0.05)
+        store._release = release
+        async with store.turn_lock(sid):
+            return True
+
+    assert _run(redis_url, scenario, lock_ttl_s=30)
+
+
 def test_a_commit_whose_reply_was_lost_is_settled_saved_or_voided(redis_url):
     """A commit Redis ran but whose reply was lost is reported saved; one that had not run is reported not saved
     and refused if it arrives later, so a turn reported failed is never saved after all."""

@@ -1,11 +1,11 @@
 """Streaming handle calls that stop when whoever reads them stops.
 
-Why: when a caller leaves (a cancelled RPC, a closed HTTP stream), Ray Serve
-cancels the request it was serving, but passes that on to the streaming calls
-the request made only some of the time: on the test cluster a cancelled gRPC
-turn left its model call decoding to `max_tokens` for nobody in one try of
-five. So every ingress and the orchestrator cancel the downstream call
-themselves when they stop reading it before its end.
+Why: when a caller leaves (a closed HTTP stream), Ray Serve cancels the request
+it was serving, but a `DeploymentResponseGenerator` whose reader is cancelled
+re-raises without cancelling its own call (`ray/serve/handle.py`): whether the
+streaming calls the request made stop too rests on Ray cancelling the request's
+child tasks. Each ingress and the orchestrator cancel the call they stopped
+reading themselves, so an engine never decodes on to `max_tokens` for nobody.
 """
 
 from __future__ import annotations

@@ -37,28 +37,27 @@ class CostProfile:
         return self.prefill_overhead_s + self.prefill_s_per_token * num_uncached_tokens
 
 
-# Measured on 2 CPU cores, 2 replicas of the small model (6 layers, hidden 384), from the 204
-# requests of `warmpath bench --workload shared-tools --policies warmpath,pow2 --sessions 20
-# --time-scale 2` (about half a request in flight), refitted with `fit_cost`: TTFT = 89 ms (HTTP,
-# routing, the engine step and what queueing remains) + 0.177 ms per uncached token; decode a
-# median 11.6 ms per output token, counting the stream's 50 ms chunk gathering (Ray Serve LLM) that
-# the last chunk waits for. The previous fit (75 ms + 0.19 ms per token, decode 7.1 ms) predates
-# sending each stream's first chunk at once. That fit pooled both runs' records before `fit_cost` looked
-# at each run apart, so it rests on the few requests alone across both runs: refit from a new live run.
+# Measured on 2 CPU cores, 2 replicas of the small model (6 layers, hidden 384), from
+# `warmpath bench --workload shared-tools --policies pow2,warmpath` (40 sessions, 203 requests a
+# policy), refitted with `fit_cost` on the 42 requests that ran alone within their run: TTFT = 39 ms
+# (HTTP, routing, the engine step) + 0.282 ms per uncached token; decode a median 10.2 ms per output
+# token, counting the stream's 50 ms chunk gathering (Ray Serve LLM) that the last chunk waits for.
+# The previous fit (89 ms + 0.177 ms per token, decode 11.6 ms) pooled both runs' records, so that
+# requests overlapping their twin of the other run counted as alone, their queueing as cost.
 # Capacity: VLLM_CPU_KVCACHE_SPACE=1 GiB / (32 tokens
 # * 3,072 bytes per token: 2 (K, V) * 6 layers * 2 KV heads * 64 dims * 2 bytes).
 CPU_PROFILE = CostProfile(
     name="cpu-small-model",
     block_size_tokens=32,
     kv_capacity_blocks=(1 << 30) // (32 * 3072),
-    prefill_overhead_s=0.089,
-    prefill_s_per_token=0.000177,
-    decode_s_per_token=0.0116,
+    prefill_overhead_s=0.039,
+    prefill_s_per_token=0.000282,
+    decode_s_per_token=0.0102,
     is_decode_blocking=True,
     kv_event_lag_s=0.05,
     source=(
-        "measured on 2 CPU cores: TTFT of 204 live shared-tools requests at about half a request in "
-        "flight fitted as 89 ms + 0.177 ms per uncached token, decode 11.6 ms per token (median); "
+        "measured on 2 CPU cores: TTFT of the 42 live shared-tools requests that ran alone (of 406) "
+        "fitted as 39 ms + 0.282 ms per uncached token, decode 10.2 ms per token (median); "
         "KV capacity 1 GiB per replica at 3,072 bytes per token"
     ),
 )

@@ -232,21 +232,29 @@ class HandleModelClient:
                             text = _apply_chunk(data, reply, calls)
                             if text:
                                 yield text
-            logged = decision_log.pop_current()
-            decision_log.record_route_span(logged, reply.replica_id or None)
-            record_model_call(logged, reply.replica_id, reply.prompt_tokens, reply.cached_tokens)
-            if span.is_recording():
-                span.set_attribute("warmpath.replica", reply.replica_id)
-                span.set_attribute("gen_ai.usage.input_tokens", reply.prompt_tokens)
-                span.set_attribute("gen_ai.usage.output_tokens", reply.completion_tokens)
-                span.set_attribute("warmpath.cached_tokens", reply.cached_tokens)
-                if logged is not None:
-                    span.set_attribute("warmpath.route.reason", logged.decision.reason)
-                    span.set_attribute(
-                        "warmpath.route.predicted_cached_tokens",
-                        logged.decision.predicted_cached_tokens.get(reply.replica_id, 0),
-                    )
+            try:
+                _record_call(span, reply)
+            except Exception:  # a fault in the figures must not call the model again (`chat` retries failures)
+                logger.exception("could not record the model call of session %s", session_id)
         yield reply
+
+
+def _record_call(span: trace.Span, reply: ModelReply) -> None:
+    """The finished call's routing decision, usage and cache figures: on its span, in the metrics."""
+    logged = decision_log.pop_current()
+    decision_log.record_route_span(logged, reply.replica_id or None)
+    record_model_call(logged, reply.replica_id, reply.prompt_tokens, reply.cached_tokens)
+    if span.is_recording():
+        span.set_attribute("warmpath.replica", reply.replica_id)
+        span.set_attribute("gen_ai.usage.input_tokens", reply.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", reply.completion_tokens)
+        span.set_attribute("warmpath.cached_tokens", reply.cached_tokens)
+        if logged is not None:
+            span.set_attribute("warmpath.route.reason", logged.decision.reason)
+            span.set_attribute(
+                "warmpath.route.predicted_cached_tokens",
+                logged.decision.predicted_cached_tokens.get(reply.replica_id, 0),
+            )
 
 
 def engine_failure(message: str, status: int) -> Exception:

@@ -344,3 +344,26 @@ def test_an_engine_failure_inside_the_stream_is_retried_as_one_before_it(monkeyp
         with pytest.raises(TurnFailed):
             asyncio.run(run())
         assert handle.num_calls == 1
+
+
+def test_a_fault_recording_a_finished_model_call_does_not_call_the_model_again(monkeypatch):
+    """`chat` retries a call that failed once; a fault in the figures after the stream ended was taken for
+    one, and the model called again (its text streamed twice, a `model_retry` between)."""
+    import asyncio
+
+    from serve_apps.orchestrator import deployment
+    from serve_apps.orchestrator.turns import ModelReply, ModelRetry
+
+    def broken(*args):
+        raise KeyError("a metric's tag")
+
+    monkeypatch.setattr(deployment, "record_model_call", broken)
+    handle = _StreamingHandle(_call_frames("c1", "lookup_order"))
+    client = deployment.HandleModelClient(handle, "m")
+
+    async def run():
+        return [item async for item in client.chat("s1", [{"role": "user", "content": "hi"}], None, "auto", 16)]
+
+    items = asyncio.run(run())
+    assert handle.num_calls == 1 and not any(isinstance(item, ModelRetry) for item in items)
+    assert isinstance(items[-1], ModelReply) and items[-1].tool_calls

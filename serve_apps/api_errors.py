@@ -31,6 +31,30 @@ ERROR_TYPES = {
 
 logger = logging.getLogger("ray.serve")
 
+# Where Ray Serve LLM logs each failure it turns into a response (`get_response_for_error`).
+_RAY_ERROR_LOGGER = "ray.serve.ray.llm._internal.serve.utils.server_utils"
+
+
+class _ClientErrorsInOneLine(logging.Filter):
+    """Ray Serve LLM logs every refused request with its whole traceback, a client's mistake (a 4xx: an
+    unknown model, a bad parameter) at WARNING too: one line each, saying what was refused, keeps the log
+    readable; server failures keep their tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        fields = getattr(record, "ray_serve_extra_fields", None)
+        status = fields.get("status_code") if isinstance(fields, dict) else None
+        if isinstance(status, int) and status < 500 and record.exc_info:
+            err = record.exc_info[1]
+            # Ray Serve LLM's HTTP exceptions keep their text in `message` (their str is empty).
+            text = readable_message(str(getattr(err, "message", None) or err))[:300]
+            record.msg = f"{record.getMessage()}: {status} {type(err).__name__}: {text}"
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+logging.getLogger(_RAY_ERROR_LOGGER).addFilter(_ClientErrorsInOneLine())
+
 # Ray Serve LLM's text for a call the engine itself failed (its own text goes to the log: paths, devices).
 ENGINE_FAILURE_MESSAGE = "Internal Server Error"
 # What an ingress answers where no process behind it can take the call (its replica died, none runs yet).

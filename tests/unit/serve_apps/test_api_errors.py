@@ -344,3 +344,35 @@ def test_an_engine_failure_raised_as_an_http_exception_says_no_more_than_any_oth
     response = client.post("/v1/tokenize-failed")
     assert response.status_code == 500 and response.json()["error"]["message"] == ENGINE_FAILURE_MESSAGE
     assert client.get("/v1/ours").json()["error"]["message"] == "idempotency-key must be 1-256 characters"
+
+
+@pytest.mark.parametrize(("err", "has_traceback"), [
+    ("client", False),  # an unknown model: the client's mistake, one line saying so
+    ("server", True),  # a failure of ours keeps its traceback
+])
+def test_a_refused_request_is_logged_in_one_line_a_failure_with_its_traceback(err, has_traceback):
+    import logging
+
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+
+    from serve_apps import api_errors
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    ray_logger = logging.getLogger(api_errors._RAY_ERROR_LOGGER)
+    handler = Keep()
+    ray_logger.addHandler(handler)
+    try:
+        exception = (OpenAIHTTPException(status_code=404, message="model m is not served", type="NotFoundError")
+                     if err == "client" else RuntimeError("engine core died"))
+        api_errors.exception_body(exception, "req-1")
+    finally:
+        ray_logger.removeHandler(handler)
+    (record,) = records
+    assert bool(record.exc_info) is has_traceback
+    if not has_traceback:
+        assert "404" in record.getMessage() and "model m is not served" in record.getMessage()

@@ -187,20 +187,20 @@ redis.call('HSET', KEYS[1], 'voided_commit', ARGV[1])
 return 0
 """
 
-# Read-only, so a Redis full under noeviction still runs it (MULTI would be refused): the record's
-# `removed` offset and the log in one atomic read. Nil when the session does not exist.
 # The whole session as GET shows it, read at one instant: read one by one, a commit landing between the
 # reads showed a transcript without its steps, or totals ahead of both. False if the session does not
 # exist; totals fields are nil for a session created before they were kept. KEYS: meta, log, stats.
+# ARGV: the totals' field names (`_TOTALS`).
 _VIEW_SCRIPT = """#!lua flags=no-writes
-local meta = redis.call('HMGET', KEYS[1], 'record', 'removed', 'steps_total', 'prompt_tokens_total',
-                        'cached_tokens_total', 'compressions_total')
+local meta = redis.call('HMGET', KEYS[1], 'record', 'removed', unpack(ARGV))
 if not meta[1] or not meta[2] then
   return false
 end
 return {meta, redis.call('LRANGE', KEYS[2], 0, -1), redis.call('LRANGE', KEYS[3], 0, -1)}
 """
 
+# Read-only, so a Redis full under noeviction still runs it (MULTI would be refused): the record's
+# `removed` offset and the log in one atomic read. Nil when the session does not exist.
 _TRANSCRIPT_SCRIPT = """#!lua flags=no-writes
 local removed = redis.call('HGET', KEYS[1], 'removed')
 if not removed then
@@ -367,6 +367,12 @@ class Compaction:
 
     num_messages_replaced: int
     summary: Message
+
+
+def _snapshot(removed: bytes | str, items: Sequence[bytes | str]) -> TranscriptSnapshot:
+    """The transcript the stored log holds, its length counting the `removed` messages compaction dropped."""
+    messages = tuple(Message.model_validate_json(item) for item in items)
+    return TranscriptSnapshot(messages=messages, length=int(removed) + len(messages))
 
 
 @contextmanager
@@ -559,22 +565,20 @@ class SessionStore:
         if reply is None:
             raise SessionNotFound(session_id)
         removed, items = reply
-        messages = tuple(Message.model_validate_json(item) for item in items)
-        return TranscriptSnapshot(messages=messages, length=int(removed) + len(messages))
+        return _snapshot(removed, items)
 
     async def view(self, session_id: str) -> SessionView:
         """Record, transcript, steps and totals in one read (also on a full Redis); raises SessionNotFound."""
         keys = [self._key(session_id, part) for part in ("meta", "log", "stats")]
         with _redis_errors(session_id):
-            reply = await self._idempotent(lambda: self._read_view(keys=keys))
+            reply = await self._idempotent(lambda: self._read_view(keys=keys, args=_TOTALS))
         if reply is None:
             raise SessionNotFound(session_id)
         (record, removed, *totals), items, stat_items = reply
-        messages = tuple(Message.model_validate_json(item) for item in items)
         steps = [StepStats.model_validate_json(item) for item in stat_items]
         return SessionView(
             record=SessionRecord.model_validate_json(record),
-            transcript=TranscriptSnapshot(messages=messages, length=int(removed) + len(messages)),
+            transcript=_snapshot(removed, items),
             steps=steps,
             totals=StepTotals.of(steps) if None in totals else StepTotals(*(int(value) for value in totals)),
         )
@@ -625,7 +629,7 @@ class SessionStore:
             await self._touch_owner(owner_key_id)
 
     def lock_lost(self, token: str) -> bool:
-        """Whether a renewal found the turn lock `token` names expired or taken (`turn_lock`).
+        """Whether a renewal found another turn holding the turn lock `token` names (`turn_lock`).
 
         Why ask: such a turn cannot commit, and another turn may be running the session meanwhile; a turn
         that asks before each step and each server-side tool stops there instead of running tools twice.

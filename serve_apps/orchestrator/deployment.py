@@ -36,8 +36,8 @@ from router import decision_log
 from cluster.api_keys import missing_permissions
 from serve_apps.access import Caller
 from serve_apps.api_errors import error_body, readable_message, validation_problem
-from serve_apps.metrics import WarmpathMetrics, record_model_call
 from serve_apps.handle_streams import cancelled_if_left
+from serve_apps.metrics import WarmpathMetrics, record_model_call
 from serve_apps.orchestrator.models import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -250,7 +250,7 @@ def _record_call(span: trace.Span, reply: ModelReply) -> None:
         span.set_attribute("gen_ai.usage.output_tokens", reply.completion_tokens)
         span.set_attribute("warmpath.cached_tokens", reply.cached_tokens)
         if logged is not None:
-            span.set_attribute("warmpath.route.reason", logged.decision.reason)
+            span.set_attribute("warmpath.route.reason", decision_log.served_reason(logged.decision, reply.replica_id))
             span.set_attribute(
                 "warmpath.route.predicted_cached_tokens",
                 logged.decision.predicted_cached_tokens.get(reply.replica_id, 0),

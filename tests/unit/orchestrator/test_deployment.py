@@ -367,3 +367,22 @@ def test_a_fault_recording_a_finished_model_call_does_not_call_the_model_again(m
     items = asyncio.run(run())
     assert handle.num_calls == 1 and not any(isinstance(item, ModelRetry) for item in items)
     assert isinstance(items[-1], ModelReply) and items[-1].tool_calls
+
+
+def test_a_model_call_served_elsewhere_than_chosen_says_fallback_on_its_span(monkeypatch):
+    """As the route span, the response headers and the decisions metric do."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from router import decision_log
+    from router.types import Decision
+    from serve_apps.orchestrator import deployment
+    from serve_apps.orchestrator.turns import ModelReply
+
+    decision = Decision(ranked_tiers=[["r1"], ["r2"]], reason="prefix-hit", predicted_cached_tokens={"r1": 64},
+                        scores={})
+    monkeypatch.setattr(deployment.decision_log, "pop_current", lambda: decision_log.LoggedDecision(decision, 0, 1))
+    monkeypatch.setattr(deployment, "record_model_call", lambda *args: None)
+    span = TracerProvider().get_tracer("test").start_span("chat m")
+    deployment._record_call(span, ModelReply(replica_id="r2"))
+    assert span.attributes["warmpath.route.reason"] == "fallback"
+    assert span.attributes["warmpath.route.predicted_cached_tokens"] == 0

@@ -658,7 +658,8 @@ class WarmpathIngress(OpenAiIngress):
                     _forward_trace_context(raw_request)
                 response = await self._traced_llm_request(body, call_method, raw_request, span, is_usage_asked)
             except BaseException as err:
-                _withdraw_placement(getattr(err, "replica_id", None))
+                refusing_replica = getattr(err, "replica_id", None)  # an engine's refusal names its replica
+                _withdraw_placement(refusing_replica)
                 if not isinstance(err, Exception):  # cancellation: no response goes out
                     telemetry.record_exception_failure(span, err)
                     span.end()
@@ -666,7 +667,7 @@ class WarmpathIngress(OpenAiIngress):
                 span.record_exception(err)
                 # Answered here, in the API's one error shape, not by Ray's middleware (`serve_apps.api_errors`).
                 response = exception_response(err, raw_request)
-                if (refusing_replica := getattr(err, "replica_id", None)) is not None:
+                if refusing_replica is not None:
                     response.headers[REPLICA_HEADER] = refusing_replica
         return _finish_span(span, response)
 

@@ -291,7 +291,10 @@ class TurnRunner:
         return build_chat_request(state, self._control_tokens)
 
     def _account(self, history: Sequence[Message]) -> TokenAccount:
-        messages, tools = self._chat_request(history)
+        return self._count(*self._chat_request(history))
+
+    def _count(self, messages: list, tools: list) -> TokenAccount:
+        """The token account of a request already built (`_chat_request`)."""
         return count_tokens(
             self._tokenizer, messages, tools,
             context_window_tokens=self._window, output_reserve_tokens=self._limits.output_reserve_tokens,
@@ -552,7 +555,7 @@ class TurnRunner:
         # A summary longer than a quarter of what it replaces would defeat the compression; it must also fit
         # the window beside its prompt (else the engine refuses the call, and the ledger stands alone).
         max_tokens = min(max(MIN_SUMMARY_TOKENS, min(self._limits.output_reserve_tokens, plan.tokens_compressed // 4)),
-                         self._window - self._account(asking).total_tokens)
+                         self._window - self._count(prompt, tools).total_tokens)
         try:
             if max_tokens < MIN_SUMMARY_TOKENS:
                 raise ModelRefusal(f"no room in the {self._window}-token window for a summary after its prompt")

@@ -527,7 +527,12 @@ class _EventPump(threading.Thread):
         return states
 
 
-def _shared_rendering(replicas: List[RunningReplica]) -> Optional[EngineRendering]:
+def _advertised_renderings(replicas: List[RunningReplica]) -> list[Optional[EngineRendering]]:
+    """How each replica renders chat prompts, as its routing stats say (None: not yet said)."""
+    return [EngineRendering.from_routing_stats(replica.routing_stats) for replica in replicas]
+
+
+def _shared_rendering(renderings: List[Optional[EngineRendering]]) -> Optional[EngineRendering]:
     """How every candidate renders chat prompts, or None unless all of them advertised the same.
 
     Why all: the ids forwarded with a request go to whichever candidate Serve ends up sending it to (the
@@ -535,23 +540,8 @@ def _shared_rendering(replicas: List[RunningReplica]) -> Optional[EngineRenderin
     that changes how replicas render (a server-side template, other template defaults), old and new
     replicas are candidates together; a replica whose first routing stats are still to come has not said.
     """
-    shared = None
-    for replica in replicas:
-        rendering = EngineRendering.from_routing_stats(replica.routing_stats)
-        if rendering is None or (shared is not None and rendering != shared):
-            return None
-        shared = rendering
-    return shared
-
-
-def _advertised_rendering(replicas: List[RunningReplica]) -> Optional[EngineRendering]:
-    """How the replicas render chat prompts, from the first one whose routing stats say (one deployment's
-    replicas share their settings); None until one did."""
-    for replica in replicas:
-        rendering = EngineRendering.from_routing_stats(replica.routing_stats)
-        if rendering is not None:
-            return rendering
-    return None
+    first = renderings[0] if renderings else None
+    return first if first is not None and all(rendering == first for rendering in renderings) else None
 
 
 class PrefixKVRouter(RequestRouter):
@@ -644,13 +634,15 @@ class PrefixKVRouter(RequestRouter):
             # The engine refuses it (over the window), and rendering megabytes would hold up every other
             # request this router places for seconds.
             request = None
-        rendering = _advertised_rendering(candidate_replicas)
+        renderings = _advertised_renderings(candidate_replicas)
+        # Rendered as the first replica that said how (one deployment's replicas share their settings).
+        rendering = next((r for r in renderings if r is not None), None)
         token_ids = self.tokenizer.token_ids(request, rendering) if request is not None else None
         loads = self._loads(candidate_replicas)
         if token_ids is None:
             # Nothing to match on (not a chat/completion call, it does not render, or no tokenizer yet).
             return self._least_loaded_first(candidate_replicas, loads, pending_request)
-        if self.args.router.forward_prompt_token_ids and is_forwardable(request, _shared_rendering(candidate_replicas)):
+        if self.args.router.forward_prompt_token_ids and is_forwardable(request, _shared_rendering(renderings)):
             forward_token_ids(request, token_ids)
         routing_request = RoutingRequest(
             token_ids, self.args.model_id, session_of(pending_request, request), getattr(request, "cache_salt", None)

@@ -80,6 +80,14 @@ def answered(pump: _EventPump, timeout_s: float = 10.0) -> None:
     assert wait_until(lambda: (pump._drain(), not pump._fetches)[1], timeout_s)
 
 
+def probe_answered(pump: _EventPump) -> None:
+    """Makes replica A due for a probe (a request finished a minute ago, no batch since), probes, and drains
+    until the replay buffer's answer is in."""
+    pump.watch.request_completed(A, time.monotonic() - 60)
+    pump._probe_quiet_streams()
+    answered(pump)
+
+
 def subscribe(pump: _EventPump) -> None:
     """Subscribes to the advertised replicas and waits until their replay buffers are loaded (or given up on)."""
     pump._sync_subscriptions()
@@ -142,10 +150,7 @@ def test_a_stalled_subscription_is_recovered_and_resubscribed(tmp_path, publishe
     published(publisher, 1)
     pump._drain()
     assert indexed_blocks(pump) == 0
-    pump.watch.request_completed(A, time.monotonic() - 60)
-
-    pump._probe_quiet_streams()
-    answered(pump)
+    probe_answered(pump)
     assert indexed_blocks(pump) == 4
     state = pump.stream_states()[A]
     assert (state["num_probes"], state["num_stalls"], state["num_recovered_batches"]) == (1, 1, 1)
@@ -160,9 +165,9 @@ def test_a_batch_published_as_the_probe_runs_is_applied_without_a_stall(publishe
     sub_before = pump._sources[A][1]._sub
     publisher.publish(stored(0, 2))
     published(publisher, 1)
-    pump.watch.request_completed(A, time.monotonic() - 60)
-    pump._probe_quiet_streams()  # before draining: the SUB may hold it already
-    answered(pump)  # the answer first, then the subscription's own copy: a duplicate, not a restart
+    # Probed before draining (the SUB may hold it already): the answer first, then the subscription's own
+    # copy, a duplicate, not a restart.
+    probe_answered(pump)
     assert indexed_blocks(pump) == 2
     state = pump.stream_states()[A]
     assert (state["num_stalls"], state["num_recovered_batches"]) == (0, 1)
@@ -181,9 +186,7 @@ def test_a_publisher_whose_clock_runs_behind_is_no_stall(publisher, new_pump):
     assert pump.stream_states()[A]["publisher_clock_offset_s"] >= 30
     publisher.publish(stored(2, 2, age_s=30))
     published(publisher, 2)
-    pump.watch.request_completed(A, time.monotonic() - 60)
-    pump._probe_quiet_streams()
-    answered(pump)
+    probe_answered(pump)
     assert indexed_blocks(pump) == 4
     state = pump.stream_states()[A]
     assert (state["num_probes"], state["num_stalls"], state["num_recovered_batches"]) == (1, 0, 1)
@@ -193,9 +196,7 @@ def test_a_quiet_replica_is_probed_but_left_alone(publisher, new_pump):
     pump = new_pump()
     subscribe(pump)
     sub_before = pump._sources[A][1]._sub
-    pump.watch.request_completed(A, time.monotonic() - 60)
-    pump._probe_quiet_streams()
-    answered(pump)
+    probe_answered(pump)
     state = pump.stream_states()[A]
     assert (state["num_probes"], state["num_stalls"], state["num_unreachable"]) == (1, 0, 0)
     assert pump._sources[A][1]._sub is sub_before

@@ -42,6 +42,12 @@ ANONYMOUS_KEY_ID = "anonymous"
 STORE_RETRY_AFTER_S = 1.0
 # Error codes of those refusals, whoever makes them (this guard, the orchestrator, a turn).
 STORE_UNAVAILABLE_CODES = frozenset({"key_store_unavailable", "store_unavailable"})
+# Suggested wait before retrying a turn refused because another turn runs on the session: a hint to poll,
+# not the other turn's remaining time (a turn holds the lock for as long as it runs).
+SESSION_BUSY_RETRY_AFTER_S = 1.0
+_RETRY_AFTER_S_BY_CODE = {
+    **dict.fromkeys(STORE_UNAVAILABLE_CODES, STORE_RETRY_AFTER_S), "session_busy": SESSION_BUSY_RETRY_AFTER_S,
+}
 # Paths any client (or probe) may call without a key.
 PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
@@ -68,9 +74,11 @@ class Caller:
 ANONYMOUS = Caller(key_id=ANONYMOUS_KEY_ID, permissions=(ALL_PERMISSIONS,))
 
 
-def store_retry_headers(code: Optional[str]) -> dict[str, str]:
-    """`retry-after` for a refusal with this error code when it says Redis is unavailable; none otherwise."""
-    return dict([retry_after_header(STORE_RETRY_AFTER_S)]) if code in STORE_UNAVAILABLE_CODES else {}
+def retry_headers(code: Optional[str]) -> dict[str, str]:
+    """`retry-after` for a refusal with this error code when waiting can clear it (Redis unavailable, the
+    session busy with another turn); none otherwise."""
+    retry_after_s = _RETRY_AFTER_S_BY_CODE.get(code)
+    return {} if retry_after_s is None else dict([retry_after_header(retry_after_s)])
 
 
 class AccessDenied(Exception):

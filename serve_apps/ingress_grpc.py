@@ -84,7 +84,7 @@ from serve_apps.access import (
     Caller,
     GuardSettings,
     request_too_large,
-    store_retry_headers,
+    retry_headers,
 )
 from serve_apps.api_errors import (
     UNAVAILABLE_MESSAGE,
@@ -424,7 +424,7 @@ def envelope_body(envelope: Mapping[str, Any], expected_status: int) -> Any:
     """
     if envelope["status"] != expected_status:
         failure = RpcFailure.from_envelope(envelope)
-        failure.trailing_metadata = tuple(store_retry_headers(failure.code).items())
+        failure.trailing_metadata = tuple(retry_headers(failure.code).items())
         raise failure
     return envelope.get("body")
 
@@ -728,7 +728,7 @@ class GrpcIngress:
                     if event["kind"] == "error":
                         status = turn_error_status(event["code"])
                         if status != grpc.StatusCode.OK:
-                            retry_after = store_retry_headers(event["code"]).items()
+                            retry_after = retry_headers(event["code"]).items()
                             failure = RpcFailure(status, event["code"], event["message"], retry_after)
                             failure.set_on(grpc_context)
                             rpc.record(failure.status, failure.message)

@@ -51,7 +51,7 @@ from vllm.entrypoints.generate.base.protocol import StreamOptions
 from cluster import telemetry
 from cluster.config import TelemetryConfig
 from router import decision_log
-from serve_apps.access import Caller, store_retry_headers
+from serve_apps.access import Caller, retry_headers
 from serve_apps.api_errors import (
     client_engine_error,
     engine_error,
@@ -361,13 +361,14 @@ def _caller(request: Request) -> Caller:
 
 
 def _unary(result: Dict[str, Any]) -> Response:
-    """An orchestrator envelope as a response; a refusal because Redis is unavailable carries `Retry-After`."""
+    """An orchestrator envelope as a response; a refusal that waiting can clear (Redis unavailable, the session
+    busy) carries `Retry-After`."""
     if result["status"] == 204:
         return Response(status_code=204)
     body = result["body"]
     error = body.get("error") if isinstance(body, dict) else None
     code = error.get("code") if isinstance(error, dict) else None
-    headers = store_retry_headers(code)
+    headers = retry_headers(code)
     if code in NO_CLIENT_RETRY_CODES:
         headers[NO_CLIENT_RETRY_HEADER] = "false"
     return JSONResponse(body, status_code=result["status"], headers=headers)
@@ -478,7 +479,7 @@ async def _turn_response(
     status = TURN_ERROR_STATUS.get(last.get("code"), 500) if outcome == "failed" else 200
     if outcome == "failed":  # the API's error shape, beside the turn's events
         body["error"] = error_body(status, str(last.get("message") or "the turn failed"), code=last.get("code"))["error"]
-        headers.update(store_retry_headers(last.get("code")))
+        headers.update(retry_headers(last.get("code")))
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -1,5 +1,6 @@
-"""A 503 because the session store is unavailable tells the client when to retry, as the key store's does:
-`Retry-After` over HTTP, `retry-after` trailing metadata over gRPC; other refusals carry none."""
+"""A refusal that waiting can clear tells the client when to retry: a 503 because the session store is
+unavailable (as the key store's does) and a 409 because another turn runs on the session. `Retry-After`
+over HTTP, `retry-after` trailing metadata over gRPC; other refusals carry none."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from serve_apps import ingress_http
 from serve_apps.grpc_status import RpcFailure
 from serve_apps.ingress_grpc import GrpcIngress, envelope_body
 from serve_apps.orchestrator.deployment import Orchestrator, _error
-from serve_apps.orchestrator.store import StoreUnavailable
+from serve_apps.orchestrator.store import SessionBusy, StoreUnavailable
 from warmpath.v1 import agent_pb2
 
 CALLER = {"key_id": "key_x", "permissions": ["*"]}
@@ -37,10 +38,28 @@ class _DownStore:
         yield
 
 
-def _orchestrator() -> Orchestrator:
+class _BusyStore:
+    """A session store whose session is running another turn."""
+
+    async def get(self, session_id):
+        return SimpleNamespace(session_id=session_id, owner_key_id="key_x")
+
+    @contextlib.asynccontextmanager
+    async def turn_lock(self, session_id, owner_key_id=None):
+        raise SessionBusy(f"session {session_id} is running another turn")
+        yield
+
+
+def _orchestrator(store=None) -> Orchestrator:
     orchestrator = Orchestrator.__new__(Orchestrator)
-    orchestrator._store = _DownStore()
+    orchestrator._store = store or _DownStore()
+    orchestrator._max_sessions_per_key = None
     return orchestrator
+
+
+def _message_turn(store=None):
+    caller = SimpleNamespace(key_id="key_x", permissions=("*",))
+    return _orchestrator(store)._turn("s1", "auto", caller, None, "sha", user_content="hi")
 
 
 async def _events(*items):
@@ -64,14 +83,14 @@ def test_other_refusals_carry_no_retry_after():
     assert "retry-after" not in asyncio.run(turn).headers
 
 
-def test_a_turn_refused_before_it_starts_says_when_to_retry():
+@pytest.mark.parametrize("store, status, code", [(None, 503, "store_unavailable"), (_BusyStore(), 409, "session_busy")])
+def test_a_turn_refused_before_it_starts_says_when_to_retry(store, status, code):
     async def turn():
-        events = _orchestrator()._turn("s1", "auto", SimpleNamespace(key_id="key_x", permissions=("*",)), None, "sha",
-                                       user_content="hi")
-        return await ingress_http._turn_response("s1", events, is_streaming=False)
+        return await ingress_http._turn_response("s1", _message_turn(store), is_streaming=False)
 
     response = asyncio.run(turn())
-    assert (response.status_code, response.headers.get("retry-after")) == (503, "1")
+    assert (response.status_code, response.headers.get("retry-after")) == (status, "1")
+    assert json.loads(response.body)["error"]["code"] == code
 
 
 def test_a_turn_the_store_failed_midway_says_when_to_retry():
@@ -127,3 +146,14 @@ def test_grpc_carries_the_retry_hint_of_a_turn_the_store_failed_midway():
     (event,) = asyncio.run(collect())
     assert event.error.code == "store_unavailable"
     assert (context.code, context.trailing) == (grpc.StatusCode.UNAVAILABLE, [("retry-after", "1")])
+
+
+def test_grpc_carries_the_retry_hint_of_a_busy_session():
+    async def refuse():
+        envelope = await anext(_message_turn(_BusyStore()))
+        envelope_body(envelope, 200)
+
+    with pytest.raises(RpcFailure) as info:
+        asyncio.run(refuse())
+    assert (info.value.status, info.value.code) == (grpc.StatusCode.ABORTED, "session_busy")
+    assert info.value.trailing_metadata == (("retry-after", "1"),)

@@ -327,6 +327,7 @@ TURN_ERROR_STATUS = {
     "invalid_tool_schema": 400,
     "invalid_tool_call": 422,
     "compression_lost_values": 500,
+    "model_refused": 422,
     "model_error": 502,
     "stale_turn": 409,
     "session_not_found": 404,

@@ -158,10 +158,14 @@ class TurnFailed(Exception):
 
 
 class ModelRefusal(TurnFailed):
-    """The engine refused the request itself (a 4xx: a prompt over its window, say), not a replica failing."""
+    """The engine refused the request itself (a 4xx: a prompt over its window, say), not a replica failing.
+
+    Its own code (`model_refused`, a 422), not `model_error`'s 502: every replica would refuse the same
+    step again, so it is not worth the retry a client's policy gives a 502.
+    """
 
     def __init__(self, message: str) -> None:
-        super().__init__("model_error", message)
+        super().__init__("model_refused", message)
 
 
 def tool_choice_problem(tool_choice: str, tool_names: Sequence[str]) -> str | None:

@@ -20,7 +20,7 @@ def test_a_grammar_failure_is_the_requests_fault_whatever_the_status(status):
 
 @pytest.mark.parametrize(
     "status, expected_type, expected_code",
-    [(500, ReplicaFailure, None), (503, ReplicaFailure, None), (400, TurnFailed, "model_error")],
+    [(500, ReplicaFailure, None), (503, ReplicaFailure, None), (400, TurnFailed, "model_refused")],
 )
 def test_other_engine_errors_keep_their_meaning(status, expected_type, expected_code):
     failure = engine_failure("the engine said no", status)

@@ -14,7 +14,7 @@ import pytest
 
 from types import SimpleNamespace
 
-from serve_apps.orchestrator.models import CreateSessionRequest, Message, ToolCall, ToolResult
+from serve_apps.orchestrator.models import TURN_ERROR_STATUS, CreateSessionRequest, Message, ToolCall, ToolResult
 from serve_apps.orchestrator.prompt import ZERO_WIDTH_SPACE
 from serve_apps.orchestrator.store import RememberedTurn, SessionRecord, request_fingerprint
 from serve_apps.orchestrator.models import TurnRequest
@@ -328,6 +328,23 @@ def test_a_summarising_call_whose_replicas_failed_fails_the_turn():
     """Only the engine's refusal leaves the ledger alone: a passing failure keeps the summary for a later turn."""
     events, store = _turn_after(_stored_rounds(_prose), model=SummaryFailingModel([(["Hi"], ModelReply(content="Hi"))]))
     assert events[-1].kind == "error" and events[-1].code == "model_error" and store.commits == []
+
+
+class RefusingModel(ScriptedModel):
+    """Refuses every call as vLLM refuses a request (a 4xx)."""
+
+    async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
+        self.prompts.append(messages)
+        raise ModelRefusal("This model's maximum context length is 4096 tokens.")
+        yield
+
+
+def test_a_step_the_engine_refuses_ends_the_turn_as_refused_not_as_a_failure_to_retry():
+    """Every replica would refuse the step again: the turn says `model_refused` (422), not `model_error` (502)."""
+    events, store = _turn_after(_stored_rounds(_prose)[:2], model=RefusingModel([]))
+    assert (events[-1].kind, events[-1].code) == ("error", "model_refused") and store.commits == []
+    assert "maximum context length" in events[-1].message
+    assert TURN_ERROR_STATUS["model_refused"] == 422
 
 
 def _losing_one_value(monkeypatch) -> None:

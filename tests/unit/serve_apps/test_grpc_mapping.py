@@ -731,6 +731,7 @@ class FakeContext:
         self._metadata = list(metadata)
         self.code = None
         self.details = None
+        self.trailing_metadata = []
 
     def invocation_metadata(self):
         return self._metadata
@@ -740,6 +741,9 @@ class FakeContext:
 
     def set_details(self, details):
         self.details = details
+
+    def set_trailing_metadata(self, metadata):
+        self.trailing_metadata = list(metadata)
 
 
 class FakeMethod:
@@ -900,6 +904,7 @@ def test_turn_failure_event_carries_the_envelope_error():
     [(event, code)] = _run(_collect(_ingress(orchestrator=orchestrator).SubmitToolResults(request, context), context))
     assert (event.error.code, event.error.message) == ("session_busy", "a turn is running")
     assert (code, context.details) == (Code.ABORTED, "a turn is running")
+    assert context.trailing_metadata == [("retry-after", "1")]
 
 
 def test_orchestrator_crash_mid_turn_is_an_interrupted_turn():

@@ -21,6 +21,7 @@ async def _events(*items):
         ({"kind": "final", "message": {"role": "assistant", "content": ""}}, 200, "completed"),
         ({"kind": "error", "code": "max_steps", "message": "used all steps"}, 200, "max_steps"),
         ({"kind": "error", "code": "model_error", "message": "engine failed"}, 502, "failed"),
+        ({"kind": "error", "code": "model_refused", "message": "the engine refused the step"}, 422, "failed"),
         ({"kind": "error", "code": "store_unavailable", "message": "redis down"}, 503, "failed"),
         ({"kind": "error", "code": "internal", "message": "nothing was committed"}, 500, "failed"),
         ({"kind": "error", "code": "session_not_found", "message": "deleted while the turn ran"}, 404, "failed"),

@@ -95,23 +95,38 @@ def otlp_receiver() -> OtlpReceiver:
     receiver.stop()
 
 
+def _uncaptured_progress(config: pytest.Config):
+    """Progress lines shown as they happen: a bring-up takes minutes, and pytest's capture would hold its lines
+    back until a test failed (a CI log showed nothing while the cluster started, or hung)."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+
+    def say(message: str) -> None:
+        if capture is None:  # -p no:capture
+            print(f"[cluster] {message}", flush=True)
+            return
+        with capture.global_and_fixture_disabled():
+            print(f"[cluster] {message}", flush=True)
+
+    return say
+
+
 @pytest.fixture(scope="session")
-def cluster(otlp_receiver: OtlpReceiver) -> Cluster:
+def cluster(otlp_receiver: OtlpReceiver, pytestconfig: pytest.Config) -> Cluster:
     if not is_built(MODEL_DIR):
         build_model(MODEL_DIR)
     cfg = _test_config(otlp_receiver.endpoint)
     redeploy = os.environ.get("WARMPATH_TEST_REDEPLOY") == "1"
+    progress = _uncaptured_progress(pytestconfig)
     try:
         # Inside the try: a bring-up that fails or times out still stops what it started.
-        state = local.up(cfg, progress=lambda msg: print(f"[cluster] {msg}", flush=True), timeout_s=900,
-                         redeploy=redeploy)
+        state = local.up(cfg, progress=progress, timeout_s=900, redeploy=redeploy)
         api_key = local.api_key_file(cfg).read_text().strip()
         yield Cluster(
             cfg=cfg, base_url=f"http://127.0.0.1:{cfg.ports.http_port}", redis_url=state.redis_url, api_key=api_key
         )
     finally:
         if os.environ.get("WARMPATH_TEST_KEEP_CLUSTER") != "1":
-            local.down(cfg, progress=lambda msg: print(f"[cluster] {msg}", flush=True))
+            local.down(cfg, progress=progress)
 
 
 @pytest.fixture(scope="session")

@@ -177,8 +177,9 @@ class RouterConfig(_Strict):
         description=(
             "Prefill tokens one request over the load guard's limit is worth: a guarded replica that served "
             "the request's session stays a candidate while the history only it holds saves more tokens than "
-            "this times its excess requests. null: the guard counts requests only (0 would exempt every "
-            "session from the guard, and is refused)."
+            "this times its excess requests, and below the limit that replica is chosen over the scorers' "
+            "choice at the same rate (and when it saves more than this at equal load). null: the guard counts "
+            "requests only and the scorers choose (0 would exempt every session from the guard, and is refused)."
         ),
         gt=0,
         le=MAX_TOKENS_PER_EXCESS_REQUEST,

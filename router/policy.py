@@ -11,6 +11,9 @@ Order of one `choose` call:
 3. drop overloaded replicas, unless it is the session's replica and the
    history only it holds outweighs its excess load (`router.load_guard`);
 4. score the rest with the configured scorers and rank them (`router.picker`);
+   the session's replica goes first when the prefill its history saves
+   outweighs its extra load at the guard's rate (`load_guard.prefer_session_history`:
+   the scorers' fractions alone gave up a long history for a short queue);
 5. name the reason, then `record` the choice: the session's replica and
    pending blocks on the chosen replica (hashing the rest of the prompt).
 
@@ -43,7 +46,7 @@ from typing import Mapping, MutableMapping, Sequence
 from cluster.config import RouterConfig
 from router.hashing import RequestBlockHashes, reusable_blocks, root_hash
 from router.index import PrefixIndex
-from router.load_guard import apply_load_guard
+from router.load_guard import apply_load_guard, prefer_session_history
 from router.picker import rank_tiers, total_scores
 from router.registry import build_weighted_scorers
 from router.scorers import ScoringState
@@ -140,11 +143,15 @@ class PrefixAwarePolicy:
         weighted = [(weight, scorer.score(request, kept, state)) for scorer, weight in self._scorers]
         totals = total_scores(kept, weighted)
         tiers = rank_tiers(totals, self._rng)
-        chosen = tiers[0][0]
+        chosen = prefer_session_history(
+            tiers[0][0], session_replica if session_replica in kept else None, loads, cached_tokens,
+            self._load_guard_tokens_per_excess_request,
+        )
         ranked = [[chosen]]
-        if len(tiers[0]) > 1:
-            ranked.append(tiers[0][1:])
-        ranked += tiers[1:]
+        for tier in tiers:
+            rest = [r for r in tier if r != chosen] if chosen in tier else tier
+            if rest:
+                ranked.append(rest)
         if removed:
             ranked.append(sorted(removed, key=lambda r: loads[r].num_requests))
         decision = Decision(

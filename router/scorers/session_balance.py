@@ -2,10 +2,12 @@
 
 Score = 1 - active sessions of the replica / (most active sessions of any
 candidate + 1). The +1 keeps a handful of sessions from swinging the score
-across its whole range: one session against none is 0.5 against 1.0, so an
-idle replica does not outweigh a replica that already caches a new session's
-entire prompt (a burst of identical new sessions still follows the first),
-while at realistic counts the score is the plain relative load. It matters where the
+across its whole range: one session against none is 0.5 against 1.0, not 0
+against 1, while at realistic counts the score is the plain relative load.
+(It does not make a burst of identical new sessions follow the first: with
+the first request in flight, its replica's load and session shares cost it
+as much as its cached prompt earns, and the burst spreads, each replica
+prefilling the prompt once.) It matters where the
 prefix scorer ties, which is where a new session starts: every replica that
 cached the shared system prompt and tools looks the same to the prefix scorer,
 and in-flight counts (the "load" scorer) miss sessions waiting on a tool.

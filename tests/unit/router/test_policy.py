@@ -16,7 +16,7 @@ from cluster.config import (
 )
 from router.hashing import hash_request_blocks, root_hash
 from router.index import PrefixIndex
-from router.load_guard import apply_load_guard
+from router.load_guard import apply_load_guard, prefer_session_history
 from router.policy import PrefixAwarePolicy
 from router.types import ReplicaId, ReplicaLoad, RoutingRequest
 
@@ -364,3 +364,91 @@ def test_a_fully_cached_prompt_waits_behind_one_request_rather_than_being_recomp
     decision = policy.choose(RoutingRequest(TOKENS, MODEL), [A, B], loads_of(1, 0), index, sessions, 0.0)
     assert decision.replica_id == A
     assert decision.reason == "prefix-hit"
+
+
+# -- a long prefix against load -----------------------------------------------------
+
+LONG_BS = 16
+SYSTEM = list(range(1000, 1000 + 2048))  # the prefix every replica holds
+
+
+def _long_stored(tokens: list[int]) -> BlockStored:
+    num_blocks = len(tokens) // LONG_BS
+    return BlockStored(
+        block_hashes=[(i + 1).to_bytes(32, "big") for i in range(num_blocks)], parent_block_hash=None,
+        token_ids=tokens[: num_blocks * LONG_BS], block_size=LONG_BS, lora_id=None, medium="GPU", lora_name=None,
+    )
+
+
+def _choose_after_history(history_tokens: int, seed: int, kv_cache_usage: float = 0.5, **config):
+    """A session whose system prompt plus `history_tokens` of its own are cached on A (6 requests in flight, its
+    KV cache `kv_cache_usage` full, 19 other active sessions); B, C, D hold the system prompt only, B idle and
+    just added (no sessions), C and D as busy as A. Below the load guard's limit."""
+    policy = PrefixAwarePolicy(RouterConfig(**config), LONG_BS, rng=random.Random(seed))
+    for replica, num_sessions in ((A, 19), (C, 20), (D, 20)):
+        for i in range(num_sessions):
+            policy._activity.touch(f"{replica}-{i}", replica, 0.0)  # sessions waiting on their tools
+    index, sessions = PrefixIndex(LONG_BS, 100_000, MODEL), {"s": A}
+    history = SYSTEM + [7 + i % 5000 for i in range(history_tokens)]
+    index.apply(A, [_long_stored(history)])
+    for replica in (B, C, D):
+        index.apply(replica, [_long_stored(SYSTEM)])
+    loads = {A: ReplicaLoad(6, kv_cache_usage=kv_cache_usage), B: ReplicaLoad(0),
+             C: ReplicaLoad(6, kv_cache_usage=kv_cache_usage), D: ReplicaLoad(6, kv_cache_usage=kv_cache_usage)}
+    assert apply_load_guard(IDS, loads, 1.5, 2)[1] == []
+    return policy.choose(RoutingRequest(history + [9] * 40, MODEL, "s"), IDS, loads, index, sessions, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_long_history_stays_where_it_is_cached_however_idle_another_replica_is(seed):
+    """The scorers alone (a prefix as a fraction of the prompt, load as a share of the busiest) moved a
+    60,000-token history to the idle replica as readily as a 600-token one: a whole prefill to skip a queue."""
+    decision = _choose_after_history(60_000, seed)
+    assert (decision.replica_id, decision.reason) == (A, "prefix-hit")
+    assert decision.ranked_tiers[0] == [A] and B in decision.ranked_tiers[1]
+    assert sorted(r for tier in decision.ranked_tiers for r in tier) == sorted(IDS)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_short_history_still_moves_to_an_idle_replica(seed):
+    """600 tokens of history are worth less than six requests of queue at the guard's 512 tokens a request."""
+    assert _choose_after_history(600, seed).replica_id == B
+
+
+def test_without_a_token_rate_the_scorers_decide():
+    assert _choose_after_history(60_000, 0, load_guard_tokens_per_excess_request=None).replica_id == B
+
+
+@pytest.mark.parametrize(
+    ("cached", "counts", "expected"),
+    [
+        ({A: 60_000, B: 2_048}, (6, 0), A),  # 57,952 tokens saved, worth more than 6 requests
+        ({A: 4_000, B: 2_048}, (6, 0), B),  # 1,952 tokens saved, worth less than 6 requests (3,072)
+        ({A: 2_400, B: 2_048}, (0, 0), B),  # equal load: 352 tokens more is less than one request's worth
+        ({A: 2_600, B: 2_048}, (0, 0), A),  # equal load: 552 tokens more is more than one request's worth
+        ({A: 60_000}, (6, 0), A),
+        ({}, (6, 0), B),
+    ],
+)
+def test_prefer_session_history_prices_load_at_the_guards_rate(cached, counts, expected):
+    assert prefer_session_history(B, A, loads_of(*counts), cached, 512.0) == expected
+
+
+def test_only_the_sessions_replica_outranks_the_scorers():
+    """A prefix many requests share is the scorers' to spread: no session, or another replica holding more,
+    leaves their choice standing."""
+    loads = loads_of(0, 0, 0)
+    assert prefer_session_history(B, None, loads, {A: 60_000}, 512.0) == B
+    assert prefer_session_history(B, C, loads, {A: 60_000, B: 2_048, C: 2_048}, 512.0) == B
+    assert prefer_session_history(B, A, loads, {A: 60_000}, None) == B
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_new_sessions_sharing_a_long_prefix_still_spread(seed):
+    """A shared prefix cached on one replica does not pull every new session there (the scorers copy it)."""
+    policy = PrefixAwarePolicy(RouterConfig(), LONG_BS, rng=random.Random(seed))
+    index = PrefixIndex(LONG_BS, 100_000, MODEL)
+    index.apply(A, [_long_stored(SYSTEM)])
+    loads = {A: ReplicaLoad(3), B: ReplicaLoad(0), C: ReplicaLoad(0), D: ReplicaLoad(0)}
+    decision = policy.choose(RoutingRequest(SYSTEM + [9] * 40, MODEL, f"new-{seed}"), IDS, loads, index, {}, 0.0)
+    assert decision.replica_id != A

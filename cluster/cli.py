@@ -129,9 +129,10 @@ def build_model_cmd(
     config: Optional[Path] = ConfigOpt,
     out: Optional[Path] = typer.Option(None, help="Output folder (default: the config's model folder)."),
     seed: int = typer.Option(0, help="Weight initialisation seed."),
+    force: bool = typer.Option(False, "--force", help="Write into a folder that holds files of another model."),
 ) -> None:
     """Write the small random-weight Llama model, tokenizer and chat template."""
-    from cluster.model_builder import build_model
+    from cluster.model_builder import build_model, is_rebuildable
 
     cfg = _load(config)
     source = cfg.model.source
@@ -141,6 +142,12 @@ def build_model_cmd(
                 "random-weight model into: pass --out, or unset model.source")
     target = out or Path(cfg.model_source())
     _check_writable_dir(target, ["config.json"], "--out" if out else "model.source")
+    if not force and not is_rebuildable(target):
+        # A model folder of the user's own (model.source of a GPU config, say): a build would overwrite its
+        # weights, config and tokenizer with random ones.
+        _refuse(f"{'--out' if out else 'model.source'} {target} holds files that no warmpath build wrote "
+                "(another model?): a build would overwrite its weights, config and tokenizer; pass another "
+                "folder, or --force to overwrite it")
     manifest = build_model(target, seed=seed, progress=progress)
     typer.echo(json.dumps({"path": str(target), "num_params": manifest["num_params"]}))
 

@@ -29,6 +29,8 @@ BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 HEADER_START, HEADER_END, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
 SPECIAL_TOKENS = [BOS, EOS, HEADER_START, HEADER_END, EOT, "<|pad|>"]
 # Markup the hermes tool parser looks up as single tokens.
+# A file every build writes first: the folder is this builder's to rewrite.
+BUILD_MARKER = ".warmpath-build"
 TOOL_TOKENS = ["<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 CHAT_TEMPLATE = (
@@ -181,6 +183,8 @@ def build_model(
         The manifest written to `out_dir/manifest.json` (file name -> sha256, sizes).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Written first and kept, so a build that stops part way is still known as this builder's folder.
+    (out_dir / BUILD_MARKER).write_text("written by warmpath build-model; its files are rewritten by the next build\n")
     # Written last, so a build that stops part way (Ctrl-C, a full disk) never counts as built.
     (out_dir / "manifest.json").unlink(missing_ok=True)
     progress(f"training byte-level BPE tokenizer (vocab {shape.vocab_size}) on standard-library sources")
@@ -197,12 +201,30 @@ def build_model(
     files = {
         p.name: _sha256(p)
         for p in sorted(out_dir.iterdir())
-        if p.is_file() and p.name != "manifest.json"
+        if p.is_file() and p.name not in ("manifest.json", BUILD_MARKER)
     }
     manifest = {"seed": seed, "num_params": num_params, "shape": shape.__dict__, "files": files}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     progress(f"wrote {len(files)} files ({num_params / 1e6:.1f}M parameters) to {out_dir}")
     return manifest
+
+
+def is_rebuildable(out_dir: Path) -> bool:
+    """Whether building into `out_dir` overwrites nothing but an earlier build: it is missing or empty, or a
+    build (finished or stopped part way) wrote it. A model folder of the user's own is not: a build
+    rewrites its weights, config and tokenizer and deletes its `generation_config.json`."""
+    if not out_dir.is_dir():
+        return not out_dir.exists()
+    return (out_dir / BUILD_MARKER).is_file() or _has_builders_manifest(out_dir) or not any(out_dir.iterdir())
+
+
+def _has_builders_manifest(out_dir: Path) -> bool:
+    """A manifest as `build_model` writes it (builds from before the marker have no marker)."""
+    try:
+        manifest = json.loads((out_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and {"seed", "shape", "files"} <= manifest.keys()
 
 
 def is_built(out_dir: Path) -> bool:

@@ -128,6 +128,44 @@ def test_build_model_refuses_to_write_random_weights_where_a_hugging_face_id_poi
     assert not (tmp_path / "Qwen").exists()
 
 
+def _users_model(folder):
+    folder.mkdir()
+    for name, text in (("config.json", '{"model_type": "qwen2"}'), ("generation_config.json", "{}"),
+                       ("model.safetensors", "weights")):
+        (folder / name).write_text(text)
+    return folder
+
+
+@pytest.mark.parametrize("how", ["--out", "model.source"])
+def test_build_model_refuses_to_overwrite_a_model_folder_it_did_not_write(tmp_path, monkeypatch, how):
+    """A GPU config's `model.source: /models/qwen` got random weights, a Llama config and no generation config."""
+    models = _users_model(tmp_path / "qwen")
+    args = ["build-model", "--out", str(models)] if how == "--out" else ["build-model"]
+    if how == "model.source":
+        monkeypatch.setenv("WARMPATH_MODEL__SOURCE", str(models))
+    _assert_refused(CliRunner().invoke(app, args), "holds files that no warmpath build wrote")
+    assert (models / "config.json").read_text() == '{"model_type": "qwen2"}'
+    assert (models / "generation_config.json").is_file()
+
+
+def test_build_model_rewrites_its_own_folders_and_any_with_force(tmp_path):
+    from cluster.model_builder import BUILD_MARKER, is_rebuildable
+
+    assert is_rebuildable(tmp_path / "missing") and is_rebuildable(tmp_path)
+    stopped = tmp_path / "stopped"  # a build interrupted before its manifest
+    stopped.mkdir()
+    (stopped / BUILD_MARKER).write_text("")
+    (stopped / "tokenizer.json").write_text("{}")
+    earlier = tmp_path / "earlier"  # a build from before the marker
+    earlier.mkdir()
+    (earlier / "manifest.json").write_text('{"seed": 0, "shape": {}, "files": {}}')
+    (earlier / "config.json").write_text("{}")
+    assert is_rebuildable(stopped) and is_rebuildable(earlier)
+    assert not is_rebuildable(_users_model(tmp_path / "qwen"))
+    (tmp_path / "a-file").write_text("x")
+    assert not is_rebuildable(tmp_path / "a-file")
+
+
 def test_simulate_still_writes_its_results(tmp_path):
     out = tmp_path / "deep" / "sim.json"
     result = CliRunner().invoke(app, [*SIMULATE, "--out", str(out)])

@@ -22,6 +22,14 @@ def test_same_seed_same_files(built, tmp_path: Path):
     assert first["files"] == second["files"]
 
 
+def test_a_build_marks_its_folder_as_its_own(built):
+    from cluster.model_builder import BUILD_MARKER, is_rebuildable
+
+    out, manifest = built
+    assert (out / BUILD_MARKER).is_file() and BUILD_MARKER not in manifest["files"]
+    assert is_rebuildable(out)
+
+
 def test_other_seed_other_weights(built, tmp_path: Path):
     _, first = built
     other = build_model(tmp_path, seed=8, shape=SMALL, corpus_bytes=300_000)

@@ -379,8 +379,10 @@ def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateD
 
     cfg = _load(config, state_dir=state_dir)
     state = _load_state(cfg)
-    if state.is_empty():
-        typer.echo(f"note: {_where_state_is(cfg)}", err=True)
+    is_recorded = not state.is_empty()
+    if not is_recorded:
+        typer.echo(f"note: {_where_state_is(cfg)}; what follows is whatever runs at {state.dashboard_url}", err=True)
+    cfg = local.recorded_config(cfg, state, lambda message: typer.echo(f"note: {message}", err=True))
     try:
         details = local.serve_details(state)
     except Exception as err:
@@ -405,8 +407,10 @@ def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateD
         typer.echo(f"redis: {local.without_password(state.redis_url)} ({answer})")
     if state.http_url and app_status == "RUNNING":
         _echo_router_status(cfg, state.http_url)
-    if any(s != "RUNNING" for s in statuses.values()) or redis_problem:
-        raise typer.Exit(1)  # scripts and probes read the exit status: 0 only when everything serves
+    if any(s != "RUNNING" for s in statuses.values()) or redis_problem or not is_recorded:
+        # Scripts and probes read the exit status: 0 only when everything serves, and it is the cluster this
+        # state directory records (not another checkout's, or the tests', on the same ports).
+        raise typer.Exit(1)
 
 
 def _redis_problem(url: str) -> Optional[str]:

@@ -420,8 +420,9 @@ class ClusterConfig(_Strict):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: str | None) -> str | None:
-        if url:
-            check_redis_url(url)
+        if not url or not url.strip():
+            return None  # an empty REDIS_URL= is unset: `up` starts its own Redis and deploys with its URL
+        check_redis_url(url)
         return url
 
     def model_source(self) -> str:

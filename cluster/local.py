@@ -80,6 +80,9 @@ class LocalState:
     dashboard_url: str = LOCAL_DASHBOARD_URL
     http_url: Optional[str] = None
     grpc_address: Optional[str] = None
+    # The Serve application `up` deployed (`app_name`; its gRPC one is named after it): `down` and
+    # `status` run without the config that named it still find it.
+    app_name: Optional[str] = None
 
     @staticmethod
     def path(state_dir: Path) -> Path:
@@ -889,7 +892,7 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     ensure_model(cfg, progress)
     redis_url = start_redis(cfg, state, progress)
     state.save(state_dir)
-    if cfg.redis_url is None:
+    if not cfg.redis_url:
         cfg = cfg.model_copy(update={"redis_url": redis_url})
     if cfg.access.is_auth_enabled:
         ensure_local_api_key(cfg, redis_url, progress)
@@ -901,6 +904,8 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     own = own_application_names(cfg)
     if redeploy:
         _when_dashboard_ready(lambda: remove_applications(state, own, progress), "deleting the running application")
+    state.app_name = cfg.app_name  # before deploying: a deploy that fails part way leaves it for `down`
+    state.save(state_dir)
     deploy(cfg, state, progress)
     details = wait_running(cfg, state, progress, timeout_s)
     http_port, grpc_port = serving_ports(details)
@@ -1102,6 +1107,16 @@ def session_processes(session: str) -> list[int]:
     return found
 
 
+def recorded_config(cfg: ClusterConfig, state: LocalState, progress: Progress) -> ClusterConfig:
+    """`cfg` naming the application `up` recorded deploying, where that is another than `cfg`'s (run without
+    the config that named it, `down` deleted applications that were never there and forgot the ones that were)."""
+    if state.app_name is None or state.app_name == cfg.app_name:
+        return cfg
+    progress(f"serve: the recorded application is {state.app_name!r}, not this config's {cfg.app_name!r}; "
+             f"acting on {state.app_name!r}")
+    return cfg.model_copy(update={"app_name": state.app_name})
+
+
 def down(cfg: ClusterConfig, progress: Progress) -> bool:
     """Stops the Serve applications, and the Ray head and Redis if `up` started them.
 
@@ -1116,18 +1131,28 @@ def down(cfg: ClusterConfig, progress: Progress) -> bool:
     if state.is_empty():
         progress(f"nothing to stop: {LocalState.path(state_dir)} records nothing started")
         return True
+    cfg = recorded_config(cfg, state, progress)
     left = LocalState()
     if state.ray_started:
         if not _stop_started_head(state, progress):
             left.ray_started, left.ray_session, left.ray_address = True, state.ray_session, state.ray_address
+            left.app_name = state.app_name
     elif state.ray_address:
         own = own_application_names(cfg)
         try:
             remove_applications(state, own, progress)
             progress(f"ray: {state.ray_address} was joined, not started: left running")
         except Exception as err:
-            progress(f"serve: could not delete applications {', '.join(sorted(own))} ({err}); still recorded")
-            left.ray_address, left.dashboard_url = state.ray_address, state.dashboard_url
+            if state.http_url is None:
+                # `up` never saw the applications serve there (a head that was not running, a mistyped
+                # address): kept, the join would fail every `down` and refuse every plain `up`.
+                progress(f"serve: could not delete applications {', '.join(sorted(own))} at {state.ray_address} "
+                         f"({err}); `up` never saw them serve there, so the join is forgotten (if they do run "
+                         "there, delete them with `serve shutdown` against that head)")
+            else:
+                progress(f"serve: could not delete applications {', '.join(sorted(own))} ({err}); still recorded")
+                left.ray_address, left.dashboard_url = state.ray_address, state.dashboard_url
+                left.http_url, left.grpc_address, left.app_name = state.http_url, state.grpc_address, state.app_name
     if not stop_redis(state, progress):
         left.redis_pid, left.redis_port, left.redis_url = state.redis_pid, state.redis_port, state.redis_url
     left.save(state_dir)

@@ -168,11 +168,19 @@ def test_values_the_key_store_cannot_use_are_config_errors(data, message):
 
 
 @pytest.mark.parametrize("url", [
-    "redis://r:6379/0", "rediss://u:p@r:6380/1", "unix:///run/redis.sock", "", "redis://r:6379", "redis://r:6379/",
+    "redis://r:6379/0", "rediss://u:p@r:6380/1", "unix:///run/redis.sock", "redis://r:6379", "redis://r:6379/",
     "redis://r:6379/15", "unix:///run/redis.sock?db=2", "redis://r:6379/0?socket_timeout=2.5&health_check_interval=10",
 ])
 def test_redis_urls_the_client_accepts_are_kept(url):
     assert load_config(environ={}, overrides={"redis_url": url}).redis_url == url
+
+
+@pytest.mark.parametrize("url", ["", "  "])
+def test_an_empty_redis_url_is_unset(url):
+    """`REDIS_URL=` started a local Redis (empty counted as unset there) but deployed the app with no URL, whose
+    ingress and orchestrator then failed to start."""
+    assert load_config(environ={}, overrides={"redis_url": url}).redis_url is None
+    assert load_config(environ={"REDIS_URL": url}).redis_url is None
 
 
 @pytest.mark.parametrize("url, problem", [

@@ -172,10 +172,40 @@ def test_status_lists_the_http_and_the_grpc_application(tmp_path, monkeypatch):
             "GrpcIngress": {"status": "HEALTHY", "replicas": [{"state": "RUNNING"}]}}},
     }}
     monkeypatch.setattr(local, "serve_details", lambda state: details)
+    LocalState(ray_started=True, ray_session="session_1", ray_address="auto").save(tmp_path)
     result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "application warmpath: RUNNING" in result.output
     assert "application warmpath-grpc: RUNNING" in result.output and "GrpcIngress: HEALTHY (1 RUNNING)" in result.output
+
+
+def test_status_with_nothing_recorded_shows_what_runs_but_exits_1(tmp_path, monkeypatch):
+    """In the wrong folder, while another checkout's cluster (or the tests') ran on the same ports, `status` said
+    RUNNING and exited 0: a probe took someone else's cluster for its own."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    details = {"applications": {"warmpath": {"status": "RUNNING", "deployments": {}},
+                                "warmpath-grpc": {"status": "RUNNING", "deployments": {}}}}
+    monkeypatch.setattr(local, "serve_details", lambda state: details)
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "no local cluster is recorded" in result.output and "application warmpath: RUNNING" in result.output
+
+
+def test_status_without_the_config_reads_the_application_up_recorded(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    details = {"applications": {"agents": {"status": "RUNNING", "deployments": {}},
+                                "agents-grpc": {"status": "RUNNING", "deployments": {}}}}
+    monkeypatch.setattr(local, "serve_details", lambda state: details)
+    LocalState(ray_started=True, ray_session="session_1", ray_address="auto", app_name="agents").save(tmp_path)
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "application agents: RUNNING" in result.output and "application agents-grpc: RUNNING" in result.output
 
 
 @pytest.mark.parametrize("grpc_status, redis_url, says", [

@@ -107,7 +107,8 @@ def test_a_failed_ray_start_that_spawned_nothing_records_nothing(tmp_path, monke
 
 
 def test_down_keeps_a_joined_cluster_it_could_not_clean_recorded_and_fails(tmp_path, monkeypatch):
-    LocalState(ray_address="ray://head.example:10001", dashboard_url="http://head.example:8265").save(tmp_path)
+    LocalState(ray_address="ray://head.example:10001", dashboard_url="http://head.example:8265",
+               http_url="http://head.example:8000").save(tmp_path)
 
     def unreachable(state, own, progress):
         raise ConnectionError("dashboard unreachable")

@@ -118,6 +118,40 @@ def test_down_on_a_joined_head_removes_only_warmpath(tmp_path, serve):
     assert LocalState.load(tmp_path).is_empty()
 
 
+def test_down_without_the_config_removes_the_application_up_recorded(tmp_path, serve):
+    """Run without the config that set `app_name: agents`, `down` deleted `warmpath` (never there), said so, and
+    forgot `agents`, which went on serving with nothing recorded."""
+    serve.details["applications"]["agents"] = {"status": "RUNNING", "source": "declarative",
+                                               "deployed_app_config": {"name": "agents"}}
+    serve.details["applications"]["agents-grpc"] = {"status": "RUNNING", "source": "declarative",
+                                                    "deployed_app_config": {"name": "agents-grpc"}}
+    LocalState(ray_address="ray://head:10001", dashboard_url="http://head:8265", http_url="http://head:8000",
+               app_name="agents").save(tmp_path)
+    lines = []
+    assert local.down(load_config(environ={}, overrides={"state_dir": str(tmp_path)}), lines.append)
+    assert set(serve.details["applications"]) == {"warmpath", "billing", "notebook"}
+    assert any("the recorded application is 'agents'" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("has_served", [False, True])
+def test_a_join_that_never_served_is_forgotten_when_its_head_cannot_be_reached(tmp_path, monkeypatch, has_served):
+    """`RAY_ADDRESS=auto` with no head running: `up` failed, and every later `down` failed and every plain `up`
+    was refused, with nothing to say how out. A join that did serve stays recorded for the next `down`."""
+    def unreachable(state):
+        raise ConnectionError("Connection refused")
+
+    monkeypatch.setattr(local, "_serve_client", unreachable)
+    LocalState(ray_address="auto", app_name="warmpath",
+               http_url="http://127.0.0.1:8000" if has_served else None).save(tmp_path)
+    lines = []
+    assert local.down(load_config(environ={}, overrides={"state_dir": str(tmp_path)}), lines.append) is not has_served
+    assert LocalState.load(tmp_path).is_empty() is not has_served
+    if has_served:  # the next `down` takes the same path again
+        assert LocalState.load(tmp_path).http_url == "http://127.0.0.1:8000"
+    else:
+        assert any("the join is forgotten" in line for line in lines), lines
+
+
 def test_down_leaves_a_head_started_after_ours_alone(tmp_path, serve, monkeypatch):
     """The recorded head stopped (a reboot, `ray stop`) and someone else started one: not ours to stop."""
     monkeypatch.setattr(local, "_ray_head_up", lambda: True)

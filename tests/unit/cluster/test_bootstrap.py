@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
+BASH = shutil.which("bash") or "/bin/bash"  # found here: a test may run the script with a PATH that has no bash
 
 
 def _bootstrap(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "cluster" / "bootstrap.sh"), *args], capture_output=True, text=True,
+    return subprocess.run([BASH, str(ROOT / "cluster" / "bootstrap.sh"), *args], capture_output=True, text=True,
                           timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": str(ROOT), **env})
 
 
@@ -47,3 +49,26 @@ def test_a_venv_made_for_a_checkout_elsewhere_is_told_apart(tmp_path):
     (copy / "cluster" / "__init__.py").write_text("")
     (copy / ".venv").symlink_to(venv)
     assert not _imports_this_checkout(copy, ".venv")
+
+
+def test_no_python_on_path_is_said_as_such(tmp_path):
+    """It said "python3 is not Python 3.11" where there was no python3 at all."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dirname").symlink_to("/usr/bin/dirname")
+    result = _bootstrap("install", env={"PATH": str(bin_dir)})
+    assert result.returncode == 10 and "no Python 3.11 found" in result.stderr, result.stderr
+
+
+def test_a_venv_of_the_users_own_is_refused_not_deleted(tmp_path):
+    """WARMPATH_VENV naming a venv of another Python was deleted (`rm -rf`) and made again."""
+    python = ROOT / ".venv" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("no .venv in this checkout")
+    venv = tmp_path / "my-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 1\n")  # not Python 3.11
+    (venv / "bin" / "python").chmod(0o755)
+    result = _bootstrap("install", env={"PYTHON": str(python), "WARMPATH_VENV": str(venv)})
+    assert result.returncode == 10 and "this script did not make it" in result.stderr, result.stderr
+    assert (venv / "bin" / "python").is_file()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -205,7 +206,10 @@ def _echo_left_running(cfg: ClusterConfig) -> None:
     parts = ([f"redis-server (pid {state.redis_pid})"] if state.redis_pid else []) + (
         ["the Ray head"] if state.ray_started else [])
     if parts:
-        typer.echo(f"left running: {', '.join(parts)}; `warmpath down` stops them", err=True)
+        # `down` finds them only in this state directory: one given by --state-dir or a config's is named.
+        where = "" if cfg.state_dir == ClusterConfig.model_fields["state_dir"].default else (
+            f" --state-dir {shlex.quote(cfg.state_dir)}")
+        typer.echo(f"left running: {', '.join(parts)}; `warmpath down{where}` stops them", err=True)
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke API keys (stored hashed in Redis).")
@@ -488,6 +492,9 @@ def render_k8s_cmd(
     except ConfigError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2)
+    except OSError as err:  # a generated path that is a folder, a read-only checkout: one line, not a traceback
+        typer.echo(f"error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), err=True)
+        raise typer.Exit(1)
 
 
 def _check_bench_flags(time_scale: float, sessions: Optional[int], rounds: int = 1) -> None:

@@ -60,6 +60,10 @@ class ModelConfig(_Strict):
     )
 
 
+# Far past any machine, and low enough that Ray's integer CPU counts (`ray start --num-cpus`) stay exact.
+MAX_CPUS_PER_REPLICA = 1024.0
+
+
 class ReplicaConfig(_Strict):
     """Resources of one vLLM replica and how many replicas run."""
 
@@ -69,7 +73,7 @@ class ReplicaConfig(_Strict):
         1.0, description=(
             "Logical CPUs per replica: a CPU replica's engine bundle. GPU replicas take Ray Serve LLM's bundles "
             "(one CPU with each GPU); there it sizes only the Ray CPUs each KubeRay worker offers (num_cpus + 1)."
-        ), gt=0,
+        ), gt=0, le=MAX_CPUS_PER_REPLICA, allow_inf_nan=False,
     )
     num_gpus: int = Field(0, description="GPUs per replica; must equal tensor_parallel_size on GPU.", ge=0)
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallel degree.", ge=1)
@@ -637,11 +641,12 @@ def format_validation_error(err: ValidationError, sources: Mapping[tuple[str, ..
 
 
 def _setting_variable(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> str | None:
-    """The variable that set `loc` or a section holding it (`WARMPATH_ROUTER` for `router.policy`)."""
+    """The variable that set `loc` or a section holding it (`WARMPATH_ROUTER` for `router.policy`), else one that
+    set a path under it (`WARMPATH_REPLICA__NUM_REPLICAS` for a section `replica` that does not exist)."""
     for depth in range(len(loc), 0, -1):
         if loc[:depth] in sources:
             return sources[loc[:depth]]
-    return None
+    return next((variable for path, variable in sources.items() if loc and path[: len(loc)] == loc), None)
 
 
 def validate_config(data: Mapping, sources: Mapping[tuple[str, ...], str] | None = None) -> ClusterConfig:

@@ -169,6 +169,10 @@ def ensure_model(cfg: ClusterConfig, progress: Progress) -> None:
         is_path = source.startswith(LOCAL_PATH_PREFIXES)
         if is_path and not Path(cfg.model_source()).exists() and not (address and is_remote_address(address)):
             raise BringUpError(f"model.source {source}: no such file or folder on this machine")
+        if not is_path and Path(source).exists():
+            # The replicas run in Ray's workers, in another directory: there it is a Hugging Face id.
+            progress(f"model: model.source {source!r} is read as a Hugging Face id, though a folder of that name is "
+                     f"here: to serve the folder, write ./{source} (or its absolute path)")
         return
     out = Path(cfg.model_source())
     if is_built(out):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,7 @@ def build_model(
     model.save_pretrained(out_dir, safe_serialization=True)
     # Generation defaults from a random model would only confuse clients.
     (out_dir / "generation_config.json").unlink(missing_ok=True)
+    _readable_as_umask_allows(out_dir)
     files = {
         p.name: _sha256(p)
         for p in sorted(out_dir.iterdir())
@@ -207,6 +209,17 @@ def build_model(
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     progress(f"wrote {len(files)} files ({num_params / 1e6:.1f}M parameters) to {out_dir}")
     return manifest
+
+
+def _readable_as_umask_allows(out_dir: Path) -> None:
+    """Gives the written files the mode the umask allows: the weights were saved 0600 (by the safetensors
+    writer), so a model built for another user to serve (a service account, a container's user) could not
+    be read by it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out_dir.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def is_rebuildable(out_dir: Path) -> bool:

@@ -116,6 +116,19 @@ def test_a_problem_set_by_the_environment_names_its_variable():
                for line in lines)
 
 
+def test_a_misspelt_section_names_the_variable_that_set_a_field_in_it():
+    with pytest.raises(ConfigError) as err:
+        _load({"WARMPATH_REPLICA__NUM_REPLICAS": "2"})
+    assert "replica (set by environment variable WARMPATH_REPLICA__NUM_REPLICAS): " in str(err.value)
+
+
+@pytest.mark.parametrize("num_cpus", ["inf", "nan", "1e300"])
+def test_a_replicas_cpus_must_be_a_finite_count_ray_can_take(num_cpus):
+    """`inf` passed, and `up` then failed with an OverflowError traceback after starting Redis."""
+    with pytest.raises(ConfigError, match="replicas.num_cpus"):
+        _load({"WARMPATH_REPLICAS__NUM_CPUS": num_cpus})
+
+
 def test_a_problem_a_flag_set_over_the_environment_names_no_variable():
     with pytest.raises(ConfigError) as err:
         _load({"WARMPATH_PORTS__HTTP_PORT": "8001"}, ports={"http_port": "eighty"})

@@ -255,6 +255,11 @@ def test_a_failed_up_says_what_it_left_running(tmp_path, monkeypatch, failure, e
     monkeypatch.setattr(local, "up", failing_up)
     result = CliRunner().invoke(app, ["up", "--state-dir", str(tmp_path)])
     assert result.exit_code == exit_code
+    # A plain `down` would look in ./.warmpath, say "nothing to stop" and leave them running.
+    assert (f"left running: redis-server (pid 4242), the Ray head; `warmpath down --state-dir {tmp_path}` stops them"
+            in result.output)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["up"])
     assert "left running: redis-server (pid 4242), the Ray head; `warmpath down` stops them" in result.output
 
 
@@ -467,6 +472,18 @@ def test_a_local_model_folder_that_is_not_there_is_refused_before_anything_start
     monkeypatch.setattr(local, "is_remote_address", lambda address: True)
     monkeypatch.setenv("RAY_ADDRESS", "ray://gpu-cluster:10001")  # the path is on the cluster's nodes
     local.ensure_model(missing, progress=lambda msg: None)
+
+
+def test_a_hub_id_that_is_also_a_folder_here_is_pointed_out(tmp_path, monkeypatch):
+    """`models/my-model` without `./` is a Hugging Face id: the replicas failed minutes later in Ray's workers."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "my-model").mkdir(parents=True)
+    said = []
+    local.ensure_model(load_config(environ={}, overrides={"model": {"source": "models/my-model"}}), said.append)
+    assert len(said) == 1 and "write ./models/my-model" in said[0], said
+    said.clear()
+    local.ensure_model(load_config(environ={}, overrides={"model": {"source": "Qwen/Qwen2.5-7B-Instruct"}}), said.append)
+    assert said == []
 
 
 def test_the_rendered_serve_config_is_private_to_its_owner(tmp_path, monkeypatch):

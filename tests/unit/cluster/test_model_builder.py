@@ -22,6 +22,16 @@ def test_same_seed_same_files(built, tmp_path: Path):
     assert first["files"] == second["files"]
 
 
+def test_every_file_is_readable_as_the_umask_allows(built):
+    """The weights were written 0600: a model built for another user to serve could not be read by it."""
+    import os
+
+    out, _ = built
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: 0o666 & ~umask for p in out.iterdir()}
+
+
 def test_a_build_marks_its_folder_as_its_own(built):
     from cluster.model_builder import BUILD_MARKER, is_rebuildable
 

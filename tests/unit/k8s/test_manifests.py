@@ -542,6 +542,17 @@ def test_render_k8s_check_reports_drift_and_render_fixes_it(tmp_path: Path):
     assert k8s_render.embedded_serve_config(overlay)["applications"][0]["args"]["replicas"]["num_replicas"] == 3
 
 
+def test_render_k8s_says_a_write_it_cannot_make_in_one_line(tmp_path: Path):
+    """An overlay whose `generated` is a file gave a 30-line FileExistsError traceback."""
+    overlay = tmp_path / "cpu"
+    shutil.copytree(K8S_DIR / "overlays" / "cpu", overlay)
+    shutil.rmtree(overlay / "generated")
+    (overlay / "generated").write_text("not a folder")
+    result = CliRunner().invoke(app, ["render", "k8s", "--overlay", str(overlay)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.startswith("error: ") and "generated" in result.output and len(result.output.splitlines()) == 1
+
+
 def test_stale_generated_files_count_as_drift(tmp_path: Path):
     overlay = tmp_path / "cpu"
     shutil.copytree(K8S_DIR / "overlays" / "cpu", overlay)

@@ -533,3 +533,29 @@ def test_bring_up_asks_a_dashboard_that_dropped_again_and_gives_up_with_a_messag
     monkeypatch.setattr(local, "serve_details", dropped)
     with pytest.raises(BringUpError, match="stopped answering"):
         local.wait_running(cfg, LocalState(dashboard_url="http://127.0.0.1:8265"), said.append, timeout_s=-1)
+
+
+@pytest.mark.parametrize("args, environ, host", [
+    (["--no-auth"], {}, "127.0.0.1"),
+    (["--no-auth"], {"WARMPATH_PORTS__HOST": "0.0.0.0"}, "0.0.0.0"),  # set on purpose: kept
+    ([], {}, "0.0.0.0"),  # keys on: every caller is checked
+])
+def test_up_without_keys_listens_on_loopback_unless_told_otherwise(tmp_path, monkeypatch, args, environ, host):
+    """Without keys every caller holds every permission, server-side HTTP tools that reach this machine's
+    networks included; the proxies listened on every address."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    seen = []
+
+    def recording_up(cfg, progress, **kwargs):
+        seen.append(cfg.ports.host)
+        raise BringUpError("stop here")
+
+    monkeypatch.setattr(local, "up", recording_up)
+    CliRunner().invoke(app, ["up", "--state-dir", str(tmp_path), *args])
+    assert seen == [host]

@@ -9,7 +9,8 @@ a machine with a spare core, a warmpath cell then takes about two thirds of
 the time, with the same figures.
 
 Both feeds take requests by session: a session's responses are cached on the
-replica the placement chose for its latest request (`SessionBounds`).
+replica the placement chose for its latest request (`SessionBounds`), and on
+the one the simulation sent it to in the replay of its own placement.
 
 What crosses the pipe (`BoundsProcess`): for each request or cached response,
 only the blocks its session did not send last time (block hashes chain, so the
@@ -38,8 +39,8 @@ class BoundsFeed(Protocol):
 
     cpu_s: float  # CPU time the bounds took outside this process, known once `result` returned
 
-    def observe(self, session_id: str, chain: Sequence[BlockHash], num_tokens: int) -> None:
-        """A request was sent: its prompt's block hashes and token count."""
+    def observe(self, session_id: str, chain: Sequence[BlockHash], num_tokens: int, served_on: int | None = None) -> None:
+        """A request was sent: its prompt's block hashes and token count, and the replica the run sent it to."""
 
     def cache(self, session_id: str, chain: Sequence[BlockHash]) -> None:
         """The session's latest request left `chain` cached (its response's blocks included)."""
@@ -61,13 +62,14 @@ class SessionBounds:
 
     def __init__(self, block_size_tokens: int, num_replicas: int, capacity_blocks: int) -> None:
         self._bounds = StreamingBounds(block_size_tokens, num_replicas, capacity_blocks)
-        self._placed: dict[str, int] = {}  # session -> replica of its latest request
+        # session -> replica of its latest request: the greedy placement's, and the run's own
+        self._placed: dict[str, tuple[int, int | None]] = {}
 
-    def observe(self, session_id: str, chain: Sequence[BlockHash], num_tokens: int) -> None:
-        self._placed[session_id] = self._bounds.observe(chain, num_tokens)
+    def observe(self, session_id: str, chain: Sequence[BlockHash], num_tokens: int, served_on: int | None = None) -> None:
+        self._placed[session_id] = (self._bounds.observe(chain, num_tokens, served_on), served_on)
 
     def cache(self, session_id: str, chain: Sequence[BlockHash]) -> None:
-        self._bounds.cache(chain, self._placed[session_id])
+        self._bounds.cache(chain, *self._placed[session_id])
 
     def end(self, session_id: str) -> None:
         self._placed.pop(session_id, None)
@@ -112,8 +114,8 @@ class BoundsProcess:
         self._batch_bytes = 0
         self.cpu_s = 0.0  # the child's CPU time, known once `result` returned
 
-    def observe(self, session_id: str, chain: Sequence[BlockHash], num_tokens: int) -> None:
-        self._send_chain(_OBSERVE, session_id, chain, num_tokens)
+    def observe(self, session_id: str, chain: Sequence[BlockHash], num_tokens: int, served_on: int | None = None) -> None:
+        self._send_chain(_OBSERVE, session_id, chain, num_tokens, served_on)
 
     def cache(self, session_id: str, chain: Sequence[BlockHash]) -> None:
         self._send_chain(_CACHE, session_id, chain, 0)
@@ -155,12 +157,13 @@ class BoundsProcess:
     def __exit__(self, *_exc) -> None:
         self.close()
 
-    def _send_chain(self, kind: int, session_id: str, chain: Sequence[BlockHash], num_tokens: int) -> None:
+    def _send_chain(self, kind: int, session_id: str, chain: Sequence[BlockHash], num_tokens: int,
+                    served_on: int | None = None) -> None:
         previous = self._sent.get(session_id)
         shared = shared_prefix(previous, chain) if previous is not None else 0
         blob = b"".join(chain[shared:])
         self._sent[session_id] = chain
-        self._batch.append((kind, session_id, shared, blob, num_tokens))
+        self._batch.append((kind, session_id, shared, blob, num_tokens, served_on))
         self._batch_bytes += len(blob)
         if self._batch_bytes >= FLUSH_BYTES:
             self._flush()
@@ -194,12 +197,12 @@ def _serve(conn: Connection, block_size_tokens: int, num_replicas: int, capacity
                 if kind == _RESULT:
                     conn.send((bounds.result(op[1]), time.process_time()))
                     return
-                _, session_id, shared, blob, num_tokens = op
+                _, session_id, shared, blob, num_tokens, served_on = op
                 chain = chains[session_id][:shared] if shared else []
                 chain += [blob[i:i + size] for i in range(0, len(blob), size)]
                 chains[session_id] = chain
                 if kind == _OBSERVE:
-                    bounds.observe(session_id, chain, num_tokens)
+                    bounds.observe(session_id, chain, num_tokens, served_on)
                 else:
                     bounds.cache(session_id, chain)
     except Exception as error:  # reported to the parent, which raises it with this text

@@ -148,13 +148,22 @@ def oracle_lines(result: Mapping) -> list[str]:
             continue
         hit = (result["policies"][policy].get("summary") or {}).get("hit_rate")
         parts = []
-        for key, name in (("infinite_hit_rate", "infinite shared cache"), ("placed_hit_rate", "greedy placement")):
+        for key, name in (("infinite_hit_rate", "infinite shared cache"), ("placed_hit_rate", _placed_name(bounds))):
             bound = bounds.get(key)
             if hit is not None and bound:
                 parts.append(f"{hit:.3f} / {bound:.3f} = {hit / bound:.2f} of the {name}")
         if parts:
             lines.append(f"{policy}: " + "; ".join(parts))
     return lines
+
+
+def _placed_name(bounds: Mapping) -> str:
+    """What the placed bound was: the greedy placement, or the run's own where its replay did better."""
+    greedy, own = bounds.get("greedy_hit_rate"), bounds.get("own_placement_hit_rate")
+    if own is None or greedy is None:
+        return "greedy placement"
+    which = "the run's own placement" if own > greedy else "the greedy placement"
+    return f"best placement computed ({which}; greedy {greedy:.3f}, own {own:.3f})"
 
 
 def _check_line(policy: str, check: Mapping) -> str:
@@ -384,7 +393,7 @@ def plot_live(result: Mapping, path: Path) -> None:
     labelled = set()
     for x, policy in enumerate(policies):
         bounds = result.get("oracle", {}).get(policy) or {}
-        for key, style, name in (("infinite_hit_rate", "--", "infinite cache"), ("placed_hit_rate", ":", "greedy placement")):
+        for key, style, name in (("infinite_hit_rate", "--", "infinite cache"), ("placed_hit_rate", ":", "best placement computed")):
             if bounds.get(key) is not None:
                 label = None if key in labelled else f"oracle of its trace: {name}"
                 ax_hit.hlines(bounds[key], x - 0.4, x + 0.4, linestyles=style, color="black", label=label)

@@ -271,7 +271,7 @@ class Simulation:
             request.blocks = self._blocks(request)
         self._session_blocks[request.session_id] = request.blocks
         if self.bounds is not None:
-            self.bounds.observe(request.session_id, request.blocks.hashes(), len(request.token_ids))
+            self.bounds.observe(request.session_id, request.blocks.hashes(), len(request.token_ids), replica)
         request.replica = replica
         request.record.replica_id = f"r{replica}"
         self._queues[replica].append(request)

@@ -231,3 +231,47 @@ def test_summary_figures_of_a_small_trace():
     assert summary.ttft_p50_s == pytest.approx(0.4)
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile([], 99) is None
+
+
+def _stale_then_session(replica_ids):
+    """Session A (8 blocks, never seen again) fills replica 0; session S starts there and grows to 10 blocks."""
+    a = tokens(1, 2, *range(10, 16))
+    s0 = tokens(1, 2, 20, 21)
+    s1 = tokens(1, 2, 20, 21, *range(22, 28))
+    records = [RequestRecord(f"s{i}", 0, float(i), prompt_tokens=len(p), token_ids=array("I", p), replica_id=r)
+               for i, (p, r) in enumerate(zip((a, s0, s1), replica_ids))]
+    return records
+
+
+def test_the_placed_bound_is_at_least_the_runs_own_placement():
+    """The greedy moved S off full replica 0 (its 4 blocks there) to the empty replica 1 and hit nothing: charging
+    a stale block's eviction as much as computing one, it scored below what a sticky router reached."""
+    result = oracle_bounds(_stale_then_session(["r0", "r0", "r0"]), BS, MODEL, 2, 10)
+    assert result.greedy_hit_rate == pytest.approx(2 * BS / result.prompt_tokens)  # s0 hits the shared 2 blocks
+    assert result.own_placement_hit_rate == pytest.approx((2 + 4) * BS / result.prompt_tokens)
+    assert result.placed_hit_rate == result.own_placement_hit_rate
+
+
+def test_a_trace_that_does_not_say_where_its_requests_ran_keeps_the_greedy_bound():
+    result = oracle_bounds(_stale_then_session(["r0", None, "r0"]), BS, MODEL, 2, 10)
+    assert result.own_placement_hit_rate is None and result.placed_hit_rate == result.greedy_hit_rate
+
+
+def test_the_feeds_replay_the_simulations_own_placement():
+    from bench.bounds_feed import BoundsProcess, SessionBounds
+
+    chains = {name: [h(f"{name}{i}") for i in range(n)] for name, n in (("a", 8), ("s", 10))}
+    chains["a"][:2] = chains["s"][:2] = [h("sys0"), h("sys1")]
+    results = []
+    for feed in (SessionBounds(BS, 2, 10), BoundsProcess(BS, 2, 10)):
+        try:
+            feed.observe("a", chains["a"], 8 * BS + 1, 0)
+            feed.observe("s", chains["s"][:4], 4 * BS + 1, 0)
+            feed.observe("s", chains["s"], 10 * BS + 1, 0)
+            results.append(feed.result())
+        finally:
+            feed.close()
+    for result in results:
+        assert result.own_placement_hit_rate > result.greedy_hit_rate
+        assert result.placed_hit_rate == result.own_placement_hit_rate
+    assert results[0] == results[1]

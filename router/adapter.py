@@ -676,6 +676,7 @@ class PrefixKVRouter(RequestRouter):
         # Serve fell back to another replica (the chosen one was full): the placement moves where the request
         # really went. Left on the chosen one, it would credit that replica with blocks it never computes, and
         # every decision it drew there would renew it.
+        decision_log.STATS.count_fallback(decision.reason)
         self.withdraw(decision)
         with self.lock:
             self.policy.record(decision, ReplicaId(replica_id.unique_id), self.index, self.sessions, time.monotonic())

@@ -101,6 +101,14 @@ class RoutingStats:
         with self._lock:
             self.num_decisions_by_reason[reason] += 1
 
+    def count_fallback(self, reason: str) -> None:
+        """A decision counted as `reason` was served elsewhere (`FALLBACK_REASON`), as the decisions metric, the
+        route header and span say: `/v1/router` counted it as the chosen replica's reason."""
+        with self._lock:
+            if self.num_decisions_by_reason[reason] > 0:
+                self.num_decisions_by_reason[reason] -= 1
+            self.num_decisions_by_reason[FALLBACK_REASON] += 1
+
     def count_prediction(self, predicted_tokens: int, actual_tokens: int, block_size_tokens: int) -> None:
         error = abs(predicted_tokens - actual_tokens)
         with self._lock:

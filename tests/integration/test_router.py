@@ -151,7 +151,8 @@ def test_router_state_and_prediction_accuracy(warmpath_router):
     stats = state["stats"]
     assert stats["num_predictions"] >= 2
     assert stats["prediction_accuracy"] >= 0.5, stats
-    assert set(stats["decisions_by_reason"]) <= {"prefix-hit", "session-affinity", "least-loaded", "load-guard", "cold"}
+    assert set(stats["decisions_by_reason"]) <= {
+        "prefix-hit", "session-affinity", "least-loaded", "load-guard", "cold", "fallback"}
 
 
 def test_streamed_responses_count_toward_prediction_accuracy(warmpath_router):

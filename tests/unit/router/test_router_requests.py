@@ -333,10 +333,15 @@ def test_a_request_serve_sent_elsewhere_moves_its_placement_there(new_router):
         router.on_request_routed(request, other.replica_id, None)  # the chosen one was full
         return chosen.replica_id.unique_id, other.replica_id.unique_id, router
 
+    before = decision_log.STATS.snapshot()["decisions_by_reason"]
     chosen, other, router = asyncio.run(route())
     hashes = hash_request_blocks(list(range(64)), BS, root_hash("m", None))
     held = router.index.longest_prefix(hashes, time.monotonic())
     assert chosen not in held and held.get(other) == 16, held
+    # `/v1/router` counts it as served, as the decisions metric, the route header and span do.
+    after = decision_log.STATS.snapshot()["decisions_by_reason"]
+    assert after.get("fallback", 0) == before.get("fallback", 0) + 1
+    assert sum(after.values()) == sum(before.values()) + 1
 
 
 def _text_in_arguments(text: str):

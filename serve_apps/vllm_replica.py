@@ -175,6 +175,15 @@ def _attach_kv_cache_usage(engine: Any) -> Optional[KvCacheUsageRecorder]:
     return recorder
 
 
+def _has_no_requests(engine: Any) -> bool:
+    """Whether Ray Serve LLM's vLLM engine holds no unfinished request (False where it cannot say)."""
+    count = getattr(getattr(engine, "_engine_client", None), "get_num_unfinished_requests", None)
+    try:
+        return callable(count) and count() == 0
+    except Exception:  # an engine shutting down: say nothing new
+        return False
+
+
 def _engine_cache_config(engine: Any) -> Any:
     """The frontend's `CacheConfig` of Ray Serve LLM's vLLM engine, or None where it is not."""
     return getattr(getattr(getattr(engine, "_engine_client", None), "vllm_config", None), "cache_config", None)
@@ -382,7 +391,9 @@ class WarmpathLLMServer(LLMServer):
         stats.update(self._rendering_stats)
         usage = self._kv_cache_usage.usage() if self._kv_cache_usage is not None else None
         if usage is not None:
-            stats["kv_cache_usage"] = usage
+            # The usage is the last engine step's: a request aborted (its client left) frees its blocks with no
+            # step after it to say so, and the idle replica went on reporting them until its next request.
+            stats["kv_cache_usage"] = 0.0 if _has_no_requests(self.engine) else usage
         return stats
 
     async def replica_info(self) -> Dict[str, Any]:

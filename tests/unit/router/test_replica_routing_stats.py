@@ -72,6 +72,22 @@ def test_the_engines_kv_cache_usage_reaches_the_routing_stats():
     assert EngineRendering.from_routing_stats(stats).renders_like_router
 
 
+@pytest.mark.parametrize("unfinished, expected", [(1, 0.9), (0, 0.0), (None, 0.9)])
+def test_an_engine_left_without_requests_reports_no_usage(unfinished, expected):
+    """The usage is the last engine step's: after its last request was aborted (a client leaving) no step ran to
+    report the blocks freed, and the idle replica scored as full until its next request. An engine that cannot
+    say (None) keeps the recorded usage."""
+    server = object.__new__(_Replica)
+    server._advertised, server._rendering_stats = {}, {}
+    server._kv_cache_usage = KvCacheUsageRecorder()
+    server._kv_cache_usage.record(SchedulerStats(kv_cache_usage=0.9), None)
+    server.engine = engine_with_stat_loggers([])
+    server.engine.routing_stats = lambda: {}  # Ray Serve LLM's own stats
+    if unfinished is not None:
+        server.engine._engine_client.get_num_unfinished_requests = lambda: unfinished
+    assert asyncio.run(server.record_routing_stats())["kv_cache_usage"] == expected
+
+
 def test_an_engine_that_keeps_no_stats_reports_no_usage():
     assert _attach_kv_cache_usage(engine_with_stat_loggers(None)) is None
     assert _attach_kv_cache_usage(SimpleNamespace()) is None

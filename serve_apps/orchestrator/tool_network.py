@@ -150,7 +150,9 @@ def _parse(url: str) -> _ParsedUrl | str:
         return f"tool URL {shown_url(url)} cannot be parsed ({err})"
     if (sent.port or _DEFAULT_PORTS.get(sent.scheme, 80)) != port:
         return f"tool URL {shown_url(url)} is ambiguous: its port reads as {port} here and {sent.port} to the HTTP client"
-    return _ParsedUrl(parts.scheme, host, port, parts.path)
+    # The host as the HTTP client sends it (IDNA 2008, `。` as `.`): resolved as `urlsplit` gives it, the socket
+    # module's IDNA 2003 looked up `strasse.de` for `straße.de` and the call went to another domain's owner.
+    return _ParsedUrl(parts.scheme, sent.raw_host.decode("ascii") or host, port, parts.path)
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}

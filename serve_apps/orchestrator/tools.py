@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import decimal
+import functools
 import json
 import math
+import ssl
+import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, NoReturn
 
+import certifi
 import httpx
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, ValidationError, validators
 from pydantic import JsonValue
 from referencing import Registry
 
@@ -44,6 +50,13 @@ MAX_ARGUMENT_DEPTH = 64
 # Bound on connecting to one address of a tool's host (httpx's default), whatever the tool's timeout.
 CONNECT_TIMEOUT_S = 5.0
 _ERROR_BODY_SNIPPET_BYTES = 512
+# Content codings a reply may come in (asked for `identity`, some servers compress anyway), decoded one
+# layer at most, never past MAX_TOOL_RESPONSE_BYTES: httpx inflated each read whole and stacked layers
+# (`gzip, gzip`) in one go, so 590 bytes on the wire became 256 MiB in memory before the size check.
+_ZLIB_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# Checking a reply (up to MAX_TOOL_RESPONSE_BYTES of JSON: seconds of Python) runs off the event loop,
+# where every stream and turn of the replica would wait for it.
+_REPLY_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tool-reply-check")
 # Time one call's whole check may take, its `pattern`s included (real calls take well under a millisecond;
 # the event loop waits meanwhile).
 CHECK_BUDGET_S = 0.1
@@ -186,7 +199,23 @@ def escape_raw_control_characters(text: str) -> str:
     return "".join(out)
 
 
-_DeadlineCheckedValidator = deadline_checked(Draft202012Validator)
+def _decimal_multiple_of(validator, multiple, instance, schema):
+    """`multipleOf` in decimal: jsonschema divides binary floats, so 19.99 was no multiple of 0.01 and a correct
+    price was refused (the model retried it until the turn failed). Numbers are taken as written (`repr`)."""
+    if not validator.is_type(instance, "number") or isinstance(instance, bool):
+        return
+    try:
+        with decimal.localcontext() as context:
+            context.prec = 10_000  # every quotient of numbers JSON text can hold here (ints stop at 4,300 digits)
+            context.traps[decimal.Inexact] = False
+            remainder = decimal.Decimal(repr(instance)) % decimal.Decimal(repr(multiple))
+    except (decimal.InvalidOperation, ValueError):  # an infinity, or a quotient past even that precision
+        remainder = 1
+    if remainder:
+        yield ValidationError(f"{instance!r} is not a multiple of {multiple!r}")
+
+
+_DeadlineCheckedValidator = deadline_checked(validators.extend(Draft202012Validator, {"multipleOf": _decimal_multiple_of}))
 
 
 def _validator(schema: dict) -> Draft202012Validator:
@@ -325,7 +354,9 @@ def _error(tool_name: str, message: str, status: ToolStatus = "error", reason: s
 async def _post(client: httpx.AsyncClient, destination: Destination, body: bytes, tool_name: str,
                 max_bytes: int, timeout: httpx.Timeout) -> ToolOutcome:
     # The turn's trace goes on in a tool server that reads W3C trace context.
-    headers = telemetry.inject({"content-type": "application/json", "accept": "application/json"})
+    headers = telemetry.inject(
+        {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
+    )
     url = httpx.URL(destination.url)
     extensions = {}
     targets = [url]
@@ -349,22 +380,56 @@ async def _send(client: httpx.AsyncClient, url: httpx.URL, headers: dict, extens
     async with client.stream(
         "POST", url, content=body, headers=headers, extensions=extensions, timeout=timeout
     ) as response:
+        coding = response.headers.get("content-encoding", "identity").strip().lower() or "identity"
+        if response.is_stream_consumed:  # built in memory (a mock transport): read and decoded already
+            coding = "identity"
+        if coding != "identity" and coding not in _ZLIB_CODINGS:
+            return _error(tool_name, f"tool replied in Content-Encoding {coding!r}; warmpath asks for identity and "
+                                     f"decodes one layer of {', '.join(sorted(_ZLIB_CODINGS))} at most")
+        decoder = zlib.decompressobj(_ZLIB_CODINGS[coding]) if coding != "identity" else None
         chunks: list[bytes] = []
         num_bytes = 0
-        async for chunk in response.aiter_bytes():
-            num_bytes += len(chunk)
-            if num_bytes > MAX_TOOL_RESPONSE_BYTES:
-                return _error(tool_name, f"response exceeded {MAX_TOOL_RESPONSE_BYTES} bytes")
-            chunks.append(chunk)
+        async for data in _wire_bytes(response):
+            while data:
+                if decoder is None:
+                    chunk, data = data, b""
+                else:
+                    try:
+                        chunk = decoder.decompress(data, MAX_TOOL_RESPONSE_BYTES + 1 - num_bytes)
+                    except zlib.error as err:
+                        return _error(tool_name, f"tool's {coding} reply does not decode ({err})")
+                    data = decoder.unconsumed_tail
+                num_bytes += len(chunk)
+                if num_bytes > MAX_TOOL_RESPONSE_BYTES:
+                    return _error(tool_name, f"response exceeded {MAX_TOOL_RESPONSE_BYTES} bytes")
+                chunks.append(chunk)
+        if decoder is not None and not decoder.eof:
+            return _error(tool_name, f"tool's {coding} reply ends before its compressed stream does")
     raw = b"".join(chunks)
-    if not response.is_success:
+    return await asyncio.get_running_loop().run_in_executor(
+        _REPLY_CHECKS, _checked_reply, response.status_code, response.is_success, raw, tool_name, max_bytes
+    )
+
+
+async def _wire_bytes(response: httpx.Response):
+    """The reply's bytes as they came, content coding and all (httpx's `aiter_bytes` decodes each read whole)."""
+    if response.is_stream_consumed:
+        yield response.content
+        return
+    async for data in response.aiter_raw():
+        yield data
+
+
+def _checked_reply(status_code: int, is_success: bool, raw: bytes, tool_name: str, max_bytes: int) -> ToolOutcome:
+    """What the model sees of a tool's reply: the JSON document, cut to `max_bytes`, or why it was refused."""
+    if not is_success:
         snippet = raw[:_ERROR_BODY_SNIPPET_BYTES].decode("utf-8", errors="replace")
-        return _error(tool_name, f"HTTP {response.status_code}: {snippet}", reason=f"HTTP {response.status_code}")
+        return _error(tool_name, f"HTTP {status_code}: {snippet}", reason=f"HTTP {status_code}")
     if not raw.strip():
         # A success with nothing to say (204 No Content, or an empty 200): the model learns it worked.
-        return ToolOutcome("ok", json.dumps({"status": response.status_code}))
+        return ToolOutcome("ok", json.dumps({"status": status_code}))
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark (some servers send one) is no part of the document
     except UnicodeDecodeError as err:
         return _error(tool_name, f"tool replied with {len(raw)} bytes that are not UTF-8 (byte {err.start})")
     try:
@@ -376,6 +441,12 @@ async def _send(client: httpx.AsyncClient, url: httpx.URL, headers: dict, extens
         return _error(tool_name, f"tool's JSON reply is refused: {err}")
     content, is_truncated = truncate_text(text, max_bytes)
     return ToolOutcome("ok", content, is_truncated)
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """The TLS settings of every tool call: httpx's own defaults (certifi's CA bundle), built once."""
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 def _phase_timeout(timeout_s: float) -> httpx.Timeout:
@@ -422,8 +493,10 @@ async def run_http_tool(
                       reason="arguments are not a JSON document")
     body = f'{{"name":{json.dumps(spec.name)},"arguments":{arguments}}}'.encode("utf-8")
     own_client = client is None
-    # Tool endpoints are addressed directly; proxy variables must not reroute them.
-    http = client if client is not None else httpx.AsyncClient(trust_env=False)
+    # Tool endpoints are addressed directly; proxy variables must not reroute them. One TLS context for every
+    # call: building one loads the CA bundle, 50-60 ms on the event loop per call. (Not one pooled client:
+    # its connections are pooled by address, whatever name their certificate was checked for.)
+    http = client if client is not None else httpx.AsyncClient(trust_env=False, verify=_tls_context())
     try:
         async with asyncio.timeout(timeout_s):
             if network is None:

@@ -291,3 +291,19 @@ def test_a_refused_tool_url_is_shown_without_its_password_or_query(url, network)
         assert secret not in said and secret not in outcome.reason
     assert outcome.reason == "destination refused by tool_network"
     assert "S3CRET" not in (network.check_url(url) or "")
+
+
+def test_a_unicode_host_is_resolved_as_the_http_client_sends_it(monkeypatch):
+    """The socket module's IDNA 2003 looked up `strasse.de` for `straße.de` (IDNA 2008: `xn--strae-oqa.de`, the
+    name in Host and SNI): the call went to another domain's owner, arguments and URL credentials with it."""
+    looked_up = []
+
+    async def getaddrinfo(self, host, port, **kwargs):
+        looked_up.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("203.0.113.9", port))]
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    destination = asyncio.run(DEFAULT.check_destination("https://straße.de/api"))
+    assert looked_up == ["xn--strae-oqa.de"] and destination.addresses == ("203.0.113.9",)
+    policy = ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=["https://xn--strae-oqa.de/api"]))
+    assert isinstance(asyncio.run(policy.check_destination("https://straße.de/api/x")), Destination)

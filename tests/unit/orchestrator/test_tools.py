@@ -1,10 +1,12 @@
 """Tool-call validation, the one-call schema, and HTTP tool faults against a real loopback server."""
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -284,14 +286,17 @@ class _ToolHandler(BaseHTTPRequestHandler):
 
     release = threading.Event()
     traceparents: list = []  # each call's W3C trace context header, None where it had none
+    accept_encodings: list = []
 
     def log_message(self, *args):
         pass
 
-    def _reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+    def _reply(self, status: int, body: bytes, content_type: str = "application/json", coding: str | None = None) -> None:
         self.send_response(status)
         self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(body)))
+        if coding is not None:
+            self.send_header("content-encoding", coding)
         self.end_headers()
         self.wfile.write(body)
 
@@ -316,6 +321,17 @@ class _ToolHandler(BaseHTTPRequestHandler):
             self._reply(200, b'{"name": "\\ud800"}')
         elif self.path == "/huge":
             self._reply(200, json.dumps({"rows": ["r" * 100] * 1000}).encode())
+        elif self.path == "/gzip":  # compressed though `identity` was asked for
+            _ToolHandler.accept_encodings.append(self.headers.get("accept-encoding"))
+            self._reply(200, gzip.compress(b'{"total": 1284.50}'), coding="gzip")
+        elif self.path == "/gzip-bomb":  # 64 KiB on the wire, 64 MiB inflated
+            self._reply(200, _gzip_of_spaces(64 << 20), coding="gzip")
+        elif self.path == "/gzip-twice":
+            self._reply(200, gzip.compress(gzip.compress(b"{}")), coding="gzip, gzip")
+        elif self.path == "/gzip-cut":
+            self._reply(200, gzip.compress(b'{"total": 1284.50}')[:-12], coding="gzip")
+        elif self.path == "/bom":
+            self._reply(200, b'\xef\xbb\xbf{"ok": true}')
         elif self.path == "/no-content":
             self.send_response(204)
             self.end_headers()
@@ -326,6 +342,18 @@ class _ToolHandler(BaseHTTPRequestHandler):
             self._reply(200, b"{}")
         else:
             self._reply(404, b"no such tool")
+
+
+def _gzip_of_spaces(num_bytes: int) -> bytes:
+    """A gzip stream of a JSON array holding `num_bytes` spaces, made a megabyte at a time (the test measures
+    the memory a reply takes: the server must not take it first)."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    parts = [packer.compress(b"[")]
+    spaces = b" " * (1 << 20)
+    for _ in range(num_bytes >> 20):
+        parts.append(packer.compress(spaces))
+    parts.append(packer.compress(b"]") + packer.flush())
+    return b"".join(parts)
 
 
 @pytest.fixture(scope="module")
@@ -405,6 +433,78 @@ def test_huge_result_is_truncated_with_marker(tool_server):
     assert (outcome.status, outcome.is_truncated) == ("ok", True)
     assert outcome.content.endswith(f"…[truncated {full_size - 1000} bytes]")
     assert len(outcome.content.encode()) < 1100
+
+
+def test_a_compressed_reply_is_decoded_one_layer_and_never_past_the_size_limit(tool_server):
+    """httpx inflated each read whole, stacked codings included: 590 bytes on the wire became 256 MiB in memory
+    before the size check, and two layers would take the orchestrator down."""
+    import resource
+
+    ok = _run(f"{tool_server}/gzip")
+    assert (ok.status, json.loads(ok.content)) == ("ok", {"total": 1284.50})
+    assert _ToolHandler.accept_encodings[-1] == "identity"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    bomb = _run(f"{tool_server}/gzip-bomb")
+    assert bomb.status == "error" and "response exceeded" in json.loads(bomb.content)["error"]
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 48 * 1024  # KiB: under 48 MiB, not 64
+    twice = _run(f"{tool_server}/gzip-twice")
+    assert twice.status == "error" and "Content-Encoding 'gzip, gzip'" in json.loads(twice.content)["error"]
+    cut = _run(f"{tool_server}/gzip-cut")
+    assert cut.status == "error" and "ends before its compressed stream" in json.loads(cut.content)["error"]
+
+
+def test_a_reply_is_checked_off_the_event_loop(tool_server, monkeypatch):
+    """An 8 MiB JSON reply held the orchestrator's loop for seconds (parsed, walked, dumped), every stream and turn
+    of the replica waiting."""
+    from serve_apps.orchestrator import tools
+
+    threads = []
+    real = tools._checked_reply
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(tools, "_checked_reply", recording)
+    assert _run(f"{tool_server}/ok").status == "ok"
+    assert len(threads) == 1 and threads[0].startswith("tool-reply-check")
+
+
+def test_every_call_shares_one_tls_context(monkeypatch):
+    """Each call's client built its own, loading the CA bundle on the event loop: 50-60 ms a tool call."""
+    import ssl
+
+    contexts = []
+    real_client = httpx.AsyncClient
+
+    def recording_client(**kwargs):
+        contexts.append(kwargs.get("verify"))
+        return real_client(transport=_RecordingTransport(), **kwargs)
+
+    monkeypatch.setattr(httpx, "AsyncClient", recording_client)
+    spec = ToolSpec(name="t", execution={"kind": "http", "url": "https://tools.internal/t"})
+    for _ in range(2):
+        assert asyncio.run(run_http_tool(spec, "{}", timeout_s=5, max_bytes=100)).status == "ok"
+    assert isinstance(contexts[0], ssl.SSLContext) and contexts[0] is contexts[1]
+
+
+def test_a_reply_with_a_byte_order_mark_is_its_json_document(tool_server):
+    outcome = _run(f"{tool_server}/bom")
+    assert (outcome.status, outcome.content) == ("ok", '{"ok": true}')
+
+
+@pytest.mark.parametrize("arguments, is_valid", [
+    ('{"amount": 19.99}', True), ('{"amount": 0.07}', True), ('{"amount": 1284.50}', True), ('{"amount": 4.35}', True),
+    ('{"amount": 19.995}', False), ('{"amount": 1e300}', True), ('{"qty": 0.3}', True), ('{"qty": 0.35}', False),
+    ('{"count": 9}', True), ('{"count": 10}', False),
+])
+def test_multiple_of_is_decided_in_decimal(arguments, is_valid):
+    """jsonschema divides binary floats: 19.99 was no multiple of 0.01, and a correct price was refused until the
+    turn failed."""
+    spec = _spec("pay", {"type": "object", "properties": {
+        "amount": {"type": "number", "multipleOf": 0.01}, "qty": {"type": "number", "multipleOf": 0.1},
+        "count": {"type": "integer", "multipleOf": 3}}})
+    assert isinstance(validate_tool_call(_call("pay", arguments), [spec]), ToolCall) is is_valid
 
 
 def test_client_tool_cannot_run_over_http():

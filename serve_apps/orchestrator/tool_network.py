@@ -25,6 +25,7 @@ import asyncio
 import ipaddress
 import re
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -33,6 +34,10 @@ import httpx
 from cluster.config import ToolNetworkConfig
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+# Tool hosts are looked up on threads of their own: a name whose server never answers holds its thread until
+# the resolver gives up (a cancelled call does not stop it), and on the loop's default pool (six threads on two
+# cores) a session's tool could hold every thread the replica's own lookups (Redis reconnecting) need.
+_TOOL_LOOKUPS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool-dns")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +94,9 @@ class ToolNetworkPolicy:
         if not self._blocked or _address(parsed.host) is not None:
             return Destination(url)
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(parsed.host, parsed.port, type=socket.SOCK_STREAM)
+            infos = await asyncio.get_running_loop().run_in_executor(
+                _TOOL_LOOKUPS, _getaddrinfo, parsed.host, parsed.port
+            )
         except (OSError, UnicodeError) as err:  # UnicodeError: a name IDNA cannot encode (an empty label)
             return f"tool URL {shown_url(url)}: its host does not resolve ({err})"
         addresses = list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
@@ -126,6 +133,10 @@ class _ParsedUrl:
         if not self.path or self.path.endswith("/"):
             return url.path.startswith(self.path)
         return url.path == self.path or url.path.startswith(self.path + "/")
+
+
+def _getaddrinfo(host: str, port: int) -> list:
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
 def _parse(url: str) -> _ParsedUrl | str:

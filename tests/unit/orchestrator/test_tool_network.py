@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import ClusterConfig, ToolNetworkConfig
+from serve_apps.orchestrator import tool_network
 from serve_apps.orchestrator.models import ToolSpec
 from serve_apps.orchestrator.tool_network import Destination, ToolNetworkPolicy
 from serve_apps.orchestrator.tools import run_http_tool
@@ -178,12 +179,12 @@ def test_a_call_connects_to_the_address_that_was_checked_not_to_a_later_dns_answ
     """DNS rebinding: the name resolves to an allowed address for the check, then to a blocked one."""
     answers = [[("127.0.0.1", 0)], [("169.254.169.254", 0)]]
 
-    async def getaddrinfo(self, host, port, **kwargs):
+    def getaddrinfo(host, port):
         assert host == "tool.rebind.test"
         address = answers.pop(0) if len(answers) > 1 else answers[0]
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a, _ in address]
 
-    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(tool_network, "_getaddrinfo", getaddrinfo)
     _HostRecordingHandler.hosts = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _HostRecordingHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -204,10 +205,10 @@ def test_a_call_connects_to_the_address_that_was_checked_not_to_a_later_dns_answ
 
 
 def test_a_pinned_https_call_keeps_the_name_for_host_sni_and_the_certificate(monkeypatch):
-    async def getaddrinfo(self, host, port, **kwargs):
+    def getaddrinfo(host, port):
         return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("2001:db8::7", port, 0, 0))]
 
-    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(tool_network, "_getaddrinfo", getaddrinfo)
     seen: list[httpx.Request] = []
 
     def reply(request: httpx.Request) -> httpx.Response:
@@ -231,11 +232,11 @@ def test_a_pinned_https_call_keeps_the_name_for_host_sni_and_the_certificate(mon
 def test_a_call_tries_the_next_checked_address_when_one_refuses_the_connection(monkeypatch):
     # The name resolves to two loopback addresses; only the second has a server. Nothing reached the
     # first, so trying the second cannot repeat a call. When every address refuses, the call is an error.
-    async def getaddrinfo(self, host, port, **kwargs):
+    def getaddrinfo(host, port):
         assert host == "tool.pair.test"
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in ("127.0.0.2", "127.0.0.1")]
 
-    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(tool_network, "_getaddrinfo", getaddrinfo)
     _HostRecordingHandler.hosts = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _HostRecordingHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -298,12 +299,26 @@ def test_a_unicode_host_is_resolved_as_the_http_client_sends_it(monkeypatch):
     name in Host and SNI): the call went to another domain's owner, arguments and URL credentials with it."""
     looked_up = []
 
-    async def getaddrinfo(self, host, port, **kwargs):
+    def getaddrinfo(host, port):
         looked_up.append(host)
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("203.0.113.9", port))]
 
-    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(tool_network, "_getaddrinfo", getaddrinfo)
     destination = asyncio.run(DEFAULT.check_destination("https://straße.de/api"))
     assert looked_up == ["xn--strae-oqa.de"] and destination.addresses == ("203.0.113.9",)
     policy = ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=["https://xn--strae-oqa.de/api"]))
     assert isinstance(asyncio.run(policy.check_destination("https://straße.de/api/x")), Destination)
+
+
+def test_tool_hosts_are_looked_up_on_threads_of_their_own(monkeypatch):
+    """On the loop's default pool (six threads on two cores), names whose servers never answer could hold every
+    thread the replica's own lookups (Redis reconnecting) need: a cancelled call does not stop its lookup."""
+    threads = []
+
+    def getaddrinfo(host, port):
+        threads.append(threading.current_thread().name)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("203.0.113.9", port))]
+
+    monkeypatch.setattr(tool_network, "_getaddrinfo", getaddrinfo)
+    asyncio.run(DEFAULT.check_destination("https://tools.example/api"))
+    assert len(threads) == 1 and threads[0].startswith("tool-dns")

@@ -143,7 +143,9 @@ def _parse(url: str) -> _ParsedUrl | str:
     """The URL's scheme, host, port (the scheme's default if none) and path, or the refusal of a URL that has none.
 
     A path with a `.` or `..` segment is refused: the HTTP client removes them,
-    so the path a prefix was checked against would not be the one requested.
+    so the path a prefix was checked against would not be the one requested. So
+    is one a server may read as such: a dot segment with parameters (`..;`), an
+    encoded slash or a backslash in a segment.
     """
     try:
         parts = urlsplit(url)
@@ -152,8 +154,11 @@ def _parse(url: str) -> _ParsedUrl | str:
         return f"tool URL {shown_url(url)} cannot be parsed ({err})"
     if not host:
         return f"tool URL {shown_url(url)} names no host"
-    if any(unquote(segment) in (".", "..") for segment in parts.path.split("/")):
-        return f"tool URL {shown_url(url)} has a '.' or '..' path segment"
+    for segment in map(unquote, parts.path.split("/")):
+        if segment.split(";")[0] in (".", ".."):  # `..;/` too: Tomcat and Spring read it as `..`
+            return f"tool URL {shown_url(url)} has a '.' or '..' path segment"
+        if "/" in segment or "\\" in segment:  # `..%2f`, `..\`: servers that decode or fold them step out of a prefix
+            return f"tool URL {shown_url(url)} has an encoded '/' or a '\\' in a path segment"
     port = port or _DEFAULT_PORTS.get(parts.scheme, 80)
     try:
         sent = httpx.URL(url)  # how the call is sent

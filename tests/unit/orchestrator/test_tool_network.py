@@ -55,6 +55,11 @@ def test_allowed_prefixes_are_whole_url_prefixes():
     ("https://tools.internal/api/", "https://tools.internal/api/%2e%2e/admin"),
     ("https://tools.internal/api/", "https://tools.internal/api/./../../x"),
     ("https://tools.internal/api", "https://tools.internal/apix"),
+    # What some servers read as `..` or a path separator (Tomcat and Spring: `..;`; others decode `%2f`, fold `\`).
+    ("https://tools.internal/api/", "https://tools.internal/api/..;/admin"),
+    ("https://tools.internal/api/", "https://tools.internal/api/..%2fadmin"),
+    ("https://tools.internal/api/", "https://tools.internal/api/..%5cadmin"),
+    ("https://tools.internal/api/", "https://tools.internal/api/..\\admin"),
 ])
 def test_a_prefix_admits_its_own_host_port_and_path_only(prefix, url):
     policy = ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=[prefix]))

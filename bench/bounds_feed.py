@@ -1,10 +1,10 @@
 """Feeding a simulation's requests to the oracle bounds, in the same process or on another core.
 
 Why a second process: the bounds replay every block of the run through caches
-of their own (an infinite one and one per replica, with a greedy placement),
-about a third of a warmpath simulation's CPU. They depend only on the
-requests and cached responses, in send order, never on what the simulation
-does next, so another process can compute them while the simulation runs: on
+of their own (an infinite one, and one per replica under a greedy placement
+and under the simulation's own), about a third of a warmpath simulation's
+CPU. They depend only on the requests, where they were sent and the cached
+responses, in send order, never on what the simulation does next, so another process can compute them while the simulation runs: on
 a machine with a spare core, a warmpath cell then takes about two thirds of
 the time, with the same figures.
 

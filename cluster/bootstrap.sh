@@ -93,8 +93,9 @@ install_python() {
 install_redis() {
   local cmd="$1"
   command -v redis-server >/dev/null && return
-  # `up` can use the Redis REDIS_URL names; the tests always start redis-servers of their own.
-  if [ -n "${REDIS_URL:-}" ] && [ "$cmd" != test ]; then
+  # `up` can use the Redis REDIS_URL (or WARMPATH_REDIS_URL) names; the tests always start redis-servers of
+  # their own.
+  if [ -n "${REDIS_URL:-}${WARMPATH_REDIS_URL:-}" ] && [ "$cmd" != test ]; then
     return
   fi
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -112,10 +113,11 @@ install_redis() {
     command -v apt-get >/dev/null || how="with your system's package manager"
     if [ "$cmd" = test ]; then
       say "redis-server is missing, and the tests start redis-servers of their own from it: install it ($how)"
-    else
-      say "redis-server is missing: install it ($how), or set REDIS_URL to a Redis to use"
+      exit $SETUP_FAILED
     fi
-    exit $SETUP_FAILED
+    # A config file may name a Redis (`redis_url`), which only `warmpath up` reads: it says so itself where
+    # it would start a local one and cannot.
+    say "redis-server is missing: \`up\` needs it unless the config names a redis_url (or REDIS_URL is set); install it ($how)"
   fi
 }
 

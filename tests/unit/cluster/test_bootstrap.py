@@ -72,3 +72,25 @@ def test_a_venv_of_the_users_own_is_refused_not_deleted(tmp_path):
     result = _bootstrap("install", env={"PYTHON": str(python), "WARMPATH_VENV": str(venv)})
     assert result.returncode == 10 and "this script did not make it" in result.stderr, result.stderr
     assert (venv / "bin" / "python").is_file()
+
+
+def _install_redis(cmd: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """bootstrap's `install_redis` alone, as a user without root on a machine without redis-server."""
+    lines = (ROOT / "cluster" / "bootstrap.sh").read_text().splitlines()
+    start = lines.index("install_redis() {")
+    function = "\n".join(lines[start:lines.index("}", start) + 1])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "id").write_text("#!/bin/sh\necho 1000\n")
+    (bin_dir / "id").chmod(0o755)
+    script = f"say() {{ printf '%s\\n' \"$*\" >&2; }}\nSETUP_FAILED=10\n{function}\ninstall_redis {cmd}\necho done"
+    return subprocess.run([BASH, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PATH": str(bin_dir)})
+
+
+def test_up_without_redis_server_goes_on_for_a_config_that_names_a_redis(tmp_path):
+    """A config file's `redis_url` (which only `warmpath up` reads) was no way past the missing redis-server."""
+    up = _install_redis("up", tmp_path)
+    assert up.returncode == 0 and up.stdout.strip() == "done" and "unless the config names a redis_url" in up.stderr
+    test = _install_redis("test", tmp_path)
+    assert test.returncode == 10 and "the tests start redis-servers of their own" in test.stderr

@@ -791,6 +791,7 @@ class GrpcIngress:
         error_message: Callable[[RpcFailure], ResponseT],
     ) -> AsyncIterator[ResponseT]:
         rpc = _RpcSpan.start(service, method, grpc_context)
+        last: Optional[ResponseT] = None
         with rpc.lifetime():
             try:
                 with rpc.current():
@@ -806,12 +807,26 @@ class GrpcIngress:
                                 message = await anext(stream)
                             except StopAsyncIteration:
                                 break
+                        last = message
                         yield message
                 finally:
                     with rpc.current():
                         await stream.aclose()
             except Exception as err:
-                yield error_message(_fail(grpc_context, rpc, method, err))
+                yield _with_stream_identity(error_message(_fail(grpc_context, rpc, method, err)), last)
+
+
+def _with_stream_identity(error: ResponseT, last: Optional[ResponseT]) -> ResponseT:
+    """A failed stream's last message naming what its earlier ones named (a completion chunk's id, model and
+    replica, which the contract promises on every chunk): a client attributing failures read ""."""
+    if last is not None:
+        for field in _STREAM_IDENTITY_FIELDS:
+            if field in type(error).DESCRIPTOR.fields_by_name and getattr(last, field, ""):
+                setattr(error, field, getattr(last, field))
+    return error
+
+
+_STREAM_IDENTITY_FIELDS = ("id", "model", "replica_id")
 
 
 class _LastUsage:

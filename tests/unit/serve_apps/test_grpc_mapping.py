@@ -1075,6 +1075,8 @@ def test_stream_chat_completion_error_midway():
     assert [c.content for c, _ in got] == ["Hel", ""]
     last, code = got[-1]
     assert (last.error.code, last.error.message, code) == ("ServiceUnavailableError", "engine overloaded", Code.UNAVAILABLE)
+    # The contract promises the replica on every chunk: the error chunk named none, nor the stream's id and model.
+    assert (last.replica_id, last.id, last.model) == ("r", "c", "warmpath-tiny")
 
 
 # ---- health and reflection, hosted by Ray Serve's gRPC proxy ----

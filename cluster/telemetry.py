@@ -60,25 +60,33 @@ def setup_tracing(config: TelemetryConfig, component: str) -> None:
     with _configured:
         if _is_configured:
             return
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        attributes = {"warmpath.component": component}
-        if config.service_name is not None:
-            attributes["service.name"] = config.service_name
-        # Unset, the SDK reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES, else says "unknown_service".
-        resource = Resource.create(attributes)
-        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
-            resource = resource.merge(Resource({"service.name": DEFAULT_SERVICE_NAME}))
-        provider = TracerProvider(resource=resource)
-        endpoint = traces_endpoint(config)
-        # Half a second unless the operator set OTel's own variable (the SDK's default is 5 s).
-        delay_ms = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else DEFAULT_SCHEDULE_DELAY_MS
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=delay_ms))
-        trace.set_tracer_provider(provider)
+        try:
+            _install_provider(config, component)
+        except Exception as err:  # tracing fails open: a bad OTEL_* setting must not stop a deployment starting
+            logger.warning("tracing is off in this %s process: %s: %s", component, type(err).__name__, err)
         _is_configured = True
+
+
+def _install_provider(config: TelemetryConfig, component: str) -> None:
+    """The OTLP/HTTP exporting tracer provider of this process (`setup_tracing`)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    attributes = {"warmpath.component": component}
+    if config.service_name is not None:
+        attributes["service.name"] = config.service_name
+    # Unset, the SDK reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES, else says "unknown_service".
+    resource = Resource.create(attributes)
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": DEFAULT_SERVICE_NAME}))
+    provider = TracerProvider(resource=resource)
+    endpoint = traces_endpoint(config)
+    # Half a second unless the operator set OTel's own variable (the SDK's default is 5 s).
+    delay_ms = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else DEFAULT_SCHEDULE_DELAY_MS
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=delay_ms))
+    trace.set_tracer_provider(provider)
 
 
 def traces_endpoint(config: TelemetryConfig) -> str:

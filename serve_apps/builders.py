@@ -114,10 +114,11 @@ def llm_config(cfg: ClusterConfig) -> LLMConfig:
         "VLLM_NO_USAGE_STATS": "1",
     }
     extra: dict[str, Any] = {}
-    if cfg.telemetry.otlp_endpoint:
-        env_vars["OTEL_EXPORTER_OTLP_ENDPOINT"] = cfg.telemetry.otlp_endpoint
-        if cfg.telemetry.service_name:
-            env_vars["OTEL_SERVICE_NAME"] = cfg.telemetry.service_name
+    # Always the config's word: unset, a replica read the endpoint its worker inherited (a head started with
+    # the shell's OTEL_* variables), traced with tracing off, and failed to start on a gRPC-style value.
+    env_vars["OTEL_EXPORTER_OTLP_ENDPOINT"] = cfg.telemetry.otlp_endpoint or ""
+    if cfg.telemetry.otlp_endpoint and cfg.telemetry.service_name:
+        env_vars["OTEL_SERVICE_NAME"] = cfg.telemetry.service_name
     if not cfg.model.source:
         env_vars["HF_HUB_OFFLINE"] = "1"  # the built model: never look for it on a hub
     if cfg.replicas.accelerator == "cpu":

@@ -292,11 +292,17 @@ class WarmpathLLMServer(LLMServer):
         }
         self._rendering_stats: Dict[str, Any] = {}
         self._kv_cache_usage: Optional[KvCacheUsageRecorder] = None
+        # The builders set it in the replicas' environment from the config, empty where tracing is off.
         endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if endpoint:
             # service.name as the other processes have it: OTEL_SERVICE_NAME (the config's, which the builders
             # put in the replicas' environment), else OTEL_RESOURCE_ATTRIBUTES, else warmpath (`setup_tracing`).
-            telemetry.setup_tracing(TelemetryConfig(otlp_endpoint=endpoint), "replica")
+            try:
+                config = TelemetryConfig(otlp_endpoint=endpoint)
+            except ValueError as err:  # tracing fails open, as `setup_tracing` does
+                logger.warning("tracing is off in this replica: OTEL_EXPORTER_OTLP_ENDPOINT %r: %s", endpoint, err)
+            else:
+                telemetry.setup_tracing(config, "replica")
         await super().__init__(llm_config, **kwargs)
 
     async def _start_engine(self):

@@ -82,3 +82,26 @@ def test_a_header_sent_on_several_lines_is_joined_as_http_joins_them():
     # A mapping still works, one line per name.
     assert dict(trace.get_current_span(telemetry.extract({"traceparent": pairs[0][1], "tracestate": "v=1"}))
                 .get_span_context().trace_state) == {"v": "1"}
+
+
+@pytest.mark.parametrize("otlp_endpoint, expected", [(None, ""), ("http://collector:4318", "http://collector:4318")])
+def test_the_replicas_environment_always_says_where_spans_go(otlp_endpoint, expected):
+    """Unset with tracing off, a replica read the endpoint its Ray worker inherited (the shell's, when `up` started
+    the head): it traced with tracing off, and a gRPC-style value (`collector:4317`) stopped it starting."""
+    from cluster.config import load_config
+    from serve_apps.builders import llm_config
+
+    cfg = load_config(environ={}, overrides={"telemetry": {"otlp_endpoint": otlp_endpoint}})
+    env_vars = llm_config(cfg).runtime_env["env_vars"]
+    assert env_vars["OTEL_EXPORTER_OTLP_ENDPOINT"] == expected
+
+
+def test_a_bad_otel_setting_leaves_tracing_off_instead_of_failing_the_process(monkeypatch, caplog):
+    """OTel's own arguments (`OTEL_BSP_MAX_QUEUE_SIZE=0`) raised in every deployment's constructor."""
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "0")
+    monkeypatch.setattr(telemetry, "_is_configured", False)
+    installed = []
+    monkeypatch.setattr(telemetry.trace, "set_tracer_provider", installed.append)
+    with caplog.at_level("WARNING"):
+        telemetry.setup_tracing(TelemetryConfig(otlp_endpoint="http://127.0.0.1:4318"), "test")
+    assert installed == [] and "tracing is off in this test process" in caplog.text

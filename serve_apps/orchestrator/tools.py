@@ -50,6 +50,9 @@ MAX_ARGUMENT_DEPTH = 64
 # Bound on connecting to one address of a tool's host (httpx's default), whatever the tool's timeout.
 CONNECT_TIMEOUT_S = 5.0
 _ERROR_BODY_SNIPPET_BYTES = 512
+# An error result's message (what the model reads) and its reason (what traces record), at most.
+MAX_ERROR_MESSAGE_BYTES = 1024
+MAX_ERROR_REASON_BYTES = 200
 # Content codings a reply may come in (asked for `identity`, some servers compress anyway), decoded one
 # layer at most, never past MAX_TOOL_RESPONSE_BYTES: httpx inflated each read whole and stacked layers
 # (`gzip, gzip`) in one go, so 590 bytes on the wire became 256 MiB in memory before the size check.
@@ -127,7 +130,8 @@ def _unique_members(pairs: list[tuple[str, JsonValue]]) -> dict[str, JsonValue]:
     members: dict[str, JsonValue] = {}
     for key, value in pairs:
         if key in members:
-            raise ValueError(f"the key {key!r} appears twice in one object")
+            shown = repr(key) if len(key) <= 64 else f"{key[:64]!r}… ({len(key)} characters)"
+            raise ValueError(f"the key {shown} appears twice in one object")
         members[key] = value
     return members
 
@@ -346,9 +350,14 @@ def truncate_text(text: str, max_bytes: int) -> tuple[str, bool]:
 
 
 def _error(tool_name: str, message: str, status: ToolStatus = "error", reason: str | None = None) -> ToolOutcome:
-    """An error result the model sees as `{"error", "tool"}`; `reason` (default: `message`) is for traces."""
-    return ToolOutcome(status, json.dumps({"error": message, "tool": tool_name}, ensure_ascii=False),
-                       reason=message if reason is None else reason)
+    """An error result the model sees as `{"error", "tool"}`; `reason` (default: `message`) is for traces.
+
+    Both are bounded: a message may quote the reply (a repeated key of any length), and a 2 MB one went
+    into the session's transcript whole, past `max_tool_result_bytes`, and into the tool's span status.
+    """
+    shown, _ = truncate_text(message, MAX_ERROR_MESSAGE_BYTES)
+    traced, _ = truncate_text(message if reason is None else reason, MAX_ERROR_REASON_BYTES)
+    return ToolOutcome(status, json.dumps({"error": shown, "tool": tool_name}, ensure_ascii=False), reason=traced)
 
 
 async def _post(client: httpx.AsyncClient, destination: Destination, body: bytes, tool_name: str,
@@ -438,7 +447,8 @@ def _checked_reply(status_code: int, is_success: bool, raw: bytes, tool_name: st
         return _error(tool_name, f"tool replied with {len(raw)} bytes that are not a JSON document "
                                  f"({err.msg}, line {err.lineno} column {err.colno})")
     except ValueError as err:  # JSON, but what a session cannot hold or a parser could read two ways
-        return _error(tool_name, f"tool's JSON reply is refused: {err}")
+        # The reason leaves the reply's text out of traces, as the other refusals' do.
+        return _error(tool_name, f"tool's JSON reply is refused: {err}", reason="tool's JSON reply is refused")
     content, is_truncated = truncate_text(text, max_bytes)
     return ToolOutcome("ok", content, is_truncated)
 

@@ -330,6 +330,9 @@ class _ToolHandler(BaseHTTPRequestHandler):
             self._reply(200, gzip.compress(gzip.compress(b"{}")), coding="gzip, gzip")
         elif self.path == "/gzip-cut":
             self._reply(200, gzip.compress(b'{"total": 1284.50}')[:-12], coding="gzip")
+        elif self.path == "/long-duplicate-key":
+            key = "k" * 2_000_000
+            self._reply(200, json.dumps({key: 1}).encode()[:-1] + b', "' + key.encode() + b'": 2}')
         elif self.path == "/bom":
             self._reply(200, b'\xef\xbb\xbf{"ok": true}')
         elif self.path == "/no-content":
@@ -486,6 +489,14 @@ def test_every_call_shares_one_tls_context(monkeypatch):
     for _ in range(2):
         assert asyncio.run(run_http_tool(spec, "{}", timeout_s=5, max_bytes=100)).status == "ok"
     assert isinstance(contexts[0], ssl.SSLContext) and contexts[0] is contexts[1]
+
+
+def test_a_refusal_quoting_the_reply_is_bounded_for_the_model_and_left_out_of_traces(tool_server):
+    """A reply repeating a 2 MB key: its refusal quoted the key whole into the session's transcript (past
+    max_tool_result_bytes) and into the tool span's status."""
+    outcome = _run(f"{tool_server}/long-duplicate-key", max_bytes=4096)
+    assert outcome.status == "error" and "appears twice" in json.loads(outcome.content)["error"]
+    assert len(outcome.content.encode()) < 2048 and outcome.reason == "tool's JSON reply is refused"
 
 
 def test_a_reply_with_a_byte_order_mark_is_its_json_document(tool_server):

@@ -220,30 +220,40 @@ class HandleModelClient:
             # Ray handle calls carry no trace context: it travels in the request headers.
             raw_request_info = RawRequestInfo(headers=telemetry.inject())
             stream = self._handle.options(stream=True, session_id=session_id).chat.remote(request, raw_request_info)
-            with cancelled_if_left(stream):  # a turn cancelled or failing mid-stream stops its engine's decoding
-                async for item in stream:
-                    if isinstance(item, ServedBy):
-                        reply.replica_id = item.replica_id
-                        continue
-                    for chunk in item if isinstance(item, list) else [item]:
-                        if isinstance(chunk, ErrorResponse):
-                            raise engine_failure(chunk.error.message, int(chunk.error.code or 500))
-                        for data in sse_payloads(chunk):
-                            text = _apply_chunk(data, reply, calls)
-                            if text:
-                                yield text
             try:
-                _record_call(span, reply)
-            except Exception:  # a fault in the figures must not call the model again (`chat` retries failures)
-                logger.exception("could not record the model call of session %s", session_id)
+                with cancelled_if_left(stream):  # a turn cancelled or failing mid-stream stops its engine's decoding
+                    async for item in stream:
+                        if isinstance(item, ServedBy):
+                            reply.replica_id = item.replica_id
+                            continue
+                        for chunk in item if isinstance(item, list) else [item]:
+                            if isinstance(chunk, ErrorResponse):
+                                raise engine_failure(chunk.error.message, int(chunk.error.code or 500))
+                            for data in sse_payloads(chunk):
+                                text = _apply_chunk(data, reply, calls)
+                                if text:
+                                    yield text
+            except Exception as err:  # typed as every other failure is (OTel's own handling sets ERROR only)
+                if span.is_recording():
+                    span.set_attribute("error.type", err.code if isinstance(err, TurnFailed) else type(err).__qualname__)
+                raise
+            finally:
+                # A call cut short (the turn cancelled, the replica failing) is recorded too, as the ingresses
+                # record theirs: its decision counted, its route span written, its entry out of the log.
+                try:
+                    _record_call(span, reply)
+                except Exception:  # a fault in the figures must not call the model again (`chat` retries failures)
+                    logger.exception("could not record the model call of session %s", session_id)
         yield reply
 
 
 def _record_call(span: trace.Span, reply: ModelReply) -> None:
-    """The finished call's routing decision, usage and cache figures: on its span, in the metrics."""
+    """The call's routing decision, usage and cache figures: on its span, in the metrics. A call cut short
+    before its usage came counts no cached tokens, so no prediction is judged against them."""
     logged = decision_log.pop_current()
     decision_log.record_route_span(logged, reply.replica_id or None)
-    record_model_call(logged, reply.replica_id, reply.prompt_tokens, reply.cached_tokens)
+    has_usage = reply.prompt_tokens > 0
+    record_model_call(logged, reply.replica_id, reply.prompt_tokens, reply.cached_tokens if has_usage else None)
     if span.is_recording():
         span.set_attribute("warmpath.replica", reply.replica_id)
         span.set_attribute("gen_ai.usage.input_tokens", reply.prompt_tokens)

@@ -386,3 +386,60 @@ def test_a_model_call_served_elsewhere_than_chosen_says_fallback_on_its_span(mon
     deployment._record_call(span, ModelReply(replica_id="r2"))
     assert span.attributes["warmpath.route.reason"] == "fallback"
     assert span.attributes["warmpath.route.predicted_cached_tokens"] == 0
+
+
+def _model_call_spans(monkeypatch, frames, cancel_after=None):
+    """The `chat <model>` spans and `record_model_call` calls of one turn's model call through `frames`."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from cluster import telemetry
+    from serve_apps.orchestrator import deployment
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(telemetry, "tracer", lambda: provider.get_tracer("test"))
+    monkeypatch.setattr(deployment.WarmpathMetrics, "get", classmethod(lambda cls: SimpleNamespace(
+        model_retries=SimpleNamespace(inc=lambda: None))))
+    recorded = []
+    monkeypatch.setattr(deployment, "record_model_call", lambda *args: recorded.append(args))
+    client = deployment.HandleModelClient(_StreamingHandle(frames), "m")
+
+    async def run():
+        stream = client.chat("s1", [{"role": "user", "content": "hi"}], [], "auto", 16)
+        try:
+            async for _ in stream:
+                if cancel_after is not None:
+                    cancel_after.pop()
+                    if not cancel_after:
+                        break
+        finally:
+            await stream.aclose()
+
+    try:
+        asyncio.run(run())
+    except TurnFailed:
+        pass
+    return exporter.get_finished_spans(), recorded
+
+
+@pytest.mark.parametrize("status, error_type", [(400, "model_refused"), (500, "ReplicaFailure")])
+def test_a_failed_model_call_of_a_turn_is_typed_on_its_span(monkeypatch, status, error_type):
+    """OTel's own handling set ERROR and an exception event, no `error.type`: queries on it missed them."""
+    spans, _ = _model_call_spans(monkeypatch, [{"error": {"message": "no", "code": status}}])
+    assert spans and {span.attributes.get("error.type") for span in spans} == {error_type}
+
+
+def test_a_model_call_cut_short_is_recorded_without_cached_tokens(monkeypatch):
+    """A turn cancelled mid-stream left its call out of the decisions metric and the route spans, its decision in
+    the log; recorded, it judges no prediction against cached tokens it never heard of."""
+    frames = [{"choices": [{"index": 0, "delta": {"content": "He"}}]}] * 5
+    _, recorded = _model_call_spans(monkeypatch, frames, cancel_after=[1, 1])
+    assert len(recorded) == 1
+    _logged, _replica, prompt_tokens, cached_tokens = recorded[0]
+    assert (prompt_tokens, cached_tokens) == (0, None)

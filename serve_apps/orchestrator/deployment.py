@@ -543,9 +543,12 @@ class Orchestrator:
         ) as span:
             start = time.monotonic()
             outcome = None
-            is_finished = False
+            is_finished = is_replay = False
             try:
                 async for item in self._turn(session_id, tool_choice, caller, idempotency_key, **kwargs):
+                    if item.get("is_replay"):  # the envelope of a turn answered again from Redis (Idempotency-Key)
+                        is_replay = True
+                        span.set_attribute("warmpath.turn.is_replay", True)
                     if item.get("kind") in ("final", "requires_action"):
                         outcome = item["kind"]
                     elif item.get("kind") == "error":
@@ -566,7 +569,11 @@ class Orchestrator:
                 # A turn the client hung up on before its last event still counts, as "cancelled".
                 outcome = outcome or ("rejected" if is_finished else "cancelled")
                 span.set_attribute("warmpath.turn.outcome", outcome)
-                WarmpathMetrics.get().turn_latency.observe(time.monotonic() - start, tags={"outcome": outcome})
+                # A replay takes milliseconds: counted with the turns it answers again, retries pulled their
+                # latency percentiles down.
+                WarmpathMetrics.get().turn_latency.observe(
+                    time.monotonic() - start, tags={"outcome": "replayed" if is_replay else outcome}
+                )
 
     async def _turn(
         self,

@@ -443,3 +443,41 @@ def test_a_model_call_cut_short_is_recorded_without_cached_tokens(monkeypatch):
     assert len(recorded) == 1
     _logged, _replica, prompt_tokens, cached_tokens = recorded[0]
     assert (prompt_tokens, cached_tokens) == (0, None)
+
+
+def test_a_replayed_turn_is_timed_apart_and_marked_on_its_span(monkeypatch):
+    """A replay from Redis takes milliseconds: counted as `final`, client retries pulled turn latency down."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from cluster import telemetry
+    from serve_apps import metrics
+    from serve_apps.orchestrator.deployment import Orchestrator
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(telemetry, "tracer", lambda: provider.get_tracer("test"))
+    observed = []
+    monkeypatch.setattr(metrics.WarmpathMetrics, "get", classmethod(lambda cls: SimpleNamespace(
+        turn_latency=SimpleNamespace(observe=lambda value, tags: observed.append(tags["outcome"])))))
+
+    async def turn(*args, **kwargs):
+        yield {"status": 200, "is_replay": True}
+        yield {"kind": "final", "message": {"role": "assistant", "content": "hi"}}
+
+    orchestrator = Orchestrator.__new__(Orchestrator)
+    orchestrator._model_id = "m"
+    orchestrator._turn = turn
+
+    async def run():
+        return [item async for item in orchestrator._traced_turn("s1", None, "auto", None, None)]
+
+    asyncio.run(run())
+    (span,) = exporter.get_finished_spans()
+    assert observed == ["replayed"] and span.attributes["warmpath.turn.is_replay"] is True
+    assert span.attributes["warmpath.turn.outcome"] == "final"

@@ -202,9 +202,10 @@ async def _usage_recorded(
             # The replica died mid-stream, after the 200 went out: the stream ends as vLLM ends a failed one,
             # an error frame then [DONE] (a bare close reads as a transport error to OpenAI's clients).
             logger.warning("a streamed call failed after its first chunk", exc_info=True)
-            _, body = exception_body(err, "")
+            status, body = exception_body(err, "")
             frame = f"data: {json.dumps(body)}\n\n"
-            _record_error_frame(span, frame)
+            if span is not None:  # the status the client's frame says (503 for a replica gone), not the body's code
+                telemetry.record_failure_status(span, str(status), status, body["error"]["message"])
             yield held + frame + "data: [DONE]\n\n"
     finally:
         if not is_recorded:  # the stream broke off or ended without [DONE]

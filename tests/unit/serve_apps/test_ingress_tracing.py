@@ -685,3 +685,25 @@ def test_a_tracestate_split_over_header_lines_reaches_the_span_whole(spans):
     _run(_chat_ingress(ServedBy("r1"), CHUNK, DONE)._process_llm_request(_chat(), "chat", request))
     span = _only(spans)
     assert dict(span.parent.trace_state) == {"vendor1": "a", "vendor2": "b"}
+
+
+def test_a_replica_dying_mid_stream_is_typed_on_the_span_as_the_frame_says(spans):
+    """The stream's last frame says 503 `unavailable`; the span said error.type 500 (it read the body's string code)."""
+    from serve_apps.ingress_http import _usage_recorded
+
+    async def frames():
+        yield 'data: {"id":"c","choices":[{"index":0,"delta":{"content":"He"}}]}\n\n'
+        raise RayActorError()
+
+    import weakref
+
+    span = TracerProvider().get_tracer("t").start_span("chat m")
+    response = StreamingResponse(iter(()))  # what the finaliser watches: the response, dropped unread
+    on_drop = [weakref.finalize(response, lambda: None)]
+
+    async def run():
+        return [frame async for frame in _usage_recorded(frames(), None, None, True, span, on_drop)]
+
+    out = _run(run())
+    assert '"unavailable"' in out[-1] and out[-1].endswith("data: [DONE]\n\n")
+    assert span.attributes["error.type"] == "503" and span.status.status_code is StatusCode.ERROR

@@ -1147,9 +1147,10 @@ def down(cfg: ClusterConfig, progress: Progress) -> bool:
             remove_applications(state, own, progress)
             progress(f"ray: {state.ray_address} was joined, not started: left running")
         except Exception as err:
-            if state.http_url is None:
-                # `up` never saw the applications serve there (a head that was not running, a mistyped
-                # address): kept, the join would fail every `down` and refuse every plain `up`.
+            if state.http_url is None and isinstance(err, OSError):
+                # A dashboard that cannot be reached where `up` never saw the applications serve (a head that
+                # was not running, a mistyped address): kept, the join would fail every `down` and refuse
+                # every plain `up`. One that answers but fails the delete keeps the record: they may run.
                 progress(f"serve: could not delete applications {', '.join(sorted(own))} at {state.ray_address} "
                          f"({err}); `up` never saw them serve there, so the join is forgotten (if they do run "
                          "there, delete them with `serve shutdown` against that head)")

@@ -152,6 +152,22 @@ def test_a_join_that_never_served_is_forgotten_when_its_head_cannot_be_reached(t
         assert any("the join is forgotten" in line for line in lines), lines
 
 
+def test_a_join_whose_head_answers_but_fails_the_delete_stays_recorded(tmp_path, monkeypatch):
+    """An `up` that deployed and then timed out has no `http_url`: a reachable head failing the delete must not
+    make `down` forget applications that may run there."""
+    class Failing:
+        def get_serve_details(self):
+            return {"applications": {"warmpath": {"status": "DEPLOY_FAILED", "source": "declarative"}}}
+
+        def deploy_applications(self, doc):
+            raise RuntimeError("500 Internal Server Error")
+
+    monkeypatch.setattr(local, "_serve_client", lambda state: Failing())
+    LocalState(ray_address="auto", app_name="warmpath").save(tmp_path)
+    assert local.down(load_config(environ={}, overrides={"state_dir": str(tmp_path)}), lambda line: None) is False
+    assert LocalState.load(tmp_path).ray_address == "auto"
+
+
 def test_down_leaves_a_head_started_after_ours_alone(tmp_path, serve, monkeypatch):
     """The recorded head stopped (a reboot, `ray stop`) and someone else started one: not ours to stop."""
     monkeypatch.setattr(local, "_ray_head_up", lambda: True)

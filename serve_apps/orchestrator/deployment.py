@@ -220,6 +220,7 @@ class HandleModelClient:
             # Ray handle calls carry no trace context: it travels in the request headers.
             raw_request_info = RawRequestInfo(headers=telemetry.inject())
             stream = self._handle.options(stream=True, session_id=session_id).chat.remote(request, raw_request_info)
+            is_answered = False
             try:
                 with cancelled_if_left(stream):  # a turn cancelled or failing mid-stream stops its engine's decoding
                     async for item in stream:
@@ -231,6 +232,7 @@ class HandleModelClient:
                                 raise engine_failure(chunk.error.message, int(chunk.error.code or 500))
                             for data in sse_payloads(chunk):
                                 text = _apply_chunk(data, reply, calls)
+                                is_answered = True
                                 if text:
                                     yield text
             except Exception as err:  # typed as every other failure is (OTel's own handling sets ERROR only)
@@ -238,10 +240,14 @@ class HandleModelClient:
                     span.set_attribute("error.type", err.code if isinstance(err, TurnFailed) else type(err).__qualname__)
                 raise
             finally:
-                # A call cut short (the turn cancelled, the replica failing) is recorded too, as the ingresses
-                # record theirs: its decision counted, its route span written, its entry out of the log.
+                # Settled as the ingresses settle theirs (`ingress_grpc._settle_decision`): a call the engine
+                # answered, even one cut short, is recorded (its decision counted, its route span written); one
+                # refused or failed before any output had its placement withdrawn, since it cached nothing.
                 try:
-                    _record_call(span, reply)
+                    if is_answered:
+                        _record_call(span, reply)
+                    else:
+                        decision_log.withdraw_placement(decision_log.pop_current(), reply.replica_id or None)
                 except Exception:  # a fault in the figures must not call the model again (`chat` retries failures)
                     logger.exception("could not record the model call of session %s", session_id)
         yield reply

@@ -408,6 +408,8 @@ def _model_call_spans(monkeypatch, frames, cancel_after=None):
         model_retries=SimpleNamespace(inc=lambda: None))))
     recorded = []
     monkeypatch.setattr(deployment, "record_model_call", lambda *args: recorded.append(args))
+    monkeypatch.setattr(deployment.decision_log, "withdraw_placement",
+                        lambda logged, replica: recorded.append(("withdrawn", replica)))
     client = deployment.HandleModelClient(_StreamingHandle(frames), "m")
 
     async def run():
@@ -481,3 +483,9 @@ def test_a_replayed_turn_is_timed_apart_and_marked_on_its_span(monkeypatch):
     (span,) = exporter.get_finished_spans()
     assert observed == ["replayed"] and span.attributes["warmpath.turn.is_replay"] is True
     assert span.attributes["warmpath.turn.outcome"] == "final"
+
+
+def test_a_model_call_refused_before_any_output_has_its_placement_withdrawn_not_counted(monkeypatch):
+    """As the ingresses settle theirs: it cached nothing, so its placement must not credit the replica."""
+    _, recorded = _model_call_spans(monkeypatch, [{"error": {"message": "prompt too long", "code": 400}}])
+    assert recorded == [("withdrawn", None)]

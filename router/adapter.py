@@ -659,8 +659,10 @@ class PrefixKVRouter(RequestRouter):
         logged = decision_log.LoggedDecision(decision, start_ns, time.time_ns())
         metadata = pending_request.metadata
         decision_log.DECISIONS.put(metadata.request_id, metadata.internal_request_id, logged)
-        if metadata.internal_request_id not in self._decisions:  # Serve's backoff asks again for a request
-            decision_log.STATS.count_decision(decision.reason)  # while every replica is full: one count each
+        if previous is None:  # Serve's backoff asks again for a request while every replica is full: one count each,
+            decision_log.STATS.count_decision(decision.reason)
+        elif previous.reason != decision.reason:  # as its latest decision, which a fallback then counts against
+            decision_log.STATS.recount(previous.reason, decision.reason)
         self._decisions[pending_request.metadata.internal_request_id] = decision
         self._inflight.place(pending_request.metadata.internal_request_id, decision.replica_id, time.monotonic(), False)
         while len(self._decisions) > MAX_DECISIONS:

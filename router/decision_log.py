@@ -101,13 +101,17 @@ class RoutingStats:
         with self._lock:
             self.num_decisions_by_reason[reason] += 1
 
+    def recount(self, counted_reason: str, reason: str) -> None:
+        """A decision counted as `counted_reason` is now counted as `reason` (the same request decided again)."""
+        with self._lock:
+            if self.num_decisions_by_reason[counted_reason] > 0:
+                self.num_decisions_by_reason[counted_reason] -= 1
+            self.num_decisions_by_reason[reason] += 1
+
     def count_fallback(self, reason: str) -> None:
         """A decision counted as `reason` was served elsewhere (`FALLBACK_REASON`), as the decisions metric, the
         route header and span say: `/v1/router` counted it as the chosen replica's reason."""
-        with self._lock:
-            if self.num_decisions_by_reason[reason] > 0:
-                self.num_decisions_by_reason[reason] -= 1
-            self.num_decisions_by_reason[FALLBACK_REASON] += 1
+        self.recount(reason, FALLBACK_REASON)
 
     def count_prediction(self, predicted_tokens: int, actual_tokens: int, block_size_tokens: int) -> None:
         error = abs(predicted_tokens - actual_tokens)

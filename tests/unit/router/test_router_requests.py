@@ -344,6 +344,25 @@ def test_a_request_serve_sent_elsewhere_moves_its_placement_there(new_router):
     assert sum(after.values()) == sum(before.values()) + 1
 
 
+def test_a_request_decided_again_then_served_elsewhere_counts_once_as_fallback(new_router):
+    """Serve asked again (every replica full) and the second decision had another reason: the fallback then took
+    that reason's count from another request, and this one counted twice."""
+    async def route():
+        router = _routing_router(new_router)
+        request = pending(SimpleNamespace(prompt=list(range(64)), session_id="s1"))
+        replicas = {r.replica_id.unique_id: r for r in router.curr_replicas.values()}
+        await router.choose_replicas(list(replicas.values()), request)  # cold: nothing known
+        (chosen,), *_ = await router.choose_replicas(list(replicas.values()), request)  # session-affinity
+        other = next(r for name, r in replicas.items() if name != chosen.replica_id.unique_id)
+        router.on_request_routed(request, other.replica_id, None)
+
+    before = decision_log.STATS.snapshot()["decisions_by_reason"]
+    asyncio.run(route())
+    after = decision_log.STATS.snapshot()["decisions_by_reason"]
+    changes = {reason: after.get(reason, 0) - before.get(reason, 0) for reason in set(before) | set(after)}
+    assert {reason: n for reason, n in changes.items() if n} == {"fallback": 1}
+
+
 def _text_in_arguments(text: str):
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": text}}
     return SimpleNamespace(messages=[{"role": "user", "content": "hi"},

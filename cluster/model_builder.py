@@ -24,7 +24,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 HEADER_START, HEADER_END, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
@@ -184,6 +184,7 @@ def build_model(
         The manifest written to `out_dir/manifest.json` (file name -> sha256, sizes).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    before = _file_stamps(out_dir)  # what was there: the files this build writes are new or rewritten
     # Written first and kept, so a build that stops part way is still known as this builder's folder.
     (out_dir / BUILD_MARKER).write_text("written by warmpath build-model; its files are rewritten by the next build\n")
     # Written last, so a build that stops part way (Ctrl-C, a full disk) never counts as built.
@@ -199,27 +200,47 @@ def build_model(
     model.save_pretrained(out_dir, safe_serialization=True)
     # Generation defaults from a random model would only confuse clients.
     (out_dir / "generation_config.json").unlink(missing_ok=True)
-    _readable_as_umask_allows(out_dir)
     files = {
         p.name: _sha256(p)
         for p in sorted(out_dir.iterdir())
-        if p.is_file() and p.name not in ("manifest.json", BUILD_MARKER)
+        if p.is_file() and p.name not in ("manifest.json", BUILD_MARKER) and before.get(p.name) != _stamp(p)
     }
+    _readable_as_umask_allows([out_dir / name for name in (*files, BUILD_MARKER)])
     manifest = {"seed": seed, "num_params": num_params, "shape": shape.__dict__, "files": files}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     progress(f"wrote {len(files)} files ({num_params / 1e6:.1f}M parameters) to {out_dir}")
     return manifest
 
 
-def _readable_as_umask_allows(out_dir: Path) -> None:
-    """Gives the written files the mode the umask allows: the weights were saved 0600 (by the safetensors
-    writer), so a model built for another user to serve (a service account, a container's user) could not
-    be read by it."""
-    umask = os.umask(0)
+def _readable_as_umask_allows(paths: Iterable[Path]) -> None:
+    """Gives the files the build wrote the mode the umask allows: the weights were saved 0600 (by the
+    safetensors writer), so a model built for another user to serve (a service account, a container's
+    user) could not be read by it. Only those files: `--force` may build where other files are."""
+    mode = 0o666 & ~_umask()
+    for path in paths:
+        path.chmod(mode)
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    stat = path.stat()
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _file_stamps(folder: Path) -> dict[str, tuple[int, int, int]]:
+    return {path.name: _stamp(path) for path in folder.iterdir() if path.is_file()}
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (Linux says it in /proc; elsewhere it is set back at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
     os.umask(umask)
-    for path in out_dir.iterdir():
-        if path.is_file():
-            path.chmod(0o666 & ~umask)
+    return umask
 
 
 def is_rebuildable(out_dir: Path) -> bool:

@@ -32,6 +32,15 @@ def test_every_file_is_readable_as_the_umask_allows(built):
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: 0o666 & ~umask for p in out.iterdir()}
 
 
+def test_files_the_build_did_not_write_keep_their_mode_and_stay_out_of_the_manifest(tmp_path: Path):
+    """With `--force` into a folder holding other files, a 0600 secret there became world-readable."""
+    secret = tmp_path / "token.txt"
+    secret.write_text("hf_xxx")
+    secret.chmod(0o600)
+    manifest = build_model(tmp_path, seed=7, shape=SMALL, corpus_bytes=300_000)
+    assert secret.stat().st_mode & 0o777 == 0o600 and "token.txt" not in manifest["files"]
+
+
 def test_a_build_marks_its_folder_as_its_own(built):
     from cluster.model_builder import BUILD_MARKER, is_rebuildable
 

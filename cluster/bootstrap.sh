@@ -57,10 +57,11 @@ install_python() {
   fi
   # A venv without pip (made where python3-venv is missing) or of another Python is made again: reused,
   # every later run would fail the same way.
-  # Only a venv this script made is deleted: WARMPATH_VENV may name one of the user's own.
+  # Only a venv this script made is deleted: WARMPATH_VENV may name one of the user's own. The checkout's
+  # default .venv is this script's (one made before the marker has none).
   if [ -x "$VENV/bin/python" ] \
       && ! "$VENV/bin/python" -c 'import pip, sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
-    if [ ! -f "$VENV/.warmpath-created" ]; then
+    if [ -n "${WARMPATH_VENV:-}" ] && [ ! -f "$VENV/.warmpath-created" ]; then
       say "$VENV has no pip or is not Python 3.11, and this script did not make it: remove it, or set WARMPATH_VENV to another folder"
       exit $SETUP_FAILED
     fi

@@ -183,7 +183,7 @@ def up(
         # Without keys every caller holds every permission, server-side HTTP tools included, which reach this
         # machine's loopback and private networks: the proxies listen on it alone unless ports.host says otherwise.
         cfg = cfg.model_copy(update={"ports": cfg.ports.model_copy(update={"host": "127.0.0.1"})})
-        progress("API keys are off: the proxies listen on 127.0.0.1 only (set ports.host to serve other machines)")
+        progress("API keys are off: the proxies are to listen on 127.0.0.1 only (set ports.host to serve other machines)")
     _check_writable_file(local.LocalState.path(local.state_dir_of(cfg)), "state_dir")
     _load_state(cfg)  # a broken record is one line before anything starts
     try:

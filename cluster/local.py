@@ -919,6 +919,13 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
             f"not the {cfg.ports.http_port} and {cfg.ports.grpc_port} asked for; Serve keeps its first ports "
             "until it stops (`warmpath down`, then `warmpath up`)"
         )
+    bound = str((details.get("http_options") or {}).get("host") or "")
+    if bound and bound != cfg.ports.host:
+        progress(f"serve: the head's proxies listen on {bound}, not the {cfg.ports.host} asked for; Serve keeps its "
+                 "first options until it stops (`warmpath down`, then `warmpath up`)")
+        if not cfg.access.is_auth_enabled and bound in _WILDCARD_HOSTS:
+            progress(f"WARNING: API keys are off and the proxies listen on every address ({bound}): anyone who "
+                     "reaches this machine can call, server-side HTTP tools included")
     host = proxy_host(details, state)
     host = f"[{host}]" if ":" in host else host
     state.http_url, state.grpc_address = f"http://{host}:{http_port}", f"{host}:{grpc_port}"

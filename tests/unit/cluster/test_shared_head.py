@@ -289,3 +289,20 @@ def test_keys_without_a_recorded_cluster_say_where_they_looked(tmp_path):
     result = CliRunner().invoke(app, ["keys", "list", "--state-dir", str(tmp_path / "elsewhere")], env=no_redis)
     assert result.exit_code == 2
     assert f"no local cluster is recorded in {tmp_path / 'elsewhere' / 'local.json'}" in result.output
+
+
+def test_up_without_keys_on_a_head_whose_proxies_listen_everywhere_says_so(tmp_path, monkeypatch):
+    """Serve keeps the proxies' first options: `up --no-auth` on a head started with keys (0.0.0.0) asked for
+    127.0.0.1, said the proxies listened there only, and they went on listening on every address."""
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {"host": "127.0.0.1"},
+                                             "access": {"is_auth_enabled": False}})
+    for step in ("ensure_model", "start_ray", "deploy", "wait_proxies"):
+        monkeypatch.setattr(local, step, lambda *a, **k: None)
+    monkeypatch.setattr(local, "start_redis", lambda cfg, state, progress: "redis://127.0.0.1:1/0")
+    details = _details()
+    details["http_options"] = {**details.get("http_options", {}), "host": "0.0.0.0"}
+    monkeypatch.setattr(local, "wait_running", lambda *a, **k: details)
+    lines = []
+    local.up(cfg, lines.append)
+    assert any("proxies listen on 0.0.0.0, not the 127.0.0.1 asked for" in line for line in lines), lines
+    assert any(line.startswith("WARNING: API keys are off") for line in lines), lines

@@ -29,9 +29,9 @@ from typing import Callable, Iterable
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 HEADER_START, HEADER_END, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
 SPECIAL_TOKENS = [BOS, EOS, HEADER_START, HEADER_END, EOT, "<|pad|>"]
-# Markup the hermes tool parser looks up as single tokens.
 # A file every build writes first: the folder is this builder's to rewrite.
 BUILD_MARKER = ".warmpath-build"
+# Markup the hermes tool parser looks up as single tokens.
 TOOL_TOKENS = ["<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 CHAT_TEMPLATE = (

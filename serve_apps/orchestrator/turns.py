@@ -333,7 +333,17 @@ class TurnRunner:
             events.append(ToolResultEvent(tool_call_id=result.tool_call_id, status="error" if result.is_error else "ok",
                                           content=content, is_truncated=is_truncated))
         async for event in self._run(messages, "auto", events, first_step=steps_taken):
+            if isinstance(event, ErrorEvent) and event.code == "context_overflow" and self._new == messages:
+                event = ErrorEvent(code=event.code, message=event.message + self._results_hint(messages))
             yield event
+
+    def _results_hint(self, results: Sequence[Message]) -> str:
+        """What a resume that does not fit can do: its results take room the window lacks, and the calls stay
+        pending (new messages get 409 until they are answered), so shorter results are the way on."""
+        added = self._account(self.history).total_tokens - self._account(self._stored).total_tokens
+        return (f"; the tool results take {added} tokens of it: the calls stay pending, answer them again with "
+                f"shorter results (each is cut to limits.max_tool_result_bytes, {self._limits.max_tool_result_bytes} "
+                "bytes)")
 
     async def _run(
         self, new_messages: Sequence[Message], tool_choice: str, opening: Sequence[SessionEvent], first_step: int

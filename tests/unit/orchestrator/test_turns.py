@@ -470,6 +470,16 @@ def test_a_small_client_result_is_kept_whole():
     assert [e.kind for e in events] == ["tool_result", "usage", "final"]
 
 
+def test_results_too_long_for_the_window_say_how_the_session_goes_on():
+    """The pause fitted with empty results; real ones over the window failed every resume with a bare
+    `context_overflow` while new messages got 409: the client was not told the calls stay pending."""
+    events, store, model = _resume([ToolResult(tool_call_id="c1", content="x" * 6000)], 1, [])
+    assert (events[-1].kind, events[-1].code) == ("error", "context_overflow") and store.commits == []
+    message = events[-1].message
+    assert "the tool results take" in message and "the calls stay pending" in message, message
+    assert "shorter results" in message and model.prompts == []
+
+
 def test_a_resumed_turn_continues_its_step_count():
     events, store, model = _resume([ToolResult(tool_call_id="c1", content="{}")], 2,
                                    [([], _call("c2")), ([], _call("c3"))], max_steps_per_turn=4)

@@ -47,7 +47,7 @@ from typing import Sequence
 
 from bench.fingerprint_set import FingerprintSet
 from bench.sim_cache import BlockCache
-from bench.trace import RequestRecord
+from bench.trace import RequestRecord, live_replica_slots
 from router.hashing import BlockHash, hash_request_blocks, reusable_blocks, root_hash
 from router.index import add_owner_bit, drop_owner_bit, leading_runs
 
@@ -351,10 +351,9 @@ def oracle_bounds(
     bounds = StreamingBounds(block_size_tokens, num_replicas, capacity_blocks)
     # The run's own placement, where every counted request names its replica (a replica replaced during
     # the run served under a new id: one more cache).
-    slots: dict[str, int] = {}
-    is_placed = all(record.replica_id for record in ok)
+    slots = live_replica_slots(replayed) if all(record.replica_id for record in ok) else {}
     for record, chain in zip(replayed, chains):
-        served_on = slots.setdefault(record.replica_id, len(slots)) if is_placed and record.replica_id else None
+        served_on = slots.get(record.replica_id)
         if record.error is None:
             bounds.observe(chain, len(record.token_ids), served_on)
         else:

@@ -75,7 +75,7 @@ from bench.report import error_line
 from bench.sim_cache import BlockCache, BlockRemoved, BlockStored
 from bench.sim_cost import CPU_PROFILE, GPU_PROFILE, CostProfile
 from bench.sim_routers import POLICIES, SimRequest, WarmpathRouter, make_router
-from bench.trace import RequestRecord, TraceSummary, summarize
+from bench.trace import RequestRecord, TraceSummary, live_replica_slots, summarize
 from bench.workload_render import PromptRenderer, SyntheticRenderer
 from bench.workloads import Session, Workload, WorkloadName, default_params, generate
 from cluster.config import DEFAULT_MODEL_ID, RouterConfig, RouterPolicy
@@ -132,15 +132,6 @@ def trace_requests(records: Sequence[RequestRecord], is_pinned: bool = False) ->
                    pinned_replica=slots.get(r.replica_id))
         for r in ok
     ]
-
-
-def live_replica_slots(records: Sequence[RequestRecord]) -> dict[str, int]:
-    """The live run's replica ids (`x-warmpath-replica`), numbered in the order they first served a request."""
-    slots: dict[str, int] = {}
-    for record in records:
-        if record.replica_id is not None and record.replica_id not in slots:
-            slots[record.replica_id] = len(slots)
-    return slots
 
 
 # --- the simulation -------------------------------------------------------------------------------
@@ -802,5 +793,5 @@ def reproduce_live_run(bench: dict, policy: RouterPolicy = "warmpath", tolerance
 
 __all__ = [
     "GridInterrupted", "GridRun", "ReproductionCheck", "Simulation", "SimulationResult", "WorkloadSource", "available_cores",
-    "live_replica_slots", "reproduce_live_run", "run_grid", "simulate", "trace_requests",
+    "reproduce_live_run", "run_grid", "simulate", "trace_requests",
 ]

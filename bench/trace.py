@@ -113,6 +113,16 @@ class TraceSummary:
         return asdict(self)
 
 
+def live_replica_slots(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """The run's replica ids (`x-warmpath-replica`), numbered in the order they first served a request: where a
+    replay puts each request back (the simulator's pinned replay, the oracle's own-placement bound)."""
+    slots: dict[str, int] = {}
+    for record in records:
+        if record.replica_id and record.replica_id not in slots:
+            slots[record.replica_id] = len(slots)
+    return slots
+
+
 def summarize(records: Sequence[RequestRecord], replica_ids: Sequence[str], block_size_tokens: int) -> TraceSummary:
     """Summarises one run.
 

@@ -334,10 +334,10 @@ class TurnRunner:
                                           content=content, is_truncated=is_truncated))
         async for event in self._run(messages, "auto", events, first_step=steps_taken):
             if isinstance(event, ErrorEvent) and event.code == "context_overflow" and self._new == messages:
-                event = ErrorEvent(code=event.code, message=event.message + self._results_hint(messages))
+                event = ErrorEvent(code=event.code, message=event.message + self._results_hint())
             yield event
 
-    def _results_hint(self, results: Sequence[Message]) -> str:
+    def _results_hint(self) -> str:
         """What a resume that does not fit can do: its results take room the window lacks, and the calls stay
         pending (new messages get 409 until they are answered), so shorter results are the way on."""
         added = self._account(self.history).total_tokens - self._account(self._stored).total_tokens

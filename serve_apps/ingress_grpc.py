@@ -23,7 +23,7 @@ Where HTTP answers `Retry-After` (rate limit, Redis unavailable), the status
 carries it as `retry-after` trailing metadata.
 
 Metrics: an Inference call is recorded as the HTTP ingress records a chat
-call (`serve_apps.metrics.record_model_usage`, with the last usage the engine
+call (`serve_apps.metrics.settle_model_call`, with the last usage the engine
 sent), and its routing decision is taken out of the log by both of Serve's
 request ids, so calls sharing a client's `x-request-id` never swap decisions.
 
@@ -77,7 +77,6 @@ from starlette.responses import JSONResponse
 
 from cluster import telemetry
 from cluster.config import TelemetryConfig
-from router import decision_log
 from serve_apps.access import (
     AccessDenied,
     AccessGuard,
@@ -97,7 +96,7 @@ from serve_apps.api_errors import (
 from serve_apps.grpc_decoding import UndecodableRequest
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.handle_streams import cancelled_if_left
-from serve_apps.metrics import record_model_usage
+from serve_apps.metrics import settle_model_call, usage_tokens
 from serve_apps.request_checks import chat_request_problem
 from serve_apps.orchestrator.models import (
     TOOL_CHOICE_KEYWORDS,
@@ -670,7 +669,7 @@ class GrpcIngress:
         """(serving replica id, engine output) pairs of one chat call, routed by session id when there is one.
 
         The caller notes each output's usage in `usage`; once the call is over (or the
-        caller stops reading it), its routing decision is settled (`_settle_decision`).
+        caller stops reading it), its routing decision is settled (`metrics.settle_model_call`).
         A call with no output after `first_output_timeout_s` (routing, queueing and prefill:
         what the HTTP ingress bounds with Ray Serve LLM's router timeout, answered 408
         there) is cancelled and fails DEADLINE_EXCEEDED; the stream after it is unbounded.
@@ -707,7 +706,7 @@ class GrpcIngress:
                 "(RAY_SERVE_LLM_ROUTER_HTTP_TIMEOUT sets this limit)",
             ) from None
         finally:
-            _settle_decision(replica_id, usage.usage if has_output else None, has_output)
+            settle_model_call(replica_id, has_output, *usage_tokens(usage.usage if has_output else None))
             _annotate_model_call(chat_request, replica_id, usage.usage if has_output else None)
 
     async def _turn_events(self, stream, grpc_context, rpc: _RpcSpan) -> AsyncIterator[agent_pb2.SessionEvent]:
@@ -798,7 +797,7 @@ class GrpcIngress:
                     self._check_request(request)
                     stream = messages(await self._admit(grpc_context), rpc).__aiter__()
                 # Closed with this stream, in the caller's task: one left to the garbage collector would
-                # settle its model call (`_settle_decision`) in whichever request's context runs then.
+                # settle its model call (`metrics.settle_model_call`) in whichever request's context runs then.
                 # Closed under the RPC's span, so a caller that leaves mid-stream keeps its routing span.
                 try:
                     while True:
@@ -851,21 +850,6 @@ def _annotate_model_call(chat_request: ChatCompletionRequest, replica_id: str, u
     if replica_id:
         span.set_attribute("warmpath.replica", replica_id)
     telemetry.annotate_usage(span, usage)
-
-
-def _settle_decision(replica_id: str, usage: Optional[Mapping[str, Any]], is_answered: bool) -> None:
-    """Takes an engine call's routing decision out of the log, as the HTTP ingress does.
-
-    A call the engine answered (even one whose stream then broke off) is recorded
-    with its last usage; one refused before any output had its placement withdrawn:
-    it cached nothing the router should count on.
-    """
-    logged = decision_log.pop_current()
-    if is_answered:
-        decision_log.record_route_span(logged, replica_id or None)
-        record_model_usage(logged, replica_id, usage)
-    else:  # where Serve sent it: the chosen replica, or another when that one was full
-        decision_log.withdraw_placement(logged, replica_id or None)
 
 
 class _RpcSpan:

@@ -109,6 +109,29 @@ def record_model_usage(
     logged: Optional[decision_log.LoggedDecision], replica_id: str, usage: Optional[Mapping[str, Any]]
 ) -> None:
     """`record_model_call` from a response's OpenAI `usage` as JSON (None when the response had none)."""
+    record_model_call(logged, replica_id, *usage_tokens(usage))
+
+
+def usage_tokens(usage: Optional[Mapping[str, Any]]) -> tuple[int, Optional[int]]:
+    """(prompt tokens, cached tokens or None) of a response's OpenAI `usage` as JSON (None: the response had none)."""
     usage = usage or {}
-    cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    record_model_call(logged, replica_id, usage.get("prompt_tokens") or 0, cached_tokens)
+    return usage.get("prompt_tokens") or 0, (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
+def settle_model_call(
+    replica_id: str, is_answered: bool, prompt_tokens: int = 0, cached_tokens: Optional[int] = None
+) -> Optional[decision_log.LoggedDecision]:
+    """Takes the current request's routing decision out of the log (`decision_log.pop_current`) and returns it.
+
+    A call the engine answered, even one cut short, is recorded (its `warmpath.route` span,
+    `record_model_call`); one refused or failed before any output has its placement withdrawn, on the
+    replica Serve sent it to (the chosen one, or another when that was full): it cached nothing the router
+    should count on.
+    """
+    logged = decision_log.pop_current()
+    if is_answered:
+        decision_log.record_route_span(logged, replica_id or None)
+        record_model_call(logged, replica_id, prompt_tokens, cached_tokens)
+    else:
+        decision_log.withdraw_placement(logged, replica_id or None)
+    return logged

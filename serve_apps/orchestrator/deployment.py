@@ -37,7 +37,7 @@ from cluster.api_keys import missing_permissions
 from serve_apps.access import Caller
 from serve_apps.api_errors import error_body, readable_message, validation_problem
 from serve_apps.handle_streams import cancelled_if_left
-from serve_apps.metrics import WarmpathMetrics, record_model_call
+from serve_apps.metrics import WarmpathMetrics, settle_model_call
 from serve_apps.orchestrator.models import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -240,26 +240,22 @@ class HandleModelClient:
                     span.set_attribute("error.type", err.code if isinstance(err, TurnFailed) else type(err).__qualname__)
                 raise
             finally:
-                # Settled as the ingresses settle theirs (`ingress_grpc._settle_decision`): a call the engine
-                # answered, even one cut short, is recorded (its decision counted, its route span written); one
-                # refused or failed before any output had its placement withdrawn, since it cached nothing.
+                # Settled as the ingresses settle theirs (`settle_model_call`): answered, even cut short, it is
+                # recorded; refused or failed before any output, its placement is withdrawn. A call cut short
+                # before its usage came counts no cached tokens, so no prediction is judged against them.
                 try:
+                    has_usage = reply.prompt_tokens > 0
+                    logged = settle_model_call(reply.replica_id, is_answered, reply.prompt_tokens,
+                                               reply.cached_tokens if has_usage else None)
                     if is_answered:
-                        _record_call(span, reply)
-                    else:
-                        decision_log.withdraw_placement(decision_log.pop_current(), reply.replica_id or None)
+                        _annotate_call(span, reply, logged)
                 except Exception:  # a fault in the figures must not call the model again (`chat` retries failures)
                     logger.exception("could not record the model call of session %s", session_id)
         yield reply
 
 
-def _record_call(span: trace.Span, reply: ModelReply) -> None:
-    """The call's routing decision, usage and cache figures: on its span, in the metrics. A call cut short
-    before its usage came counts no cached tokens, so no prediction is judged against them."""
-    logged = decision_log.pop_current()
-    decision_log.record_route_span(logged, reply.replica_id or None)
-    has_usage = reply.prompt_tokens > 0
-    record_model_call(logged, reply.replica_id, reply.prompt_tokens, reply.cached_tokens if has_usage else None)
+def _annotate_call(span: trace.Span, reply: ModelReply, logged: decision_log.LoggedDecision | None) -> None:
+    """The answered call's replica, usage, cache figures and routing decision on its span."""
     if span.is_recording():
         span.set_attribute("warmpath.replica", reply.replica_id)
         span.set_attribute("gen_ai.usage.input_tokens", reply.prompt_tokens)

@@ -189,7 +189,7 @@ def test_an_oversized_name_or_id_from_the_model_is_no_replica_failure(monkeypatc
     from serve_apps.orchestrator.turns import ModelReply
 
     retries = []
-    monkeypatch.setattr(deployment, "record_model_call", lambda *args: None)
+    monkeypatch.setattr("serve_apps.metrics.record_model_call", lambda *args: None)
     monkeypatch.setattr(deployment.WarmpathMetrics, "get", classmethod(lambda cls: SimpleNamespace(
         model_retries=SimpleNamespace(inc=lambda: retries.append(1)))))
     handle = _StreamingHandle(_call_frames(call_id, name))
@@ -235,7 +235,7 @@ def test_a_model_call_takes_its_own_routing_decision_when_another_turn_shares_it
     context = SimpleNamespace(request_id="shared-id", _internal_request_id="this-turn")
     monkeypatch.setattr(ray.serve.context, "_get_serve_request_context", lambda: context)
     recorded = []
-    monkeypatch.setattr(deployment, "record_model_call", lambda logged, *args: recorded.append(logged))
+    monkeypatch.setattr("serve_apps.metrics.record_model_call", lambda logged, *args: recorded.append(logged))
     client = deployment.HandleModelClient(_StreamingHandle(_call_frames("c1", "lookup_order")), "m")
 
     async def run():
@@ -324,7 +324,7 @@ def test_an_engine_failure_inside_the_stream_is_retried_as_one_before_it(monkeyp
     from serve_apps.orchestrator import deployment
     from serve_apps.orchestrator.turns import ModelReply, ModelRetry, TurnFailed
 
-    monkeypatch.setattr(deployment, "record_model_call", lambda *args: None)
+    monkeypatch.setattr("serve_apps.metrics.record_model_call", lambda *args: None)
     monkeypatch.setattr(deployment.WarmpathMetrics, "get", classmethod(lambda cls: SimpleNamespace(
         model_retries=SimpleNamespace(inc=lambda: None))))
     answer = [{"choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": "stop"}]}]
@@ -357,7 +357,7 @@ def test_a_fault_recording_a_finished_model_call_does_not_call_the_model_again(m
     def broken(*args):
         raise KeyError("a metric's tag")
 
-    monkeypatch.setattr(deployment, "record_model_call", broken)
+    monkeypatch.setattr("serve_apps.metrics.record_model_call", broken)
     handle = _StreamingHandle(_call_frames("c1", "lookup_order"))
     client = deployment.HandleModelClient(handle, "m")
 
@@ -369,7 +369,7 @@ def test_a_fault_recording_a_finished_model_call_does_not_call_the_model_again(m
     assert isinstance(items[-1], ModelReply) and items[-1].tool_calls
 
 
-def test_a_model_call_served_elsewhere_than_chosen_says_fallback_on_its_span(monkeypatch):
+def test_a_model_call_served_elsewhere_than_chosen_says_fallback_on_its_span():
     """As the route span, the response headers and the decisions metric do."""
     from opentelemetry.sdk.trace import TracerProvider
 
@@ -380,10 +380,8 @@ def test_a_model_call_served_elsewhere_than_chosen_says_fallback_on_its_span(mon
 
     decision = Decision(ranked_tiers=[["r1"], ["r2"]], reason="prefix-hit", predicted_cached_tokens={"r1": 64},
                         scores={})
-    monkeypatch.setattr(deployment.decision_log, "pop_current", lambda: decision_log.LoggedDecision(decision, 0, 1))
-    monkeypatch.setattr(deployment, "record_model_call", lambda *args: None)
     span = TracerProvider().get_tracer("test").start_span("chat m")
-    deployment._record_call(span, ModelReply(replica_id="r2"))
+    deployment._annotate_call(span, ModelReply(replica_id="r2"), decision_log.LoggedDecision(decision, 0, 1))
     assert span.attributes["warmpath.route.reason"] == "fallback"
     assert span.attributes["warmpath.route.predicted_cached_tokens"] == 0
 
@@ -407,7 +405,7 @@ def _model_call_spans(monkeypatch, frames, cancel_after=None):
     monkeypatch.setattr(deployment.WarmpathMetrics, "get", classmethod(lambda cls: SimpleNamespace(
         model_retries=SimpleNamespace(inc=lambda: None))))
     recorded = []
-    monkeypatch.setattr(deployment, "record_model_call", lambda *args: recorded.append(args))
+    monkeypatch.setattr("serve_apps.metrics.record_model_call", lambda *args: recorded.append(args))
     monkeypatch.setattr(deployment.decision_log, "withdraw_placement",
                         lambda logged, replica: recorded.append(("withdrawn", replica)))
     client = deployment.HandleModelClient(_StreamingHandle(frames), "m")

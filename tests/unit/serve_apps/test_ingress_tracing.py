@@ -627,11 +627,9 @@ class _DecidingLLM:
 def test_a_streamed_rpc_keeps_its_routing_span_when_the_caller_leaves(spans, monkeypatch, is_left):
     from opentelemetry import trace as trace_api
 
-    from serve_apps import ingress_grpc
-
     provider_tracer = telemetry.tracer()
     monkeypatch.setattr(trace_api, "get_tracer", lambda *args, **kwargs: provider_tracer)  # the route span's tracer
-    monkeypatch.setattr(ingress_grpc, "record_model_usage", lambda *args: None)
+    monkeypatch.setattr("serve_apps.metrics.record_model_call", lambda *args: None)
     ingress = GrpcIngress(_DecidingLLM(), _Orchestrator(), "m", {"access": {"is_auth_enabled": False}})
     request = inference_pb2.ChatCompletionRequest(model="m", messages=[inference_pb2.ChatMessage(role="user", content="hi")])
 

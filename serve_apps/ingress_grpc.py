@@ -97,7 +97,7 @@ from serve_apps.grpc_decoding import UndecodableRequest
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.handle_streams import cancelled_if_left
 from serve_apps.metrics import settle_model_call, usage_tokens
-from serve_apps.request_checks import chat_request_problem
+from serve_apps.request_checks import chat_request_problem, utf8_text
 from serve_apps.orchestrator.models import (
     TOOL_CHOICE_KEYWORDS,
     TURN_ERROR_STATUS,
@@ -339,7 +339,10 @@ def usage_to_proto(usage: Mapping[str, Any] | None) -> inference_pb2.Usage | Non
 
 
 def chat_response_to_proto(response: Mapping[str, Any], replica_id: str) -> inference_pb2.ChatCompletionResponse:
-    """A non-streamed OpenAI chat completion (first choice) as `ChatCompletionResponse`."""
+    """A non-streamed OpenAI chat completion (first choice) as `ChatCompletionResponse`.
+
+    Lone surrogates in the model's text (`utf8_text`) become '?': a protobuf string refuses them.
+    """
     choice = response["choices"][0]
     message = choice.get("message") or {}
     out = inference_pb2.ChatCompletionResponse(
@@ -347,9 +350,9 @@ def chat_response_to_proto(response: Mapping[str, Any], replica_id: str) -> infe
         model=response.get("model") or "",
         tool_calls=[
             inference_pb2.ToolCall(
-                id=call.get("id") or "",
-                name=(call.get("function") or {}).get("name") or "",
-                arguments=(call.get("function") or {}).get("arguments") or "",
+                id=utf8_text(call.get("id") or ""),
+                name=utf8_text((call.get("function") or {}).get("name") or ""),
+                arguments=utf8_text((call.get("function") or {}).get("arguments") or ""),
             )
             for call in message.get("tool_calls") or ()
         ],
@@ -358,7 +361,7 @@ def chat_response_to_proto(response: Mapping[str, Any], replica_id: str) -> infe
         replica_id=replica_id,
     )
     if message.get("content") or not message.get("tool_calls"):  # unset when the model only called tools
-        out.content = message.get("content") or ""
+        out.content = utf8_text(message.get("content") or "")
     return out
 
 
@@ -374,15 +377,15 @@ def chat_chunk_to_proto(payload: Mapping[str, Any], replica_id: str) -> inferenc
     if choices:
         choice = choices[0]
         delta = choice.get("delta") or {}
-        chunk.content = delta.get("content") or ""
+        chunk.content = utf8_text(delta.get("content") or "")
         chunk.finish_reason = choice.get("finish_reason") or ""
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}
             chunk.tool_calls.add(
                 index=call.get("index") or 0,
-                id=call.get("id") or "",
-                name=function.get("name") or "",
-                arguments=function.get("arguments") or "",
+                id=utf8_text(call.get("id") or ""),
+                name=utf8_text(function.get("name") or ""),
+                arguments=utf8_text(function.get("arguments") or ""),
             )
     return chunk
 

@@ -88,6 +88,18 @@ ROUTE_HEADER = "x-warmpath-route"
 PREDICTED_CACHED_HEADER = "x-warmpath-predicted-cached-tokens"
 
 
+class ModelOutputResponse(JSONResponse):
+    """A JSON body of model output, with each lone surrogate written as '?'.
+
+    Why: a tool parser's `json.loads` of the model's `"\\ud800"` leaves one in the arguments, and
+    Starlette's strict UTF-8 encoding then turned the whole answer into a 500.
+    """
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8", errors="replace")
+
+
 def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optional[decision_log.LoggedDecision]]:
     """Replica header, plus the router's reason and prediction when warmpath's router decided."""
     headers: Dict[str, str] = {}
@@ -707,7 +719,7 @@ class WarmpathIngress(OpenAiIngress):
                 usage = usage.model_dump() if usage is not None else None
                 telemetry.annotate_usage(span, usage)
                 _record_usage(logged, served_by, usage)
-                return JSONResponse(content=first_chunk.model_dump(), headers=headers)
+                return ModelOutputResponse(content=first_chunk.model_dump(), headers=headers)
             frames = _recording_usage(_openai_json_wrapper(gen), logged, served_by, is_usage_asked, span)
             return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
 

@@ -166,6 +166,17 @@ def lone_surrogate_at(text: str) -> Optional[int]:
     return None
 
 
+def utf8_text(text: str) -> str:
+    """`text` with each lone surrogate replaced by '?', so that UTF-8 writers take it.
+
+    Why: model output can hold one (a tool parser's `json.loads` of the model's `"\\ud800"`), and every
+    writer the answer meets (a JSON response body, a protobuf string, the session store) raises on it.
+    """
+    if lone_surrogate_at(text) is None:
+        return text
+    return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
 def unencodable_text_problem(value: Any, path: str) -> Optional[Problem]:
     """A 400 for the first string under `value` that UTF-8 cannot encode, naming where it is; or for a value
     nested too deeply to walk (JSON's parser takes a few levels more than the walk has left: a free-form field,

@@ -88,6 +88,7 @@ from serve_apps.orchestrator.turns import (
     pending_client_calls,
     tool_choice_problem,
 )
+from serve_apps.request_checks import utf8_text
 from serve_apps.sse_frames import sse_payloads
 from serve_apps.vllm_replica import ServedBy
 
@@ -325,16 +326,11 @@ def _tool_call(index: int, call: dict[str, str]) -> ToolCall:
     shorter), so validation answers `unknown_tool` and the model may repair
     the call. An overlong id is replaced as a missing one is.
     """
-    call_id = _unicode(call["id"])
+    call_id = utf8_text(call["id"])
     if not 0 < len(call_id) <= TOOL_CALL_ID_MAX_CHARS:
         call_id = f"call_{index}"
-    name = _unicode(call["name"])[:TOOL_NAME_MAX_CHARS] or "unnamed"
-    return ToolCall(id=call_id, name=name, arguments=_unicode(call["arguments"]) or "{}")
-
-
-def _unicode(text: str) -> str:
-    """`text` with any lone surrogate (which no UTF-8 writer takes, nor `ToolCall`) replaced by '?'."""
-    return text.encode("utf-8", errors="replace").decode("utf-8")
+    name = utf8_text(call["name"])[:TOOL_NAME_MAX_CHARS] or "unnamed"
+    return ToolCall(id=call_id, name=name, arguments=utf8_text(call["arguments"]) or "{}")
 
 
 # Where a new session's checks run (its validation, tool schemas, and the tokenization of its prompt): a

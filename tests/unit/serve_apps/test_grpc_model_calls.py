@@ -5,6 +5,7 @@ withdrawn when the engine refused the call before any output."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import grpc
@@ -247,3 +248,14 @@ def test_a_call_routes_by_its_session_field_else_its_session_metadata(recorded, 
         else:
             asyncio.run(ingress.ChatCompletion(request, FakeContext(metadata)))
         assert [options.get("session_id") for options in llm.options_calls] == [expected]
+
+
+def test_a_lone_surrogate_in_the_model_output_is_answered_as_a_question_mark(recorded):
+    """A tool parser's `json.loads` of the model's `"\\ud800"` leaves a lone surrogate, which no protobuf string takes."""
+    response = json.loads(json.dumps(OPENAI_RESPONSE))
+    response["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = '{"q": "a\ud800"}'
+    response["choices"][0]["message"]["content"] = "b\udc00"
+    ingress = _ingress(ServedBy("replica-a"), ChatCompletionResponse(**response))
+    context = FakeContext()
+    answer = asyncio.run(ingress.ChatCompletion(_request(), context))
+    assert (answer.content, answer.tool_calls[0].arguments) == ("b?", '{"q": "a?"}')

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
@@ -156,6 +157,19 @@ def test_an_engine_refusal_names_the_replica_that_refused_it(spans, items, repli
     assert response.headers.get("x-warmpath-replica") == replica
     # The placement is withdrawn where Serve sent the call (the chosen replica may have been full).
     assert withdrawn == [replica]
+
+
+def test_a_lone_surrogate_in_the_model_output_is_answered_as_a_question_mark(spans):
+    """A tool parser's `json.loads` of the model's `"\\ud800"` leaves one in the arguments: a 200, not a 500."""
+    from tests.unit.serve_apps.test_grpc_mapping import OPENAI_RESPONSE
+
+    answer = json.loads(json.dumps(OPENAI_RESPONSE))
+    answer["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = '{"q": "a\ud800"}'
+    response = _run(_chat_ingress(ServedBy("r1"), ChatCompletionResponse(**answer))._process_llm_request(
+        _chat(), "chat", _http_request()))
+    assert response.status_code == 200
+    call = json.loads(response.body)["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["arguments"] == '{"q": "a?"}'
 
 
 @pytest.mark.parametrize("failure, retry_after", [

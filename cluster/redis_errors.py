@@ -15,6 +15,7 @@ from typing import Awaitable, Callable, Optional, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
+    AskError,
     ClusterDownError,
     MasterDownError,
     NoPermissionError,
@@ -41,6 +42,8 @@ _REFUSALS: tuple[tuple[type[ResponseError] | str, str], ...] = (
     (TryAgainError, "Redis asks to try again (TRYAGAIN: a cluster slot is being moved)"),
     (MasterDownError, "the Redis replica lost its link to the primary (MASTERDOWN); the URL should name the primary"),
     (ClusterDownError, "the Redis cluster is down (CLUSTERDOWN)"),
+    (AskError, "Redis sent the key to another node (MOVED/ASK): the URL names a node of a Redis Cluster, which "
+               "warmpath does not support; it needs a standalone Redis"),
 )
 
 # What redis-py puts before the error of a command in a pipeline.

@@ -47,3 +47,29 @@ def is_pool_exhausted(err: BaseException) -> bool:
     return isinstance(err, MaxConnectionsError) or (
         isinstance(err, RedisConnectionError) and str(err).startswith(_NO_CONNECTION_TEXT)
     )
+
+
+def refuse_redis_cluster(url: str, timeout_s: float = 2.0) -> None:
+    """Raises ValueError when `url` names a node of a Redis Cluster; a Redis that does not answer passes.
+
+    Why: both stores speak to one Redis with a plain client, so against a cluster every key
+    hashed to another node's slots fails (`MOVED`): two sessions in three would fail, at random.
+    Refused where a deployment starts, it fails once with the reason rather than per request.
+    An outage is left to the stores, which answer it 503 and recover when Redis is back.
+    """
+    import redis
+
+    from cluster.config import without_password
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        is_cluster = str(client.info("cluster").get("cluster_enabled", 0)) == "1"
+    except redis.exceptions.RedisError:
+        return
+    finally:
+        client.close()
+    if is_cluster:
+        raise ValueError(
+            f"the Redis at {without_password(url)} is a node of a Redis Cluster, which warmpath does not support: "
+            "point redis_url (or REDIS_URL) at a standalone Redis, the primary where it has replicas"
+        )

@@ -1,0 +1,102 @@
+"""A Redis Cluster is refused where a deployment starts, against a real redis-server in cluster mode.
+
+Both stores use a plain client, so a cluster would answer `MOVED` for every key hashed to another
+node's slots: two sessions in three failing at random, with nothing at start to say why.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import time
+
+import pytest
+import redis
+from redis.exceptions import MovedError
+
+from cluster import local
+from cluster.config import load_config
+from cluster.local import BringUpError, LocalState
+from cluster.redis_errors import redis_refusal
+from cluster.redis_pool import refuse_redis_cluster
+from serve_apps.access import AccessGuard, GuardSettings
+from serve_apps.orchestrator.deployment import Orchestrator
+
+needs_redis = pytest.mark.skipif(local.shutil.which("redis-server") is None, reason="redis-server is not installed")
+
+
+def _free_port() -> int:
+    """A free loopback port whose cluster bus port (10,000 above it) is free too."""
+    while True:
+        with socket.socket() as sock, socket.socket() as bus:
+            port = random.randrange(20_000, 55_000)
+            try:
+                sock.bind(("127.0.0.1", port))
+                bus.bind(("127.0.0.1", port + 10_000))
+            except OSError:
+                continue
+            return port
+
+
+def _redis_server(tmp_path, *flags: str):
+    """A redis-server on a free loopback port with `flags`, answering PING; yields its URL."""
+    port = _free_port()
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path), *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + 15
+    try:
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                assert process.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        yield client, f"redis://127.0.0.1:{port}/0"
+    finally:
+        client.close()
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture
+def cluster_url(tmp_path):
+    """A one-node Redis Cluster holding every slot."""
+    for client, url in _redis_server(tmp_path, "--cluster-enabled", "yes", "--cluster-config-file",
+                                     str(tmp_path / "nodes.conf")):
+        client.execute_command("CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+        yield url
+
+
+@pytest.fixture
+def standalone_url(tmp_path):
+    for _, url in _redis_server(tmp_path):
+        yield url
+
+
+@needs_redis
+def test_a_redis_cluster_is_refused_by_up_the_orchestrator_and_the_key_check(cluster_url, tmp_path):
+    with pytest.raises(ValueError, match="is a node of a Redis Cluster, which warmpath does not support"):
+        refuse_redis_cluster(cluster_url)
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "redis_url": cluster_url})
+    with pytest.raises(BringUpError, match="Redis Cluster"):
+        local.start_redis(cfg, LocalState(), progress=lambda msg: None)
+    with pytest.raises(ValueError, match="Redis Cluster"):
+        AccessGuard(GuardSettings(access={"is_auth_enabled": True}, redis_url=cluster_url))
+    with pytest.raises(ValueError, match="Redis Cluster"):  # before it loads a tokenizer or calls a replica
+        Orchestrator(None, {"redis_url": cluster_url})
+
+
+@needs_redis
+def test_a_standalone_redis_and_one_that_does_not_answer_pass(standalone_url):
+    refuse_redis_cluster(standalone_url)
+    refuse_redis_cluster(f"redis://127.0.0.1:{_free_port()}/0", timeout_s=0.5)  # an outage: the stores' to answer
+
+
+def test_a_moved_reply_is_named_as_a_cluster_the_service_does_not_support():
+    assert "Redis Cluster" in redis_refusal(MovedError("12671 127.0.0.1:7103"))

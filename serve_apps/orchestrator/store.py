@@ -16,7 +16,8 @@ Invariants:
   keeps its session alive however long it takes.
 - A turn lock is released only by the holder whose random token it still stores
   (compare-and-delete), so a holder whose lock expired cannot free another's; nor
-  can it commit while another turn holds the lock (the commit checks the token).
+  can it commit, or renew its lock, once another turn has taken the lock, even
+  one that ran and released it since (the session records the last taker).
 - A commit whose reply was lost is settled before the turn reports: saved if
   Redis ran it, else voided so that it cannot land later (`_SETTLE_SCRIPT`).
 - A session created while the reply to its write was lost is deleted (its id
@@ -117,7 +118,7 @@ end
 # num_messages, num_stats, idem_key, result_json, max_step_stats, max_idempotency_records, lock token ('' for
 # none), commit id, max_idempotency_bytes (FIXED of them), then the messages, the stats, and the stats' prompt
 # tokens, cached tokens and compressions, added to the session's running totals. A turn whose lock another turn
-# holds now is refused (its own lock expired: the other turn runs on the same transcript), and so is a commit
+# holds now, or took since (its own lock expired: the other turn ran on the same transcript), is refused, and so is a commit
 # `_SETTLE_SCRIPT` voided. Flagged (no flags: not `allow-oom`) so that a full Redis refuses the whole script up
 # front: unflagged, Redis refuses only at the first write that may grow memory, and a compaction's is LTRIM.
 _COMMIT_SCRIPT = "#!lua\n" + _REMEMBER_LUA + """
@@ -128,7 +129,7 @@ end
 if redis.call('HGET', KEYS[1], 'voided_commit') == ARGV[12] then
   return redis.error_reply('WARMPATH_VOIDED')
 end
-local holder = redis.call('GET', KEYS[6])
+local holder = redis.call('GET', KEYS[6]) or redis.call('HGET', KEYS[1], 'lock_taker')
 if ARGV[11] ~= '' and holder and holder ~= ARGV[11] then
   return redis.error_reply('WARMPATH_LOCK_TAKEN')
 end
@@ -219,11 +220,13 @@ return existed
 
 # Takes the turn lock (KEYS[6]) for token ARGV[1] and refreshes the session's TTL, so a turn starts with
 # its full `ttl_s` left. Returns -1 if the session does not exist, 0 if another token holds the lock, else
-# 1; taking it again with the same token succeeds (a retried call whose first try got through). It also
-# renews a held lock: one that expired untaken (Redis away, or the holder stalled, past its lease) is taken
-# again, since no other turn ran and a commit would be let through; 0 means another turn took it, -1 that
-# the session was deleted mid-turn. KEYS: meta, log, stats, idem, idem-order, lock. ARGV: token,
-# lock_ttl_ms, session_ttl_ms.
+# 1; taking it again with the same token succeeds (a retried call whose first try got through). A take
+# records its token as the session's `lock_taker` (in meta), which outlives the lock.
+# With ARGV[4] '1' it renews a held lock: one that expired (Redis away, or the holder stalled, past its
+# lease) is taken again only while its token is still the last taker, i.e. no other turn took the lock
+# since, even one that ran and released it in between; 0 means another turn took it, -1 that the session
+# was deleted mid-turn. KEYS: meta, log, stats, idem, idem-order, lock. ARGV: token, lock_ttl_ms,
+# session_ttl_ms, '1' for a renewal ('0' for a take).
 _ACQUIRE_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return -1
@@ -231,6 +234,15 @@ end
 local holder = redis.call('GET', KEYS[6])
 if holder and holder ~= ARGV[1] then
   return 0
+end
+if not holder then
+  if ARGV[4] == '1' then
+    if redis.call('HGET', KEYS[1], 'lock_taker') ~= ARGV[1] then
+      return 0
+    end
+  else
+    redis.call('HSET', KEYS[1], 'lock_taker', ARGV[1])
+  end
 end
 redis.call('SET', KEYS[6], ARGV[1], 'PX', ARGV[2])
 for i = 1, 5 do
@@ -260,8 +272,8 @@ class SessionBusy(RuntimeError):
 
 
 class TurnLockTaken(RuntimeError):
-    """The turn's lock expired (its holder stalled or Redis lost it) and another turn holds it now; nothing was
-    written: the other turn runs on the same transcript, and of the two only it may commit."""
+    """The turn's lock expired (its holder stalled or Redis lost it) and another turn took it; nothing was
+    written: the other turn ran or runs on the same transcript, and of the two only it may commit."""
 
 
 class StaleTurn(RuntimeError):
@@ -455,11 +467,11 @@ class SessionStore:
         """`call()`, retried once on a dead pooled connection; only for calls that may safely run twice."""
         return await retry_on_dead_connection(self._redis, call)
 
-    def _lock_args(self, session_id: str, token: str) -> dict[str, list]:
-        """KEYS and ARGV of the acquire and renew scripts."""
+    def _lock_args(self, session_id: str, token: str, is_renewal: bool = False) -> dict[str, list]:
+        """KEYS and ARGV of the acquire script, taking the lock or renewing it (`_ACQUIRE_SCRIPT`)."""
         return {
             "keys": [*self._keys(session_id), self._key(session_id, "lock")],
-            "args": [token, self._lock_ttl_ms, self._ttl_ms],
+            "args": [token, self._lock_ttl_ms, self._ttl_ms, "1" if is_renewal else "0"],
         }
 
     async def create(
@@ -660,13 +672,15 @@ class SessionStore:
         """Renews the lock and the session's TTL (and its key's count's) until cancelled, or the lock is lost."""
         interval_s = min(self._lock_ttl_ms, self._ttl_ms) / 3000
         delay_s = interval_s
+        renew_args = self._lock_args(session_id, lock_args["args"][0], is_renewal=True)
         while True:
             await asyncio.sleep(delay_s)
             try:
-                renewed = await self._idempotent(lambda: self._acquire(**lock_args))
+                renewed = await self._idempotent(lambda: self._acquire(**renew_args))
                 if renewed == 0:
                     # Another turn took it after it expired (Redis away, or this process stalled, past the
-                    # lease): this turn stops at its next step or tool (`lock_lost`); its commit is refused.
+                    # lease), and may have released it since: this turn stops at its next step or tool
+                    # (`lock_lost`); its commit is refused.
                     self._lost_locks.add(lock_args["args"][0])
                     return
                 if renewed == -1:
@@ -753,8 +767,8 @@ class SessionStore:
             if kind == "WARMPATH_STALE":
                 raise StaleTurn(session_id, expected_len, int(value)) from None
             if kind == "WARMPATH_LOCK_TAKEN":
-                raise TurnLockTaken(f"session {session_id}: this turn's lock expired and another turn holds it "
-                                    "now; nothing of this turn was saved") from None
+                raise TurnLockTaken(f"session {session_id}: this turn's lock expired and another turn took it; "
+                                    "nothing of this turn was saved") from None
             if kind == "WARMPATH_BAD_COMPACTION":
                 raise ValueError(f"compaction replaces {num_replaced} messages but {value} are stored") from None
             raise

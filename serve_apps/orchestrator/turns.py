@@ -287,7 +287,7 @@ class TurnRunner:
         """
         if self._lock_token is not None and self._store.lock_lost(self._lock_token):
             raise TurnLockTaken(f"session {self._record.session_id}: this turn's lock expired and another turn "
-                                "holds it now; the turn stopped and nothing of it was saved")
+                                "took it; the turn stopped and nothing of it was saved")
 
     def _chat_request(self, history: Sequence[Message]) -> tuple[list, list]:
         """Messages and tools the model gets for `history`; token counts are taken over exactly these."""

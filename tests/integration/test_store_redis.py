@@ -872,7 +872,7 @@ def test_a_turn_whose_lock_another_turn_took_cannot_commit(redis_url):
         with redis.Redis.from_url(redis_url) as client:
             client.delete(f"warmpath:{{{sid}}}:lock")  # its lease ran out
         async with store.turn_lock(sid) as token:
-            with pytest.raises(TurnLockTaken, match="another turn holds it now"):
+            with pytest.raises(TurnLockTaken, match="another turn took it"):
                 await store.commit_turn(sid, 0, _turn(0), [_stats(0)], lock_token=old_token)
             length = await store.commit_turn(sid, 0, _turn(1), [_stats(0)], lock_token=token)
         await stalled.__aexit__(None, None, None)
@@ -901,6 +901,45 @@ def test_a_turn_whose_renewal_finds_its_lock_taken_is_told_so(redis_url):
         return store.lock_lost(token)
 
     assert _run(redis_url, scenario, lock_ttl_s=0.3) is False  # forgotten with its block
+
+
+def test_a_turn_whose_expired_lock_another_turn_took_and_released_does_not_take_it_back(redis_url):
+    """Between two renewals of a stalled turn, another turn took its expired lock, ran and released it: the
+    renewal found the lock free and took it back as if it had expired untaken, so the stalled turn ran on
+    (model calls, server-side tools) and held off the client's next turn as busy."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        sid, lock_key = record.session_id, f"warmpath:{{{record.session_id}}}:lock"
+        async with store.turn_lock(sid) as token:
+            renew, stalled = store._acquire, asyncio.Event()
+
+            async def stalled_renewal(**kwargs):
+                await stalled.wait()  # this process stalls past its lease
+                return await renew(**kwargs)
+
+            store._acquire = stalled_renewal
+            other = SessionStore.from_url(redis_url)
+            try:
+                with redis.Redis.from_url(redis_url) as client:
+                    client.delete(lock_key)  # the lease ran out
+                    async with other.turn_lock(sid):  # another orchestrator's turn: it fails, saving nothing
+                        pass
+                    stalled.set()
+                    deadline = time.monotonic() + 10
+                    while not store.lock_lost(token):
+                        assert time.monotonic() < deadline, "the renewal took the lock back"
+                        await asyncio.sleep(0.05)
+                    is_free = client.get(lock_key) is None
+                with pytest.raises(TurnLockTaken, match="another turn took it"):
+                    await store.commit_turn(sid, 0, _turn(0), [_stats(0)], lock_token=token)
+                async with other.turn_lock(sid) as next_token:  # the client's next turn is not refused as busy
+                    length = await other.commit_turn(sid, 0, _turn(1), [_stats(0)], lock_token=next_token)
+            finally:
+                await other.aclose()
+            return is_free, length
+
+    assert _run(redis_url, scenario, lock_ttl_s=0.3) == (True, 2)
 
 
 def test_a_lock_that_expired_untaken_is_taken_again_and_a_deleted_session_is_no_lost_lock(redis_url):

@@ -8,7 +8,7 @@ limit, a key at its quota is refused (429 `session_quota_exceeded`) and everyone
 else is untouched.
 
 Layout: `warmpath:{owner:<key id>}:sessions`, a sorted set of the key's session
-ids, each scored by the Unix time (ms) its session was last known to expire. One
+ids, each scored by the Unix time (ms, Redis' clock) its session was last known to expire. One
 key's sessions live in as many hash slots as they have ids, so the index has a
 slot of its own and is never read inside a session's scripts.
 
@@ -37,7 +37,6 @@ every call when API keys are off), which never enter it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -139,7 +138,7 @@ class OwnerSessions:
         SessionQuotaExceeded when the key is at its limit.
         """
         index = self.index_key(owner_key_id)
-        now_ms = _now_ms()
+        now_ms = await self._now_ms()
         await self._prune(index, now_ms)
         limit = "" if quota.limit is None else quota.limit
         grace_ms = min(RESERVATION_GRACE_MS, self._ttl_ms)
@@ -154,6 +153,16 @@ class OwnerSessions:
     async def touch(self, owner_key_id: str) -> None:
         """Keeps the key's index for `session_ttl_s` from now, as a turn keeps its session."""
         await self._touch(keys=[self.index_key(owner_key_id)], args=[self._ttl_ms])
+
+    async def _now_ms(self) -> int:
+        """Redis' clock (ms): every replica scores the index by it, as Redis expires the records by it.
+
+        Why not this host's: a replica whose clock ran a minute ahead of another's took that one's fresh
+        reservation for overdue, found no record yet, dropped it and took the place: the key went over
+        its limit, the late record uncounted for its whole TTL.
+        """
+        seconds, microseconds = await self._redis.time()
+        return int(seconds) * 1000 + int(microseconds) // 1000
 
     async def _prune(self, index: str, now_ms: int) -> None:
         """Looks up the members due a look (`_due`) by their records' PTTL: drops the gone, re-scores the rest."""
@@ -194,7 +203,3 @@ class OwnerSessions:
             index, f"({now_ms + self._ttl_ms}", "+inf", start=0, num=PRUNE_BATCH - len(passed)
         )
         return passed + beyond
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)

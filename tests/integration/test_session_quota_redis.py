@@ -273,3 +273,20 @@ def test_a_reservation_retried_after_a_lost_reply_counts_once(redis_url):
     assert replies == [1, 1]  # the retry found its own place taken, not the key full
     with redis.Redis.from_url(redis_url, decode_responses=True) as client:
         assert client.zrange(_index("k-retried"), 0, -1) == [sid]
+
+
+def test_places_are_scored_by_redis_clock_not_the_hosts(redis_url, monkeypatch):
+    """A replica whose clock ran a minute ahead of another's took that one's fresh reservation (no record yet)
+    for overdue, dropped it and took the place: the key went over its limit."""
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600)  # this host's clock, an hour ahead
+
+    async def scenario(store):
+        session_id = await _create(store, "k-skewed", SessionQuota(limit=1))
+        seconds, microseconds = await store._redis.time()
+        return session_id, int(seconds) * 1000 + int(microseconds) // 1000
+
+    session_id, redis_now_ms = _run(redis_url, scenario)
+    with redis.Redis.from_url(redis_url) as client:
+        score = client.zscore(_index("k-skewed"), session_id)
+    assert abs(score - (redis_now_ms + RESERVATION_GRACE_MS)) < 5_000

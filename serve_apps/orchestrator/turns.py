@@ -540,7 +540,7 @@ class TurnRunner:
             if fits and 0 < floor.tokens_before - floor.tokens_after < MIN_COMPRESSION_SAVING_FRACTION * self._window:
                 self._deferred_cut = cut  # later rounds will give it more to free, or the prompt will not fit
                 return
-            report = await self._compress(history, plan, ledger_only, floor)
+            report = await self._compress(history, plan, ledger_only, floor, to_come)
             if report is not None:
                 yield CompressionEvent(report=report)
                 return
@@ -550,12 +550,15 @@ class TurnRunner:
                              f"the prompt does not fit, and compression would drop exact values: {report}")
 
     async def _compress(self, history: list[Message], plan: CompressionPlan, ledger_only: list[Message],
-                        floor: CompressionReport) -> CompressionReport | None:
+                        floor: CompressionReport, to_come: Sequence[Message] = ()) -> CompressionReport | None:
         """Summarises and applies `plan`; the report if the result was kept, else None (`_declined` says why).
 
         `ledger_only` and `floor` are `plan` applied with no summary: when the facts ledger alone already
         makes the prompt no shorter, no summary can, and the model is not asked for one (a session of dense
-        values would pay a summarising call at every turn and every resume, each declined).
+        values would pay a summarising call at every turn and every resume, each declined). The summary
+        gets at most the room the ledger leaves in the window (with the messages `to_come`), and one that
+        would not fit there is dropped for the ledger alone: kept, it failed the turn `context_overflow`
+        with a fitting compression at hand, and every turn after it the same way.
         """
         if floor.tokens_after >= floor.tokens_before:
             self._declined = (plan.num_messages_compressed, floor, False)  # not shorter: no value was judged
@@ -570,9 +573,16 @@ class TurnRunner:
         # the window beside its prompt (else the engine refuses the call, and the ledger stands alone).
         max_tokens = min(max(MIN_SUMMARY_TOKENS, min(self._limits.output_reserve_tokens, plan.tokens_compressed // 4)),
                          self._window - self._count(prompt, tools).total_tokens)
+        # What a summary's text can take with the prompt still fitting: the room a one-character one leaves
+        # (its header counted), plus that character.
+        with_one_character, _ = apply_compression(history, plan, "x", recount=self._account)
+        room = self._account([*with_one_character, *to_come]).remaining_tokens + 1
         try:
             if max_tokens < MIN_SUMMARY_TOKENS:
                 raise ModelRefusal(f"no room in the {self._window}-token window for a summary after its prompt")
+            if room < MIN_SUMMARY_TOKENS:
+                raise ModelRefusal(f"no room in the {self._window}-token window for a summary beside the facts ledger")
+            max_tokens = min(max_tokens, room)
             async for item in self._model.chat(self._record.session_id, prompt, tools or [], "none", max_tokens):
                 if isinstance(item, ModelReply):
                     summary = item
@@ -584,10 +594,12 @@ class TurnRunner:
                            self._record.session_id, err)
             summary = ModelReply()
         compressed, report = apply_compression(history, plan, summary.content, recount=self._account)
-        if (report.tokens_after >= report.tokens_before and floor.ledger_retained_fraction == 1.0
+        is_over = self._account([*compressed, *to_come]).remaining_tokens < 0 <= room
+        if ((report.tokens_after >= report.tokens_before or is_over) and floor.ledger_retained_fraction == 1.0
                 and report.ledger_retained_fraction == 1.0):
-            # The summary took more than the ledger saved: the ledger, which holds every value, stands alone
-            # (a session of dense values was otherwise refused `context_overflow` with a fitting one at hand).
+            # The summary took more than the ledger saved, or more than the window had room for: the ledger,
+            # which holds every value, stands alone (a session of dense values was otherwise refused
+            # `context_overflow` with a fitting one at hand).
             compressed, report = ledger_only, floor
         if report.ledger_retained_fraction < 1.0 or report.tokens_after >= report.tokens_before:
             # Values dense enough that their ledger is no shorter than the messages, or a value the

@@ -707,10 +707,67 @@ def test_a_summary_that_spends_what_the_ledger_saved_leaves_the_ledger_to_stand_
     probe = TurnRunner(_record(64, context_budget_tokens=100_000), history, len(history), MemoryStore(),
                        ScriptedModel([]), CharTokenizer(), 100_000)
     needed = probe._account([*history, Message(role="user", content="next")]).total_tokens + 64
-    model = LongSummaryModel([(["Hi"], ModelReply(content="Hi"))])
+    model = OverlongSummaryModel([(["Hi"], ModelReply(content="Hi"))])  # one asked for a short one is kept
     events, store = _turn_after(history, model=model, context_budget_tokens=needed - 20)
     (compression,) = [e for e in events if e.kind == "compression"]
     assert compression.report.ledger_retained_fraction == 1.0
     assert compression.report.tokens_after < compression.report.tokens_before
     assert events[-1].kind == "final" and store.commits[0]["compaction"] is not None
-    assert "The customer asked" not in store.commits[0]["compaction"].summary.content  # the ledger alone
+    assert "x" * 400 not in store.commits[0]["compaction"].summary.content  # the ledger alone
+
+
+class OverlongSummaryModel(ScriptedModel):
+    """Writes a summary of 400 tokens whatever the call allows (a server that overruns `max_tokens`)."""
+
+    async def chat(self, session_id, messages, tools, tool_choice, max_tokens):
+        if messages[-1]["content"] == SUMMARISE_INSTRUCTION:
+            self.prompts.append(messages)
+            yield ModelReply(content="x" * 400)
+            return
+        async for item in super().chat(session_id, messages, tools, tool_choice, max_tokens):
+            yield item
+
+
+def _ledger_fits_by(spare_tokens: int):
+    """Three prose rounds to compress, two long ones kept, and a window the ledger alone fits with
+    `spare_tokens` to spare (uncompressed it does not fit)."""
+    from serve_apps.orchestrator.compression import CompressionPlan, apply_compression, build_ledger
+
+    history = _stored_rounds(lambda i: _prose(i) if i < 3 else "Status: moving. " * 150)
+    asked = [*history, Message(role="user", content="next")]
+    probe = TurnRunner(_record(64, context_budget_tokens=100_000), history, len(history), MemoryStore(),
+                       ScriptedModel([]), CharTokenizer(), 100_000)
+    account = probe._account(asked)
+    cut = [i for i, m in enumerate(asked) if m.role == "user"][-3]
+    plan = CompressionPlan(cut, account.total_tokens, sum(account.message_tokens[:cut]), 0,
+                           tuple(build_ledger(asked[:cut])))
+    _, floor = apply_compression(asked, plan, "", recount=probe._account)
+    window = floor.tokens_after + 64 + spare_tokens
+    assert window < account.total_tokens + 64
+    return history, window
+
+
+@pytest.mark.parametrize("model_class", [LongSummaryModel, OverlongSummaryModel])
+def test_a_summary_gets_only_the_room_the_ledger_leaves_and_one_over_it_leaves_the_ledger_alone(model_class):
+    """Shorter than what it replaced but over the window, the summary was kept and the turn failed
+    `context_overflow` (and every turn after it), with the ledger alone fitting."""
+    history, window = _ledger_fits_by(40)
+    model = model_class([(["Hi"], ModelReply(content="Hi"))])
+    events, store = _turn_after(history, model=model, context_budget_tokens=window)
+    assert events[-1].kind == "final", events[-1]
+    (compression,) = [e for e in events if e.kind == "compression"]
+    assert compression.report.ledger_retained_fraction == 1.0
+    summary = store.commits[0]["compaction"].summary.content
+    if model_class is LongSummaryModel:  # asked for no more than fits: kept
+        assert "The customer asked" in summary
+    else:
+        assert "x" * 400 not in summary  # over the room it was given: the ledger alone
+
+
+def test_no_summary_is_asked_for_where_the_ledger_leaves_no_room_for_one():
+    history, window = _ledger_fits_by(5)
+    model = LongSummaryModel([(["Hi"], ModelReply(content="Hi"))])
+    events, store = _turn_after(history, model=model, context_budget_tokens=window)
+    assert events[-1].kind == "final", events[-1]
+    assert all(p[-1]["content"] != SUMMARISE_INSTRUCTION for p in model.prompts)  # the ledger alone, unasked
+    assert store.commits[0]["compaction"] is not None

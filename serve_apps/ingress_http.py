@@ -37,6 +37,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 from ray.llm._internal.common.utils.lora_utils import get_base_model_id
 from ray.llm._internal.serve.core.ingress.ingress import (
     DEFAULT_ENDPOINTS,
+    CallMethod,
     OpenAiIngress,
     router_request_timeout,
 )
@@ -64,6 +65,7 @@ from serve_apps.api_errors import (
 )
 from serve_apps.handle_streams import cancelled_if_left
 from serve_apps.metrics import record_model_usage
+from serve_apps import openai_bodies
 from serve_apps.request_checks import (
     chat_request_problem,
     completion_request_problem,
@@ -651,6 +653,14 @@ class WarmpathIngress(OpenAiIngress):
         """Ray Serve's shutdown hook (then it kills the actor): the queued spans go out first, within a bound."""
         if telemetry is not None:  # None when the interpreter exits and has cleared module globals
             telemetry.flush_spans()
+
+    async def chat(self, body: openai_bodies.ChatCompletionRequest, request: Request) -> Response:
+        """A chat completion (`serve_apps.openai_bodies`: a field of the wrong type is a 400, not a 500)."""
+        return await self._process_llm_request(body, call_method=CallMethod.CHAT.value, raw_request=request)
+
+    async def completions(self, body: openai_bodies.CompletionRequest, request: Request) -> Response:
+        """A completion (`serve_apps.openai_bodies`: a field of the wrong type is a 400, not a 500)."""
+        return await self._process_llm_request(body, call_method=CallMethod.COMPLETIONS.value, raw_request=request)
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
         parent = telemetry.extract(raw_request.headers.items()) if raw_request is not None else None

@@ -1,0 +1,84 @@
+"""The bodies of the OpenAI routes: vLLM's request models, with a field of the wrong type a validation error.
+
+Why: vLLM's `mode="before"` validators read the raw body as they expect it (`messages` a list,
+`structured_outputs` an object, an assistant's `tool_calls` a list, `tools` of objects), and a
+value of another type raises TypeError, AttributeError or KeyError there, which pydantic lets
+through: FastAPI answered 500 with Ray's wrapping and the Python error, which the OpenAI clients
+retried twice. Here such a body is a validation error like any other (400 `invalid_parameter`,
+`serve_apps.api_errors`), naming the field where the shape of the body says which.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ModelWrapValidatorHandler, ValidationError, model_validator
+from pydantic_core import InitErrorDetails
+from ray.llm._internal.serve.core.configs import openai_api_models as vllm_bodies
+
+# Top-level fields vLLM's validators read as one JSON type, and the pydantic error type for another.
+_FIELD_TYPES: dict[str, tuple[type, str]] = {
+    "messages": (list, "list_type"),
+    "tools": (list, "list_type"),
+    "structured_outputs": (dict, "dict_type"),
+    "response_format": (dict, "dict_type"),
+    "stream_options": (dict, "dict_type"),
+}
+
+
+def _wrong_types(cls: type, data: Any) -> list[InitErrorDetails]:
+    """A validation error for each field the validators would trip over: the top-level ones of `_FIELD_TYPES`,
+    a tool that is not an object, and an assistant's `tool_calls` that is not a list."""
+    if not isinstance(data, dict):
+        return []
+    errors: list[InitErrorDetails] = []
+    for name, (kind, error_type) in _FIELD_TYPES.items():
+        value = data.get(name)
+        if name in cls.model_fields and value is not None and not isinstance(value, kind):
+            errors.append({"type": error_type, "loc": (name,), "input": value})
+    tools = data.get("tools")
+    if isinstance(tools, list):
+        errors += [{"type": "dict_type", "loc": ("tools", i), "input": t} for i, t in enumerate(tools)
+                   if not isinstance(t, dict)]
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        for i, message in enumerate(messages):
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            if calls is not None and not isinstance(calls, list):
+                errors.append({"type": "list_type", "loc": ("messages", i, "tool_calls"), "input": calls})
+    return errors
+
+
+def _validated(cls: type, data: Any, handler: ModelWrapValidatorHandler) -> Any:
+    errors = _wrong_types(cls, data)
+    if errors:
+        raise ValidationError.from_exception_data(cls.__name__, errors)
+    try:
+        return handler(data)
+    except (TypeError, AttributeError, KeyError) as err:  # a shape not foreseen above: still the body's fault
+        raise ValueError(f"a field of the request has a type the server cannot read ({type(err).__name__}: "
+                         f"{err})") from None
+
+
+# Named as vLLM's (the OpenAPI schema's component names are the classes').
+
+
+class ChatCompletionRequest(vllm_bodies.ChatCompletionRequest):
+    """vLLM's chat completion request; a field of the wrong type is a validation error (module docstring)."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _types_first(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
+        return _validated(cls, data, handler)
+
+
+class CompletionRequest(vllm_bodies.CompletionRequest):
+    """vLLM's completion request; a field of the wrong type is a validation error (module docstring)."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _types_first(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
+        return _validated(cls, data, handler)
+
+
+__all__ = ["ChatCompletionRequest", "CompletionRequest"]

@@ -1,0 +1,72 @@
+"""A field of the wrong type on the OpenAI routes is a 400 naming it, through the real FastAPI app.
+
+vLLM's `mode="before"` validators raised TypeError/AttributeError on such bodies, which pydantic let
+through: FastAPI answered 500 with Ray's wrapping and the Python error, and the OpenAI client retried it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from cluster.config import AccessConfig
+from serve_apps.access import GuardSettings
+from serve_apps.builders import ingress_app
+from serve_apps.ingress_http import ENDPOINTS, WarmpathIngress
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def client():
+    """The ingress' app, its routes bound to an ingress whose replicas are never reached."""
+    ingress = object.__new__(WarmpathIngress)
+
+    async def get_response(body, call_method, raw_request):
+        raise AssertionError(f"a refused body reached the replicas: {body}")
+        yield  # pragma: no cover - a generator, as the real one
+
+    ingress._get_response = get_response
+    ingress._default_serve_handles = {"m": None}
+    ingress._model_cards = {"m": None}
+    ingress._orchestrator = None
+    app = ingress_app(GuardSettings(access=AccessConfig(is_auth_enabled=False)))
+    for name, route in ENDPOINTS.items():
+        route(app)(getattr(ingress, name))
+    logging.disable(logging.ERROR)
+    try:
+        yield TestClient(app, raise_server_exceptions=False)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", {"model": "m", "messages": 5}, "messages"),
+    ("/v1/chat/completions", {"model": "m", "messages": HI, "structured_outputs": "x"}, "structured_outputs"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]},
+     "messages[0].tool_calls"),
+    ("/v1/chat/completions", {"model": "m", "messages": HI, "tools": ["abc"]}, "tools[0]"),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "structured_outputs": 5}, "structured_outputs"),
+    # A shape no check foresees: still the body's fault, said without a parameter.
+    ("/v1/chat/completions", {"model": "m", "messages": HI, "tools": [{"type": "function"}],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}}, None),
+], ids=["messages", "structured-outputs", "tool-calls", "tool", "completion", "unforeseen"])
+def test_a_field_of_the_wrong_type_is_a_400_naming_it(client, route, body, param):
+    response = client.post(route, json=body)
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (400, "invalid_parameter", param)
+    assert "Internal" not in error["message"] and "Request ID" not in error["message"]
+
+
+def test_the_openai_client_is_told_once_and_the_schema_keeps_vllms_names(client):
+    sent = []
+    client.event_hooks["request"] = [sent.append]
+    with pytest.raises(openai.BadRequestError):
+        openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client).chat.completions.create(
+            model="m", messages=5)
+    assert len(sent) == 1  # a 500 was retried twice
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    assert {"ChatCompletionRequest", "CompletionRequest"} <= set(schemas)

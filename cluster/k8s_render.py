@@ -136,9 +136,6 @@ def worker_ray_cpus(cfg: ClusterConfig) -> int:
     return math.ceil(cfg.replicas.num_cpus + SERVICE_NUM_CPUS)
 
 
-def _resource_amount(amount: float) -> int | float:
-    """A Ray resource amount as `ray start --resources` JSON spells it (1, not 1.0)."""
-    return int(amount) if float(amount).is_integer() else amount
 
 
 def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
@@ -158,7 +155,7 @@ def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
         # KubeRay refuses a group that sets resources there and in its `resources`
         # field too. Quoted as KubeRay quotes what it writes there itself (the
         # value lands in a shell command line).
-        offered = {name: _resource_amount(amount) for name, amount in sorted(cfg.replicas.ray_resources.items())}
+        offered = {name: int(amount) for name, amount in sorted(cfg.replicas.ray_resources.items())}  # whole: checked
         ops.append({
             "op": "add",
             "path": f"{_WORKER}/rayStartParams/resources",
@@ -181,6 +178,48 @@ def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
     return ops
 
 
+def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
+    """Raises ConfigError where the overlay's worker group cannot hold what `cfg` asks of it.
+
+    Why here: the group's bounds and container limits are hand-written in the overlay's patches, the
+    replica count and Ray CPUs rendered from `cluster.yaml`; a count above `maxReplicas`, or Ray CPUs
+    above the container's CPU limit, rendered and applied cleanly and the app never left DEPLOYING
+    (each worker holds one replica). KubeRay's autoscaler also reads custom resources offered in
+    `rayStartParams` as whole numbers only, and fails on any other.
+    """
+    where = overlay_dir / CLUSTER_CONFIG_FILE
+    fractions = {name: amount for name, amount in cfg.replicas.ray_resources.items() if not float(amount).is_integer()}
+    if fractions:
+        raise ConfigError(f"{where}: replicas.ray_resources {fractions} must be whole numbers on Kubernetes "
+                          "(KubeRay's autoscaler reads a worker's custom resources as integers)")
+    try:
+        service = find_object(build_kustomization(overlay_dir), "RayService", "warmpath")
+        (workers,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    except (OSError, KeyError, ValueError):  # an overlay of another shape (or none rendered yet): not ours to judge
+        return
+    low, high = workers.get("minReplicas", 0), workers.get("maxReplicas")
+    if not low <= cfg.replicas.num_replicas <= (high if high is not None else cfg.replicas.num_replicas):
+        raise ConfigError(
+            f"{where}: replicas.num_replicas {cfg.replicas.num_replicas} is outside the worker group's "
+            f"minReplicas..maxReplicas ({low}..{high}) set in the overlay's patch: each worker pod holds one "
+            "replica, so raise maxReplicas there (or lower num_replicas)"
+        )
+    limit = ((workers.get("template") or {}).get("spec") or {}).get("containers", [{}])[0]
+    cpu_limit = ((limit.get("resources") or {}).get("limits") or {}).get("cpu")
+    if cpu_limit is not None and cpu_cores(cpu_limit) < worker_ray_cpus(cfg):
+        raise ConfigError(
+            f"{where}: a worker offers Ray {worker_ray_cpus(cfg)} CPUs (replicas.num_cpus "
+            f"{cfg.replicas.num_cpus} + {SERVICE_NUM_CPUS} for the services) but its container's CPU limit in the "
+            f"overlay's patch is {cpu_limit}: raise the limit (or lower num_cpus)"
+        )
+
+
+def cpu_cores(quantity: str | int | float) -> float:
+    """A Kubernetes CPU quantity (`2`, `1.5`, `500m`) in cores."""
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
 def render_k8s(overlay_dir: Path) -> dict[Path, str]:
     """Every generated file of an overlay and its content, rendered from its cluster.yaml.
 
@@ -189,9 +228,14 @@ def render_k8s(overlay_dir: Path) -> dict[Path, str]:
 
     Returns:
         Path of each generated file -> its full text.
+
+    Raises:
+        ConfigError: the config does not fit the overlay's worker group (`_check_worker_group`), or
+            `load_overlay_config`'s reasons.
     """
     overlay_dir = Path(overlay_dir)
     cfg = load_overlay_config(overlay_dir)
+    _check_worker_group(overlay_dir, cfg)
     header = _HEADER.format(config=CLUSTER_CONFIG_FILE, name=overlay_dir.name)
     body = yaml.dump(rayservice_patch_ops(cfg), Dumper=_LiteralDumper, sort_keys=False, default_flow_style=False)
     return {overlay_dir / GENERATED_DIR / RAYSERVICE_PATCH_FILE: header + body}

@@ -204,9 +204,7 @@ def _port(container: dict[str, Any], name: str) -> int:
     return port
 
 
-def _cpu_cores(quantity: str | int) -> float:
-    text = str(quantity)
-    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+_cpu_cores = k8s_render.cpu_cores
 
 
 def _pod_template(template: dict[str, Any]) -> dict[str, Any]:
@@ -540,6 +538,22 @@ def test_render_k8s_check_reports_drift_and_render_fixes_it(tmp_path: Path):
     assert runner.invoke(app, ["render", "k8s", "--overlay", str(overlay), "--check"]).exit_code == 0
     assert _workers(_rayservice(overlay))["replicas"] == 3
     assert k8s_render.embedded_serve_config(overlay)["applications"][0]["args"]["replicas"]["num_replicas"] == 3
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("num_replicas: 2", "num_replicas: 4"), r"num_replicas 4 is outside the worker group's minReplicas..maxReplicas \(1..3\)"),
+    (("num_cpus: 1", "num_cpus: 4"), r"offers Ray 5 CPUs .* its container's CPU limit in the overlay's patch is 2"),
+    (("warmpath_replica_slot: 1", "warmpath_replica_slot: 0.5"), r"ray_resources .* must be whole numbers"),
+], ids=["over-max-replicas", "over-cpu-limit", "fractional-resource"])
+def test_render_refuses_a_config_the_overlays_worker_group_cannot_hold(tmp_path: Path, edit, message):
+    """Each rendered and applied cleanly, and the app never left DEPLOYING (or KubeRay's autoscaler failed)."""
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S_DIR, k8s)
+    config = k8s / "overlays" / "cpu" / "cluster.yaml"
+    assert edit[0] in config.read_text()
+    config.write_text(config.read_text().replace(*edit))
+    with pytest.raises(ConfigError, match=message):
+        k8s_render.render_k8s(config.parent)
 
 
 def test_render_k8s_says_a_write_it_cannot_make_in_one_line(tmp_path: Path):

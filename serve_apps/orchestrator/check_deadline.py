@@ -21,6 +21,12 @@ more than their size:
   every pair of items once they cannot be sorted (one `{}` among them), 12 s for
   8,000 short items; `deadline_checked` applies it as one pass over canonical
   forms of the items (`_unique_items`).
+
+The deadline is measured in the checking thread's own CPU time (`time.thread_time`), not wall time:
+while another thread holds the GIL (a tool reply's JSON parsed beside the event loop: 0.1-0.3 s for
+8 MB) or the host is busy, a call's check of a few microseconds could pass a wall-clock budget, and a
+valid call was refused as a schema violation. (A `pattern`'s own timeout, in the `regex` engine, is
+wall time: it gets what the budget has left.)
 """
 
 from __future__ import annotations
@@ -109,7 +115,7 @@ class DeadlineRe:
         deadline = _deadline.get()
         if deadline is None:
             return re.search(pattern, string, flags)
-        remaining = deadline - time.monotonic()
+        remaining = deadline - time.thread_time()
         if remaining <= 0:
             raise PatternCheckTimeout
         try:
@@ -128,7 +134,7 @@ def install() -> None:
 def _checked(keyword):
     def apply(validator, value, instance, schema):
         deadline = _deadline.get()
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and time.thread_time() > deadline:
             raise CheckTimeout
         return keyword(validator, value, instance, schema)
 
@@ -170,8 +176,9 @@ def deadline_checked(validator_class: type) -> type:
 
 @contextmanager
 def check_deadline(seconds: float) -> Iterator[None]:
-    """Every check run inside shares `seconds`: past them a keyword or a regular expression raises `CheckTimeout`."""
-    token = _deadline.set(time.monotonic() + seconds)
+    """Every check run inside shares `seconds` of this thread's CPU time: past them a keyword or a regular
+    expression raises `CheckTimeout`."""
+    token = _deadline.set(time.thread_time() + seconds)
     try:
         yield
     finally:

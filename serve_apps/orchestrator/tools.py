@@ -61,8 +61,8 @@ _ZLIB_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "de
 # on the event loop every stream and turn of the replica waited for it. (The loop still waits while the
 # JSON parser's C code holds the GIL: 0.1-0.3 s stalls for 8 MB, measured.)
 _REPLY_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tool-reply-check")
-# Time one call's whole check may take, its `pattern`s included (real calls take well under a millisecond;
-# the event loop waits meanwhile).
+# CPU time of the checking thread one call's whole check may take, its `pattern`s included (real calls take
+# well under a millisecond; the event loop waits meanwhile). CPU, not wall time: `check_deadline`.
 CHECK_BUDGET_S = 0.1
 
 install()

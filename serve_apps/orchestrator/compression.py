@@ -52,13 +52,20 @@ SUMMARY_INTRO = f"[Earlier messages, compressed. Values under {FACTS_HEADER!r} a
 _MAX_INLINE_STRING_CHARS = 200
 # A run of value characters longer than this is a blob (base64, minified code), not a key value.
 _MAX_VALUE_CHARS = 256
-# What values are written with: ASCII letters, the decimal digits of any script (`٣٤٥`, `１２３`) and
-# Arabic's separators (`١٢٫٥`), signs and separators, currency, degree and per-mille signs, the dashes
-# and minus of other scripts, and CJK date units (2026年11月30日). Every other character (spaces,
-# brackets, quotes, CJK words) ends a value, so `金额¥1,200元` yields `¥1,200`.
-_VALUE_CHARS = "\\dA-Za-z_.,:/#%+=@~$€£¥₹°µ‰\u066b\u066c\\-\u2010-\u2015\u2212年月日時分秒"
+# What values are written with: Latin letters (accented ones too: `Müller-42`, `/srv/josé/`), the decimal
+# digits of any script (`٣٤٥`, `１２３`) and Arabic's separators (`١٢٫٥`), signs and separators, every
+# currency sign (`₩50,000`), plus-minus, degree and per-mille signs, the dashes and minus of other scripts,
+# the full-width forms of letters, signs and separators (`￥１，２３４．５６`, `ＡＢＣ-１２３`), and CJK date
+# units (2026年11月30日). Every other character (spaces, brackets, quotes, CJK words) ends a value, so
+# `金额¥1,200元` yields `¥1,200`.
+_LATIN_LETTERS = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f\uff21-\uff3a\uff41-\uff5a"
+_VALUE_CHARS = (
+    f"\\d{_LATIN_LETTERS}_.,:/#%+=@~$£¥±°µ‰\u066b\u066c\\-\u2010-\u2015\u2212\u20a0-\u20cf"
+    "\uff03-\uff05\uff0b-\uff0f\uff1a\uffe0\uffe1\uffe5\uffe6年月日時分秒"
+)
 _RUN = re.compile(f"[{_VALUE_CHARS}]+")
-_EDGE = ".,:;=\u066b\u066c"
+_LATIN_LETTER = re.compile(f"[{_LATIN_LETTERS}]")
+_EDGE = ".,:;=\u066b\u066c\uff0c\uff0e\uff1a"
 _DOT_LEADS = frozenset("0123456789./")
 _UNITS = (
     r"%|‰|[KMGT]i?B|B|ns|µs|us|ms|s|sec|secs|min|mins|h|hr|hrs|days?|weeks?|months?|years?|"
@@ -112,6 +119,11 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("code", r"(?<![A-Za-z0-9_-])[A-Z][A-Z0-9]*(?:[-_][A-Z0-9]+)+(?![A-Za-z0-9_-])", re.ASCII),
         # Numbers grouped by spaces or apostrophes: `1 000 000`, `1'250'000` (a unit after them joins them).
         ("grouped_number", r"(?<![0-9.,'])\d{1,3}(?:[ \u00a0\u202f']\d{3})+(?:[.,]\d+)?(?![0-9])", 0),
+        # Digits in groups of four, as cards and accounts are written (`4242 4242 4242 1881`), and an
+        # IBAN (`DE44 5001 0517 5407 3249 31`): read group by group, a number's groups were lost as
+        # repeats (`4242 | 1881`).
+        ("digit_groups", r"(?<![0-9A-Za-z])\d{4}(?:[ \u00a0]\d{4}){2,}(?:[ \u00a0]\d{1,3})?(?![0-9A-Za-z])"
+                         r"|(?<![0-9A-Za-z])[A-Z]{2}\d{2}(?: [0-9A-Z]{4}){2,7}(?: [0-9A-Z]{1,3})?(?![0-9A-Za-z])", 0),
         ("quoted", r'"([^"\n]{1,200})"|“([^”\n]{1,200})”|(?<!\w)\'([^\'\n]{1,200})\'(?!\w)', 0),
     )
 )
@@ -445,8 +457,8 @@ def _summary_content(summary_text: str, ledger: Sequence[str]) -> str:
 
 
 def _joins(char: str) -> bool:
-    """Whether `char` beside a value would make it part of a longer one: a letter or digit, `_`."""
-    return char.isdecimal() or (char.isascii() and (char.isalnum() or char == "_"))
+    """Whether `char` beside a value would make it part of a longer one: a Latin letter, a digit, `_`."""
+    return char.isdecimal() or char == "_" or _LATIN_LETTER.match(char) is not None
 
 
 def _joins_before(context: str, at: int) -> bool:

@@ -103,6 +103,14 @@ def test_extract_facts_from_text(text, expected):
         # Digits of other scripts, and codes in capitals without digits.
         ("٣٤٥ and １２３４ and ١٢٫٥, then ١٢٫", ["٣٤٥", "１２３４", "١٢٫٥", "١٢"]),
         ("size SKU-XL-RED in EU_WEST", ["SKU-XL-RED", "EU_WEST"]),
+        # Accented Latin letters, every currency sign, plus-minus and full-width forms are part of a value
+        # (they split it, or fell off it: `ller-42`, `/srv/jos`, `50,000`, `１ | ２３４ | ５６`).
+        ("owner Müller-42, file /srv/josé/report-2026.pdf", ["Müller-42", "/srv/josé/report-2026.pdf"]),
+        ("refund ₩50,000 or ₽1 200, tolerance ±0.5 mm", ["₩50,000", "₽1 200", "±0.5 mm"]),
+        ("合計：￥１，２３４．５６（税込）、金利１２．５％、コードＡＢＣ-１２３", ["￥１，２３４．５６", "１２．５％", "ＡＢＣ-１２３"]),
+        # Digits in groups of four (cards, accounts) and an IBAN are one value: read group by group, a
+        # repeated group was dropped as a duplicate (`4242 | 1881`).
+        ("card 4242 4242 4242 1881, IBAN DE44 5001 0517 5407 3249 31.", ["4242 4242 4242 1881", "DE44 5001 0517 5407 3249 31"]),
     ],
 )
 def test_extract_facts_keeps_values_whole(text, expected):

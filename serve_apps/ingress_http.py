@@ -80,7 +80,7 @@ from serve_apps.orchestrator.models import (
     TurnRequest,
     outcome_checked,
 )
-from serve_apps.sse_frames import data_objects, frame_errors, sse_lines, stream_leading_error
+from serve_apps.sse_frames import data_objects, frame_errors, has_done_line, sse_lines, stream_leading_error
 from serve_apps.vllm_replica import ServedBy
 
 logger = logging.getLogger("ray.serve")
@@ -199,13 +199,13 @@ async def _usage_recorded(
                     held = ""
                 if not frame:
                     continue
-                if not is_usage_asked and FINISH_MARK in frame and "data: [DONE]" not in frame and '"error"' not in frame:
+                if not is_usage_asked and FINISH_MARK in frame and not has_done_line(frame) and '"error"' not in frame:
                     held = frame
                     continue
                 if '"error"' in frame:  # an engine error after the first chunk (a quote in text is escaped)
                     _record_error_frame(span, frame)
                     frame = readable_error_frame(frame)
-                if "data: [DONE]" in frame:
+                if has_done_line(frame):
                     _record_usage(logged, served_by, usage)
                     telemetry.annotate_usage(span, usage)
                     is_recorded = True

@@ -46,6 +46,12 @@ def sse_lines(frame: str) -> list[str]:
     return _LINE_END.split(frame)
 
 
+def has_done_line(frame: str) -> bool:
+    """Whether `frame` holds the stream's `data: [DONE]` line; not that text inside a chunk (`echo` of a
+    prompt holding it, or a model that writes it), which a substring test took for the stream's end."""
+    return DONE_LINE in frame and DONE_LINE in sse_lines(frame)
+
+
 def sse_payloads(frame: str) -> list[dict]:
     """The JSON objects of one streamed engine output, in order; raises ValueError on a malformed data line."""
     return [payload for _, payload in data_objects(sse_lines(str(frame)), is_strict=True)]

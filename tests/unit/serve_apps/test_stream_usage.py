@@ -185,3 +185,22 @@ def test_a_chunk_given_the_fingerprint_keeps_its_text_as_written():
     stamped = ingress_http.with_fingerprint(finishing, "fp-1")
     assert stamped == 'data: {"choices":[{"index":0,"delta":{"content":"h\u00e9llo"},"finish_reason":"stop"}],' \
                       '"system_fingerprint":"fp-1"}\n\n'
+
+
+def test_the_text_data_done_inside_a_chunk_is_not_the_end_of_the_stream(monkeypatch):
+    """An echoed prompt, or a model, writing `data: [DONE]`: the call was recorded there (with no usage), then
+    again at the real end."""
+    recorded = []
+    monkeypatch.setattr(ingress_http, "_record_usage", lambda logged, served_by, usage: recorded.append(usage))
+    text = "data: " + json.dumps({"choices": [{"delta": {"content": "say data: [DONE] now"}}]}) + "\n\n"
+
+    async def source():
+        for frame in (text, _chunk(USAGE), "data: [DONE]\n\n"):
+            yield frame
+
+    async def consume():
+        return [frame async for frame in ingress_http._recording_usage(source(), None, None, is_usage_asked=False)]
+
+    frames = asyncio.run(consume())
+    assert recorded == [USAGE]
+    assert frames[0] == text and frames[-1] == "data: [DONE]\n\n"

@@ -29,6 +29,7 @@ from pydantic import RootModel, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ray.llm._internal.serve.core.configs.openai_api_models import (
+    ChatCompletionRequest,
     DetokenizeRequest,
     ErrorResponse,
     OpenAIHTTPException,
@@ -39,8 +40,11 @@ from ray.llm._internal.serve.core.ingress.ingress import (
     DEFAULT_ENDPOINTS,
     CallMethod,
     OpenAiIngress,
+    _sanitize_chat_completion_request,
     router_request_timeout,
 )
+from ray.llm._internal.serve.core.protocol import RawRequestInfo
+from ray.serve._private.http_util import session_id_from_headers
 from ray.llm._internal.serve.constants import DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
 from ray.llm._internal.serve.core.ingress.utils import (
     NON_STREAMING_RESPONSE_TYPES,
@@ -661,6 +665,28 @@ class WarmpathIngress(OpenAiIngress):
     async def completions(self, body: openai_bodies.CompletionRequest, request: Request) -> Response:
         """A completion (`serve_apps.openai_bodies`: a field of the wrong type is a 400, not a 500)."""
         return await self._process_llm_request(body, call_method=CallMethod.COMPLETIONS.value, raw_request=request)
+
+    async def _get_response(self, *, body, call_method: str, raw_request: Optional[Request] = None):
+        """Ray Serve LLM's `_get_response` (Ray 2.60), with the engine call cancelled when its reader stops.
+
+        Why: when Serve LLM's first-output timeout fires, the client is answered 408 and this request
+        ends normally, so Ray cancels none of its calls: the engine kept the call queued or decoding for
+        no one (and OpenAI's clients send a 408 twice more). `cancelled_if_left` cancels it as the
+        cancellation or close reaches this generator.
+        """
+        model_id = await self._get_model_id(body.model)
+        handle = self._get_configured_serve_handle(model_id)
+        if raw_request is not None:
+            session_id = session_id_from_headers(raw_request.headers)  # Serve's session affinity, one hop on
+            if session_id:
+                handle = handle.options(session_id=session_id)
+            raw_request = RawRequestInfo.from_starlette_request(raw_request)
+        if isinstance(body, ChatCompletionRequest):
+            body = _sanitize_chat_completion_request(body)  # pickles (Serve LLM's own workaround)
+        stream = getattr(handle, call_method).remote(body, raw_request)
+        with cancelled_if_left(stream):
+            async for response in stream:
+                yield response
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
         parent = telemetry.extract(raw_request.headers.items()) if raw_request is not None else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -719,3 +720,41 @@ def test_a_replica_dying_mid_stream_is_typed_on_the_span_as_the_frame_says(spans
     out = _run(run())
     assert '"unavailable"' in out[-1] and out[-1].endswith("data: [DONE]\n\n")
     assert span.attributes["error.type"] == "503" and span.status.status_code is StatusCode.ERROR
+
+
+class _SlowCall:
+    """A streaming handle call whose first output comes after the ingress' timeout; it notes being cancelled."""
+
+    def __init__(self) -> None:
+        self.is_cancelled = False
+
+    async def _outputs(self):
+        yield ServedBy("r1")
+        await asyncio.sleep(30)
+        yield CHUNK
+
+    def __aiter__(self):
+        return self._outputs()
+
+    def cancel(self) -> None:
+        self.is_cancelled = True
+
+
+def test_a_call_answered_408_for_its_first_output_timing_out_is_cancelled(spans, monkeypatch):
+    """The request ends normally with the 408, so Ray cancels none of its calls: the engine kept the call
+    queued or decoding for no one (and OpenAI's clients send a 408 twice more)."""
+    from serve_apps import ingress_http
+
+    monkeypatch.setattr(ingress_http, "DEFAULT_LLM_ROUTER_HTTP_TIMEOUT", 0.2)
+    call = _SlowCall()
+    handle = SimpleNamespace(chat=SimpleNamespace(remote=lambda body, info: call), options=lambda **kw: handle)
+    ingress = object.__new__(WarmpathIngress)
+    ingress._default_serve_handles = {"m": handle}
+
+    async def model_id(model):
+        return model
+
+    ingress._get_model_id = model_id
+    ingress._get_configured_serve_handle = lambda model: handle
+    response = _run(ingress._process_llm_request(_chat(stream=True), "chat", _http_request()))
+    assert response.status_code == 408 and call.is_cancelled

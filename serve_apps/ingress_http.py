@@ -666,6 +666,21 @@ class WarmpathIngress(OpenAiIngress):
         """A completion (`serve_apps.openai_bodies`: a field of the wrong type is a 400, not a 500)."""
         return await self._process_llm_request(body, call_method=CallMethod.COMPLETIONS.value, raw_request=request)
 
+    async def _get_model_id(self, model: Optional[str]) -> str:
+        """Serve LLM's, refusing a served model's name with a LoRA suffix (`warmpath-tiny:x`) as unknown.
+
+        Why: warmpath serves no LoRA adapters, and Serve LLM took the suffix for one: the call went out
+        multiplexed, to a replica that fails it (a 500), and each distinct name kept a handle for good.
+        """
+        model_id = await super()._get_model_id(model)
+        base_model_id = get_base_model_id(model_id)
+        if model_id != base_model_id:
+            raise OpenAIHTTPException(
+                status_code=404, type="NotFoundError",
+                message=f'model "{model_id}" is not served here: no LoRA adapters are (serving "{base_model_id}")',
+            )
+        return model_id
+
     async def _get_response(self, *, body, call_method: str, raw_request: Optional[Request] = None):
         """Ray Serve LLM's `_get_response` (Ray 2.60), with the engine call cancelled when its reader stops.
 

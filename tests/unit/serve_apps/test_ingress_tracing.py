@@ -758,3 +758,17 @@ def test_a_call_answered_408_for_its_first_output_timing_out_is_cancelled(spans,
     ingress._get_configured_serve_handle = lambda model: handle
     response = _run(ingress._process_llm_request(_chat(stream=True), "chat", _http_request()))
     assert response.status_code == 408 and call.is_cancelled
+
+
+def test_a_served_models_name_with_a_lora_suffix_is_an_unknown_model(spans):
+    """No LoRA adapters are served: Serve LLM took the suffix for one, sent the call multiplexed to a replica
+    that failed it (a 500), and kept a handle per distinct name for good."""
+    ingress = object.__new__(WarmpathIngress)
+    ingress._model_cards = {"m": None}
+    ingress._default_serve_handles = {"m": SimpleNamespace(options=lambda **kw: pytest.fail("a handle was made"))}
+    ingress._configured_serve_handles = {}
+    body = ChatCompletionRequest(model="m:made-up", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    response = _run(ingress._process_llm_request(body, "chat", _http_request()))
+    error = json.loads(response.body)["error"]
+    assert response.status_code == 404 and 'model "m:made-up" is not served here' in error["message"]
+    assert ingress._configured_serve_handles == {}

@@ -251,7 +251,14 @@ end
 return 1
 """
 
+# Frees the turn lock (KEYS[1]) if token ARGV[1] holds it, and ends the token's claim as the session's last
+# taker (KEYS[2], meta; '' is no turn's token): a renewal of the ended turn that Redis runs after this (sent
+# before it) must not take the free lock back as its own, and a stalled turn's commit is still refused
+# (`_COMMIT_SCRIPT` reads the last taker). Returns 1 if the lock was freed. KEYS: lock, meta.
 _RELEASE_SCRIPT = """
+if redis.call('HGET', KEYS[2], 'lock_taker') == ARGV[1] then
+  redis.call('HSET', KEYS[2], 'lock_taker', '')
+end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
@@ -663,7 +670,8 @@ class SessionStore:
         lock_key, token = lock_args["keys"][-1], lock_args["args"][0]
         try:
             with _redis_errors(session_id):
-                await self._idempotent(lambda: self._release(keys=[lock_key], args=[token]))
+                keys = [lock_key, self._key(session_id, "meta")]
+                await self._idempotent(lambda: self._release(keys=keys, args=[token]))
         except StoreUnavailable as err:
             # Raising here would hide the turn's own outcome.
             logger.warning("could not release turn lock of %s: %s", session_id, err)

@@ -875,8 +875,12 @@ def test_a_turn_whose_lock_another_turn_took_cannot_commit(redis_url):
             with pytest.raises(TurnLockTaken, match="another turn took it"):
                 await store.commit_turn(sid, 0, _turn(0), [_stats(0)], lock_token=old_token)
             length = await store.commit_turn(sid, 0, _turn(1), [_stats(0)], lock_token=token)
+            with redis.Redis.from_url(redis_url) as client:
+                client.delete(f"warmpath:{{{sid}}}:lock")  # its lease ran out too, and no turn took it
+            untaken = await store.commit_turn(sid, length, _turn(2), [_stats(1)], lock_token=token)
         await stalled.__aexit__(None, None, None)
-        untaken = await store.commit_turn(sid, length, _turn(2), [_stats(1)], lock_token=token)  # lock expired, free
+        with pytest.raises(TurnLockTaken):  # ended, its token is no one's to commit with
+            await store.commit_turn(sid, untaken, _turn(3), [_stats(2)], lock_token=token)
         return (await store.transcript(sid)).messages, untaken
 
     messages, untaken = _run(redis_url, scenario)
@@ -940,6 +944,23 @@ def test_a_turn_whose_expired_lock_another_turn_took_and_released_does_not_take_
             return is_free, length
 
     assert _run(redis_url, scenario, lock_ttl_s=0.3) == (True, 2)
+
+
+def test_a_renewal_redis_runs_after_its_turn_released_the_lock_does_not_take_it_back(redis_url):
+    """Sent before the release and run after it (another pooled connection), the renewal found the lock
+    free with its own token the last taker, and took it: the next turn was refused busy for the lease."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        sid = record.session_id
+        async with store.turn_lock(sid) as token:
+            pass
+        renewed = await store._acquire(**store._lock_args(sid, token, is_renewal=True))
+        async with store.turn_lock(sid):  # the next turn
+            pass
+        return renewed
+
+    assert _run(redis_url, scenario) == 0
 
 
 def test_a_lock_that_expired_untaken_is_taken_again_and_a_deleted_session_is_no_lost_lock(redis_url):

@@ -603,23 +603,30 @@ class PrefixKVRouter(RequestRouter):
         except Exception:
             # A routing fault must cost cache hits, never the request: fall back to least loaded.
             logger.exception("prefix-aware routing failed; routing by load for this request")
-            return self._least_loaded_first(candidate_replicas, self._loads(candidate_replicas), pending_request)
+            return self._least_loaded_first(candidate_replicas, self._loads(candidate_replicas), pending_request,
+                                            "router-error")
 
     def _least_loaded_first(
         self, candidates: List[RunningReplica], loads: dict[ReplicaId, ReplicaLoad],
-        pending_request: Optional[PendingRequest],
+        pending_request: Optional[PendingRequest], cause: Optional[str] = None,
     ) -> List[List[RunningReplica]]:
         """Replicas by load, ties in random order, the request counted in flight on the first.
 
         Why both: requests routed by load (no tokenizer yet, a prompt that does not render or is
         over the window) read Serve's lagging counts, and a burst of them, all seeing the same
-        counts, went to whichever replica Serve listed first.
+        counts, went to whichever replica Serve listed first. A chat or completion request is
+        counted once by `cause` (`decision_log.LOAD_ROUTED_CAUSES`; None for the methods that
+        prefill nothing): `/v1/router` shows how many bypassed the prefix, and why.
         """
         ranked = sorted(candidates, key=lambda r: (loads[ReplicaId(r.replica_id.unique_id)].num_requests,
                                                    self._tie_breaks.random()))
         if pending_request is not None:
+            request_id = pending_request.metadata.internal_request_id
+            if cause is not None and pending_request.metadata.call_method in PREFIX_ROUTED_METHODS \
+                    and not self._inflight.is_placed(request_id):  # Serve's backoff asks again: one count each
+                decision_log.STATS.count_routed_by_load(cause)
             first = ReplicaId(ranked[0].replica_id.unique_id)
-            self._inflight.place(pending_request.metadata.internal_request_id, first, time.monotonic(), False)
+            self._inflight.place(request_id, first, time.monotonic(), False)
         return [[r] for r in ranked]
 
     def _choose(
@@ -630,10 +637,11 @@ class PrefixKVRouter(RequestRouter):
         if pending_request is not None and pending_request.metadata.call_method not in PREFIX_ROUTED_METHODS:
             request = None  # /tokenize and the like prefill nothing: no prefix to match, no placement to record
         window = self.args.max_model_len_tokens
+        cause = "no-tokenizer" if not self.tokenizer.is_loaded else "no-prefix"
         if request is not None and window is not None and prompt_chars(request) > window * MAX_CHARS_PER_TOKEN:
             # The engine refuses it (over the window), and rendering megabytes would hold up every other
             # request this router places for seconds.
-            request = None
+            request, cause = None, "over-window"
         renderings = _advertised_renderings(candidate_replicas)
         # Rendered as the first replica that said how (one deployment's replicas share their settings).
         rendering = next((r for r in renderings if r is not None), None)
@@ -641,7 +649,7 @@ class PrefixKVRouter(RequestRouter):
         loads = self._loads(candidate_replicas)
         if token_ids is None:
             # Nothing to match on (not a chat/completion call, it does not render, or no tokenizer yet).
-            return self._least_loaded_first(candidate_replicas, loads, pending_request)
+            return self._least_loaded_first(candidate_replicas, loads, pending_request, cause)
         if self.args.router.forward_prompt_token_ids and is_forwardable(request, _shared_rendering(renderings)):
             forward_token_ids(request, token_ids)
         routing_request = RoutingRequest(

@@ -85,12 +85,20 @@ class DecisionLog:
                 del self._internal_ids[request_id]
 
 
+# Why a chat or completion request was placed by load, not by its prefix: no tokenizer yet (a fresh
+# router), a prompt over the window (not rendered, `MAX_CHARS_PER_TOKEN`), nothing to match (a prompt that
+# does not render, or a request that skips the prefix cache), or a fault of the router itself.
+LOAD_ROUTED_CAUSES = ("no-tokenizer", "over-window", "no-prefix", "router-error")
+
+
 class RoutingStats:
     """Counters of decisions and of prediction accuracy (within one KV block counts as exact)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.num_decisions_by_reason: Counter[str] = Counter()
+        # Requests of prefix-routed methods placed by load alone, by why (`LOAD_ROUTED_CAUSES`).
+        self.num_routed_by_load: Counter[str] = Counter()
         self.num_predictions = 0
         self.num_predictions_within_block = 0
         self.sum_predicted_tokens = 0
@@ -113,6 +121,11 @@ class RoutingStats:
         route header and span say: `/v1/router` counted it as the chosen replica's reason."""
         self.recount(reason, FALLBACK_REASON)
 
+    def count_routed_by_load(self, cause: str) -> None:
+        """A chat or completion request placed by load alone (`LOAD_ROUTED_CAUSES` says why), once a request."""
+        with self._lock:
+            self.num_routed_by_load[cause] += 1
+
     def count_prediction(self, predicted_tokens: int, actual_tokens: int, block_size_tokens: int) -> None:
         error = abs(predicted_tokens - actual_tokens)
         with self._lock:
@@ -127,6 +140,7 @@ class RoutingStats:
             n = self.num_predictions
             return {
                 "decisions_by_reason": dict(self.num_decisions_by_reason),
+                "routed_by_load": dict(self.num_routed_by_load),
                 "num_predictions": n,
                 "prediction_accuracy": self.num_predictions_within_block / n if n else None,
                 "mean_abs_error_tokens": self.sum_abs_error_tokens / n if n else None,

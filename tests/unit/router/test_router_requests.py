@@ -401,3 +401,27 @@ def test_a_completion_batch_of_one_far_past_the_window_is_not_tokenized(new_rout
         return tokenized
 
     assert asyncio.run(route()) == []
+
+
+def test_requests_routed_by_load_are_counted_once_each_by_why(new_router, monkeypatch):
+    """`/v1/router` counted only prefix decisions: a fleet whose prompts stopped rendering (a template the
+    router cannot apply) routed everything by load, and nothing said so."""
+    monkeypatch.setattr(decision_log, "STATS", decision_log.RoutingStats())
+
+    async def route() -> dict:
+        router = new_router()
+        replica = StandInReplica("R1", EngineRendering({}, renders_like_router=True).routing_stats())
+        router.update_replicas([replica])
+        waiting = pending(chat(), "chat")
+        for _ in range(3):  # one request Serve asks for again while every replica is full: counted once
+            await router.choose_replicas([replica], waiting)
+        await router.choose_replicas([replica], pending(chat(), "tokenize"))  # prefills nothing: not counted
+        with_stand_in_tokenizer(router)
+        router.args = router.args.model_copy(update={"max_model_len_tokens": 8})
+        await router.choose_replicas([replica], pending(chat("x" * 200), "chat"))
+        await router.choose_replicas([replica], pending(SimpleNamespace(prompt=5), "completions"))  # renders nothing
+        monkeypatch.setattr(router, "_choose", lambda *args: 1 / 0)
+        await router.choose_replicas([replica], pending(chat(), "chat"))
+        return decision_log.STATS.snapshot()["routed_by_load"]
+
+    assert asyncio.run(route()) == {"no-tokenizer": 1, "over-window": 1, "no-prefix": 1, "router-error": 1}

@@ -19,6 +19,7 @@ Invariants the validators hold:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal, NewType
 
@@ -332,9 +333,12 @@ TURN_ERROR_STATUS = {
     "stale_turn": 409,
     "session_not_found": 404,
     "store_unavailable": 503,
+    "turn_interrupted": 503,
     "internal": 500,
 }
 
+
+logger = logging.getLogger("ray.serve")
 
 # Events that end a turn: a turn's stream holds exactly one.
 TURN_OUTCOME_KINDS = frozenset({"final", "requires_action", "error"})
@@ -348,12 +352,21 @@ async def outcome_checked(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
     """A turn's events as the orchestrator streams them; raises TurnCutShort after them when none ended the turn.
 
     So an ingress answers a stream that stopped short as one that broke off (503 `turn_interrupted`,
-    UNAVAILABLE over gRPC), never as a turn that ended well with nothing said.
+    UNAVAILABLE over gRPC), never as a turn that ended well with nothing said. A stream that breaks
+    after its outcome (the orchestrator died freeing the turn's lock) ends there: the outcome went out
+    after the turn committed, and reported as interrupted too it was two outcomes (the answer dropped,
+    over HTTP without streaming).
     """
     has_outcome = False
-    async for event in events:
-        has_outcome = has_outcome or event.get("kind") in TURN_OUTCOME_KINDS
-        yield event
+    try:
+        async for event in events:
+            has_outcome = has_outcome or event.get("kind") in TURN_OUTCOME_KINDS
+            yield event
+    except Exception:
+        if not has_outcome:
+            raise
+        logger.warning("a turn's stream broke off after its outcome, which stands", exc_info=True)
+        return
     if not has_outcome:
         raise TurnCutShort("the turn's stream ended without its outcome")
 

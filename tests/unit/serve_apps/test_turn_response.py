@@ -103,3 +103,28 @@ def test_a_turn_stream_that_ends_without_its_outcome_is_an_interrupted_turn(is_s
     *_, error, done = asyncio.run(frames())
     assert error.startswith("event: error\n") and '"code": "turn_interrupted"' in error
     assert done == "event: done\ndata: {}\n\n"
+
+
+@pytest.mark.parametrize("is_streaming", [False, True], ids=["unary", "streamed"])
+def test_a_turn_stream_that_breaks_after_its_outcome_keeps_that_outcome(is_streaming):
+    """The orchestrator died freeing the turn's lock, after `final` went out (it goes out after the commit): the
+    client got `final` and then `turn_interrupted` (two outcomes), or without streaming a 503 for the answer."""
+    final = {"kind": "final", "message": {"role": "assistant", "content": "done"}}
+
+    async def broke_after_final():
+        yield {"status": 200}
+        yield final
+        raise RuntimeError("the orchestrator replica died")
+
+    async def respond():  # one event loop for the response and its frames
+        response = await ingress_http._turn_response("s1", broke_after_final(), is_streaming=is_streaming)
+        frames = [frame async for frame in response.body_iterator] if is_streaming else []
+        return response, frames
+
+    response, frames = asyncio.run(respond())
+    assert response.status_code == 200
+    if is_streaming:
+        assert [frame.split("\n")[0] for frame in frames] == ["event: final", "event: done"]
+    else:
+        body = json.loads(response.body)
+        assert (body["status"], body["message"]) == ("completed", final["message"])

@@ -367,8 +367,9 @@ IDEMPOTENCY_HEADER = "idempotency-key"
 REPLAY_HEADER = "x-warmpath-idempotent-replay"
 # OpenAI's clients read it before retrying a 408, 409, 429 or 5xx by themselves.
 NO_CLIENT_RETRY_HEADER = "x-should-retry"
-# Refusals a prompt retry cannot change: a key at its session quota stays there until a session goes.
-NO_CLIENT_RETRY_CODES = frozenset({"session_quota_exceeded"})
+# Refusals a prompt retry cannot change (a key at its session quota stays there until a session goes), and
+# turns that may have committed, which only a retry under the same Idempotency-Key may send again.
+NO_CLIENT_RETRY_CODES = frozenset({"session_quota_exceeded", "turn_interrupted"})
 
 
 def _caller(request: Request) -> Caller:
@@ -499,6 +500,8 @@ async def _turn_response(
     if outcome == "failed":  # the API's error shape, beside the turn's events
         body["error"] = error_body(status, str(last.get("message") or "the turn failed"), code=last.get("code"))["error"]
         headers.update(retry_headers(last.get("code")))
+        if last.get("code") in NO_CLIENT_RETRY_CODES:
+            headers[NO_CLIENT_RETRY_HEADER] = "false"
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -47,6 +47,7 @@ from serve_apps.orchestrator.models import (
     TOOL_CALL_ID_MAX_CHARS,
     TOOL_NAME_MAX_CHARS,
     TURN_ERROR_STATUS,
+    TURN_INTERRUPTED,
     ToolCall,
     ToolResultsSubmission,
     TurnRequest,
@@ -65,6 +66,7 @@ from serve_apps.orchestrator.prompt import (
 )
 from serve_apps.orchestrator.owner_sessions import SessionQuotaExceeded, session_quota
 from serve_apps.orchestrator.store import (
+    CommitOutcomeUnknown,
     RememberedTurn,
     SessionBusy,
     SessionNotFound,
@@ -659,6 +661,8 @@ class Orchestrator:
                 yield _not_found(session_id)
         except SessionBusy as err:
             yield _error(409, str(err), "session_busy")
+        except CommitOutcomeUnknown as err:  # it may have committed: as a stream that broke off, retry under its key
+            yield {"kind": "error", "code": TURN_INTERRUPTED["code"], "message": f"session store unavailable: {err}"}
         except StoreUnavailable as err:
             message = f"session store unavailable: {err}"
             yield {"kind": "error", "code": "store_unavailable", "message": message} if has_started else _error(

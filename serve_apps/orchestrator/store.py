@@ -270,6 +270,11 @@ class StoreUnavailable(RuntimeError):
     """Redis cannot be reached, or refuses for a state of its own (full, read-only, ...); callers answer 503."""
 
 
+class CommitOutcomeUnknown(StoreUnavailable):
+    """Redis went away while a turn committed, before whether the commit ran could be learnt: the turn may
+    or may not be saved (answered as `turn_interrupted`: only a retry under the same Idempotency-Key is safe)."""
+
+
 class SessionNotFound(LookupError):
     """No such session, or it expired; callers answer 404."""
 
@@ -790,7 +795,7 @@ class SessionStore:
                 outcome = await self._idempotent(lambda: self._settle(keys=[self._key(session_id, "meta")],
                                                                       args=[commit_id]))
         except StoreUnavailable as err:
-            raise StoreUnavailable(
+            raise CommitOutcomeUnknown(
                 f"the session store went away while saving the turn ({err}); whether it was saved is unknown: "
                 "read the session before sending the turn again, or resend it with the same Idempotency-Key"
             ) from lost

@@ -8,6 +8,7 @@ from the part that ran before it paused.
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import secrets
 from types import SimpleNamespace
@@ -408,3 +409,25 @@ def test_a_turn_sends_the_callers_baggage_on_to_the_model():
     carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "baggage": "tenant=acme"}
     _collect(orchestrator.send_message(sid, {"content": "go"}, CALLER, trace_carrier=carrier))
     assert orchestrator._model.calls[0]["sent_context"]["baggage"] == "tenant=acme"
+
+
+def test_a_turn_whose_commit_may_have_landed_is_interrupted_and_not_offered_for_automatic_retry():
+    """Redis went away while the turn committed and before the store could learn whether it ran: answered as
+    `store_unavailable` (503 with Retry-After), OpenAI's clients resent it by themselves, without a key,
+    and the turn ran twice."""
+    from serve_apps import ingress_http
+    from serve_apps.orchestrator.store import CommitOutcomeUnknown
+
+    orchestrator = _orchestrator([ModelReply(content="Answer.")])
+    session_id = _session(orchestrator)
+
+    async def lost(*args, **kwargs):
+        raise CommitOutcomeUnknown("the session store went away while saving the turn; whether it was saved is unknown")
+
+    orchestrator._store.commit_turn = lost
+    response = asyncio.run(ingress_http._turn_response(
+        session_id, orchestrator.send_message(session_id, {"content": "hi"}, CALLER), False))
+    error = json.loads(response.body)["error"]
+    assert (response.status_code, error["code"]) == (503, "turn_interrupted")
+    assert "whether it was saved is unknown" in error["message"]
+    assert response.headers.get("x-should-retry") == "false" and "retry-after" not in response.headers

@@ -690,7 +690,7 @@ class WarmpathIngress(OpenAiIngress):
         Why: when Serve LLM's first-output timeout fires, the client is answered 408 and this request
         ends normally, so Ray cancels none of its calls: the engine kept the call queued or decoding for
         no one (and OpenAI's clients send a 408 twice more). `cancelled_if_left` cancels it as the
-        cancellation or close reaches this generator.
+        cancellation or close reaches this generator, unless the call already gave a whole response.
         """
         model_id = await self._get_model_id(body.model)
         handle = self._get_configured_serve_handle(model_id)
@@ -702,9 +702,12 @@ class WarmpathIngress(OpenAiIngress):
         if isinstance(body, ChatCompletionRequest):
             body = _sanitize_chat_completion_request(body)  # pickles (Serve LLM's own workaround)
         stream = getattr(handle, call_method).remote(body, raw_request)
-        with cancelled_if_left(stream):
-            async for response in stream:
-                yield response
+        last: Any = None
+        # A whole response (not a stream's text, nor the replica's tag) is all the call gives: its reader
+        # stops there, and closing this generator then must not cancel a call that has answered.
+        with cancelled_if_left(stream, is_answered=lambda: not isinstance(last, (str, list, ServedBy, type(None)))):
+            async for last in stream:
+                yield last
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Optional[Request] = None) -> Response:
         parent = telemetry.extract(raw_request.headers.items()) if raw_request is not None else None

@@ -42,6 +42,7 @@ from serve_apps.ingress_grpc import GrpcIngress
 from serve_apps.ingress_http import CreateSessionBody, WarmpathIngress
 from serve_apps.orchestrator.models import CreateSessionRequest, TurnRequest
 from serve_apps.vllm_replica import ServedBy, WarmpathLLMServer
+from tests.unit.serve_apps.test_grpc_mapping import OPENAI_RESPONSE
 from warmpath.v1 import agent_pb2, inference_pb2
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -162,8 +163,6 @@ def test_an_engine_refusal_names_the_replica_that_refused_it(spans, items, repli
 
 def test_a_lone_surrogate_in_the_model_output_is_answered_as_a_question_mark(spans):
     """A tool parser's `json.loads` of the model's `"\\ud800"` leaves one in the arguments: a 200, not a 500."""
-    from tests.unit.serve_apps.test_grpc_mapping import OPENAI_RESPONSE
-
     answer = json.loads(json.dumps(OPENAI_RESPONSE))
     answer["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = '{"q": "a\ud800"}'
     response = _run(_chat_ingress(ServedBy("r1"), ChatCompletionResponse(**answer))._process_llm_request(
@@ -772,3 +771,40 @@ def test_a_served_models_name_with_a_lora_suffix_is_an_unknown_model(spans):
     error = json.loads(response.body)["error"]
     assert response.status_code == 404 and 'model "m:made-up" is not served here' in error["message"]
     assert ingress._configured_serve_handles == {}
+
+
+class _AnsweringCall:
+    """A non-streamed call: the replica's tag, its one whole response, then the end; it notes being cancelled."""
+
+    def __init__(self) -> None:
+        self.num_cancels = 0
+
+    async def _outputs(self):
+        yield ServedBy("r1")
+        yield ChatCompletionResponse(**json.loads(json.dumps(OPENAI_RESPONSE)))
+
+    def __aiter__(self):
+        return self._outputs()
+
+    def cancel(self) -> None:
+        self.num_cancels += 1
+
+
+def test_a_call_that_gave_its_whole_response_is_not_cancelled(spans):
+    """Its reader stops at the response; cancelling the call then (as the left generator is closed) cancelled
+    every non-streamed call, and the replica could see it cancelled before its generator ended."""
+    call = _AnsweringCall()
+    handle = SimpleNamespace(chat=SimpleNamespace(remote=lambda body, info: call), options=lambda **kw: handle)
+    ingress = object.__new__(WarmpathIngress)
+    ingress._default_serve_handles = {"m": handle}
+    ingress._model_cards = {"m": None}
+    ingress._configured_serve_handles = {"m": handle}
+
+    async def answer():
+        response = await ingress._process_llm_request(_chat(), "chat", _http_request())
+        gc.collect()
+        for _ in range(5):
+            await asyncio.sleep(0)  # the closing of the generators left suspended
+        return response.status_code
+
+    assert asyncio.run(answer()) == 200 and call.num_cancels == 0

@@ -254,8 +254,10 @@ return 1
 # Frees the turn lock (KEYS[1]) if token ARGV[1] holds it, and ends the token's claim as the session's last
 # taker (KEYS[2], meta; '' is no turn's token): a renewal of the ended turn that Redis runs after this (sent
 # before it) must not take the free lock back as its own, and a stalled turn's commit is still refused
-# (`_COMMIT_SCRIPT` reads the last taker). Returns 1 if the lock was freed. KEYS: lock, meta.
-_RELEASE_SCRIPT = """
+# (`_COMMIT_SCRIPT` reads the last taker). Returns 1 if the lock was freed. KEYS: lock, meta. `allow-oom`: a
+# full Redis must still free a turn's lock (its HSET writes an empty string over a token), or the client's
+# retry, once it has made room, is refused busy for the lease.
+_RELEASE_SCRIPT = """#!lua flags=allow-oom
 if redis.call('HGET', KEYS[2], 'lock_taker') == ARGV[1] then
   redis.call('HSET', KEYS[2], 'lock_taker', '')
 end

@@ -508,6 +508,22 @@ def test_a_full_redis_still_serves_reads_key_checks_and_deletes(tmp_path):
         assert view.transcript == snapshot and view.steps == stats and view.totals.num_steps == 1
 
 
+def test_a_full_redis_still_frees_a_turns_lock(tmp_path):
+    """Redis filled up during the turn (its commit refused): a release that could not write left the lock held,
+    and the client's retry, once it had made room, was refused busy for the lease."""
+    with _own_redis(tmp_path) as (url, _):
+
+        async def scenario(store):
+            record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+            sid = record.session_id
+            async with store.turn_lock(sid):
+                _fill_up(url)
+            with redis.Redis.from_url(url) as client:
+                return client.exists(f"warmpath:{{{sid}}}:lock")
+
+        assert _run(url, scenario) == 0
+
+
 def test_the_first_calls_after_a_redis_restart_succeed(tmp_path):
     """Pooled connections die with the Redis they went to; the next calls of both stores still succeed."""
     port = free_port()

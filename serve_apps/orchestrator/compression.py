@@ -122,8 +122,10 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Digits in groups of four, as cards and accounts are written (`4242 4242 4242 1881`), and an
         # IBAN (`DE44 5001 0517 5407 3249 31`): read group by group, a number's groups were lost as
         # repeats (`4242 | 1881`).
-        ("digit_groups", r"(?<![0-9A-Za-z])\d{4}(?:[ \u00a0]\d{4}){2,}(?:[ \u00a0]\d{1,3})?(?![0-9A-Za-z])"
-                         r"|(?<![0-9A-Za-z])[A-Z]{2}\d{2}(?: [0-9A-Z]{4}){2,7}(?: [0-9A-Z]{1,3})?(?![0-9A-Za-z])", 0),
+        # At most five groups and an IBAN's length (a longer series, readings `1021 1019 1020 ...`, is values
+        # of their own: read as one, it was as long as the text).
+        ("digit_groups", r"(?<![0-9A-Za-z])(?<![0-9]{4}[ \u00a0])\d{4}(?:[ \u00a0]\d{4}){2,4}(?:[ \u00a0]\d{1,3})?(?![0-9A-Za-z]|[ \u00a0]\d)"
+                         r"|(?<![0-9A-Za-z])(?<![0-9][0-9A-Z]{3} )[A-Z]{2}\d{2}(?: [0-9A-Z]{4}){2,7}(?: [0-9A-Z]{1,3})?(?![0-9A-Za-z]|[ \u00a0][0-9A-Z])", 0),
         ("quoted", r'"([^"\n]{1,200})"|“([^”\n]{1,200})”|(?<!\w)\'([^\'\n]{1,200})\'(?!\w)', 0),
     )
 )

@@ -111,6 +111,8 @@ def test_extract_facts_from_text(text, expected):
         # Digits in groups of four (cards, accounts) and an IBAN are one value: read group by group, a
         # repeated group was dropped as a duplicate (`4242 | 1881`).
         ("card 4242 4242 4242 1881, IBAN DE44 5001 0517 5407 3249 31.", ["4242 4242 4242 1881", "DE44 5001 0517 5407 3249 31"]),
+        # ... but a longer series is values of their own (read as one, it was as long as the text).
+        ("readings 1021 1019 1020 1018 1022 1023 1024", ["1021", "1019", "1020", "1018", "1022", "1023", "1024"]),
     ],
 )
 def test_extract_facts_keeps_values_whole(text, expected):

@@ -36,11 +36,11 @@ def _wrong_types(cls: type, data: Any) -> list[InitErrorDetails]:
         value = data.get(name)
         if name in cls.model_fields and value is not None and not isinstance(value, kind):
             errors.append({"type": error_type, "loc": (name,), "input": value})
-    tools = data.get("tools")
+    tools = data.get("tools") if "tools" in cls.model_fields else None
     if isinstance(tools, list):
         errors += [{"type": "dict_type", "loc": ("tools", i), "input": t} for i, t in enumerate(tools)
                    if not isinstance(t, dict)]
-    messages = data.get("messages")
+    messages = data.get("messages") if "messages" in cls.model_fields else None
     if isinstance(messages, list):
         for i, message in enumerate(messages):
             calls = message.get("tool_calls") if isinstance(message, dict) else None

@@ -70,3 +70,11 @@ def test_the_openai_client_is_told_once_and_the_schema_keeps_vllms_names(client)
     assert len(sent) == 1  # a 500 was retried twice
     schemas = client.get("/openapi.json").json()["components"]["schemas"]
     assert {"ChatCompletionRequest", "CompletionRequest"} <= set(schemas)
+
+
+def test_fields_a_completion_does_not_have_are_not_checked_on_it():
+    """vLLM's completion request ignores chat fields; refusing their shape there would refuse what vLLM takes."""
+    from serve_apps import openai_bodies
+
+    body = {"model": "m", "prompt": "hi", "tools": ["abc"], "messages": [{"role": "assistant", "tool_calls": "x"}]}
+    assert openai_bodies.CompletionRequest.model_validate(body).prompt == "hi"

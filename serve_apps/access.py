@@ -213,9 +213,14 @@ class AccessMiddleware:
     def __init__(self, app, settings: GuardSettings) -> None:
         self.app = app
         self._settings = settings
-        self._guard: Optional[AccessGuard] = None  # built in the serving process, on first use
+        self._guard: Optional[AccessGuard] = None  # built in the serving process, as it starts (or on first use)
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan" and self._guard is None:
+            # Serve starts the app's lifespan as the replica starts: a guard that cannot be built (keys on
+            # without a Redis URL, a Redis Cluster) fails the replica's start with its reason, once, rather
+            # than every request with a bare 500 (each asking Redis again on the event loop).
+            self._guard = AccessGuard(self._settings)
         # CORS preflights carry no credentials by design; the CORS middleware inside answers them.
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)

@@ -100,3 +100,29 @@ def test_a_standalone_redis_and_one_that_does_not_answer_pass(standalone_url):
 
 def test_a_moved_reply_is_named_as_a_cluster_the_service_does_not_support():
     assert "Redis Cluster" in redis_refusal(MovedError("12671 127.0.0.1:7103"))
+
+
+def _lifespan_fails(url: str) -> bool:
+    """Whether the HTTP ingress app's lifespan startup fails, as Serve runs it where a replica starts."""
+    import asyncio
+
+    from uvicorn.config import Config
+    from uvicorn.lifespan.on import LifespanOn
+
+    from serve_apps.builders import ingress_app
+
+    app = ingress_app(GuardSettings(access={"is_auth_enabled": True}, redis_url=url))
+
+    async def start() -> bool:
+        lifespan = LifespanOn(Config(app, lifespan="on", log_level=None, log_config=None))
+        await lifespan.startup()
+        return lifespan.should_exit
+
+    return asyncio.run(start())
+
+
+@needs_redis
+def test_the_http_ingress_refuses_a_redis_cluster_as_it_starts(cluster_url, standalone_url):
+    """Built on first use, the key check failed every request with a bare 500, each asking Redis again."""
+    assert _lifespan_fails(cluster_url)
+    assert not _lifespan_fails(standalone_url)

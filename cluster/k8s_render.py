@@ -197,12 +197,12 @@ def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
         (workers,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     except (OSError, KeyError, ValueError):  # an overlay of another shape (or none rendered yet): not ours to judge
         return
-    low, high = workers.get("minReplicas", 0), workers.get("maxReplicas")
-    if not low <= cfg.replicas.num_replicas <= (high if high is not None else cfg.replicas.num_replicas):
+    high = workers.get("maxReplicas")
+    if high is not None and cfg.replicas.num_replicas > high:
         raise ConfigError(
-            f"{where}: replicas.num_replicas {cfg.replicas.num_replicas} is outside the worker group's "
-            f"minReplicas..maxReplicas ({low}..{high}) set in the overlay's patch: each worker pod holds one "
-            "replica, so raise maxReplicas there (or lower num_replicas)"
+            f"{where}: replicas.num_replicas {cfg.replicas.num_replicas} is above the worker group's maxReplicas "
+            f"({high}) set in the overlay's patch: each worker pod holds one replica, so raise maxReplicas there "
+            "(or lower num_replicas)"
         )
     limit = ((workers.get("template") or {}).get("spec") or {}).get("containers", [{}])[0]
     cpu_limit = ((limit.get("resources") or {}).get("limits") or {}).get("cpu")

@@ -541,7 +541,7 @@ def test_render_k8s_check_reports_drift_and_render_fixes_it(tmp_path: Path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (("num_replicas: 2", "num_replicas: 4"), r"num_replicas 4 is outside the worker group's minReplicas..maxReplicas \(1..3\)"),
+    (("num_replicas: 2", "num_replicas: 4"), r"num_replicas 4 is above the worker group's maxReplicas \(3\)"),
     (("num_cpus: 1", "num_cpus: 4"), r"offers Ray 5 CPUs .* its container's CPU limit in the overlay's patch is 2"),
     (("warmpath_replica_slot: 1", "warmpath_replica_slot: 0.5"), r"ray_resources .* must be whole numbers"),
 ], ids=["over-max-replicas", "over-cpu-limit", "fractional-resource"])

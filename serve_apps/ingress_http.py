@@ -367,9 +367,14 @@ IDEMPOTENCY_HEADER = "idempotency-key"
 REPLAY_HEADER = "x-warmpath-idempotent-replay"
 # OpenAI's clients read it before retrying a 408, 409, 429 or 5xx by themselves.
 NO_CLIENT_RETRY_HEADER = "x-should-retry"
-# Refusals a prompt retry cannot change (a key at its session quota stays there until a session goes), and
-# turns that may have committed, which only a retry under the same Idempotency-Key may send again.
-NO_CLIENT_RETRY_CODES = frozenset({"session_quota_exceeded", "turn_interrupted"})
+# Refusals a prompt retry cannot change (a key at its session quota stays there until a session goes; a
+# session's pending calls stay pending until their results come; a compression that would drop values would
+# drop them again, after paying the turn's model calls again), and turns that may have committed, which only
+# a retry under the same Idempotency-Key may send again.
+NO_CLIENT_RETRY_CODES = frozenset({
+    "session_quota_exceeded", "requires_action", "tool_results_mismatch", "compression_lost_values",
+    "turn_interrupted",
+})
 
 
 def _caller(request: Request) -> Caller:

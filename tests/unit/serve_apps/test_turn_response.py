@@ -128,3 +128,18 @@ def test_a_turn_stream_that_breaks_after_its_outcome_keeps_that_outcome(is_strea
     else:
         body = json.loads(response.body)
         assert (body["status"], body["message"]) == ("completed", final["message"])
+
+
+@pytest.mark.parametrize("code", ["compression_lost_values", "turn_interrupted"])
+def test_a_turn_failure_a_retry_cannot_change_tells_openai_clients_not_to_retry_it(code):
+    """OpenAI's clients retry a 5xx twice by themselves: each ran the turn's model calls again to fail the same
+    way (a compression that would drop values), or ran a turn that may have committed a second time."""
+    response = asyncio.run(ingress_http._turn_response(
+        "s1", _events({"status": 200}, {"kind": "error", "code": code, "message": "no"}), is_streaming=False))
+    assert response.headers.get("x-should-retry") == "false" and "retry-after" not in response.headers
+
+
+@pytest.mark.parametrize("status, code", [(409, "requires_action"), (409, "tool_results_mismatch")])
+def test_a_refusal_only_the_client_can_clear_tells_openai_clients_not_to_retry_it(status, code):
+    response = ingress_http._unary({"status": status, "body": api_errors.error_body(status, "answer first", code=code)})
+    assert response.headers.get("x-should-retry") == "false"

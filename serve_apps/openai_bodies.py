@@ -46,6 +46,33 @@ def _wrong_types(cls: type, data: Any) -> list[InitErrorDetails]:
             calls = message.get("tool_calls") if isinstance(message, dict) else None
             if calls is not None and not isinstance(calls, list):
                 errors.append({"type": "list_type", "loc": ("messages", i, "tool_calls"), "input": calls})
+            elif calls:
+                errors += _tool_call_errors(calls, ("messages", i, "tool_calls"))
+    return errors
+
+
+def _tool_call_errors(calls: list, where: tuple) -> list[InitErrorDetails]:
+    """Errors of an assistant's `tool_calls` entries, located in the request (`messages[1].tool_calls[0].id`).
+
+    Why here: vLLM validates the list lazily and materialises it inside the model's validation, where
+    pydantic's locations start at the list (`[0].id`, param `[0]`), naming neither message nor field.
+    """
+    errors: list[InitErrorDetails] = []
+    for j, call in enumerate(calls):
+        if not isinstance(call, dict):
+            errors.append({"type": "dict_type", "loc": (*where, j), "input": call})
+            continue
+        function = call.get("function")
+        fields = [(("id",), call, "id"), (("function",), call, "function")]
+        if isinstance(function, dict):
+            fields += [(("function", "name"), function, "name"), (("function", "arguments"), function, "arguments")]
+        for path, holder, name in fields:
+            kind = dict if name == "function" else str
+            if name not in holder:
+                errors.append({"type": "missing", "loc": (*where, j, *path), "input": holder})
+            elif not isinstance(holder[name], kind):
+                errors.append({"type": "dict_type" if kind is dict else "string_type", "loc": (*where, j, *path),
+                               "input": holder[name]})
     return errors
 
 

@@ -50,10 +50,15 @@ def client():
      "messages[0].tool_calls"),
     ("/v1/chat/completions", {"model": "m", "messages": HI, "tools": ["abc"]}, "tools[0]"),
     ("/v1/completions", {"model": "m", "prompt": "hi", "structured_outputs": 5}, "structured_outputs"),
+    # A bad entry of an assistant's tool calls, named where it sits (it was `[0]`: vLLM validates the
+    # list lazily, so pydantic's location started at the list).
+    ("/v1/chat/completions", {"model": "m", "messages": [*HI, {"role": "assistant", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": 5, "arguments": "{}"}}]}]},
+     "messages[1].tool_calls[0].function.name"),
     # A shape no check foresees: still the body's fault, said without a parameter.
     ("/v1/chat/completions", {"model": "m", "messages": HI, "tools": [{"type": "function"}],
                               "tool_choice": {"type": "function", "function": {"name": "f"}}}, None),
-], ids=["messages", "structured-outputs", "tool-calls", "tool", "completion", "unforeseen"])
+], ids=["messages", "structured-outputs", "tool-calls", "tool", "completion", "tool-call-entry", "unforeseen"])
 def test_a_field_of_the_wrong_type_is_a_400_naming_it(client, route, body, param):
     response = client.post(route, json=body)
     error = response.json()["error"]

@@ -314,6 +314,13 @@ def _field_path(loc: Sequence[Any], prefix: str = "") -> Optional[str]:
 
 
 async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+    content_type = request.headers.get("content-type") or ""
+    if "json" not in content_type.lower() and any(tuple(e.get("loc") or ()) == ("body",) for e in err.errors()):
+        # FastAPI reads a body as JSON only under a JSON content type: a JSON body sent as a form (curl's
+        # `-d` without `-H 'content-type: application/json'`) was refused as "not a valid dictionary".
+        message = (f"the request body must be JSON sent with content-type: application/json (this request's: "
+                   f"{content_type or 'none'})")
+        return JSONResponse(error_body(400, message, code="invalid_json"), status_code=400)
     return JSONResponse(validation_error_body(err.errors()), status_code=400)
 
 

@@ -83,3 +83,15 @@ def test_fields_a_completion_does_not_have_are_not_checked_on_it():
 
     body = {"model": "m", "prompt": "hi", "tools": ["abc"], "messages": [{"role": "assistant", "tool_calls": "x"}]}
     assert openai_bodies.CompletionRequest.model_validate(body).prompt == "hi"
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/sessions"])
+def test_a_json_body_sent_without_a_json_content_type_is_told_so(client, route, content_type):
+    """curl's `-d` sends a form: FastAPI did not read the JSON, and the refusal said "Input should be a valid
+    dictionary" of a body that was one."""
+    headers = {"content-type": content_type} if content_type else {}
+    response = client.post(route, content=b'{"model": "m", "messages": []}', headers=headers)
+    error = response.json()["error"]
+    assert (response.status_code, error["code"]) == (400, "invalid_json")
+    assert "content-type: application/json" in error["message"]

@@ -56,7 +56,7 @@ def router_status_lines(state: Mapping[str, Any]) -> list[str]:
                 f"    {replica_id}: {blocks.get(replica_id, 0)} blocks indexed"
                 + _kv_cache_size(kv_cache.get(replica_id))
                 + (", no event yet" if since is None else f", last event {since:.0f}s ago")
-                + f", {stream.get('num_probes', 0)} probes"
+                + _count(stream.get("num_probes", 0), "probe")
                 + _rendering(rendering.get(replica_id))
                 + (f"; PROBLEM: {problem}" if problem else "")
             )
@@ -82,3 +82,8 @@ def _kv_cache_size(kv_cache: Mapping[str, Any] | None) -> str:
         return ""
     usage = kv_cache.get("usage")
     return f" (KV cache: {capacity} blocks" + (f", {usage:.0%} in use)" if isinstance(usage, (int, float)) else ")")
+
+
+def _count(number: int, noun: str) -> str:
+    """`, 1 probe` / `, 2 probes`."""
+    return f", {number} {noun}{'' if number == 1 else 's'}"

@@ -39,7 +39,7 @@ def test_lines_name_each_replica_and_flag_the_blind_one():
             "kv_cache": {"a": {"capacity_blocks": 2048, "usage": 0.4404},
                          "b": {"capacity_blocks": None, "usage": None}},
             "event_streams": {"b": {**HEALTHY, "num_stored_blocks": 0, "num_orphaned_blocks": 812,
-                                    "seconds_since_last_batch": None}, "a": HEALTHY, "c": HEALTHY},
+                                    "seconds_since_last_batch": None}, "a": HEALTHY, "c": {**HEALTHY, "num_probes": 1}},
             "renders_like_router": {"a": True, "b": None, "c": False},
         }],
         "stats": {"prediction_accuracy": 0.675, "num_predictions": 203},
@@ -49,7 +49,7 @@ def test_lines_name_each_replica_and_flag_the_blind_one():
         "  warmpath router: 2/2 replicas subscribed",
         "    a: 900 blocks indexed (KV cache: 2048 blocks, 44% in use), last event 1s ago, 2 probes, prompt ids forwarded",
         "    b: 0 blocks indexed, no event yet, 2 probes; PROBLEM: blind: every stored block arrived without its parent",
-        "    c: 0 blocks indexed, last event 1s ago, 2 probes, renders prompts itself (ids not forwarded)",
+        "    c: 0 blocks indexed, last event 1s ago, 1 probe, renders prompts itself (ids not forwarded)",
     ]
 
 

@@ -273,7 +273,8 @@ class DeltaEvent(_Strict):
 
 
 class ToolCallEvent(_Strict):
-    """The model called a tool; emitted before it runs."""
+    """The model called a tool; emitted before it runs, or before its `error` result where it was refused
+    (an invalid call, or one beside an invalid one in its step: none of that step's calls run)."""
 
     kind: Literal["tool_call"] = "tool_call"
     call: ToolCall = Field(description="Validated call about to run.")

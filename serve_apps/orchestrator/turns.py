@@ -422,13 +422,14 @@ class TurnRunner:
                 # Tell the model what was wrong; its next step may repair the call.
                 # Arguments that are not JSON are kept as `{}` in the history, as
                 # vLLM renders them; the error text quotes what the model wrote.
-                self._new.append(Message(role="assistant", content=reply.content or None,
-                                         tool_calls=[c if isinstance(c, ToolCall) else _renderable(raw)
-                                                     for raw, c in zip(reply.tool_calls, checked)]))
+                made = [c if isinstance(c, ToolCall) else _renderable(raw) for raw, c in zip(reply.tool_calls, checked)]
+                self._new.append(Message(role="assistant", content=reply.content or None, tool_calls=made))
                 rejected = {e.call_id: e.message + cut_off for e in errors}
-                for call in reply.tool_calls:
+                for call in made:
                     content = rejected.get(call.id, "not run: another call in this step was invalid")
                     self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=content))
+                    # Announced as the history holds it, so that no result names a call the client never saw.
+                    yield ToolCallEvent(call=call)
                     yield ToolResultEvent(tool_call_id=call.id, status="error", content=content)
                 # The repair step decodes under the same tool choice: a required call is still owed.
                 continue

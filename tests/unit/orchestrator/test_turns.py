@@ -771,3 +771,18 @@ def test_no_summary_is_asked_for_where_the_ledger_leaves_no_room_for_one():
     assert events[-1].kind == "final", events[-1]
     assert all(p[-1]["content"] != SUMMARISE_INSTRUCTION for p in model.prompts)  # the ledger alone, unasked
     assert store.commits[0]["compaction"] is not None
+
+
+def test_every_result_of_a_repair_step_names_a_call_the_client_was_shown():
+    """A refused call's `error` result named a call id no `tool_call` event had announced: a client pairing
+    results with calls saw results of unknown calls."""
+    invalid = ModelReply(tool_calls=[ToolCall(id="bad", name="lookup_order", arguments='{"order_id": ')])
+    events, store, _ = _run([([], invalid), ([], _call("c1"))], "required")
+    announced = set()
+    for event in events:
+        if event.kind == "tool_call":
+            announced.add(event.call.id)
+        if event.kind == "tool_result":
+            assert event.tool_call_id in announced, event
+    assert [e.kind for e in events if e.kind in ("tool_call", "tool_result")][:2] == ["tool_call", "tool_result"]
+    assert next(e for e in events if e.kind == "tool_call").call.arguments == "{}"  # as the history holds it

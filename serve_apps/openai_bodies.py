@@ -62,6 +62,8 @@ def _tool_call_errors(calls: list, where: tuple) -> list[InitErrorDetails]:
         if not isinstance(call, dict):
             errors.append({"type": "dict_type", "loc": (*where, j), "input": call})
             continue
+        if call.get("type", "function") != "function":
+            continue  # another kind of call (`custom`): vLLM's own validation names what it lacks
         function = call.get("function")
         fields = [(("id",), call, "id"), (("function",), call, "function")]
         if isinstance(function, dict):

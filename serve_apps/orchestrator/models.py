@@ -277,7 +277,7 @@ class ToolCallEvent(_Strict):
     (an invalid call, or one beside an invalid one in its step: none of that step's calls run)."""
 
     kind: Literal["tool_call"] = "tool_call"
-    call: ToolCall = Field(description="Validated call about to run.")
+    call: ToolCall = Field(description="The call as made: about to run, or refused (its `error` result follows).")
 
 
 class ToolResultEvent(_Strict):

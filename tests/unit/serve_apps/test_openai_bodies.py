@@ -95,3 +95,12 @@ def test_a_json_body_sent_without_a_json_content_type_is_told_so(client, route, 
     error = response.json()["error"]
     assert (response.status_code, error["code"]) == (400, "invalid_json")
     assert "content-type: application/json" in error["message"]
+
+
+def test_a_custom_tool_call_is_left_to_vllms_validation():
+    """Only function calls have `function`; a custom call (which vLLM takes) was refused as lacking one."""
+    from serve_apps import openai_bodies
+
+    call = {"id": "c", "type": "custom", "custom": {"name": "f", "input": "x"}}
+    body = {"model": "m", "messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [call]}]}
+    assert len(openai_bodies.ChatCompletionRequest.model_validate(body).messages) == 2

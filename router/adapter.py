@@ -137,6 +137,7 @@ class _Fetch:
     held: list = dataclasses.field(default_factory=list)
     num_recovered: int = 0
     is_stalled: bool = False
+    is_retry: bool = False  # a history asked for again as the replica's events came back (`_history_wanted`)
 
 
 def _num_blocks(batch: Any) -> int:
@@ -173,6 +174,8 @@ class _EventPump(threading.Thread):
         self._sources: dict[ReplicaId, tuple[str, ZmqEventSource, ReplicaEventStream]] = {}
         # Replicas waiting for an answer from their replay buffer; their live batches wait in the SUB socket.
         self._fetches: dict[ReplicaId, _Fetch] = {}
+        # Replicas whose history did not answer in time: asked for once more when their events come back.
+        self._history_wanted: set[ReplicaId] = set()
         self.watch = EventStreamWatch()
         # The KV capacity each replica reported, as last given to the index (`PrefixIndex.set_replica_capacity`).
         self._capacities: dict[ReplicaId, int] = {}
@@ -249,6 +252,7 @@ class _EventPump(threading.Thread):
         source.close()
         self.watch.forget(replica_id)
         self._fetches.pop(replica_id, None)
+        self._history_wanted.discard(replica_id)
         self._capacities.pop(replica_id, None)
 
     def _subscribe(self, replica_id: ReplicaId, endpoint: str, replay_endpoint: str | None) -> None:
@@ -285,10 +289,10 @@ class _EventPump(threading.Thread):
             for replica_id in self._router.index.replica_ids() - running:
                 self._router.index.remove_replica(replica_id)
 
-    def _request_history(self, replica_id: ReplicaId, source: ZmqEventSource) -> None:
+    def _request_history(self, replica_id: ReplicaId, source: ZmqEventSource, is_retry: bool = False) -> None:
         """Asks for the replica's whole replay buffer; `_drain` holds its live batches until `_load_history` is done."""
         if source.request_buffered(0):
-            self._fetches[replica_id] = _Fetch("history", time.monotonic() + HISTORY_TIMEOUT_S)
+            self._fetches[replica_id] = _Fetch("history", time.monotonic() + HISTORY_TIMEOUT_S, is_retry=is_retry)
 
     def _load_history(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
                       fetch: _Fetch, answer: BufferedBatches) -> None:
@@ -304,8 +308,17 @@ class _EventPump(threading.Thread):
         live batch past it is a gap too, even after an empty buffer.
         """
         if not answer.is_complete and time.monotonic() >= fetch.deadline:
-            logger.warning("replay buffer of replica %s did not answer in time; starting from live events", replica_id)
+            if fetch.is_retry:
+                logger.warning("replay buffer of replica %s did not answer in time again; going on from live events",
+                               replica_id)
+            else:
+                # Asked once more when the replica's events come back (`_drain`): after an outage its buffer
+                # holds the replica's whole cache, which live events alone would never rebuild.
+                self._history_wanted.add(replica_id)
+                logger.warning("replay buffer of replica %s did not answer in time; asking again when its events "
+                               "come back", replica_id)
             return
+        self._history_wanted.discard(replica_id)
         run = answer.leading_run()
         self._apply_replayed(stream, run)
         if (len(run) < len(answer.batches) or not answer.is_complete) and time.monotonic() < fetch.deadline:
@@ -345,6 +358,14 @@ class _EventPump(threading.Thread):
             if not batches:
                 continue
             busy = True
+            if replica_id in self._history_wanted:
+                # Its events are back, and its replay buffer with them: load the whole state, these batches
+                # included (the buffer holds them), rather than join from them with the rest unknown.
+                self._history_wanted.discard(replica_id)
+                with self._router.lock:
+                    stream.reset()
+                self._request_history(replica_id, source, is_retry=True)
+                continue
             self.watch.batch_received(replica_id, time.monotonic())
             self.watch.publisher_clock_read(replica_id, max(batch.ts for _, batch in batches), time.time())
             self._apply_live(replica_id, source, stream, batches)

@@ -364,7 +364,8 @@ def test_a_history_that_lost_its_end_is_asked_for_again_from_where_it_stopped(pu
 
 
 def test_a_replica_whose_blocks_arrive_as_orphans_is_reloaded(publisher, new_pump, monkeypatch):
-    """The history could not be loaded, and every block after the first batch extends blocks the index lacks."""
+    """The history could not be loaded (nor when asked again as events came), and every block after the first
+    batch extends blocks the index lacks."""
     publisher.publish(stored(0, 4))
     published(publisher, 1)
     pump = new_pump()
@@ -372,9 +373,12 @@ def test_a_replica_whose_blocks_arrive_as_orphans_is_reloaded(publisher, new_pum
     collect = ZmqEventSource.collect_buffered
     monkeypatch.setattr(ZmqEventSource, "collect_buffered", lambda self: None)
     subscribe(pump)  # gives up on the history
+    publisher.publish(stored(4, 16))
+    assert wait_until(lambda: (pump._drain(), A in pump._fetches)[1])  # its events came: asked again
+    answered(pump)  # ... and given up on again
     monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 30.0)
     monkeypatch.setattr(ZmqEventSource, "collect_buffered", collect)
-    next_blocks = iter(range(4, 10_000, 16))
+    next_blocks = iter(range(20, 10_000, 16))
     assert wait_until(lambda: (publisher.publish(stored(next(next_blocks), 16)), pump._drain(),
                                pump.stream_states()[A]["num_reloads"] >= 1)[2])
     assert wait_until(lambda: (pump._drain(), not pump._fetches)[1], timeout_s=30)

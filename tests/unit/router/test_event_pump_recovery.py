@@ -246,3 +246,42 @@ def test_a_batch_between_unreachable_probes_starts_the_count_again(pump):
     for _ in range(adapter.UNREACHABLE_PROBES_BEFORE_CLEARING - 1):
         _unreachable_probe(pump)
     assert indexed_blocks(pump) == 9
+
+
+def test_a_history_given_up_on_is_asked_for_once_more_when_the_replicas_events_come_back(pump):
+    """After an outage long enough to forget the replica, its history was asked for once, with a deadline the
+    outage outlasted; when the publisher came back, the stream joined from its next live batch and the
+    replica's whole cache, in its replay buffer, was never asked for again."""
+    source = ScriptedSource([(0, stored(0, 8))])
+    subscribe(pump, source)
+    source.is_answering = False
+    for _ in range(adapter.UNREACHABLE_PROBES_BEFORE_CLEARING):
+        _unreachable_probe(pump)
+    assert indexed_blocks(pump) == 0
+    pump._fetches[A].deadline = 0.0
+    pump._drain()  # the history asked for after the outage did not answer in time either
+    assert not pump._fetches
+    source.is_answering = True  # the publisher is back: its buffer, then a live batch
+    source.buffer.append((1, stored(8, 1)))
+    source.live = [(1, stored(8, 1))]
+    drain_until_answered(pump)
+    assert indexed_blocks(pump) == 9  # the whole cache, not the one live batch
+
+
+def test_a_history_asked_for_again_that_does_not_answer_is_not_asked_for_a_third_time(pump):
+    """Else a replica whose replay buffer is broken but whose events flow would drop its live batches for ever."""
+    source = ScriptedSource([(0, stored(0, 8))])
+    subscribe(pump, source)
+    source.is_answering = False
+    for _ in range(adapter.UNREACHABLE_PROBES_BEFORE_CLEARING):
+        _unreachable_probe(pump)
+    pump._fetches[A].deadline = 0.0
+    pump._drain()
+    source.live = [(1, stored(8, 1))]
+    pump._drain()  # events came: the history is asked for again, the batch left to the buffer
+    assert A in pump._fetches and pump._fetches[A].is_retry
+    pump._fetches[A].deadline = 0.0
+    pump._drain()
+    source.live = [(2, stored(0, 1))]  # a chain from its root: indexed from live events alone
+    pump._drain()
+    assert not pump._fetches and indexed_blocks(pump) == 1  # from live events, as before

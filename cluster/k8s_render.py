@@ -136,8 +136,6 @@ def worker_ray_cpus(cfg: ClusterConfig) -> int:
     return math.ceil(cfg.replicas.num_cpus + SERVICE_NUM_CPUS)
 
 
-
-
 def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
     """JSON 6902 operations that put everything derived from `cfg` into the base RayService."""
     ops: list[dict[str, Any]] = [

@@ -204,8 +204,8 @@ def _regex_facts(text: str) -> list[str]:
 
     A value that starts inside the one before it but runs past its end is kept: where both are
     stretches of the text as written they become one (`12:00 GMT` and `GMT+08:00` make
-    `12:00 GMT+08:00`), else it follows as a value of its own (`"timeout": 30 ms` gives
-    `timeout=30`, then `30 ms`). A quoted string that spans lines is not a value: the values
+    `12:00 GMT+08:00`) up to `_MAX_VALUE_CHARS`, else it follows as a value of its own
+    (`"timeout": 30 ms` gives `timeout=30`, then `30 ms`). A quoted string that spans lines is not a value: the values
     inside it are found instead.
     """
     # (start, -length, pattern priority, the fact, or None where it is the text's own span)
@@ -226,8 +226,8 @@ def _regex_facts(text: str) -> list[str]:
         end = start - neg_len
         if start < taken_until and end <= taken_until:
             continue
-        if start < taken_until and is_span and fact is None:
-            facts[-1] = text[taken_from:end]
+        if start < taken_until and is_span and fact is None and end - taken_from <= _MAX_VALUE_CHARS:
+            facts[-1] = text[taken_from:end]  # bounded: a chain of joins (`EUR 1,EUR 1,...`) grew as long as the text
         else:
             facts.append(text[start:end] if fact is None else fact)
             taken_from, is_span = start, fact is None

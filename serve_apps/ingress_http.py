@@ -373,7 +373,7 @@ NO_CLIENT_RETRY_HEADER = "x-should-retry"
 # a retry under the same Idempotency-Key may send again.
 NO_CLIENT_RETRY_CODES = frozenset({
     "session_quota_exceeded", "requires_action", "tool_results_mismatch", "compression_lost_values",
-    "turn_interrupted",
+    "turn_interrupted", "chat_template_refused",
 })
 
 

@@ -27,6 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
+import jinja2
 from opentelemetry import trace
 from pydantic import ValidationError
 
@@ -40,6 +41,7 @@ from serve_apps.api_errors import error_body, readable_message, validation_probl
 from serve_apps.handle_streams import cancelled_if_left
 from serve_apps.metrics import WarmpathMetrics, settle_model_call
 from serve_apps.orchestrator.models import (
+    CHAT_TEMPLATE_REFUSED,
     CreateSessionRequest,
     CreateSessionResponse,
     Message,
@@ -54,6 +56,7 @@ from serve_apps.orchestrator.models import (
 )
 from serve_apps.orchestrator.prompt import (
     SessionState,
+    TemplateCannotRender,
     build_chat_request,
     control_tokens_of,
     count_tokens,
@@ -414,8 +417,11 @@ class Orchestrator:
             window = effective_window_tokens(request.limits, self._max_model_len_tokens)
         except ValueError as err:
             return _error(400, str(err), "invalid_limits")
-        prefix_ids = prefix_token_ids(self._session_tokenizer, request.system_prompt, request.tools)
-        smallest = smallest_prompt_tokens(self._session_tokenizer, request.system_prompt, request.tools)
+        try:
+            prefix_ids = prefix_token_ids(self._session_tokenizer, request.system_prompt, request.tools)
+            smallest = smallest_prompt_tokens(self._session_tokenizer, request.system_prompt, request.tools)
+        except TemplateCannotRender as err:
+            return _error(500, str(err), CHAT_TEMPLATE_REFUSED)
         overflow = prefix_overflow(len(prefix_ids), smallest, window, request.limits.output_reserve_tokens)
         if overflow is not None:
             # Every turn of such a session would fail with context_overflow: refuse it now.
@@ -672,6 +678,12 @@ class Orchestrator:
             yield {"kind": "error", "code": "stale_turn", "message": str(err)}
         except TurnFailed as err:
             yield {"kind": "error", "code": err.code, "message": str(err)}
+        except jinja2.TemplateError as err:  # the model's template refuses the session's messages: nothing committed
+            message = f"the model's chat template refuses this session's messages: {err}"
+            logger.warning("turn of session %s: %s", session_id, message)
+            yield {"kind": "error", "code": CHAT_TEMPLATE_REFUSED, "message": message} if has_started else _error(
+                500, message, CHAT_TEMPLATE_REFUSED
+            )
         except Exception:
             # Nothing was committed (commits are the last step of each outcome);
             # the client gets a clean error, the log gets the traceback.

@@ -335,8 +335,11 @@ TURN_ERROR_STATUS = {
     "session_not_found": 404,
     "store_unavailable": 503,
     "turn_interrupted": 503,
+    "chat_template_refused": 500,
     "internal": 500,
 }
+# The served model's chat template refuses a session's prompt (its own `raise_exception`, a field it needs).
+CHAT_TEMPLATE_REFUSED = "chat_template_refused"
 
 
 logger = logging.getLogger("ray.serve")

@@ -9,10 +9,12 @@ Invariants:
   keys sorted, wrapper keys in vLLM's order, so equal tools give equal bytes,
   equal token ids and an equal fingerprint on every replica and after every
   restart, and the engine renders the same prefix that is fingerprinted here.
-- Between compressions the history is append-only, and the prompt of step N+1
-  extends the prompt of step N token for token. `count_tokens` checks this at
-  every message boundary and raises `TemplateNotAppendOnly` if the chat
-  template or tokenizer breaks it, because then every step would miss the cache.
+- Between compressions the history is append-only, so where the chat template
+  renders each message as the whole prompt has it, the prompt of step N+1
+  extends the prompt of step N token for token. `count_tokens` counts a message
+  the template renders only with what follows it (Llama 3's tools in the first
+  user message, Qwen's runs of tool results) with the next one; a template that
+  rewrites earlier messages costs cache hits there, never a turn.
 - Local rendering mimics vLLM's: tool-call arguments (JSON strings on the wire)
   are parsed into objects before the template sees them, and arguments that are
   JSON but not an object render as `{}`, so local token counts equal what the
@@ -36,6 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, Required, TypedDict
 
+import jinja2
 from pydantic import JsonValue
 
 from serve_apps.orchestrator.models import Message, PrefixFingerprint, SessionLimits, ToolSpec
@@ -165,8 +168,8 @@ def control_tokens_of(tokenizer: object) -> ControlTokens:
     return found
 
 
-class TemplateNotAppendOnly(ValueError):
-    """The chat template or tokenizer re-renders earlier messages when later ones are added."""
+class TemplateCannotRender(ValueError):
+    """The model's chat template refuses the simplest conversation a session sends (a system and a user message)."""
 
 
 @dataclass(frozen=True)
@@ -332,6 +335,16 @@ def _render(tokenizer: ChatTokenizer, messages: list[dict], tools: list[WireTool
     )
 
 
+def _render_or_none(
+    tokenizer: ChatTokenizer, messages: list[dict], tools: list[WireTool], add_generation_prompt: bool
+) -> str | None:
+    """`_render`, or None where the template refuses the conversation (`raise_exception`, a missing field)."""
+    try:
+        return _render(tokenizer, messages, tools, add_generation_prompt)
+    except jinja2.TemplateError:
+        return None
+
+
 def _encode(tokenizer: ChatTokenizer, text: str) -> list[int]:
     return _token_ids(tokenizer(text, add_special_tokens=False))
 
@@ -342,14 +355,48 @@ def _digest(token_ids: Sequence[int]) -> PrefixFingerprint:
 
 
 def prefix_token_ids(tokenizer: ChatTokenizer, system_prompt: str, tools: Sequence[ToolSpec]) -> list[int]:
-    """Token ids of the cacheable prefix: the template rendered with the system message and tools only."""
-    result = tokenizer.apply_chat_template(
-        [{"role": "system", "content": system_prompt}],
-        tools=render_tools(tools) or None,
-        tokenize=True,
-        add_generation_prompt=False,
-    )
-    return _token_ids(result)
+    """Token ids of the cacheable prefix: what every prompt of a session with this system prompt and these tools
+    starts with (`_prefix_ids`)."""
+    return _prefix_ids(tokenizer, {"role": "system", "content": system_prompt}, render_tools(tools))
+
+
+def _prefix_ids(tokenizer: ChatTokenizer, system: WireMessage, tools: list[WireTool]) -> list[int]:
+    """The system message and tools rendered alone where that starts every prompt; else the tokens two prompts
+    with different first user messages share.
+
+    Why two ways: most templates (ChatML, Qwen, Hermes) render the system block and tools before the
+    history, so the system message rendered alone is the prefix. Llama 3's templates put the tools into
+    the first user message and refuse a conversation without one: their shared prefix ends inside the
+    first user message, and only a rendering with one shows where.
+
+    Raises:
+        TemplateCannotRender: the template renders no conversation of a system and a user message.
+    """
+    probes = []
+    for text in _PROBE_TEXTS:
+        try:
+            rendered = _render(tokenizer, [system, {"role": "user", "content": text}], tools, False)
+        except jinja2.TemplateError as err:
+            raise TemplateCannotRender(f"the model's chat template renders no conversation of this system prompt, "
+                                       f"these tools and a user message: {err}") from None
+        probes.append(_encode(tokenizer, rendered))
+    alone = _render_or_none(tokenizer, [system], tools, False)
+    if alone is not None:
+        ids = _encode(tokenizer, alone)
+        if all(probe[: len(ids)] == ids for probe in probes):
+            return ids
+    return probes[0][: _common_length(*probes)]
+
+
+_PROBE_TEXTS = ("A", "B")  # two first user messages that differ from their first character
+
+
+def _common_length(first: Sequence[int], second: Sequence[int]) -> int:
+    """How many leading token ids two sequences share."""
+    for at, (a, b) in enumerate(zip(first, second)):
+        if a != b:
+            return at
+    return min(len(first), len(second))
 
 
 def prefix_fingerprint(tokenizer: ChatTokenizer, system_prompt: str, tools: Sequence[ToolSpec]) -> PrefixFingerprint:
@@ -421,9 +468,14 @@ class CountMemo:
     boundaries: list[int] = field(default_factory=lambda: [0])  # boundaries[k]: length of the first k messages' text
     text: str = ""  # the text of all counted messages, without the generation prompt
     segments: list[array] = field(default_factory=list)  # segments[k]: token ids of message k (0: the prefix)
+    prefix_ids: list[int] | None = None  # `_prefix_ids` of these messages' system message, where it was needed
 
     def num_reusable(self, tokenizer: ChatTokenizer, tools_key: str, message_keys: list[str], full_text: str) -> int:
-        """How many leading messages of a prompt (`full_text`, described by the keys) this memo already counted."""
+        """How many leading messages of a prompt (`full_text`, described by the keys) this memo already counted.
+
+        Of the identical leading messages, those whose text still starts the prompt: the last one counted
+        may have been rendered as the last (Qwen closes a run of tool results after its last one only).
+        """
         if tokenizer is not self.tokenizer or tools_key != self.tools_key:
             return 0
         num_shared = 0
@@ -431,8 +483,9 @@ class CountMemo:
             if known != key:
                 break
             num_shared += 1
-        if num_shared and not full_text.startswith(self.text[: self.boundaries[num_shared]]):
-            return 0  # the template renders them differently now (a date in the system block, say): count afresh
+        # None when the template renders them differently now (a date in the system block, say): count afresh.
+        while num_shared and not full_text.startswith(self.text[: self.boundaries[num_shared]]):
+            num_shared -= 1
         return num_shared
 
 
@@ -449,8 +502,17 @@ def count_tokens(
 
     Renders every message prefix of the conversation (n+1 template renders, fewer
     with a `memo` of an earlier count) and tokenizes each segment once; the
-    concatenation must equal the tokens of the whole prompt, which is the
-    append-only property the cache depends on.
+    concatenation equals the tokens of the whole prompt.
+
+    A message whose rendering is not where the whole prompt has it (the template
+    refuses the conversation that ends with it, or renders it differently once
+    later messages follow) is counted with the messages after it, up to the next
+    that is: Llama 3 puts the tools into the first user message and refuses a
+    system message alone, Qwen closes a run of tool results after the last one.
+    So is a message whose text ends inside a token. The joined messages count
+    0; the total stays exact. Where the template re-renders earlier messages for
+    good (a history it rewrites), steps miss the cache there, and the prompt is
+    still counted and sent: the cache statistics show it.
 
     Args:
         tokenizer: the served model's tokenizer, chat template included.
@@ -462,10 +524,6 @@ def count_tokens(
 
     Returns:
         The account; `message_tokens` aligns with `messages[1:]`.
-
-    Raises:
-        TemplateNotAppendOnly: a message boundary is not a token boundary, or
-            rendering a prefix of the conversation is not a prefix of the full text.
     """
     if not messages or messages[0]["role"] != "system":
         raise ValueError("messages must start with the system message (see build_chat_request)")
@@ -478,22 +536,64 @@ def count_tokens(
     boundaries = memo.boundaries[: num_reused + 1] if num_reused else [0]
     segments = memo.segments[:num_reused] if num_reused else []
     for end in range(num_reused + 1, len(rendered) + 1):
-        text = _render(tokenizer, rendered[:end], tools, add_generation_prompt=False)
-        if not full_text.startswith(text) or len(text) < boundaries[-1]:
-            raise TemplateNotAppendOnly(f"the first {end} messages render differently once later ones are added")
+        text = _render_or_none(tokenizer, rendered[:end], tools, add_generation_prompt=False)
+        if text is None or not full_text.startswith(text) or len(text) < boundaries[-1]:
+            boundaries.append(boundaries[-1])  # counted with the next message
+            segments.append(array("I"))
+            continue
         boundaries.append(len(text))
         segments.append(array("I", _encode(tokenizer, full_text[boundaries[-2] : boundaries[-1]])))
+    full_ids = _encode(tokenizer, full_text)
     generation = _encode(tokenizer, full_text[boundaries[-1] :])
-    if [i for segment in segments for i in segment] + generation != _encode(tokenizer, full_text):
-        raise TemplateNotAppendOnly("a message boundary falls inside a token; later steps would miss the cache")
+    while (split := _split_boundary(boundaries, segments, generation, full_ids)) is not None:
+        generation = _join_at(tokenizer, full_text, boundaries, segments, split)
+    prefix, message_tokens = segments[0], [len(segment) for segment in segments[1:]]
+    shared = memo.prefix_ids if memo is not None and num_reused else None
+    first = next((i for i, segment in enumerate(segments) if segment), None)
+    if not prefix and first is not None:  # the system message renders only with what follows it (Llama 3's tools)
+        shared = shared if shared is not None else _prefix_ids(tokenizer, rendered[0], tools)
+        prefix = segments[first][: _common_length(segments[first], shared)]
+        message_tokens[first - 1] -= len(prefix)
     if memo is not None:
         memo.tokenizer, memo.tools_key, memo.message_keys = tokenizer, tools_key, message_keys
         memo.boundaries, memo.text, memo.segments = boundaries, full_text[: boundaries[-1]], segments
+        memo.prefix_ids = shared
     return TokenAccount(
-        prefix_tokens=len(segments[0]),
-        message_tokens=tuple(len(segment) for segment in segments[1:]),
+        prefix_tokens=len(prefix),
+        message_tokens=tuple(message_tokens),
         generation_prompt_tokens=len(generation),
         context_window_tokens=context_window_tokens,
         output_reserve_tokens=output_reserve_tokens,
-        prefix_fingerprint=_digest(segments[0]),
+        prefix_fingerprint=_digest(prefix),
     )
+
+
+def _split_boundary(boundaries: Sequence[int], segments: Sequence[array], generation: list[int],
+                    full_ids: list[int]) -> int | None:
+    """A boundary (text offset) whose two sides tokenize differently apart than together, or None when the
+    segments' tokens are the prompt's."""
+    at = 0
+    for index, segment in enumerate(segments):
+        end = at + len(segment)
+        if list(segment) != full_ids[at:end]:
+            # A first token that differs is decided by the text before it; a later one by the text after.
+            is_first_different = at >= len(full_ids) or segment[0] != full_ids[at]
+            return boundaries[index] if is_first_different and boundaries[index] else boundaries[index + 1]
+        at = end
+    return boundaries[-1] if generation != full_ids[at:] else None
+
+
+def _join_at(
+    tokenizer: ChatTokenizer, full_text: str, boundaries: list[int], segments: list[array], offset: int
+) -> list[int]:
+    """Counts the message that ends at text `offset` with the ones after it; returns the generation prompt's
+    tokens. Re-encodes only the segment (or the generation prompt) that takes its text."""
+    start = max(b for b in boundaries if b < offset)
+    after = boundaries.index(offset)
+    while after < len(boundaries) and boundaries[after] == offset:
+        boundaries[after] = start
+        segments[after - 1] = array("I")
+        after += 1
+    if after < len(boundaries):
+        segments[after - 1] = array("I", _encode(tokenizer, full_text[start : boundaries[after]]))
+    return _encode(tokenizer, full_text[boundaries[-1] :])

@@ -21,7 +21,7 @@ from serve_apps.orchestrator.prompt import (
     ControlTokens,
     CountMemo,
     SessionState,
-    TemplateNotAppendOnly,
+    TemplateCannotRender,
     build_chat_request,
     canonical_json,
     control_tokens_of,
@@ -231,13 +231,123 @@ def test_steps_extend_the_previous_prompt_token_for_token(tokenizer):
         previous_ids, previous_counts = ids, account.message_tokens
 
 
-def test_template_that_rewrites_history_is_rejected(tokenizer):
-    rewriting = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
-    rewriting.chat_template = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    history = _round(1, {"status": "shipped"})[:1]
-    messages, tools = build_chat_request(SessionState(SYSTEM, (), tuple(history)))
-    with pytest.raises(TemplateNotAppendOnly):
-        count_tokens(rewriting, messages, tools, context_window_tokens=4096, output_reserve_tokens=16)
+REWRITING_TEMPLATE = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# Tools in the first user message, and no conversation without one (as Llama 3's templates do by default).
+TOOLS_IN_FIRST_USER_TEMPLATE = (
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- set rest = messages[1:] %}"
+    "{%- if tools %}"
+    "{%- if not rest %}{{- raise_exception('tools go into the first user message, and there is none') }}{%- endif %}"
+    "{{- '<|im_start|>user\\nYou may call: ' + (tools | tojson) + '\\n\\n' + rest[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- set rest = rest[1:] %}"
+    "{%- endif %}"
+    "{%- for message in rest %}"
+    "{%- if message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + (message['tool_calls'][0]['function'] | tojson) + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# One turn for a run of tool results, closed after the last (as Qwen's templates do).
+GROUPED_TOOL_RESULTS_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- for call in message['tool_calls'] %}{{- '\\n<tool_call>' + (call['function'] | tojson) + '</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _with_template(tokenizer, template: str) -> PreTrainedTokenizerFast:
+    other = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
+    other.chat_template = template
+    return other
+
+
+def _assert_exact(tokenizer, history, account, tools=TOOLS):
+    messages, wire_tools = build_chat_request(SessionState(SYSTEM, tools, tuple(history)))
+    assert account.total_tokens == len(prompt_token_ids(tokenizer, messages, wire_tools))
+    assert len(account.message_tokens) == len(history)
+    assert min(account.message_tokens, default=0) >= 0
+
+
+def _parallel_round(index: int) -> list[Message]:
+    calls = [ToolCall(id=f"call-{index}-{k}", name="get_order", arguments=json.dumps({"order_id": f"ORD-{index}{k}"}))
+             for k in range(2)]
+    return [
+        Message(role="user", content=f"Where are orders ORD-{index}0 and ORD-{index}1?"),
+        Message(role="assistant", content=None, tool_calls=calls),
+        *(Message(role="tool", content=json.dumps({"status": "shipped", "n": k}), tool_call_id=call.id,
+                  name="get_order") for k, call in enumerate(calls)),
+        Message(role="assistant", content="Both have shipped."),
+    ]
+
+
+def test_a_template_that_rewrites_history_is_still_counted_exactly(tokenizer):
+    rewriting = _with_template(tokenizer, REWRITING_TEMPLATE)
+    history = _round(1, {"status": "shipped"})
+    account = _count(rewriting, history, tools=())
+    _assert_exact(rewriting, history, account, tools=())
+    # It prints the number of messages first: nothing is shared with a prompt of another length.
+    assert account.prefix_tokens == 0 and account.message_tokens[-1] == account.total_tokens
+
+
+def test_tools_in_the_first_user_message_give_the_shared_prefix_and_exact_counts(tokenizer):
+    templated = _with_template(tokenizer, TOOLS_IN_FIRST_USER_TEMPLATE)
+    prefix = prefix_token_ids(templated, SYSTEM, TOOLS)  # the system message alone is refused with tools
+    rendered_tools = templated.decode(prefix)
+    assert "get_order" in rendered_tools and "Where is" not in rendered_tools  # the tools, not the user's text
+    previous_ids: list[int] = []
+    for num_rounds in range(1, 4):
+        history = [m for i in range(num_rounds) for m in _round(i, {"status": "shipped"})]
+        account = _count(templated, history)
+        _assert_exact(templated, history, account)
+        assert account.prefix_tokens == len(prefix)
+        assert account.prefix_fingerprint == prefix_fingerprint(templated, SYSTEM, TOOLS)
+        assert all(count > 0 for count in account.message_tokens)  # the prefix is not counted twice
+        messages, wire_tools = build_chat_request(SessionState(SYSTEM, TOOLS, tuple(history)))
+        ids = prompt_token_ids(templated, messages, wire_tools)
+        assert ids[: len(prefix)] == prefix and ids[: len(previous_ids)] == previous_ids
+        previous_ids = ids[: -account.generation_prompt_tokens]
+
+
+def test_a_run_of_tool_results_is_counted_as_one(tokenizer):
+    grouped = _with_template(tokenizer, GROUPED_TOOL_RESULTS_TEMPLATE)
+    history = _parallel_round(1) + _parallel_round(2)
+    memo = CountMemo()
+    for end in range(1, len(history) + 1):
+        account = _count(grouped, history[:end], memo)
+        _assert_exact(grouped, history[:end], account)
+        assert account == _count(grouped, history[:end])
+    first_result = 2
+    assert account.message_tokens[first_result] == 0 and account.message_tokens[first_result + 1] > 0
+    assert account.prefix_fingerprint == prefix_fingerprint(grouped, SYSTEM, TOOLS)
+
+
+def test_a_message_boundary_inside_a_token_is_counted_with_the_next_message(tokenizer):
+    # Messages rendered back to back: "Where is order ORD-" + "1?..." would split the tokens BPE merges.
+    joined = _with_template(tokenizer, "{%- for m in messages %}{{- m['content'] or '' }}{%- endfor %}")
+    history = [Message(role="user", content="Where is ord"), Message(role="assistant", content="er ORD-1 now?")]
+    account = _count(joined, history, tools=())
+    _assert_exact(joined, history, account, tools=())
+    assert account.message_tokens[0] == 0
+
+
+def test_a_template_that_renders_no_system_and_user_conversation_is_named(tokenizer):
+    refusing = _with_template(tokenizer, "{{- raise_exception('no system messages here') }}")
+    with pytest.raises(TemplateCannotRender, match="renders no conversation"):
+        prefix_token_ids(refusing, SYSTEM, TOOLS)
 
 
 def test_history_with_non_json_arguments_is_refused(tokenizer):
@@ -480,12 +590,11 @@ def test_a_memo_is_not_trusted_once_the_template_renders_its_messages_differentl
     assert _count(changed, history, memo) == _count(changed, history)
 
 
-def test_a_template_that_rewrites_history_is_rejected_with_a_memo_too(tokenizer):
+def test_a_template_that_rewrites_history_is_counted_as_afresh_with_a_memo_too(tokenizer):
     rewriting = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
     rewriting.chat_template = tokenizer.chat_template
     history = _round(1, {"status": "shipped"})
     memo = CountMemo()
     _count(rewriting, history[:1], memo)
-    rewriting.chat_template = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    with pytest.raises(TemplateNotAppendOnly):
-        _count(rewriting, history, memo, tools=())
+    rewriting.chat_template = REWRITING_TEMPLATE
+    assert _count(rewriting, history, memo, tools=()) == _count(rewriting, history, tools=())

@@ -13,6 +13,7 @@ import contextlib
 import secrets
 from types import SimpleNamespace
 
+import jinja2
 import pytest
 
 from serve_apps import ingress_http, metrics
@@ -431,3 +432,59 @@ def test_a_turn_whose_commit_may_have_landed_is_interrupted_and_not_offered_for_
     assert (response.status_code, error["code"]) == (503, "turn_interrupted")
     assert "whether it was saved is unknown" in error["message"]
     assert response.headers.get("x-should-retry") == "false" and "retry-after" not in response.headers
+
+
+class ToolsInFirstUserTokenizer(CharTokenizer):
+    """Tools rendered into the first user message, and no conversation with tools but without one (Llama 3's
+    templates by default); a message reading "forbidden" is refused as a template refuses what it cannot render."""
+
+    def apply_chat_template(self, conversation, tools=None, tokenize=False, add_generation_prompt=False):
+        if any(message.get("content") == "forbidden" for message in conversation):
+            raise jinja2.TemplateError("this template cannot render a forbidden message")
+        if tools:
+            if len(conversation) < 2 or conversation[1]["role"] != "user":
+                raise jinja2.TemplateError("Cannot put tools in the first user message when there's no first user "
+                                           "message!")
+            first = dict(conversation[1], content=json.dumps(tools, sort_keys=True) + conversation[1]["content"])
+            conversation = [conversation[0], first, *conversation[2:]]
+        return super().apply_chat_template(conversation, None, tokenize, add_generation_prompt)
+
+
+def test_a_template_that_puts_the_tools_into_the_first_user_message_serves_sessions():
+    """Llama 3's templates refuse the system message and tools rendered alone: every session with tools was
+    refused with a 500, and its view and turns could not be counted."""
+    orchestrator = _orchestrator([_fetch("c1"), ModelReply(content="Done.")])
+    orchestrator._tokenizer = orchestrator._session_tokenizer = ToolsInFirstUserTokenizer()
+    created = asyncio.run(orchestrator.create_session(
+        {"model": "m", "system_prompt": "Be brief.", "tools": [CLIENT_TOOL]}, CALLER))
+    assert created["status"] == 201, created
+    session_id, fingerprint = created["body"]["session_id"], created["body"]["prefix_fingerprint"]
+    items = _collect(orchestrator.send_message(session_id, {"content": "go"}, CALLER))
+    assert items[-1]["kind"] == "requires_action"
+    results = {"results": [{"tool_call_id": "c1", "content": "ok"}]}
+    items = _collect(orchestrator.submit_tool_results(session_id, results, CALLER))
+    assert items[-1]["kind"] == "final"
+    shown = asyncio.run(orchestrator.get_session(session_id, CALLER))["body"]
+    assert shown["prefix_fingerprint"] == fingerprint
+    tokens = shown["tokens"]
+    # The shared prefix runs into the first user message, up to where its own text starts: the tools.
+    assert tokens["prefix_tokens"] > len("<system>Be brief.</><user>")
+    assert all(count > 0 for count in tokens["message_tokens"])
+    steps = shown["cache"]["steps"]
+    assert len(steps) == 2 and {step["prefix_fingerprint"] for step in steps} == {fingerprint}
+
+
+def test_a_template_that_refuses_a_session_is_named_at_creation_and_in_a_turn():
+    orchestrator = _orchestrator([ModelReply(content="never")])
+    orchestrator._tokenizer = orchestrator._session_tokenizer = ToolsInFirstUserTokenizer()
+    created = asyncio.run(orchestrator.create_session({"model": "m", "system_prompt": "forbidden"}, CALLER))
+    error = created["body"]["error"]
+    assert (created["status"], error["code"]) == (500, "chat_template_refused")
+    assert "cannot render a forbidden message" in error["message"]
+
+    session_id = _session(orchestrator)
+    items = _collect(orchestrator.send_message(session_id, {"content": "forbidden"}, CALLER))
+    assert items[0] == {"status": 200}
+    assert items[-1]["kind"] == "error" and items[-1]["code"] == "chat_template_refused"
+    assert "cannot render a forbidden message" in items[-1]["message"]
+    assert orchestrator._model.replies and orchestrator._store.logs[session_id] == []

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -177,13 +176,15 @@ def up(
         config, replicas__num_replicas=replicas, router__policy=policy, ports__http_port=http_port,
         redis_url=redis_url, state_dir=state_dir, access__is_auth_enabled=False if no_auth else None,
     )
-    address = os.environ.get("RAY_ADDRESS")
-    is_here = not (address and local.is_remote_address(address))  # a remote cluster's proxies serve its network
-    if not cfg.access.is_auth_enabled and "host" not in cfg.ports.model_fields_set and is_here:
+    if not cfg.access.is_auth_enabled:
         # Without keys every caller holds every permission, server-side HTTP tools included, which reach this
-        # machine's loopback and private networks: the proxies listen on it alone unless ports.host says otherwise.
-        cfg = cfg.model_copy(update={"ports": cfg.ports.model_copy(update={"host": "127.0.0.1"})})
-        progress("API keys are off: the proxies are to listen on 127.0.0.1 only (set ports.host to serve other machines)")
+        # machine's loopback and private networks (an unset ports.host is 127.0.0.1 then: `ClusterConfig`).
+        if local.is_loopback_host(cfg.ports.host):
+            progress(f"API keys are off: the proxies are to listen on {cfg.ports.host} only (set ports.host to "
+                     "serve other machines)")
+        else:
+            progress(f"warning: API keys are off and the proxies are to listen on {cfg.ports.host} (ports.host): "
+                     "every caller that reaches it holds every permission")
     _check_writable_file(local.LocalState.path(local.state_dir_of(cfg)), "state_dir")
     _load_state(cfg)  # a broken record is one line before anything starts
     try:

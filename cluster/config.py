@@ -256,7 +256,10 @@ class PortsConfig(_Strict):
 
     http_port: int = Field(8000, description="OpenAI-compatible HTTP ingress.", ge=1, le=65535)
     grpc_port: int = Field(9000, description="gRPC proxy.", ge=1, le=65535)
-    host: str = Field("0.0.0.0", description="Bind address of the proxies.")
+    host: str | None = Field(
+        None, description="Bind address of the proxies. Unset: 0.0.0.0, or 127.0.0.1 while API keys are off "
+        "(without keys every caller holds every permission, server-side HTTP tools included).",
+    )
     metrics_export_port: int = Field(
         8080, description="Ray's Prometheus metrics port on a local head (`ray_warmpath_*` series).", ge=1, le=65535
     )
@@ -267,8 +270,8 @@ class PortsConfig(_Strict):
 
     @field_validator("host")
     @classmethod
-    def _host(cls, host: str) -> str:
-        if not _is_host_name(host):
+    def _host(cls, host: str | None) -> str | None:
+        if host is not None and not _is_host_name(host):
             raise ValueError(
                 f"{host!r} is not an IP address or host name (write it bare: 0.0.0.0, ::, 127.0.0.1, my-host.local)"
             )
@@ -428,6 +431,15 @@ class ClusterConfig(_Strict):
             return None  # an empty REDIS_URL= is unset: `up` starts its own Redis and deploys with its URL
         check_redis_url(url)
         return url
+
+    @model_validator(mode="after")
+    def _proxy_host(self) -> "ClusterConfig":
+        """Resolves an unset `ports.host` here, once, so that `up`, `render serve-config` and every check of
+        the ports read the one address the proxies bind (whichever layer set what)."""
+        if self.ports.host is None:
+            host = "0.0.0.0" if self.access.is_auth_enabled else "127.0.0.1"
+            object.__setattr__(self, "ports", self.ports.model_copy(update={"host": host}))  # the model is frozen
+        return self
 
     def model_source(self) -> str:
         """Folder or Hugging Face id the engines load.
@@ -694,10 +706,9 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {file} must hold a mapping at the top level")
         data = loaded
-    defaults = ClusterConfig().model_dump()
     env, sources = env_layer(environ)
     for layer in (env, overrides or {}):
-        data = deep_merge(_with_defaults_under(data, layer, defaults), layer)
+        data = deep_merge(_with_defaults_under(data, layer, ClusterConfig), layer)
     flags = set(_set_paths(overrides or {}))
     return validate_config(data, {path: name for path, name in sources.items() if path not in flags})
 
@@ -713,19 +724,26 @@ def _set_paths(layer: Mapping, above: tuple[str, ...] = ()) -> list[tuple[str, .
     return paths
 
 
-def _with_defaults_under(data: dict, layer: Mapping, defaults: Mapping) -> dict:
-    """`data` holding, under every mapping `layer` sets that `data` lacks, that mapping's default.
+def _with_defaults_under(data: dict, layer: Mapping, model: type[BaseModel]) -> dict:
+    """`data` holding, under every mapping field `layer` sets that `data` lacks, that field's default.
 
     Why: an environment variable or flag names one key of a mapping field
     (`WARMPATH_ROUTER__SCORER_WEIGHTS__LOAD=3`); merged into nothing, it would be the
     whole mapping and switch the other scorers off. A mapping the file writes stays the
-    file's whole (its scorers missing there are off).
+    file's whole (its scorers missing there are off). A section (`ports`) is not filled
+    in: its unset fields stay unset, as some mean something (`ports.host` unset is
+    127.0.0.1 while keys are off), and validation gives the others their defaults.
     """
     out = dict(data)
     for key, value in layer.items():
-        default = defaults.get(key)
-        if isinstance(value, Mapping) and isinstance(default, dict):
-            below = default if out.get(key) is None else out[key]
-            if isinstance(below, dict):
-                out[key] = _with_defaults_under(below, value, default)
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None or not isinstance(value, Mapping):
+            continue
+        below = out.get(key)
+        section = field.annotation if isinstance(field.annotation, type) else None
+        if section is not None and issubclass(section, BaseModel):
+            if below is None or isinstance(below, dict):
+                out[key] = _with_defaults_under(below or {}, value, section)
+        elif below is None and isinstance(default := field.get_default(call_default_factory=True), dict):
+            out[key] = dict(default)
     return out

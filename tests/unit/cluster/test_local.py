@@ -539,6 +539,9 @@ def test_bring_up_asks_a_dashboard_that_dropped_again_and_gives_up_with_a_messag
     (["--no-auth"], {}, "127.0.0.1"),
     (["--no-auth"], {"WARMPATH_PORTS__HOST": "0.0.0.0"}, "0.0.0.0"),  # set on purpose: kept
     ([], {}, "0.0.0.0"),  # keys on: every caller is checked
+    # Another port set, by a flag or a variable, filled in the whole ports section, 0.0.0.0 included.
+    (["--no-auth", "--http-port", "8001"], {}, "127.0.0.1"),
+    (["--no-auth"], {"WARMPATH_PORTS__METRICS_EXPORT_PORT": "8081"}, "127.0.0.1"),
 ])
 def test_up_without_keys_listens_on_loopback_unless_told_otherwise(tmp_path, monkeypatch, args, environ, host):
     """Without keys every caller holds every permission, server-side HTTP tools that reach this machine's
@@ -559,3 +562,17 @@ def test_up_without_keys_listens_on_loopback_unless_told_otherwise(tmp_path, mon
     monkeypatch.setattr(local, "up", recording_up)
     CliRunner().invoke(app, ["up", "--state-dir", str(tmp_path), *args])
     assert seen == [host]
+
+
+def test_the_rendered_serve_config_binds_what_up_binds_without_keys(tmp_path):
+    """`render serve-config` is the file `up` deploys: without keys it wrote 0.0.0.0 where `up` bound 127.0.0.1."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    config = tmp_path / "no-keys.yaml"
+    config.write_text("access:\n  is_auth_enabled: false\n")
+    result = CliRunner().invoke(app, ["render", "serve-config", "-c", str(config)])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout)["http_options"]["host"] == "127.0.0.1"

@@ -285,6 +285,39 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
     return url
 
 
+def check_head_startable(cfg: ClusterConfig, state: LocalState) -> None:
+    """Refuses, before the model is built and Redis started, what `start_ray` would refuse: another process's
+    Ray head here, or the ports a new head and the proxies take held by another process. Else `up` built the
+    model, started Redis and made a key for a bring-up that failed at once, and left Redis running."""
+    address = os.environ.get("RAY_ADDRESS")
+    if (problem := _other_cluster_recorded(state, address)) is not None:
+        raise BringUpError(problem)
+    if address:
+        return
+    if _ray_head_up():
+        if not (state.ray_started and is_started_head(state)):
+            raise BringUpError(_foreign_head(cfg))
+    elif (taken := ports_in_use(cfg)):
+        raise BringUpError(_ports_taken(taken))
+
+
+def _foreign_head(cfg: ClusterConfig) -> str:
+    return ("a Ray head is already running on this machine and was not started from this state directory "
+            f"({state_dir_of(cfg)}): another `warmpath up` (or the integration tests' cluster) may be serving "
+            "there, and deploying would replace its application. Stop it (`warmpath down` with its config, or "
+            "`ray stop`), or set RAY_ADDRESS=auto to deploy into it anyway.")
+
+
+def _ports_taken(taken: list[str]) -> str:
+    configurable = [port for port in taken if "(ports." in port]
+    fix = "Stop that process" + (", or set other ports in the config (ports.*)" if configurable else "")
+    if any(f"port {GCS_PORT} " in port for port in taken):
+        # Not configurable: a system redis-server (the distribution's package starts one) holds it.
+        fix += (f"; port {GCS_PORT} is Ray's own, often held by a system redis-server "
+                "(sudo systemctl disable --now redis-server: warmpath starts the Redis it needs)")
+    return f"{', '.join(taken)} in use by another process, and a new Ray head listens there. {fix}"
+
+
 def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     """Joins `RAY_ADDRESS` if set, else starts a local Ray head with enough logical CPUs.
 
@@ -310,24 +343,12 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
             )
             state.ray_started, state.ray_session, state.ray_address = False, None, None
         if not state.ray_started:
-            raise BringUpError(
-                "a Ray head is already running on this machine and was not started from this state directory "
-                f"({state_dir_of(cfg)}): another `warmpath up` (or the integration tests' cluster) may be serving "
-                "there, and deploying would replace its application. Stop it (`warmpath down` with its config, or "
-                "`ray stop`), or set RAY_ADDRESS=auto to deploy into it anyway."
-            )
+            raise BringUpError(_foreign_head(cfg))
         progress("ray: the local head this state directory started is running; using it")
         state.ray_address = "auto"
         return "auto"
-    taken = ports_in_use(cfg)
-    if taken:
-        configurable = [port for port in taken if "(ports." in port]
-        fix = "Stop that process" + (", or set other ports in the config (ports.*)" if configurable else "")
-        if any(f"port {GCS_PORT} " in port for port in taken):
-            # Not configurable: a system redis-server (the distribution's package starts one) holds it.
-            fix += (f"; port {GCS_PORT} is Ray's own, often held by a system redis-server "
-                    "(sudo systemctl disable --now redis-server: warmpath starts the Redis it needs)")
-        raise BringUpError(f"{', '.join(taken)} in use by another process, and a new Ray head listens there. {fix}")
+    if (taken := ports_in_use(cfg)):
+        raise BringUpError(_ports_taken(taken))
     # Logical CPUs: one bundle per replica plus room for the ingress and proxies.
     num_cpus = int(cfg.replicas.num_replicas * cfg.replicas.num_cpus) + 4
     progress(f"ray: starting a local head ({num_cpus} logical CPUs)")
@@ -909,6 +930,7 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     check_proxy_host(cfg, os.environ.get("RAY_ADDRESS"))
     state_dir = state_dir_of(cfg)
     state = LocalState.load(state_dir)
+    check_head_startable(cfg, state)
     ensure_model(cfg, progress)
     redis_url = start_redis(cfg, state, progress)
     state.save(state_dir)

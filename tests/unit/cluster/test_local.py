@@ -576,3 +576,19 @@ def test_the_rendered_serve_config_binds_what_up_binds_without_keys(tmp_path):
     result = CliRunner().invoke(app, ["render", "serve-config", "-c", str(config)])
     assert result.exit_code == 0, result.output
     assert yaml.safe_load(result.stdout)["http_options"]["host"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("is_head_up, taken", [(True, []), (False, ["port 8000 (ports.http_port)"])])
+def test_up_refuses_a_head_it_cannot_start_before_building_or_starting_anything(tmp_path, monkeypatch, is_head_up,
+                                                                                 taken):
+    """Another process's head, or a taken port, was found only after the model was built (up to 40 s), Redis
+    started and a key written: `up` failed then, and left that Redis running."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(local, "check_proxy_host", lambda cfg, address: None)
+    monkeypatch.setattr(local, "_ray_head_up", lambda: is_head_up)
+    monkeypatch.setattr(local, "ports_in_use", lambda cfg: taken)
+    for step in ("ensure_model", "start_redis", "ensure_local_api_key", "start_ray"):
+        monkeypatch.setattr(local, step, lambda *args, step=step, **kwargs: pytest.fail(f"{step} ran"))
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    with pytest.raises(BringUpError, match="already running" if is_head_up else "in use by another process"):
+        local.up(cfg, progress=lambda msg: None)

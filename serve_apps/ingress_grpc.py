@@ -88,6 +88,7 @@ from serve_apps.access import (
 from serve_apps.api_errors import (
     UNAVAILABLE_MESSAGE,
     client_engine_error,
+    error_body,
     error_type,
     exception_body,
     retry_after_header,
@@ -114,7 +115,7 @@ logger = logging.getLogger("ray.serve")
 
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name
-INTERNAL_MESSAGE = "internal error in the gRPC ingress; see the server logs"
+INTERNAL_MESSAGE = "internal error; see the server logs"  # the ingress's own, or one a replica raised
 # Suggested wait before retrying a call refused by back-pressure when Serve names none.
 BACK_PRESSURE_RETRY_AFTER_S = 1.0
 IDEMPOTENCY_METADATA = "idempotency-key"
@@ -167,10 +168,10 @@ def _schema(parameters_json: str, where: str) -> Any:
     try:
         return json.loads(parameters_json)
     except ValueError as err:  # bad syntax, or an integer past Python's 4,300 digits to convert (as over HTTP)
-        raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"{where}: not JSON: {err}") from None
+        raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter", f"{where}: not JSON: {err}") from None
     except RecursionError:  # arrays or objects nested thousands deep: the parser recurses per level
         raise RpcFailure(
-            grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", f"{where}: nested too deeply to parse"
+            grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter", f"{where}: nested too deeply to parse"
         ) from None
 
 
@@ -251,7 +252,7 @@ def chat_completion_fields(request: inference_pb2.ChatCompletionRequest) -> dict
             messages.append(to_wire_message(Message.model_validate(chat_message_to_dict(message))))
         except ValidationError as err:
             message, _ = validation_problem(err.errors(), prefix=f"messages[{index}]")
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", message) from None
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter", message) from None
     tools = []
     for index, tool in enumerate(request.tools):
         function: dict[str, Any] = {"name": tool.name, "description": tool.description}
@@ -260,7 +261,7 @@ def chat_completion_fields(request: inference_pb2.ChatCompletionRequest) -> dict
         if tool.parameters_json and not isinstance(parameters, dict):
             # Named here: the engine's model would name `tools[0].function.parameters`, a field gRPC lacks.
             raise RpcFailure(
-                grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+                grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter",
                 f"{where}: must be a JSON object (a JSON Schema), not {_json_kind(parameters)}",
             )
         function["parameters"] = parameters if parameters is not _NO_SCHEMA else {"type": "object", "properties": {}}
@@ -289,20 +290,20 @@ def response_format(form: inference_pb2.ResponseFormat) -> dict[str, Any]:
     """
     if form.type not in RESPONSE_FORMAT_TYPES:
         raise RpcFailure(
-            grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+            grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter",
             f"response_format.type: {form.type!r} is not one of {', '.join(RESPONSE_FORMAT_TYPES)}",
         )
     if form.type != "json_schema":
         if form.name or form.schema_json or form.strict:
             raise RpcFailure(
-                grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+                grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter",
                 f"response_format: name, schema_json and strict belong to type json_schema, not {form.type}",
             )
         return {"type": form.type}
     schema = _schema(form.schema_json, "response_format.schema_json")
     if not isinstance(schema, dict):
         raise RpcFailure(
-            grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+            grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter",
             "response_format.schema_json: must be a JSON object (a JSON Schema), not "
             + ("empty" if schema is _NO_SCHEMA else _json_kind(schema)),
         )
@@ -483,7 +484,7 @@ def failure_from_exception(err: Exception, request_id: str = "") -> RpcFailure:
     if isinstance(err, ValidationError):
         # Ray Serve LLM calls these 400s too, but in pydantic's multi-line developer text.
         message, _ = validation_problem(err.errors())
-        return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request", message)
+        return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter", message)
     http_status, body = exception_body(err, request_id)
     status = grpc_code(http_status)
     if status in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
@@ -608,8 +609,8 @@ class GrpcIngress:
 
     async def __call__(self, request) -> JSONResponse:
         """Plain HTTP reaching this application's route prefix: point the caller at the gRPC port."""
-        error = {"message": "this application serves gRPC only, on the gRPC port", "code": "grpc_only"}
-        return JSONResponse({"error": error}, status_code=404)
+        return JSONResponse(error_body(404, "this application serves gRPC only, on the gRPC port", code="grpc_only"),
+                            status_code=404)
 
     # Helpers
 
@@ -753,7 +754,7 @@ class GrpcIngress:
         """
         if isinstance(request, UndecodableRequest):
             raise RpcFailure(
-                grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+                grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter",
                 f"the request is not a valid {request.message_type} message: {request.detail}",
             )
         limit = self._guard.settings.access.max_request_bytes

@@ -108,9 +108,9 @@ def _error(status: int, message: str, code: str, param: str | None = None) -> di
 
 
 def _invalid(err: ValidationError) -> dict[str, Any]:
-    """The 422 of a body that fails its model, naming the field at fault."""
+    """The 400 of a body that fails its model, naming the field at fault (as the HTTP ingress refuses it)."""
     message, param = validation_problem(err.errors())
-    return _error(422, message, "invalid_request", param)
+    return _error(400, message, "invalid_parameter", param)
 
 
 def _missing_permission(caller: Caller, tools, http_tools_permission: str | None) -> dict[str, Any] | None:
@@ -265,9 +265,10 @@ def _annotate_call(span: trace.Span, reply: ModelReply, logged: decision_log.Log
     """The answered call's replica, usage, cache figures and routing decision on its span."""
     if span.is_recording():
         span.set_attribute("warmpath.replica", reply.replica_id)
-        span.set_attribute("gen_ai.usage.input_tokens", reply.prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", reply.completion_tokens)
-        span.set_attribute("warmpath.cached_tokens", reply.cached_tokens)
+        if reply.prompt_tokens:  # none when the call was cut short before its usage came (as the ingresses leave it)
+            span.set_attribute("gen_ai.usage.input_tokens", reply.prompt_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", reply.completion_tokens)
+            span.set_attribute("warmpath.cached_tokens", reply.cached_tokens)
         if logged is not None:
             span.set_attribute("warmpath.route.reason", decision_log.served_reason(logged.decision, reply.replica_id))
             span.set_attribute(

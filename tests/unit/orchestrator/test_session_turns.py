@@ -488,3 +488,15 @@ def test_a_template_that_refuses_a_session_is_named_at_creation_and_in_a_turn():
     assert items[-1]["kind"] == "error" and items[-1]["code"] == "chat_template_refused"
     assert "cannot render a forbidden message" in items[-1]["message"]
     assert orchestrator._model.replies and orchestrator._store.logs[session_id] == []
+
+
+def test_a_call_cut_short_before_its_usage_records_no_usage():
+    """A cut-short call's span said `gen_ai.usage.input_tokens: 0`; the ingresses leave usage out then."""
+    from serve_apps.orchestrator.deployment import _annotate_call
+
+    recorded: dict = {}
+    span = SimpleNamespace(is_recording=lambda: True, set_attribute=recorded.__setitem__)
+    _annotate_call(span, ModelReply(content="", replica_id="r1"), None)
+    assert recorded == {"warmpath.replica": "r1"}
+    _annotate_call(span, ModelReply(content="x", replica_id="r1", prompt_tokens=12, completion_tokens=3), None)
+    assert recorded["gen_ai.usage.input_tokens"] == 12 and recorded["gen_ai.usage.output_tokens"] == 3

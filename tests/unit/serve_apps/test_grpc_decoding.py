@@ -98,5 +98,5 @@ def test_the_ingress_answers_an_undecodable_request_invalid_argument_before_its_
 
     asyncio.run(stream())
     assert seen["code"] == grpc.StatusCode.INVALID_ARGUMENT
-    assert chunks[-1].error.code == "invalid_request"
+    assert chunks[-1].error.code == "invalid_parameter"  # as over HTTP
     assert isinstance(chunks[-1], inference_pb2.ChatCompletionChunk)

@@ -226,7 +226,7 @@ def _client_errors():
                      id="vllm-client-error"),
         pytest.param(wrapped_by_ray(VLLMValidationError("bad tool_choice")), Code.INVALID_ARGUMENT, "BadRequestError",
                      "bad tool_choice", id="raised-in-a-replica"),
-        pytest.param(schema_error, Code.INVALID_ARGUMENT, "invalid_request",
+        pytest.param(schema_error, Code.INVALID_ARGUMENT, "invalid_parameter",
                      "tools[0].function.parameters: Input should be a valid dictionary", id="pydantic"),
     ]
 
@@ -1169,3 +1169,17 @@ def test_a_failure_is_logged_once():
         ray_llm_logger.removeHandler(handler)
     assert classified.is_logged and len(records) == 1
     assert not failure_from_exception(TimeoutError("slow")).is_logged
+
+
+def test_plain_http_to_the_grpc_application_gets_openais_error_shape():
+    response = _run(_ingress().__call__(None))
+    body = json.loads(response.body)
+    assert response.status_code == 404
+    assert body["error"]["code"] == "grpc_only" and {"type", "param", "message"} <= set(body["error"])
+
+
+def test_a_failure_a_replica_raised_is_not_blamed_on_the_grpc_ingress():
+    from serve_apps.ingress_grpc import failure_from_exception
+
+    failure = failure_from_exception(RuntimeError("engine core died"), "req-1")
+    assert failure.status is Code.INTERNAL and "gRPC ingress" not in failure.message

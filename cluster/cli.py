@@ -471,7 +471,10 @@ def render_serve_config_cmd(
     if out is None:
         sys.stdout.write(text)
     else:
-        _write_or_exit(out, lambda path: path.write_text(text))
+        from cluster.local import write_private
+
+        # Owner-only, as `up` keeps its own copy: the config holds redis_url, its password included.
+        _write_or_exit(out, lambda path: write_private(path, text))
 
 
 @render_app.command("k8s")

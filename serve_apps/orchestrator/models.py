@@ -92,6 +92,15 @@ class ToolSpec(_Strict):
     )
     execution: ToolExecution = Field(description="Where the tool runs.")
 
+    @field_validator("required_permissions")
+    @classmethod
+    def _check_permissions(cls, permissions: list[str]) -> list[str]:
+        # As keys are granted them (`keys create --permission`): no key could hold one of these, so the tool
+        # could never run.
+        if bad := [p for p in permissions if not p or any(c.isspace() for c in p)]:
+            raise ValueError(f"each permission is a non-empty name without whitespace, got {', '.join(map(repr, bad))}")
+        return permissions
+
     @field_validator("name")
     @classmethod
     def _check_name(cls, name: str) -> str:

@@ -47,6 +47,17 @@ def test_render_serve_config_creates_missing_parent_folders(tmp_path):
     assert "import_path" in out.read_text()
 
 
+def test_render_serve_config_writes_a_file_only_its_owner_reads(tmp_path, monkeypatch):
+    """The config holds redis_url with its password; the file was world-readable."""
+    monkeypatch.setenv("REDIS_URL", "redis://:s3cret@db.internal:6379/0")
+    out = tmp_path / "serve.yaml"
+    out.write_text("")
+    out.chmod(0o644)
+    result = CliRunner().invoke(app, ["render", "serve-config", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "s3cret" in out.read_text() and out.stat().st_mode & 0o777 == 0o600
+
+
 @pytest.mark.parametrize("case", range(3))
 def test_simulate_refuses_a_bad_out_before_simulating(tmp_path, monkeypatch, case):
     from bench import simulator

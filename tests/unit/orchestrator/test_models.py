@@ -618,3 +618,10 @@ def test_a_tool_named_as_a_tool_choice_keyword_is_refused(name):
     with pytest.raises(ValidationError) as info:
         ToolSpec.model_validate(_tool(name=name))
     assert "is a `tool_choice` keyword" in str(info.value)
+
+
+@pytest.mark.parametrize("permission", ["", "orders write", " orders:write", "a\tb"])
+def test_a_permission_no_key_could_hold_is_refused(permission):
+    """Keys are granted non-empty names without whitespace: a tool requiring another could never run."""
+    with pytest.raises(ValidationError, match="non-empty name without whitespace"):
+        ToolSpec(name="t", execution={"kind": "client"}, required_permissions=["orders:read", permission])

@@ -103,7 +103,10 @@ def ratio_table(summaries: Mapping[str, Mapping | None], title: str = "",
         lines.append("(no run finished)")
         lines += [f"{policy}  FAILED: {errors.get(policy, 'no result')}" for policy in summaries]
         return "\n".join(lines)
-    baseline = BASELINE_POLICY if BASELINE_POLICY in finished else finished[0]
+    # The first run that served a request where Ray's default served none (its figures are all None): every
+    # ratio to it was blank.
+    served = [p for p in finished if summaries[p].get("num_requests")] or finished
+    baseline = BASELINE_POLICY if BASELINE_POLICY in served else served[0]
     base = summaries[baseline]
     rows = [["policy", "requests"] + [name for _, name, _ in METRICS]]
     for policy in finished:

@@ -188,10 +188,26 @@ def _records(
         if run.get("error"):
             parser.error(f"the {policy} run in {path} failed ({run['error']}): it has no records")
         try:
-            records.append([RequestRecord.from_json(r) for r in run["records"]])
+            if not isinstance(run.get("records"), list):
+                raise TypeError("records is not a list")
+            records.append([_record(r) for r in run["records"]])
         except (KeyError, TypeError, ValueError) as err:
             parser.error(f"the {policy} run in {path} has malformed records ({type(err).__name__}: {err})")
     return records
+
+
+_NUMBERS = ("step_index", "send_s", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_s", "latency_s")
+
+
+def _record(data: object) -> RequestRecord:
+    """One record of a bench file, its figures numbers (the fit did arithmetic on a `"abc"`, with a traceback)."""
+    if not isinstance(data, dict):
+        raise TypeError(f"a record is {type(data).__name__}, not an object")
+    for name in _NUMBERS:
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"{name} is {value!r}, not a number")
+    return RequestRecord.from_json(data)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -94,7 +94,8 @@ class WorkloadSource:
         self._max_output_tokens = max_output_tokens
 
     def arrivals(self) -> Iterable[tuple[float, Session]]:
-        return ((s.arrival_s, s) for s in self._workload.sessions)
+        """Sessions at their arrival times; one with no steps sends nothing (the generators make none)."""
+        return ((s.arrival_s, s) for s in self._workload.sessions if s.steps)
 
     def request(self, session: Session, step_index: int, arrival_s: float) -> SimRequest:
         step = session.steps[step_index]
@@ -299,6 +300,13 @@ class Simulation:
         if not self.router.wants_kv_events:
             return
         batch: list = []
+        dropped_new: list[BlockHash] = []
+        if len(hashes) > self.profile.kv_capacity_blocks and evicted:
+            # A chain longer than the whole cache evicts some of its own new blocks, after storing them: their
+            # removal follows the store, as the cache changed (announced before it, the index kept them).
+            new = set(hashes[first_new:])
+            dropped_new = [block_hash for block_hash in evicted if block_hash in new]
+            evicted = [block_hash for block_hash in evicted if block_hash not in new]
         if evicted:
             batch.append(BlockRemoved(block_hashes=evicted))
         if first_new < len(hashes):
@@ -309,6 +317,8 @@ class Simulation:
                 token_ids=token_ids[first_new * block_size: len(hashes) * block_size],
                 block_size=block_size,
             ))
+        if dropped_new:
+            batch.append(BlockRemoved(block_hashes=dropped_new))
         if batch:
             # A replica's events reach the router in the order its cache changed (one ZMQ stream each).
             deliver_s = max(computed_s + self.profile.kv_event_lag_s, self._last_delivery_s[replica])

@@ -119,6 +119,19 @@ def test_table_marks_a_failed_policy_and_falls_back_to_the_first_that_finished()
     assert "0.50 (0.400)" in lines[6]
 
 
+def test_table_whose_baseline_served_no_request_takes_the_first_run_that_did():
+    """Ray's default with every request failed still has a summary, all its figures None: every ratio was blank."""
+    from bench.trace import RequestRecord, summarize
+
+    served = [RequestRecord("a", 0, 0.0, 100, cached_tokens=50, replica_id="r0", ttft_s=1.0, latency_s=2.0)]
+    failed = [RequestRecord("a", 0, 0.0, 100, error="HTTP 500")]
+    summaries = {policy: summarize(records, ["r0", "r1"], 32).to_json()
+                 for policy, records in (("pow2", failed), ("warmpath", served))}
+    lines = ratio_table(summaries, "title", num_planned=1).splitlines()
+    assert lines[1] == "(ratio to warmpath, value in parentheses)"
+    assert "1.00 (" in next(line for line in lines if line.startswith("warmpath"))
+
+
 def test_table_of_runs_that_all_failed_says_so():
     text = ratio_table({"pow2": None, "warmpath": None}, "title", {"pow2": "MemoryError", "warmpath": "OSError: x"})
     assert text.splitlines() == ["title", "(no run finished)", "pow2  FAILED: MemoryError",

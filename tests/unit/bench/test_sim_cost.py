@@ -101,11 +101,14 @@ def _bad_files(tmp_path) -> dict[str, tuple[object, str]]:
         "one-size": ({"policies": {"pow2": ok_run}}, "at least two distinct uncached token counts"),
         "all-failed": ({"policies": {"pow2": {"error": "RuntimeError: boom"}}}, "has no run that finished"),
         "malformed": ({"policies": {"pow2": {"records": [{"send_s": 1.0}]}}}, "has malformed records"),
+        "text-figure": ({"policies": {"pow2": {"records": [{**_record(100, 0.1).to_json(), "prompt_tokens": "abc"}]}}},
+                        "prompt_tokens is 'abc', not a number"),
+        "records-object": ({"policies": {"pow2": {"records": {"a": 1}}}}, "records is not a list"),
     }
 
 
 @pytest.mark.parametrize("name", ["missing", "folder", "text", "binary", "list", "simulate", "no-requests",
-                                  "one-size", "all-failed", "malformed"])
+                                  "one-size", "all-failed", "malformed", "text-figure", "records-object"])
 def test_a_file_that_cannot_be_fitted_is_one_error_line_naming_it(tmp_path, capsys, name):
     content, message = _bad_files(tmp_path)[name]
     path = tmp_path / f"{name}.json"

@@ -111,7 +111,8 @@ def test_same_seed_same_simulation():
     assert [dataclasses.astuple(r) for r in first.records] == [dataclasses.astuple(r) for r in again.records]
 
 
-@pytest.mark.parametrize("capacity_blocks", [CPU_PROFILE.kv_capacity_blocks, 300])
+# 60: shorter than most prompts, whose chains evict some of their own new blocks as they are stored.
+@pytest.mark.parametrize("capacity_blocks", [CPU_PROFILE.kv_capacity_blocks, 300, 60])
 def test_warmpath_index_mirrors_the_simulated_caches_through_kv_events(capacity_blocks):
     workload = _tiny_workload("coding", 2)
     profile = dataclasses.replace(CPU_PROFILE, kv_capacity_blocks=capacity_blocks)
@@ -323,3 +324,12 @@ def test_generated_tokens_cached_for_the_next_step_leave_out_the_last_one():
     records = simulate("pow2", 1, HAND, workload=workload, renderer=renderer).records
     held = len(first) + 3 - 1
     assert [r.cached_tokens for r in records] == [0, held // 4 * 4]
+
+
+def test_a_session_without_steps_sends_nothing():
+    """A hand-built workload's session with no steps failed the run (IndexError) at its arrival."""
+    workload = _tiny_workload("fanout", 2)
+    empty = dataclasses.replace(workload.sessions[0], steps=())
+    workload = dataclasses.replace(workload, sessions=(empty, *workload.sessions[1:]))
+    result = simulate("warmpath", 2, CPU_PROFILE, workload=workload)
+    assert result.records and all(r.session_id != empty.session_id for r in result.records)

@@ -28,6 +28,8 @@ import redis
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
+from cluster.model_builder import ModelShape
+
 DEFAULT_MODEL_ID = "warmpath-tiny"
 ENV_PREFIX = "WARMPATH_"
 
@@ -56,8 +58,19 @@ class ModelConfig(_Strict):
     )
     max_model_len_tokens: int = Field(8192, description="Context window in tokens.", ge=256)
     tool_call_parser: str = Field(
-        "hermes", description="vLLM tool-call parser for `tool_choice: auto` (the built model's template emits hermes)."
+        "hermes", description="vLLM tool-call parser for `tool_choice: auto` (the built model's template emits hermes).",
+        min_length=1,
     )
+
+    @model_validator(mode="after")
+    def _fits_the_built_model(self) -> "ModelConfig":
+        # The model `build-model` writes has a fixed window: beyond it every replica fails to start, minutes later.
+        built = ModelShape().max_position_embeddings
+        if not self.source and self.max_model_len_tokens > built:
+            raise ValueError(f"model.max_model_len_tokens {self.max_model_len_tokens} is over the {built} tokens the "
+                             "built model holds (max_position_embeddings); set model.source to a model with a longer "
+                             "window, or at most that")
+        return self
 
 
 # Far past any machine, and low enough that Ray's integer CPU counts (`ray start --num-cpus`) stay exact.
@@ -132,7 +145,9 @@ class ReplicaConfig(_Strict):
         if bad:
             raise ValueError(f"replicas.ray_resources {bad}: amounts must be finite and above 0")
         reserved = {"model", "tensor_parallel_size", "block_size", "enable_prefix_caching", "kv_events_config",
-                    "enable_prompt_tokens_details", "enable_auto_tool_choice"}
+                    "enable_prompt_tokens_details", "enable_auto_tool_choice",
+                    # Ray Serve LLM sets these itself (the served name is model.model_id) and refuses them there.
+                    "served_model_name", "distributed_executor_backend"}
         clash = sorted(reserved & set(self.engine_kwargs))
         if clash:
             raise ValueError(f"replicas.engine_kwargs may not set {clash}: they are owned by the cluster config")

@@ -61,6 +61,11 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"replicas": {"accelerator": "gpu", "num_gpus": 1, "tensor_parallel_size": 2}}, "must equal"),
         ({"replicas": {"num_gpus": 1}}, "must be 0"),
         ({"replicas": {"engine_kwargs": {"block_size": 64}}}, "owned by the cluster config"),
+        # Ray Serve LLM refuses these inside each replica, minutes after `up` began.
+        ({"replicas": {"engine_kwargs": {"served_model_name": "x"}}}, "owned by the cluster config"),
+        ({"replicas": {"engine_kwargs": {"distributed_executor_backend": "ray"}}}, "owned by the cluster config"),
+        ({"model": {"max_model_len_tokens": 16384}}, "over the 8192 tokens the built model holds"),
+        ({"model": {"tool_call_parser": ""}}, "model.tool_call_parser"),
         ({"replicas": {"accelerator": "gpu", "num_gpus": 1, "ray_resources": {"slot": 1}}}, "applies to CPU replicas"),
         ({"replicas": {"ray_resources": {"CPU": 1}}}, "Ray's own resources ['CPU']"),
         ({"replicas": {"ray_resources": {"slot": 0}}}, "finite and above 0"),
@@ -233,3 +238,8 @@ def test_the_prefix_aware_router_gets_arguments_it_accepts_with_the_engines_wind
     cfg = load_config(environ={}, overrides={"model": {"max_model_len_tokens": 4096}})
     args = RouterArgs.model_validate(request_router_config(cfg)["request_router_kwargs"])
     assert args.max_model_len_tokens == 4096 and args.block_size_tokens == cfg.replicas.block_size_tokens
+
+
+def test_a_model_of_ones_own_sets_its_own_window():
+    cfg = load_config(environ={}, overrides={"model": {"source": "/models/long", "max_model_len_tokens": 32768}})
+    assert cfg.model.max_model_len_tokens == 32768

@@ -129,7 +129,7 @@ def _load(config: Optional[Path], **flags) -> ClusterConfig:
 def build_model_cmd(
     config: Optional[Path] = ConfigOpt,
     out: Optional[Path] = typer.Option(None, help="Output folder (default: the config's model folder)."),
-    seed: int = typer.Option(0, help="Weight initialisation seed."),
+    seed: int = typer.Option(0, help="Weight initialisation seed.", min=0, max=2**64 - 1),
     force: bool = typer.Option(False, "--force", help="Write into a folder that holds files of another model."),
 ) -> None:
     """Write the small random-weight Llama model, tokenizer and chat template."""
@@ -376,8 +376,15 @@ def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateDir
     """Stop what `warmpath up` started."""
     from cluster import local
 
+    cfg = _load(config, state_dir=state_dir)
+    where = local.state_dir_of(cfg)
+    if where.exists() and not where.is_dir():
+        _refuse(f"state_dir {where} is a file, not the folder `up` records what it started in")
+    if state_dir is not None and not where.exists():
+        # A mistyped folder read as "nothing to stop" told a script the cluster was down.
+        _refuse(f"--state-dir {where} does not exist: pass the folder `up` used (nothing was stopped)")
     try:
-        is_stopped = local.down(_load(config, state_dir=state_dir), progress)
+        is_stopped = local.down(cfg, progress)
     except local.BringUpError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1)

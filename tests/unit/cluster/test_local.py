@@ -592,3 +592,27 @@ def test_up_refuses_a_head_it_cannot_start_before_building_or_starting_anything(
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
     with pytest.raises(BringUpError, match="already running" if is_head_up else "in use by another process"):
         local.up(cfg, progress=lambda msg: None)
+
+
+def test_down_with_a_state_dir_that_is_not_there_says_so(tmp_path):
+    """A mistyped --state-dir was "nothing to stop" and exit 0: a script read the cluster as stopped."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for where, message in ((tmp_path / "mistyped", "does not exist"), (a_file, "is a file")):
+        result = CliRunner().invoke(app, ["down", "--state-dir", str(where)])
+        assert result.exit_code == 2 and message in result.output, result.output
+    result = CliRunner().invoke(app, ["down", "--state-dir", str(tmp_path)])  # there, and nothing recorded
+    assert result.exit_code == 0 and "nothing to stop" in result.output
+
+
+def test_a_build_model_seed_torch_cannot_take_is_refused_before_building(tmp_path):
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    result = CliRunner().invoke(app, ["build-model", "--seed", str(2**64), "--out", str(tmp_path / "m")])
+    assert result.exit_code == 2 and not (tmp_path / "m").exists()

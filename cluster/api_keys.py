@@ -60,7 +60,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from redis.exceptions import RedisError, ResponseError, WatchError
 
-from cluster.config import MAX_KEY_BURST
+from cluster.config import MAX_KEY_BURST, MAX_REFILL_S
 from cluster.redis_errors import redis_refusal, retry_on_dead_connection
 from cluster.redis_pool import pooled_client
 
@@ -71,9 +71,6 @@ MAX_KEY_NAME_LENGTH = 128
 # How long a key check waits for Redis' reply before calling it unreachable (503). A Redis that is
 # down refuses the connection at once; a busy host can delay a healthy reply past 2 s.
 REDIS_REPLY_TIMEOUT_S = 5.0
-# Longest a key's empty bucket may take to refill (burst / requests_per_s): about 31,700 years. Beyond
-# it the bucket arithmetic leaves what Redis can hold as a millisecond expiry.
-MAX_REFILL_S = 1e12
 # The bucket's expiry and a refusal's retry delay are capped here, in whole milliseconds.
 MAX_BUCKET_TTL_MS = int(MAX_REFILL_S * 1000)
 _NS = "warmpath:"

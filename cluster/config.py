@@ -332,6 +332,9 @@ class TelemetryConfig(_Strict):
 # Largest token bucket of an API key: far past any use, and exact as a Lua number (the rate-limit
 # script keeps 14 digits).
 MAX_KEY_BURST = 10**9
+# Longest a key's empty bucket may take to refill (burst / requests_per_s): about 31,700 years. Beyond
+# it the bucket arithmetic leaves what Redis can hold as a millisecond expiry.
+MAX_REFILL_S = 1e12
 # gRPC's message size options are C ints: the gRPC proxy cannot start with a larger limit.
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
 
@@ -358,6 +361,16 @@ class AccessConfig(_Strict):
         "key was created with its own `--max-sessions`; null: no limit. Keys holding '*' have none.",
         ge=1,
     )
+
+    @model_validator(mode="after")
+    def _refills(self) -> "AccessConfig":
+        # As `keys create` refuses a key's own: else every key created with the defaults was refused, naming
+        # flags its creator never passed.
+        if not self.default_burst / self.default_requests_per_s < MAX_REFILL_S:
+            raise ValueError(f"access.default_burst / access.default_requests_per_s (the seconds an empty bucket "
+                             f"takes to refill) must be under {MAX_REFILL_S:g} s, got "
+                             f"{self.default_burst / self.default_requests_per_s:g} s")
+        return self
 
 
 # Never a tool: link-local addresses (cloud metadata services answer there) and the other metadata endpoints.

@@ -94,8 +94,13 @@ def load_overlay_config(overlay_dir: Path) -> ClusterConfig:
             (`./m`, `~/m`: either resolves to a path on the machine that renders), or `redis_url` carries a
             password (it would be readable by anyone who can read the RayService).
     """
-    cfg = load_config(overlay_dir / CLUSTER_CONFIG_FILE, environ={})
     where = overlay_dir / CLUSTER_CONFIG_FILE
+    try:
+        cfg = load_config(where, environ={})
+    except ConfigError as err:
+        message = str(err)
+        # Every overlay is rendered in turn: say which file is wrong (a missing one names itself already).
+        raise ConfigError(message if str(where) in message else f"{where}: {message}") from None
     if not cfg.model.source:
         raise ConfigError(
             f"{where}: model.source must name the model inside the pod "

@@ -66,6 +66,7 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"replicas": {"engine_kwargs": {"distributed_executor_backend": "ray"}}}, "owned by the cluster config"),
         ({"model": {"max_model_len_tokens": 16384}}, "over the 8192 tokens the built model holds"),
         ({"model": {"tool_call_parser": ""}}, "model.tool_call_parser"),
+        ({"access": {"default_requests_per_s": 1e-12}}, "must be under 1e+12 s"),
         ({"replicas": {"accelerator": "gpu", "num_gpus": 1, "ray_resources": {"slot": 1}}}, "applies to CPU replicas"),
         ({"replicas": {"ray_resources": {"CPU": 1}}}, "Ray's own resources ['CPU']"),
         ({"replicas": {"ray_resources": {"slot": 0}}}, "finite and above 0"),

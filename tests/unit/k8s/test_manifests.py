@@ -518,8 +518,9 @@ def test_gpu_overlay_loads_a_hugging_face_model_with_a_token_secret():
 )
 def test_render_refuses_configs_unfit_for_a_pod(tmp_path: Path, config: str, message: str):
     (tmp_path / "cluster.yaml").write_text(config)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as err:
         k8s_render.render_k8s(tmp_path)
+    assert str(tmp_path / "cluster.yaml") in str(err.value)  # which overlay, when every one is rendered
 
 
 def test_render_k8s_check_reports_drift_and_render_fixes_it(tmp_path: Path):

@@ -26,7 +26,9 @@ from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import redis
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, JsonValue, ValidationError, ValidationInfo, field_validator, model_validator,
+)
 
 from cluster.model_builder import ModelShape
 
@@ -40,6 +42,25 @@ EngineArgValue = JsonValue
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML reads `yes`, `on` and `true` as booleans, which pydantic takes for 1 (`num_replicas: yes`,
+        `local_redis_port: true`: a privileged port): a number field refuses them."""
+        if isinstance(value, bool) and info.field_name is not None:
+            allowed = _leaf_types(cls.model_fields[info.field_name].annotation)
+            if bool not in allowed and allowed & {int, float}:
+                raise ValueError(f"{str(value).lower()} is a boolean, not a number")
+        return value
+
+
+def _leaf_types(annotation: Any) -> set:
+    """The plain types an annotation admits (`int | None` admits int and NoneType)."""
+    args = get_args(annotation)
+    if not args:
+        return {annotation}
+    return set().union(*(_leaf_types(arg) for arg in args))
 
 
 class ModelConfig(_Strict):

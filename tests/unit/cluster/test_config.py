@@ -67,6 +67,10 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"model": {"max_model_len_tokens": 16384}}, "over the 8192 tokens the built model holds"),
         ({"model": {"tool_call_parser": ""}}, "model.tool_call_parser"),
         ({"access": {"default_requests_per_s": 1e-12}}, "must be under 1e+12 s"),
+        # YAML's yes/on/true: taken for 1 (a replica, 1 GiB of KV cache, a privileged port).
+        ({"replicas": {"num_replicas": True}}, "replicas.num_replicas: Value error, true is a boolean, not a number"),
+        ({"ports": {"local_redis_port": True}}, "ports.local_redis_port"),
+        ({"router": {"pending_ttl_s": False}}, "false is a boolean"),
         ({"replicas": {"accelerator": "gpu", "num_gpus": 1, "ray_resources": {"slot": 1}}}, "applies to CPU replicas"),
         ({"replicas": {"ray_resources": {"CPU": 1}}}, "Ray's own resources ['CPU']"),
         ({"replicas": {"ray_resources": {"slot": 0}}}, "finite and above 0"),

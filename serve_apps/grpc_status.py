@@ -127,6 +127,7 @@ class RpcFailure(Exception):
         self.trailing_metadata = tuple(trailing_metadata)
         # Whether the exception it stands for is in the log already (Ray Serve LLM logs what it classifies).
         self.is_logged = False
+        self.replica_id = ""  # the replica that answered with this failure, where one did
 
     @classmethod
     def from_envelope(cls, envelope: Mapping[str, Any]) -> "RpcFailure":

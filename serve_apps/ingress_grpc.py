@@ -115,6 +115,8 @@ logger = logging.getLogger("ray.serve")
 
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name
+# Names the replica that refused a call, as the HTTP ingress's `x-warmpath-replica` header does.
+REPLICA_METADATA = "x-warmpath-replica"
 INTERNAL_MESSAGE = "internal error; see the server logs"  # the ingress's own, or one a replica raised
 # Suggested wait before retrying a call refused by back-pressure when Serve names none.
 BACK_PRESSURE_RETRY_AFTER_S = 1.0
@@ -391,15 +393,20 @@ def chat_chunk_to_proto(payload: Mapping[str, Any], replica_id: str) -> inferenc
     return chunk
 
 
-def engine_failure(error: Mapping[str, Any]) -> RpcFailure:
+def engine_failure(error: Mapping[str, Any], replica_id: str = "") -> RpcFailure:
     """An engine error (`ErrorResponse.error`: message, type, HTTP `code`) as an RPC failure.
 
     The code names the status as the HTTP API's `error.type` does; the details are the
-    message without Ray Serve LLM's wrapping (`serve_apps.api_errors`).
+    message without Ray Serve LLM's wrapping (`serve_apps.api_errors`). The replica that
+    answered it, where known, is named as over HTTP (`x-warmpath-replica`): on a stream's
+    error chunk, and in a unary call's trailing metadata.
     """
     status, message = client_engine_error(error)  # the engine's own failure said as over HTTP
     status = status or 500  # none named: the engine's own failure, a 500 over HTTP (not a turn's `model_error`)
-    return RpcFailure(grpc_code(status), error_type(status), message)
+    failure = RpcFailure(grpc_code(status), error_type(status), message,
+                         ((REPLICA_METADATA, replica_id),) if replica_id else ())
+    failure.replica_id = replica_id
+    return failure
 
 
 def session_event_to_proto(event: Mapping[str, Any]) -> agent_pb2.SessionEvent:
@@ -640,7 +647,7 @@ class GrpcIngress:
             async for replica_id, output in outputs:
                 for payload in sse_payloads(output):
                     if "error" in payload:
-                        raise engine_failure(payload["error"])
+                        raise engine_failure(payload["error"], replica_id)
                     usage.note(payload.get("usage"))
                     has_chunks = True
                     yield chat_chunk_to_proto(payload, replica_id)
@@ -695,9 +702,10 @@ class GrpcIngress:
                             continue
                         for output in item if isinstance(item, list) else [item]:
                             if isinstance(output, ErrorResponse):
-                                raise engine_failure(output.error.model_dump())
+                                raise engine_failure(output.error.model_dump(), replica_id)
                             if not has_output and (refused := stream_leading_error(output)) is not None:
-                                raise engine_failure(refused)  # refused before any token: settled as a refusal
+                                # Refused before any token: settled as a refusal.
+                                raise engine_failure(refused, replica_id)
                             has_output = True
                             first_output_deadline.reschedule(None)
                             yield replica_id, output
@@ -816,15 +824,20 @@ class GrpcIngress:
                     with rpc.current():
                         await stream.aclose()
             except Exception as err:
-                yield _with_stream_identity(error_message(_fail(grpc_context, rpc, method, err)), last)
+                failure = _fail(grpc_context, rpc, method, err)
+                yield _with_stream_identity(error_message(failure), last, failure.replica_id)
 
 
-def _with_stream_identity(error: ResponseT, last: Optional[ResponseT]) -> ResponseT:
+def _with_stream_identity(error: ResponseT, last: Optional[ResponseT], replica_id: str = "") -> ResponseT:
     """A failed stream's last message naming what its earlier ones named (a completion chunk's id, model and
-    replica, which the contract promises on every chunk): a client attributing failures read ""."""
+    replica, which the contract promises on every chunk), or the replica that refused the call before any
+    chunk: a client attributing failures read ""."""
+    fields = type(error).DESCRIPTOR.fields_by_name
+    if replica_id and "replica_id" in fields:
+        error.replica_id = replica_id
     if last is not None:
         for field in _STREAM_IDENTITY_FIELDS:
-            if field in type(error).DESCRIPTOR.fields_by_name and getattr(last, field, ""):
+            if field in fields and getattr(last, field, ""):
                 setattr(error, field, getattr(last, field))
     return error
 

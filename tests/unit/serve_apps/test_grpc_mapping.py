@@ -1023,6 +1023,13 @@ def test_chat_completion_engine_error_and_unknown_model():
     context = FakeContext()
     _run(_ingress(llm=FakeHandle(chat=_llm_stream(ServedBy("r"), [error]))).ChatCompletion(_chat_request(), context))
     assert (context.code, context.details) == (Code.INVALID_ARGUMENT, "prompt too long")
+    assert ("x-warmpath-replica", "r") in context.trailing_metadata  # as over HTTP: the refusal names its replica
+
+    # Streamed, the same refusal comes before any chunk: its error chunk named no replica.
+    context = FakeContext()
+    ingress = _ingress(llm=FakeHandle(chat=_llm_stream(ServedBy("r"), [error])))
+    (last, code), = _run(_collect(ingress.StreamChatCompletion(_chat_request(), context), context))
+    assert (last.error.message, last.replica_id, code) == ("prompt too long", "r", Code.INVALID_ARGUMENT)
 
     context = FakeContext()
     llm = FakeHandle()

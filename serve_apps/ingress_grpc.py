@@ -76,6 +76,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from starlette.responses import JSONResponse
 
 from cluster import telemetry
+from router import decision_log
 from cluster.config import TelemetryConfig
 from serve_apps.access import (
     AccessDenied,
@@ -718,8 +719,9 @@ class GrpcIngress:
                 "(RAY_SERVE_LLM_ROUTER_HTTP_TIMEOUT sets this limit)",
             ) from None
         finally:
-            settle_model_call(replica_id, has_output, *usage_tokens(usage.usage if has_output else None))
-            _annotate_model_call(chat_request, replica_id, usage.usage if has_output else None)
+            logged = settle_model_call(replica_id, has_output, *usage_tokens(usage.usage if has_output else None))
+            _annotate_model_call(chat_request, replica_id, usage.usage if has_output else None,
+                                 logged if has_output else None)
 
     async def _turn_events(self, stream, grpc_context, rpc: _RpcSpan) -> AsyncIterator[agent_pb2.SessionEvent]:
         """An orchestrator turn stream (envelope, then event dicts) as `SessionEvent`s.
@@ -826,6 +828,10 @@ class GrpcIngress:
             except Exception as err:
                 failure = _fail(grpc_context, rpc, method, err)
                 yield _with_stream_identity(error_message(failure), last, failure.replica_id)
+            except BaseException:  # the caller left before the end (its stream closed, or its task cancelled)
+                if rpc.span.is_recording():
+                    rpc.span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)  # as over HTTP
+                raise
 
 
 def _with_stream_identity(error: ResponseT, last: Optional[ResponseT], replica_id: str = "") -> ResponseT:
@@ -856,9 +862,12 @@ class _LastUsage:
             self.usage = usage
 
 
-def _annotate_model_call(chat_request: ChatCompletionRequest, replica_id: str, usage: Optional[Mapping[str, Any]]) -> None:
+def _annotate_model_call(
+    chat_request: ChatCompletionRequest, replica_id: str, usage: Optional[Mapping[str, Any]],
+    logged: Optional[decision_log.LoggedDecision] = None,
+) -> None:
     """The model call on the RPC's span, as the HTTP ingress has it on its own: GenAI's names, the replica
-    that served it, and the last usage it sent."""
+    that served it, the last usage it sent, and why the router placed it there (where it decided)."""
     span = trace.get_current_span()
     if not span.is_recording():
         return
@@ -866,6 +875,10 @@ def _annotate_model_call(chat_request: ChatCompletionRequest, replica_id: str, u
     span.set_attribute("gen_ai.request.model", str(chat_request.model))
     if replica_id:
         span.set_attribute("warmpath.replica", replica_id)
+        if logged is not None:
+            span.set_attribute("warmpath.route.reason", decision_log.served_reason(logged.decision, replica_id))
+            span.set_attribute("warmpath.route.predicted_cached_tokens",
+                               logged.decision.predicted_cached_tokens.get(replica_id, 0))
     telemetry.annotate_usage(span, usage)
 
 

@@ -622,7 +622,7 @@ class _DecidingLLM:
         from router import decision_log
 
         context = _get_serve_request_context()
-        decision = SimpleNamespace(reason="prefix-hit", replica_id="r1", predicted_cached_tokens={})
+        decision = SimpleNamespace(reason="prefix-hit", replica_id="r1", predicted_cached_tokens={"r1": 32})
         now = time.time_ns()
         decision_log.DECISIONS.put(context.request_id, context._internal_request_id,
                                    decision_log.LoggedDecision(decision, now, now))
@@ -661,6 +661,10 @@ def test_a_streamed_rpc_keeps_its_routing_span_when_the_caller_leaves(spans, mon
     assert by_name["warmpath.route"].parent.span_id == rpc.context.span_id
     # The model call on the RPC's span, as the HTTP chat span has it (usage only from a stream read to its end).
     assert (rpc.attributes["gen_ai.operation.name"], rpc.attributes["warmpath.replica"]) == ("chat", "r1")
+    # Why it went there, as the HTTP chat span has it (it was on the child `warmpath.route` span only).
+    assert rpc.attributes["warmpath.route.reason"] == "prefix-hit"
+    assert rpc.attributes["warmpath.route.predicted_cached_tokens"] == 32
+    assert rpc.attributes.get("warmpath.stream.incomplete", False) is is_left  # as the HTTP span says it
     if not is_left:
         assert (rpc.attributes["gen_ai.usage.input_tokens"], rpc.attributes["warmpath.cached_tokens"]) == (40, 32)
 

@@ -98,6 +98,10 @@ async def _ending_span_on_failure(call: Awaitable[T], span: trace.Span) -> T:
         raise
 
 
+# What vLLM answers (a 400) to a call that is not streamed when its caller leaves: it catches the cancellation.
+CLIENT_DISCONNECTED = "Client disconnected"
+
+
 def engine_failures(item: Any) -> list[tuple[Optional[int], str]]:
     """(status, message) of each error in one item of an engine stream: an `ErrorResponse`, or error chunks.
 
@@ -331,7 +335,10 @@ class WarmpathLLMServer(LLMServer):
             async for item in stream:
                 failures = engine_failures(item)  # answered in the stream, as Ray Serve LLM reports them
                 for status, message in failures if span.is_recording() else ():
-                    telemetry.record_failure_status(span, str(status or 500), status or 500, message)
+                    if message == CLIENT_DISCONNECTED:  # a caller that left, not a request it got wrong
+                        span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)
+                    else:
+                        telemetry.record_failure_status(span, str(status or 500), status or 500, message)
                 if is_first and not failures:
                     ttft_s = time.monotonic() - start
                     WarmpathMetrics.get().ttft.observe(ttft_s, tags={"replica": self._replica_id})

@@ -70,9 +70,11 @@ def _error_response(code: int, message: str):
         ([['data: {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}\n\n']],
          True, "ERROR", "500"),
         ([_error_response(400, "bad grammar")], False, "UNSET", "400"),  # the caller's mistake: not an outage
+        # vLLM's answer to a call whose caller left: no mistake of the caller's (the span says incomplete).
+        ([_error_response(400, "Client disconnected")], False, "UNSET", None),
         ([["data: {\"choices\": []}\n\n"]], True, "UNSET", None),
     ],
-    ids=["unary-503", "stream-500", "unary-400", "no-error"],
+    ids=["unary-503", "stream-500", "unary-400", "unary-left", "no-error"],
 )
 def test_an_engine_failure_answered_in_the_stream_is_on_the_replica_span(ttft, items, is_streaming, status, error_type):
     server = object.__new__(WarmpathLLMServer)
@@ -87,6 +89,8 @@ def test_an_engine_failure_answered_in_the_stream_is_on_the_replica_span(ttft, i
     assert finished.status.status_code.name == status
     assert finished.attributes.get("error.type") == error_type
     assert ("gen_ai.server.time_to_first_token" in finished.attributes) is (is_streaming and error_type is None)
+    is_left = items[0] == _error_response(400, "Client disconnected")
+    assert finished.attributes.get("warmpath.stream.incomplete", False) is is_left
 
 
 def test_an_engine_that_fails_mid_stream_leaves_the_exception_on_the_replica_span(ttft):

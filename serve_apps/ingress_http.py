@@ -736,8 +736,9 @@ class WarmpathIngress(OpenAiIngress):
             except BaseException as err:
                 refusing_replica = getattr(err, "replica_id", None)  # an engine's refusal names its replica
                 _withdraw_placement(refusing_replica)
-                if not isinstance(err, Exception):  # cancellation: no response goes out
-                    telemetry.record_exception_failure(span, err)
+                if not isinstance(err, Exception):  # the caller left (cancellation): no response goes out
+                    if span.is_recording():  # incomplete, as a stream its caller left and a gRPC call: no error
+                        span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)
                     span.end()
                     raise
                 span.record_exception(err)

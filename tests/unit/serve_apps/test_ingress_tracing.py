@@ -187,6 +187,15 @@ def test_a_call_no_replica_could_take_is_a_503_to_retry(spans, failure, retry_af
     assert json.loads(error_frame.removeprefix("data: "))["error"]["code"] == "unavailable" and done == DONE
 
 
+def test_a_caller_leaving_a_call_that_is_not_streamed_marks_its_span_incomplete_not_failed(spans):
+    """It was ERROR with `error.type: CancelledError`, where the same leaving over gRPC, or from a stream, is none."""
+    with pytest.raises(asyncio.CancelledError):
+        _run(_chat_ingress(asyncio.CancelledError())._process_llm_request(_chat(), "chat", _http_request()))
+    span = _only(spans)
+    assert span.status.status_code is not StatusCode.ERROR and "error.type" not in span.attributes
+    assert span.attributes["warmpath.stream.incomplete"] is True
+
+
 def test_a_server_error_marks_the_chat_span_with_its_message(spans):
     items = [ServedBy("r1"), _engine_error(503, "the engine is overloaded")]
     response = _run(_chat_ingress(*items)._process_llm_request(_chat(), "chat", _http_request()))

@@ -695,19 +695,28 @@ def format_validation_error(err: ValidationError, sources: Mapping[tuple[str, ..
         loc = tuple(str(p) for p in item["loc"])
         where = ".".join(loc) or "<root>"
         variable = _setting_variable(loc, sources or {})
+        below = _variables_below(loc, sources or {}) if variable is None else []
         if variable is not None:
             where += f" (set by environment variable {variable})"
+        elif below and item["type"] == "extra_forbidden":  # a section that does not exist, named by a variable
+            where += f" (set by environment variable {below[0]})"
+        elif below:  # a section's own check: the file may be at fault as much as the variables
+            where += f" (holding values set by environment variable {', '.join(below)})"
         lines.append(f"  {where}: {item['msg']}")
     return "\n".join(lines)
 
 
 def _setting_variable(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> str | None:
-    """The variable that set `loc` or a section holding it (`WARMPATH_ROUTER` for `router.policy`), else one that
-    set a path under it (`WARMPATH_REPLICA__NUM_REPLICAS` for a section `replica` that does not exist)."""
+    """The variable that set `loc` or a section holding it (`WARMPATH_ROUTER` for `router.policy`)."""
     for depth in range(len(loc), 0, -1):
         if loc[:depth] in sources:
             return sources[loc[:depth]]
-    return next((variable for path, variable in sources.items() if loc and path[: len(loc)] == loc), None)
+    return None
+
+
+def _variables_below(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> list[str]:
+    """The variables that set a path under `loc` (`WARMPATH_REPLICA__NUM_REPLICAS` under a section `replica`)."""
+    return sorted({variable for path, variable in sources.items() if loc and path[: len(loc)] == loc})
 
 
 def validate_config(data: Mapping, sources: Mapping[tuple[str, ...], str] | None = None) -> ClusterConfig:

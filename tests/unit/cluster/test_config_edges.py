@@ -191,3 +191,15 @@ def test_a_text_field_from_the_environment_is_taken_as_written(variable, raw, fi
 
 def test_a_number_from_the_environment_is_still_read_as_yaml():
     assert _load({"WARMPATH_REPLICAS__NUM_REPLICAS": "3"}).replicas.num_replicas == 3
+
+
+def test_a_sections_own_check_does_not_blame_a_variable_that_set_another_field(tmp_path):
+    """`ports.http_port` 8080 in the file clashes with the metrics port; the variable that set the gRPC port
+    was named as having set the section ("set by environment variable WARMPATH_PORTS__GRPC_PORT")."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text("ports:\n  http_port: 8080\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config, environ={"WARMPATH_PORTS__GRPC_PORT": "9001"})
+    line = str(err.value).splitlines()[1]
+    assert line.startswith("  ports (holding values set by environment variable WARMPATH_PORTS__GRPC_PORT): ")
+    assert "both 8080" in line

@@ -23,6 +23,7 @@ import asyncio
 import copy
 import logging
 import os
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
@@ -331,11 +332,13 @@ def _tool_call(index: int, call: dict[str, str]) -> ToolCall:
     A name or id beyond what `ToolCall` holds would fail its validation; cut
     to its bound, an overlong name still names no tool (tool names are far
     shorter), so validation answers `unknown_tool` and the model may repair
-    the call. An overlong id is replaced as a missing one is.
+    the call. An overlong id is replaced as a missing one is: by one unique in
+    the session and alphanumeric past 9 characters (Mistral's templates refuse
+    a history whose call ids are shorter, `call_0` among them).
     """
     call_id = utf8_text(call["id"])
     if not 0 < len(call_id) <= TOOL_CALL_ID_MAX_CHARS:
-        call_id = f"call_{index}"
+        call_id = f"call{index}{secrets.token_hex(6)}"
     name = utf8_text(call["name"])[:TOOL_NAME_MAX_CHARS] or "unnamed"
     return ToolCall(id=call_id, name=name, arguments=utf8_text(call["arguments"]) or "{}")
 
@@ -443,10 +446,14 @@ class Orchestrator:
             SessionState(request.system_prompt, request.tools, snapshot.messages), control_tokens_of(self._tokenizer)
         )
         window = session_window_tokens(request.limits, self._max_model_len_tokens)
-        account = count_tokens(
-            self._tokenizer, messages, tools, context_window_tokens=window,
-            output_reserve_tokens=request.limits.output_reserve_tokens, memo=count_memo(session_id),
-        )
+        try:
+            account = count_tokens(
+                self._tokenizer, messages, tools, context_window_tokens=window,
+                output_reserve_tokens=request.limits.output_reserve_tokens, memo=count_memo(session_id),
+            )
+        except jinja2.TemplateError as err:  # the session's turns are refused alike; its view says why
+            return _error(500, f"the model's chat template refuses this session's messages: {err}",
+                          CHAT_TEMPLATE_REFUSED)
         body = {
             "session_id": record.session_id,
             "model": request.model,

@@ -330,9 +330,19 @@ def _token_ids(result: object) -> list[int]:
 
 
 def _render(tokenizer: ChatTokenizer, messages: list[dict], tools: list[WireTool], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    """The template's text; whatever it raises is its refusal (`jinja2.TemplateError`), as vLLM takes it.
+
+    Why: a template fails in plain Python too (DeepSeek V3's adds a string to the parsed arguments: a
+    TypeError), and the caller must tell that from a fault of its own.
+    """
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except jinja2.TemplateError:
+        raise
+    except Exception as err:
+        raise jinja2.TemplateError(f"{type(err).__name__}: {err}") from err
 
 
 def _render_or_none(
@@ -381,7 +391,10 @@ def _prefix_ids(tokenizer: ChatTokenizer, system: WireMessage, tools: list[WireT
                                        f"these tools and a user message: {err}") from None
         probes.append(_encode(tokenizer, rendered))
     alone = _render_or_none(tokenizer, [system], tools, False)
-    if alone is not None:
+    # Only where it shows what the session shares: Gemma's renders `<bos>` alone, the system text and
+    # tools going into the first user turn.
+    shown = [system.get("content") or "", *(tool["function"]["name"] for tool in tools)]
+    if alone is not None and all(text in alone for text in shown):
         ids = _encode(tokenizer, alone)
         if all(probe[: len(ids)] == ids for probe in probes):
             return ids
@@ -416,13 +429,13 @@ def token_ids_fingerprint(token_ids: Sequence[int]) -> PrefixFingerprint:
 def smallest_prompt_tokens(tokenizer: ChatTokenizer, system_prompt: str, tools: Sequence[ToolSpec]) -> int:
     """Tokens of the shortest prompt a turn can send: the prefix, a one-character user message, and
     the generation prompt (the template's tokens around a message count as much as its text)."""
-    result = tokenizer.apply_chat_template(
-        [{"role": "system", "content": system_prompt}, {"role": "user", "content": "?"}],
-        tools=render_tools(tools) or None,
-        tokenize=True,
-        add_generation_prompt=True,
-    )
-    return len(_token_ids(result))
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": "?"}]
+    try:
+        text = _render(tokenizer, messages, render_tools(tools), add_generation_prompt=True)
+    except jinja2.TemplateError as err:
+        raise TemplateCannotRender(f"the model's chat template renders no conversation of this system prompt, "
+                                   f"these tools and a user message: {err}") from None
+    return len(_encode(tokenizer, text))
 
 
 def prefix_overflow(
@@ -486,6 +499,10 @@ class CountMemo:
         # None when the template renders them differently now (a date in the system block, say): count afresh.
         while num_shared and not full_text.startswith(self.text[: self.boundaries[num_shared]]):
             num_shared -= 1
+        # Nor a message counted with the next (its segment empty): its boundary is the one before it, which
+        # says nothing of how it renders now (Llama 3.2's system block, whose date changed at midnight).
+        while num_shared and not self.segments[num_shared - 1]:
+            num_shared -= 1
         return num_shared
 
 
@@ -547,24 +564,30 @@ def count_tokens(
     generation = _encode(tokenizer, full_text[boundaries[-1] :])
     while (split := _split_boundary(boundaries, segments, generation, full_ids)) is not None:
         generation = _join_at(tokenizer, full_text, boundaries, segments, split)
-    prefix, message_tokens = segments[0], [len(segment) for segment in segments[1:]]
     shared = memo.prefix_ids if memo is not None and num_reused else None
-    first = next((i for i, segment in enumerate(segments) if segment), None)
-    if not prefix and first is not None:  # the system message renders only with what follows it (Llama 3's tools)
-        shared = shared if shared is not None else _prefix_ids(tokenizer, rendered[0], tools)
-        prefix = segments[first][: _common_length(segments[first], shared)]
-        message_tokens[first - 1] -= len(prefix)
+    if shared is None:
+        shared = _prefix_ids(tokenizer, rendered[0], tools)
+    # The session's prefix as this prompt starts with it (`_prefix_ids`: it may end inside the first user
+    # message, as Llama 3's and Gemma's templates render the system text and tools), and at least the system
+    # message's own segment; each message counts its tokens after it.
+    num_counted = sum(map(len, segments))  # the generation prompt's tokens are never the prefix's
+    num_prefix = max(min(_common_length(full_ids, shared), num_counted), len(segments[0]))
+    message_tokens, start = [], len(segments[0])
+    for segment in segments[1:]:
+        end = start + len(segment)
+        message_tokens.append(max(0, end - max(start, num_prefix)))
+        start = end
     if memo is not None:
         memo.tokenizer, memo.tools_key, memo.message_keys = tokenizer, tools_key, message_keys
         memo.boundaries, memo.text, memo.segments = boundaries, full_text[: boundaries[-1]], segments
         memo.prefix_ids = shared
     return TokenAccount(
-        prefix_tokens=len(prefix),
+        prefix_tokens=num_prefix,
         message_tokens=tuple(message_tokens),
         generation_prompt_tokens=len(generation),
         context_window_tokens=context_window_tokens,
         output_reserve_tokens=output_reserve_tokens,
-        prefix_fingerprint=_digest(prefix),
+        prefix_fingerprint=_digest(full_ids[:num_prefix]),
     )
 
 

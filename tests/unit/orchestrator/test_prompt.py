@@ -344,6 +344,61 @@ def test_a_message_boundary_inside_a_token_is_counted_with_the_next_message(toke
     assert account.message_tokens[0] == 0
 
 
+# The system text and tools folded into the first user turn; alone, the system message renders a marker only.
+FOLDED_SYSTEM_TEMPLATE = (
+    "{{- '<|endoftext|>' }}"
+    "{%- for message in messages[1:] %}"
+    "{%- if loop.first %}{{- '<|im_start|>user\\n' + messages[0]['content'] + '\\n' + (tools | tojson) + '\\n\\n'"
+    " + message['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_system_message_folded_into_the_first_user_turn_is_part_of_the_prefix(tokenizer):
+    """Gemma's templates render the system message alone as `<bos>`: taken for the prefix, every session
+    had the same fingerprint, whatever its system prompt."""
+    folded = _with_template(tokenizer, FOLDED_SYSTEM_TEMPLATE)
+    prefix = prefix_token_ids(folded, SYSTEM, TOOLS)
+    assert SYSTEM in folded.decode(prefix) and "get_order" in folded.decode(prefix)
+    assert prefix_fingerprint(folded, SYSTEM, TOOLS) != prefix_fingerprint(folded, "Another prompt.", TOOLS)
+    history = [m for i in range(2) for m in _round(i, {"status": "shipped"})]
+    memo = CountMemo()
+    for end in range(1, len(history) + 1):
+        account = _count(folded, history[:end], memo)
+        _assert_exact(folded, history[:end], account)
+        assert account == _count(folded, history[:end])
+        assert account.prefix_fingerprint == prefix_fingerprint(folded, SYSTEM, TOOLS)
+
+
+def test_a_memo_does_not_reuse_a_system_message_counted_with_the_next_once_it_renders_otherwise(tokenizer):
+    """Llama 3.2's system block carries today's date, and with tools its system message renders only with
+    the first user message: past midnight a memo kept the old prefix (38 tokens where 525 were shared)."""
+    dated = _with_template(tokenizer, TOOLS_IN_FIRST_USER_TEMPLATE)
+    history = _round(1, {"status": "shipped"})
+    memo = CountMemo()
+    _count(dated, history, memo)
+    dated.chat_template = TOOLS_IN_FIRST_USER_TEMPLATE.replace("'<|im_start|>system\\n'", "'<|im_start|>system\\nToday: 7 Dec\\n'")
+    assert _count(dated, history + [Message(role="user", content="And now?")], memo) == _count(
+        dated, history + [Message(role="user", content="And now?")])
+
+
+def test_a_template_failing_in_plain_python_is_a_refusal_too(tokenizer):
+    """DeepSeek V3's template adds a string to the parsed arguments (a TypeError): it reached the client as an
+    internal error, not as the template's refusal."""
+    import jinja2
+
+    failing = _with_template(tokenizer, "{{- messages[0]['content'] + 1 }}")
+    with pytest.raises(TemplateCannotRender, match="TypeError"):
+        prefix_token_ids(failing, SYSTEM, TOOLS)
+    with pytest.raises(TemplateCannotRender):
+        smallest_prompt_tokens(failing, SYSTEM, TOOLS)
+    with pytest.raises(jinja2.TemplateError, match="TypeError"):
+        _count(failing, _round(1, {"status": "shipped"}))
+
+
 def test_a_template_that_renders_no_system_and_user_conversation_is_named(tokenizer):
     refusing = _with_template(tokenizer, "{{- raise_exception('no system messages here') }}")
     with pytest.raises(TemplateCannotRender, match="renders no conversation"):

@@ -483,6 +483,10 @@ def test_a_template_that_refuses_a_session_is_named_at_creation_and_in_a_turn():
     assert "cannot render a forbidden message" in error["message"]
 
     session_id = _session(orchestrator)
+    orchestrator._store.logs[session_id].append(Message(role="user", content="forbidden").model_dump_json())
+    shown = asyncio.run(orchestrator.get_session(session_id, CALLER))  # a history the template refuses
+    assert (shown["status"], shown["body"]["error"]["code"]) == (500, "chat_template_refused")
+    orchestrator._store.logs[session_id].clear()
     items = _collect(orchestrator.send_message(session_id, {"content": "forbidden"}, CALLER))
     assert items[0] == {"status": 200}
     assert items[-1]["kind"] == "error" and items[-1]["code"] == "chat_template_refused"

@@ -144,7 +144,10 @@ def _tool_body(name, description, parameters, permissions, execution):
     }
 
 
-TOOL_BODIES = st.builds(_tool_body, TOOL_NAMES, SAFE_TEXT, PARAMETERS, st.lists(SAFE_TEXT, max_size=2), EXECUTIONS)
+# As keys are granted them: non-empty, no whitespace.
+PERMISSIONS = st.text(st.characters(exclude_categories=("Cs", "Z", "Cc")), min_size=1, max_size=16).filter(
+    lambda p: not any(c.isspace() for c in p))
+TOOL_BODIES = st.builds(_tool_body, TOOL_NAMES, SAFE_TEXT, PARAMETERS, st.lists(PERMISSIONS, max_size=2), EXECUTIONS)
 LIMITS = st.fixed_dictionaries(
     {},
     optional={

@@ -52,6 +52,7 @@ CONNECT_TIMEOUT_S = 5.0
 _ERROR_BODY_SNIPPET_BYTES = 512
 # An error result's message (what the model reads) and its reason (what traces record), at most.
 MAX_ERROR_MESSAGE_BYTES = 1024
+MAX_VIOLATION_MESSAGE_BYTES = 300  # one schema violation's message, which quotes the value at fault
 MAX_ERROR_REASON_BYTES = 200
 # Content codings a reply may come in (asked for `identity`, some servers compress anyway), decoded one
 # layer at most, never past MAX_TOOL_RESPONSE_BYTES: httpx inflated each read whole and stacked layers
@@ -273,7 +274,10 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
         return ToolCallError(call.id, call.name, "schema_violation", detail)
     if not errors:
         return call
-    violations = tuple(SchemaViolation(e.json_path, e.message) for e in errors[:MAX_REPORTED_VIOLATIONS])
+    # jsonschema's messages quote the value at fault whole: a 64 KB argument came back to the model several
+    # times over, in a repair step that could then overflow the window.
+    violations = tuple(SchemaViolation(e.json_path, truncate_text(e.message, MAX_VIOLATION_MESSAGE_BYTES)[0])
+                       for e in errors[:MAX_REPORTED_VIOLATIONS])
     detail = f"{len(errors)} schema violation(s) in the arguments"
     return ToolCallError(call.id, call.name, "schema_violation", detail, violations)
 
@@ -394,6 +398,9 @@ async def _send(client: httpx.AsyncClient, url: httpx.URL, headers: dict, extens
         if response.is_stream_consumed:  # built in memory (a mock transport): read and decoded already
             coding = "identity"
         if coding != "identity" and coding not in _ZLIB_CODINGS:
+            if not response.is_success:  # the status says what failed; the body is unreadable
+                return _error(tool_name, f"HTTP {response.status_code} (a {coding!r} reply, not read)",
+                              reason=f"HTTP {response.status_code}")
             return _error(tool_name, f"tool replied in Content-Encoding {coding!r}; warmpath asks for identity and "
                                      f"decodes one layer of {', '.join(sorted(_ZLIB_CODINGS))} at most")
         decoder = _LayerDecoder(coding) if coding != "identity" else None
@@ -434,7 +441,17 @@ class _LayerDecoder:
         self._num_in = 0
 
     def decode(self, data: bytes, limit: int) -> bytes:
-        """Decoded bytes of `data`, at most `limit` (one more than the caller's room tells it the reply is over)."""
+        """Decoded bytes of `data`, at most `limit` (one more than the caller's room tells it the reply is over).
+
+        Raises:
+            zlib.error: the data does not decode, or comes after the end of the compressed stream (zlib keeps
+                such bytes, copying them whole at each call: a reply streaming them held memory without bound
+                and the event loop for seconds, uncounted by the size limit).
+        """
+        if self._zlib.eof:
+            if data:
+                raise zlib.error("data after the end of the compressed stream")
+            return b""
         try:
             out = self._zlib.decompress(data, limit)
         except zlib.error:
@@ -445,6 +462,8 @@ class _LayerDecoder:
         self._num_in += len(data)
         while self._zlib.unconsumed_tail and len(out) < limit:
             out += self._zlib.decompress(self._zlib.unconsumed_tail, limit - len(out))
+        if self._zlib.unused_data:  # a second gzip member, or anything else after the end
+            raise zlib.error("data after the end of the compressed stream")
         return out
 
     @property
@@ -529,6 +548,18 @@ async def run_http_tool(
     """
     if not isinstance(spec.execution, HttpExecution):
         raise ValueError(f"tool {spec.name!r} is executed by the client, not over HTTP")
+    outcome = await _run_http_tool(spec, arguments, timeout_s, max_bytes, client, network)
+    if outcome.status != "ok":  # an error's text is bounded, but JSON escaping may still take it past max_bytes
+        content, is_truncated = truncate_text(outcome.content, max_bytes)
+        if is_truncated:
+            outcome = ToolOutcome(outcome.status, content, True, outcome.reason)
+    return outcome
+
+
+async def _run_http_tool(
+    spec: ToolSpec, arguments: str, timeout_s: float, max_bytes: int, client: httpx.AsyncClient | None,
+    network: ToolNetworkPolicy | None,
+) -> ToolOutcome:
     try:
         parse_arguments(arguments)
     except ValueError as err:

@@ -424,7 +424,9 @@ class TurnRunner:
                 # vLLM renders them; the error text quotes what the model wrote.
                 made = [c if isinstance(c, ToolCall) else _renderable(raw) for raw, c in zip(reply.tool_calls, checked)]
                 self._new.append(Message(role="assistant", content=reply.content or None, tool_calls=made))
-                rejected = {e.call_id: e.message + cut_off for e in errors}
+                # Cut as a tool's result is: the message quotes what the model wrote.
+                rejected = {e.call_id: truncate_text(e.message + cut_off, self._limits.max_tool_result_bytes)[0]
+                            for e in errors}
                 for call in made:
                     content = rejected.get(call.id, "not run: another call in this step was invalid")
                     self._new.append(Message(role="tool", tool_call_id=call.id, name=call.name, content=content))

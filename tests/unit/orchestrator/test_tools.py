@@ -340,6 +340,14 @@ class _ToolHandler(BaseHTTPRequestHandler):
             self.end_headers()
         elif self.path == "/gzip-failing":
             self._reply(500, gzip.compress(b"db down")[:5], coding="gzip")
+        elif self.path == "/gzip-trailing":  # a whole gzip stream, then bytes after its end
+            self._reply(200, gzip.compress(b'{"ok": 1}') + b"\0" * (256 << 10), coding="gzip")
+        elif self.path == "/gzip-two-members":
+            self._reply(200, gzip.compress(b'{"a": 1}') + gzip.compress(b'{"b": 2}'), coding="gzip")
+        elif self.path == "/brotli-failing":
+            self._reply(503, b"\x0b\x02\x80overloaded", coding="br")
+        elif self.path == "/control-characters-failing":
+            self._reply(500, b"\x01" * 600)
         elif self.path == "/long-duplicate-key":
             key = "k" * 2_000_000
             self._reply(200, json.dumps({key: 1}).encode()[:-1] + b', "' + key.encode() + b'": 2}')
@@ -470,6 +478,31 @@ def test_a_compressed_reply_is_decoded_one_layer_and_never_past_the_size_limit(t
     assert twice.status == "error" and "Content-Encoding 'gzip, gzip'" in json.loads(twice.content)["error"]
     cut = _run(f"{tool_server}/gzip-cut")
     assert cut.status == "error" and "ends before its compressed stream" in json.loads(cut.content)["error"]
+
+
+def test_bytes_after_the_end_of_a_compressed_reply_are_refused(tool_server):
+    """zlib keeps what follows the end of its stream, copying it whole at each read: a reply streaming zeros
+    after a small gzip stream held memory without bound and the event loop for seconds, never counted by the
+    size limit; a second gzip member was dropped unseen."""
+    for path in ("/gzip-trailing", "/gzip-two-members"):
+        outcome = _run(f"{tool_server}{path}")
+        assert outcome.status == "error", (path, outcome)
+        assert "data after the end of the compressed stream" in json.loads(outcome.content)["error"]
+
+
+def test_a_failed_calls_status_is_kept_in_an_unread_content_encoding(tool_server):
+    """A 503 in a Content-Encoding warmpath does not decode said only that; a failed call's status is kept."""
+    outcome = _run(f"{tool_server}/brotli-failing")
+    assert outcome.status == "error" and outcome.reason == "HTTP 503"
+    assert json.loads(outcome.content)["error"].startswith("HTTP 503")
+
+
+def test_an_error_result_is_cut_to_the_sessions_limit_after_its_escaping(tool_server):
+    """600 control characters in a 500's body became 3,108 bytes of \\u0001 escapes, past a 256-byte limit."""
+    outcome = _run(f"{tool_server}/control-characters-failing", max_bytes=256)
+    assert outcome.status == "error" and outcome.is_truncated
+    kept = outcome.content.encode("utf-8")
+    assert len(kept) <= 256 + len("…[truncated 9999 bytes]".encode("utf-8")) and b"[truncated" in kept
 
 
 def test_a_reply_is_checked_off_the_event_loop(tool_server, monkeypatch):
@@ -763,3 +796,16 @@ def test_a_regex_format_argument_is_judged_as_an_ecmascript_regular_expression(p
     assert isinstance(checked, ToolCall) is is_valid, checked
     if not is_valid:
         assert "regex" in checked.message
+
+
+def test_a_violations_message_is_bounded_though_it_quotes_the_value_at_fault():
+    """jsonschema quotes the value whole: a 64 KB argument over its maxLength came back as a 64 KB rejection, and
+    the several keywords a value fails at once multiplied it, into a repair step that could overflow the window."""
+    from serve_apps.orchestrator.models import ToolCall
+
+    schema = {"type": "object", "properties": {"content": {"type": "string", "maxLength": 4000, "pattern": "^x*$"}}}
+    spec = _spec("write_file", schema)
+    call = ToolCall(id="c1", name="write_file", arguments=json.dumps({"content": "y" * 64_000}))
+    error = validate_tool_call(call, [spec])
+    assert isinstance(error, ToolCallError) and len(error.violations) == 2
+    assert all(len(v.message.encode()) < 400 and "[truncated" in v.message for v in error.violations)

@@ -786,3 +786,14 @@ def test_every_result_of_a_repair_step_names_a_call_the_client_was_shown():
             assert event.tool_call_id in announced, event
     assert [e.kind for e in events if e.kind in ("tool_call", "tool_result")][:2] == ["tool_call", "tool_result"]
     assert next(e for e in events if e.kind == "tool_call").call.arguments == "{}"  # as the history holds it
+
+
+def test_a_refused_calls_result_is_cut_to_the_sessions_limit():
+    """The refusal quotes what the model wrote: a 20 KB argument came back whole into the repair step, past
+    `max_tool_result_bytes`, where the session's window could not hold it."""
+    huge = ToolCall(id="bad", name="lookup_order", arguments=json.dumps({"order_id": ["y" * 20_000]}))
+    events, store, _ = _run([([], ModelReply(tool_calls=[huge])), ([], _call("c1"))], "required",
+                            record=_record(max_tool_result_bytes=256))
+    (refusal,) = [e for e in events if e.kind == "tool_result"]
+    assert refusal.status == "error" and "[truncated" in refusal.content
+    assert len(refusal.content.encode()) <= 256 + len("…[truncated 99999 bytes]".encode())

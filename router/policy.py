@@ -160,6 +160,7 @@ class PrefixAwarePolicy:
             predicted_cached_tokens=self._predicted_tokens(ranked, cached_tokens),
             scores=totals,
             session_id=request.session_id,
+            session_replica_before=session_replica,
             request_blocks=blocks,
             held_blocks=held,
         )

@@ -88,6 +88,9 @@ class Decision:
     predicted_cached_tokens: dict[ReplicaId, int]
     scores: dict[ReplicaId, float]
     session_id: str | None = None
+    # The session's replica before this decision made it the chosen one (None: the session was new), so that a
+    # decision Serve asks again for can be undone (`router.adapter`).
+    session_replica_before: ReplicaId | None = field(default=None, repr=False, compare=False)
     request_blocks: RequestBlockHashes | None = field(default=None, repr=False, compare=False)
     held_blocks: dict[ReplicaId, int] = field(default_factory=dict, repr=False, compare=False)
 

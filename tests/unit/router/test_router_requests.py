@@ -323,6 +323,27 @@ def test_a_request_serve_asks_again_for_is_not_drawn_back_by_its_own_placement(n
     assert decision.reason != "prefix-hit" and not any(decision.predicted_cached_tokens.values()), decision
 
 
+def test_a_session_serve_asks_again_for_is_not_drawn_back_by_its_own_first_choice(new_router):
+    """The first choice was recorded as the session's replica: asked again, session affinity chose it again, every
+    time, and called it `session-affinity` for a replica holding none of the session's history."""
+    async def route():
+        router = _routing_router(new_router)
+        choices = []
+        for _ in range(40):  # equal replicas: the first choice falls either way
+            request = pending(SimpleNamespace(prompt=list(range(64))))
+            request.metadata.session_id = f"s-{uuid.uuid4().hex}"
+            replicas = list(router.curr_replicas.values())
+            (first,), *_ = await router.choose_replicas(replicas, request)
+            await router.choose_replicas(replicas, request)  # every replica refused it: Serve asks again
+            again = router._decisions[request.metadata.internal_request_id]
+            choices.append((first.replica_id.unique_id, again.replica_id, again.reason))
+        return choices
+
+    choices = asyncio.run(route())
+    assert all(reason != "session-affinity" for _, _, reason in choices), choices
+    assert any(first != again for first, again, _ in choices)  # not drawn back every time
+
+
 def test_a_request_serve_sent_elsewhere_moves_its_placement_there(new_router):
     async def route():
         router = _routing_router(new_router)

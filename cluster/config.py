@@ -172,6 +172,10 @@ class ReplicaConfig(_Strict):
         clash = sorted(reserved & set(self.engine_kwargs))
         if clash:
             raise ValueError(f"replicas.engine_kwargs may not set {clash}: they are owned by the cluster config")
+        template_kwargs = self.engine_kwargs.get("default_chat_template_kwargs")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise ValueError("replicas.engine_kwargs.default_chat_template_kwargs must be a mapping of template "
+                             f"arguments, got {type(template_kwargs).__name__}")
         # The orchestrator sizes prompts by the model section too: one value, read by both.
         owned_by_model = {"max_model_len": "model.max_model_len_tokens", "tool_call_parser": "model.tool_call_parser"}
         if clash := sorted(set(owned_by_model) & set(self.engine_kwargs)):

@@ -69,6 +69,7 @@ from serve_apps.orchestrator.prompt import (
     token_ids_fingerprint,
 )
 from serve_apps.orchestrator.owner_sessions import SessionQuotaExceeded, session_quota
+from serve_apps.orchestrator.served_template import served_tokenizer
 from serve_apps.orchestrator.store import (
     CommitOutcomeUnknown,
     RememberedTurn,
@@ -364,7 +365,8 @@ class Orchestrator:
         self._max_sessions_per_key = cfg.access.max_sessions_per_key
         refuse_redis_cluster(redis_url)
         self._store = SessionStore.from_url(redis_url, ttl_s=cfg.session_ttl_s)
-        self._tokenizer = AutoTokenizer.from_pretrained(cfg.model_source())
+        # Rendering as the replicas do: with their server-side template and default template arguments.
+        self._tokenizer = served_tokenizer(AutoTokenizer.from_pretrained(cfg.model_source()), cfg.replicas.engine_kwargs)
         self._session_tokenizer = copy.deepcopy(self._tokenizer)  # `_SESSION_CHECKS`'s own
         self._model = HandleModelClient(llm_handle, cfg.model.model_id)
         self._tool_network = ToolNetworkPolicy(cfg.tool_network)

@@ -66,6 +66,7 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"replicas": {"engine_kwargs": {"distributed_executor_backend": "ray"}}}, "owned by the cluster config"),
         ({"model": {"max_model_len_tokens": 16384}}, "over the 8192 tokens the built model holds"),
         ({"model": {"tool_call_parser": ""}}, "model.tool_call_parser"),
+        ({"replicas": {"engine_kwargs": {"default_chat_template_kwargs": "enable_thinking"}}}, "must be a mapping"),
         ({"access": {"default_requests_per_s": 1e-12}}, "must be under 1e+12 s"),
         # YAML's yes/on/true: taken for 1 (a replica, 1 GiB of KV cache, a privileged port).
         ({"replicas": {"num_replicas": True}}, "replicas.num_replicas: Value error, true is a boolean, not a number"),

@@ -371,8 +371,8 @@ def prefix_token_ids(tokenizer: ChatTokenizer, system_prompt: str, tools: Sequen
 
 
 def _prefix_ids(tokenizer: ChatTokenizer, system: WireMessage, tools: list[WireTool]) -> list[int]:
-    """The system message and tools rendered alone where that starts every prompt; else the tokens two prompts
-    with different first user messages share.
+    """The system message and tools rendered alone where that starts every prompt and shows the system text and
+    tool names; else the tokens two prompts with different first user messages share.
 
     Why two ways: most templates (ChatML, Qwen, Hermes) render the system block and tools before the
     history, so the system message rendered alone is the prefix. Llama 3's templates put the tools into
@@ -481,7 +481,7 @@ class CountMemo:
     boundaries: list[int] = field(default_factory=lambda: [0])  # boundaries[k]: length of the first k messages' text
     text: str = ""  # the text of all counted messages, without the generation prompt
     segments: list[array] = field(default_factory=list)  # segments[k]: token ids of message k (0: the prefix)
-    prefix_ids: list[int] | None = None  # `_prefix_ids` of these messages' system message, where it was needed
+    prefix_ids: list[int] | None = None  # `_prefix_ids` of these messages' system message and tools
 
     def num_reusable(self, tokenizer: ChatTokenizer, tools_key: str, message_keys: list[str], full_text: str) -> int:
         """How many leading messages of a prompt (`full_text`, described by the keys) this memo already counted.

@@ -342,7 +342,7 @@ def keys_create(
 @keys_app.command("list")
 def keys_list(
     config: Optional[Path] = ConfigOpt,
-    redis_url: Optional[str] = typer.Option(None),
+    redis_url: Optional[str] = typer.Option(None, help="Key store (default: the config's or the local cluster's)."),
     state_dir: Optional[str] = StateDirOpt,
 ) -> None:
     """One JSON line per key: id, name, permissions, rate (never the key); a warning on stderr per unreadable key."""
@@ -361,7 +361,7 @@ def keys_list(
 def keys_revoke(
     key_id: str = typer.Argument(..., help="Id of the key (key_...)."),
     config: Optional[Path] = ConfigOpt,
-    redis_url: Optional[str] = typer.Option(None),
+    redis_url: Optional[str] = typer.Option(None, help="Key store (default: the config's or the local cluster's)."),
     state_dir: Optional[str] = StateDirOpt,
 ) -> None:
     """Delete a key; calls with it fail from the next one on."""
@@ -711,8 +711,10 @@ def simulate(
     from bench import report, sim_cost, simulator
 
     names, chosen = _workloads_and_policies(workload, policies)
-    if sessions < 1 or jobs < 0:
-        _refuse("sessions must be >= 1, jobs >= 0")
+    if sessions < 1:
+        _refuse(f"--sessions must be >= 1, got {sessions}")
+    if jobs < 0:
+        _refuse(f"--jobs must be >= 0 (0: one per CPU core), got {jobs}")
     counts = _replica_counts(replicas)
     _check_writable_file(out)
     if not jobs:

@@ -755,6 +755,8 @@ def load_config(
     data: dict = {}
     if path is not None:
         file = Path(path)
+        if file.is_dir():
+            raise ConfigError(f"config file {file} is a folder; name the YAML file in it")
         if not file.is_file():
             raise ConfigError(f"config file not found: {file}")
         try:

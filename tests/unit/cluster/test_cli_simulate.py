@@ -149,3 +149,17 @@ def test_simulate_goes_on_when_the_file_cannot_be_written_as_cells_finish(tmp_pa
     assert result.exit_code == 0, result.output
     assert result.output.count(f"warning: cannot write {out} as cells finish (Permission denied)") == 1
     assert [r["policy"] for r in json.loads(out.read_text())["runs"]] == ["pow2", "round-robin"]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--sessions", "0", "--sessions must be >= 1, got 0"),
+    ("--jobs", "-1", "--jobs must be >= 0 (0: one per CPU core), got -1"),
+])
+def test_simulate_names_the_flag_and_value_it_refuses(tmp_path, flag, value, message):
+    result = CliRunner().invoke(app, ["simulate", flag, value, "--out", str(tmp_path / "s.json")])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_a_config_that_is_a_folder_is_named_as_one(tmp_path):
+    result = CliRunner().invoke(app, ["render", "serve-config", "--config", str(tmp_path)])
+    assert result.exit_code == 2 and "is a folder" in result.output, result.output

@@ -254,7 +254,7 @@ def test_up_returns_only_once_both_proxies_take_calls():
 def test_up_reports_the_ports_serve_really_serves(tmp_path, monkeypatch):
     """Serve keeps the ports it first started with: a later `up --http-port` must say so, not print its own."""
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {"http_port": 8100}})
-    for step in ("ensure_model", "start_ray", "deploy", "wait_proxies"):
+    for step in ("check_head_startable", "ensure_model", "start_ray", "deploy", "wait_proxies"):
         monkeypatch.setattr(local, step, lambda *a, **k: None)
     monkeypatch.setattr(local, "start_redis", lambda cfg, state, progress: "redis://127.0.0.1:1/0")
     monkeypatch.setattr(local, "ensure_local_api_key", lambda *a: "key")
@@ -296,7 +296,7 @@ def test_up_without_keys_on_a_head_whose_proxies_listen_everywhere_says_so(tmp_p
     127.0.0.1, said the proxies listened there only, and they went on listening on every address."""
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {"host": "127.0.0.1"},
                                              "access": {"is_auth_enabled": False}})
-    for step in ("ensure_model", "start_ray", "deploy", "wait_proxies"):
+    for step in ("check_head_startable", "ensure_model", "start_ray", "deploy", "wait_proxies"):
         monkeypatch.setattr(local, step, lambda *a, **k: None)
     monkeypatch.setattr(local, "start_redis", lambda cfg, state, progress: "redis://127.0.0.1:1/0")
     details = _details()

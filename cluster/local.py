@@ -285,20 +285,33 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
     return url
 
 
-def check_head_startable(cfg: ClusterConfig, state: LocalState) -> None:
-    """Refuses, before the model is built and Redis started, what `start_ray` would refuse: another process's
-    Ray head here, or the ports a new head and the proxies take held by another process. Else `up` built the
-    model, started Redis and made a key for a bring-up that failed at once, and left Redis running."""
+def check_head_startable(cfg: ClusterConfig, state: LocalState, progress: Progress) -> bool:
+    """Refuses what `start_ray` cannot start or join: another state directory's cluster recorded here,
+    another process's Ray head on this machine, or the ports a new head and the proxies take held by
+    another process. `up` asks first, before it builds the model, starts Redis and makes a key: asked
+    only as the head started, it refused a bring-up that had done all that, and left Redis running.
+
+    Returns:
+        Whether the local head this state directory started is running (to be used again).
+    """
     address = os.environ.get("RAY_ADDRESS")
     if (problem := _other_cluster_recorded(state, address)) is not None:
         raise BringUpError(problem)
     if address:
-        return
-    if _ray_head_up():
-        if not (state.ray_started and is_started_head(state)):
-            raise BringUpError(_foreign_head(cfg))
-    elif (taken := ports_in_use(cfg)):
-        raise BringUpError(_ports_taken(taken))
+        return False
+    if not _ray_head_up():
+        if (taken := ports_in_use(cfg)):
+            raise BringUpError(_ports_taken(taken))
+        return False
+    if state.ray_started and not is_started_head(state):
+        progress(
+            f"ray: the head this state directory started (session {state.ray_session}) is gone; "
+            f"the one running now ({head_session()}) was started elsewhere"
+        )
+        state.ray_started, state.ray_session, state.ray_address = False, None, None
+    if not state.ray_started:
+        raise BringUpError(_foreign_head(cfg))
+    return True
 
 
 def _foreign_head(cfg: ClusterConfig) -> str:
@@ -327,28 +340,17 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     warmpath's applications from it and leaves the head running.
     """
     address = os.environ.get("RAY_ADDRESS")
-    if (problem := _other_cluster_recorded(state, address)) is not None:
-        raise BringUpError(problem)
+    is_own_head_up = check_head_startable(cfg, state, progress)  # asked again: the model build took a while
     if address:
         state.dashboard_url = dashboard_url_for(address)
         progress(f"ray: joining {address} (dashboard {state.dashboard_url})")
         state.ray_address = address
         return address
     state.dashboard_url = LOCAL_DASHBOARD_URL
-    if _ray_head_up():
-        if state.ray_started and not is_started_head(state):
-            progress(
-                f"ray: the head this state directory started (session {state.ray_session}) is gone; "
-                f"the one running now ({head_session()}) was started elsewhere"
-            )
-            state.ray_started, state.ray_session, state.ray_address = False, None, None
-        if not state.ray_started:
-            raise BringUpError(_foreign_head(cfg))
+    if is_own_head_up:
         progress("ray: the local head this state directory started is running; using it")
         state.ray_address = "auto"
         return "auto"
-    if (taken := ports_in_use(cfg)):
-        raise BringUpError(_ports_taken(taken))
     # Logical CPUs: one bundle per replica plus room for the ingress and proxies.
     num_cpus = int(cfg.replicas.num_replicas * cfg.replicas.num_cpus) + 4
     progress(f"ray: starting a local head ({num_cpus} logical CPUs)")
@@ -930,7 +932,7 @@ def up(cfg: ClusterConfig, progress: Progress, timeout_s: float = 900, redeploy:
     check_proxy_host(cfg, os.environ.get("RAY_ADDRESS"))
     state_dir = state_dir_of(cfg)
     state = LocalState.load(state_dir)
-    check_head_startable(cfg, state)
+    check_head_startable(cfg, state, progress)
     ensure_model(cfg, progress)
     redis_url = start_redis(cfg, state, progress)
     state.save(state_dir)

@@ -393,10 +393,16 @@ def _unary(result: Dict[str, Any]) -> Response:
     body = result["body"]
     error = body.get("error") if isinstance(body, dict) else None
     code = error.get("code") if isinstance(error, dict) else None
+    return JSONResponse(body, status_code=result["status"], headers=_refusal_headers(code))
+
+
+def _refusal_headers(code: Optional[str]) -> Dict[str, str]:
+    """What a refusal with this error code tells the client's retry logic: `Retry-After` where waiting can clear
+    it, `x-should-retry: false` where no prompt retry can (`NO_CLIENT_RETRY_CODES`)."""
     headers = retry_headers(code)
     if code in NO_CLIENT_RETRY_CODES:
         headers[NO_CLIENT_RETRY_HEADER] = "false"
-    return JSONResponse(body, status_code=result["status"], headers=headers)
+    return headers
 
 
 def _sse(
@@ -504,9 +510,7 @@ async def _turn_response(
     status = TURN_ERROR_STATUS.get(last.get("code"), 500) if outcome == "failed" else 200
     if outcome == "failed":  # the API's error shape, beside the turn's events
         body["error"] = error_body(status, str(last.get("message") or "the turn failed"), code=last.get("code"))["error"]
-        headers.update(retry_headers(last.get("code")))
-        if last.get("code") in NO_CLIENT_RETRY_CODES:
-            headers[NO_CLIENT_RETRY_HEADER] = "false"
+        headers.update(_refusal_headers(last.get("code")))
     return JSONResponse(body, status_code=status, headers=headers)
 
 

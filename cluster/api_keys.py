@@ -60,7 +60,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from redis.exceptions import RedisError, ResponseError, WatchError
 
-from cluster.config import MAX_KEY_BURST, MAX_REFILL_S
+from cluster.config import MAX_KEY_BURST, MAX_REFILL_S, refill_problem
 from cluster.redis_errors import redis_refusal, retry_on_dead_connection
 from cluster.redis_pool import pooled_client
 
@@ -181,12 +181,8 @@ class ApiKeyRecord(BaseModel):
     @model_validator(mode="after")
     def _check_refill_time(self) -> "ApiKeyRecord":
         """Refuses a bucket that would take `MAX_REFILL_S` or longer to refill (see its comment)."""
-        refill_s = self.burst / self.requests_per_s
-        if not refill_s < MAX_REFILL_S:
-            raise ValueError(
-                f"burst / requests_per_s (how long an empty bucket takes to refill) must be under "
-                f"{MAX_REFILL_S:g} s, got {refill_s:g} s"
-            )
+        if (problem := refill_problem(self.burst, self.requests_per_s)) is not None:
+            raise ValueError(f"burst / requests_per_s (how long an empty bucket takes to refill) {problem}")
         return self
 
     def missing_permissions(self, required: Sequence[str]) -> list[str]:

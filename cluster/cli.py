@@ -21,7 +21,8 @@ from typing import Callable, NoReturn, Optional, get_args
 import typer
 
 from cluster.config import (
-    LOCAL_PATH_PREFIXES, MAX_KEY_BURST, ClusterConfig, ConfigError, RouterPolicy, check_redis_url, load_config,
+    LOCAL_PATH_PREFIXES, MAX_KEY_BURST, ClusterConfig, ConfigError, RouterPolicy, bad_permissions, check_redis_url,
+    load_config, refill_problem,
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="warmpath: a Ray Serve cluster for LLM agents.")
@@ -278,24 +279,21 @@ def _key_problems(
     max_sessions: Optional[int] = None,
 ) -> list[str]:
     """What is wrong with `keys create`'s flags, one item per flag (the record model would refuse the same)."""
-    from cluster.api_keys import MAX_KEY_LIFETIME_DAYS, MAX_KEY_NAME_LENGTH, MAX_REFILL_S
+    from cluster.api_keys import MAX_KEY_LIFETIME_DAYS, MAX_KEY_NAME_LENGTH
 
     problems = []
     if not name.strip() or len(name) > MAX_KEY_NAME_LENGTH:
         got = f"{len(name)} characters" if name.strip() else repr(name)
         problems.append(f"--name must be 1 to {MAX_KEY_NAME_LENGTH} characters and not blank, got {got}")
-    if bad := [p for p in permissions if not p or any(c.isspace() for c in p)]:
+    if bad := bad_permissions(permissions):
         problems.append(f"--permission must be non-empty and contain no whitespace, got {', '.join(map(repr, bad))}")
     is_rate_valid = math.isfinite(requests_per_s) and requests_per_s > 0
     if not is_rate_valid:
         problems.append(f"--requests-per-s must be a finite number > 0, got {requests_per_s}")
     if not 1 <= burst <= MAX_KEY_BURST:
         problems.append(f"--burst must be 1 to {MAX_KEY_BURST}, got {burst}")
-    elif is_rate_valid and not burst / requests_per_s < MAX_REFILL_S:
-        problems.append(
-            f"--burst / --requests-per-s (how long an empty bucket takes to refill) must be under "
-            f"{MAX_REFILL_S:g} s, got {burst / requests_per_s:g} s"
-        )
+    elif is_rate_valid and (problem := refill_problem(burst, requests_per_s)) is not None:
+        problems.append(f"--burst / --requests-per-s (how long an empty bucket takes to refill) {problem}")
     if expires_in_days is not None:
         min_days = MIN_KEY_LIFETIME_S / 86400
         if math.isnan(expires_in_days) or expires_in_days <= 0:

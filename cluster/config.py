@@ -360,6 +360,19 @@ MAX_KEY_BURST = 10**9
 # Longest a key's empty bucket may take to refill (burst / requests_per_s): about 31,700 years. Beyond
 # it the bucket arithmetic leaves what Redis can hold as a millisecond expiry.
 MAX_REFILL_S = 1e12
+
+
+def refill_problem(burst: int, requests_per_s: float) -> str | None:
+    """Why a key's token bucket of this size and rate cannot be kept (`MAX_REFILL_S`), or None: one rule for
+    a key's record, `keys create`'s flags and the config's defaults, each naming its own fields."""
+    refill_s = burst / requests_per_s
+    return None if refill_s < MAX_REFILL_S else f"must be under {MAX_REFILL_S:g} s, got {refill_s:g} s"
+
+
+def bad_permissions(permissions: Sequence[str]) -> list[str]:
+    """The permissions no key can be granted (empty, or holding whitespace), as keys, tools and the config
+    name them."""
+    return [p for p in permissions if not p or any(c.isspace() for c in p)]
 # gRPC's message size options are C ints: the gRPC proxy cannot start with a larger limit.
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
 
@@ -391,10 +404,9 @@ class AccessConfig(_Strict):
     def _refills(self) -> "AccessConfig":
         # As `keys create` refuses a key's own: else every key created with the defaults was refused, naming
         # flags its creator never passed.
-        if not self.default_burst / self.default_requests_per_s < MAX_REFILL_S:
+        if (problem := refill_problem(self.default_burst, self.default_requests_per_s)) is not None:
             raise ValueError(f"access.default_burst / access.default_requests_per_s (the seconds an empty bucket "
-                             f"takes to refill) must be under {MAX_REFILL_S:g} s, got "
-                             f"{self.default_burst / self.default_requests_per_s:g} s")
+                             f"takes to refill) {problem}")
         return self
 
 
@@ -440,7 +452,7 @@ class ToolNetworkConfig(_Strict):
     @field_validator("http_tools_permission")
     @classmethod
     def _permission(cls, permission: str | None) -> str | None:
-        if permission is not None and (not permission or any(c.isspace() for c in permission)):
+        if permission is not None and bad_permissions([permission]):
             raise ValueError(f"must be non-empty without whitespace (or null), got {permission!r}")
         return permission
 

@@ -25,6 +25,7 @@ from typing import Annotated, Literal, NewType
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
 
+from cluster.config import bad_permissions
 from serve_apps.orchestrator.tool_schema import (
     MAX_SESSION_PATTERN_UNROLLED, check_tool_parameters, pattern_elements,
 )
@@ -97,7 +98,7 @@ class ToolSpec(_Strict):
     def _check_permissions(cls, permissions: list[str]) -> list[str]:
         # As keys are granted them (`keys create --permission`): no key could hold one of these, so the tool
         # could never run.
-        if bad := [p for p in permissions if not p or any(c.isspace() for c in p)]:
+        if bad := bad_permissions(permissions):
             raise ValueError(f"each permission is a non-empty name without whitespace, got {', '.join(map(repr, bad))}")
         return permissions
 

@@ -109,6 +109,11 @@ def _error(status: int, message: str, code: str, param: str | None = None) -> di
     return {"status": status, "body": error_body(status, message, code=code, param=param)}
 
 
+def _template_refusal(err: jinja2.TemplateError) -> str:
+    """What a client reads when the model's chat template refuses its session's messages (`CHAT_TEMPLATE_REFUSED`)."""
+    return f"the model's chat template refuses this session's messages: {err}"
+
+
 def _invalid(err: ValidationError) -> dict[str, Any]:
     """The 400 of a body that fails its model, naming the field at fault (as the HTTP ingress refuses it)."""
     message, param = validation_problem(err.errors())
@@ -454,8 +459,7 @@ class Orchestrator:
                 output_reserve_tokens=request.limits.output_reserve_tokens, memo=count_memo(session_id),
             )
         except jinja2.TemplateError as err:  # the session's turns are refused alike; its view says why
-            return _error(500, f"the model's chat template refuses this session's messages: {err}",
-                          CHAT_TEMPLATE_REFUSED)
+            return _error(500, _template_refusal(err), CHAT_TEMPLATE_REFUSED)
         body = {
             "session_id": record.session_id,
             "model": request.model,
@@ -689,7 +693,7 @@ class Orchestrator:
         except TurnFailed as err:
             yield {"kind": "error", "code": err.code, "message": str(err)}
         except jinja2.TemplateError as err:  # the model's template refuses the session's messages: nothing committed
-            message = f"the model's chat template refuses this session's messages: {err}"
+            message = _template_refusal(err)
             logger.warning("turn of session %s: %s", session_id, message)
             yield {"kind": "error", "code": CHAT_TEMPLATE_REFUSED, "message": message} if has_started else _error(
                 500, message, CHAT_TEMPLATE_REFUSED

@@ -329,6 +329,8 @@ class ErrorEvent(_Strict):
     message: str = Field(description="Human-readable explanation.")
 
 
+# The served model's chat template refuses a session's prompt (its own `raise_exception`, a field it needs).
+CHAT_TEMPLATE_REFUSED = "chat_template_refused"
 # HTTP status of a turn that was accepted but ended in an error event (gRPC maps it on to a code).
 # A 5xx is the service's own failure; the rest are the caller's or the session's, except `max_steps`:
 # the turn's messages are committed, an outcome rather than a failure.
@@ -345,11 +347,9 @@ TURN_ERROR_STATUS = {
     "session_not_found": 404,
     "store_unavailable": 503,
     "turn_interrupted": 503,
-    "chat_template_refused": 500,
+    CHAT_TEMPLATE_REFUSED: 500,
     "internal": 500,
 }
-# The served model's chat template refuses a session's prompt (its own `raise_exception`, a field it needs).
-CHAT_TEMPLATE_REFUSED = "chat_template_refused"
 
 
 logger = logging.getLogger("ray.serve")

@@ -682,13 +682,8 @@ class PrefixKVRouter(RequestRouter):
             # Serve asks again (every replica refused it): its own earlier placement must not draw it back.
             self.withdraw(previous)
         with self.lock:
-            if previous is not None and previous.session_id is not None:
-                # Nor its own earlier choice pass for the session's replica: session affinity drew it back there
-                # (reported as `session-affinity`, for a replica holding none of its history).
-                if previous.session_replica_before is None:
-                    self.sessions.pop(previous.session_id, None)
-                else:
-                    self.sessions[previous.session_id] = previous.session_replica_before
+            if previous is not None:  # nor its own earlier choice pass for its session's replica
+                self.policy.unrecord_session(previous, self.sessions)
             decision = self.policy.choose(
                 routing_request, list(by_id), loads, self.index, self.sessions, time.monotonic()
             )

@@ -198,6 +198,19 @@ class PrefixAwarePolicy:
                 replica_id, blocks.hashes(), now_s, self._pending_ttl_s, decision.held_blocks.get(replica_id, 0)
             )
 
+    @staticmethod
+    def unrecord_session(decision: Decision, sessions: MutableMapping[str, ReplicaId]) -> None:
+        """Undoes what `record` wrote of the decision's session: its replica goes back to the one before. For
+        a request Serve asks to place again, whose first choice must not pass for its session's replica
+        (session affinity drew it back there, as `session-affinity`, to a replica holding none of its history).
+        """
+        if decision.session_id is None:
+            return
+        if decision.session_replica_before is None:
+            sessions.pop(decision.session_id, None)
+        else:
+            sessions[decision.session_id] = decision.session_replica_before
+
     def _request_blocks(self, request: RoutingRequest) -> RequestBlockHashes:
         """The request's block hashes, taking over those of the longest known prefix it shares.
 

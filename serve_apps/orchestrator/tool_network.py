@@ -25,7 +25,8 @@ import asyncio
 import ipaddress
 import re
 import socket
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -38,6 +39,11 @@ IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # the resolver gives up (a cancelled call does not stop it), and on the loop's default pool (six threads on two
 # cores) a session's tool could hold every thread the replica's own lookups (Redis reconnecting) need.
 _TOOL_LOOKUPS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool-dns")
+# The lookup of each (host, port) now running: calls to a host whose lookup has not ended wait for that one
+# (`_resolve`). Without it, four turns aimed at a name whose server never answers held the four threads for the
+# resolver's whole timeout, and every other session's tool waited behind them until its own call timed out.
+_LOOKUPS_RUNNING: dict[tuple[str, int], Future] = {}
+_LOOKUPS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +100,7 @@ class ToolNetworkPolicy:
         if not self._blocked or _address(parsed.host) is not None:
             return Destination(url)
         try:
-            infos = await asyncio.get_running_loop().run_in_executor(
-                _TOOL_LOOKUPS, _getaddrinfo, parsed.host, parsed.port
-            )
+            infos = await _resolve(parsed.host, parsed.port)
         except (OSError, UnicodeError) as err:  # UnicodeError: a name IDNA cannot encode (an empty label)
             return f"tool URL {shown_url(url)}: its host does not resolve ({err})"
         addresses = list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
@@ -133,6 +137,30 @@ class _ParsedUrl:
         if not self.path or self.path.endswith("/"):
             return url.path.startswith(self.path)
         return url.path == self.path or url.path.startswith(self.path + "/")
+
+
+async def _resolve(host: str, port: int) -> list:
+    """`_getaddrinfo` on the lookup threads, shared by every call that asks for `(host, port)` while it runs.
+
+    A caller that leaves (its tool timed out) leaves the lookup running for the others: shielded, so its
+    cancellation cannot cancel a lookup still queued that others wait on.
+    """
+    key = (host, port)
+    with _LOOKUPS_LOCK:
+        lookup = _LOOKUPS_RUNNING.get(key)
+        started = lookup is None
+        if started:
+            lookup = _TOOL_LOOKUPS.submit(_getaddrinfo, host, port)
+            _LOOKUPS_RUNNING[key] = lookup
+    if started:  # outside the lock: a lookup already done runs its callback here, and the callback takes the lock
+        lookup.add_done_callback(lambda done: _forget_lookup(key, done))
+    return await asyncio.shield(asyncio.wrap_future(lookup))
+
+
+def _forget_lookup(key: tuple[str, int], lookup: Future) -> None:
+    with _LOOKUPS_LOCK:
+        if _LOOKUPS_RUNNING.get(key) is lookup:
+            del _LOOKUPS_RUNNING[key]
 
 
 def _getaddrinfo(host: str, port: int) -> list:

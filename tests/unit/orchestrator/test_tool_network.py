@@ -327,3 +327,42 @@ def test_tool_hosts_are_looked_up_on_threads_of_their_own(monkeypatch):
     monkeypatch.setattr(tool_network, "_getaddrinfo", getaddrinfo)
     asyncio.run(DEFAULT.check_destination("https://tools.example/api"))
     assert len(threads) == 1 and threads[0].startswith("tool-dns")
+
+
+def test_calls_to_a_host_whose_lookup_hangs_share_one_lookup_thread(monkeypatch):
+    """Turns aimed at a name whose DNS server never answers must not take every lookup thread: other sessions'
+    tools still resolve while those calls time out, and the waiting calls are answered by the one lookup."""
+    release = threading.Event()
+    started: list[str] = []
+
+    def getaddrinfo(host, port):
+        started.append(host)
+        if host == "black.hole.test":
+            release.wait(10)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(tool_network, "_getaddrinfo", getaddrinfo)
+
+    async def timed(host: str, seconds: float):
+        try:
+            async with asyncio.timeout(seconds):
+                return await DEFAULT.check_destination(f"http://{host}:9000/tool")
+        except TimeoutError:
+            return "timed out"
+
+    async def scenario():
+        stuck = [asyncio.create_task(timed("black.hole.test", 0.2)) for _ in range(tool_network._TOOL_LOOKUPS._max_workers + 2)]
+        assert set(await asyncio.gather(*stuck)) == {"timed out"}
+        other = await timed("tools.elsewhere.test", 2.0)
+        waiting = asyncio.create_task(timed("black.hole.test", 5.0))
+        await asyncio.sleep(0)
+        release.set()
+        return other, await waiting
+
+    try:
+        other, waited = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert other == Destination("http://tools.elsewhere.test:9000/tool", ("127.0.0.1",))
+    assert waited == Destination("http://black.hole.test:9000/tool", ("127.0.0.1",))
+    assert started.count("black.hole.test") == 1

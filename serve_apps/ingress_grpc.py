@@ -828,10 +828,6 @@ class GrpcIngress:
             except Exception as err:
                 failure = _fail(grpc_context, rpc, method, err)
                 yield _with_stream_identity(error_message(failure), last, failure.replica_id)
-            except BaseException:  # the caller left before the end (its stream closed, or its task cancelled)
-                if rpc.span.is_recording():
-                    rpc.span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)  # as over HTTP
-                raise
 
 
 def _with_stream_identity(error: ResponseT, last: Optional[ResponseT], replica_id: str = "") -> ResponseT:
@@ -921,13 +917,20 @@ class _RpcSpan:
 
     @contextmanager
     def lifetime(self) -> Iterator["_RpcSpan"]:
-        """Ends the span when the RPC is over: with its recorded status, else OK, CANCELLED if the caller left."""
+        """Ends the span when the RPC is over: with its recorded status, else OK, CANCELLED if the caller left.
+
+        A caller that left (the call's task cancelled, its stream closed) marks the span incomplete, unary
+        or streamed, as the HTTP ingress marks a call whose client left: no answer went out.
+        """
         try:
             yield self
         except BaseException as err:
+            left = not isinstance(err, Exception)
+            if left and self.span.is_recording():
+                self.span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)
             if self.status is None:
                 # Cancelled, or its stream closed by the consumer; an `Exception` here escaped `_fail`.
-                status = grpc.StatusCode.UNKNOWN if isinstance(err, Exception) else grpc.StatusCode.CANCELLED
+                status = grpc.StatusCode.CANCELLED if left else grpc.StatusCode.UNKNOWN
                 self.record(status, f"{type(err).__name__}: {err}")
             raise
         finally:

@@ -821,3 +821,24 @@ def test_a_call_that_gave_its_whole_response_is_not_cancelled(spans):
         return response.status_code
 
     assert asyncio.run(answer()) == 200 and call.num_cancels == 0
+
+
+def test_a_unary_call_its_caller_left_ends_its_span_cancelled_and_incomplete(spans):
+    """As a stream its caller left, and as an HTTP call whose client left: no answer went out, no error."""
+    started = asyncio.Event()
+
+    async def get_session(*args, **kwargs):
+        started.set()
+        await asyncio.Event().wait()
+
+    async def leave():
+        call = asyncio.create_task(_get_session(_grpc_ingress(get_session=get_session), _GrpcContext()))
+        await started.wait()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    _run(leave())
+    span = _only(spans)
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert span.attributes["warmpath.stream.incomplete"] is True and span.status.status_code is StatusCode.UNSET

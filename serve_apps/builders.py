@@ -169,6 +169,7 @@ def build_llm_app(cfg: ClusterConfig) -> Application:
         model_cards={cfg.model.model_id: to_model_metadata(cfg.model.model_id, llm)},
         orchestrator=orchestrator,
         telemetry_config=cfg.telemetry.model_dump(mode="json"),
+        window_tokens=cfg.model.max_model_len_tokens,
     )
 
 
@@ -199,4 +200,5 @@ def build_grpc_app(args: dict[str, Any]) -> Application:
         model_id=cfg.model.model_id,
         guard_settings=GuardSettings(access=cfg.access, redis_url=cfg.redis_url).model_dump(mode="json"),
         telemetry_config=cfg.telemetry.model_dump(mode="json"),
+        window_tokens=cfg.model.max_model_len_tokens,
     )

@@ -99,6 +99,7 @@ from serve_apps.grpc_decoding import UndecodableRequest
 from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.handle_streams import cancelled_if_left
 from serve_apps.metrics import settle_model_call, usage_tokens
+from serve_apps.openai_bodies import too_many_items
 from serve_apps.request_checks import chat_request_problem, utf8_text
 from serve_apps.orchestrator.models import (
     TOOL_CHOICE_KEYWORDS,
@@ -526,10 +527,12 @@ class GrpcIngress:
         model_id: str,
         guard_settings: dict[str, Any],
         telemetry_config: dict[str, Any] | None = None,
+        window_tokens: Optional[int] = None,
     ) -> None:
         self._llm = llm_handle
         self._orchestrator = orchestrator_handle
         self._model_id = model_id
+        self._window_tokens = window_tokens  # the most messages or tools a request may hold (`openai_bodies`)
         self._guard = AccessGuard(GuardSettings.model_validate(guard_settings))
         telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "grpc-ingress")
 
@@ -661,6 +664,11 @@ class GrpcIngress:
                 grpc.StatusCode.NOT_FOUND, "model_not_found",
                 f'model "{request.model}" is not served here (serving "{self._model_id}")',
             )
+        for field, items in (("messages", request.messages), ("tools", request.tools)):
+            # Before each message is converted and validated, on this ingress's event loop (`openai_bodies`).
+            if self._window_tokens is not None and len(items) > self._window_tokens:
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter",
+                                 f"{field}: {too_many_items(field, len(items), self._window_tokens)}")
         # The engine's request model validates the rest: its pydantic and vLLM client errors (an unknown
         # `tool_choice`, one without tools) become INVALID_ARGUMENT in `failure_from_exception`.
         chat_request = ChatCompletionRequest(

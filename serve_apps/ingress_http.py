@@ -660,9 +660,13 @@ async def _answered(response: Awaitable[Response], request: Request) -> Response
 class WarmpathIngress(OpenAiIngress):
     """OpenAI routes that report the serving replica in response headers, plus the session API."""
 
-    def __init__(self, *args: Any, orchestrator=None, telemetry_config: Optional[dict] = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, orchestrator=None, telemetry_config: Optional[dict] = None,
+        window_tokens: Optional[int] = None, **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._orchestrator = orchestrator
+        openai_bodies.limit_items(window_tokens)  # FastAPI validates the bodies, with no ingress at hand
         telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "ingress")
 
     def __del__(self) -> None:

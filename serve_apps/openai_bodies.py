@@ -10,10 +10,10 @@ retried twice. Here such a body is a validation error like any other (400 `inval
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import ModelWrapValidatorHandler, ValidationError, model_validator
-from pydantic_core import InitErrorDetails
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from ray.llm._internal.serve.core.configs import openai_api_models as vllm_bodies
 
 # Top-level fields vLLM's validators read as one JSON type, and the pydantic error type for another.
@@ -26,6 +26,25 @@ _FIELD_TYPES: dict[str, tuple[type, str]] = {
 }
 
 
+# The most messages, and tools, one request may hold: the served model's window in tokens, since each renders to
+# a token at least (`limit_items`; None: no limit). Why: validating a message costs a few microseconds on the
+# ingress's event loop, which every other request of that ingress waits on: the 4 MiB a request may hold carry
+# 100,000+ one-letter messages, and their validation held the loop for a second or more.
+_ITEM_LIMIT: Optional[int] = None
+
+
+def limit_items(window_tokens: Optional[int]) -> None:
+    """Bounds the messages and the tools of each request this process validates by the served model's window."""
+    global _ITEM_LIMIT
+    _ITEM_LIMIT = window_tokens
+
+
+def too_many_items(field: str, count: int, window_tokens: int) -> str:
+    """The refusal of a request holding `count` messages or tools, over the model's window."""
+    return (f"the request holds {count} {field}; the model's context window is {window_tokens} tokens, and each "
+            f"of its {field} takes one at least")
+
+
 def _wrong_types(cls: type, data: Any) -> list[InitErrorDetails]:
     """A validation error for each field the validators would trip over: the top-level ones of `_FIELD_TYPES`,
     a tool that is not an object, and an assistant's `tool_calls` that is not a list."""
@@ -36,6 +55,10 @@ def _wrong_types(cls: type, data: Any) -> list[InitErrorDetails]:
         value = data.get(name)
         if name in cls.model_fields and value is not None and not isinstance(value, kind):
             errors.append({"type": error_type, "loc": (name,), "input": value})
+        elif name in cls.model_fields and kind is list and _ITEM_LIMIT is not None and isinstance(value, list) \
+                and len(value) > _ITEM_LIMIT:
+            message = too_many_items(name, len(value), _ITEM_LIMIT)
+            return [{"type": PydanticCustomError("too_many_items", message), "loc": (name,), "input": len(value)}]
     tools = data.get("tools") if "tools" in cls.model_fields else None
     if isinstance(tools, list):
         errors += [{"type": "dict_type", "loc": ("tools", i), "input": t} for i, t in enumerate(tools)

@@ -118,6 +118,14 @@ def test_error_codes(channel, metadata, cluster):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(cluster.cfg.model.max_model_len_tokens) in err.value.details()
     assert "Internal exception" not in err.value.details() and "Request ID" not in err.value.details()
 
+    window = cluster.cfg.model.max_model_len_tokens
+    too_many = _request(cluster, content="a")
+    too_many.messages.extend([inference_pb2.ChatMessage(role="user", content="a")] * window)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ChatCompletion(too_many, metadata=metadata, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"messages: the request holds {window + 1} messages"), err.value.details()
+
     with pytest.raises(grpc.RpcError) as err:
         stub.ChatCompletion(_request(cluster, max_tokens=64), metadata=metadata, timeout=0.001)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -240,6 +240,19 @@ def test_prompt_longer_than_the_context_window_is_400_naming_both_lengths(cluste
     assert any(n > window for n in numbers), message
 
 
+def test_more_messages_than_the_window_has_tokens_is_a_400_from_the_ingress(cluster):
+    """Refused before the messages are validated, each one taking the ingress's event loop a few microseconds."""
+    window = cluster.cfg.model.max_model_len_tokens
+    messages = [{"role": "user", "content": "a"}] * (window + 1)
+    resp = cluster.client.post("/v1/chat/completions", json={"model": cluster.model_id, "messages": messages},
+                               timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_parameter", "messages")
+    assert f"holds {window + 1} messages" in error["message"] and str(window) in error["message"]
+    assert "x-warmpath-replica" not in resp.headers  # no replica saw it
+
+
 @pytest.mark.parametrize(
     "body, field",
     [

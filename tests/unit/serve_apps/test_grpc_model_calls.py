@@ -259,3 +259,22 @@ def test_a_lone_surrogate_in_the_model_output_is_answered_as_a_question_mark(rec
     context = FakeContext()
     answer = asyncio.run(ingress.ChatCompletion(_request(), context))
     assert (answer.content, answer.tool_calls[0].arguments) == ("b?", '{"q": "a?"}')
+
+
+@pytest.mark.parametrize("field", ["messages", "tools"])
+def test_more_messages_or_tools_than_the_window_has_tokens_are_refused_before_conversion(field):
+    """As over HTTP (`openai_bodies.limit_items`): converting and validating 300,000 tiny messages held the
+    gRPC ingress's loop for seconds."""
+    ingress = ingress_grpc.GrpcIngress(None, None, "m", {"access": {"is_auth_enabled": False}}, window_tokens=2)
+    request = inference_pb2.ChatCompletionRequest(messages=[inference_pb2.ChatMessage(role="user", content="a")])
+    many = request.messages if field == "messages" else request.tools
+    for i in range(3 - len(many)):
+        many.add(**({"role": "user", "content": "a"} if field == "messages" else {"name": f"f{i}"}))
+    with pytest.raises(ingress_grpc.RpcFailure) as refused:
+        ingress._chat_request(request, is_streaming=False)
+    assert refused.value.status is grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.message.startswith(f"{field}: the request holds 3 {field}; the model's context window is 2")
+    del many[-1]
+    if field == "messages":
+        del many[-1]
+    assert ingress._chat_request(request, is_streaming=False).model == "m"

@@ -104,3 +104,36 @@ def test_a_custom_tool_call_is_left_to_vllms_validation():
     call = {"id": "c", "type": "custom", "custom": {"name": "f", "input": "x"}}
     body = {"model": "m", "messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [call]}]}
     assert len(openai_bodies.ChatCompletionRequest.model_validate(body).messages) == 2
+
+
+@pytest.fixture
+def window_of_four():
+    from serve_apps import openai_bodies
+
+    openai_bodies.limit_items(4)
+    yield 4
+    openai_bodies.limit_items(None)
+
+
+@pytest.mark.parametrize("field, body", [
+    ("messages", {"model": "m", "messages": HI * 5}),
+    ("tools", {"model": "m", "messages": HI, "tools": [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(5)]}),
+])
+def test_more_messages_or_tools_than_the_window_has_tokens_is_a_400_before_they_are_validated(
+        client, window_of_four, field, body):
+    """Each renders to a token at least, so such a request can never fit; validating 100,000 one-letter messages
+    held the ingress's event loop for a second or more."""
+    response = client.post("/v1/chat/completions", json=body)
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (400, "invalid_parameter", field)
+    assert error["message"] == (f"{field}: the request holds 5 {field}; the model's context window is 4 tokens, "
+                                f"and each of its {field} takes one at least")
+
+
+def test_a_request_at_the_window_and_one_without_a_window_pass(window_of_four):
+    from serve_apps import openai_bodies
+
+    assert len(openai_bodies.ChatCompletionRequest.model_validate({"model": "m", "messages": HI * 4}).messages) == 4
+    openai_bodies.limit_items(None)
+    assert len(openai_bodies.ChatCompletionRequest.model_validate({"model": "m", "messages": HI * 50}).messages) == 50

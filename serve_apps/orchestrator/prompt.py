@@ -355,6 +355,26 @@ def _render_or_none(
         return None
 
 
+def _rendered_prefix(tokenizer: ChatTokenizer, text: str | None, whole: str) -> str | None:
+    """`text`, a conversation rendered without a generation prompt, as it starts `whole`: less the end-of-text
+    token a template writes where no generation prompt follows (Phi-3's and Phi-4-mini's), where only that
+    keeps it from doing so; None where it does not.
+
+    Why: counted as not starting the prompt, every message of such a template was counted with the next,
+    each counting 0, and the session's prefix was empty.
+    """
+    if text is None or whole.startswith(text):
+        return text
+    shorter = _without_end_of_text(tokenizer, text)
+    return shorter if shorter is not None and whole.startswith(shorter) else None
+
+
+def _without_end_of_text(tokenizer: ChatTokenizer, text: str) -> str | None:
+    """`text` less the tokenizer's end-of-text token it ends with, or None where it does not end with one."""
+    end = getattr(tokenizer, "eos_token", None)
+    return text[: -len(end)] if isinstance(end, str) and end and text.endswith(end) else None
+
+
 def _encode(tokenizer: ChatTokenizer, text: str) -> list[int]:
     return _token_ids(tokenizer(text, add_special_tokens=False))
 
@@ -395,9 +415,10 @@ def _prefix_ids(tokenizer: ChatTokenizer, system: WireMessage, tools: list[WireT
     # tools going into the first user turn.
     shown = [system.get("content") or "", *(tool["function"]["name"] for tool in tools)]
     if alone is not None and all(text in alone for text in shown):
-        ids = _encode(tokenizer, alone)
-        if all(probe[: len(ids)] == ids for probe in probes):
-            return ids
+        for text in (alone, _without_end_of_text(tokenizer, alone)):  # Phi's end-of-text trailer (`_rendered_prefix`)
+            ids = _encode(tokenizer, text) if text is not None else None
+            if ids is not None and all(probe[: len(ids)] == ids for probe in probes):
+                return ids
     return probes[0][: _common_length(*probes)]
 
 
@@ -553,8 +574,8 @@ def count_tokens(
     boundaries = memo.boundaries[: num_reused + 1] if num_reused else [0]
     segments = memo.segments[:num_reused] if num_reused else []
     for end in range(num_reused + 1, len(rendered) + 1):
-        text = _render_or_none(tokenizer, rendered[:end], tools, add_generation_prompt=False)
-        if text is None or not full_text.startswith(text) or len(text) < boundaries[-1]:
+        text = _rendered_prefix(tokenizer, _render_or_none(tokenizer, rendered[:end], tools, False), full_text)
+        if text is None or len(text) < boundaries[-1]:
             boundaries.append(boundaries[-1])  # counted with the next message
             segments.append(array("I"))
             continue

@@ -373,6 +373,36 @@ def test_a_system_message_folded_into_the_first_user_turn_is_part_of_the_prefix(
         assert account.prefix_fingerprint == prefix_fingerprint(folded, SYSTEM, TOOLS)
 
 
+# The end-of-text token where no generation prompt follows (as Phi-3's and Phi-4-mini's templates write it).
+END_OF_TEXT_TRAILER_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{- '<|im_start|>system\\n' + message['content'] + (tools | tojson) + '<|im_end|>\\n' }}"
+    "{%- elif message.get('tool_calls') %}{{- '<|im_start|>assistant\\n' + (message['tool_calls'][0]['function'] | tojson) + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- else %}{{- eos_token }}{%- endif %}"
+)
+
+
+def test_a_template_ending_a_conversation_with_end_of_text_counts_each_message_and_the_system_prefix(tokenizer):
+    """Counted as not starting the prompt, every message was counted with the next (0 each) and the session's
+    prefix was empty."""
+    trailing = _with_template(tokenizer, END_OF_TEXT_TRAILER_TEMPLATE)
+    trailing.eos_token = "<|endoftext|>"
+    prefix = prefix_token_ids(trailing, SYSTEM, TOOLS)
+    assert trailing.decode(prefix).endswith("<|im_end|>\n") and "get_order" in trailing.decode(prefix)
+    history = [m for i in range(2) for m in _round(i, {"status": "shipped"})]
+    memo = CountMemo()
+    for end in range(1, len(history) + 1):
+        account = _count(trailing, history[:end], memo)
+        _assert_exact(trailing, history[:end], account)
+        assert account == _count(trailing, history[:end])
+        assert all(count > 0 for count in account.message_tokens)
+        assert account.prefix_tokens == len(prefix)
+        assert account.prefix_fingerprint == prefix_fingerprint(trailing, SYSTEM, TOOLS)
+
+
 def test_a_memo_does_not_reuse_a_system_message_counted_with_the_next_once_it_renders_otherwise(tokenizer):
     """Llama 3.2's system block carries today's date, and with tools its system message renders only with
     the first user message: past midnight a memo kept the old prefix (38 tokens where 525 were shared)."""

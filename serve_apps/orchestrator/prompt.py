@@ -20,6 +20,11 @@ Invariants:
   JSON but not an object render as `{}`, so local token counts equal what the
   engine prefills. History must therefore hold only calls whose arguments parse
   (vLLM would silently render bad ones as `{}`).
+- A user message never follows a user message or a tool result with nothing between:
+  `build_chat_request` puts a fixed assistant message there (`ACKNOWLEDGEMENTS`),
+  after a compression's summary and after a turn that ended at its step limit.
+  Templates that check roles alternate (Mistral's) refuse the conversation
+  otherwise. Token counts fold it into the message before it.
 - Text of the history never spells a control token: `build_chat_request`
   neutralises the tokenizer's control-token strings (`ControlTokens`) in what it
   sends, and token counts are taken over the same messages, so a tool result
@@ -249,6 +254,15 @@ def to_wire_message(message: Message) -> WireMessage:
     return wire
 
 
+# The assistant message between a user message and the message before it, by that message's role: a
+# compression's summary (a user message), or a tool result a turn that ran out of steps ended with.
+ACKNOWLEDGEMENTS: Mapping[str, str] = {
+    "user": "Understood.",
+    "tool": "(The turn ended here: it used all its steps before an answer.)",
+}
+ACKNOWLEDGEMENT_NAME = "warmpath-acknowledgement"
+
+
 def build_chat_request(
     state: SessionState, control_tokens: ControlTokens = NO_CONTROL_TOKENS
 ) -> tuple[list[WireMessage], list[WireTool]]:
@@ -258,10 +272,22 @@ def build_chat_request(
     never depends on its content. Every text of the history (user, assistant,
     tool, summaries) is neutralised against `control_tokens`; the system prompt
     and tools, which the session's creator wrote, are the cached prefix and stay as written.
+    A user message after a user message or a tool result has an acknowledgement before it
+    (`ACKNOWLEDGEMENTS`, named `ACKNOWLEDGEMENT_NAME`): the history stays as stored.
     """
     messages: list[WireMessage] = [{"role": "system", "content": state.system_prompt}]
-    messages.extend(_neutralized(to_wire_message(message), control_tokens) for message in state.history)
+    previous_role = None
+    for message in state.history:
+        if message.role == "user" and previous_role in ACKNOWLEDGEMENTS:
+            messages.append({"role": "assistant", "content": ACKNOWLEDGEMENTS[previous_role],
+                             "name": ACKNOWLEDGEMENT_NAME})
+        messages.append(_neutralized(to_wire_message(message), control_tokens))
+        previous_role = message.role
     return messages, render_tools(state.tools)
+
+
+def _is_acknowledgement(message: WireMessage) -> bool:
+    return message["role"] == "assistant" and message.get("name") == ACKNOWLEDGEMENT_NAME
 
 
 def _neutralized(message: WireMessage, control_tokens: ControlTokens) -> WireMessage:
@@ -561,7 +587,8 @@ def count_tokens(
         memo: what an earlier count of the session learnt; reused where it still holds, then updated.
 
     Returns:
-        The account; `message_tokens` aligns with `messages[1:]`.
+        The account; `message_tokens` aligns with the history (`messages[1:]` less the acknowledgements
+        `build_chat_request` adds, each counted with the message before it).
     """
     if not messages or messages[0]["role"] != "system":
         raise ValueError("messages must start with the system message (see build_chat_request)")
@@ -594,9 +621,13 @@ def count_tokens(
     num_counted = sum(map(len, segments))  # the generation prompt's tokens are never the prefix's
     num_prefix = max(min(_common_length(full_ids, shared), num_counted), len(segments[0]))
     message_tokens, start = [], len(segments[0])
-    for segment in segments[1:]:
+    for message, segment in zip(messages[1:], segments[1:]):
         end = start + len(segment)
-        message_tokens.append(max(0, end - max(start, num_prefix)))
+        count = max(0, end - max(start, num_prefix))
+        if _is_acknowledgement(message):  # counted with the message it follows (`build_chat_request`)
+            message_tokens[-1] += count
+        else:
+            message_tokens.append(count)
         start = end
     if memo is not None:
         memo.tokenizer, memo.tools_key, memo.message_keys = tokenizer, tools_key, message_keys

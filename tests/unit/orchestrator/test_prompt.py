@@ -17,6 +17,8 @@ from cluster import model_builder
 from serve_apps.orchestrator.compression import apply_compression, plan_compression
 from serve_apps.orchestrator.models import Message, SessionLimits, ToolCall, ToolSpec
 from serve_apps.orchestrator.prompt import (
+    ACKNOWLEDGEMENT_NAME,
+    ACKNOWLEDGEMENTS,
     ZERO_WIDTH_SPACE,
     ControlTokens,
     CountMemo,
@@ -401,6 +403,59 @@ def test_a_template_ending_a_conversation_with_end_of_text_counts_each_message_a
         assert all(count > 0 for count in account.message_tokens)
         assert account.prefix_tokens == len(prefix)
         assert account.prefix_fingerprint == prefix_fingerprint(trailing, SYSTEM, TOOLS)
+
+
+# Roles must alternate user/assistant after the system message, tool calls and results aside (as Mistral's
+# templates check).
+ALTERNATING_ROLES_TEMPLATE = (
+    "{%- set ns = namespace(index=0) %}"
+    "{%- for message in messages[1:] %}"
+    "{%- if not (message['role'] == 'tool' or message.get('tool_calls')) %}"
+    "{%- if (message['role'] == 'user') != (ns.index % 2 == 0) %}"
+    "{{- raise_exception('After the optional system message, conversation roles must alternate user/assistant') }}"
+    "{%- endif %}"
+    "{%- set ns.index = ns.index + 1 %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+) + GROUPED_TOOL_RESULTS_TEMPLATE
+
+
+def _steps_ran_out(index: int) -> list[Message]:
+    """A turn that used all its steps: it ends with a tool result, no answer."""
+    return _round(index, {"status": "shipped"})[:3]
+
+
+def test_a_user_message_after_a_summary_or_a_tool_result_has_an_acknowledgement_before_it(tokenizer):
+    summary = Message(role="user", content="Summary: two orders shipped.", name="warmpath-context-summary")
+    history = [summary, *_round(1, {"status": "shipped"}), *_steps_ran_out(2), *_round(3, {"status": "late"})]
+    messages, _ = build_chat_request(SessionState(SYSTEM, TOOLS, tuple(history)))
+    acknowledgements = [(i, m["content"]) for i, m in enumerate(messages) if m.get("name") == ACKNOWLEDGEMENT_NAME]
+    assert acknowledgements == [(2, ACKNOWLEDGEMENTS["user"]), (10, ACKNOWLEDGEMENTS["tool"])]
+    assert [m for m in messages if m.get("name") != ACKNOWLEDGEMENT_NAME][1:] == \
+        [build_chat_request(SessionState(SYSTEM, TOOLS, (m,)))[0][1] for m in history]
+    # Not after the last message: the prompt of the turn that ran out of steps ended with its tool result.
+    last, _ = build_chat_request(SessionState(SYSTEM, TOOLS, tuple(_steps_ran_out(2))))
+    assert last[-1]["role"] == "tool"
+
+
+@pytest.mark.parametrize("history", [
+    [Message(role="user", content="Summary: ORD-0 shipped.", name="warmpath-context-summary"),
+     *_round(1, {"status": "shipped"})],
+    [*_steps_ran_out(0), *_round(1, {"status": "shipped"})],
+], ids=["after-a-summary", "after-a-turn-that-ran-out-of-steps"])
+def test_a_template_checking_that_roles_alternate_renders_and_counts_every_history(tokenizer, history):
+    """Mistral's templates refused the conversation (two user messages in a row, tool messages aside): the
+    session was stuck, every turn and its view `chat_template_refused`."""
+    alternating = _with_template(tokenizer, ALTERNATING_ROLES_TEMPLATE)
+    memo = CountMemo()
+    for end in range(1, len(history) + 1):
+        account = _count(alternating, history[:end], memo)
+        _assert_exact(alternating, history[:end], account)
+        assert account == _count(alternating, history[:end])
+        assert account.message_tokens[-1] > 0
+    # Each counts its acknowledgement with it: the counts sum to the prompt's, the prefix and generation aside.
+    assert account.prefix_tokens + sum(account.message_tokens) + account.generation_prompt_tokens \
+        == account.total_tokens
 
 
 def test_a_memo_does_not_reuse_a_system_message_counted_with_the_next_once_it_renders_otherwise(tokenizer):

@@ -232,9 +232,15 @@ LIMITS = SessionLimits(keep_last_rounds=2)
     "num_rounds, window, expected_cut",
     [
         (5, 100_000, None),  # plenty of room
-        (2, 100, None),  # over budget but only the kept rounds exist
-        (3, 100, 4),
-        (5, 100, 12),
+        (2, 300, None),  # under 20% left but only the kept rounds exist
+        (3, 400, 4),
+        (5, 600, 12),
+        # Over the window: fewer rounds are kept where those would not fit (100 tokens each; 53 of prefix and
+        # generation prompt, 16 of reserve), down to the newest.
+        (3, 300, 4),  # the two kept rounds fit in 231
+        (3, 250, 8),  # they do not fit in 181: the newest alone is kept
+        (2, 200, 4),  # only the kept rounds exist: the older is compressed
+        (2, 100, 4),  # nor does the newest fit: the rest is compressed all the same (the step then fails)
     ],
 )
 def test_plan_keeps_last_rounds(num_rounds, window, expected_cut):
@@ -286,9 +292,9 @@ def test_plan_rejects_misaligned_account():
 
 def test_apply_keeps_every_value_verbatim():
     history = _history(5)
-    plan = plan_compression(history, _account(history, 100), LIMITS)
+    plan = plan_compression(history, _account(history, 600), LIMITS)
     new_history, report = apply_compression(
-        history, plan, "User asked about orders 1-3.", recount=lambda messages: _account(messages, 100)
+        history, plan, "User asked about orders 1-3.", recount=lambda messages: _account(messages, 600)
     )
     summary = new_history[0]
     assert (summary.role, summary.name) == ("user", SUMMARY_MESSAGE_NAME)
@@ -299,15 +305,15 @@ def test_apply_keeps_every_value_verbatim():
     assert report.num_messages_compressed == 12
     assert report.ledger_size == len(plan.ledger) > 0
     assert report.ledger_retained_fraction == 1.0
-    assert report.tokens_before == _account(history, 100).total_tokens
-    assert report.tokens_after == _account(new_history, 100).total_tokens < report.tokens_before
+    assert report.tokens_before == _account(history, 600).total_tokens
+    assert report.tokens_after == _account(new_history, 600).total_tokens < report.tokens_before
 
 
 def _compressed_once() -> list[Message]:
     """Five rounds, compressed once into a summary and the rounds kept."""
     history = _history(5)
     compressed, _ = apply_compression(
-        history, plan_compression(history, _account(history, 100), LIMITS), "", recount=lambda m: _account(m, 100)
+        history, plan_compression(history, _account(history, 600), LIMITS), "", recount=lambda m: _account(m, 600)
     )
     return compressed
 
@@ -326,7 +332,8 @@ def test_recompression_carries_the_previous_ledger_forward():
 
 def test_summary_only_prefix_is_not_recompressed():
     first = _compressed_once()
-    assert plan_compression(first, _account(first, 100), LIMITS) is None
+    nearly_full = _account(first, 10**6).total_tokens + 16 + 10  # under 20% left, not over
+    assert plan_compression(first, _account(first, nearly_full), LIMITS) is None
     # Over budget, with one round kept: everything before that round is the summary, nothing to compress.
     summary_and_one_round = first[:1] + _round(9)
     one_kept = SessionLimits(keep_last_rounds=1)

@@ -27,7 +27,7 @@ from serve_apps.orchestrator.models import ToolResultsSubmission
 from serve_apps.orchestrator.store import (
     RememberedTurn, SessionNotFound, SessionRecord, SessionView, StaleTurn, StepTotals, TranscriptSnapshot, request_fingerprint,
 )
-from serve_apps.orchestrator.turns import ModelReply
+from serve_apps.orchestrator.turns import ModelReply, TurnRunner
 from tests.unit.loop_ticks import with_loop_ticks
 from tests.unit.orchestrator.test_turns import CharTokenizer
 
@@ -504,3 +504,27 @@ def test_a_call_cut_short_before_its_usage_records_no_usage():
     assert recorded == {"warmpath.replica": "r1"}
     _annotate_call(span, ModelReply(content="x", replica_id="r1", prompt_tokens=12, completion_tokens=3), None)
     assert recorded["gen_ai.usage.input_tokens"] == 12 and recorded["gen_ai.usage.output_tokens"] == 3
+
+
+def test_a_session_whose_last_turn_filled_its_window_compresses_that_turn_at_the_next_one():
+    """A long answer can leave the history at the window's edge; the next message put the prompt over it, and
+    the round that filled it was too recent to compress (`keep_last_rounds`): every later turn failed
+    `context_overflow`, whatever its length, and the session could only be deleted."""
+    window, reserve = 2000, 200
+    orchestrator = _orchestrator()
+    session_id = _session(orchestrator, context_budget_tokens=window, output_reserve_tokens=reserve)
+    runner = TurnRunner(orchestrator._store.records[session_id], (), 0, orchestrator._store, None,
+                        orchestrator._tokenizer, orchestrator._max_model_len_tokens)
+    fitting = window - reserve - runner._account([Message(role="user", content="")]).total_tokens
+    orchestrator._model.replies = [ModelReply(content="A" * reserve)]
+    first = _collect(orchestrator.send_message(session_id, {"content": "x" * fitting}, CALLER))
+    assert first[-1]["kind"] == "final"
+
+    # The history to summarise is over the window itself: the engine is not asked, the facts ledger stands alone.
+    orchestrator._model.replies = [ModelReply(content="Hello.")]
+    second = _collect(orchestrator.send_message(session_id, {"content": "hi"}, CALLER))
+    kinds = [e.get("kind") for e in second]
+    assert "compression" in kinds and kinds[-1] == "final", second
+    sent = orchestrator._model.calls[-1]["messages"]  # the summary, its acknowledgement, the new round
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
+    assert sent[1]["name"] == "warmpath-context-summary" and sent[-1]["content"] == "hi"

@@ -24,9 +24,9 @@ Threads and ordering:
 - `choose_replicas` runs on Serve's event loop. It tokenizes the request with
   the engine's tokenizer and chat template, and the rendering settings the
   replicas advertise (`router.prompt_tokens.EngineRendering`), hands those
-  ids to the engine with the request (`router.prompt_tokens.forward_token_ids`,
+  ids to the engine with the request (`router.prompt_tokens.ForwardedTokenIds`,
   a chat request the engine would render alike only, when the config
-  allows), then decides under the same lock the pump takes to apply events,
+  allows; a request placed again has its earlier ids taken back first), then decides under the same lock the pump takes to apply events,
   so a decision never sees half a batch. It makes no blocking remote calls.
 - Serve hands each request the replica chosen for it: the router takes no
   `FIFOMixin`, which would give the first replica found to the oldest
@@ -61,8 +61,8 @@ from router.inflight import InflightRequests
 from router.policy import PrefixAwarePolicy
 from router.prompt_tokens import (
     EngineRendering,
+    ForwardedTokenIds,
     PromptTokenizer,
-    forward_token_ids,
     is_forwardable,
     prompt_chars,
     session_of,
@@ -578,6 +578,7 @@ class PrefixKVRouter(RequestRouter):
         self.tokenizer.start_loading()
         self._decisions: OrderedDict[str, Decision] = OrderedDict()
         self._inflight = InflightRequests()
+        self._forwarded = ForwardedTokenIds()
         self._tie_breaks = random.Random()
         self._pump = _EventPump(self)
         self._pump.start()
@@ -655,6 +656,8 @@ class PrefixKVRouter(RequestRouter):
     ) -> List[List[RunningReplica]]:
         start_ns = time.time_ns()
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if request is not None:
+            self._forwarded.take_back(request)  # an earlier attempt's ids: this one decides afresh
         if pending_request is not None and pending_request.metadata.call_method not in PREFIX_ROUTED_METHODS:
             request = None  # /tokenize and the like prefill nothing: no prefix to match, no placement to record
         window = self.args.max_model_len_tokens
@@ -672,7 +675,7 @@ class PrefixKVRouter(RequestRouter):
             # Nothing to match on (not a chat/completion call, it does not render, or no tokenizer yet).
             return self._least_loaded_first(candidate_replicas, loads, pending_request, cause)
         if self.args.router.forward_prompt_token_ids and is_forwardable(request, _shared_rendering(renderings)):
-            forward_token_ids(request, token_ids)
+            self._forwarded.forward(request, token_ids)
         routing_request = RoutingRequest(
             token_ids, self.args.model_id, session_of(pending_request, request), getattr(request, "cache_salt", None)
         )

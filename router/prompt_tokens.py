@@ -52,6 +52,7 @@ import hashlib
 import json
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Mapping, Optional
 
 from router.piece_encoder import PieceEncoder
@@ -562,3 +563,37 @@ def forward_token_ids(request: Any, token_ids: list[int]) -> None:
     """Hands the engine the prompt ids through `kv_transfer_params` (module docstring); keeps other keys."""
     params = getattr(request, "kv_transfer_params", None)
     request.kv_transfer_params = {**(params if isinstance(params, dict) else {}), FORWARDED_IDS_KEY: token_ids}
+
+
+class ForwardedTokenIds:
+    """The requests a router handed token ids (`forward_token_ids`), so that a later attempt to place one takes
+    them back before it decides again.
+
+    Why: Serve asks the router again with the same request object (every replica full, one refusing it), and
+    so does the orchestrator's retry of a call whose replica died. A later attempt may find candidates that do
+    not all render alike (a rolling update), and then hands none: the first attempt's ids stayed on the request
+    and reached a replica that renders the prompt otherwise. Ids a client set itself are not the router's.
+    """
+
+    def __init__(self) -> None:
+        # id(request) -> (the request, weakly: the entry goes with it; the ids handed to it)
+        self._by_request: dict[int, tuple[weakref.ref, list[int]]] = {}
+
+    def forward(self, request: Any, token_ids: list[int]) -> None:
+        forward_token_ids(request, token_ids)
+        key = id(request)
+        self._by_request[key] = (weakref.ref(request, lambda _ref, key=key: self._by_request.pop(key, None)),
+                                 token_ids)
+
+    def take_back(self, request: Any) -> None:
+        """Removes the ids this router handed `request`, if it still carries them; other keys stay."""
+        entry = self._by_request.pop(id(request), None)
+        if entry is None or entry[0]() is not request:
+            return
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get(FORWARDED_IDS_KEY) is entry[1]:
+            rest = {key: value for key, value in params.items() if key != FORWARDED_IDS_KEY}
+            request.kv_transfer_params = rest or None  # None, as it was where the router added the only key
+
+    def __len__(self) -> int:
+        return len(self._by_request)

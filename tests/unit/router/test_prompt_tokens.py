@@ -9,6 +9,7 @@ import pytest
 from router.prompt_tokens import (
     FORWARDED_IDS_KEY,
     EngineRendering,
+    ForwardedTokenIds,
     PromptTokenizer,
     forward_token_ids,
     is_forwardable,
@@ -410,3 +411,21 @@ def test_prompt_chars_stays_a_cheap_lower_bound_for_a_deeply_nested_value():
     for _ in range(10_000):
         deep = [deep]
     assert prompt_chars(_chat([{"role": "user", "content": deep}])) == len("user")  # the text lies too deep
+
+
+def test_forwarded_ids_are_forgotten_with_their_request():
+    """One entry per request the router handed ids: it goes when the request does, taken back or not."""
+    import gc
+
+    class Request(SimpleNamespace):
+        pass
+
+    forwarded = ForwardedTokenIds()
+    kept, dropped = Request(kv_transfer_params=None), Request(kv_transfer_params=None)
+    forwarded.forward(kept, [1, 2])
+    forwarded.forward(dropped, [3])
+    del dropped
+    gc.collect()
+    assert len(forwarded) == 1
+    forwarded.take_back(kept)
+    assert kept.kv_transfer_params is None and len(forwarded) == 0

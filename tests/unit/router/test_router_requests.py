@@ -134,8 +134,12 @@ def test_two_requests_with_one_client_request_id_each_find_their_own_decision(ne
     asyncio.run(route())
 
 
-def chat(content: str = "hi", **fields) -> SimpleNamespace:
-    return SimpleNamespace(messages=[{"role": "user", "content": content}], kv_transfer_params=None, **fields)
+class StandInRequest(SimpleNamespace):
+    """A request's fields; weakly referable, as the requests' pydantic models are (`ForwardedTokenIds`)."""
+
+
+def chat(content: str = "hi", **fields) -> StandInRequest:
+    return StandInRequest(messages=[{"role": "user", "content": content}], kv_transfer_params=None, **fields)
 
 
 def with_stand_in_tokenizer(router: PrefixKVRouter) -> TemplateRecorder:
@@ -386,8 +390,8 @@ def test_a_request_decided_again_then_served_elsewhere_counts_once_as_fallback(n
 
 def _text_in_arguments(text: str):
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": text}}
-    return SimpleNamespace(messages=[{"role": "user", "content": "hi"},
-                                     {"role": "assistant", "content": None, "tool_calls": [call]}])
+    return StandInRequest(messages=[{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": None, "tool_calls": [call]}])
 
 
 @pytest.mark.parametrize(("num_chars", "is_rendered"), [(100, True), (200, False)])
@@ -446,3 +450,45 @@ def test_requests_routed_by_load_are_counted_once_each_by_why(new_router, monkey
         return decision_log.STATS.snapshot()["routed_by_load"]
 
     assert asyncio.run(route()) == {"no-tokenizer": 1, "over-window": 1, "no-prefix": 1, "router-error": 1}
+
+
+def test_ids_an_earlier_attempt_forwarded_are_taken_back_when_a_later_one_may_not_forward_them(new_router):
+    """Serve asks again with the same request (every replica full); meanwhile a replica that renders otherwise
+    joined. The first attempt's ids stayed on the request and reached that replica, which would have rendered
+    another prompt."""
+    alike = EngineRendering({"enable_thinking": False}, renders_like_router=True)
+    thinking = EngineRendering({"enable_thinking": True}, renders_like_router=True)
+
+    async def route():
+        router = new_router()
+        with_stand_in_tokenizer(router)
+        old, new = StandInReplica("old", alike.routing_stats()), StandInReplica("new", thinking.routing_stats())
+        router.update_replicas([old])
+        body = chat("hello")
+        body.kv_transfer_params = {"kept": 1}  # a client's own keys stay
+        request = pending(body, "chat")
+        await router.choose_replicas([old], request)
+        first = dict(body.kv_transfer_params)
+        router.update_replicas([old, new])
+        await router.choose_replicas([old, new], request)
+        return first, body.kv_transfer_params
+
+    first, second = asyncio.run(route())
+    assert first == {"kept": 1, FORWARDED_IDS_KEY: [ord(c) for c in "hello"]}
+    assert second == {"kept": 1}
+
+
+def test_ids_a_client_set_itself_are_not_taken_back(new_router):
+    async def route():
+        router = new_router()
+        with_stand_in_tokenizer(router)
+        replicas = [StandInReplica("r1", EngineRendering({}, renders_like_router=False).routing_stats())]
+        router.update_replicas(replicas)
+        body = chat("hello")
+        body.kv_transfer_params = {FORWARDED_IDS_KEY: [7, 8]}
+        request = pending(body, "chat")
+        for _ in range(2):
+            await router.choose_replicas(replicas, request)
+        return body.kv_transfer_params
+
+    assert asyncio.run(route()) == {FORWARDED_IDS_KEY: [7, 8]}

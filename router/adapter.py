@@ -391,21 +391,31 @@ class _EventPump(threading.Thread):
         if fetch.kind == "probe":
             self._end_probe(replica_id, source, stream, fetch, answer)
             return
-        if not self._fill_gap_in_part(replica_id, source, stream, fetch, answer):
+        if not self._fill_gap_in_slices(replica_id, source, stream, fetch, answer):
             self._apply_live(replica_id, source, stream, fetch.held, answer.batches)
 
-    def _fill_gap_in_part(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
-                          fetch: _Fetch, answer: BufferedBatches) -> bool:
-        """Applies the front of a gap from an answer with a hole in it, and asks again from the hole.
+    def _fill_gap_in_slices(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
+                            fetch: _Fetch, answer: BufferedBatches) -> bool:
+        """Fills a gap from an answer a slice of the routing lock at a time: whole, then the held batches; or
+        its front from an answer with a hole in it, asking again from the hole.
 
-        The publisher drops replies past its send queue's limit (1000), so an answer to a gap longer than
-        that holds its first batches only. False when the answer is no such front (it fills the gap whole,
-        or does not start where the gap does, or came too late): `_apply_live` then fills or resynchronises.
+        Why slices: a gap's batches (up to the 1000 the publisher's send queue holds, hundreds of blocks
+        each) applied in one hold of the lock stopped every routing decision of the process for
+        hundreds of milliseconds. The last slice fills the gap before the first held batch, which counts
+        it as filled (`ReplicaEventStream.accept`). An answer to a gap longer than the send queue holds its
+        first batches only. False when the answer neither fills the gap nor is such a front (it does not
+        start where the gap does, or came too late): `_apply_live` then resynchronises.
         """
         first_held = fetch.held[0][0]
         run = [item for item in answer.leading_run() if item[0] < first_held]
-        if (not answer.is_complete or not run or run[0][0] != stream.next_seq() or run[-1][0] == first_held - 1
-                or time.monotonic() >= fetch.deadline):
+        if not run or run[0][0] != stream.next_seq():
+            return False
+        if run[-1][0] == first_held - 1:
+            *front, last = _slices_by_blocks(run)
+            self._apply_replayed(stream, [item for batch_slice in front for item in batch_slice])
+            self._apply_live(replica_id, source, stream, fetch.held, last)
+            return True
+        if not answer.is_complete or time.monotonic() >= fetch.deadline:
             return False
         self._apply_replayed(stream, run)
         self._ask_again_from_the_hole(replica_id, source, stream, fetch)

@@ -18,7 +18,7 @@ from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublis
 
 from router import adapter
 from router.adapter import _EventPump
-from router.events import BufferedBatches, ZmqEventSource
+from router.events import BufferedBatches, ReplicaEventStream, ZmqEventSource
 from router.index import PrefixIndex
 from router.types import ReplicaId
 
@@ -601,3 +601,44 @@ def test_a_block_size_the_engines_chose_is_the_one_the_router_indexes_in(tmp_pat
     finally:
         for _, source, _ in pump._sources.values():
             source.close()
+
+
+class _BlockCountingLock:
+    """The routing lock, recording how many blocks each hold added to the index."""
+
+    def __init__(self, blocks: Callable[[], int]) -> None:
+        self._lock, self._blocks, self.added = threading.Lock(), blocks, []
+
+    def __enter__(self):
+        self._lock.acquire()
+        self._at = self._blocks()
+
+    def __exit__(self, *exc_info):
+        self.added.append(self._blocks() - self._at)
+        self._lock.release()
+
+
+def test_a_long_gap_filled_from_the_replay_buffer_is_applied_a_slice_per_hold_of_the_routing_lock(monkeypatch):
+    """A gap's batches (up to the 1000 the publisher's send queue answers) were applied in one hold of the lock:
+    every routing decision of the process waited hundreds of milliseconds."""
+    monkeypatch.setattr(adapter, "LOCK_HOLD_BLOCKS", 1000)
+    per_batch, num_missing = 250, 20
+    batches = {seq: stored(seq * per_batch, per_batch) for seq in range(num_missing + 2)}
+    router = SimpleNamespace(curr_replicas={}, index=PrefixIndex(BS, 10**6, "m"))
+    router.lock = _BlockCountingLock(lambda: router.index.snapshot().num_blocks_by_replica.get(A, 0))
+    pump = _EventPump(router)
+    stream = ReplicaEventStream(A, router.index)
+    with router.lock:
+        stream.accept(0, batches[0])
+    answer = BufferedBatches([(seq, batches[seq]) for seq in range(1, num_missing + 1)], is_complete=True)
+    source = SimpleNamespace(request_buffered=lambda start: True, collect_buffered=lambda: answer,
+                             poll_batches=lambda limit: [], replies_stopped=lambda *args: False)
+    pump._sources[A] = ("endpoint", source, stream)
+    pump._apply_live(A, source, stream, [(num_missing + 1, batches[num_missing + 1])])  # after a gap
+    assert pump._fetches[A].kind == "gap"
+    router.lock.added.clear()
+    pump._drain()
+    assert not pump._fetches and indexed_blocks(pump) == (num_missing + 2) * per_batch
+    assert max(router.lock.added) <= adapter.LOCK_HOLD_BLOCKS + 2 * per_batch  # the last slice, the held batch
+    state = stream.snapshot()
+    assert (state.last_seq, state.num_gaps, state.num_replayed_gaps) == (num_missing + 1, 1, 1)

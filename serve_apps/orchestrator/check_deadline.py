@@ -65,6 +65,40 @@ _ECMASCRIPT_CLASSES = {
 _ECMASCRIPT_DOT = "[^\\n\\r\\u2028\\u2029]"
 
 
+# The letters ECMAScript (with the `u` flag, as JSON Schema's validators compile) takes after a backslash.
+_ECMASCRIPT_ESCAPE_LETTERS = frozenset("bBcdDfknpPrsStuvwWx")
+_POSIX_CLASS = re.compile(r"\[:[a-z]+:\]")
+
+
+def non_ecmascript_syntax(pattern: str) -> str | None:
+    r"""What in `pattern` ECMAScript reads otherwise than Python's engines, or None.
+
+    A letter escape ECMAScript has not (`\A`, `\Z`, `\z`, `\G`, `\K`, `\h`) and a POSIX class
+    (`[[:digit:]]`) are anchors and classes to `regex`, which checks the calls (`as_ecmascript`), and
+    a literal letter and a class then a `]` to the grammar of forced calls (xgrammar): no value
+    met both, and every forced call was refused as a schema violation.
+    """
+    in_class = False
+    at = 0
+    while at < len(pattern):
+        char = pattern[at]
+        if char == "\\" and at + 1 < len(pattern):
+            escaped = pattern[at + 1]
+            if escaped.isascii() and escaped.isalpha() and escaped not in _ECMASCRIPT_ESCAPE_LETTERS:
+                return f"\\{escaped} is no escape of JSON Schema's regular expressions (ECMAScript)"
+            at += 2
+            continue
+        if in_class:
+            if (posix := _POSIX_CLASS.match(pattern, at)) is not None:
+                return (f"{posix.group()} is a POSIX class, which JSON Schema's regular expressions (ECMAScript) "
+                        "do not have")
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        at += 1
+    return None
+
+
 @functools.lru_cache(maxsize=1024)
 def as_ecmascript(pattern: str) -> str:
     r"""`pattern` rewritten so that Python's regex engines match what ECMAScript's matches.

@@ -23,13 +23,24 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal, NewType
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationInfo, field_validator, model_validator,
+)
 
 from cluster.config import bad_permissions
 from serve_apps.orchestrator.tool_schema import (
     MAX_SESSION_PATTERN_UNROLLED, check_tool_parameters, pattern_elements,
 )
 from serve_apps.request_checks import lone_surrogate_at
+
+# The validation context of a session read back from the store: the rules a tool schema met at its session's
+# creation, which a later release may tighten, are not applied again, so an accepted session stays readable.
+STORED = {"is_stored": True}
+
+
+def _is_stored(info: ValidationInfo) -> bool:
+    return isinstance(info.context, dict) and info.context.get("is_stored") is True
+
 
 SessionId = NewType("SessionId", str)
 PrefixFingerprint = NewType("PrefixFingerprint", str)
@@ -111,8 +122,9 @@ class ToolSpec(_Strict):
 
     @field_validator("parameters")
     @classmethod
-    def _check_parameters(cls, value: dict[str, JsonValue]) -> dict[str, JsonValue]:
-        check_tool_parameters(value)
+    def _check_parameters(cls, value: dict[str, JsonValue], info: ValidationInfo) -> dict[str, JsonValue]:
+        if not _is_stored(info):
+            check_tool_parameters(value)
         return value
 
 
@@ -159,7 +171,9 @@ class CreateSessionRequest(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _bounded_grammar(self) -> "CreateSessionRequest":
+    def _bounded_grammar(self, info: ValidationInfo) -> "CreateSessionRequest":
+        if _is_stored(info):
+            return self
         elements = sum(pattern_elements(tool.parameters) for tool in self.tools)
         if elements > MAX_SESSION_PATTERN_UNROLLED:
             raise ValueError(

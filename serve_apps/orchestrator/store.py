@@ -70,7 +70,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cluster.redis_errors import redis_refusal, retry_on_dead_connection
 from cluster.redis_pool import is_pool_exhausted, pooled_client
-from serve_apps.orchestrator.models import CreateSessionRequest, Message, PrefixFingerprint, SessionId, StepStats
+from serve_apps.orchestrator.models import (
+    STORED, CreateSessionRequest, Message, PrefixFingerprint, SessionId, StepStats,
+)
 from serve_apps.orchestrator.owner_sessions import OwnerSessions, SessionQuota
 
 logger = logging.getLogger(__name__)
@@ -551,7 +553,7 @@ class SessionStore:
             raw = await self._idempotent(lambda: self._redis.hget(self._key(session_id, "meta"), "record"))
         if raw is None:
             raise SessionNotFound(session_id)
-        return SessionRecord.model_validate_json(raw)
+        return SessionRecord.model_validate_json(raw, context=STORED)
 
     async def delete(self, session_id: str, owner_key_id: str | None = None) -> bool:
         """Deletes every key of the session at once, also on a full Redis; True if it existed.
@@ -603,7 +605,7 @@ class SessionStore:
         (record, removed, *totals), items, stat_items = reply
         steps = [StepStats.model_validate_json(item) for item in stat_items]
         return SessionView(
-            record=SessionRecord.model_validate_json(record),
+            record=SessionRecord.model_validate_json(record, context=STORED),
             transcript=_snapshot(removed, items),
             steps=steps,
             totals=StepTotals.of(steps) if None in totals else StepTotals(*(int(value) for value in totals)),

@@ -61,7 +61,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import JsonValue
 
-from serve_apps.orchestrator.check_deadline import as_ecmascript
+from serve_apps.orchestrator.check_deadline import as_ecmascript, non_ecmascript_syntax
 
 # Bounds on a tool's `parameters`. Real tool schemas are a few KiB and a handful of
 # levels deep; these leave room for them while keeping validation cheap and its
@@ -326,8 +326,9 @@ MAX_SESSION_PATTERN_UNROLLED = 16384
 
 def _check_pattern(pattern: str, where: str) -> None:
     """A regular expression the grammar compiler reads (`_grammar_regex_problem`; no `\\p{...}` class) and
-    expands to at most `MAX_PATTERN_UNROLLED` elements, and that the call checks can run: they run it
-    with `regex` (`check_deadline`), which refuses some that `re` compiles, such as `[[:foo:]]`.
+    expands to at most `MAX_PATTERN_UNROLLED` elements, in ECMAScript's syntax, which the grammar and the
+    checks read alike (`non_ecmascript_syntax`), and that the call checks can run: they run it with `regex`
+    (`check_deadline`), which refuses some that `re` compiles.
 
     Measured before compiling: `regex` writes counted repeats out as it compiles, and a
     15-character `a{100000000,}` took gigabytes; the check compiles uncached.
@@ -340,6 +341,9 @@ def _check_pattern(pattern: str, where: str) -> None:
             "forced tool calls expands counted repeats ({n,m}), which takes minutes at this size; bound a long "
             "string with maxLength instead"
         )
+    if (problem := non_ecmascript_syntax(pattern)) is not None:
+        raise ValueError(f"{where}: {pattern[:80]!r}: {problem}; the grammar of forced tool calls and the call "
+                         "checks would read it differently")
     if _has_property_class(pattern):
         raise ValueError(
             f"{where}: {pattern[:80]!r} uses a Unicode property class (\\p{{...}}), which the grammar of forced "

@@ -18,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from cluster.api_keys import ApiKeyStore, hash_api_key, run_with_store
 from cluster.api_keys import StoreUnavailable as KeyStoreUnavailable
 from cluster.redis_pool import pooled_client
-from serve_apps.orchestrator.models import CompressionReport, CreateSessionRequest, Message, StepStats
+from serve_apps.orchestrator.models import STORED, CompressionReport, CreateSessionRequest, Message, StepStats
 from serve_apps.orchestrator.store import (
     Compaction,
     SessionBusy,
@@ -81,6 +81,23 @@ def test_create_get_delete(redis_url):
     assert fetched == record and fetched.owner_key_id == "key-1" and fetched.request == REQUEST
     assert (snapshot.messages, snapshot.length) == ((), 0)
     assert (is_deleted, is_deleted_again) == (True, False)
+
+
+def test_a_session_an_earlier_release_accepted_stays_readable_under_stricter_creation_rules(redis_url):
+    """A tool schema's rules tighten between releases (a pattern escape ECMAScript has not is refused now): read
+    back under them, a stored session would fail validation and be lost to its owner."""
+    body = {**REQUEST.model_dump(mode="json"), "tools": [{"name": "find", "execution": {"kind": "client"}, "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "\\A[a-z]+\\z"}}}}]}
+    with pytest.raises(ValueError, match="no escape"):
+        CreateSessionRequest.model_validate(body)
+    older = CreateSessionRequest.model_validate(body, context=STORED)
+
+    async def scenario(store):
+        record = await store.create(older, owner_key_id="key-1", prefix_fingerprint="ab" * 32)
+        return await store.get(record.session_id), await store.view(record.session_id)
+
+    fetched, view = _run(redis_url, scenario)
+    assert fetched.request == older and view.record == fetched
 
 
 def test_session_expires_after_ttl(redis_url):

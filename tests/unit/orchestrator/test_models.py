@@ -504,7 +504,29 @@ def test_tool_parameters_with_numbers_in_range_accepted(properties):
 def test_a_pattern_only_pythons_re_compiles_is_refused_at_creation(schema, fragment):
     with pytest.raises(ValidationError) as info:
         ToolSpec.model_validate(_tool(parameters={"type": "object", **schema}))
-    assert fragment in str(info.value) and "not a regular expression the checks can run" in str(info.value)
+    assert fragment in str(info.value) and "[:foo:] is a POSIX class" in str(info.value)
+
+
+@pytest.mark.parametrize("pattern, fragment", [
+    (r"\A[a-z]+\z", r"\A is no escape"),
+    (r"^[a-z]+\Z$", r"\Z is no escape"),
+    (r"^\h+$", r"\h is no escape"),
+    ("^[[:digit:]]+$", "[:digit:] is a POSIX class"),
+    ("^[a-z[:alpha:]]+$", "[:alpha:] is a POSIX class"),
+])
+def test_a_pattern_the_grammar_and_the_call_checks_read_differently_is_refused_at_creation(pattern, fragment):
+    """The checks run `regex`, which reads `\A` as an anchor and `[[:digit:]]` as a class; the grammar of forced
+    calls reads the letter A, and a class then `]`: no value met both, and every forced call was refused."""
+    parameters = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(ValidationError) as info:
+        ToolSpec.model_validate(_tool(parameters=parameters))
+    message = info.value.errors()[0]["msg"]
+    assert fragment in message and "ECMAScript" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("pattern", [r"^\d{4}-\w+\s\S$", r"^[\-a-z]\x41\u0041\t$", r"[\]]", r"^(a|b)\.c$"])
+def test_patterns_in_ecmascripts_own_escapes_are_accepted(pattern):
+    ToolSpec.model_validate(_tool(parameters={"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}))
 
 
 @pytest.mark.parametrize("pattern, is_accepted", [

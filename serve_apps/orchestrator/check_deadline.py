@@ -67,7 +67,7 @@ _ECMASCRIPT_DOT = "[^\\n\\r\\u2028\\u2029]"
 
 # The letters ECMAScript (with the `u` flag, as JSON Schema's validators compile) takes after a backslash.
 _ECMASCRIPT_ESCAPE_LETTERS = frozenset("bBcdDfknpPrsStuvwWx")
-_POSIX_CLASS = re.compile(r"\[:[a-z]+:\]")
+_POSIX_CLASS = re.compile(r"\[:\^?[A-Za-z]+:\]")  # `regex` reads `[:^alpha:]` and `[:Digit:]` too
 
 
 def non_ecmascript_syntax(pattern: str) -> str | None:

@@ -513,6 +513,8 @@ def test_a_pattern_only_pythons_re_compiles_is_refused_at_creation(schema, fragm
     (r"^\h+$", r"\h is no escape"),
     ("^[[:digit:]]+$", "[:digit:] is a POSIX class"),
     ("^[a-z[:alpha:]]+$", "[:alpha:] is a POSIX class"),
+    ("^[[:^alpha:]]+$", "[:^alpha:] is a POSIX class"),
+    ("^[[:Digit:]]+$", "[:Digit:] is a POSIX class"),
 ])
 def test_a_pattern_the_grammar_and_the_call_checks_read_differently_is_refused_at_creation(pattern, fragment):
     """The checks run `regex`, which reads `\A` as an anchor and `[[:digit:]]` as a class; the grammar of forced

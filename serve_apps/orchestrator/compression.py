@@ -42,6 +42,7 @@ __all__ = [
     "apply_compression",
     "extract_facts",
     "plan_compression",
+    "plan_keeping",
 ]
 
 SUMMARY_MESSAGE_NAME = "warmpath-context-summary"
@@ -432,28 +433,28 @@ def plan_compression(
     Returns:
         None when at least `compress_below_fraction` of the window remains, or
         when nothing lies before the last `keep_last_rounds` rounds; the caller
-        then refuses the step if `account.remaining_tokens` is negative. A prompt
-        over the window keeps fewer rounds where those would not fit beside the
-        prefix and the output reserve alone, down to the newest: a turn may end with
-        its history at the window's edge (a long answer, a turn out of steps), and
-        with the next user message over it, every later turn failed
-        `context_overflow` while the rounds that filled it were too recent to compress.
+        then refuses the step if `account.remaining_tokens` is negative, unless
+        a plan keeping fewer rounds fits (`plan_keeping`).
     """
     if len(messages) != len(account.message_tokens):
         raise ValueError(f"{len(messages)} messages but {len(account.message_tokens)} token counts")
     if account.remaining_tokens >= limits.compress_below_fraction * account.context_window_tokens:
         return None
+    return plan_keeping(messages, account, limits.keep_last_rounds)
+
+
+def plan_keeping(messages: Sequence[Message], account: TokenAccount, num_rounds: int) -> CompressionPlan | None:
+    """The plan that compresses all but the last `num_rounds` rounds (>= 1), or None when nothing lies before them.
+
+    `plan_compression`'s cut with `keep_last_rounds`; fewer where the prompt does not fit even so (a turn that
+    left its history at the window's edge: the rounds that filled it are the recent ones).
+    """
+    if len(messages) != len(account.message_tokens):
+        raise ValueError(f"{len(messages)} messages but {len(account.message_tokens)} token counts")
     round_starts = [i for i, m in enumerate(messages) if m.role == "user" and not _is_summary(m)]
-    keep = limits.keep_last_rounds
-    if account.remaining_tokens < 0:
-        room = account.context_window_tokens - account.output_reserve_tokens - (
-            account.total_tokens - sum(account.message_tokens))  # the prefix and the generation prompt
-        while keep > 1 and sum(account.message_tokens[round_starts[-keep]:] if keep <= len(round_starts)
-                               else account.message_tokens) > room:
-            keep -= 1
-    if len(round_starts) <= keep:
+    if len(round_starts) <= num_rounds:
         return None
-    cut = round_starts[-keep]  # a real user message lies before it: never only a summary
+    cut = round_starts[-num_rounds]  # a real user message lies before it: never only a summary
     return CompressionPlan(
         num_messages_compressed=cut,
         tokens_before=account.total_tokens,

@@ -42,6 +42,7 @@ from serve_apps.orchestrator.compression import (
     CompressionPlan,
     apply_compression,
     plan_compression,
+    plan_keeping,
 )
 from serve_apps.orchestrator.models import (
     CompressionEvent,
@@ -531,10 +532,12 @@ class TurnRunner:
         """
         history = self.history
         account = self._account(history)
+        fitting = self._account([*history, *to_come]) if to_come else account
         plan = plan_compression(history, account, self._limits)
+        if fitting.remaining_tokens < 0 and self._compaction is None:
+            plan = self._plan_that_fits(history, account, to_come) or plan
         if plan is None or plan.num_messages_compressed > len(self._stored) or self._compaction is not None:
             return
-        fitting = self._account([*history, *to_come]) if to_come else account
         cut, fits = plan.num_messages_compressed, fitting.remaining_tokens >= 0
         if fits and self._deferred_cut == cut:
             return  # the same cut frees as little as it did at the turn's last step
@@ -551,6 +554,27 @@ class TurnRunner:
         if loses_values and account.remaining_tokens < 0:
             raise TurnFailed("compression_lost_values",
                              f"the prompt does not fit, and compression would drop exact values: {report}")
+
+    def _plan_that_fits(self, history: list[Message], account: TokenAccount,
+                        to_come: Sequence[Message]) -> CompressionPlan | None:
+        """For a prompt over the window: the plan keeping the most rounds, at most `keep_last_rounds`, whose
+        facts ledger alone makes the prompt (with the messages `to_come`) fit; else the one keeping the newest
+        round only; None when no round lies before it among the stored messages.
+
+        Why: a turn may leave its history at the window's edge (a long answer, a turn out of steps, results a
+        client is yet to post), and the rounds that filled it are the recent ones `keep_last_rounds` keeps:
+        with the next message over the window, every later turn failed `context_overflow`.
+        """
+        last = None
+        for num_rounds in range(self._limits.keep_last_rounds, 0, -1):
+            plan = plan_keeping(history, account, num_rounds)
+            if plan is None or plan.num_messages_compressed > len(self._stored):
+                continue
+            compressed, _ = apply_compression(history, plan, "", recount=self._account)
+            if self._account([*compressed, *to_come]).remaining_tokens >= 0:
+                return plan
+            last = plan
+        return last
 
     async def _compress(self, history: list[Message], plan: CompressionPlan, ledger_only: list[Message],
                         floor: CompressionReport, to_come: Sequence[Message] = ()) -> CompressionReport | None:

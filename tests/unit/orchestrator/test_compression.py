@@ -16,6 +16,7 @@ from serve_apps.orchestrator.compression import (
     build_ledger,
     extract_facts,
     plan_compression,
+    plan_keeping,
 )
 from serve_apps.orchestrator.models import Message, SessionLimits, ToolCall
 from serve_apps.orchestrator.prompt import TokenAccount
@@ -235,12 +236,7 @@ LIMITS = SessionLimits(keep_last_rounds=2)
         (2, 300, None),  # under 20% left but only the kept rounds exist
         (3, 400, 4),
         (5, 600, 12),
-        # Over the window: fewer rounds are kept where those would not fit (100 tokens each; 53 of prefix and
-        # generation prompt, 16 of reserve), down to the newest.
-        (3, 300, 4),  # the two kept rounds fit in 231
-        (3, 250, 8),  # they do not fit in 181: the newest alone is kept
-        (2, 200, 4),  # only the kept rounds exist: the older is compressed
-        (2, 100, 4),  # nor does the newest fit: the rest is compressed all the same (the step then fails)
+        (2, 200, None),  # over the window too: keeping fewer rounds is the turn's to try (`plan_keeping`)
     ],
 )
 def test_plan_keeps_last_rounds(num_rounds, window, expected_cut):
@@ -249,6 +245,13 @@ def test_plan_keeps_last_rounds(num_rounds, window, expected_cut):
     assert (plan.num_messages_compressed if plan else None) == expected_cut
     if plan:
         assert history[plan.num_messages_compressed].role == "user"
+
+
+@pytest.mark.parametrize("num_rounds, keep, expected_cut", [(3, 1, 8), (3, 2, 4), (3, 3, None), (1, 1, None)])
+def test_a_plan_keeping_fewer_rounds_cuts_at_a_round_start(num_rounds, keep, expected_cut):
+    history = _history(num_rounds)
+    plan = plan_keeping(history, _account(history, 10**6), keep)
+    assert (plan.num_messages_compressed if plan else None) == expected_cut
 
 
 def test_plan_triggers_below_fraction_of_window():

@@ -528,3 +528,52 @@ def test_a_session_whose_last_turn_filled_its_window_compresses_that_turn_at_the
     sent = orchestrator._model.calls[-1]["messages"]  # the summary, its acknowledgement, the new round
     assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
     assert sent[1]["name"] == "warmpath-context-summary" and sent[-1]["content"] == "hi"
+
+
+def _turn_kinds(orchestrator, session_id, content, replies):
+    orchestrator._model.replies = list(replies)
+    events = _collect(orchestrator.send_message(session_id, {"content": content}, CALLER))
+    return [e.get("kind") for e in events], events[-1]
+
+
+def test_a_window_filled_by_the_latest_round_keeps_fewer_rounds_than_keep_last_rounds():
+    """Two short rounds, then one whose long answer fills the window: compressing the short ones (all that
+    `keep_last_rounds` allows) freed less than their summary costs, and every later turn failed."""
+    window, reserve = 2000, 200
+    orchestrator = _orchestrator()
+    session_id = _session(orchestrator, context_budget_tokens=window, output_reserve_tokens=reserve)
+    _turn_kinds(orchestrator, session_id, "hello there, I have a question", [ModelReply(content="How can I help?")])
+    _turn_kinds(orchestrator, session_id, "about my order", [ModelReply(content="Sure, which one?")])
+    runner = TurnRunner(orchestrator._store.records[session_id], (), 0, orchestrator._store, None,
+                        orchestrator._tokenizer, orchestrator._max_model_len_tokens)
+    stored = [Message.model_validate_json(m) for m in orchestrator._store.logs[session_id]]
+    question = Message(role="user", content="write me the full report")
+    room = runner._account([*stored, question, Message(role="assistant", content="")]).remaining_tokens
+    kinds, last = _turn_kinds(orchestrator, session_id, question.content, [ModelReply(content="A" * room)])
+    assert last["kind"] == "final"
+    for text in ("thanks", "ok"):  # a summary (where there is room to ask for one), then the answer
+        kinds, last = _turn_kinds(orchestrator, session_id, text, [ModelReply(content="fine")] * 2)
+        assert last["kind"] == "final", last
+    assert "compression" in kinds or orchestrator._model.calls[-1]["messages"][1]["name"] == "warmpath-context-summary"
+
+
+def test_a_pause_whose_pending_results_put_the_prompt_over_the_window_compresses_instead_of_failing():
+    """The plan was made without the results to come: under `compress_below_fraction` of the window free but
+    not over it, with the kept rounds all there were, the turn failed `context_overflow` at every try."""
+    window, reserve = 2000, 200
+    orchestrator = _orchestrator()
+    tool = {"name": "fetch", "execution": {"kind": "client"}, "parameters": {"type": "object", "properties": {}}}
+    session_id = _session(orchestrator, tools=[tool], context_budget_tokens=window, output_reserve_tokens=reserve)
+    runner = TurnRunner(orchestrator._store.records[session_id], (), 0, orchestrator._store, None,
+                        orchestrator._tokenizer, orchestrator._max_model_len_tokens)
+    call = ToolCall(id="c1", name="fetch", arguments="{}")
+
+    def history(size: int) -> list[Message]:
+        return [Message(role="user", content="x" * size), Message(role="assistant", content="A" * reserve),
+                Message(role="user", content="hi"), Message(role="assistant", content=None, tool_calls=[call])]
+
+    size = max(n for n in range(1, window) if runner._account(history(n)).remaining_tokens >= 0)
+    kinds, last = _turn_kinds(orchestrator, session_id, "x" * size, [ModelReply(content="A" * reserve)])
+    assert last["kind"] == "final"
+    kinds, last = _turn_kinds(orchestrator, session_id, "hi", [_fetch("c1"), ModelReply(content="fine")])
+    assert last["kind"] == "requires_action" and "compression" in kinds, last

@@ -22,7 +22,7 @@ import typer
 
 from cluster.config import (
     LOCAL_PATH_PREFIXES, MAX_KEY_BURST, ClusterConfig, ConfigError, RouterPolicy, bad_permissions, check_redis_url,
-    load_config, refill_problem,
+    is_loopback_host, load_config, refill_problem,
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="warmpath: a Ray Serve cluster for LLM agents.")
@@ -180,9 +180,10 @@ def up(
     if not cfg.access.is_auth_enabled:
         # Without keys every caller holds every permission, server-side HTTP tools included, which reach this
         # machine's loopback and private networks (an unset ports.host is 127.0.0.1 then: `ClusterConfig`).
-        if local.is_loopback_host(cfg.ports.host):
-            progress(f"API keys are off: the proxies are to listen on {cfg.ports.host} only (set ports.host to "
-                     "serve other machines)")
+        if is_loopback_host(cfg.ports.host):
+            progress(f"API keys are off: the proxies are to answer {cfg.ports.host} only (set ports.host to "
+                     "serve other machines; Serve's gRPC proxy listens on every address, and the gRPC API refuses "
+                     "calls from other machines)")
         else:
             progress(f"warning: API keys are off and the proxies are to listen on {cfg.ports.host} (ports.host): "
                      "every caller that reaches it holds every permission")

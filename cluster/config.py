@@ -291,6 +291,16 @@ def _is_host_name(text: str) -> bool:
     return not labels[-1].isdigit()  # `10.0.0.300` is a mistyped address, not a name
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether proxies bound to `host` answer this machine alone (`127.0.0.1`, `::1`, `localhost`)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: whatever it resolves to now, not assumed private
+
+
 class PortsConfig(_Strict):
     """Listening ports of the Serve proxies."""
 

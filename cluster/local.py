@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import ipaddress
 import json
 import logging
 import os
@@ -478,16 +477,6 @@ def _address_host(address: str) -> str | None:
     if address in ("auto", "local"):
         return None
     return urlsplit(address if "://" in address else f"ray://{address}").hostname
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether proxies bound to `host` answer this machine alone (`127.0.0.1`, `::1`, `localhost`)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: whatever it resolves to now, not assumed private
 
 
 def is_remote_address(address: str) -> bool:

@@ -25,7 +25,7 @@ from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
-from cluster.config import ClusterConfig, RouterPolicy, validate_config
+from cluster.config import ClusterConfig, RouterPolicy, is_loopback_host, validate_config
 from cluster.serve_config import GRPC_INGRESS_NUM_CPUS, HTTP_INGRESS_NUM_CPUS, ORCHESTRATOR_NUM_CPUS
 from ray.llm._internal.serve.core.server.builder import _get_deployment_name
 from ray.serve.handle import DeploymentHandle
@@ -201,4 +201,5 @@ def build_grpc_app(args: dict[str, Any]) -> Application:
         guard_settings=GuardSettings(access=cfg.access, redis_url=cfg.redis_url).model_dump(mode="json"),
         telemetry_config=cfg.telemetry.model_dump(mode="json"),
         window_tokens=cfg.model.max_model_len_tokens,
+        loopback_callers_only=not cfg.access.is_auth_enabled and is_loopback_host(cfg.ports.host),
     )

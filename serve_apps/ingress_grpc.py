@@ -52,10 +52,12 @@ metadata, that ends with the RPC's final status (`record_rpc_status`).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 from contextlib import AbstractContextManager, aclosing, contextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Optional, TypeVar
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf import json_format
@@ -528,11 +530,15 @@ class GrpcIngress:
         guard_settings: dict[str, Any],
         telemetry_config: dict[str, Any] | None = None,
         window_tokens: Optional[int] = None,
+        loopback_callers_only: bool = False,
     ) -> None:
         self._llm = llm_handle
         self._orchestrator = orchestrator_handle
         self._model_id = model_id
         self._window_tokens = window_tokens  # the most messages or tools a request may hold (`openai_bodies`)
+        # Keys off and `ports.host` loopback: Serve's gRPC proxy listens on every address whatever the host
+        # (it binds `[::]`), so calls from elsewhere are refused here (`_admit`), as the HTTP proxy never sees them.
+        self._loopback_callers_only = loopback_callers_only
         self._guard = AccessGuard(GuardSettings.model_validate(guard_settings))
         telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "grpc-ingress")
 
@@ -784,6 +790,12 @@ class GrpcIngress:
 
     async def _admit(self, grpc_context) -> Caller:
         """The caller behind the call's `authorization: Bearer <key>` (or `x-api-key`) metadata."""
+        if self._loopback_callers_only and not is_loopback_peer(grpc_context.peer()):
+            raise RpcFailure(
+                grpc.StatusCode.PERMISSION_DENIED, "loopback_only",
+                "API keys are off (access.is_auth_enabled: false) and ports.host is loopback: this server answers "
+                "calls from its own machine only; turn keys on to serve others",
+            )
         try:
             return await self._guard.admit_call(_string_metadata(grpc_context))
         except AccessDenied as denied:
@@ -836,6 +848,23 @@ class GrpcIngress:
             except Exception as err:
                 failure = _fail(grpc_context, rpc, method, err)
                 yield _with_stream_identity(error_message(failure), last, failure.replica_id)
+
+
+def is_loopback_peer(peer: str) -> bool:
+    """Whether a gRPC peer (`ipv4:127.0.0.1:5050`, `ipv6:[::1]:5050`, `ipv6:%5B::1%5D:5050`, `unix:...`) is this
+    machine."""
+    kind, _, address = peer.partition(":")
+    if kind == "unix":
+        return True
+    if kind not in ("ipv4", "ipv6"):
+        return False
+    host = unquote(address).rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _with_stream_identity(error: ResponseT, last: Optional[ResponseT], replica_id: str = "") -> ResponseT:

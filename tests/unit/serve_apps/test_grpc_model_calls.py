@@ -18,7 +18,7 @@ from router.types import Decision
 from serve_apps import ingress_grpc, metrics
 from serve_apps.vllm_replica import ServedBy
 from tests.unit.serve_apps.test_grpc_mapping import OPENAI_RESPONSE, FakeContext, FakeHandle, _items
-from warmpath.v1 import inference_pb2
+from warmpath.v1 import agent_pb2, inference_pb2
 
 CLIENT_REQUEST_ID = "client-chosen-id"  # two calls in flight share it: each has its own internal id
 
@@ -278,3 +278,71 @@ def test_more_messages_or_tools_than_the_window_has_tokens_are_refused_before_co
     if field == "messages":
         del many[-1]
     assert ingress._chat_request(request, is_streaming=False).model == "m"
+
+
+@pytest.mark.parametrize("peer, is_local", [
+    ("ipv4:127.0.0.1:5050", True), ("ipv6:[::1]:5050", True), ("ipv6:%5B::1%5D:5050", True),
+    ("ipv6:[::ffff:127.0.0.1]:5050", True), ("unix:/tmp/s", True),
+    ("ipv4:192.0.2.2:5050", False), ("ipv6:[2001:db8::1]:5050", False), ("ipv6:%5B2001:db8::1%5D:5050", False),
+    ("", False), ("ipv4:not-an-address:1", False),
+])
+def test_a_peer_is_this_machine_only_at_a_loopback_address(peer, is_local):
+    assert ingress_grpc.is_loopback_peer(peer) is is_local
+
+
+def test_real_grpc_peers_over_loopback_are_recognised_as_this_machine():
+    """The peer strings the gRPC runtime writes (Ray Serve's context hands the ingress `peer()` as it is)."""
+    from concurrent import futures
+
+    seen: list[str] = []
+
+    def handle(request, context):
+        seen.append(context.peer())
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.method_handlers_generic_handler("probe", {"Call": grpc.unary_unary_rpc_method_handler(handle)})
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            channel.unary_unary("/probe/Call")(b"", timeout=10)
+    finally:
+        server.stop(None)
+    assert len(seen) == 1 and seen[0].startswith("ipv4:127.0.0.1:") and ingress_grpc.is_loopback_peer(seen[0])
+
+
+class _PeerContext(FakeContext):
+    def __init__(self, peer: str) -> None:
+        super().__init__()
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+
+def test_with_keys_off_on_a_loopback_host_calls_from_other_machines_are_refused():
+    """Serve's gRPC proxy listens on every address whatever `ports.host`: without this, `up --no-auth` served
+    unauthenticated model calls (and every permission, server-side tools included) to the network."""
+    orchestrator = FakeHandle(get_session={"status": 200, "body": {"session_id": "s1", "model": "m", "transcript": []}})
+    ingress = ingress_grpc.GrpcIngress(None, orchestrator, "m", {"access": {"is_auth_enabled": False}},
+                                       loopback_callers_only=True)
+    request = agent_pb2.GetSessionRequest(session_id="s1")
+    remote, local = _PeerContext("ipv4:192.0.2.2:40000"), _PeerContext("ipv4:127.0.0.1:40000")
+    asyncio.run(ingress.GetSession(request, remote))
+    assert remote.code is grpc.StatusCode.PERMISSION_DENIED and "API keys are off" in remote.details
+    assert asyncio.run(ingress.GetSession(request, local)).session_id == "s1" and local.code is None
+
+
+def test_the_grpc_application_refuses_other_machines_only_with_keys_off_on_a_loopback_host():
+    from cluster.config import validate_config
+    from serve_apps.builders import build_grpc_app
+
+    def refuses_others(config: dict) -> bool:
+        app = build_grpc_app(validate_config(config).model_dump(mode="json"))
+        return app._bound_deployment.init_kwargs["loopback_callers_only"]
+
+    assert refuses_others({"access": {"is_auth_enabled": False}}) is True
+    assert refuses_others({"access": {"is_auth_enabled": False}, "ports": {"host": "0.0.0.0"}}) is False
+    assert refuses_others({"redis_url": "redis://127.0.0.1:6380/0"}) is False  # keys on: keys decide

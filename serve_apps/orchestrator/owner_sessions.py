@@ -98,7 +98,7 @@ class SessionQuotaExceeded(RuntimeError):
     def __init__(self, owner_key_id: str, limit: int | None) -> None:
         super().__init__(
             f"API key {owner_key_id} holds {limit} live session{'' if limit == 1 else 's'}, its limit; delete one "
-            "(DELETE /v1/sessions/{session_id}) or wait for one to expire"
+            "(DELETE /v1/sessions/{session_id}, or Agent.DeleteSession over gRPC) or wait for one to expire"
         )
         self.owner_key_id = owner_key_id
         self.limit = limit

@@ -73,3 +73,4 @@ def test_the_quota_refusal_counts_its_sessions_in_words():
 
     assert "holds 1 live session, its limit" in str(SessionQuotaExceeded("k", 1))
     assert "holds 2 live sessions, its limit" in str(SessionQuotaExceeded("k", 2))
+    assert "DELETE /v1/sessions/{session_id}, or Agent.DeleteSession over gRPC" in str(SessionQuotaExceeded("k", 2))

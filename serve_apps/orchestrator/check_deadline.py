@@ -78,25 +78,30 @@ def non_ecmascript_syntax(pattern: str) -> str | None:
     a literal letter and a class then a `]` to the grammar of forced calls (xgrammar): no value
     met both, and every forced call was refused as a schema violation.
     """
+    for at, piece, in_class in _pieces(pattern):
+        if len(piece) == 2:
+            escaped = piece[1]
+            if escaped.isascii() and escaped.isalpha() and escaped not in _ECMASCRIPT_ESCAPE_LETTERS:
+                return f"\\{escaped} is no escape of JSON Schema's regular expressions (ECMAScript)"
+        elif in_class and (posix := _POSIX_CLASS.match(pattern, at)) is not None:
+            return f"{posix.group()} is a POSIX class, which JSON Schema's regular expressions (ECMAScript) do not have"
+    return None
+
+
+def _pieces(pattern: str) -> Iterator[tuple[int, str, bool]]:
+    """(offset, piece, in a class): each escape (`\\x`) or other character of `pattern`, and whether it lies
+    inside a character class (a class's closing `]` does, its opening `[` does not)."""
     in_class = False
     at = 0
     while at < len(pattern):
-        char = pattern[at]
-        if char == "\\" and at + 1 < len(pattern):
-            escaped = pattern[at + 1]
-            if escaped.isascii() and escaped.isalpha() and escaped not in _ECMASCRIPT_ESCAPE_LETTERS:
-                return f"\\{escaped} is no escape of JSON Schema's regular expressions (ECMAScript)"
+        if pattern[at] == "\\" and at + 1 < len(pattern):
+            yield at, pattern[at:at + 2], in_class
             at += 2
             continue
-        if in_class:
-            if (posix := _POSIX_CLASS.match(pattern, at)) is not None:
-                return (f"{posix.group()} is a POSIX class, which JSON Schema's regular expressions (ECMAScript) "
-                        "do not have")
-            in_class = char != "]"
-        elif char == "[":
-            in_class = True
+        char = pattern[at]
+        yield at, char, in_class
+        in_class = char != "]" if in_class else char == "["
         at += 1
-    return None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -109,32 +114,20 @@ def as_ecmascript(pattern: str) -> str:
     `\W`, `\S` those classes negated (inside a class, the lowercase ones only).
     """
     out: list[str] = []
-    in_class = False
-    at = 0
-    while at < len(pattern):
-        char = pattern[at]
-        if char == "\\" and at + 1 < len(pattern):
-            escaped = pattern[at + 1]
-            if escaped.lower() in _ECMASCRIPT_CLASSES and (not in_class or escaped.islower()):
-                ascii_class = _ECMASCRIPT_CLASSES[escaped.lower()]
-                if in_class:
-                    out.append(ascii_class)
-                else:
-                    out.append(f"[{ascii_class}]" if escaped.islower() else f"[^{ascii_class}]")
+    for _, piece, in_class in _pieces(pattern):
+        escaped = piece[1] if len(piece) == 2 else ""
+        if escaped.lower() in _ECMASCRIPT_CLASSES and (not in_class or escaped.islower()):
+            ascii_class = _ECMASCRIPT_CLASSES[escaped.lower()]
+            if in_class:
+                out.append(ascii_class)
             else:
-                out.append(pattern[at:at + 2])
-            at += 2
-            continue
-        if in_class:
-            in_class = char != "]"
-        elif char == "[":
-            in_class = True
-        elif char == "$":
-            char = r"\Z"
-        elif char == ".":
-            char = _ECMASCRIPT_DOT
-        out.append(char)
-        at += 1
+                out.append(f"[{ascii_class}]" if escaped.islower() else f"[^{ascii_class}]")
+        elif not in_class and piece == "$":
+            out.append(r"\Z")
+        elif not in_class and piece == ".":
+            out.append(_ECMASCRIPT_DOT)
+        else:
+            out.append(piece)
     return "".join(out)
 
 

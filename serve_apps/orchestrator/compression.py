@@ -43,6 +43,7 @@ __all__ = [
     "extract_facts",
     "plan_compression",
     "plan_keeping",
+    "round_starts",
 ]
 
 SUMMARY_MESSAGE_NAME = "warmpath-context-summary"
@@ -443,6 +444,11 @@ def plan_compression(
     return plan_keeping(messages, account, limits.keep_last_rounds)
 
 
+def round_starts(messages: Sequence[Message]) -> list[int]:
+    """Where each round of `messages` starts: its user message (a summary is none)."""
+    return [i for i, m in enumerate(messages) if m.role == "user" and not _is_summary(m)]
+
+
 def plan_keeping(messages: Sequence[Message], account: TokenAccount, num_rounds: int) -> CompressionPlan | None:
     """The plan that compresses all but the last `num_rounds` rounds (>= 1), or None when nothing lies before them.
 
@@ -451,10 +457,10 @@ def plan_keeping(messages: Sequence[Message], account: TokenAccount, num_rounds:
     """
     if len(messages) != len(account.message_tokens):
         raise ValueError(f"{len(messages)} messages but {len(account.message_tokens)} token counts")
-    round_starts = [i for i, m in enumerate(messages) if m.role == "user" and not _is_summary(m)]
-    if len(round_starts) <= num_rounds:
+    starts = round_starts(messages)
+    if len(starts) <= num_rounds:
         return None
-    cut = round_starts[-num_rounds]  # a real user message lies before it: never only a summary
+    cut = starts[-num_rounds]  # a real user message lies before it: never only a summary
     return CompressionPlan(
         num_messages_compressed=cut,
         tokens_before=account.total_tokens,

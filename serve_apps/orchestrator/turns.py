@@ -43,6 +43,7 @@ from serve_apps.orchestrator.compression import (
     apply_compression,
     plan_compression,
     plan_keeping,
+    round_starts,
 )
 from serve_apps.orchestrator.models import (
     CompressionEvent,
@@ -551,7 +552,7 @@ class TurnRunner:
                 yield CompressionEvent(report=report)
                 return
         _cut, report, loses_values = self._declined
-        if loses_values and account.remaining_tokens < 0:
+        if loses_values and fitting.remaining_tokens < 0:
             raise TurnFailed("compression_lost_values",
                              f"the prompt does not fit, and compression would drop exact values: {report}")
 
@@ -559,22 +560,27 @@ class TurnRunner:
                         to_come: Sequence[Message]) -> CompressionPlan | None:
         """For a prompt over the window: the plan keeping the most rounds, at most `keep_last_rounds`, whose
         facts ledger alone makes the prompt (with the messages `to_come`) fit; else the one keeping the newest
-        round only; None when no round lies before it among the stored messages.
+        round only; None when no round lies before the newest among the stored messages.
 
         Why: a turn may leave its history at the window's edge (a long answer, a turn out of steps, results a
         client is yet to post), and the rounds that filled it are the recent ones `keep_last_rounds` keeps:
-        with the next message over the window, every later turn failed `context_overflow`.
+        with the next message over the window, every later turn failed `context_overflow`. Only counts whose
+        kept rounds fit beside the prefix, the messages to come and the output reserve are tried (each try
+        applies the ledger and counts the prompt: a few tries, whatever `keep_last_rounds` says).
         """
-        last = None
-        for num_rounds in range(self._limits.keep_last_rounds, 0, -1):
+        to_come_tokens = self._account([*history, *to_come]).total_tokens - account.total_tokens if to_come else 0
+        room = account.context_window_tokens - account.output_reserve_tokens - to_come_tokens - (
+            account.total_tokens - sum(account.message_tokens))  # the prefix and the generation prompt
+        starts = round_starts(history)
+        for num_rounds in range(min(self._limits.keep_last_rounds, len(starts) - 1), 0, -1):
+            cut = starts[-num_rounds]
+            if cut > len(self._stored) or (num_rounds > 1 and sum(account.message_tokens[cut:]) > room):
+                continue  # a round of the running turn; or what it keeps cannot fit, whatever the ledger takes
             plan = plan_keeping(history, account, num_rounds)
-            if plan is None or plan.num_messages_compressed > len(self._stored):
-                continue
             compressed, _ = apply_compression(history, plan, "", recount=self._account)
-            if self._account([*compressed, *to_come]).remaining_tokens >= 0:
+            if num_rounds == 1 or self._account([*compressed, *to_come]).remaining_tokens >= 0:
                 return plan
-            last = plan
-        return last
+        return None
 
     async def _compress(self, history: list[Message], plan: CompressionPlan, ledger_only: list[Message],
                         floor: CompressionReport, to_come: Sequence[Message] = ()) -> CompressionReport | None:

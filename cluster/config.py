@@ -292,8 +292,9 @@ def _is_host_name(text: str) -> bool:
 
 
 def is_loopback_host(host: str) -> bool:
-    """Whether proxies bound to `host` answer this machine alone (`127.0.0.1`, `::1`, `localhost`)."""
-    if host == "localhost":
+    """Whether proxies bound to `host` answer this machine alone (`127.0.0.1`, `::1`, `localhost`, however
+    written: `LOCALHOST`, `localhost.`)."""
+    if host.lower().rstrip(".") in ("localhost", "localhost.localdomain"):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback

@@ -788,14 +788,18 @@ class GrpcIngress:
                 request_too_large(f"the request is {size} bytes; the limit is {limit} (access.max_request_bytes)")
             )
 
-    async def _admit(self, grpc_context) -> Caller:
-        """The caller behind the call's `authorization: Bearer <key>` (or `x-api-key`) metadata."""
+    def _check_caller_is_local(self, grpc_context) -> None:
+        """With keys off on a loopback `ports.host`, refuses a caller on another machine, before anything else
+        of its call is read."""
         if self._loopback_callers_only and not is_loopback_peer(grpc_context.peer()):
             raise RpcFailure(
                 grpc.StatusCode.PERMISSION_DENIED, "loopback_only",
                 "API keys are off (access.is_auth_enabled: false) and ports.host is loopback: this server answers "
                 "calls from its own machine only; turn keys on to serve others",
             )
+
+    async def _admit(self, grpc_context) -> Caller:
+        """The caller behind the call's `authorization: Bearer <key>` (or `x-api-key`) metadata."""
         try:
             return await self._guard.admit_call(_string_metadata(grpc_context))
         except AccessDenied as denied:
@@ -808,6 +812,7 @@ class GrpcIngress:
         rpc = _RpcSpan.start(service, method, grpc_context)
         with rpc.lifetime(), rpc.current():
             try:
+                self._check_caller_is_local(grpc_context)
                 self._check_request(request)
                 return await work(await self._admit(grpc_context))
             except Exception as err:
@@ -828,6 +833,7 @@ class GrpcIngress:
         with rpc.lifetime():
             try:
                 with rpc.current():
+                    self._check_caller_is_local(grpc_context)
                     self._check_request(request)
                     stream = messages(await self._admit(grpc_context), rpc).__aiter__()
                 # Closed with this stream, in the caller's task: one left to the garbage collector would

@@ -333,6 +333,10 @@ def test_with_keys_off_on_a_loopback_host_calls_from_other_machines_are_refused(
     asyncio.run(ingress.GetSession(request, remote))
     assert remote.code is grpc.StatusCode.PERMISSION_DENIED and "API keys are off" in remote.details
     assert asyncio.run(ingress.GetSession(request, local)).session_id == "s1" and local.code is None
+    # Refused before anything else of the call is read: a malformed or oversized request is no one else's to judge.
+    malformed = _PeerContext("ipv4:192.0.2.2:40000")
+    asyncio.run(ingress.GetSession(agent_pb2.GetSessionRequest(session_id="x" * 5_000_000), malformed))
+    assert malformed.code is grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_the_grpc_application_refuses_other_machines_only_with_keys_off_on_a_loopback_host():
@@ -344,5 +348,7 @@ def test_the_grpc_application_refuses_other_machines_only_with_keys_off_on_a_loo
         return app._bound_deployment.init_kwargs["loopback_callers_only"]
 
     assert refuses_others({"access": {"is_auth_enabled": False}}) is True
+    for host in ("localhost", "LOCALHOST", "localhost.", "::1"):  # as the HTTP proxy binds them: loopback
+        assert refuses_others({"access": {"is_auth_enabled": False}, "ports": {"host": host}}) is True, host
     assert refuses_others({"access": {"is_auth_enabled": False}, "ports": {"host": "0.0.0.0"}}) is False
     assert refuses_others({"redis_url": "redis://127.0.0.1:6380/0"}) is False  # keys on: keys decide

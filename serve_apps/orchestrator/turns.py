@@ -536,7 +536,7 @@ class TurnRunner:
         fitting = self._account([*history, *to_come]) if to_come else account
         plan = plan_compression(history, account, self._limits)
         if fitting.remaining_tokens < 0 and self._compaction is None:
-            plan = self._plan_that_fits(history, account, to_come) or plan
+            plan = self._plan_that_fits(history, account, fitting, to_come) or plan
         if plan is None or plan.num_messages_compressed > len(self._stored) or self._compaction is not None:
             return
         cut, fits = plan.num_messages_compressed, fitting.remaining_tokens >= 0
@@ -556,7 +556,7 @@ class TurnRunner:
             raise TurnFailed("compression_lost_values",
                              f"the prompt does not fit, and compression would drop exact values: {report}")
 
-    def _plan_that_fits(self, history: list[Message], account: TokenAccount,
+    def _plan_that_fits(self, history: list[Message], account: TokenAccount, fitting: TokenAccount,
                         to_come: Sequence[Message]) -> CompressionPlan | None:
         """For a prompt over the window: the plan keeping the most rounds, at most `keep_last_rounds`, whose
         facts ledger alone makes the prompt (with the messages `to_come`) fit; else the one keeping the newest
@@ -565,11 +565,11 @@ class TurnRunner:
         Why: a turn may leave its history at the window's edge (a long answer, a turn out of steps, results a
         client is yet to post), and the rounds that filled it are the recent ones `keep_last_rounds` keeps:
         with the next message over the window, every later turn failed `context_overflow`. Only counts whose
-        kept rounds fit beside the prefix, the messages to come and the output reserve are tried (each try
-        applies the ledger and counts the prompt: a few tries, whatever `keep_last_rounds` says).
+        kept rounds fit beside the prefix, the messages to come and the output reserve are tried: each try
+        applies the ledger and counts the prompt. `fitting` is the account of the history and `to_come`.
         """
-        to_come_tokens = self._account([*history, *to_come]).total_tokens - account.total_tokens if to_come else 0
-        room = account.context_window_tokens - account.output_reserve_tokens - to_come_tokens - (
+        room = account.context_window_tokens - account.output_reserve_tokens - (
+            fitting.total_tokens - account.total_tokens) - (
             account.total_tokens - sum(account.message_tokens))  # the prefix and the generation prompt
         starts = round_starts(history)
         for num_rounds in range(min(self._limits.keep_last_rounds, len(starts) - 1), 0, -1):
@@ -577,8 +577,10 @@ class TurnRunner:
             if cut > len(self._stored) or (num_rounds > 1 and sum(account.message_tokens[cut:]) > room):
                 continue  # a round of the running turn; or what it keeps cannot fit, whatever the ledger takes
             plan = plan_keeping(history, account, num_rounds)
+            if num_rounds == 1:
+                return plan  # the most there is to compress
             compressed, _ = apply_compression(history, plan, "", recount=self._account)
-            if num_rounds == 1 or self._account([*compressed, *to_come]).remaining_tokens >= 0:
+            if self._account([*compressed, *to_come]).remaining_tokens >= 0:
                 return plan
         return None
 

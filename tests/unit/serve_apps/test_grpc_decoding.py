@@ -72,6 +72,7 @@ def test_the_ingress_answers_an_undecodable_request_invalid_argument_before_its_
     from serve_apps import ingress_grpc
 
     ingress = object.__new__(ingress_grpc.GrpcIngress)
+    ingress._loopback_callers_only = False  # keys on: any machine may call
     ingress._guard = SimpleNamespace(
         settings=SimpleNamespace(access=SimpleNamespace(max_request_bytes=1000)),
         admit_call=lambda metadata: pytest.fail("the key was checked"),

@@ -26,8 +26,9 @@ Threads and ordering:
   replicas advertise (`router.prompt_tokens.EngineRendering`), hands those
   ids to the engine with the request (`router.prompt_tokens.ForwardedTokenIds`,
   a chat request the engine would render alike only, when the config
-  allows; a request placed again has its earlier ids taken back first), then decides under the same lock the pump takes to apply events,
-  so a decision never sees half a batch. It makes no blocking remote calls.
+  allows; a request placed again has its earlier ids taken back first), then
+  decides under the same lock the pump takes to apply events, so a decision
+  never sees half a batch. It makes no blocking remote calls.
 - Serve hands each request the replica chosen for it: the router takes no
   `FIFOMixin`, which would give the first replica found to the oldest
   waiting request whatever its prefix (Ray's own prefix-aware router takes

@@ -537,7 +537,7 @@ class GrpcIngress:
         self._model_id = model_id
         self._window_tokens = window_tokens  # the most messages or tools a request may hold (`openai_bodies`)
         # Keys off and `ports.host` loopback: Serve's gRPC proxy listens on every address whatever the host
-        # (it binds `[::]`), so calls from elsewhere are refused here (`_admit`), as the HTTP proxy never sees them.
+        # (it binds `[::]`), so calls from elsewhere are refused here (`_check_call`), as the HTTP proxy never sees them.
         self._loopback_callers_only = loopback_callers_only
         self._guard = AccessGuard(GuardSettings.model_validate(guard_settings))
         telemetry.setup_tracing(TelemetryConfig.model_validate(telemetry_config or {}), "grpc-ingress")
@@ -769,6 +769,17 @@ class GrpcIngress:
                 grpc.StatusCode.UNAVAILABLE, TURN_INTERRUPTED["code"], TURN_INTERRUPTED["message"]
             ) from None
 
+    def _check_call(self, grpc_context, request) -> None:
+        """What every call is refused for before its key is checked: its caller on another machine (keys off on a
+        loopback `ports.host`), before anything else of it is read; then its request (`_check_request`)."""
+        if self._loopback_callers_only and not is_loopback_peer(grpc_context.peer()):
+            raise RpcFailure(
+                grpc.StatusCode.PERMISSION_DENIED, "loopback_only",
+                "API keys are off (access.is_auth_enabled: false) and ports.host is loopback: this server answers "
+                "calls from its own machine only; turn keys on to serve others",
+            )
+        self._check_request(request)
+
     def _check_request(self, request) -> None:
         """Refuses, before the call's key is checked, a request that did not decode (`grpc_decoding`) and one
         over `access.max_request_bytes`, as the HTTP API does (400, 413).
@@ -788,16 +799,6 @@ class GrpcIngress:
                 request_too_large(f"the request is {size} bytes; the limit is {limit} (access.max_request_bytes)")
             )
 
-    def _check_caller_is_local(self, grpc_context) -> None:
-        """With keys off on a loopback `ports.host`, refuses a caller on another machine, before anything else
-        of its call is read."""
-        if self._loopback_callers_only and not is_loopback_peer(grpc_context.peer()):
-            raise RpcFailure(
-                grpc.StatusCode.PERMISSION_DENIED, "loopback_only",
-                "API keys are off (access.is_auth_enabled: false) and ports.host is loopback: this server answers "
-                "calls from its own machine only; turn keys on to serve others",
-            )
-
     async def _admit(self, grpc_context) -> Caller:
         """The caller behind the call's `authorization: Bearer <key>` (or `x-api-key`) metadata."""
         try:
@@ -812,8 +813,7 @@ class GrpcIngress:
         rpc = _RpcSpan.start(service, method, grpc_context)
         with rpc.lifetime(), rpc.current():
             try:
-                self._check_caller_is_local(grpc_context)
-                self._check_request(request)
+                self._check_call(grpc_context, request)
                 return await work(await self._admit(grpc_context))
             except Exception as err:
                 _fail(grpc_context, rpc, method, err)
@@ -833,8 +833,7 @@ class GrpcIngress:
         with rpc.lifetime():
             try:
                 with rpc.current():
-                    self._check_caller_is_local(grpc_context)
-                    self._check_request(request)
+                    self._check_call(grpc_context, request)
                     stream = messages(await self._admit(grpc_context), rpc).__aiter__()
                 # Closed with this stream, in the caller's task: one left to the garbage collector would
                 # settle its model call (`metrics.settle_model_call`) in whichever request's context runs then.

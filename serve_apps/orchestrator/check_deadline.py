@@ -78,7 +78,7 @@ def non_ecmascript_syntax(pattern: str) -> str | None:
     a literal letter and a class then a `]` to the grammar of forced calls (xgrammar): no value
     met both, and every forced call was refused as a schema violation.
     """
-    for at, piece, in_class in _pieces(pattern):
+    for at, piece, in_class in pattern_pieces(pattern):
         if len(piece) == 2:
             escaped = piece[1]
             if escaped.isascii() and escaped.isalpha() and escaped not in _ECMASCRIPT_ESCAPE_LETTERS:
@@ -88,7 +88,7 @@ def non_ecmascript_syntax(pattern: str) -> str | None:
     return None
 
 
-def _pieces(pattern: str) -> Iterator[tuple[int, str, bool]]:
+def pattern_pieces(pattern: str) -> Iterator[tuple[int, str, bool]]:
     """(offset, piece, in a class): each escape (`\\x`) or other character of `pattern`, and whether it lies
     inside a character class (a class's closing `]` does, its opening `[` does not)."""
     in_class = False
@@ -114,7 +114,7 @@ def as_ecmascript(pattern: str) -> str:
     `\W`, `\S` those classes negated (inside a class, the lowercase ones only).
     """
     out: list[str] = []
-    for _, piece, in_class in _pieces(pattern):
+    for _, piece, in_class in pattern_pieces(pattern):
         escaped = piece[1] if len(piece) == 2 else ""
         if escaped.lower() in _ECMASCRIPT_CLASSES and (not in_class or escaped.islower()):
             ascii_class = _ECMASCRIPT_CLASSES[escaped.lower()]

@@ -61,7 +61,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import JsonValue
 
-from serve_apps.orchestrator.check_deadline import as_ecmascript, non_ecmascript_syntax
+from serve_apps.orchestrator.check_deadline import as_ecmascript, non_ecmascript_syntax, pattern_pieces
 
 # Bounds on a tool's `parameters`. Real tool schemas are a few KiB and a handful of
 # levels deep; these leave room for them while keeping validation cheap and its
@@ -394,12 +394,7 @@ def _pattern_size(pattern: str) -> int:
 
 def _has_property_class(pattern: str) -> bool:
     """Whether `pattern` has a `\\p{...}` or `\\P{...}` escape (an escaped backslash before a `p` is none)."""
-    at = 0
-    while (at := pattern.find("\\", at)) >= 0:
-        if pattern[at + 1:at + 2] in ("p", "P") and pattern[at + 2:at + 3] == "{":
-            return True
-        at += 2
-    return False
+    return any(piece in ("\\p", "\\P") and pattern[at + 2:at + 3] == "{" for at, piece, _ in pattern_pieces(pattern))
 
 
 # The numbers of counted repeats (`{n}`, `{n,}`, `{n,m}`), for a pattern `re` cannot parse.

@@ -284,6 +284,18 @@ def _assert_exact(tokenizer, history, account, tools=TOOLS):
     assert min(account.message_tokens, default=0) >= 0
 
 
+def _counts_as_it_grows(tokenizer, history) -> list:
+    """The account of each prefix of `history`, one message more each time, counted with the memo of the counts
+    before it: each exact, and each the same as counted afresh."""
+    memo, accounts = CountMemo(), []
+    for end in range(1, len(history) + 1):
+        account = _count(tokenizer, history[:end], memo)
+        _assert_exact(tokenizer, history[:end], account)
+        assert account == _count(tokenizer, history[:end])
+        accounts.append(account)
+    return accounts
+
+
 def _parallel_round(index: int) -> list[Message]:
     calls = [ToolCall(id=f"call-{index}-{k}", name="get_order", arguments=json.dumps({"order_id": f"ORD-{index}{k}"}))
              for k in range(2)]
@@ -327,11 +339,7 @@ def test_tools_in_the_first_user_message_give_the_shared_prefix_and_exact_counts
 def test_a_run_of_tool_results_is_counted_as_one(tokenizer):
     grouped = _with_template(tokenizer, GROUPED_TOOL_RESULTS_TEMPLATE)
     history = _parallel_round(1) + _parallel_round(2)
-    memo = CountMemo()
-    for end in range(1, len(history) + 1):
-        account = _count(grouped, history[:end], memo)
-        _assert_exact(grouped, history[:end], account)
-        assert account == _count(grouped, history[:end])
+    *_, account = _counts_as_it_grows(grouped, history)
     first_result = 2
     assert account.message_tokens[first_result] == 0 and account.message_tokens[first_result + 1] > 0
     assert account.prefix_fingerprint == prefix_fingerprint(grouped, SYSTEM, TOOLS)
@@ -367,11 +375,7 @@ def test_a_system_message_folded_into_the_first_user_turn_is_part_of_the_prefix(
     assert SYSTEM in folded.decode(prefix) and "get_order" in folded.decode(prefix)
     assert prefix_fingerprint(folded, SYSTEM, TOOLS) != prefix_fingerprint(folded, "Another prompt.", TOOLS)
     history = [m for i in range(2) for m in _round(i, {"status": "shipped"})]
-    memo = CountMemo()
-    for end in range(1, len(history) + 1):
-        account = _count(folded, history[:end], memo)
-        _assert_exact(folded, history[:end], account)
-        assert account == _count(folded, history[:end])
+    for account in _counts_as_it_grows(folded, history):
         assert account.prefix_fingerprint == prefix_fingerprint(folded, SYSTEM, TOOLS)
 
 
@@ -395,11 +399,7 @@ def test_a_template_ending_a_conversation_with_end_of_text_counts_each_message_a
     prefix = prefix_token_ids(trailing, SYSTEM, TOOLS)
     assert trailing.decode(prefix).endswith("<|im_end|>\n") and "get_order" in trailing.decode(prefix)
     history = [m for i in range(2) for m in _round(i, {"status": "shipped"})]
-    memo = CountMemo()
-    for end in range(1, len(history) + 1):
-        account = _count(trailing, history[:end], memo)
-        _assert_exact(trailing, history[:end], account)
-        assert account == _count(trailing, history[:end])
+    for account in _counts_as_it_grows(trailing, history):
         assert all(count > 0 for count in account.message_tokens)
         assert account.prefix_tokens == len(prefix)
         assert account.prefix_fingerprint == prefix_fingerprint(trailing, SYSTEM, TOOLS)
@@ -447,11 +447,7 @@ def test_a_template_checking_that_roles_alternate_renders_and_counts_every_histo
     """Mistral's templates refused the conversation (two user messages in a row, tool messages aside): the
     session was stuck, every turn and its view `chat_template_refused`."""
     alternating = _with_template(tokenizer, ALTERNATING_ROLES_TEMPLATE)
-    memo = CountMemo()
-    for end in range(1, len(history) + 1):
-        account = _count(alternating, history[:end], memo)
-        _assert_exact(alternating, history[:end], account)
-        assert account == _count(alternating, history[:end])
+    for account in _counts_as_it_grows(alternating, history):
         assert account.message_tokens[-1] > 0
     # Each counts its acknowledgement with it: the counts sum to the prompt's, the prefix and generation aside.
     assert account.prefix_tokens + sum(account.message_tokens) + account.generation_prompt_tokens \

@@ -369,7 +369,7 @@ class TurnRunner:
         for step in range(first_step, self._limits.max_steps_per_turn):
             self._check_lock()
             report = None
-            async for event in self._maybe_compress():
+            async for event in self._maybe_compress(headroom=self._limits.output_reserve_tokens):
                 report = event.report
                 yield event
             messages, tools = self._chat_request(self.history)
@@ -523,21 +523,30 @@ class TurnRunner:
             )
         return account
 
-    async def _maybe_compress(self, to_come: Sequence[Message] = ()) -> AsyncIterator[CompressionEvent]:
+    async def _maybe_compress(self, to_come: Sequence[Message] = (), headroom: int = 0
+                              ) -> AsyncIterator[CompressionEvent]:
         """Compresses the stored history when the plan says so and the result keeps every value and is shorter.
+
+        `headroom`: tokens a compression should leave free beyond the output reserve where it can, for a step
+        of this turn to follow (its answer, a tool call, stays in the history, and the turn may pause after
+        it with only the summary left to compress). The facts ledger may take it; the optional summary may not.
 
         A compression not kept is not tried again in this turn (its cut stays the same while the
         turn runs): the messages stay as they are, and the turn fails only if they do not fit,
         with `compression_lost_values` where the compression would have dropped a value. One that
-        would free little waits while the history and the messages `to_come` fit.
+        would free little waits while the history and the messages `to_come` fit. A turn that has
+        compressed compresses again only where the prompt is over the window (the step's tool
+        results, say): the rounds it kept then, and its summary, are what is left to compress.
         """
         history = self.history
         account = self._account(history)
         fitting = self._account([*history, *to_come]) if to_come else account
         plan = plan_compression(history, account, self._limits)
-        if fitting.remaining_tokens < 0 and self._compaction is None:
-            plan = self._plan_that_fits(history, account, fitting, to_come) or plan
-        if plan is None or plan.num_messages_compressed > len(self._stored) or self._compaction is not None:
+        if fitting.remaining_tokens < 0:
+            plan = self._plan_that_fits(history, account, fitting, to_come, headroom) or plan
+        elif self._compaction is not None:
+            return
+        if plan is None or plan.num_messages_compressed > len(self._stored):
             return
         cut, fits = plan.num_messages_compressed, fitting.remaining_tokens >= 0
         if fits and self._deferred_cut == cut:
@@ -547,7 +556,7 @@ class TurnRunner:
             if fits and 0 < floor.tokens_before - floor.tokens_after < MIN_COMPRESSION_SAVING_FRACTION * self._window:
                 self._deferred_cut = cut  # later rounds will give it more to free, or the prompt will not fit
                 return
-            report = await self._compress(history, plan, ledger_only, floor, to_come)
+            report = await self._compress(history, plan, ledger_only, floor, to_come, headroom)
             if report is not None:
                 yield CompressionEvent(report=report)
                 return
@@ -557,18 +566,20 @@ class TurnRunner:
                              f"the prompt does not fit, and compression would drop exact values: {report}")
 
     def _plan_that_fits(self, history: list[Message], account: TokenAccount, fitting: TokenAccount,
-                        to_come: Sequence[Message]) -> CompressionPlan | None:
+                        to_come: Sequence[Message], headroom: int) -> CompressionPlan | None:
         """For a prompt over the window: the plan keeping the most rounds, at most `keep_last_rounds`, whose
-        facts ledger alone makes the prompt (with the messages `to_come`) fit; else the one keeping the newest
-        round only; None when no round lies before the newest among the stored messages.
+        facts ledger alone makes the prompt (with the messages `to_come`) fit with `headroom` tokens to spare;
+        else the one keeping the newest round only; None when no round lies before the newest among the
+        stored messages.
 
         Why: a turn may leave its history at the window's edge (a long answer, a turn out of steps, results a
         client is yet to post), and the rounds that filled it are the recent ones `keep_last_rounds` keeps:
         with the next message over the window, every later turn failed `context_overflow`. Only counts whose
-        kept rounds fit beside the prefix, the messages to come and the output reserve are tried: each try
-        applies the ledger and counts the prompt. `fitting` is the account of the history and `to_come`.
+        kept rounds fit beside the prefix, the messages to come, the output reserve and the headroom are
+        tried: each try applies the ledger and counts the prompt. `fitting` is the account of the history and
+        `to_come`.
         """
-        room = account.context_window_tokens - account.output_reserve_tokens - (
+        room = account.context_window_tokens - account.output_reserve_tokens - headroom - (
             fitting.total_tokens - account.total_tokens) - (
             account.total_tokens - sum(account.message_tokens))  # the prefix and the generation prompt
         starts = round_starts(history)
@@ -580,20 +591,22 @@ class TurnRunner:
             if num_rounds == 1:
                 return plan  # the most there is to compress
             compressed, _ = apply_compression(history, plan, "", recount=self._account)
-            if self._account([*compressed, *to_come]).remaining_tokens >= 0:
+            if self._account([*compressed, *to_come]).remaining_tokens >= headroom:
                 return plan
         return None
 
     async def _compress(self, history: list[Message], plan: CompressionPlan, ledger_only: list[Message],
-                        floor: CompressionReport, to_come: Sequence[Message] = ()) -> CompressionReport | None:
+                        floor: CompressionReport, to_come: Sequence[Message] = (), headroom: int = 0
+                        ) -> CompressionReport | None:
         """Summarises and applies `plan`; the report if the result was kept, else None (`_declined` says why).
 
         `ledger_only` and `floor` are `plan` applied with no summary: when the facts ledger alone already
         makes the prompt no shorter, no summary can, and the model is not asked for one (a session of dense
         values would pay a summarising call at every turn and every resume, each declined). The summary
-        gets at most the room the ledger leaves in the window (with the messages `to_come`), and one that
-        would not fit there is dropped for the ledger alone: kept, it failed the turn `context_overflow`
-        with a fitting compression at hand, and every turn after it the same way.
+        gets at most the room the ledger leaves in the window (with the messages `to_come`) beyond `headroom`,
+        and one that would not fit there is dropped for the ledger alone: kept, it failed the turn
+        `context_overflow` with a fitting compression at hand, and every turn after it the same way (taking
+        the headroom, at the pause after the step's tool call).
         """
         if floor.tokens_after >= floor.tokens_before:
             self._declined = (plan.num_messages_compressed, floor, False)  # not shorter: no value was judged
@@ -608,15 +621,16 @@ class TurnRunner:
         # the window beside its prompt (else the engine refuses the call, and the ledger stands alone).
         max_tokens = min(max(MIN_SUMMARY_TOKENS, min(self._limits.output_reserve_tokens, plan.tokens_compressed // 4)),
                          self._window - self._count(prompt, tools).total_tokens)
-        # What a summary's text can take with the prompt still fitting: the room a one-character one leaves
-        # (its header counted), plus that character.
+        # What a summary's text can take with the prompt still fitting and the headroom free: the room a
+        # one-character one leaves (its header counted), plus that character.
         with_one_character, _ = apply_compression(history, plan, "x", recount=self._account)
-        room = self._account([*with_one_character, *to_come]).remaining_tokens + 1
+        room = self._account([*with_one_character, *to_come]).remaining_tokens + 1 - headroom
         try:
             if max_tokens < MIN_SUMMARY_TOKENS:
                 raise ModelRefusal(f"no room in the {self._window}-token window for a summary after its prompt")
             if room < MIN_SUMMARY_TOKENS:
-                raise ModelRefusal(f"no room in the {self._window}-token window for a summary beside the facts ledger")
+                raise ModelRefusal(f"no room in the {self._window}-token window for a summary beside the facts ledger "
+                                   "and the next step")
             max_tokens = min(max_tokens, room)
             async for item in self._model.chat(self._record.session_id, prompt, tools or [], "none", max_tokens):
                 if isinstance(item, ModelReply):
@@ -629,7 +643,7 @@ class TurnRunner:
                            self._record.session_id, err)
             summary = ModelReply()
         compressed, report = apply_compression(history, plan, summary.content, recount=self._account)
-        is_over = self._account([*compressed, *to_come]).remaining_tokens < 0 <= room
+        is_over = self._account([*compressed, *to_come]).remaining_tokens < headroom and room >= 0
         if ((report.tokens_after >= report.tokens_before or is_over) and floor.ledger_retained_fraction == 1.0
                 and report.ledger_retained_fraction == 1.0):
             # The summary took more than the ledger saved, or more than the window had room for: the ledger,
@@ -644,8 +658,12 @@ class TurnRunner:
                                self._record.session_id, report)
             self._declined = (plan.num_messages_compressed, report, report.ledger_retained_fraction < 1.0)
             return None
-        self._compaction = Compaction(num_messages_replaced=plan.num_messages_compressed, summary=compressed[0])
+        # A second compression in the turn replaces the first one's summary too: one compaction of the log.
+        earlier = self._compaction.num_messages_replaced - 1 if self._compaction is not None else 0
+        self._compaction = Compaction(num_messages_replaced=earlier + plan.num_messages_compressed,
+                                      summary=compressed[0])
         self._stored = compressed[: len(compressed) - len(self._new)]
+        self._declined = self._deferred_cut = None  # cuts into the history before it
         WarmpathMetrics.get().compressions.inc()
         return report
 

@@ -403,7 +403,9 @@ def test_the_summary_gets_at_most_a_quarter_of_the_tokens_it_replaces(
     real = turns.plan_compression
     monkeypatch.setattr(turns, "plan_compression", lambda *args: plans.append(real(*args)) or plans[-1])
     model = ScriptedModel([([], ModelReply(content="a summary")), (["Hi"], ModelReply(content="Hi"))])
-    events, _ = _turn_after(_stored_rounds(_prose), output_reserve_tokens, model)
+    # The window under `compress_below_fraction` free, with room for the summary beyond a step's answer.
+    events, _ = _turn_after(_stored_rounds(_prose), output_reserve_tokens, model,
+                            context_budget_tokens=4096 + output_reserve_tokens)
     assert [e.kind for e in events][0] == "compression"
     quarter = plans[0].tokens_compressed // 4
     assert (quarter < output_reserve_tokens) == is_capped_by_quarter
@@ -569,6 +571,38 @@ def test_tool_results_that_leave_no_room_fail_the_turn_at_its_last_step_too(monk
     assert store.commits == []
 
 
+def test_tool_results_over_the_window_after_a_compression_compress_the_rounds_it_kept(monkeypatch):
+    """A turn that compressed at its first step compressed no more: a server-side result then put the prompt
+    over the window with older rounds still kept (`keep_last_rounds`), and the turn failed `context_overflow`,
+    as did every retry (the same compression, the same result)."""
+    result = json.dumps({"rows": [f"row {i} lorem ipsum dolor" for i in range(45)]})  # about 1,300 tokens
+
+    async def tool(spec, arguments, timeout_s, max_bytes, network=None):
+        return ToolOutcome("ok", result, False)
+
+    monkeypatch.setattr(turns, "run_http_tool", tool)
+    history = _stored_rounds(_prose)
+    model = LongSummaryModel([([], _call("c1")), ([], ModelReply(content="done"))])
+    runner = TurnRunner(_server_tool_record(4), history, len(history), MemoryStore(), model, CharTokenizer(), 8192)
+    compressed_at = []
+
+    async def main():
+        async for event in runner.run([Message(role="user", content="next")], "auto"):
+            compressed_at.append(len(model.script)) if event.kind == "compression" else None
+            yield event
+
+    async def collect():
+        return [e async for e in main()]
+
+    events = asyncio.run(collect())
+    assert events[-1].kind == "final", events[-1]
+    assert compressed_at == [2, 1]  # before the first step, then again before the second
+    (commit,) = runner._store.commits
+    compaction = commit["compaction"]  # both compressions as one, of the stored log
+    assert [compaction.summary, *history[compaction.num_messages_replaced:], *commit["messages"]] == runner.history
+    assert compaction.num_messages_replaced > 3 * 4 and "ORD-0" in compaction.summary.content
+
+
 def _mixed_tools_record() -> SessionRecord:
     """A server-side `lookup_order` and a client-side `ask_user`."""
     record = _server_tool_record(4)
@@ -730,7 +764,8 @@ class OverlongSummaryModel(ScriptedModel):
 
 def _ledger_fits_by(spare_tokens: int):
     """Three prose rounds to compress, two long ones kept, and a window the ledger alone fits with
-    `spare_tokens` to spare (uncompressed it does not fit)."""
+    `spare_tokens` to spare beyond the room a step's answer (the 64-token output reserve) keeps in the history
+    (uncompressed it does not fit)."""
     from serve_apps.orchestrator.compression import CompressionPlan, apply_compression, build_ledger
 
     history = _stored_rounds(lambda i: _prose(i) if i < 3 else "Status: moving. " * 150)
@@ -742,7 +777,7 @@ def _ledger_fits_by(spare_tokens: int):
     plan = CompressionPlan(cut, account.total_tokens, sum(account.message_tokens[:cut]), 0,
                            tuple(build_ledger(asked[:cut])))
     _, floor = apply_compression(asked, plan, "", recount=probe._account)
-    window = floor.tokens_after + 64 + spare_tokens
+    window = floor.tokens_after + 2 * 64 + spare_tokens
     assert window < account.total_tokens + 64
     return history, window
 
@@ -771,6 +806,47 @@ def test_no_summary_is_asked_for_where_the_ledger_leaves_no_room_for_one():
     assert events[-1].kind == "final", events[-1]
     assert all(p[-1]["content"] != SUMMARISE_INSTRUCTION for p in model.prompts)  # the ledger alone, unasked
     assert store.commits[0]["compaction"] is not None
+
+
+def _values(count: int, first: int = 0) -> str:
+    """Ids the facts ledger keeps, which it shortens by a tenth only."""
+    return " ".join(f"id {i:06d};" for i in range(first, first + count))
+
+
+def test_a_compression_leaves_a_pause_room_for_its_calls_result():
+    """A turn over the window compressed, its summary taking all the room the facts ledger left; the step's
+    client call then put the prompt (its result counted empty) over the window at the pause, where the turn
+    could not compress again: it failed `context_overflow`, and every retry paid a summary and failed alike."""
+    from serve_apps.orchestrator.compression import apply_compression, plan_keeping
+
+    record = _record(400, context_budget_tokens=2000)
+    probe = TurnRunner(record, (), 0, MemoryStore(), None, CharTokenizer(), 8192)
+    answer = Message(role="assistant", content=_values(400 // 11, first=1000))
+    size = probe._account([Message(role="user", content=""), answer]).remaining_tokens
+
+    def first_round(num_values: int) -> list[Message]:  # ids, then prose, to the window's edge
+        ids = _values(num_values)
+        return [Message(role="user", content=ids + " " + "x" * (size - len(ids) - 1)), answer]
+
+    call = _call("c1")
+    paused = [Message(role="user", content="next"), Message(role="assistant", tool_calls=call.tool_calls),
+              Message(role="tool", tool_call_id="c1", name="lookup_order", content="")]
+
+    def room_at_the_pause(num_values: int) -> int:  # with the ledger alone, after the call, its result empty
+        history = [*first_round(num_values), paused[0]]
+        compressed, _ = apply_compression(history, plan_keeping(history, probe._account(history), 1), "",
+                                          recount=probe._account)
+        return probe._account([*compressed, *paused[1:]]).remaining_tokens
+
+    history = first_round(next(n for n in range(size // 11, 0, -1) if room_at_the_pause(n) >= 0))
+    model = LongSummaryModel([([], call)])
+    runner = TurnRunner(record, history, len(history), MemoryStore(), model, CharTokenizer(), 8192)
+
+    async def main():
+        return [e async for e in runner.run([paused[0]], "auto")]
+
+    events = asyncio.run(main())
+    assert events[0].kind == "compression" and events[-1].kind == "requires_action", events[-1]
 
 
 def test_every_result_of_a_repair_step_names_a_call_the_client_was_shown():

@@ -788,6 +788,10 @@ def test_patterns_match_as_json_schema_reads_them(schema, arguments, is_valid):
     (r"(?<year>\d{4})-(?<month>\d{2})", True),  # ECMAScript's named groups: Python's `re` refused them
     (r"^[A-Z]{3}-\d+$", True),
     ("(unclosed", False),
+    # Judged as ECMAScript's, not Python's: `re` refused the first three after a rewrite and took the rest.
+    (r"(?<y>\d)\k<y>", True), ("[^]", True), (r"\u{1F600}", True),
+    ("(?i)abc", False), (r"(?P<y>\d)", False), ("a++", False), ("(?#note)a", False),
+    ("a{1000000000}", True), ("(" * 100_000 + "a" + ")" * 100_000, True),  # neither written out nor recursed
 ])
 def test_a_regex_format_argument_is_judged_as_an_ecmascript_regular_expression(pattern, is_valid):
     spec = _spec("find", {"type": "object", "properties": {"pattern": {"type": "string", "format": "regex"}},

@@ -466,14 +466,21 @@ def _echo_router_status(cfg, http_url: str) -> None:
 def render_serve_config_cmd(
     config: Optional[Path] = ConfigOpt,
     out: Optional[Path] = typer.Option(None, help="Write here instead of stdout."),
+    redis_url: Optional[str] = typer.Option(
+        None, help="The session store the deployment uses (default: the config's redis_url, or REDIS_URL)."
+    ),
 ) -> None:
     """Render the Ray Serve config file (`serve deploy`-able)."""
     from cluster.serve_config import dump_serve_config
 
-    cfg = _load(config)
+    _check_redis_url_flag(redis_url)
+    cfg = _load(config, redis_url=redis_url)
     if out is not None:
         _check_writable_file(out)
     text = dump_serve_config(cfg)
+    if not cfg.redis_url:  # `up` fills in the Redis it starts; a file deployed elsewhere has none
+        typer.echo("note: the file has no redis_url: pass --redis-url, or set REDIS_URL in the Ray workers' "
+                   "environment, before `serve deploy` of it", err=True)
     if out is None:
         sys.stdout.write(text)
     else:

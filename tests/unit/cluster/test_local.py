@@ -578,6 +578,33 @@ def test_the_rendered_serve_config_binds_what_up_binds_without_keys(tmp_path):
     assert yaml.safe_load(result.stdout)["http_options"]["host"] == "127.0.0.1"
 
 
+def test_the_rendered_serve_config_takes_the_redis_the_deployment_uses(tmp_path, monkeypatch):
+    """`up` fills in the Redis it starts; the rendered file had only the config's redis_url, and no way to set
+    one short of editing the config, and said nothing where it had none (`serve deploy` of it then failed in
+    every orchestrator replica)."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    config = tmp_path / "plain.yaml"
+    config.write_text("app_name: warmpath\n")
+
+    def rendered_redis_url(*flags: str) -> tuple[object, str]:
+        result = CliRunner().invoke(app, ["render", "serve-config", "-c", str(config), *flags])
+        assert result.exit_code == 0, result.output
+        (application, _grpc) = yaml.safe_load(result.stdout)["applications"]
+        return application["args"]["redis_url"], result.stderr
+
+    url, said = rendered_redis_url("--redis-url", "redis://redis.internal:6379/0")
+    assert url == "redis://redis.internal:6379/0" and said == ""
+    url, said = rendered_redis_url()
+    assert url is None and "no redis_url" in said and "REDIS_URL" in said
+    refused = CliRunner().invoke(app, ["render", "serve-config", "-c", str(config), "--redis-url", "http://x"])
+    assert refused.exit_code == 2 and refused.output.startswith("--redis-url ")
+
+
 @pytest.mark.parametrize("is_head_up, taken", [(True, []), (False, ["port 8000 (ports.http_port)"])])
 def test_up_refuses_a_head_it_cannot_start_before_building_or_starting_anything(tmp_path, monkeypatch, is_head_up,
                                                                                  taken):

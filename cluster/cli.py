@@ -189,6 +189,10 @@ def up(
                      "every caller that reaches it holds every permission")
     _check_writable_file(local.LocalState.path(local.state_dir_of(cfg)), "state_dir")
     _load_state(cfg)  # a broken record is one line before anything starts
+    from cluster.replica_args import replica_args_problems
+
+    if problems := replica_args_problems(cfg):  # else each replica finds them, minutes from now
+        _refuse("\n".join(problems))
     try:
         state = local.up(cfg, progress, timeout_s=timeout_s, redeploy=redeploy)
     except local.BringUpError as err:

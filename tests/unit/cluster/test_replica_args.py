@@ -1,0 +1,61 @@
+"""The replicas' vLLM arguments, checked by `up` against the vLLM installed here before it starts anything."""
+from __future__ import annotations
+
+import builtins
+
+import pytest
+from typer.testing import CliRunner
+
+from cluster import local
+from cluster.cli import app
+from cluster.config import load_config
+from cluster.replica_args import replica_args_problems
+
+
+def _config(**sections):
+    return load_config(environ={}, overrides=sections)
+
+
+def test_arguments_of_the_engine_and_of_the_frontend_pass():
+    cfg = _config(replicas={"engine_kwargs": {"max_num_seqs": 4, "enforce_eager": True,
+                                              "chat_template_content_format": "string"}})
+    assert replica_args_problems(cfg) == []
+
+
+def test_a_misspelt_argument_and_parser_are_named_with_what_was_meant():
+    """Each replica found them as it started, minutes into `up`, in its own log."""
+    cfg = _config(model={"tool_call_parser": "hermess"}, replicas={"engine_kwargs": {"max_num_seq": 4}})
+    assert replica_args_problems(cfg) == [
+        "replicas.engine_kwargs.max_num_seq is no argument of vLLM's engine or OpenAI frontend "
+        "(did you mean 'max_num_seqs'?)",
+        "model.tool_call_parser 'hermess' is no tool-call parser of this vLLM (did you mean 'hermes'?)",
+    ]
+    far = replica_args_problems(_config(model={"tool_call_parser": "zzzz"}))
+    assert len(far) == 1 and "its parsers: " in far[0] and "hermes" in far[0]
+
+
+def test_a_parser_plugin_may_name_parsers_of_its_own():
+    cfg = _config(model={"tool_call_parser": "my_parser"},
+                  replicas={"engine_kwargs": {"tool_parser_plugin": "/opt/parsers/mine.py"}})
+    assert replica_args_problems(cfg) == []
+
+
+def test_without_vllm_here_the_replicas_check_for_themselves(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name.startswith("vllm"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    assert replica_args_problems(_config(replicas={"engine_kwargs": {"max_num_seq": 4}})) == []
+
+
+def test_up_refuses_bad_replica_arguments_before_starting_anything(tmp_path, monkeypatch):
+    monkeypatch.setattr(local, "up", lambda *args, **kwargs: pytest.fail("up started"))
+    config = tmp_path / "cluster.yaml"
+    config.write_text("replicas:\n  engine_kwargs:\n    enable_prefix_cachng: true\n")
+    result = CliRunner().invoke(app, ["up", "-c", str(config), "--state-dir", str(tmp_path / "state")])
+    assert result.exit_code == 2, result.output
+    assert "replicas.engine_kwargs.enable_prefix_cachng is no argument" in result.stderr

@@ -109,8 +109,14 @@ def _check_redis_url_flag(redis_url: Optional[str]) -> None:
             _refuse(f"--redis-url {err}")
 
 
+# The flag that sets each config path `_load` is given (`section__field`), named beside a problem with its value.
+_FLAG_OF = {"replicas__num_replicas": "--replicas", "router__policy": "--policy", "ports__http_port": "--http-port",
+            "redis_url": "--redis-url", "state_dir": "--state-dir", "access__is_auth_enabled": "--no-auth"}
+
+
 def _load(config: Optional[Path], **flags) -> ClusterConfig:
     overrides: dict = {}
+    flag_names: dict[tuple[str, ...], str] = {}
     for dotted, value in flags.items():
         if value is None:
             continue
@@ -119,8 +125,9 @@ def _load(config: Optional[Path], **flags) -> ClusterConfig:
             overrides.setdefault(section, {})[name] = value
         else:
             overrides[section] = value
+        flag_names[(section, name) if name else (section,)] = _FLAG_OF[dotted]
     try:
-        return load_config(config, overrides=overrides)
+        return load_config(config, overrides=overrides, flag_names=flag_names)
     except ConfigError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2)

@@ -716,25 +716,26 @@ def deep_merge(base: dict, override: Mapping) -> dict:
 
 
 def format_validation_error(err: ValidationError, sources: Mapping[tuple[str, ...], str] | None = None) -> str:
-    """One line per problem, naming the environment variable that set the field where `sources` has one."""
+    """One line per problem, naming what set the field (`environment variable REDIS_URL`, `--replicas`) where
+    `sources` has it."""
     lines = [f"invalid cluster config ({err.error_count()} problem(s)):"]
     for item in err.errors():
         loc = tuple(str(p) for p in item["loc"])
         where = ".".join(loc) or "<root>"
-        variable = _setting_variable(loc, sources or {})
-        below = _variables_below(loc, sources or {}) if variable is None else []
-        if variable is not None:
-            where += f" (set by environment variable {variable})"
+        setter = _setting_variable(loc, sources or {})
+        below = _variables_below(loc, sources or {}) if setter is None else []
+        if setter is not None:
+            where += f" (set by {setter})"
         elif below and item["type"] == "extra_forbidden":  # a section that does not exist, named by a variable
-            where += f" (set by environment variable {below[0]})"
+            where += f" (set by {below[0]})"
         elif below:  # a section's own check: the file may be at fault as much as the variables
-            where += f" (holding values set by environment variable {', '.join(below)})"
+            where += f" (holding values set by {', '.join(below)})"
         lines.append(f"  {where}: {item['msg']}")
     return "\n".join(lines)
 
 
 def _setting_variable(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> str | None:
-    """The variable that set `loc` or a section holding it (`WARMPATH_ROUTER` for `router.policy`)."""
+    """What set `loc` or a section holding it (`WARMPATH_ROUTER`'s variable for `router.policy`)."""
     for depth in range(len(loc), 0, -1):
         if loc[:depth] in sources:
             return sources[loc[:depth]]
@@ -742,7 +743,7 @@ def _setting_variable(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], st
 
 
 def _variables_below(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> list[str]:
-    """The variables that set a path under `loc` (`WARMPATH_REPLICA__NUM_REPLICAS` under a section `replica`)."""
+    """What set paths under `loc` (`WARMPATH_REPLICA__NUM_REPLICAS`'s variable under a section `replica`)."""
     return sorted({variable for path, variable in sources.items() if loc and path[: len(loc)] == loc})
 
 
@@ -750,7 +751,8 @@ def validate_config(data: Mapping, sources: Mapping[tuple[str, ...], str] | None
     """Validates a plain mapping; raises ConfigError with one line per problem.
 
     Args:
-        sources: the environment variable that set each path, named beside its problems.
+        sources: what set each path (`environment variable REDIS_URL`, `--replicas`), named beside its
+            problems.
     """
     try:
         return ClusterConfig.model_validate(dict(data))
@@ -762,6 +764,7 @@ def load_config(
     path: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping | None = None,
+    flag_names: Mapping[tuple[str, ...], str] | None = None,
 ) -> ClusterConfig:
     """Loads defaults < YAML file < environment < explicit overrides (CLI flags).
 
@@ -769,6 +772,9 @@ def load_config(
         path: YAML file; None uses `$WARMPATH_CONFIG` if set, else defaults only.
         environ: environment to read overrides from (default: os.environ).
         overrides: nested dict of highest-precedence values.
+        flag_names: the command-line flag that set each path of `overrides` (`("replicas", "num_replicas")`:
+            `--replicas`), named beside its problems: a user who typed `--replicas 0` would not look for
+            `replicas.num_replicas`.
 
     Returns:
         The validated config.
@@ -797,7 +803,8 @@ def load_config(
     for layer in (env, overrides or {}):
         data = deep_merge(_with_defaults_under(data, layer, ClusterConfig), layer)
     flags = set(_set_paths(overrides or {}))
-    return validate_config(data, {path: name for path, name in sources.items() if path not in flags})
+    setters = {path: f"environment variable {name}" for path, name in sources.items() if path not in flags}
+    return validate_config(data, {**setters, **(flag_names or {})})
 
 
 def _set_paths(layer: Mapping, above: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

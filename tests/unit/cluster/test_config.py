@@ -249,3 +249,20 @@ def test_the_prefix_aware_router_gets_arguments_it_accepts_with_the_engines_wind
 def test_a_model_of_ones_own_sets_its_own_window():
     cfg = load_config(environ={}, overrides={"model": {"source": "/models/long", "max_model_len_tokens": 32768}})
     assert cfg.model.max_model_len_tokens == 32768
+
+
+def test_a_bad_flag_value_is_named_by_its_flag(tmp_path, monkeypatch):
+    """`up --replicas 0` was refused as `replicas.num_replicas`, a name the user never typed."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    monkeypatch.setenv("WARMPATH_ROUTER__POLICY", "pow3")
+    result = CliRunner().invoke(app, ["up", "--replicas", "0", "--http-port", "70000",
+                                      "--state-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert "  replicas.num_replicas (set by --replicas): Input should be greater than or equal to 1" in lines
+    assert any(line.startswith("  ports.http_port (set by --http-port): ") for line in lines)
+    assert any(line.startswith("  router.policy (set by environment variable WARMPATH_ROUTER__POLICY): ")
+               for line in lines)

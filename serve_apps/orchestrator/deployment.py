@@ -210,7 +210,7 @@ class HandleModelClient:
                 WarmpathMetrics.get().model_retries.inc()
                 yield ModelRetry(reason=kind)
         # Outside the retry: whatever the model wrote as a call is the model's doing, not a replica's failure.
-        reply.tool_calls = [_tool_call(index, call) for index, call in sorted(calls.items())]
+        reply.tool_calls = _tool_calls(calls)
         yield reply
 
     async def _attempt(
@@ -330,6 +330,19 @@ def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]
             slot["arguments"] += function.get("arguments") or ""
     reply.content += text
     return text
+
+
+def _tool_calls(calls: dict[int, dict[str, str]]) -> list[ToolCall]:
+    """The streamed calls in their order, each id unique among them: a model that wrote one id twice (a
+    parser that keeps the model's own ids, Mistral's) left a pause whose results no client could post (a
+    submission answers each pending call once, by its id) while new messages got 409."""
+    made: list[ToolCall] = []
+    for index, call in sorted(calls.items()):
+        tool_call = _tool_call(index, call)
+        if any(earlier.id == tool_call.id for earlier in made):
+            tool_call = _tool_call(index, {**call, "id": ""})  # replaced as a missing one is
+        made.append(tool_call)
+    return made
 
 
 def _tool_call(index: int, call: dict[str, str]) -> ToolCall:

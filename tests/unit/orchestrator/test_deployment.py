@@ -215,6 +215,30 @@ def test_an_oversized_name_or_id_from_the_model_is_no_replica_failure(monkeypatc
         assert isinstance(checked, ToolCallError) and checked.kind == "unknown_tool"
 
 
+def test_calls_of_one_reply_that_share_an_id_get_ids_of_their_own(monkeypatch):
+    """A parser that keeps the model's own ids (Mistral's) can hand one id to two calls: the pause then waited
+    for results no client could post (a submission answers each pending call once, by id), and new messages
+    got 409."""
+    import asyncio
+
+    from serve_apps.orchestrator import deployment
+
+    monkeypatch.setattr("serve_apps.metrics.record_model_call", lambda *args: None)
+    calls = [{"index": i, "id": "abcdefghi", "type": "function", "function": {"name": "lookup_order",
+                                                                             "arguments": "{}"}} for i in range(3)]
+    frames = [{"choices": [{"index": 0, "delta": {"tool_calls": calls}, "finish_reason": "tool_calls"}]},
+              {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5}}]
+    client = deployment.HandleModelClient(_StreamingHandle(frames), "m")
+
+    async def run():
+        return [item async for item in client.chat("s1", [{"role": "user", "content": "hi"}], [], "auto", 16)]
+
+    (reply,) = asyncio.run(run())
+    ids = [call.id for call in reply.tool_calls]
+    assert ids[0] == "abcdefghi" and len(set(ids)) == 3  # the first keeps the model's id
+    assert ids[1].startswith("call1") and ids[2].startswith("call2")
+
+
 def test_vllms_refusal_to_merge_the_tools_defs_is_the_requests_fault():
     failure = engine_failure("Tool definition 'Item' has multiple schemas, which is not supported.", 400)
     assert isinstance(failure, TurnFailed) and failure.code == "invalid_tool_schema"

@@ -438,6 +438,9 @@ class TurnRunner:
                 # The repair step decodes under the same tool choice: a required call is still owed.
                 continue
             choice = "auto" if self._tools_by_name else "none"
+            # Server-side calls first: their results enter the history now, the client's after a pause, and
+            # templates that print no call ids pair each result with the call in its place.
+            checked.sort(key=lambda call: self._tools_by_name[call.name].execution.kind == "client")
             self._new.append(Message(role="assistant", content=reply.content or None, tool_calls=checked))
             client_calls = []
             for call in checked:

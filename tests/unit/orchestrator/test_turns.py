@@ -639,6 +639,31 @@ def test_a_pause_after_server_results_that_fit_is_committed(monkeypatch):
     assert events[-1].kind == "requires_action" and len(store.commits) == 1
 
 
+def test_a_step_calling_client_and_server_tools_lists_its_calls_in_the_order_their_results_come(monkeypatch):
+    """Server-side results are in the history when the turn pauses, the client's come after them on resume:
+    with the client's call first, the results followed their calls in another order, and a template that
+    prints no call ids (it pairs each result with the call in its place) gave each answer to the other call."""
+    async def tool(spec, arguments, timeout_s, max_bytes, network=None):
+        return ToolOutcome("ok", '{"status": "shipped"}', False)
+
+    monkeypatch.setattr(turns, "run_http_tool", tool)
+    client_first = ModelReply(tool_calls=[ToolCall(id="c2", name="ask_user", arguments="{}"),
+                                          ToolCall(id="c1", name="lookup_order", arguments='{"order_id": "ORD-1"}')])
+    events, store, _ = _run([([], client_first)], "auto", record=_mixed_tools_record())
+    assert events[-1].kind == "requires_action" and [c.id for c in events[-1].tool_calls] == ["c2"]
+    assert [e.call.id for e in events if e.kind == "tool_call"] == ["c1", "c2"]  # as the history has them
+    history = store.commits[0]["messages"]
+    model = ScriptedModel([([], ModelReply(content="done"))])
+    runner = TurnRunner(_mixed_tools_record(), history, len(history), MemoryStore(), model, CharTokenizer(), 8192)
+
+    async def main():
+        return [e async for e in runner.resume([ToolResult(tool_call_id="c2", content="yes")], 1)]
+
+    assert asyncio.run(main())[-1].kind == "final"
+    *_, calling, first, second = model.prompts[0]
+    assert [c["id"] for c in calling["tool_calls"]] == [first["tool_call_id"], second["tool_call_id"]] == ["c1", "c2"]
+
+
 def test_results_go_to_the_model_in_the_order_of_their_calls_whatever_order_they_came_in():
     """A template that prints no call ids pairs each result with the call in its place."""
     history = [Message(role="user", content="Where are ORD-1 and ORD-2?"),

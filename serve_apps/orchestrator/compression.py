@@ -470,6 +470,28 @@ def plan_keeping(messages: Sequence[Message], account: TokenAccount, num_rounds:
     )
 
 
+def plan_dropping_prose(messages: Sequence[Message], account: TokenAccount) -> CompressionPlan | None:
+    """The plan that replaces a leading summary by its facts ledger alone, or None where `messages` start with
+    no summary or with one that has no prose.
+
+    The prose is the optional part: its room is what a later pause or tool result may need when no round
+    is left to compress (the summary kept only the running round), and every value it could hold is in
+    the ledger, which stays whole.
+    """
+    if not messages or not _is_summary(messages[0]) or len(messages) < 2:
+        return None
+    ledger = tuple(_previous_ledger(messages[0]))
+    if messages[0].content == _summary_content("", ledger):
+        return None
+    return CompressionPlan(
+        num_messages_compressed=1,
+        tokens_before=account.total_tokens,
+        tokens_compressed=account.message_tokens[0],
+        remaining_tokens_before=account.remaining_tokens,
+        ledger=ledger,
+    )
+
+
 def _summary_content(summary_text: str, ledger: Sequence[str]) -> str:
     """The summary message's text: `SUMMARY_INTRO`, the ledger, then the summary (left out when empty)."""
     facts = "\n".join(f"- {fact}" for fact in ledger) or "(none)"

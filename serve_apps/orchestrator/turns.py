@@ -42,6 +42,7 @@ from serve_apps.orchestrator.compression import (
     CompressionPlan,
     apply_compression,
     plan_compression,
+    plan_dropping_prose,
     plan_keeping,
     round_starts,
 )
@@ -539,7 +540,8 @@ class TurnRunner:
         with `compression_lost_values` where the compression would have dropped a value. One that
         would free little waits while the history and the messages `to_come` fit. A turn that has
         compressed compresses again only where the prompt is over the window (the step's tool
-        results, say): the rounds it kept then, and its summary, are what is left to compress.
+        results, say): the rounds it kept then, and its summary, are what is left to compress; with
+        no round left, the summary's prose goes and its ledger stays (`plan_dropping_prose`).
         """
         history = self.history
         account = self._account(history)
@@ -547,6 +549,10 @@ class TurnRunner:
         plan = plan_compression(history, account, self._limits)
         if fitting.remaining_tokens < 0:
             plan = self._plan_that_fits(history, account, fitting, to_come, headroom) or plan
+            if plan is None or plan.num_messages_compressed > len(self._stored):
+                if (event := self._drop_summary_prose(history, account)) is not None:
+                    yield event
+                return
         elif self._compaction is not None:
             return
         if plan is None or plan.num_messages_compressed > len(self._stored):
@@ -597,6 +603,22 @@ class TurnRunner:
             if self._account([*compressed, *to_come]).remaining_tokens >= headroom:
                 return plan
         return None
+
+    def _drop_summary_prose(self, history: list[Message], account: TokenAccount) -> CompressionEvent | None:
+        """The leading summary without its prose, kept where that is shorter and every value stays; None where
+        there is no prose to drop (the summary is stored first: a compression replaces its own message).
+
+        Why: a summary may take the room the ledger leaves, and with only the running round kept no round is
+        left to compress: a pause whose call took the rest, or results posted to it, failed at every try.
+        """
+        plan = plan_dropping_prose(history, account)
+        if plan is None or not self._stored:
+            return None
+        compressed, report = apply_compression(history, plan, "", recount=self._account)
+        if report.ledger_retained_fraction < 1.0 or report.tokens_after >= report.tokens_before:
+            return None
+        self._keep(plan, compressed)
+        return CompressionEvent(report=report)
 
     async def _compress(self, history: list[Message], plan: CompressionPlan, ledger_only: list[Message],
                         floor: CompressionReport, to_come: Sequence[Message] = (), headroom: int = 0
@@ -661,6 +683,11 @@ class TurnRunner:
                                self._record.session_id, report)
             self._declined = (plan.num_messages_compressed, report, report.ledger_retained_fraction < 1.0)
             return None
+        self._keep(plan, compressed)
+        return report
+
+    def _keep(self, plan: CompressionPlan, compressed: list[Message]) -> None:
+        """Makes `compressed`, `plan` applied to the history, the turn's history and its compaction of the log."""
         # A second compression in the turn replaces the first one's summary too: one compaction of the log.
         earlier = self._compaction.num_messages_replaced - 1 if self._compaction is not None else 0
         self._compaction = Compaction(num_messages_replaced=earlier + plan.num_messages_compressed,
@@ -668,7 +695,6 @@ class TurnRunner:
         self._stored = compressed[: len(compressed) - len(self._new)]
         self._declined = self._deferred_cut = None  # cuts into the history before it
         WarmpathMetrics.get().compressions.inc()
-        return report
 
     async def _commit(self, outcome: SessionEvent) -> None:
         """Commits the turn; under an idempotency key, with the events a replay shows, in the same write."""

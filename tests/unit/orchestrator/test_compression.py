@@ -16,6 +16,7 @@ from serve_apps.orchestrator.compression import (
     build_ledger,
     extract_facts,
     plan_compression,
+    plan_dropping_prose,
     plan_keeping,
 )
 from serve_apps.orchestrator.models import Message, SessionLimits, ToolCall
@@ -610,3 +611,18 @@ def test_a_tool_name_with_a_newline_keeps_its_ledger_line_whole_through_a_second
     longer = first + rounds[5] + rounds[6]
     second, report = apply_compression(longer, plan_compression(longer, recount(longer), LIMITS), "", recount=recount)
     assert "ORD-31337" in second[0].content and report.ledger_retained_fraction == 1.0
+
+
+def test_only_a_leading_summary_with_prose_has_prose_to_drop():
+    ledger = ["user: ORD-7 | 2026-11-30"]
+    with_prose = Message(role="user", name=SUMMARY_MESSAGE_NAME,
+                         content=compression._summary_content("It shipped on time.", ledger))
+    plain = Message(role="user", name=SUMMARY_MESSAGE_NAME, content=compression._summary_content("", ledger))
+    asked = Message(role="user", content="And now?")
+    history = [with_prose, asked]
+    plan = plan_dropping_prose(history, _account(history, 4096))
+    assert (plan.num_messages_compressed, plan.ledger) == (1, tuple(ledger))
+    dropped, report = apply_compression(history, plan, "", recount=lambda m: _account(m, 4096))
+    assert dropped == [plain, asked] and report.ledger_retained_fraction == 1.0
+    for nothing_to_drop in ([plain, asked], [asked, with_prose], [with_prose]):
+        assert plan_dropping_prose(nothing_to_drop, _account(nothing_to_drop, 4096)) is None

@@ -874,6 +874,63 @@ def test_a_compression_leaves_a_pause_room_for_its_calls_result():
     assert events[0].kind == "compression" and events[-1].kind == "requires_action", events[-1]
 
 
+def _summary(prose: str, ledger: list[str]) -> Message:
+    """A stored summary message, as a compression writes it."""
+    from serve_apps.orchestrator.compression import SUMMARY_MESSAGE_NAME, _summary_content
+
+    return Message(role="user", name=SUMMARY_MESSAGE_NAME, content=_summary_content(prose, ledger))
+
+
+def test_a_pause_over_the_window_with_no_round_left_to_compress_drops_the_summarys_prose():
+    """The summary took the room the ledger left beyond a step's answer; the call's message and its empty
+    result take a few tokens more than the answer itself, and with only the running round kept nothing was
+    left to compress: the pause failed `context_overflow` at every try, with the ledger alone fitting."""
+    record = _record(200, context_budget_tokens=3400, keep_last_rounds=1, compress_below_fraction=0.6)
+    history = []
+    for i in range(4):
+        history += [Message(role="user", content=f"Round {i} about ORD-{i}: " + "Tracking updates daily. " * 20),
+                    Message(role="assistant", content="Noted.")]
+    filler = json.dumps({"order_id": ""})
+    call = ModelReply(tool_calls=[ToolCall(id="c1", name="lookup_order",
+                                           arguments=json.dumps({"order_id": "O" * (190 - len(filler) - 40)}))])
+    model = LongSummaryModel([([], call)])
+    runner = TurnRunner(record, history, len(history), MemoryStore(), model, CharTokenizer(), 8192)
+
+    async def main():
+        return [e async for e in runner.run([Message(role="user", content="next " * 480)], "auto")]
+
+    events = asyncio.run(main())
+    assert [e.kind for e in events] == ["compression", "usage", "tool_call", "compression", "requires_action"]
+    (commit,) = runner._store.commits
+    summary = commit["compaction"].summary.content
+    assert commit["compaction"].num_messages_replaced == len(history)
+    assert "Summary:" not in summary and all(f"ORD-{i}" in summary for i in range(4))  # the ledger, whole
+
+
+def test_results_posted_to_a_pause_that_leaves_them_no_room_drop_the_summarys_prose():
+    """A pause committed with room for empty results only (its summary took the rest): every resume with a
+    result of a few words failed `context_overflow`, the calls stayed pending and new messages got 409."""
+    call = ToolCall(id="c1", name="lookup_order", arguments='{"order_id": "ORD-7"}')
+    history = [_summary("The customer asked about an order; it shipped. " * 4, ["user: ORD-7 | 2026-11-30"]),
+               Message(role="user", content="And now?"), Message(role="assistant", tool_calls=[call])]
+    result = ToolResult(tool_call_id="c1", content='{"status": "delivered", "at": "2026-12-01"}')
+    answered = [*history, Message(role="tool", tool_call_id="c1", name="lookup_order", content=result.content)]
+    probe = TurnRunner(_record(64, context_budget_tokens=100_000), (), 0, MemoryStore(), None, CharTokenizer(), 8192)
+    window = probe._account(answered).total_tokens + 64 - 40  # 40 tokens over: the prose is ~190
+    model = ScriptedModel([([], ModelReply(content="It was delivered."))])
+    runner = TurnRunner(_record(64, context_budget_tokens=window), history, len(history), MemoryStore(), model,
+                        CharTokenizer(), 8192)
+
+    async def main():
+        return [e async for e in runner.resume([result], 1)]
+
+    events = asyncio.run(main())
+    assert [e.kind for e in events] == ["tool_result", "compression", "usage", "final"], events[-1]
+    compaction = runner._store.commits[0]["compaction"]
+    assert compaction.num_messages_replaced == 1  # the summary alone, its ledger kept
+    assert compaction.summary.content == _summary("", ["user: ORD-7 | 2026-11-30"]).content
+
+
 def test_every_result_of_a_repair_step_names_a_call_the_client_was_shown():
     """A refused call's `error` result named a call id no `tool_call` event had announced: a client pairing
     results with calls saw results of unknown calls."""

@@ -391,10 +391,15 @@ class SessionView:
 
 @dataclass(frozen=True)
 class Compaction:
-    """Replace the first `num_messages_replaced` stored messages by `summary` (from compression)."""
+    """Replace the first `num_messages_replaced` stored messages by `summary` (from compression).
+
+    `num_compressions`: the compressions of the turn it stands for (a turn over the window may compress
+    again); the session's totals count them.
+    """
 
     num_messages_replaced: int
     summary: Message
+    num_compressions: int = 1
 
 
 def _snapshot(removed: bytes | str, items: Sequence[bytes | str]) -> TranscriptSnapshot:
@@ -767,8 +772,9 @@ class SessionStore:
         args.extend(m.model_dump_json(exclude_none=True) for m in new_messages)
         args.extend(s.model_dump_json() for s in stats)
         added = StepTotals.of(stats)
-        # A compaction counts though no step reports it (a resume with no steps left that had to compress).
-        num_compressions = max(added.num_compressions, 1 if compaction is not None else 0)
+        # A compaction counts though no step reports it (a resume with no steps left that had to compress, a
+        # second compression at a pause after its step's report).
+        num_compressions = max(added.num_compressions, compaction.num_compressions if compaction is not None else 0)
         args.extend([added.prompt_tokens, added.cached_tokens, num_compressions])
         keys = [*self._keys(session_id), self._key(session_id, "lock")]
         try:

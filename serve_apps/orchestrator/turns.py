@@ -689,9 +689,10 @@ class TurnRunner:
     def _keep(self, plan: CompressionPlan, compressed: list[Message]) -> None:
         """Makes `compressed`, `plan` applied to the history, the turn's history and its compaction of the log."""
         # A second compression in the turn replaces the first one's summary too: one compaction of the log.
-        earlier = self._compaction.num_messages_replaced - 1 if self._compaction is not None else 0
-        self._compaction = Compaction(num_messages_replaced=earlier + plan.num_messages_compressed,
-                                      summary=compressed[0])
+        earlier = self._compaction
+        replaced = plan.num_messages_compressed + (earlier.num_messages_replaced - 1 if earlier else 0)
+        self._compaction = Compaction(num_messages_replaced=replaced, summary=compressed[0],
+                                      num_compressions=(earlier.num_compressions if earlier else 0) + 1)
         self._stored = compressed[: len(compressed) - len(self._new)]
         self._declined = self._deferred_cut = None  # cuts into the history before it
         WarmpathMetrics.get().compressions.inc()

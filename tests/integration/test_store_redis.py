@@ -336,6 +336,24 @@ def test_compaction_keeps_logical_length_monotonic(redis_url):
     assert stats[-1].compression == report and len(stats) == 4
 
 
+def test_a_turn_that_compressed_twice_counts_both_in_the_totals(redis_url):
+    """A second compression at a pause comes after its step's stats went out: the totals counted one."""
+    report = CompressionReport(
+        num_messages_compressed=2, tokens_before=900, tokens_after=400, ledger_size=1, ledger_retained_fraction=1.0
+    )
+    summary = Message(role="user", content="summary\nFacts:\n- ORD-98231", name="warmpath-context-summary")
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        sid = record.session_id
+        length = await store.commit_turn(sid, 0, _turn(0), [_stats(0)])
+        await store.commit_turn(sid, length, _turn(1), [_stats(0, report)],
+                                compaction=Compaction(num_messages_replaced=2, summary=summary, num_compressions=2))
+        return (await store.view(sid)).totals
+
+    assert _run(redis_url, scenario).num_compressions == 2
+
+
 def test_step_stats_are_bounded(redis_url):
     async def scenario(store):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")

@@ -903,7 +903,7 @@ def test_a_pause_over_the_window_with_no_round_left_to_compress_drops_the_summar
     assert [e.kind for e in events] == ["compression", "usage", "tool_call", "compression", "requires_action"]
     (commit,) = runner._store.commits
     summary = commit["compaction"].summary.content
-    assert commit["compaction"].num_messages_replaced == len(history)
+    assert (commit["compaction"].num_messages_replaced, commit["compaction"].num_compressions) == (len(history), 2)
     assert "Summary:" not in summary and all(f"ORD-{i}" in summary for i in range(4))  # the ledger, whole
 
 

@@ -12,6 +12,7 @@ exceptions, and `param` when vLLM named the parameter.
 
 from __future__ import annotations
 
+import email.message
 import logging
 import math
 import re
@@ -313,9 +314,18 @@ def _field_path(loc: Sequence[Any], prefix: str = "") -> Optional[str]:
     return path or None
 
 
+def _is_read_as_json(content_type: str) -> bool:
+    """Whether FastAPI parses a body of `content_type` as JSON (`fastapi.routing`, strict content types):
+    `application/json` or `application/*+json` only, not `text/json` or `application/x-json`."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
 async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
     content_type = request.headers.get("content-type") or ""
-    if "json" not in content_type.lower() and any(tuple(e.get("loc") or ()) == ("body",) for e in err.errors()):
+    if not _is_read_as_json(content_type) and any(tuple(e.get("loc") or ()) == ("body",) for e in err.errors()):
         # FastAPI reads a body as JSON only under a JSON content type: a JSON body sent as a form (curl's
         # `-d` without `-H 'content-type: application/json'`) was refused as "not a valid dictionary".
         message = (f"the request body must be JSON sent with content-type: application/json (this request's: "

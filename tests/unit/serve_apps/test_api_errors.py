@@ -185,6 +185,33 @@ def test_body_validation_names_the_field_as_param():
             "code": "invalid_json"}
 
 
+@pytest.mark.parametrize("content_type, is_read", [
+    ("application/json", True), ("application/json; charset=utf-8", True), ("application/merge-patch+json", True),
+    ("text/json", False), ("application/x-json", False), ("application/json-seq", False), ("text/plain", False),
+    ("", False),
+])
+def test_a_body_fastapi_does_not_read_as_json_is_named_by_its_content_type(content_type, is_read):
+    """FastAPI parses `application/json` and `application/*+json` only: a JSON body sent as `text/json` was
+    `invalid_parameter` "Input should be a valid dictionary", since the check took any type naming json."""
+    from ray.llm._internal.serve.core.ingress.ingress import init
+
+    app = init()
+    api_errors.install(app)
+
+    @app.post("/v1/things")
+    async def things(body: _Body):
+        return {}
+
+    answer = TestClient(app).post("/v1/things", content=b'{"messages": [{"role": "user"}]}',
+                                  headers={"content-type": content_type} if content_type else {})
+    if is_read:
+        assert answer.status_code == 200, answer.json()
+    else:
+        error = answer.json()["error"]
+        assert (answer.status_code, error["code"]) == (400, "invalid_json")
+        assert error["message"].endswith(f"(this request's: {content_type or 'none'})")
+
+
 def test_an_exception_from_vllm_is_a_400_with_its_own_text_and_anything_else_a_bare_500():
     from vllm.exceptions import VLLMValidationError
 

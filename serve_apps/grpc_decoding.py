@@ -24,10 +24,12 @@ from warmpath.v1 import agent_pb2, inference_pb2
 
 @dataclass(frozen=True)
 class UndecodableRequest:
-    """A request whose bytes are not a valid `message_type`; `detail` is protobuf's reason."""
+    """A request whose bytes are not a valid `message_type`; `detail` is protobuf's reason, `num_bytes` its size
+    (the API's size limit applies before its key is checked, as to any request)."""
 
     message_type: str
     detail: str
+    num_bytes: int = 0
 
 
 def tolerant_deserializer(message_class: type[Message]) -> Callable[[bytes], Any]:
@@ -37,7 +39,7 @@ def tolerant_deserializer(message_class: type[Message]) -> Callable[[bytes], Any
         try:
             return message_class.FromString(data)
         except DecodeError as err:
-            return UndecodableRequest(message_class.DESCRIPTOR.full_name, str(err))
+            return UndecodableRequest(message_class.DESCRIPTOR.full_name, str(err), len(data))
 
     return deserialize
 

@@ -771,7 +771,7 @@ class GrpcIngress:
 
     def _check_call(self, grpc_context, request) -> None:
         """What every call is refused for before its key is checked: its caller on another machine (keys off on a
-        loopback `ports.host`), before anything else of it is read; then its request (`_check_request`)."""
+        loopback `ports.host`), before anything else of it is read; then its size (`_check_request`)."""
         if self._loopback_callers_only and not is_loopback_peer(grpc_context.peer()):
             raise RpcFailure(
                 grpc.StatusCode.PERMISSION_DENIED, "loopback_only",
@@ -781,30 +781,33 @@ class GrpcIngress:
         self._check_request(request)
 
     def _check_request(self, request) -> None:
-        """Refuses, before the call's key is checked, a request that did not decode (`grpc_decoding`) and one
-        over `access.max_request_bytes`, as the HTTP API does (400, 413).
+        """Refuses, before the call's key is checked, a request over `access.max_request_bytes`, as the HTTP API
+        does (413).
 
         The proxy's own limit (`RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`, set by `warmpath up` and the KubeRay
         manifests) bounds what it reads at all; this one makes the API's limit the same on both.
         """
-        if isinstance(request, UndecodableRequest):
-            raise RpcFailure(
-                grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter",
-                f"the request is not a valid {request.message_type} message: {request.detail}",
-            )
         limit = self._guard.settings.access.max_request_bytes
-        size = request.ByteSize()
+        size = request.num_bytes if isinstance(request, UndecodableRequest) else request.ByteSize()
         if size > limit:
             raise denial_failure(
                 request_too_large(f"the request is {size} bytes; the limit is {limit} (access.max_request_bytes)")
             )
 
-    async def _admit(self, grpc_context) -> Caller:
-        """The caller behind the call's `authorization: Bearer <key>` (or `x-api-key`) metadata."""
+    async def _admit(self, grpc_context, request) -> Caller:
+        """The caller behind the call's `authorization: Bearer <key>` (or `x-api-key`) metadata, whose request
+        must then have decoded (`grpc_decoding`): 400 after the key's 401, as over HTTP, where a body is read
+        after the key is checked."""
         try:
-            return await self._guard.admit_call(_string_metadata(grpc_context))
+            caller = await self._guard.admit_call(_string_metadata(grpc_context))
         except AccessDenied as denied:
             raise denial_failure(denied) from None
+        if isinstance(request, UndecodableRequest):
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter",
+                f"the request is not a valid {request.message_type} message: {request.detail}",
+            )
+        return caller
 
     async def _unary(
         self, service: str, method: str, grpc_context, request, work: Callable[[Caller], Awaitable[ResponseT]],
@@ -814,7 +817,7 @@ class GrpcIngress:
         with rpc.lifetime(), rpc.current():
             try:
                 self._check_call(grpc_context, request)
-                return await work(await self._admit(grpc_context))
+                return await work(await self._admit(grpc_context, request))
             except Exception as err:
                 _fail(grpc_context, rpc, method, err)
                 return empty
@@ -834,7 +837,7 @@ class GrpcIngress:
             try:
                 with rpc.current():
                     self._check_call(grpc_context, request)
-                    stream = messages(await self._admit(grpc_context), rpc).__aiter__()
+                    stream = messages(await self._admit(grpc_context, request), rpc).__aiter__()
                 # Closed with this stream, in the caller's task: one left to the garbage collector would
                 # settle its model call (`metrics.settle_model_call`) in whichever request's context runs then.
                 # Closed under the RPC's span, so a caller that leaves mid-stream keeps its routing span.

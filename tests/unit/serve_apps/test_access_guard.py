@@ -121,10 +121,10 @@ def test_grpc_metadata_follows_the_same_key_rule(key_store, denials):
             return self.metadata
 
     ingress = GrpcIngress(None, None, "m", SETTINGS)
-    caller = asyncio.run(ingress._admit(Context([("authorization", "Bearer "), ("x-api-key", KEY)])))
+    caller = asyncio.run(ingress._admit(Context([("authorization", "Bearer "), ("x-api-key", KEY)]), None))
     assert caller.key_id == "key_good"
     with pytest.raises(RpcFailure) as info:
-        asyncio.run(ingress._admit(Context([("x-api-key", OTHER_KEY), ("authorization", "Bearer " + KEY)])))
+        asyncio.run(ingress._admit(Context([("x-api-key", OTHER_KEY), ("authorization", "Bearer " + KEY)]), None))
     assert (info.value.status, info.value.code) == (grpc.StatusCode.UNAUTHENTICATED, "invalid_api_key")
     assert key_store.asked == [KEY] and denials.by_code == {"invalid_api_key": 1}
 

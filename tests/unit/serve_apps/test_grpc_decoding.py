@@ -63,41 +63,54 @@ def test_the_handlers_are_the_generated_ones_but_for_a_request_that_does_not_dec
         with pytest.raises(Exception):
             handler.request_deserializer(CORRUPT)
         undecodable = got.request_deserializer(CORRUPT)
-        assert undecodable == UndecodableRequest(type(request_type).DESCRIPTOR.full_name, undecodable.detail)
+        assert undecodable == UndecodableRequest(type(request_type).DESCRIPTOR.full_name, undecodable.detail,
+                                                 len(CORRUPT))
         assert "parsing message" in undecodable.detail
         assert pickle.loads(pickle.dumps(undecodable)) == undecodable  # the proxy pickles it to the replica
 
 
-def test_the_ingress_answers_an_undecodable_request_invalid_argument_before_its_key(monkeypatch):
+@pytest.mark.parametrize("has_key", [True, False])
+def test_the_ingress_answers_an_undecodable_request_invalid_argument_after_its_key(has_key):
+    """Checked before the key, a malformed request without one was 400 over gRPC and 401 over HTTP, which reads
+    a body only after its key; a size over the limit is refused before the key on both."""
     from serve_apps import ingress_grpc
+    from serve_apps.access import AccessDenied
+
+    async def admit_call(metadata):
+        if not has_key:
+            raise AccessDenied(401, "missing_api_key", "no API key")
+        return SimpleNamespace(key_id="k1")
 
     ingress = object.__new__(ingress_grpc.GrpcIngress)
     ingress._loopback_callers_only = False  # keys on: any machine may call
-    ingress._guard = SimpleNamespace(
-        settings=SimpleNamespace(access=SimpleNamespace(max_request_bytes=1000)),
-        admit_call=lambda metadata: pytest.fail("the key was checked"),
-    )
+    ingress._guard = SimpleNamespace(settings=SimpleNamespace(access=SimpleNamespace(max_request_bytes=1000)),
+                                     admit_call=admit_call)
     context = SimpleNamespace(
         invocation_metadata=lambda: [], set_code=lambda code: seen.setdefault("code", code),
         set_details=lambda details: seen.setdefault("details", details),
         set_trailing_metadata=lambda metadata: None,
     )
     seen: dict = {}
-    request = UndecodableRequest("warmpath.v1.GetSessionRequest", "Error parsing message")
+    expected = grpc.StatusCode.INVALID_ARGUMENT if has_key else grpc.StatusCode.UNAUTHENTICATED
+    request = UndecodableRequest("warmpath.v1.GetSessionRequest", "Error parsing message", 12)
     asyncio.run(ingress._unary("warmpath.v1.Agent", "GetSession", context, request, lambda caller: None,
                                agent_pb2.GetSessionResponse()))
-    assert seen["code"] == grpc.StatusCode.INVALID_ARGUMENT
-    assert seen["details"] == "the request is not a valid warmpath.v1.GetSessionRequest message: Error parsing message"
+    assert seen["code"] == expected
+    if has_key:
+        assert seen["details"] == ("the request is not a valid warmpath.v1.GetSessionRequest message: "
+                                   "Error parsing message")
     seen.clear()
     chunks = []
 
-    async def stream():
-        async for chunk in ingress._streamed("warmpath.v1.Inference", "StreamChatCompletion", context,
-                                             UndecodableRequest("warmpath.v1.ChatCompletionRequest", "corrupt"),
+    async def stream(request):
+        async for chunk in ingress._streamed("warmpath.v1.Inference", "StreamChatCompletion", context, request,
                                              lambda caller, rpc: pytest.fail("streamed"), ingress_grpc.error_chunk):
             chunks.append(chunk)
 
-    asyncio.run(stream())
-    assert seen["code"] == grpc.StatusCode.INVALID_ARGUMENT
-    assert chunks[-1].error.code == "invalid_parameter"  # as over HTTP
+    asyncio.run(stream(UndecodableRequest("warmpath.v1.ChatCompletionRequest", "corrupt", 12)))
+    assert seen["code"] == expected
+    assert chunks[-1].error.code == ("invalid_parameter" if has_key else "missing_api_key")  # as over HTTP
     assert isinstance(chunks[-1], inference_pb2.ChatCompletionChunk)
+    seen.clear()
+    asyncio.run(stream(UndecodableRequest("warmpath.v1.ChatCompletionRequest", "corrupt", 1001)))
+    assert seen["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED  # over the size limit, with or without a key

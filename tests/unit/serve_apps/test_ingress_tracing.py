@@ -538,7 +538,7 @@ def test_an_rpc_span_is_an_error_only_for_server_failures(spans, status, code, i
 
 
 def test_an_unauthenticated_rpc_span_is_not_an_error(spans, monkeypatch):
-    async def deny(self, grpc_context):
+    async def deny(self, grpc_context, request):
         raise RpcFailure(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", "no API key")
 
     monkeypatch.setattr(GrpcIngress, "_admit", deny)

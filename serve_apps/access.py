@@ -93,9 +93,11 @@ class AccessDenied(Exception):
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after_s is None:
-            return {}
-        return dict([retry_after_header(self.retry_after_s)])
+        """Its HTTP headers (gRPC's trailing metadata: `retry-after` only): a 401 names the scheme it takes,
+        as HTTP asks of every 401 (RFC 9110, `WWW-Authenticate`)."""
+        if self.retry_after_s is not None:
+            return dict([retry_after_header(self.retry_after_s)])
+        return {"www-authenticate": "Bearer"} if self.status == 401 else {}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, code=self.code)
@@ -144,7 +146,8 @@ def credentials_from(headers: Iterable[tuple[str, str]]) -> Optional[str]:
     if len(keys) > 1:
         raise AccessDenied(
             401, "invalid_api_key",
-            "the call carries different API keys (in 'Authorization: Bearer' and 'x-api-key'); send one key",
+            "the call carries different API keys (in its 'Authorization: Bearer' and 'x-api-key' headers); "
+            "send one key",
         )
     return next(iter(keys), None)
 

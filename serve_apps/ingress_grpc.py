@@ -450,7 +450,8 @@ def turn_error_status(code: str) -> grpc.StatusCode:
 
 def denial_failure(denied: AccessDenied) -> RpcFailure:
     """The gRPC form of a refused call; HTTP's headers (`retry-after`) travel as trailing metadata."""
-    return RpcFailure(grpc_code(denied.status, denied.code), denied.code, denied.message, denied.headers().items())
+    trailing = [(name, value) for name, value in denied.headers().items() if name == "retry-after"]
+    return RpcFailure(grpc_code(denied.status, denied.code), denied.code, denied.message, trailing)
 
 
 def failure_from_exception(err: Exception, request_id: str = "") -> RpcFailure:

@@ -194,6 +194,7 @@ def test_the_guards_refusals_carry_cors_headers(key_store, denials):
         refused = client.get("/v1/models", headers={"origin": "https://app.example"})
         allowed = client.get("/v1/models", headers={"origin": "https://app.example", "x-api-key": KEY})
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "missing_api_key"
+    assert refused.headers["www-authenticate"] == "Bearer"  # as HTTP asks of a 401 (RFC 9110)
     assert allowed.status_code == 200
     for response in (refused, allowed):
         assert response.headers["access-control-allow-origin"] in ("*", "https://app.example")

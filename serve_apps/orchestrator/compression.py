@@ -326,7 +326,7 @@ def _previous_ledger(message: Message) -> list[str]:
     return entries
 
 
-def _is_summary(message: Message) -> bool:
+def is_summary(message: Message) -> bool:
     """Only a user message carries a summary: a tool's output can never pose as one and forge its ledger."""
     return message.role == "user" and message.name == SUMMARY_MESSAGE_NAME
 
@@ -366,7 +366,7 @@ def build_ledger(messages: Sequence[Message]) -> list[str]:
     """Every exact value in `messages`, one line per message or call, carried-forward ledgers as they were."""
     lines: list[str | None] = []
     for message in messages:
-        if _is_summary(message):
+        if is_summary(message):
             lines.extend(_previous_ledger(message))
         else:
             lines.extend(_message_entries(message))
@@ -381,7 +381,7 @@ def source_values(messages: Sequence[Message]) -> list[str]:
     """
     values: list[str] = []
     for message in messages:
-        if _is_summary(message):
+        if is_summary(message):
             values.extend(_previous_ledger(message))
             continue
         for text in [message.content or "", *(call.arguments for call in message.tool_calls or ())]:
@@ -446,7 +446,7 @@ def plan_compression(
 
 def round_starts(messages: Sequence[Message]) -> list[int]:
     """Where each round of `messages` starts: its user message (a summary is none)."""
-    return [i for i, m in enumerate(messages) if m.role == "user" and not _is_summary(m)]
+    return [i for i, m in enumerate(messages) if m.role == "user" and not is_summary(m)]
 
 
 def plan_keeping(messages: Sequence[Message], account: TokenAccount, num_rounds: int) -> CompressionPlan | None:
@@ -478,7 +478,7 @@ def plan_dropping_prose(messages: Sequence[Message], account: TokenAccount) -> C
     is left to compress (the summary kept only the running round), and every value it could hold is in
     the ledger, which stays whole.
     """
-    if not messages or not _is_summary(messages[0]) or len(messages) < 2:
+    if not messages or not is_summary(messages[0]) or len(messages) < 2:
         return None
     ledger = tuple(_previous_ledger(messages[0]))
     if messages[0].content == _summary_content("", ledger):

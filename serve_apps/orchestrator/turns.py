@@ -41,6 +41,7 @@ from serve_apps.metrics import WarmpathMetrics
 from serve_apps.orchestrator.compression import (
     CompressionPlan,
     apply_compression,
+    is_summary,
     plan_compression,
     plan_dropping_prose,
     plan_keeping,
@@ -518,14 +519,26 @@ class TurnRunner:
         Raises:
             TurnFailed: `context_overflow`: it does not fit the window (nothing is committed).
         """
-        account = self._account([*self.history, *to_come])
+        history = self.history
+        account = self._account([*history, *to_come])
         if account.remaining_tokens < 0:
             raise TurnFailed(
                 "context_overflow",
                 f"the prompt needs {account.total_tokens} tokens plus {self._limits.output_reserve_tokens} "
-                f"for the answer, over the session's {self._window}-token window",
+                f"for the answer, over the session's {self._window}-token window" + self._summary_hint(history, account),
             )
         return account
+
+    @staticmethod
+    def _summary_hint(history: Sequence[Message], account: TokenAccount) -> str:
+        """What the earlier messages' summary takes of a prompt over the window, where that is most of it: its
+        facts ledger keeps every exact value and is never cut, so a session whose values outgrow its window
+        goes on in a new one."""
+        if not history or not is_summary(history[0]) or 2 * account.message_tokens[0] < account.context_window_tokens:
+            return ""
+        return (f"; the summary of earlier messages takes {account.message_tokens[0]} of them (its facts ledger "
+                "keeps every exact value, whole: to go on, start a new session with what it needs of this one's "
+                "transcript)")
 
     async def _maybe_compress(self, to_come: Sequence[Message] = (), headroom: int = 0
                               ) -> AsyncIterator[CompressionEvent]:

@@ -931,6 +931,24 @@ def test_results_posted_to_a_pause_that_leaves_them_no_room_drop_the_summarys_pr
     assert compaction.summary.content == _summary("", ["user: ORD-7 | 2026-11-30"]).content
 
 
+def test_a_prompt_over_the_window_mostly_of_its_facts_ledger_says_so():
+    """A session whose exact values outgrow its window ends there (the ledger is never cut): the refusal named
+    only token counts, and every retry failed alike with nothing to say what would help."""
+    ledger = [f"lookup_order#{i:08d} result={{\"order_id\":\"ORD-{i}\",\"total\":{i}.25}}" for i in range(40)]
+    history = [_summary("", ledger)]
+    probe = TurnRunner(_record(64, context_budget_tokens=100_000), (), 0, MemoryStore(), None, CharTokenizer(), 8192)
+    window = probe._account(history).total_tokens + 64 + 10  # the next message does not fit
+    runner = TurnRunner(_record(64, context_budget_tokens=window), history, len(history), MemoryStore(),
+                        ScriptedModel([]), CharTokenizer(), 8192)
+
+    async def main():
+        return [e async for e in runner.run([Message(role="user", content="And ORD-5? " * 3)], "auto")]
+
+    (failed,) = [e for e in asyncio.run(main()) if e.kind == "error"]
+    assert failed.code == "context_overflow" and "the summary of earlier messages takes" in failed.message
+    assert "start a new session" in failed.message
+
+
 def test_every_result_of_a_repair_step_names_a_call_the_client_was_shown():
     """A refused call's `error` result named a call id no `tool_call` event had announced: a client pairing
     results with calls saw results of unknown calls."""

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 from cluster.config import LOCAL_PATH_PREFIXES, ClusterConfig, without_password
 from cluster.model_builder import build_model, is_built
-from cluster.redis_pool import refuse_redis_cluster
+from cluster.redis_pool import refuse_unsuitable_redis
 from cluster.serve_config import (
     grpc_proxy_env,
     own_application_names,
@@ -231,7 +231,7 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
         if not _redis_ping(cfg.redis_url, 5):
             raise BringUpError(f"redis at {without_password(cfg.redis_url)} does not answer PING")
         try:
-            refuse_redis_cluster(cfg.redis_url)
+            refuse_unsuitable_redis(cfg.redis_url)
         except ValueError as err:
             raise BringUpError(str(err)) from None
         state.redis_url = cfg.redis_url  # where `warmpath keys` and `status` find the cluster's store

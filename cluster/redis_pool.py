@@ -49,13 +49,18 @@ def is_pool_exhausted(err: BaseException) -> bool:
     )
 
 
-def refuse_redis_cluster(url: str, timeout_s: float = 2.0) -> None:
-    """Raises ValueError when `url` names a node of a Redis Cluster; a Redis that does not answer passes.
+def refuse_unsuitable_redis(url: str, timeout_s: float = 2.0) -> None:
+    """Raises ValueError when `url` names a Redis warmpath cannot keep its state in: a node of a Redis Cluster,
+    or one that evicts keys (a memory limit under a policy other than `noeviction`); a Redis that does not
+    answer, or does not answer INFO, passes.
 
-    Why: both stores speak to one Redis with a plain client, so against a cluster every key
-    hashed to another node's slots fails (`MOVED`): two sessions in three would fail, at random.
-    Refused where a deployment starts, it fails once with the reason rather than per request.
-    An outage is left to the stores, which answer it 503 and recover when Redis is back.
+    Why: both stores speak to one Redis with a plain client, so against a cluster every key hashed to
+    another node's slots fails (`MOVED`): two sessions in three would fail, at random. An evicting Redis
+    drops what was least used: a session's transcript while its record, read more recently, stays (the
+    session then showed no messages and its next turn ran on none), a turn's idempotency record (a retry
+    ran again), an API key's record. Every session key has a TTL, so `volatile-*` policies evict them too.
+    Refused where a deployment starts, it fails once with the reason rather than per request. An outage
+    is left to the stores, which answer it 503 and recover when Redis is back.
     """
     import redis
 
@@ -64,6 +69,7 @@ def refuse_redis_cluster(url: str, timeout_s: float = 2.0) -> None:
     client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
         is_cluster = str(client.info("cluster").get("cluster_enabled", 0)) == "1"
+        memory = client.info("memory")
     except redis.exceptions.RedisError:
         return
     finally:
@@ -72,4 +78,11 @@ def refuse_redis_cluster(url: str, timeout_s: float = 2.0) -> None:
         raise ValueError(
             f"the Redis at {without_password(url)} is a node of a Redis Cluster, which warmpath does not support: "
             "point redis_url (or REDIS_URL) at a standalone Redis, the primary where it has replicas"
+        )
+    policy = str(memory.get("maxmemory_policy", "noeviction"))
+    if int(memory.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
+        raise ValueError(
+            f"the Redis at {without_password(url)} evicts keys when full (maxmemory {memory['maxmemory']}, "
+            f"maxmemory-policy {policy}): it would drop sessions' messages and API keys' records; set "
+            "maxmemory-policy noeviction (a full Redis then refuses writes, which warmpath answers 503)"
         )

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.api_keys import ALL_PERMISSIONS, ApiKeyStore, StoreUnavailable
 from cluster.config import AccessConfig
-from cluster.redis_pool import refuse_redis_cluster
+from cluster.redis_pool import refuse_unsuitable_redis
 from serve_apps.api_errors import error_body, retry_after_header
 
 logger = logging.getLogger("ray.serve")
@@ -163,7 +163,7 @@ class AccessGuard:
             redis_url = settings.redis_url or os.environ.get("REDIS_URL")
             if not redis_url:
                 raise ValueError("access.is_auth_enabled needs redis_url in the cluster config or REDIS_URL")
-            refuse_redis_cluster(redis_url)
+            refuse_unsuitable_redis(redis_url)
             self._keys = ApiKeyStore.from_url(redis_url)
 
     async def admit(self, key: Optional[str]) -> Caller:

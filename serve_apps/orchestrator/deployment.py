@@ -36,7 +36,7 @@ from cluster import telemetry
 from cluster.config import validate_config
 from router import decision_log
 from cluster.api_keys import missing_permissions
-from cluster.redis_pool import refuse_redis_cluster
+from cluster.redis_pool import refuse_unsuitable_redis
 from serve_apps.access import Caller
 from serve_apps.api_errors import error_body, readable_message, validation_problem
 from serve_apps.handle_streams import cancelled_if_left
@@ -381,7 +381,7 @@ class Orchestrator:
         self._model_id = cfg.model.model_id
         self._max_model_len_tokens = cfg.model.max_model_len_tokens
         self._max_sessions_per_key = cfg.access.max_sessions_per_key
-        refuse_redis_cluster(redis_url)
+        refuse_unsuitable_redis(redis_url)
         self._store = SessionStore.from_url(redis_url, ttl_s=cfg.session_ttl_s)
         # Rendering as the replicas do: with their server-side template and default template arguments.
         self._tokenizer = served_tokenizer(AutoTokenizer.from_pretrained(cfg.model_source()), cfg.replicas.engine_kwargs)

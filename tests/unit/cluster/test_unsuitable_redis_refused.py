@@ -19,7 +19,7 @@ from cluster import local
 from cluster.config import load_config
 from cluster.local import BringUpError, LocalState
 from cluster.redis_errors import redis_refusal
-from cluster.redis_pool import refuse_redis_cluster
+from cluster.redis_pool import refuse_unsuitable_redis
 from serve_apps.access import AccessGuard, GuardSettings
 from serve_apps.orchestrator.deployment import Orchestrator
 
@@ -82,7 +82,7 @@ def standalone_url(tmp_path):
 @needs_redis
 def test_a_redis_cluster_is_refused_by_up_the_orchestrator_and_the_key_check(cluster_url, tmp_path):
     with pytest.raises(ValueError, match="is a node of a Redis Cluster, which warmpath does not support"):
-        refuse_redis_cluster(cluster_url)
+        refuse_unsuitable_redis(cluster_url)
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "redis_url": cluster_url})
     with pytest.raises(BringUpError, match="Redis Cluster"):
         local.start_redis(cfg, LocalState(), progress=lambda msg: None)
@@ -94,8 +94,8 @@ def test_a_redis_cluster_is_refused_by_up_the_orchestrator_and_the_key_check(clu
 
 @needs_redis
 def test_a_standalone_redis_and_one_that_does_not_answer_pass(standalone_url):
-    refuse_redis_cluster(standalone_url)
-    refuse_redis_cluster(f"redis://127.0.0.1:{_free_port()}/0", timeout_s=0.5)  # an outage: the stores' to answer
+    refuse_unsuitable_redis(standalone_url)
+    refuse_unsuitable_redis(f"redis://127.0.0.1:{_free_port()}/0", timeout_s=0.5)  # an outage: the stores' to answer
 
 
 def test_a_moved_reply_is_named_as_a_cluster_the_service_does_not_support():
@@ -126,3 +126,30 @@ def test_the_http_ingress_refuses_a_redis_cluster_as_it_starts(cluster_url, stan
     """Built on first use, the key check failed every request with a bare 500, each asking Redis again."""
     assert _lifespan_fails(cluster_url)
     assert not _lifespan_fails(standalone_url)
+
+
+@pytest.fixture
+def evicting_url(tmp_path):
+    for _, url in _redis_server(tmp_path, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"):
+        yield url
+
+
+@needs_redis
+def test_a_redis_that_evicts_keys_is_refused_by_up_the_orchestrator_and_the_key_check(evicting_url, tmp_path):
+    """With allkeys-lru (or a volatile-* policy: every session key has a TTL) a full Redis dropped a session's
+    idle transcript while its record stayed: the session showed no messages and its next turn ran on none."""
+    with pytest.raises(ValueError, match="maxmemory-policy allkeys-lru"):
+        refuse_unsuitable_redis(evicting_url)
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "redis_url": evicting_url})
+    with pytest.raises(BringUpError, match="evicts keys when full"):
+        local.start_redis(cfg, LocalState(), progress=lambda msg: None)
+    with pytest.raises(ValueError, match="evicts keys when full"):
+        AccessGuard(GuardSettings(access={"is_auth_enabled": True}, redis_url=evicting_url))
+    with pytest.raises(ValueError, match="evicts keys when full"):
+        Orchestrator(None, {"redis_url": evicting_url})
+
+
+@needs_redis
+def test_an_eviction_policy_without_a_memory_limit_evicts_nothing_and_passes(tmp_path):
+    for _, url in _redis_server(tmp_path, "--maxmemory-policy", "volatile-lru"):
+        refuse_unsuitable_redis(url)

@@ -73,7 +73,7 @@ from cluster.redis_pool import is_pool_exhausted, pooled_client
 from serve_apps.orchestrator.models import (
     STORED, CreateSessionRequest, Message, PrefixFingerprint, SessionId, StepStats,
 )
-from serve_apps.orchestrator.owner_sessions import OwnerSessions, SessionQuota
+from serve_apps.orchestrator.owner_sessions import OwnerSessions, SessionQuota, SessionQuotaExceeded
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -523,8 +523,15 @@ class SessionStore:
                 await pipe.execute()
 
         if quota is not None:
-            with _redis_errors(record.session_id):
-                await self._idempotent(lambda: self._owners.reserve(owner_key_id, quota, record.session_id))
+            try:
+                with _redis_errors(record.session_id):
+                    await self._idempotent(lambda: self._owners.reserve(owner_key_id, quota, record.session_id))
+            except SessionQuotaExceeded:
+                raise
+            except BaseException:
+                # A lost reply or a cancellation may leave the place taken with no session: given back.
+                await asyncio.shield(self._uncount(owner_key_id, record.session_id))
+                raise
         is_refused = False
         try:
             with _redis_errors(record.session_id):

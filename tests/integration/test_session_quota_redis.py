@@ -168,6 +168,39 @@ def test_a_creation_whose_outcome_is_unknown_is_removed_and_gives_its_place_back
         assert client.zrange(_index("k-lost"), 0, -1) == [sid]
 
 
+@pytest.mark.parametrize("fault", ["reply lost", "cancelled"])
+def test_a_creation_whose_reservation_reply_never_came_gives_its_place_back(redis_url, fault):
+    """The reservation landed but its reply was lost, or the call was cancelled while it was on its way: the
+    place stayed taken for its grace (60 s) with no session behind it, and the key's next creation was 429."""
+    owner = f"k-gone-{fault.split()[0]}"
+
+    async def scenario(store):
+        real = store._owners._reserve
+
+        async def reserved_then(*args, **kwargs):
+            await real(*args, **kwargs)  # Redis took the place...
+            if fault == "reply lost":
+                raise redis.exceptions.TimeoutError("Timeout reading from socket")  # ...and its reply was lost
+            await asyncio.Event().wait()  # ...and the caller leaves while the reply is on its way
+
+        store._owners._reserve = reserved_then
+        creation = asyncio.ensure_future(_create(store, owner, SessionQuota(limit=1)))
+        with redis.Redis.from_url(redis_url) as client:
+            while fault == "cancelled" and not client.zcard(_index(owner)):
+                await asyncio.sleep(0.01)  # the place is taken
+        creation.cancel() if fault == "cancelled" else None
+        with pytest.raises(asyncio.CancelledError if fault == "cancelled" else StoreUnavailable):
+            await creation
+        store._owners._reserve = real
+        with redis.Redis.from_url(redis_url) as client:
+            assert client.zcard(_index(owner)) == 0
+        return await _create(store, owner, SessionQuota(limit=1))
+
+    sid = _run(redis_url, scenario)
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        assert client.zrange(_index(owner), 0, -1) == [sid]
+
+
 def test_a_creation_whose_outcome_stays_unknown_holds_its_place_until_its_record_is_looked_up(redis_url, monkeypatch):
     """When Redis is away for the delete too, the place is held for the grace, then settled by the record."""
 

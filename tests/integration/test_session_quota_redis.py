@@ -188,7 +188,8 @@ def test_a_creation_whose_reservation_reply_never_came_gives_its_place_back(redi
         with redis.Redis.from_url(redis_url) as client:
             while fault == "cancelled" and not client.zcard(_index(owner)):
                 await asyncio.sleep(0.01)  # the place is taken
-        creation.cancel() if fault == "cancelled" else None
+        if fault == "cancelled":
+            creation.cancel()
         with pytest.raises(asyncio.CancelledError if fault == "cancelled" else StoreUnavailable):
             await creation
         store._owners._reserve = real

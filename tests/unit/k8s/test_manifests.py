@@ -158,7 +158,6 @@ KUBERAY_V1_6_2_RAYSERVICE = _struct(
                         ),
                     }
                 ),
-                "managedBy": _STR,
                 "serveConfigV2": _STR,
                 "rayClusterConfig": _RAY_CLUSTER_SPEC,
                 "excludeHeadPodFromServeSvc": _BOOL,

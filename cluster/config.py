@@ -722,8 +722,8 @@ def format_validation_error(err: ValidationError, sources: Mapping[tuple[str, ..
     for item in err.errors():
         loc = tuple(str(p) for p in item["loc"])
         where = ".".join(loc) or "<root>"
-        setter = _setting_variable(loc, sources or {})
-        below = _variables_below(loc, sources or {}) if setter is None else []
+        setter = _setter_of(loc, sources or {})
+        below = _setters_below(loc, sources or {}) if setter is None else []
         if setter is not None:
             where += f" (set by {setter})"
         elif below and item["type"] == "extra_forbidden":  # a section that does not exist, named by a variable
@@ -734,7 +734,7 @@ def format_validation_error(err: ValidationError, sources: Mapping[tuple[str, ..
     return "\n".join(lines)
 
 
-def _setting_variable(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> str | None:
+def _setter_of(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> str | None:
     """What set `loc` or a section holding it (`WARMPATH_ROUTER`'s variable for `router.policy`)."""
     for depth in range(len(loc), 0, -1):
         if loc[:depth] in sources:
@@ -742,7 +742,7 @@ def _setting_variable(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], st
     return None
 
 
-def _variables_below(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> list[str]:
+def _setters_below(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> list[str]:
     """What set paths under `loc` (`WARMPATH_REPLICA__NUM_REPLICAS`'s variable under a section `replica`)."""
     return sorted({variable for path, variable in sources.items() if loc and path[: len(loc)] == loc})
 

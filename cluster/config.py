@@ -744,7 +744,7 @@ def _setter_of(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> 
 
 def _setters_below(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> list[str]:
     """What set paths under `loc` (`WARMPATH_REPLICA__NUM_REPLICAS`'s variable under a section `replica`)."""
-    return sorted({variable for path, variable in sources.items() if loc and path[: len(loc)] == loc})
+    return sorted({setter for path, setter in sources.items() if loc and path[: len(loc)] == loc})
 
 
 def validate_config(data: Mapping, sources: Mapping[tuple[str, ...], str] | None = None) -> ClusterConfig:

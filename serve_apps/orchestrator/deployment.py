@@ -93,6 +93,7 @@ from serve_apps.orchestrator.turns import (
     TurnFailed,
     TurnRunner,
     count_memo,
+    forced_grammar_problem,
     pending_client_calls,
     tool_choice_problem,
 )
@@ -635,7 +636,8 @@ class Orchestrator:
                 if denied is not None:
                     yield denied
                     return
-                bad_choice = tool_choice_problem(tool_choice, [tool.name for tool in record.request.tools])
+                bad_choice = tool_choice_problem(tool_choice, [tool.name for tool in record.request.tools]) or (
+                    forced_grammar_problem(tool_choice, record.request.tools))
                 if bad_choice is not None:
                     yield _error(400, bad_choice, "invalid_parameter", "tool_choice")
                     return

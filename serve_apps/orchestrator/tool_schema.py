@@ -462,6 +462,47 @@ def _check_integer_bounds(schema: dict[str, JsonValue], path: str) -> None:
             )
 
 
+# The keywords vLLM's check (`has_xgrammar_unsupported_json_features`) refuses a subschema for, alone or together.
+_GRAMMAR_FEATURE_KEYWORDS = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "format",
+                             "pattern", "minLength", "maxLength", "propertyNames", "patternProperties", "allOf")
+
+
+def unsupported_grammar_features(schema: JsonValue) -> str | None:
+    """Where and what in `schema` vLLM refuses as the grammar of a forced call, or None (also without vLLM here).
+
+    vLLM's xgrammar backend (`serve_apps.builders`) refuses some keywords outright (`multipleOf` on a number,
+    `uniqueItems` on an array, a `format` outside its list, such as `regex`) and some pairs (a `pattern`
+    beside a length bound), with one message for the whole request: a forced turn failed naming no
+    keyword. Its own check decides; the deepest subschema it refuses is named, with the keywords found
+    there. Such a schema is fine where calls are not forced (`tool_choice: auto`).
+    """
+    try:
+        from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
+    except ImportError:
+        return None
+    if not isinstance(schema, dict) or not has_xgrammar_unsupported_json_features(schema):
+        return None
+    node, path = schema, ""
+    while True:  # into the first child the check refuses, as the check itself walks (dict values, list items)
+        child = next(((f"{path}/{key}", value) for key, value in _subschemas(node)
+                      if has_xgrammar_unsupported_json_features(value)), None)
+        if child is None:
+            break
+        path, node = child
+    found = [f"{key}: {json.dumps(node[key])[:60]}" if key == "format" else key
+             for key in _GRAMMAR_FEATURE_KEYWORDS if key in node]
+    return f"{', '.join(found) or 'its keywords'} at {path or '<root>'}"
+
+
+def _subschemas(node: dict) -> Iterator[tuple[str, dict]]:
+    """The objects directly inside `node`, each with its key (`properties`, `items/0`)."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield key, value
+        elif isinstance(value, list):
+            yield from ((f"{key}/{index}", item) for index, item in enumerate(value) if isinstance(item, dict))
+
+
 def grammar_failure_message(message: str) -> str | None:
     """The engine's error text when the grammar compiler refused the tools' schemas, else None.
 

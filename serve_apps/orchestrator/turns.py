@@ -62,6 +62,7 @@ from serve_apps.orchestrator.models import (
     ToolCallEvent,
     ToolResult,
     ToolResultEvent,
+    ToolSpec,
     UsageEvent,
     DeltaEvent,
 )
@@ -76,6 +77,7 @@ from serve_apps.orchestrator.prompt import (
 )
 from serve_apps.orchestrator.store import Compaction, RememberedTurn, SessionRecord, SessionStore, TurnLockTaken
 from serve_apps.orchestrator.tool_network import ToolNetworkPolicy
+from serve_apps.orchestrator.tool_schema import unsupported_grammar_features
 from serve_apps.orchestrator.tools import (
     ToolCallError,
     parse_arguments,
@@ -185,6 +187,20 @@ def tool_choice_problem(tool_choice: str, tool_names: Sequence[str]) -> str | No
     if tool_choice == "required" or tool_choice in tool_names:
         return None
     return f"tool_choice names {tool_choice!r}, which is not one of {sorted(tool_names)}"
+
+
+def forced_grammar_problem(tool_choice: str, tools: Sequence[ToolSpec]) -> str | None:
+    """Why vLLM would refuse the grammar of the calls `tool_choice` forces (`unsupported_grammar_features`), or
+    None: refused before the turn with the keyword and where it is, where the turn failed after it began
+    with the engine's message, which names neither."""
+    if tool_choice in ("auto", "none"):
+        return None
+    for tool in tools:
+        if tool_choice in ("required", tool.name) and (found := unsupported_grammar_features(tool.parameters)):
+            return (f"tool_choice {tool_choice!r} forces a call to {tool.name!r}, whose parameters vLLM's grammar "
+                    f"of forced calls (xgrammar) does not take: {found}; let the model choose (tool_choice: auto), "
+                    "or drop that keyword from the schema")
+    return None
 
 
 def _wire_tool_choice(tool_choice: str, tool_names: Sequence[str]) -> object:

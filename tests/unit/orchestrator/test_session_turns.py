@@ -188,6 +188,26 @@ def test_a_tool_choice_the_session_cannot_honour_is_refused_before_the_turn(tool
     assert orchestrator._model.calls == [] and orchestrator._store.logs[session_id] == []
 
 
+REGEX_TOOL = {"name": "find", "execution": {"kind": "client"},
+              "parameters": {"type": "object", "properties": {"expr": {"type": "string", "format": "regex"}}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["find", "required"])
+def test_a_forced_call_whose_schema_vllms_grammar_refuses_is_refused_before_the_turn_naming_the_keyword(tool_choice):
+    """vLLM's grammar of forced calls refuses some keywords (a `format` outside its list, `multipleOf`, ...): the
+    turn failed after it began, `invalid_tool_schema`, with a message naming neither keyword nor tool."""
+    orchestrator = _orchestrator([ModelReply(content="never")])
+    session_id = _session(orchestrator, [CLIENT_TOOL, REGEX_TOOL])  # a session fine for `auto` turns
+    items = _collect(orchestrator.send_message(session_id, {"content": "hi", "tool_choice": tool_choice}, CALLER))
+    (envelope,) = items
+    error = envelope["body"]["error"]
+    assert (envelope["status"], error["code"], error["param"]) == (400, "invalid_parameter", "tool_choice")
+    assert "'find'" in error["message"] and 'format: "regex" at /properties/expr' in error["message"]
+    assert orchestrator._model.calls == [] and orchestrator._store.logs[session_id] == []
+    items = _collect(orchestrator.send_message(session_id, {"content": "hi", "tool_choice": "fetch"}, CALLER))
+    assert items[0] == {"status": 200}  # another tool's forced call is fine
+
+
 @pytest.mark.parametrize("tools, tool_choice", [((), "auto"), ((), "none"), ((CLIENT_TOOL,), "fetch")])
 def test_a_tool_choice_the_session_can_honour_runs(tools, tool_choice):
     reply = _fetch("c1") if tool_choice == "fetch" else ModelReply(content="Hi")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from serve_apps.orchestrator.tool_schema import grammar_failure_message
+from serve_apps.orchestrator.tool_schema import grammar_failure_message, unsupported_grammar_features
 
 
 @pytest.mark.parametrize(
@@ -31,3 +31,19 @@ def test_grammar_failures_are_recognised(message, expected):
 @pytest.mark.parametrize("message", ["EngineDeadError: the engine died", "This model's maximum context length is 4096", ""])
 def test_other_engine_errors_are_not_grammar_failures(message):
     assert grammar_failure_message(message) is None
+
+
+@pytest.mark.parametrize("schema, found", [
+    ({"type": "object", "properties": {"q": {"type": "string"}}}, None),
+    ({"type": "object", "properties": {"total": {"type": "number", "multipleOf": 0.01}}}, "multipleOf at /properties/total"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}},
+     "uniqueItems at /properties/tags"),
+    ({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 8}}},
+     "pattern, maxLength at /properties/code"),
+    ({"type": "object", "$defs": {"Item": {"type": "object", "allOf": [{"required": ["a"]}, {"required": ["b"]}]}},
+      "properties": {"item": {"$ref": "#/$defs/Item"}}}, "allOf at /$defs/Item"),
+    ({"type": "object", "anyOf": [{"type": "object", "properties": {"at": {"type": "string", "format": "regex"}}}]},
+     'format: "regex" at /anyOf/0/properties/at'),
+])
+def test_what_vllms_grammar_refuses_is_named_where_it_is(schema, found):
+    assert unsupported_grammar_features(schema) == found

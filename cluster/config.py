@@ -96,6 +96,10 @@ class ModelConfig(_Strict):
 
 # Far past any machine, and low enough that Ray's integer CPU counts (`ray start --num-cpus`) stay exact.
 MAX_CPUS_PER_REPLICA = 1024.0
+# vLLM's structured-output settings every replica starts with, unless `replicas.engine_kwargs` sets its own
+# `structured_outputs_config` (whole). Compact JSON under grammars: without it a weak model fills every allowed
+# whitespace position and tool-call arguments never close.
+DEFAULT_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 class ReplicaConfig(_Strict):
@@ -182,6 +186,12 @@ class ReplicaConfig(_Strict):
             fields = ", ".join(f"{owned_by_model[name]} for {name}" for name in clash)
             raise ValueError(f"replicas.engine_kwargs may not set {clash}: set {fields}")
         return self
+
+    def grammar_backend(self) -> str:
+        """The structured-output backend the replicas compile forced tool calls with (vLLM's `auto` where a
+        `structured_outputs_config` of `engine_kwargs` names none)."""
+        settings = self.engine_kwargs.get("structured_outputs_config", DEFAULT_STRUCTURED_OUTPUTS)
+        return str(settings.get("backend", "auto")) if isinstance(settings, dict) else "auto"
 
 
 RouterPolicy = Literal["warmpath", "pow2", "round-robin", "session-hash", "prefix-tree"]

@@ -68,19 +68,24 @@ def refuse_unsuitable_redis(url: str, timeout_s: float = 2.0) -> None:
 
     client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
-        is_cluster = str(client.info("cluster").get("cluster_enabled", 0)) == "1"
-        memory = client.info("memory")
-    except redis.exceptions.RedisError:
-        return
+        try:
+            is_cluster = str(client.info("cluster").get("cluster_enabled", 0)) == "1"
+        except redis.exceptions.RedisError:
+            return
+        if is_cluster:
+            raise ValueError(
+                f"the Redis at {without_password(url)} is a node of a Redis Cluster, which warmpath does not "
+                "support: point redis_url (or REDIS_URL) at a standalone Redis, the primary where it has replicas"
+            )
+        try:
+            memory = client.info("memory")
+        except redis.exceptions.RedisError:  # a variant without the section: its eviction is unknown here
+            return
     finally:
         client.close()
-    if is_cluster:
-        raise ValueError(
-            f"the Redis at {without_password(url)} is a node of a Redis Cluster, which warmpath does not support: "
-            "point redis_url (or REDIS_URL) at a standalone Redis, the primary where it has replicas"
-        )
     policy = str(memory.get("maxmemory_policy", "noeviction"))
-    if int(memory.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
+    limit = memory.get("maxmemory", 0)
+    if isinstance(limit, int) and limit > 0 and policy != "noeviction":
         raise ValueError(
             f"the Redis at {without_password(url)} evicts keys when full (maxmemory {memory['maxmemory']}, "
             f"maxmemory-policy {policy}): it would drop sessions' messages and API keys' records; set "

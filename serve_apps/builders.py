@@ -25,7 +25,13 @@ from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
-from cluster.config import ClusterConfig, RouterPolicy, is_loopback_host, validate_config
+from cluster.config import (
+    DEFAULT_STRUCTURED_OUTPUTS,
+    ClusterConfig,
+    RouterPolicy,
+    is_loopback_host,
+    validate_config,
+)
 from cluster.serve_config import GRPC_INGRESS_NUM_CPUS, HTTP_INGRESS_NUM_CPUS, ORCHESTRATOR_NUM_CPUS
 from ray.llm._internal.serve.core.server.builder import _get_deployment_name
 from ray.serve.handle import DeploymentHandle
@@ -84,9 +90,7 @@ def engine_kwargs(cfg: ClusterConfig) -> dict[str, Any]:
         "enable_prompt_tokens_details": True,
         "enable_auto_tool_choice": True,
         "tool_call_parser": cfg.model.tool_call_parser,
-        # Compact JSON under grammars: without this a weak model fills every
-        # allowed whitespace position and tool-call arguments never close.
-        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+        "structured_outputs_config": dict(DEFAULT_STRUCTURED_OUTPUTS),
     }
     if cfg.replicas.accelerator == "cpu":
         # Graph compilation costs ~25 s per engine start on CPU and buys little for a small model.

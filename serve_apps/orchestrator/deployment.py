@@ -372,6 +372,10 @@ _SESSION_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warmpath
 class Orchestrator:
     """Session API behind the ingress; one instance per replica, state in Redis."""
 
+    # Whether forced calls are checked against vLLM's xgrammar backend before a turn (`forced_grammar_problem`):
+    # the replicas' backend, which another backend's settings (`replicas.engine_kwargs`) turn off.
+    _checks_xgrammar_features = True
+
     def __init__(self, llm_handle, args: dict[str, Any]) -> None:
         from transformers import AutoTokenizer
 
@@ -389,6 +393,7 @@ class Orchestrator:
         self._session_tokenizer = copy.deepcopy(self._tokenizer)  # `_SESSION_CHECKS`'s own
         self._model = HandleModelClient(llm_handle, cfg.model.model_id)
         self._tool_network = ToolNetworkPolicy(cfg.tool_network)
+        self._checks_xgrammar_features = cfg.replicas.grammar_backend() == "xgrammar"
         telemetry.setup_tracing(cfg.telemetry, "orchestrator")
 
     async def check_health(self) -> None:
@@ -637,7 +642,8 @@ class Orchestrator:
                     yield denied
                     return
                 bad_choice = tool_choice_problem(tool_choice, [tool.name for tool in record.request.tools]) or (
-                    forced_grammar_problem(tool_choice, record.request.tools))
+                    forced_grammar_problem(tool_choice, record.request.tools) if self._checks_xgrammar_features
+                    else None)
                 if bad_choice is not None:
                     yield _error(400, bad_choice, "invalid_parameter", "tool_choice")
                     return

@@ -131,7 +131,8 @@ _ECMASCRIPT_REGEX = jsonschema_rs.validator_for({"type": "string", "format": "re
 
 
 def _is_ecmascript_regex(value: object) -> bool:
-    r"""`format: regex` on a tool's argument: a regular expression in JSON Schema's dialect, ECMA-262's.
+    r"""`format: regex` on a tool's argument: a regular expression in JSON Schema's dialect, ECMA-262's with the
+    `u` flag as JSON Schema's test suite reads it (a lone `]` or `{` is none; `\a` is no escape).
 
     Judged by an ECMAScript engine: compiled as Python's `re` after a rewrite, valid ECMAScript was
     refused (`\k<name>`, `[^]`, `\u{1F600}`) and Python's own syntax accepted (`(?i)`, `(?P<name>...)`,

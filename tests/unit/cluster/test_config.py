@@ -266,3 +266,16 @@ def test_a_bad_flag_value_is_named_by_its_flag(tmp_path, monkeypatch):
     assert any(line.startswith("  ports.http_port (set by --http-port): ") for line in lines)
     assert any(line.startswith("  router.policy (set by environment variable WARMPATH_ROUTER__POLICY): ")
                for line in lines)
+
+
+@pytest.mark.parametrize("engine_kwargs, backend", [
+    ({}, "xgrammar"),  # warmpath's own setting
+    ({"structured_outputs_config": {"backend": "guidance"}}, "guidance"),
+    ({"structured_outputs_config": {"disable_any_whitespace": True}}, "auto"),  # replaced whole: vLLM's default
+])
+def test_the_grammar_backend_is_the_one_the_replicas_start_with(engine_kwargs, backend):
+    from serve_apps.builders import engine_kwargs as replica_engine_kwargs
+
+    cfg = load_config(environ={}, overrides={"replicas": {"engine_kwargs": engine_kwargs}})
+    assert cfg.replicas.grammar_backend() == backend
+    assert replica_engine_kwargs(cfg)["structured_outputs_config"].get("backend", "auto") == backend

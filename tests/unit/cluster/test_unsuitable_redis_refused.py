@@ -153,3 +153,21 @@ def test_a_redis_that_evicts_keys_is_refused_by_up_the_orchestrator_and_the_key_
 def test_an_eviction_policy_without_a_memory_limit_evicts_nothing_and_passes(tmp_path):
     for _, url in _redis_server(tmp_path, "--maxmemory-policy", "volatile-lru"):
         refuse_unsuitable_redis(url)
+
+
+@pytest.mark.parametrize("memory_failure", [redis.exceptions.TimeoutError("read timed out"),
+                                            redis.exceptions.ResponseError("unknown section")])
+def test_a_cluster_node_is_refused_whatever_its_memory_section_answers(monkeypatch, memory_failure):
+    """The eviction check's INFO call came before the cluster refusal: a failing second call let a cluster pass."""
+    class Node:
+        def info(self, section):
+            if section == "cluster":
+                return {"cluster_enabled": 1}
+            raise memory_failure
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(redis.Redis, "from_url", staticmethod(lambda *args, **kwargs: Node()))
+    with pytest.raises(ValueError, match="Redis Cluster"):
+        refuse_unsuitable_redis("redis://cluster-node:6379/0")

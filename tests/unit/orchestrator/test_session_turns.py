@@ -206,6 +206,10 @@ def test_a_forced_call_whose_schema_vllms_grammar_refuses_is_refused_before_the_
     assert orchestrator._model.calls == [] and orchestrator._store.logs[session_id] == []
     items = _collect(orchestrator.send_message(session_id, {"content": "hi", "tool_choice": "fetch"}, CALLER))
     assert items[0] == {"status": 200}  # another tool's forced call is fine
+    orchestrator._checks_xgrammar_features = False  # replicas set to another backend: theirs to judge
+    orchestrator._model.replies = [ModelReply(content="never")]
+    items = _collect(orchestrator.send_message(session_id, {"content": "hi", "tool_choice": tool_choice}, CALLER))
+    assert items[0] == {"status": 200}
 
 
 @pytest.mark.parametrize("tools, tool_choice", [((), "auto"), ((), "none"), ((CLIENT_TOOL,), "fetch")])

@@ -792,6 +792,8 @@ def test_patterns_match_as_json_schema_reads_them(schema, arguments, is_valid):
     (r"(?<y>\d)\k<y>", True), ("[^]", True), (r"\u{1F600}", True),
     ("(?i)abc", False), (r"(?P<y>\d)", False), ("a++", False), ("(?#note)a", False),
     ("a{1000000000}", True), ("(" * 100_000 + "a" + ")" * 100_000, True),  # neither written out nor recursed
+    # The dialect with the `u` flag, as JSON Schema's test suite reads it: a lone bracket or brace is no pattern.
+    ("]", False), ("a{", False), (r"\a", False),
 ])
 def test_a_regex_format_argument_is_judged_as_an_ecmascript_regular_expression(pattern, is_valid):
     spec = _spec("find", {"type": "object", "properties": {"pattern": {"type": "string", "format": "regex"}},

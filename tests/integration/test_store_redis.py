@@ -307,11 +307,15 @@ def test_stale_commit_writes_nothing(redis_url):
     assert remembered is None
 
 
+def _compressed(num_messages: int) -> tuple[CompressionReport, Message]:
+    """A compression's report of `num_messages` and its summary message."""
+    report = CompressionReport(num_messages_compressed=num_messages, tokens_before=900, tokens_after=400,
+                               ledger_size=3, ledger_retained_fraction=1.0)
+    return report, Message(role="user", content="summary\nFacts:\n- ORD-98231", name="warmpath-context-summary")
+
+
 def test_compaction_keeps_logical_length_monotonic(redis_url):
-    report = CompressionReport(
-        num_messages_compressed=4, tokens_before=900, tokens_after=400, ledger_size=3, ledger_retained_fraction=1.0
-    )
-    summary = Message(role="user", content="summary\nFacts:\n- ORD-98231", name="warmpath-context-summary")
+    report, summary = _compressed(4)
 
     async def scenario(store):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
@@ -338,10 +342,7 @@ def test_compaction_keeps_logical_length_monotonic(redis_url):
 
 def test_a_turn_that_compressed_twice_counts_both_in_the_totals(redis_url):
     """A second compression at a pause comes after its step's stats went out: the totals counted one."""
-    report = CompressionReport(
-        num_messages_compressed=2, tokens_before=900, tokens_after=400, ledger_size=1, ledger_retained_fraction=1.0
-    )
-    summary = Message(role="user", content="summary\nFacts:\n- ORD-98231", name="warmpath-context-summary")
+    report, summary = _compressed(2)
 
     async def scenario(store):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")

@@ -79,17 +79,32 @@ def standalone_url(tmp_path):
         yield url
 
 
+@pytest.fixture
+def evicting_url(tmp_path):
+    for _, url in _redis_server(tmp_path, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"):
+        yield url
+
+
 @needs_redis
-def test_a_redis_cluster_is_refused_by_up_the_orchestrator_and_the_key_check(cluster_url, tmp_path):
-    with pytest.raises(ValueError, match="is a node of a Redis Cluster, which warmpath does not support"):
-        refuse_unsuitable_redis(cluster_url)
-    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "redis_url": cluster_url})
-    with pytest.raises(BringUpError, match="Redis Cluster"):
+@pytest.mark.parametrize("redis_kind, refusal", [
+    ("cluster_url", "is a node of a Redis Cluster, which warmpath does not support"),
+    ("evicting_url", r"evicts keys when full \(maxmemory \d+, maxmemory-policy allkeys-lru\)"),
+])
+def test_an_unsuitable_redis_is_refused_by_up_the_orchestrator_and_the_key_check(request, tmp_path, redis_kind,
+                                                                                  refusal):
+    """A Redis Cluster answers MOVED for most keys. With allkeys-lru (or a volatile-* policy: every session key
+    has a TTL) a full Redis dropped a session's idle transcript while its record stayed: the session showed no
+    messages and its next turn ran on none."""
+    url = request.getfixturevalue(redis_kind)
+    with pytest.raises(ValueError, match=refusal):
+        refuse_unsuitable_redis(url)
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "redis_url": url})
+    with pytest.raises(BringUpError, match=refusal):
         local.start_redis(cfg, LocalState(), progress=lambda msg: None)
-    with pytest.raises(ValueError, match="Redis Cluster"):
-        AccessGuard(GuardSettings(access={"is_auth_enabled": True}, redis_url=cluster_url))
-    with pytest.raises(ValueError, match="Redis Cluster"):  # before it loads a tokenizer or calls a replica
-        Orchestrator(None, {"redis_url": cluster_url})
+    with pytest.raises(ValueError, match=refusal):
+        AccessGuard(GuardSettings(access={"is_auth_enabled": True}, redis_url=url))
+    with pytest.raises(ValueError, match=refusal):  # before it loads a tokenizer or calls a replica
+        Orchestrator(None, {"redis_url": url})
 
 
 @needs_redis
@@ -126,27 +141,6 @@ def test_the_http_ingress_refuses_a_redis_cluster_as_it_starts(cluster_url, stan
     """Built on first use, the key check failed every request with a bare 500, each asking Redis again."""
     assert _lifespan_fails(cluster_url)
     assert not _lifespan_fails(standalone_url)
-
-
-@pytest.fixture
-def evicting_url(tmp_path):
-    for _, url in _redis_server(tmp_path, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"):
-        yield url
-
-
-@needs_redis
-def test_a_redis_that_evicts_keys_is_refused_by_up_the_orchestrator_and_the_key_check(evicting_url, tmp_path):
-    """With allkeys-lru (or a volatile-* policy: every session key has a TTL) a full Redis dropped a session's
-    idle transcript while its record stayed: the session showed no messages and its next turn ran on none."""
-    with pytest.raises(ValueError, match="maxmemory-policy allkeys-lru"):
-        refuse_unsuitable_redis(evicting_url)
-    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "redis_url": evicting_url})
-    with pytest.raises(BringUpError, match="evicts keys when full"):
-        local.start_redis(cfg, LocalState(), progress=lambda msg: None)
-    with pytest.raises(ValueError, match="evicts keys when full"):
-        AccessGuard(GuardSettings(access={"is_auth_enabled": True}, redis_url=evicting_url))
-    with pytest.raises(ValueError, match="evicts keys when full"):
-        Orchestrator(None, {"redis_url": evicting_url})
 
 
 @needs_redis

@@ -10,6 +10,7 @@ retried twice. Here such a body is a validation error like any other (400 `inval
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 from pydantic import ModelWrapValidatorHandler, ValidationError, model_validator
@@ -45,12 +46,22 @@ def too_many_items(field: str, count: int, window_tokens: int) -> str:
             f"of its {field} takes one at least")
 
 
+@functools.cache
+def _boolean_fields(cls: type) -> frozenset[str]:
+    """The request's true/false fields (`stream`, `logprobs`, `echo`, `parallel_tool_calls`, ...)."""
+    return frozenset(name for name, field in cls.model_fields.items() if field.annotation in (bool, Optional[bool]))
+
+
 def _wrong_types(cls: type, data: Any) -> list[InitErrorDetails]:
     """A validation error for each field the validators would trip over: the top-level ones of `_FIELD_TYPES`,
-    a tool that is not an object, and an assistant's `tool_calls` that is not a list."""
+    a tool that is not an object, and an assistant's `tool_calls` that is not a list; and for a true/false
+    field given anything but true, false or null (pydantic's lax mode read `"yes"`, `"on"`, `1` as true:
+    `"stream": "yes"` streamed, where OpenAI's API answers 400)."""
     if not isinstance(data, dict):
         return []
-    errors: list[InitErrorDetails] = []
+    errors: list[InitErrorDetails] = [{"type": "bool_type", "loc": (name,), "input": data[name]}
+                                      for name in sorted(_boolean_fields(cls) & data.keys())
+                                      if data[name] is not None and not isinstance(data[name], bool)]
     for name, (kind, error_type) in _FIELD_TYPES.items():
         value = data.get(name)
         if name in cls.model_fields and value is not None and not isinstance(value, kind):

@@ -141,6 +141,11 @@ def _choices_problem(body: Any) -> Optional[Problem]:
     n = getattr(body, "n", None)
     if isinstance(n, int) and n > MAX_CHOICES:
         return f"n must be at most {MAX_CHOICES}, got {n}", "n"
+    best_of = getattr(body, "best_of", None)
+    if isinstance(best_of, int) and best_of != (n if isinstance(n, int) else 1):
+        # vLLM's engine takes the field and ignores it: no extra candidates were sampled, none ranked.
+        return (f"best_of={best_of} is not served: the engine samples n choices and ranks none (n={n or 1}); "
+                "ask for n and pick on the client"), "best_of"
     num_prompts = _num_prompts(getattr(body, "prompt", None))
     if isinstance(n, int) and num_prompts * n > MAX_SEQUENCES:
         return (f"{num_prompts} prompts with n={n} would start {num_prompts * n} sequences; one request may start "

@@ -58,7 +58,12 @@ def client():
     # A shape no check foresees: still the body's fault, said without a parameter.
     ("/v1/chat/completions", {"model": "m", "messages": HI, "tools": [{"type": "function"}],
                               "tool_choice": {"type": "function", "function": {"name": "f"}}}, None),
-], ids=["messages", "structured-outputs", "tool-calls", "tool", "completion", "tool-call-entry", "unforeseen"])
+    # A true/false field given text: pydantic's lax mode read "yes" as true (`"stream": "yes"` streamed).
+    ("/v1/chat/completions", {"model": "m", "messages": HI, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"model": "m", "messages": HI, "logprobs": "on"}, "logprobs"),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "echo": 1}, "echo"),
+], ids=["messages", "structured-outputs", "tool-calls", "tool", "completion", "tool-call-entry", "unforeseen",
+        "stream-text", "logprobs-text", "echo-number"])
 def test_a_field_of_the_wrong_type_is_a_400_naming_it(client, route, body, param):
     response = client.post(route, json=body)
     error = response.json()["error"]

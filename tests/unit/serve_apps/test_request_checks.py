@@ -99,6 +99,16 @@ def test_a_completion_batch_starts_at_most_max_sequences(prompt, n, is_refused):
         assert problem is None
 
 
+@pytest.mark.parametrize("n, best_of, is_refused", [(None, None, False), (3, 3, False), (None, 1, False),
+                                                   (None, 3, True), (3, 2, True)])
+def test_a_best_of_the_engine_would_ignore_is_refused(n, best_of, is_refused):
+    """vLLM's engine takes `best_of` and ignores it: `n: 1, best_of: 3` sampled one choice, `n: 3, best_of: 2`
+    (which OpenAI's API refuses) three."""
+    body = {"model": "m", "prompt": "x", **({"n": n} if n else {}), **({"best_of": best_of} if best_of else {})}
+    problem = completion_request_problem(CompletionRequest.model_validate(body))
+    assert (problem is not None and problem[1] == "best_of") is is_refused, problem
+
+
 def test_a_free_form_field_nested_past_what_the_check_can_walk_is_a_400_not_a_500(monkeypatch):
     """JSON's parser takes a few levels more than the check has left below the ingress' frames."""
     deep = {"a": []}

@@ -57,7 +57,7 @@ def _kv_report_problem(body: Any) -> Optional[Problem]:
 
 def chat_request_problem(body: Any) -> Optional[Problem]:
     """The first thing wrong with a chat request's messages and tools, or None."""
-    if (problem := _choices_problem(body) or _kv_report_problem(body)) is not None:
+    if (problem := _sampling_problem(body) or _kv_report_problem(body)) is not None:
         return problem
     messages = body.messages or []
     for index, message in enumerate(messages):
@@ -117,7 +117,7 @@ def _arguments_problem(messages: list) -> Optional[Problem]:
 def completion_request_problem(body: Any) -> Optional[Problem]:
     """The first thing wrong with a completion request's prompt or other text, or None."""
     return (
-        _choices_problem(body)
+        _sampling_problem(body)
         or _kv_report_problem(body)
         or unencodable_text_problem(getattr(body, "prompt", None), "prompt")
         or _other_fields_problem(body, ("prompt",))
@@ -137,10 +137,16 @@ def detokenize_request_problem(body: Any) -> Optional[Problem]:
     return None
 
 
-def _choices_problem(body: Any) -> Optional[Problem]:
+def _sampling_problem(body: Any) -> Optional[Problem]:
+    """What is wrong with how many choices, and tokens each, the request asks for (`n`, `best_of`,
+    `max_completion_tokens`), or None."""
     n = getattr(body, "n", None)
     if isinstance(n, int) and n > MAX_CHOICES:
         return f"n must be at most {MAX_CHOICES}, got {n}", "n"
+    max_completion_tokens = getattr(body, "max_completion_tokens", None)
+    if isinstance(max_completion_tokens, int) and max_completion_tokens < 1:
+        # Named as sent: vLLM copies it into `max_tokens` first and refused it under that name.
+        return f"max_completion_tokens must be at least 1, got {max_completion_tokens}", "max_completion_tokens"
     best_of = getattr(body, "best_of", None)
     if isinstance(best_of, int) and best_of != (n if isinstance(n, int) else 1):
         # vLLM's engine takes the field and ignores it: no extra candidates were sampled, none ranked.

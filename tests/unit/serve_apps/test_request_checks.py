@@ -99,6 +99,14 @@ def test_a_completion_batch_starts_at_most_max_sequences(prompt, n, is_refused):
         assert problem is None
 
 
+def test_a_max_completion_tokens_under_one_is_refused_by_its_own_name():
+    """vLLM copies it into `max_tokens` before its check, and refused it as `max_tokens`, which was not sent."""
+    body = _chat('{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":0}')
+    assert chat_request_problem(body) == ("max_completion_tokens must be at least 1, got 0", "max_completion_tokens")
+    fine = _chat('{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":1}')
+    assert chat_request_problem(fine) is None
+
+
 @pytest.mark.parametrize("n, best_of, is_refused", [(None, None, False), (3, 3, False), (None, 1, False),
                                                    (None, 3, True), (3, 2, True)])
 def test_a_best_of_the_engine_would_ignore_is_refused(n, best_of, is_refused):

@@ -27,6 +27,8 @@ _FIELD_TYPES: dict[str, tuple[type, str]] = {
 }
 
 
+_TOOL_CHOICE_TYPE = "Input should be 'none', 'auto', 'required' or an object naming a function"
+
 # The most messages, and tools, one request may hold: the served model's window in tokens, since each renders to
 # a token at least (`limit_items`; None: no limit). Why: validating a message costs a few microseconds on the
 # ingress's event loop, which every other request of that ingress waits on: the 4 MiB a request may hold carry
@@ -70,6 +72,10 @@ def _wrong_types(cls: type, data: Any) -> list[InitErrorDetails]:
                 and len(value) > _ITEM_LIMIT:
             message = too_many_items(name, len(value), _ITEM_LIMIT)
             return [{"type": PydanticCustomError("too_many_items", message), "loc": (name,), "input": len(value)}]
+    choice = data.get("tool_choice") if "tool_choice" in cls.model_fields else None
+    if choice is not None and not isinstance(choice, (str, dict)):  # vLLM's check said "tools must be set"
+        errors.append({"type": PydanticCustomError("tool_choice_type", _TOOL_CHOICE_TYPE), "loc": ("tool_choice",),
+                       "input": choice})
     tools = data.get("tools") if "tools" in cls.model_fields else None
     if isinstance(tools, list):
         errors += [{"type": "dict_type", "loc": ("tools", i), "input": t} for i, t in enumerate(tools)

@@ -62,8 +62,10 @@ def client():
     ("/v1/chat/completions", {"model": "m", "messages": HI, "stream": "yes"}, "stream"),
     ("/v1/chat/completions", {"model": "m", "messages": HI, "logprobs": "on"}, "logprobs"),
     ("/v1/completions", {"model": "m", "prompt": "hi", "echo": 1}, "echo"),
+    # A tool choice that is neither a word nor an object: vLLM's check answered "tools must be set".
+    ("/v1/chat/completions", {"model": "m", "messages": HI, "tool_choice": 5}, "tool_choice"),
 ], ids=["messages", "structured-outputs", "tool-calls", "tool", "completion", "tool-call-entry", "unforeseen",
-        "stream-text", "logprobs-text", "echo-number"])
+        "stream-text", "logprobs-text", "echo-number", "tool-choice-number"])
 def test_a_field_of_the_wrong_type_is_a_400_naming_it(client, route, body, param):
     response = client.post(route, json=body)
     error = response.json()["error"]

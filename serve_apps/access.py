@@ -93,8 +93,8 @@ class AccessDenied(Exception):
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
-        """Its HTTP headers (gRPC's trailing metadata: `retry-after` only): a 401 names the scheme it takes,
-        as HTTP asks of every 401 (RFC 9110, `WWW-Authenticate`)."""
+        """Its HTTP headers: `retry-after`, and for a 401 the scheme it takes, as HTTP asks of every 401
+        (RFC 9110, `WWW-Authenticate`)."""
         if self.retry_after_s is not None:
             return dict([retry_after_header(self.retry_after_s)])
         return {"www-authenticate": "Bearer"} if self.status == 401 else {}

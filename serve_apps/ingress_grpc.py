@@ -449,8 +449,9 @@ def turn_error_status(code: str) -> grpc.StatusCode:
 
 
 def denial_failure(denied: AccessDenied) -> RpcFailure:
-    """The gRPC form of a refused call; HTTP's headers (`retry-after`) travel as trailing metadata."""
-    trailing = [(name, value) for name, value in denied.headers().items() if name == "retry-after"]
+    """The gRPC form of a refused call; its `retry-after` travels as trailing metadata (HTTP's other headers,
+    `WWW-Authenticate`, are HTTP's)."""
+    trailing = [retry_after_header(denied.retry_after_s)] if denied.retry_after_s is not None else []
     return RpcFailure(grpc_code(denied.status, denied.code), denied.code, denied.message, trailing)
 
 

@@ -17,17 +17,17 @@ from pydantic import ModelWrapValidatorHandler, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from ray.llm._internal.serve.core.configs import openai_api_models as vllm_bodies
 
-# Top-level fields vLLM's validators read as one JSON type, and the pydantic error type for another.
-_FIELD_TYPES: dict[str, tuple[type, str]] = {
+# Top-level fields vLLM's validators read as one JSON type (or one of a few), and the pydantic error for another.
+_FIELD_TYPES: dict[str, tuple[type | tuple[type, ...], str | PydanticCustomError]] = {
     "messages": (list, "list_type"),
     "tools": (list, "list_type"),
     "structured_outputs": (dict, "dict_type"),
     "response_format": (dict, "dict_type"),
     "stream_options": (dict, "dict_type"),
+    # Neither a word nor an object: vLLM's check said "tools must be set".
+    "tool_choice": ((str, dict), PydanticCustomError(
+        "tool_choice_type", "Input should be 'none', 'auto', 'required' or an object naming a function")),
 }
-
-
-_TOOL_CHOICE_TYPE = "Input should be 'none', 'auto', 'required' or an object naming a function"
 
 # The most messages, and tools, one request may hold: the served model's window in tokens, since each renders to
 # a token at least (`limit_items`; None: no limit). Why: validating a message costs a few microseconds on the
@@ -72,10 +72,6 @@ def _wrong_types(cls: type, data: Any) -> list[InitErrorDetails]:
                 and len(value) > _ITEM_LIMIT:
             message = too_many_items(name, len(value), _ITEM_LIMIT)
             return [{"type": PydanticCustomError("too_many_items", message), "loc": (name,), "input": len(value)}]
-    choice = data.get("tool_choice") if "tool_choice" in cls.model_fields else None
-    if choice is not None and not isinstance(choice, (str, dict)):  # vLLM's check said "tools must be set"
-        errors.append({"type": PydanticCustomError("tool_choice_type", _TOOL_CHOICE_TYPE), "loc": ("tool_choice",),
-                       "input": choice})
     tools = data.get("tools") if "tools" in cls.model_fields else None
     if isinstance(tools, list):
         errors += [{"type": "dict_type", "loc": ("tools", i), "input": t} for i, t in enumerate(tools)

@@ -522,33 +522,29 @@ class SessionStore:
                 pipe.pexpire(meta, self._ttl_ms)
                 await pipe.execute()
 
-        if quota is not None:
-            try:
+        may_have_landed = False  # the record
+        try:
+            if quota is not None:
                 with _redis_errors(record.session_id):
                     await self._idempotent(lambda: self._owners.reserve(owner_key_id, quota, record.session_id))
-            except SessionQuotaExceeded:
-                raise
-            except BaseException:
-                # A lost reply or a cancellation may leave the place taken with no session: given back.
-                await asyncio.shield(self._uncount(owner_key_id, record.session_id))
-                raise
-        is_refused = False
-        try:
             with _redis_errors(record.session_id):
                 try:
+                    may_have_landed = True
                     await self._idempotent(write)
                 except ResponseError:
-                    is_refused = True  # Redis refused the transaction (full, read-only): nothing was written
+                    may_have_landed = False  # Redis refused the transaction (full, read-only): nothing was written
                     raise
+        except SessionQuotaExceeded:
+            raise  # no place taken, nothing written
         except BaseException:
-            # A refusal wrote nothing. After a lost reply or a cancellation the record may have landed, but
-            # its id never reached the client: deleted, uncounted. Should that fail too, the place is held
-            # for its grace, then settled by the record's PTTL.
-            if is_refused:
-                if quota is not None:
-                    await asyncio.shield(self._uncount(owner_key_id, record.session_id))
-            else:
+            # Nothing written (a refusal; a reservation whose reply was lost, or whose caller left, may have
+            # taken a place): the place is given back. After a lost reply or a cancellation of the write the
+            # record may have landed, but its id never reached the client: deleted, uncounted. Should that fail
+            # too, the place is held for its grace, then settled by the record's PTTL.
+            if may_have_landed:
                 await asyncio.shield(self._discard(record.session_id, owner_key_id if quota is not None else None))
+            elif quota is not None:
+                await asyncio.shield(self._uncount(owner_key_id, record.session_id))
             raise
         return record
 

@@ -578,13 +578,11 @@ class TurnRunner:
         plan = plan_compression(history, account, self._limits)
         if fitting.remaining_tokens < 0:
             plan = self._plan_that_fits(history, account, fitting, to_come, headroom) or plan
-            if plan is None or plan.num_messages_compressed > len(self._stored):
-                if (event := self._drop_summary_prose(history, account)) is not None:
-                    yield event
-                return
         elif self._compaction is not None:
             return
         if plan is None or plan.num_messages_compressed > len(self._stored):
+            if fitting.remaining_tokens < 0 and (event := self._drop_summary_prose(history, account)) is not None:
+                yield event
             return
         cut, fits = plan.num_messages_compressed, fitting.remaining_tokens >= 0
         if fits and self._deferred_cut == cut:

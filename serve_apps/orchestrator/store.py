@@ -19,7 +19,9 @@ Invariants:
   can it commit, or renew its lock, once another turn has taken the lock, even
   one that ran and released it since (the session records the last taker).
 - A commit whose reply was lost is settled before the turn reports: saved if
-  Redis ran it, else voided so that it cannot land later (`_SETTLE_SCRIPT`).
+  Redis ran it, else voided so that it cannot land later (`_SETTLE_SCRIPT`),
+  and then sent once more, under a new attempt of its id, on the connection
+  the settling found working (a Redis restart during the turn loses no turn).
 - A session created while the reply to its write was lost is deleted (its id
   never reached the client), so it holds no place of its key's quota.
 - Redis being unreachable, or refusing for a state of its own (out of memory,
@@ -34,8 +36,9 @@ Invariants:
   Script flags need Redis 7.
 - Idempotent reads, lock calls and deletes retry once on a dead pooled
   connection (`retry_on_dead_connection`), so the first call after a Redis
-  restart succeeds; a commit is never retried (a ConnectionError does not say
-  whether it ran, and a second run would report a saved turn as stale).
+  restart succeeds; a commit is retried only once settled as never run (a
+  ConnectionError does not say whether it ran, and a second run would report
+  a saved turn as stale).
 - An idempotency key's record (`RememberedTurn`) holds the fingerprint of the
   request that ran under it and every event the turn produced (runs of text
   deltas joined, as the HTTP API's unstreamed body shows them), so a retry of
@@ -80,6 +83,8 @@ T = TypeVar("T")
 
 # What the HTTP ingress accepts in `Idempotency-Key`; the orchestrator checks it again for every ingress.
 MAX_IDEMPOTENCY_KEY_CHARS = 256
+# Where the commit id goes in `_COMMIT_SCRIPT`'s ARGV (0-based).
+_COMMIT_ID_ARG = 11
 # How soon a renewal that failed (Redis slow or away) is tried again, within the lock's lease.
 LOCK_RENEW_RETRY_S = 1.0
 # Idempotency records a session keeps (its most recent keyed turns); each holds every event of its turn.
@@ -121,15 +126,21 @@ end
 # none), commit id, max_idempotency_bytes (FIXED of them), then the messages, the stats, and the stats' prompt
 # tokens, cached tokens and compressions, added to the session's running totals. A turn whose lock another turn
 # holds now, or took since (its own lock expired: the other turn ran on the same transcript), is refused, and so is a commit
-# `_SETTLE_SCRIPT` voided. Flagged (no flags: not `allow-oom`) so that a full Redis refuses the whole script up
+# `_SETTLE_SCRIPT` voided. A commit id is `<turn>.<attempt>`: voiding an attempt voids its turn's earlier ones too,
+# so an attempt still on its way cannot land after a later one was voided and the turn reported unsaved. Flagged (no flags: not `allow-oom`) so that a full Redis refuses the whole script up
 # front: unflagged, Redis refuses only at the first write that may grow memory, and a compaction's is LTRIM.
 _COMMIT_SCRIPT = "#!lua\n" + _REMEMBER_LUA + """
 local FIXED = 13
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('WARMPATH_NOT_FOUND')
 end
-if redis.call('HGET', KEYS[1], 'voided_commit') == ARGV[12] then
-  return redis.error_reply('WARMPATH_VOIDED')
+local voided = redis.call('HGET', KEYS[1], 'voided_commit')
+if voided then
+  local turn, attempt = string.match(ARGV[12], '^(%x+)%.(%d+)$')
+  local voided_turn, voided_attempt = string.match(voided, '^(%x+)%.(%d+)$')
+  if voided == ARGV[12] or (turn and turn == voided_turn and tonumber(attempt) <= tonumber(voided_attempt)) then
+    return redis.error_reply('WARMPATH_VOIDED')
+  end
 end
 local holder = redis.call('GET', KEYS[6]) or redis.call('HGET', KEYS[1], 'lock_taker')
 if ARGV[11] ~= '' and holder and holder ~= ARGV[11] then
@@ -733,7 +744,8 @@ class SessionStore:
 
         When Redis' reply is lost (a timeout, a dropped connection), the commit is settled
         on a fresh connection (`_SETTLE_SCRIPT`): reported saved if it ran, else voided so
-        that it never lands after the turn was reported failed.
+        that it never lands later, and sent once more (the second attempt's lost reply is
+        settled the same way, and the turn then reported not saved).
 
         Args:
             session_id: the session.
@@ -766,11 +778,10 @@ class SessionStore:
             raise ValueError("a compaction replaces at least one message")
         num_replaced = compaction.num_messages_replaced if compaction else 0
         summary_json = compaction.summary.model_dump_json(exclude_none=True) if compaction else ""
-        commit_id = secrets.token_hex(12)
         args: list[str | int] = [
             expected_len, num_replaced, summary_json, self._ttl_ms, len(new_messages), len(stats),
             idem_key or "", result_json or "", self._max_step_stats, self._max_idempotency_records,
-            lock_token or "", commit_id, self._max_idempotency_bytes,
+            lock_token or "", "", self._max_idempotency_bytes,  # the commit id is set per attempt
         ]
         args.extend(m.model_dump_json(exclude_none=True) for m in new_messages)
         args.extend(s.model_dump_json() for s in stats)
@@ -780,6 +791,25 @@ class SessionStore:
         num_compressions = max(added.num_compressions, compaction.num_compressions if compaction is not None else 0)
         args.extend([added.prompt_tokens, added.cached_tokens, num_compressions])
         keys = [*self._keys(session_id), self._key(session_id, "lock")]
+        # A commit whose reply was lost and that Redis says never ran (voided) is sent once more, on the
+        # connection the settling found working, under a new id: a Redis restart during the turn would
+        # otherwise lose the whole turn's work, though nothing of it was written.
+        turn_id = secrets.token_hex(12)
+        for attempt in (1, 2):
+            commit_id = f"{turn_id}.{attempt}"
+            args[_COMMIT_ID_ARG] = commit_id
+            lost = await self._commit_or_lost(session_id, keys, args, expected_len, num_replaced)
+            if isinstance(lost, int):
+                return lost
+            if await self._settled(session_id, commit_id, lost):
+                return expected_len + len(new_messages)
+        failure = "timed out" if isinstance(lost, (RedisTimeoutError, TimeoutError)) else "no connection"
+        raise StoreUnavailable(f"session store unreachable ({failure}); the turn was not saved") from lost
+
+    async def _commit_or_lost(
+        self, session_id: str, keys: list[str], args: list[str | int], expected_len: int, num_replaced: int
+    ) -> int | Exception:
+        """The new length if the commit script ran and answered, else the error that lost its reply."""
         try:
             with _redis_errors(session_id):
                 try:
@@ -787,7 +817,7 @@ class SessionStore:
                 except (RedisConnectionError, RedisTimeoutError, OSError) as err:
                     if is_pool_exhausted(err):  # never sent
                         raise
-                    lost = err
+                    return err
         except ResponseError as err:
             kind, _, value = str(err).partition(" ")
             if kind == "WARMPATH_STALE":
@@ -798,10 +828,14 @@ class SessionStore:
             if kind == "WARMPATH_BAD_COMPACTION":
                 raise ValueError(f"compaction replaces {num_replaced} messages but {value} are stored") from None
             raise
-        return await self._settled(session_id, commit_id, expected_len + len(new_messages), lost)
 
-    async def _settled(self, session_id: str, commit_id: str, new_len: int, lost: Exception) -> int:
-        """The new length if the commit whose reply was lost ran; else raises StoreUnavailable (it never will)."""
+    async def _settled(self, session_id: str, commit_id: str, lost: Exception) -> bool:
+        """Whether the commit whose reply was lost ran; if not, it is voided and never will.
+
+        Raises:
+            SessionNotFound: the session is gone.
+            CommitOutcomeUnknown: Redis could not be asked.
+        """
         logger.warning("session %s: the reply to a commit was lost (%s); settling it", session_id, lost)
         try:
             with _redis_errors(session_id):
@@ -814,10 +848,7 @@ class SessionStore:
             ) from lost
         if outcome == -1:
             raise SessionNotFound(session_id)
-        if outcome == 1:
-            return new_len
-        failure = "timed out" if isinstance(lost, (RedisTimeoutError, TimeoutError)) else "no connection"
-        raise StoreUnavailable(f"session store unreachable ({failure}); the turn was not saved") from lost
+        return outcome == 1
 
     async def lookup_turn_result(self, session_id: str, idem_key: str) -> str | None:
         """The result remembered under `idem_key`, or None when the turn never completed."""

@@ -1110,9 +1110,10 @@ def test_a_commit_whose_reply_was_lost_is_settled_saved_or_voided(redis_url):
         store._commit = not_arrived_yet
         with pytest.raises(StoreUnavailable, match=r"unreachable \(no connection\); the turn was not saved"):
             await store.commit_turn(sid, saved, _turn(1), [_stats(1)])
-        keys, args = sent[-1]
-        with pytest.raises(ResponseError, match="WARMPATH_VOIDED"):
-            await real_commit(keys=keys, args=args)  # arriving late, it is refused
+        assert len(sent) == 2  # settled as never run, it was sent once more, and lost again
+        for keys, args in reversed(sent):
+            with pytest.raises(ResponseError, match="WARMPATH_VOIDED"):
+                await real_commit(keys=keys, args=args)  # arriving late, either attempt is refused
 
         async def redis_gone(keys, args):
             raise RedisConnectionError("Connection refused")
@@ -1123,6 +1124,56 @@ def test_a_commit_whose_reply_was_lost_is_settled_saved_or_voided(redis_url):
         return saved, await store.transcript(sid)
 
     saved, snapshot = _run(redis_url, scenario)
+    assert saved == 2 and snapshot.messages == tuple(_turn(0))
+
+
+def test_a_commit_settled_as_never_run_is_sent_once_more_and_saved(redis_url):
+    """A Redis restart during a turn: the commit's connection is dead, the settling finds it never ran, and the
+    turn is saved by a second attempt instead of answered 503 (its work lost though nothing was written). The
+    first attempt, arriving late, is refused."""
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        sid = record.session_id
+        real_commit, sent = store._commit, []
+
+        async def first_lost(keys, args):
+            sent.append(list(args))
+            if len(sent) == 1:
+                raise RedisConnectionError("Connection reset by peer")
+            return await real_commit(keys=keys, args=args)
+
+        store._commit = first_lost
+        saved = await store.commit_turn(sid, 0, _turn(0), [_stats(0)])
+        with pytest.raises(ResponseError, match="WARMPATH_VOIDED"):
+            await real_commit(keys=store._keys(sid) + [store._key(sid, "lock")], args=sent[0])
+        return saved, len(sent), await store.transcript(sid)
+
+    saved, num_sent, snapshot = _run(redis_url, scenario)
+    assert (saved, num_sent, snapshot.length) == (2, 2, 2) and snapshot.messages == tuple(_turn(0))
+
+
+def test_a_turn_committing_after_a_redis_restart_is_saved(tmp_path):
+    """A Redis with AOF restarts (killed) while a turn runs: the turn's commit goes out on a dead pooled
+    connection, is settled as never run, and saved by its second attempt under the lock it still holds."""
+    port, aof = free_port(), ("--appendonly", "yes", "--appendfsync", "always")
+    loop = asyncio.new_event_loop()
+    with _own_redis(tmp_path, port, *aof) as (url, _):
+        store = SessionStore.from_url(url)
+        sid = loop.run_until_complete(store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")).session_id
+        lock = store.turn_lock(sid)
+        token = loop.run_until_complete(lock.__aenter__())
+    with _own_redis(tmp_path, port, *aof):  # the same port and data directory: the session and lock reloaded
+
+        async def commit_after_restart():
+            saved = await store.commit_turn(sid, 0, _turn(0), [_stats(0)], lock_token=token)
+            await lock.__aexit__(None, None, None)
+            snapshot = await store.transcript(sid)
+            await store.aclose()
+            return saved, snapshot
+
+        saved, snapshot = loop.run_until_complete(commit_after_restart())
+    loop.close()
     assert saved == 2 and snapshot.messages == tuple(_turn(0))
 
 

@@ -54,6 +54,10 @@ TOOL_CALL_ID_MAX_CHARS = 128
 MAX_TURN_CONTENT_CHARS = 262_144
 # Above this, a "truncated" result is no longer a bound worth having: it would fill the context by itself.
 MAX_TOOL_RESULT_BYTES_CEILING = 1_048_576
+# Rounds a session may keep out of compression: an over-window turn searches the rounds kept for a plan that
+# fits, applying the ledger and counting the prompt per candidate, on the orchestrator's event loop (a
+# second and more at a few hundred rounds).
+MAX_KEEP_LAST_ROUNDS = 32
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -139,10 +143,19 @@ class SessionLimits(_Strict):
     compress_below_fraction: float = Field(
         0.2, description="Compress when remaining tokens fall below this fraction of the window.", gt=0, lt=1
     )
-    keep_last_rounds: int = Field(3, description="Rounds (a user message onwards) never compressed.", ge=1)
+    keep_last_rounds: int = Field(
+        3, description=f"Rounds (a user message onwards) never compressed; at most {MAX_KEEP_LAST_ROUNDS}.", ge=1
+    )
     max_tool_result_bytes: int = Field(
         16384, description="Tool results are truncated beyond this.", ge=256, le=MAX_TOOL_RESULT_BYTES_CEILING
     )
+
+    @field_validator("keep_last_rounds")
+    @classmethod
+    def _bounded_rounds(cls, value: int, info: ValidationInfo) -> int:
+        if value > MAX_KEEP_LAST_ROUNDS and not _is_stored(info):  # a session stored before the bound stays readable
+            raise ValueError(f"keep_last_rounds must be at most {MAX_KEEP_LAST_ROUNDS}, got {value}")
+        return value
 
     @model_validator(mode="after")
     def _check_budget(self) -> "SessionLimits":

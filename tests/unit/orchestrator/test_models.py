@@ -8,9 +8,11 @@ import xgrammar
 from pydantic import ValidationError
 
 from serve_apps.orchestrator.models import (
+    MAX_KEEP_LAST_ROUNDS,
     MAX_TOOL_RESULT_BYTES_CEILING,
     MAX_TURN_CONTENT_CHARS,
     SESSION_EVENT_ADAPTER,
+    STORED,
     ClientExecution,
     CreateSessionRequest,
     HttpExecution,
@@ -298,6 +300,7 @@ def test_execution_errors_name_the_field(execution, location):
         ({"model": "m", "limits": {"max_steps_per_turn": 0}}, "limits.max_steps_per_turn"),
         ({"model": "m", "limits": {"compress_below_fraction": 1.5}}, "limits.compress_below_fraction"),
         ({"model": "m", "limits": {"keep_last_rounds": 0}}, "limits.keep_last_rounds"),
+        ({"model": "m", "limits": {"keep_last_rounds": MAX_KEEP_LAST_ROUNDS + 1}}, "limits.keep_last_rounds"),
         ({"model": "m", "limits": {"context_budget_tokens": 100}}, "limits.context_budget_tokens"),
         ({"model": "m", "limits": {"context_budget_tokens": 512, "output_reserve_tokens": 512}}, "limits"),
         ({"model": "m", "tools": [_tool(), _tool()]}, ""),
@@ -321,6 +324,16 @@ def test_session_limits_tool_result_bytes_bounds(max_tool_result_bytes, is_accep
     with pytest.raises(ValidationError) as info:
         CreateSessionRequest.model_validate(body)
     assert _error_locations(info.value) == ["limits.max_tool_result_bytes"]
+
+
+def test_keep_last_rounds_is_bounded_at_creation_but_a_stored_session_above_the_bound_stays_readable():
+    """An over-window turn searches every kept round count for a plan (a few ms each, on the event loop); a
+    session created before the bound must still read back."""
+    body = {"model": "m", "limits": {"keep_last_rounds": 1000}}
+    with pytest.raises(ValidationError, match=f"at most {MAX_KEEP_LAST_ROUNDS}"):
+        CreateSessionRequest.model_validate(body)
+    assert CreateSessionRequest.model_validate(body, context=STORED).limits.keep_last_rounds == 1000
+    assert SessionLimits(keep_last_rounds=MAX_KEEP_LAST_ROUNDS).keep_last_rounds == MAX_KEEP_LAST_ROUNDS
 
 
 @pytest.mark.parametrize(

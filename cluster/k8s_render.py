@@ -33,7 +33,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
-from cluster.config import LOCAL_PATH_PREFIXES, ClusterConfig, ConfigError, load_config
+from cluster.config import LOCAL_PATH_PREFIXES, ClusterConfig, ConfigError, is_loopback_host, load_config
 from cluster.serve_config import SERVICE_NUM_CPUS, dump_serve_config, grpc_proxy_env
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
@@ -184,13 +184,21 @@ def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
 def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
     """Raises ConfigError where the overlay's worker group cannot hold what `cfg` asks of it.
 
-    Why here: the group's bounds and container limits are hand-written in the overlay's patches, the
-    replica count and Ray CPUs rendered from `cluster.yaml`; a count above `maxReplicas`, or Ray CPUs
-    above the container's CPU limit, rendered and applied cleanly and the app never left DEPLOYING
-    (each worker holds one replica). KubeRay's autoscaler also reads custom resources offered in
+    Why here: the group's bounds, container limits and ports are hand-written in the manifests, the
+    replica count, Ray CPUs and proxy ports rendered from `cluster.yaml`; a count above `maxReplicas`,
+    or Ray CPUs above the container's CPU limit, rendered and applied cleanly and the app never left
+    DEPLOYING (each worker holds one replica); proxies on other ports than the container's, or on
+    loopback, never passed the readiness probe, and the Services reached nothing. KubeRay's autoscaler also reads custom resources offered in
     `rayStartParams` as whole numbers only, and fails on any other.
     """
     where = overlay_dir / CLUSTER_CONFIG_FILE
+    if is_loopback_host(cfg.ports.host):
+        unset = " (unset, with access.is_auth_enabled false)" if cfg.ports.host == "127.0.0.1" else ""
+        raise ConfigError(
+            f"{where}: the proxies would listen on {cfg.ports.host}, ports.host{unset}, which nothing outside "
+            "the pod reaches: neither the Services nor the readiness probe would; turn API keys on, or set "
+            "ports.host: 0.0.0.0 (without keys every caller holds every permission, server-side tools included)"
+        )
     fractions = {name: amount for name, amount in cfg.replicas.ray_resources.items() if not float(amount).is_integer()}
     if fractions:
         raise ConfigError(f"{where}: replicas.ray_resources {fractions} must be whole numbers on Kubernetes "
@@ -207,8 +215,17 @@ def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
             f"({high}) set in the overlay's patch: each worker pod holds one replica, so raise maxReplicas there "
             "(or lower num_replicas)"
         )
-    limit = ((workers.get("template") or {}).get("spec") or {}).get("containers", [{}])[0]
-    cpu_limit = ((limit.get("resources") or {}).get("limits") or {}).get("cpu")
+    container = ((workers.get("template") or {}).get("spec") or {}).get("containers", [{}])[0]
+    declared = {port.get("name"): port.get("containerPort") for port in container.get("ports") or []}
+    for port_name, field, port in (("serve", "ports.http_port", cfg.ports.http_port),
+                                   ("serve-grpc", "ports.grpc_port", cfg.ports.grpc_port)):
+        if port_name in declared and declared[port_name] != port:
+            raise ConfigError(
+                f"{where}: {field} is {port} but the worker container's port {port_name!r} is "
+                f"{declared[port_name]}, where the Services and the readiness probe reach the proxy: leave "
+                f"{field} at {declared[port_name]} (or change the base manifests' ports, probe and Services too)"
+            )
+    cpu_limit = ((container.get("resources") or {}).get("limits") or {}).get("cpu")
     if cpu_limit is not None and cpu_cores(cpu_limit) < worker_ray_cpus(cfg):
         raise ConfigError(
             f"{where}: a worker offers Ray {worker_ray_cpus(cfg)} CPUs (replicas.num_cpus "

@@ -513,6 +513,8 @@ def test_gpu_overlay_loads_a_hugging_face_model_with_a_token_secret():
         ("model:\n  source: ~/models/m\n", "relative to the machine that renders"),
         ("model:\n  source: /m\nredis_url: redis://:secret@r:6379/1\n", "password"),
         ("replicas:\n  num_replicas: 0\n", "replicas.num_replicas"),
+        ("model:\n  source: /m\naccess:\n  is_auth_enabled: false\n", r"listen on 127\.0\.0\.1, ports\.host \(unset"),
+        ("model:\n  source: /m\nports:\n  host: ::1\n", r"listen on ::1, ports\.host, which nothing outside"),
     ],
 )
 def test_render_refuses_configs_unfit_for_a_pod(tmp_path: Path, config: str, message: str):
@@ -544,7 +546,9 @@ def test_render_k8s_check_reports_drift_and_render_fixes_it(tmp_path: Path):
     (("num_replicas: 2", "num_replicas: 4"), r"num_replicas 4 is above the worker group's maxReplicas \(3\)"),
     (("num_cpus: 1", "num_cpus: 4"), r"offers Ray 5 CPUs .* its container's CPU limit in the overlay's patch is 2"),
     (("warmpath_replica_slot: 1", "warmpath_replica_slot: 0.5"), r"ray_resources .* must be whole numbers"),
-], ids=["over-max-replicas", "over-cpu-limit", "fractional-resource"])
+    (("router:", "ports:\n  http_port: 8001\nrouter:"), r"ports\.http_port is 8001 but the worker container's port 'serve' is 8000"),
+    (("router:", "ports:\n  grpc_port: 9001\nrouter:"), r"ports\.grpc_port is 9001 but .* 'serve-grpc' is 9000"),
+], ids=["over-max-replicas", "over-cpu-limit", "fractional-resource", "http-port", "grpc-port"])
 def test_render_refuses_a_config_the_overlays_worker_group_cannot_hold(tmp_path: Path, edit, message):
     """Each rendered and applied cleanly, and the app never left DEPLOYING (or KubeRay's autoscaler failed)."""
     k8s = tmp_path / "k8s"

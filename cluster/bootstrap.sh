@@ -59,19 +59,23 @@ install_python() {
   # every later run would fail the same way.
   # Only a venv this script made is deleted: WARMPATH_VENV may name one of the user's own. The checkout's
   # default .venv is this script's (one made before the marker has none).
-  if [ -x "$VENV/bin/python" ] \
+  # A link to an interpreter that was removed (a pyenv version uninstalled) counts as a venv too, one that
+  # cannot run.
+  if { [ -e "$VENV/bin/python" ] || [ -L "$VENV/bin/python" ]; } \
       && ! "$VENV/bin/python" -c 'import pip, sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
     if [ -n "${WARMPATH_VENV:-}" ] && [ ! -f "$VENV/.warmpath-created" ]; then
-      say "$VENV has no pip or is not Python 3.11, and this script did not make it: remove it, or set WARMPATH_VENV to another folder"
+      say "$VENV does not run, has no pip or is not Python 3.11, and this script did not make it: remove it, or set WARMPATH_VENV to another folder"
       exit $SETUP_FAILED
     fi
-    say "recreating $VENV: it has no pip or is not Python 3.11"
+    say "recreating $VENV: it does not run, has no pip or is not Python 3.11"
     rm -rf "$VENV"
   fi
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating virtual environment $VENV"
+    local was_there=0
+    [ -e "$VENV" ] && was_there=1
     "$PY" -m venv "$VENV" || {
-      rm -rf "$VENV"
+      [ "$was_there" = 1 ] || rm -rf "$VENV"  # a folder that was there is the user's: left as it was found
       say "could not create $VENV with $PY (on Debian/Ubuntu: apt-get install python3.11-venv)"
       exit $SETUP_FAILED
     }

@@ -74,6 +74,35 @@ def test_a_venv_of_the_users_own_is_refused_not_deleted(tmp_path):
     assert (venv / "bin" / "python").is_file()
 
 
+def test_a_venv_of_the_users_own_whose_python_was_removed_is_refused_not_deleted(tmp_path):
+    """Its python a link to a removed interpreter (an uninstalled pyenv version): it passed as no venv, `venv`
+    failed over it, and the failure's clean-up deleted the user's folder."""
+    python = ROOT / ".venv" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("no .venv in this checkout")
+    venv = tmp_path / "my-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(tmp_path / "removed" / "python3.11")
+    (venv / "mine.py").write_text("x = 1\n")
+    result = _bootstrap("install", env={"PYTHON": str(python), "WARMPATH_VENV": str(venv)})
+    assert result.returncode == 10 and "does not run" in result.stderr, result.stderr
+    assert (venv / "mine.py").is_file() and (venv / "bin" / "python").is_symlink()
+
+
+def test_a_folder_venv_cannot_be_made_in_is_left_as_it_was_found(tmp_path):
+    """WARMPATH_VENV naming a folder of the user's where `python -m venv` fails: the clean-up deleted it."""
+    venv = tmp_path / "my-folder"
+    venv.mkdir()
+    (venv / "notes.txt").write_text("mine\n")
+    (venv / "bin").write_text("a file where venv puts a folder\n")
+    python = shutil.which("python3.11") or str(ROOT / ".venv" / "bin" / "python")
+    if not Path(python).exists():
+        pytest.skip("no Python 3.11 here")
+    result = _bootstrap("install", env={"PYTHON": python, "WARMPATH_VENV": str(venv)})
+    assert result.returncode == 10 and "could not create" in result.stderr, result.stderr
+    assert (venv / "notes.txt").read_text() == "mine\n"
+
+
 def _install_redis(cmd: str, tmp_path: Path) -> subprocess.CompletedProcess:
     """bootstrap's `install_redis` alone, as a user without root on a machine without redis-server."""
     lines = (ROOT / "cluster" / "bootstrap.sh").read_text().splitlines()

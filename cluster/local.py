@@ -95,7 +95,12 @@ class LocalState:
         if not file.is_file():
             return cls()
         try:
-            recorded = json.loads(file.read_text())
+            text = file.read_text()
+        except OSError as err:  # another user's (`sudo warmpath up` writes it 0600, root's)
+            raise BringUpError(f"{file} cannot be read ({err.strerror}): run as the user that ran `warmpath up`, "
+                               "or pass another --state-dir") from None
+        try:
+            recorded = json.loads(text)
         except ValueError as err:
             raise BringUpError(
                 f"{file} is not valid JSON ({err}); stop what it recorded by hand (redis-server, `ray stop`) "
@@ -476,7 +481,11 @@ def _address_host(address: str) -> str | None:
     """The host a `RAY_ADDRESS` names (`ray://h:10001`, `h:6379`); None for `auto`/`local`."""
     if address in ("auto", "local"):
         return None
-    return urlsplit(address if "://" in address else f"ray://{address}").hostname
+    try:
+        return urlsplit(address if "://" in address else f"ray://{address}").hostname
+    except ValueError as err:  # an unclosed IPv6 bracket
+        raise BringUpError(f"RAY_ADDRESS {address!r} is not an address ({err}): write ray://host:10001, "
+                           "host:6379, auto or local") from None
 
 
 def is_remote_address(address: str) -> bool:

@@ -133,6 +133,18 @@ def test_down_with_nothing_recorded_says_so_and_writes_nothing(tmp_path):
     assert lines and lines[0].startswith("nothing to stop") and not (tmp_path / "never-up").exists()
 
 
+def test_an_unreadable_state_file_is_one_error_naming_it(tmp_path, monkeypatch):
+    """Another user's state file (`sudo warmpath up` writes it 0600) gave `status` and `down` a traceback."""
+    LocalState.path(tmp_path).write_text("{}")
+
+    def refused(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", refused)
+    with pytest.raises(BringUpError, match=r"local\.json cannot be read \(Permission denied\): run as the user"):
+        LocalState.load(tmp_path)
+
+
 def test_a_broken_state_file_is_one_error_naming_it(tmp_path):
     LocalState.path(tmp_path).write_text('{"redis_pid": 12')
     with pytest.raises(BringUpError, match="local.json is not valid JSON"):
@@ -267,6 +279,12 @@ def test_a_failed_up_says_what_it_left_running(tmp_path, monkeypatch, failure, e
                                      f"{socket.gethostname()}:6379"])
 def test_addresses_of_this_machine_are_not_remote(address):
     assert not local.is_remote_address(address)
+
+
+def test_a_malformed_ray_address_is_one_error_naming_it():
+    """`urlsplit`'s ValueError (an unclosed IPv6 bracket) came out of `up` as a traceback."""
+    with pytest.raises(BringUpError, match=r"RAY_ADDRESS 'ray://\[head-1:10001' is not an address"):
+        local.is_remote_address("ray://[head-1:10001")
 
 
 def test_a_join_of_another_machines_cluster_needs_a_model_and_a_redis_it_can_reach(tmp_path, monkeypatch):

@@ -196,7 +196,9 @@ def _parse(url: str) -> _ParsedUrl | str:
         return f"tool URL {shown_url(url)} is ambiguous: its port reads as {port} here and {sent.port} to the HTTP client"
     # The host as the HTTP client sends it (IDNA 2008, `。` as `.`): resolved as `urlsplit` gives it, the socket
     # module's IDNA 2003 looked up `strasse.de` for `straße.de` and the call went to another domain's owner.
-    return _ParsedUrl(parts.scheme, sent.raw_host.decode("ascii") or host, port, parts.path)
+    # An empty path is `/`, which the HTTP client requests: a prefix `https://tools.internal/` admits
+    # `https://tools.internal`.
+    return _ParsedUrl(parts.scheme, sent.raw_host.decode("ascii") or host, port, parts.path or "/")
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -372,14 +372,15 @@ async def _post(client: httpx.AsyncClient, destination: Destination, body: bytes
         {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
     )
     url = httpx.URL(destination.url)
-    extensions = {}
+    # The name as sent (its A-label for an IDN): httpx's own Host header and `URL.host` decode an `xn--`
+    # label to Unicode, and raise on one IDNA 2008 refuses (an emoji domain, `xn--zz`), which a URL check
+    # at session creation accepts.
+    headers["host"] = url.netloc.decode("ascii")
+    extensions = {"sni_hostname": url.raw_host.decode("ascii")} if url.scheme == "https" else {}
     targets = [url]
     if destination.addresses:
         # Connect to the checked addresses; the name still goes in Host and, over TLS, in SNI and
         # the certificate check.
-        headers["host"] = url.netloc.decode("ascii")
-        if url.scheme == "https":
-            extensions["sni_hostname"] = url.host
         targets = [url.copy_with(host=address) for address in destination.addresses]
     for target in targets[:-1]:
         try:
@@ -582,7 +583,8 @@ async def _run_http_tool(
             return await _post(http, destination, body, spec.name, max_bytes, _phase_timeout(timeout_s))
     except (TimeoutError, httpx.TimeoutException):
         return _error(spec.name, f"no complete reply within {timeout_s:g} s", status="timeout")
-    except (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL, OSError) as err:
+    except (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL, OSError, UnicodeError) as err:
+        # UnicodeError: a host name no IDNA codec takes, wherever a library decodes it.
         return _error(spec.name, f"{type(err).__name__}: {err}", reason=type(err).__name__)  # may quote its reply
     finally:
         if own_client:

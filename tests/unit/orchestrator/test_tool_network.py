@@ -72,6 +72,9 @@ def test_a_prefix_admits_its_own_host_port_and_path_only(prefix, url):
     ("https://tools.internal/api", "https://tools.internal/api"),
     ("https://tools.internal/api", "https://tools.internal/api/lookup?q=1"),
     ("https://tools.internal/api/", "https://user:pw@tools.internal/api/x"),
+    # No path is `/`, which the HTTP client requests: refused as outside `https://tools.internal/`.
+    ("https://tools.internal/", "https://tools.internal"),
+    ("https://tools.internal/", "https://tools.internal?op=lookup"),
 ])
 def test_a_prefix_admits_urls_under_it(prefix, url):
     assert ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=[prefix])).check_url(url) is None
@@ -232,6 +235,32 @@ def test_a_pinned_https_call_keeps_the_name_for_host_sni_and_the_certificate(mon
     assert str(request.url) == "https://[2001:db8::7]:8443/lookup?v=1"
     assert request.headers["host"] == "tools.example:8443"
     assert request.extensions["sni_hostname"] == "tools.example"
+
+
+@pytest.mark.parametrize("network", [DEFAULT, ToolNetworkPolicy(ToolNetworkConfig(blocked_networks=[]))],
+                         ids=["pinned", "unpinned"])
+@pytest.mark.parametrize("host", ["xn--ls8h.la", "xn--zz.tools.example"])
+def test_a_host_whose_a_label_idna_2008_refuses_is_called_by_that_name(monkeypatch, network, host):
+    """An emoji domain (`xn--ls8h.la`, 💩.la) or a malformed A-label passes the URL check at creation, and httpx's
+    `URL.host` (read for SNI) and its own Host header decode it, raising: the turn failed `internal`, every time."""
+    monkeypatch.setattr(tool_network, "_getaddrinfo",
+                        lambda h, port: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("203.0.113.9", port))])
+    seen: list[httpx.Request] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"ok": True})
+
+    spec = ToolSpec(name="lookup", parameters={"type": "object"},
+                    execution={"kind": "http", "url": f"https://{host}/lookup"})
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
+            return await run_http_tool(spec, "{}", 5.0, 4096, client=client, network=network)
+
+    assert asyncio.run(call()).status == "ok"
+    (request,) = seen
+    assert request.headers["host"] == host and request.extensions["sni_hostname"] == host
 
 
 def test_a_call_tries_the_next_checked_address_when_one_refuses_the_connection(monkeypatch):

@@ -39,6 +39,7 @@ from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
 from serve_apps.orchestrator.check_deadline import (
     CheckTimeout, PatternCheckTimeout, check_deadline, deadline_checked, install,
 )
+from serve_apps.orchestrator.gc_pause import gc_paused
 from serve_apps.orchestrator.tool_network import Destination, ToolNetworkPolicy
 from serve_apps.orchestrator.tool_schema import ARGUMENT_FORMATS, compact_json_utf8, prefix_def_refs
 
@@ -58,9 +59,9 @@ MAX_ERROR_REASON_BYTES = 200
 # layer at most, never past MAX_TOOL_RESPONSE_BYTES: httpx inflated each read whole and stacked layers
 # (`gzip, gzip`) in one go, so 590 bytes on the wire became 256 MiB in memory before the size check.
 _ZLIB_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-# Checking a reply (up to MAX_TOOL_RESPONSE_BYTES of JSON: seconds of Python) runs on a thread of its own:
-# on the event loop every stream and turn of the replica waited for it. (The loop still waits while the
-# JSON parser's C code holds the GIL: 0.1-0.3 s stalls for 8 MB, measured.)
+# Checking a reply (up to MAX_TOOL_RESPONSE_BYTES of JSON: up to a second of Python) runs on a thread of its
+# own, with the cyclic collector paused (`gc_pause`): on the event loop every stream and turn of the replica
+# waited for it. (The loop still waits while the JSON parser's C code holds the GIL: 0.1-0.4 s for 8 MB.)
 _REPLY_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tool-reply-check")
 # CPU time of the checking thread one call's whole check may take, its `pattern`s included (real calls take
 # well under a millisecond; the event loop waits meanwhile). CPU, not wall time: `check_deadline`.
@@ -139,13 +140,17 @@ def _unique_members(pairs: list[tuple[str, JsonValue]]) -> dict[str, JsonValue]:
 
 
 def _check_depth(value: JsonValue) -> None:
-    stack = [(value, 1)]
-    while stack:
-        node, level = stack.pop()
-        if isinstance(node, (dict, list)):
-            if level > MAX_ARGUMENT_DEPTH:
-                raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels")
-            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    """Level by level, so that a reply of millions of values costs one list per level, not a tuple per value."""
+    nodes = [value]
+    for level in range(1, MAX_ARGUMENT_DEPTH + 2):
+        containers = [node for node in nodes if isinstance(node, (dict, list))]
+        if not containers:
+            return
+        if level > MAX_ARGUMENT_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels")
+        nodes = []
+        for node in containers:
+            nodes.extend(node.values() if isinstance(node, dict) else node)
 
 
 def parse_arguments(arguments: str) -> JsonValue:
@@ -495,7 +500,8 @@ def _checked_reply(status_code: int, is_success: bool, raw: bytes, tool_name: st
     except UnicodeDecodeError as err:
         return _error(tool_name, f"tool replied with {len(raw)} bytes that are not UTF-8 (byte {err.start})")
     try:
-        parse_strict_json(text, "its strings")
+        with gc_paused():  # the parsed value is dropped inside: only the check needed it
+            parse_strict_json(text, "its strings")
     except json.JSONDecodeError as err:
         return _error(tool_name, f"tool replied with {len(raw)} bytes that are not a JSON document "
                                  f"({err.msg}, line {err.lineno} column {err.colno})")

@@ -522,6 +522,29 @@ def test_a_reply_is_checked_off_the_event_loop(tool_server, monkeypatch):
     assert len(threads) == 1 and threads[0].startswith("tool-reply-check")
 
 
+def test_a_large_reply_is_checked_without_a_garbage_collection():
+    """Millions of small lists and dicts set off full collections that walk every live object holding Python's
+    lock: the loop stalled 1.2-1.5 s for an 8 MiB reply of `[[],[],...]` (0.25 s without them)."""
+    import gc
+
+    from serve_apps.orchestrator import tools
+
+    collections = []
+
+    def note(phase, info):
+        collections.append((phase, info["generation"]))
+
+    raw = ("[" + ",".join(['{"a":[1]}'] * 200_000) + "]").encode()
+    assert gc.isenabled()
+    gc.callbacks.append(note)
+    try:
+        outcome = tools._checked_reply(200, True, raw, "t", 1000)
+    finally:
+        gc.callbacks.remove(note)
+    assert (outcome.status, outcome.is_truncated, collections) == ("ok", True, [])
+    assert gc.isenabled()
+
+
 def test_every_call_shares_one_tls_context(monkeypatch):
     """Each call's client built its own, loading the CA bundle on the event loop: 50-60 ms a tool call."""
     import ssl

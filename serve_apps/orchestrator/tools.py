@@ -445,6 +445,7 @@ class _LayerDecoder:
         self._coding = coding
         self._zlib = zlib.decompressobj(_ZLIB_CODINGS[coding])
         self._num_in = 0
+        self._held = b""  # deflate's first byte, alone: its header or not is told by the second
 
     def decode(self, data: bytes, limit: int) -> bytes:
         """Decoded bytes of `data`, at most `limit` (one more than the caller's room tells it the reply is over).
@@ -458,6 +459,11 @@ class _LayerDecoder:
             if data:
                 raise zlib.error("data after the end of the compressed stream")
             return b""
+        if self._coding == "deflate" and not self._num_in:
+            data, self._held = self._held + data, b""
+            if len(data) < 2:  # one byte passes as a zlib header's first; its fault would show only later
+                self._held = data
+                return b""
         try:
             out = self._zlib.decompress(data, limit)
         except zlib.error:
@@ -475,7 +481,7 @@ class _LayerDecoder:
     @property
     def is_complete(self) -> bool:
         """The compressed stream ended (or none came: an empty body, a 204, says nothing to decode)."""
-        return self._zlib.eof or not self._num_in
+        return self._zlib.eof or not (self._num_in or self._held)
 
 
 async def _wire_bytes(response: httpx.Response):

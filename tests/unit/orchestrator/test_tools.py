@@ -581,6 +581,22 @@ def test_compressed_replies_decode_as_httpx_decoded_them(tool_server, path, stat
     assert outcome.status == status and expected in outcome.content, outcome.content
 
 
+@pytest.mark.parametrize("wbits", [-zlib.MAX_WBITS, zlib.MAX_WBITS], ids=["raw", "zlib"])
+def test_deflate_read_a_byte_at_a_time_decodes_with_or_without_its_header(wbits):
+    """Raw deflate was told apart from zlib's header only while nothing had been read: a first read of one byte
+    passed as a header's first, and the next failed the reply ("incorrect header check")."""
+    from serve_apps.orchestrator.tools import _LayerDecoder
+
+    packer = zlib.compressobj(6, zlib.DEFLATED, wbits)
+    body = packer.compress(b'{"total": 5.00}') + packer.flush()
+    decoder = _LayerDecoder("deflate")
+    out = decoder.decode(body[:1], 1000)
+    assert (out, decoder.is_complete) == (b"", False)  # one byte held: not an empty, finished reply
+    for at in range(1, len(body)):
+        out += decoder.decode(body[at:at + 1], 1000)
+    assert (out, decoder.is_complete) == (b'{"total": 5.00}', True)
+
+
 def test_a_reply_with_a_byte_order_mark_is_its_json_document(tool_server):
     outcome = _run(f"{tool_server}/bom")
     assert (outcome.status, outcome.content) == ("ok", '{"ok": true}')

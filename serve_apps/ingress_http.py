@@ -531,7 +531,8 @@ async def _traced_session_call(
     context it sends the orchestrator (`telemetry.inject`) is this span's; a
     streamed turn's span ends with its stream (`_finish_span`).
     """
-    attributes = {"http.request.method": method, "http.route": route}
+    attributes = {"http.request.method": method, "http.route": route,
+                  "url.path": request.url.path, "url.scheme": request.url.scheme}
     if session_id is not None:
         attributes["warmpath.session_id"] = session_id
     parent = telemetry.extract(request.headers.items())
@@ -547,7 +548,10 @@ async def _traced_session_call(
             span.end()
             raise
         except BaseException as err:
-            telemetry.record_exception_failure(span, err)
+            if isinstance(err, Exception):
+                telemetry.record_exception_failure(span, err)
+            elif span.is_recording():  # the caller left (a cancellation): incomplete, as on the chat routes
+                span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)
             span.end()
             raise
     return _finish_span(span, response)

@@ -356,6 +356,29 @@ def test_every_session_route_has_a_span_named_by_method_and_route_template(spans
     assert span.context.trace_id == int(TRACE_ID, 16) and format(span.parent.span_id, "016x") == PARENT_ID
 
 
+def _left(*args):
+    async def answer(*args):
+        raise asyncio.CancelledError
+
+    return answer(*args)
+
+
+@pytest.mark.parametrize("call, methods", [
+    (lambda i: i.get_session("s1", _session_request("/v1/sessions/s1")), {"get_session": _left}),
+    (lambda i: i.post_message("s1", TurnRequest(content="hi"), _session_request()), {"send_message": _turn(
+        asyncio.CancelledError())}),
+], ids=["get", "turn"])
+def test_a_caller_leaving_a_session_call_marks_its_span_incomplete_not_failed(spans, call, methods):
+    """Each was ERROR with `error.type: CancelledError`, where the chat routes and gRPC mark it incomplete: an
+    unstreamed turn waits its whole loop for the answer, and every client timeout counted as a server error."""
+    with pytest.raises(asyncio.CancelledError):
+        _run(call(_session_ingress(**methods)))
+    span = _only(spans)
+    assert span.status.status_code is not StatusCode.ERROR and "error.type" not in span.attributes
+    assert span.attributes["warmpath.stream.incomplete"] is True
+    assert "url.scheme" in span.attributes and span.attributes["url.path"].startswith("/v1/sessions/s1")
+
+
 @pytest.mark.parametrize(
     ("turn", "status", "is_error"),
     [

@@ -29,6 +29,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Iterable, Mapping, MutableMapping, Optional, Union
+from urllib.parse import urlsplit
 
 from opentelemetry import context, propagate, trace
 
@@ -83,6 +84,11 @@ def _install_provider(config: TelemetryConfig, component: str) -> None:
         resource = resource.merge(Resource({"service.name": DEFAULT_SERVICE_NAME}))
     provider = TracerProvider(resource=resource)
     endpoint = traces_endpoint(config)
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        # The exporter takes it and fails every export, logging an error twice a second in each process.
+        raise ValueError(f"traces endpoint {endpoint!r} is not an http:// or https:// URL with a host "
+                         "(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else telemetry.otlp_endpoint)")
     # Half a second unless the operator set OTel's own variable (the SDK's default is 5 s).
     delay_ms = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else DEFAULT_SCHEDULE_DELAY_MS
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=delay_ms))

@@ -105,3 +105,16 @@ def test_a_bad_otel_setting_leaves_tracing_off_instead_of_failing_the_process(mo
     with caplog.at_level("WARNING"):
         telemetry.setup_tracing(TelemetryConfig(otlp_endpoint="http://127.0.0.1:4318"), "test")
     assert installed == [] and "tracing is off in this test process" in caplog.text
+
+
+@pytest.mark.parametrize("traces_endpoint", ["collector:4318/v1/traces", "grpc://collector:4317", "http:///v1/traces"])
+def test_a_traces_endpoint_that_is_no_http_url_leaves_tracing_off(monkeypatch, caplog, traces_endpoint):
+    """The exporter took `collector:4318/v1/traces` and failed every export: tracing stayed on for nothing, and
+    each process logged an error twice a second."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", traces_endpoint)
+    monkeypatch.setattr(telemetry, "_is_configured", False)
+    installed = []
+    monkeypatch.setattr(telemetry.trace, "set_tracer_provider", installed.append)
+    with caplog.at_level("WARNING"):
+        telemetry.setup_tracing(TelemetryConfig(otlp_endpoint="http://127.0.0.1:4318"), "test")
+    assert installed == [] and f"traces endpoint {traces_endpoint!r} is not an http://" in caplog.text

@@ -85,6 +85,7 @@ from serve_apps.access import (
     AccessGuard,
     Caller,
     GuardSettings,
+    count_denial,
     request_too_large,
     retry_headers,
 )
@@ -775,11 +776,11 @@ class GrpcIngress:
         """What every call is refused for before its key is checked: its caller on another machine (keys off on a
         loopback `ports.host`), before anything else of it is read; then its size (`_check_request`)."""
         if self._loopback_callers_only and not is_loopback_peer(grpc_context.peer()):
-            raise RpcFailure(
-                grpc.StatusCode.PERMISSION_DENIED, "loopback_only",
+            raise denial_failure(count_denial(AccessDenied(
+                403, "loopback_only",
                 "API keys are off (access.is_auth_enabled: false) and ports.host is loopback: this server answers "
                 "calls from its own machine only; turn keys on to serve others",
-            )
+            )))
         self._check_request(request)
 
     def _check_request(self, request) -> None:

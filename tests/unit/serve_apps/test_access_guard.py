@@ -198,3 +198,19 @@ def test_the_guards_refusals_carry_cors_headers(key_store, denials):
     assert allowed.status_code == 200
     for response in (refused, allowed):
         assert response.headers["access-control-allow-origin"] in ("*", "https://app.example")
+
+
+def test_a_grpc_call_from_another_machine_refused_with_keys_off_is_counted(denials):
+    """Refused before any deployment, it was missing from `warmpath_access_denials`, which counts every such
+    refusal over HTTP or gRPC."""
+    import grpc
+
+    from serve_apps import ingress_grpc
+    from serve_apps.grpc_status import RpcFailure
+
+    ingress = object.__new__(ingress_grpc.GrpcIngress)
+    ingress._loopback_callers_only = True
+    with pytest.raises(RpcFailure) as refused:
+        ingress._check_call(SimpleNamespace(peer=lambda: "ipv4:10.0.0.5:41234"), object())
+    assert refused.value.status is grpc.StatusCode.PERMISSION_DENIED and refused.value.code == "loopback_only"
+    assert denials.by_code == {"loopback_only": 1}

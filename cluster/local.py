@@ -128,12 +128,7 @@ class LocalState:
         Private to its owner (mode 0600): a recorded `redis_url` may hold the Redis password.
         """
         state_dir.mkdir(parents=True, exist_ok=True)
-        target = self.path(state_dir)
-        partial = target.with_suffix(".json.tmp")
-        with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-            os.fchmod(out.fileno(), 0o600)
-            out.write(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(partial, target)
+        replace_private(self.path(state_dir), json.dumps(asdict(self), indent=2) + "\n")
 
     def is_empty(self) -> bool:
         """Nothing recorded as started."""
@@ -1030,7 +1025,7 @@ def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress)
         raise BringUpError(f"could not register the admin API key in Redis at {without_password(redis_url)}: {err}") from None
     if existing != key:
         file.parent.mkdir(parents=True, exist_ok=True)
-        write_private(file, key + "\n")
+        replace_private(file, key + "\n")  # cut short (a full disk), an empty file made the next `up` mint a key
     return key
 
 
@@ -1040,6 +1035,18 @@ def write_private(file: Path, text: str) -> None:
     with os.fdopen(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
         os.fchmod(out.fileno(), 0o600)
         out.write(text)
+
+
+def replace_private(file: Path, text: str) -> None:
+    """`write_private` whole or not at all, for the state directory's own files: a temporary file renamed over
+    `file` (a link there is replaced, not followed)."""
+    partial = file.with_name(file.name + ".tmp")
+    try:
+        write_private(partial, text)
+        os.replace(partial, file)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def stop_redis(state: LocalState, progress: Progress, timeout_s: float = 10) -> bool:

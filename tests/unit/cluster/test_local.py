@@ -145,6 +145,36 @@ def test_an_unreadable_state_file_is_one_error_naming_it(tmp_path, monkeypatch):
         LocalState.load(tmp_path)
 
 
+def test_the_api_key_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Written in place, a full disk left it empty, and the next `up` minted another admin key."""
+    key_file = tmp_path / "api-key"
+    local.replace_private(key_file, "wp_old\n")
+    real_fdopen = os.fdopen
+
+    class _Full:
+        def __init__(self, fd, mode):
+            self._out = real_fdopen(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._out.close()
+
+        def fileno(self):
+            return self._out.fileno()
+
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(local.os, "fdopen", _Full)
+    with pytest.raises(OSError, match="No space left"):
+        local.replace_private(key_file, "wp_new\n")
+    monkeypatch.undo()
+    assert key_file.read_text() == "wp_old\n" and stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["api-key"]
+
+
 def test_a_broken_state_file_is_one_error_naming_it(tmp_path):
     LocalState.path(tmp_path).write_text('{"redis_pid": 12')
     with pytest.raises(BringUpError, match="local.json is not valid JSON"):

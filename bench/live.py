@@ -526,7 +526,9 @@ def run_bench(
                            progress, f"round {round_index + 1} of {rounds}")
                 checkpoint(result)
         last_policy = round_order(policies, rounds - 1)[-1] if policies else cfg.router.policy
-        if last_policy != cfg.router.policy:
+        last_run = (result["rounds"][-1]["runs"] if rounds > 1 else result["policies"]).get(last_policy, {})
+        # The configured policy run last left the cluster as configured, unless its run failed (its redeploy).
+        if last_policy != cfg.router.policy or last_run.get("error"):
             _restore_configured_policy(result, cfg, progress)
         if capacity is not None and cfg.replicas.accelerator == "cpu":
             _check_simulator(result, progress)

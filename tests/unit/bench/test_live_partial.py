@@ -246,6 +246,13 @@ def test_no_redeploy_when_the_last_policy_is_the_configured_one(no_cluster):
     assert "redeployed" not in no_cluster
 
 
+def test_the_configured_policy_run_last_and_failed_is_deployed_again(no_cluster):
+    """Its redeploy failed, and the bench left the cluster as that failure left it, the application maybe gone."""
+    no_cluster["warmpath"] = RuntimeError("redeploy failed")
+    _run_bench(("pow2", "warmpath"))
+    assert no_cluster["redeployed"] == ["warmpath"]
+
+
 def test_a_failed_restore_is_reported_with_the_figures_kept(no_cluster):
     no_cluster["redeploy"] = RuntimeError("serve timed out")
     result = _run_bench(("warmpath", "pow2"))

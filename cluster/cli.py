@@ -492,6 +492,10 @@ def render_serve_config_cmd(
     if not cfg.redis_url:  # `up` fills in the Redis it starts; a file deployed elsewhere has none
         typer.echo("note: the file has no redis_url: pass --redis-url, or set REDIS_URL in the Ray workers' "
                    "environment, before `serve deploy` of it", err=True)
+    source = cfg.model_source()
+    if source.startswith("/") and not Path(source).exists():  # `up` builds the default model; this file does not
+        typer.echo(f"note: model.source {source} is not on this machine (`warmpath build-model` builds the default "
+                   "model there); every node that serves the file needs the model at that path", err=True)
     if out is None:
         sys.stdout.write(text)
     else:

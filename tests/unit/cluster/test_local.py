@@ -637,7 +637,7 @@ def test_the_rendered_serve_config_takes_the_redis_the_deployment_uses(tmp_path,
 
     monkeypatch.delenv("REDIS_URL", raising=False)
     config = tmp_path / "plain.yaml"
-    config.write_text("app_name: warmpath\n")
+    config.write_text(f"app_name: warmpath\nstate_dir: {tmp_path}/.warmpath\n")
 
     def rendered_redis_url(*flags: str) -> tuple[object, str]:
         result = CliRunner().invoke(app, ["render", "serve-config", "-c", str(config), *flags])
@@ -646,11 +646,26 @@ def test_the_rendered_serve_config_takes_the_redis_the_deployment_uses(tmp_path,
         return application["args"]["redis_url"], result.stderr
 
     url, said = rendered_redis_url("--redis-url", "redis://redis.internal:6379/0")
-    assert url == "redis://redis.internal:6379/0" and said == ""
+    assert url == "redis://redis.internal:6379/0" and "redis_url" not in said
     url, said = rendered_redis_url()
     assert url is None and "no redis_url" in said and "REDIS_URL" in said
+    assert f"model.source {tmp_path}/.warmpath/models/warmpath-tiny is not on this machine" in said
     refused = CliRunner().invoke(app, ["render", "serve-config", "-c", str(config), "--redis-url", "http://x"])
     assert refused.exit_code == 2 and refused.output.startswith("--redis-url ")
+
+
+def test_the_rendered_serve_config_says_when_its_model_folder_is_not_on_this_machine(tmp_path):
+    """Rendered where no model was built, the file named a folder of the state directory that no node had, and
+    said nothing: every replica failed to load it after `serve deploy`."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    config = tmp_path / "plain.yaml"
+    for source, is_said in ((tmp_path, False), (tmp_path / "missing", True), ("Qwen/Qwen2.5-0.5B-Instruct", False)):
+        config.write_text(f"model:\n  source: {source}\nredis_url: redis://r:6379/0\n")
+        result = CliRunner().invoke(app, ["render", "serve-config", "-c", str(config)])
+        assert result.exit_code == 0 and ("is not on this machine" in result.stderr) is is_said, result.stderr
 
 
 @pytest.mark.parametrize("is_head_up, taken", [(True, []), (False, ["port 8000 (ports.http_port)"])])

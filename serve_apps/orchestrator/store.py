@@ -18,6 +18,9 @@ Invariants:
   (compare-and-delete), so a holder whose lock expired cannot free another's; nor
   can it commit, or renew its lock, once another turn has taken the lock, even
   one that ran and released it since (the session records the last taker).
+- A session whose log was lost while its record stayed (an evicting Redis, a key
+  deleted by hand) is `SessionDamaged` to every read, never a session with no
+  messages: a committed session always has at least one (`_LOG_LOST_LUA`).
 - A commit whose reply was lost is settled before the turn reports: saved if
   Redis ran it, else voided so that it cannot land later (`_SETTLE_SCRIPT`),
   and then sent once more, under a new attempt of its id, on the connection
@@ -201,6 +204,15 @@ redis.call('HSET', KEYS[1], 'voided_commit', ARGV[1])
 return 0
 """
 
+# A session that committed a turn has at least one message in its log (a compaction leaves its summary), so
+# an empty log beside a commit's mark means the log key was lost (evicted by a Redis made to evict after the
+# session started, deleted by hand) while the record stayed. KEYS[1]: meta, KEYS[2]: log.
+_LOG_LOST_LUA = """
+if redis.call('LLEN', KEYS[2]) == 0 and redis.call('HEXISTS', KEYS[1], 'last_commit') == 1 then
+  return redis.error_reply('WARMPATH_LOG_LOST')
+end
+"""
+
 # The whole session as GET shows it, read at one instant: read one by one, a commit landing between the
 # reads showed a transcript without its steps, or totals ahead of both. False if the session does not
 # exist; totals fields are nil for a session created before they were kept. KEYS: meta, log, stats.
@@ -210,6 +222,7 @@ local meta = redis.call('HMGET', KEYS[1], 'record', 'removed', unpack(ARGV))
 if not meta[1] or not meta[2] then
   return false
 end
+""" + _LOG_LOST_LUA + """
 return {meta, redis.call('LRANGE', KEYS[2], 0, -1), redis.call('LRANGE', KEYS[3], 0, -1)}
 """
 
@@ -220,6 +233,7 @@ local removed = redis.call('HGET', KEYS[1], 'removed')
 if not removed then
   return false
 end
+""" + _LOG_LOST_LUA + """
 return {removed, redis.call('LRANGE', KEYS[2], 0, -1)}
 """
 
@@ -288,6 +302,11 @@ class StoreUnavailable(RuntimeError):
 class CommitOutcomeUnknown(StoreUnavailable):
     """Redis went away while a turn committed, before whether the commit ran could be learnt: the turn may
     or may not be saved (answered as `turn_interrupted`: only a retry under the same Idempotency-Key is safe)."""
+
+
+class SessionDamaged(StoreUnavailable):
+    """The session's record is in Redis but its messages are not: answered as the store's failure, never as a
+    session without history (its next turn ran on none)."""
 
 
 class SessionNotFound(LookupError):
@@ -437,6 +456,12 @@ def _redis_errors(session_id: str = "") -> Iterator[None]:
     except ResponseError as err:
         if str(err).startswith("WARMPATH_NOT_FOUND"):
             raise SessionNotFound(session_id) from None
+        if str(err).startswith("WARMPATH_LOG_LOST"):
+            raise SessionDamaged(
+                f"session {session_id}: its messages are missing from Redis, which kept its record (a Redis that "
+                "evicts keys, or keys deleted outside warmpath): its history is lost; delete the session and "
+                "start a new one"
+            ) from None
         refusal = redis_refusal(err)
         if refusal is not None:
             raise StoreUnavailable(refusal) from None

@@ -22,6 +22,7 @@ from serve_apps.orchestrator.models import STORED, CompressionReport, CreateSess
 from serve_apps.orchestrator.store import (
     Compaction,
     SessionBusy,
+    SessionDamaged,
     SessionNotFound,
     SessionRecord,
     SessionStore,
@@ -98,6 +99,28 @@ def test_a_session_an_earlier_release_accepted_stays_readable_under_stricter_cre
 
     fetched, view = _run(redis_url, scenario)
     assert fetched.request == older and view.record == fetched
+
+
+def test_a_session_whose_messages_were_lost_from_redis_is_refused_not_read_as_empty(redis_url):
+    """An evicting Redis dropped the transcript and kept the record (read more recently): the session showed no
+    messages, and its next turn ran on none. A session that never committed reads as empty, as it is."""
+
+    async def scenario(store):
+        fresh = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        damaged = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
+        await store.commit_turn(damaged.session_id, 0, _turn(0), [_stats(0)])
+        await store._redis.delete(store._key(damaged.session_id, "log"))
+        outcomes = [(await store.transcript(fresh.session_id)).length]
+        for read in (store.transcript, store.view):
+            try:
+                await read(damaged.session_id)
+            except SessionDamaged as err:
+                outcomes.append(str(err))
+        return outcomes
+
+    fresh_length, *refusals = _run(redis_url, scenario)
+    assert fresh_length == 0 and len(refusals) == 2
+    assert all("messages are missing from Redis" in said and "delete the session" in said for said in refusals)
 
 
 def test_session_expires_after_ttl(redis_url):

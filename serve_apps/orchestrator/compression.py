@@ -26,9 +26,11 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
@@ -326,6 +328,32 @@ def _parsed_json(text: str) -> object | None:
         return None
 
 
+class _TextValues:
+    """What the scans found in recently read texts, by each text's digest: one compression reads the same
+    messages several times (the plan's ledger, the ledger alone, the summary's room, the summary; the plan
+    search of an over-window turn once per round count), and a scan costs about a second per MiB of text,
+    on the orchestrator's event loop. Keyed by digest, it holds no text alive; values are tuples."""
+
+    def __init__(self, max_texts: int) -> None:
+        self._max_texts = max_texts
+        self._found: OrderedDict[tuple[str, bytes], tuple[str, ...]] = OrderedDict()
+
+    def get(self, kind: str, text: str, scan: Callable[[str], list[str]]) -> tuple[str, ...]:
+        key = (kind, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest())
+        found = self._found.get(key)
+        if found is None:
+            found = self._found[key] = tuple(scan(text))
+            if len(self._found) > self._max_texts:
+                self._found.popitem(last=False)
+        else:
+            self._found.move_to_end(key)
+        return found
+
+
+# Texts whose scans are kept: a few sessions' compressed rounds (each entry a few hundred bytes of values).
+_TEXT_VALUES = _TextValues(max_texts=4096)
+
+
 def extract_facts(text: str) -> list[str]:
     """Exact values in `text`, in order of first appearance, without duplicates.
 
@@ -338,13 +366,17 @@ def extract_facts(text: str) -> list[str]:
     Returns:
         Ledger values; none contains a newline.
     """
+    return list(_TEXT_VALUES.get("facts", text, _extracted_facts))
+
+
+def _extracted_facts(text: str) -> list[str]:
     document = _parsed_json(text)
     if document is not None:
         try:
             return [_compact(document)]
         except RecursionError:
             pass
-    return list(dict.fromkeys(fact for fact in _regex_facts(text) if fact))
+    return list(dict.fromkeys(fact for fact in _TEXT_VALUES.get("scan", text, _regex_facts) if fact))
 
 
 def _previous_ledger(message: Message) -> list[str]:
@@ -427,12 +459,17 @@ def source_values(messages: Sequence[Message]) -> list[str]:
             values.extend(_previous_ledger(message))
             continue
         for text in [message.content or "", *(call.arguments for call in message.tool_calls or ())]:
-            document = _parsed_json(text)
-            if document is None:
-                values.extend(_regex_facts(text))
-            else:
-                _leaf_values(document, values)
+            values.extend(_TEXT_VALUES.get("source", text, _text_source_values))
     return list(dict.fromkeys(values))
+
+
+def _text_source_values(text: str) -> list[str]:
+    document = _parsed_json(text)
+    if document is None:
+        return list(_TEXT_VALUES.get("scan", text, _regex_facts))  # the ledger's scan of it, the same
+    values: list[str] = []
+    _leaf_values(document, values)
+    return values
 
 
 def _leaf_values(node: object, out: list[str]) -> None:

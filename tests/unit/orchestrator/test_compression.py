@@ -666,3 +666,25 @@ def test_only_a_leading_summary_with_prose_has_prose_to_drop():
     assert dropped == [plain, asked] and report.ledger_retained_fraction == 1.0
     for nothing_to_drop in ([plain, asked], [asked, with_prose], [with_prose]):
         assert plan_dropping_prose(nothing_to_drop, _account(nothing_to_drop, 4096)) is None
+
+
+def test_one_compression_scans_each_message_once(monkeypatch):
+    """The plan's ledger, the ledger alone, the summary's room and the summary each scanned every dropped
+    message again (a second of the orchestrator's event loop per MiB of text, each time)."""
+    import uuid
+
+    scanned = []
+    real = compression._regex_facts
+
+    def counting(text):
+        scanned.append(text)
+        return real(text)
+
+    monkeypatch.setattr(compression, "_regex_facts", counting)
+    tag = uuid.uuid4().hex  # texts no other test scanned
+    history = [Message(role="user", content=f"{tag} round {n}: order ORD-{n} due 2026-11-30") for n in range(4)]
+    account = _account(history, 10_000)
+    plan = plan_keeping(history, account, 1)
+    for summary in ("", "x", "a summary"):
+        apply_compression(history, plan, summary, recount=lambda messages: _account(messages, 10_000))
+    assert sorted(scanned) == sorted(m.content for m in history[:3])

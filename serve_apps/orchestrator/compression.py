@@ -62,8 +62,9 @@ _MAX_INLINE_STRING_CHARS = 200
 _MAX_VALUE_CHARS = 256
 # What values are written with: Latin letters (accented ones too: `Müller-42`, `/srv/josé/`), the decimal
 # digits of any script (`٣٤٥`, `１２３`) and Arabic's separators (`١٢٫٥`), signs and separators, every
-# currency sign (`₩50,000`), apostrophes inside a value (`o'brien@example.com`, `5'11`), plus-minus, degree and per-mille signs, superscript digits and signs (`10⁹`,
-# `2³²`), vulgar fractions (`2⅓`), the dashes and minus of other scripts,
+# currency sign (`₩50,000`), apostrophes inside a value (`o'brien@example.com`, `5'11`), plus-minus, degree
+# and per-mille signs, superscript digits and signs (`10⁹`, `2³²`), vulgar fractions (`2⅓`), the dashes and
+# minus of other scripts,
 # the full-width forms of letters, signs and separators (`￥１，２３４．５６`, `ＡＢＣ-１２３`), and CJK date
 # units (2026年11月30日). Every other character (spaces, brackets, quotes, CJK words) ends a value, so
 # `金额¥1,200元` yields `¥1,200`.
@@ -85,7 +86,8 @@ _CURRENCY_CODES = (
 )
 _UNITS = (
     r"%|‰|[KMGT]i?B|B|ns|µs|us|ms|s|sec|secs|min|mins|h|hr|hrs|days?|weeks?|months?|years?|"
-    r"kg|g|mg|t|lbs?|oz|km|m|cm|mm|mi|ft|L|ml|°C|°F|[kMG]?Wh|[kMG]?W|[kMG]?Hz|mA|mV|V|tokens?|x|€|£|¥|₹|\$|hours?|" + _CURRENCY_CODES + r"|kr|zł|Rs\.?"
+    r"kg|g|mg|t|lbs?|oz|km|m|cm|mm|mi|ft|L|ml|°C|°F|[kMG]?Wh|[kMG]?W|[kMG]?Hz|mA|mV|V|tokens?|x|€|£|¥|₹|\$|"
+    r"hours?|kr|zł|Rs\.?|" + _CURRENCY_CODES
 )
 # A unit with its power or per-unit (`50 m²`, `100 km/h`, `9.81 m/s²`): never the first part alone, which
 # would be another value (`50 m`); a slash after it that starts no unit (`30 ms/req`) is not part of it.
@@ -332,26 +334,30 @@ class _TextValues:
     """What the scans found in recently read texts, by each text's digest: one compression reads the same
     messages several times (the plan's ledger, the ledger alone, the summary's room, the summary; the plan
     search of an over-window turn once per round count), and a scan costs about a second per MiB of text,
-    on the orchestrator's event loop. Keyed by digest, it holds no text alive; values are tuples."""
+    on the orchestrator's event loop. Keyed by digest, it holds no text alive; least recently read first
+    out, beyond `max_chars` of values in all."""
 
-    def __init__(self, max_texts: int) -> None:
-        self._max_texts = max_texts
+    def __init__(self, max_chars: int) -> None:
+        self._max_chars = max_chars
+        self._num_chars = 0
         self._found: OrderedDict[tuple[str, bytes], tuple[str, ...]] = OrderedDict()
 
     def get(self, kind: str, text: str, scan: Callable[[str], list[str]]) -> tuple[str, ...]:
         key = (kind, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest())
         found = self._found.get(key)
-        if found is None:
-            found = self._found[key] = tuple(scan(text))
-            if len(self._found) > self._max_texts:
-                self._found.popitem(last=False)
-        else:
+        if found is not None:
             self._found.move_to_end(key)
+            return found
+        found = self._found[key] = tuple(scan(text))
+        self._num_chars += sum(map(len, found))
+        while self._num_chars > self._max_chars and len(self._found) > 1:
+            _key, dropped = self._found.popitem(last=False)
+            self._num_chars -= sum(map(len, dropped))
         return found
 
 
-# Texts whose scans are kept: a few sessions' compressed rounds (each entry a few hundred bytes of values).
-_TEXT_VALUES = _TextValues(max_texts=4096)
+# Values kept of recently scanned texts: what a compression of a few MiB of messages lists, about twice over.
+_TEXT_VALUES = _TextValues(max_chars=4 * 1024 * 1024)
 
 
 def extract_facts(text: str) -> list[str]:

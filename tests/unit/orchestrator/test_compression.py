@@ -688,3 +688,11 @@ def test_one_compression_scans_each_message_once(monkeypatch):
     for summary in ("", "x", "a summary"):
         apply_compression(history, plan, summary, recount=lambda messages: _account(messages, 10_000))
     assert sorted(scanned) == sorted(m.content for m in history[:3])
+
+
+def test_the_scans_kept_are_bounded_by_the_values_they_hold():
+    values = compression._TextValues(max_chars=100)
+    for n in range(10):
+        values.get("scan", f"text {n}", lambda text: ["x" * 30])
+    assert values.get("scan", "text 9", lambda text: ["rescanned"]) == ("x" * 30,)
+    assert values.get("scan", "text 0", lambda text: ["rescanned"]) == ("rescanned",)  # dropped, oldest first

@@ -188,8 +188,8 @@ def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
     replica count, Ray CPUs and proxy ports rendered from `cluster.yaml`; a count above `maxReplicas`,
     or Ray CPUs above the container's CPU limit, rendered and applied cleanly and the app never left
     DEPLOYING (each worker holds one replica); proxies on other ports than the container's, or on
-    loopback, never passed the readiness probe, and the Services reached nothing. KubeRay's autoscaler also reads custom resources offered in
-    `rayStartParams` as whole numbers only, and fails on any other.
+    loopback, never passed the readiness probe, and the Services reached nothing. KubeRay's autoscaler
+    also reads custom resources offered in `rayStartParams` as whole numbers only, and fails on any other.
     """
     where = overlay_dir / CLUSTER_CONFIG_FILE
     if is_loopback_host(cfg.ports.host):

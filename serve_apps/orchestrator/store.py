@@ -129,9 +129,10 @@ end
 # none), commit id, max_idempotency_bytes (FIXED of them), then the messages, the stats, and the stats' prompt
 # tokens, cached tokens and compressions, added to the session's running totals. A turn whose lock another turn
 # holds now, or took since (its own lock expired: the other turn ran on the same transcript), is refused, and so is a commit
-# `_SETTLE_SCRIPT` voided. A commit id is `<turn>.<attempt>`: voiding an attempt voids its turn's earlier ones too,
-# so an attempt still on its way cannot land after a later one was voided and the turn reported unsaved. Flagged (no flags: not `allow-oom`) so that a full Redis refuses the whole script up
-# front: unflagged, Redis refuses only at the first write that may grow memory, and a compaction's is LTRIM.
+# `_SETTLE_SCRIPT` voided. A commit id is `<turn>.<attempt>`: voiding an attempt voids its turn's earlier ones
+# too, so an attempt still on its way cannot land after a later one was voided and the turn reported unsaved.
+# Flagged (no flags: not `allow-oom`) so that a full Redis refuses the whole script up front: unflagged, Redis
+# refuses only at the first write that may grow memory, and a compaction's is LTRIM.
 _COMMIT_SCRIPT = "#!lua\n" + _REMEMBER_LUA + """
 local FIXED = 13
 if redis.call('EXISTS', KEYS[1]) == 0 then

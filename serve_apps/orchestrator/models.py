@@ -24,8 +24,10 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal, NewType
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationInfo, field_validator, model_validator,
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, Strict, TypeAdapter, ValidationInfo,
+    field_validator, model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from cluster.config import bad_permissions
 from serve_apps.orchestrator.tool_schema import (
@@ -77,12 +79,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _json_number(value: object) -> object:
+    """A number as JSON writes one: pydantic's lax mode read `"8"` as 8 and `true` as 1."""
+    if isinstance(value, (str, bool)):
+        raise PydanticCustomError("number_type", "Input should be a number, not {kind}",
+                                  {"kind": "text" if isinstance(value, str) else "true or false"})
+    return value
+
+
+# A client's numbers and true/false values as JSON writes them, as the chat routes read them (OpenAI's API):
+# pydantic's lax mode read `"yes"`, `"on"` and `1` as true (a turn asked with `"stream": "yes"` streamed) and
+# `"0.5"` as a number. `null` is a true/false field's default, false.
+JsonInt = Annotated[int, BeforeValidator(_json_number)]
+JsonFloat = Annotated[float, BeforeValidator(_json_number)]
+Flag = Annotated[bool, Strict(), BeforeValidator(lambda value: False if value is None else value)]
+
+
 class HttpExecution(_Strict):
     """The orchestrator POSTs `{"name", "arguments"}` as JSON to `url` and feeds the reply to the model."""
 
     kind: Literal["http"] = Field(description="Executed by the orchestrator over HTTP.")
     url: Text = Field(description="http(s) endpoint of the tool.", pattern=r"^https?://\S+$", max_length=2048)
-    timeout_s: float = Field(10.0, description="Deadline of one call, connect to last byte.", gt=0, le=300)
+    timeout_s: JsonFloat = Field(10.0, description="Deadline of one call, connect to last byte.", gt=0, le=300)
 
 
 class ClientExecution(_Strict):
@@ -135,18 +153,18 @@ class ToolSpec(_Strict):
 class SessionLimits(_Strict):
     """Per-session bounds on steps, context and tool output."""
 
-    max_steps_per_turn: int = Field(8, description="Model calls one user turn may take.", ge=1, le=64)
-    context_budget_tokens: int | None = Field(
+    max_steps_per_turn: JsonInt = Field(8, description="Model calls one user turn may take.", ge=1, le=64)
+    context_budget_tokens: JsonInt | None = Field(
         None, description="Context window the session may use; None means the model's full window.", ge=256
     )
-    output_reserve_tokens: int = Field(512, description="Tokens kept free for the model's answer.", ge=1)
-    compress_below_fraction: float = Field(
+    output_reserve_tokens: JsonInt = Field(512, description="Tokens kept free for the model's answer.", ge=1)
+    compress_below_fraction: JsonFloat = Field(
         0.2, description="Compress when remaining tokens fall below this fraction of the window.", gt=0, lt=1
     )
-    keep_last_rounds: int = Field(
+    keep_last_rounds: JsonInt = Field(
         3, description=f"Rounds (a user message onwards) never compressed; at most {MAX_KEEP_LAST_ROUNDS}.", ge=1
     )
-    max_tool_result_bytes: int = Field(
+    max_tool_result_bytes: JsonInt = Field(
         16384, description="Tool results are truncated beyond this.", ge=256, le=MAX_TOOL_RESULT_BYTES_CEILING
     )
 
@@ -245,7 +263,7 @@ class TurnRequest(_Strict):
         min_length=1,
         max_length=64,
     )
-    stream: bool = Field(False, description="Stream events as server-sent events.")
+    stream: Flag = Field(False, description="Stream events as server-sent events.")
 
 
 class ToolResult(_Strict):
@@ -253,14 +271,14 @@ class ToolResult(_Strict):
 
     tool_call_id: Text = Field(description="Id of the call answered.", min_length=1, max_length=TOOL_CALL_ID_MAX_CHARS)
     content: Text = Field(description="Result text shown to the model.")
-    is_error: bool = Field(False, description="True when the tool failed; the model sees the content either way.")
+    is_error: Flag = Field(False, description="True when the tool failed; the model sees the content either way.")
 
 
 class ToolResultsSubmission(_Strict):
     """Body answering a `requires_action` event: one result per pending call."""
 
     results: list[ToolResult] = Field(description="Results, one per pending call.", min_length=1)
-    stream: bool = Field(False, description="Stream the resumed turn's events as server-sent events.")
+    stream: Flag = Field(False, description="Stream the resumed turn's events as server-sent events.")
 
     @model_validator(mode="after")
     def _unique_ids(self) -> "ToolResultsSubmission":

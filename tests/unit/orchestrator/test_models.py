@@ -326,6 +326,33 @@ def test_session_limits_tool_result_bytes_bounds(max_tool_result_bytes, is_accep
     assert _error_locations(info.value) == ["limits.max_tool_result_bytes"]
 
 
+@pytest.mark.parametrize("model, body, location", [
+    (TurnRequest, {"content": "hi", "stream": "yes"}, "stream"),
+    (TurnRequest, {"content": "hi", "stream": 1}, "stream"),
+    (ToolResultsSubmission, {"results": [{"tool_call_id": "c1", "content": "x"}], "stream": "on"}, "stream"),
+    (ToolResultsSubmission, {"results": [{"tool_call_id": "c1", "content": "x", "is_error": "false"}]},
+     "results.0.is_error"),
+    (CreateSessionRequest, {"model": "m", "limits": {"max_steps_per_turn": "8"}}, "limits.max_steps_per_turn"),
+    (CreateSessionRequest, {"model": "m", "limits": {"keep_last_rounds": True}}, "limits.keep_last_rounds"),
+    (CreateSessionRequest, {"model": "m", "limits": {"compress_below_fraction": "0.5"}},
+     "limits.compress_below_fraction"),
+    (CreateSessionRequest, {"model": "m", "tools": [_tool(execution={"kind": "http", "url": "http://t/x",
+                                                                     "timeout_s": "5"})]}, "tools.0.execution.http.timeout_s"),
+])
+def test_numbers_and_true_false_values_are_read_as_json_writes_them(model, body, location):
+    """Pydantic's lax mode read `"stream": "yes"` as true (the turn streamed), `"8"` as 8 and `true` as 1, where the
+    chat routes answer 400, as OpenAI's API does."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    assert _error_locations(info.value) == [location]
+
+
+def test_a_null_true_false_value_is_its_default_and_numbers_may_be_written_as_floats():
+    assert TurnRequest.model_validate({"content": "hi", "stream": None}).stream is False
+    limits = SessionLimits.model_validate({"max_steps_per_turn": 4.0, "compress_below_fraction": 1 / 2})
+    assert (limits.max_steps_per_turn, limits.compress_below_fraction) == (4, 0.5)
+
+
 def test_keep_last_rounds_is_bounded_at_creation_but_a_stored_session_above_the_bound_stays_readable():
     """An over-window turn searches every kept round count for a plan (a few ms each, on the event loop); a
     session created before the bound must still read back."""

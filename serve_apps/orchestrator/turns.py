@@ -29,6 +29,7 @@ tools (timeouts and size limits; failures become results the model sees).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from serve_apps.orchestrator.compression import (
     plan_compression,
     plan_dropping_prose,
     plan_keeping,
+    prescan,
     round_starts,
 )
 from serve_apps.orchestrator.models import (
@@ -575,6 +577,8 @@ class TurnRunner:
         history = self.history
         account = self._account(history)
         fitting = self._account([*history, *to_come]) if to_come else account
+        if fitting.remaining_tokens < self._limits.compress_below_fraction * account.context_window_tokens:
+            await asyncio.to_thread(prescan, history)  # the scans a compression needs, off the event loop
         plan = plan_compression(history, account, self._limits)
         if fitting.remaining_tokens < 0:
             plan = self._plan_that_fits(history, account, fitting, to_come, headroom) or plan

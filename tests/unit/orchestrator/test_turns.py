@@ -324,6 +324,28 @@ def test_a_summary_the_model_cannot_write_leaves_the_ledger_to_stand_alone():
     assert summary.startswith(SUMMARY_INTRO) and "ORD-1" in summary and "Summary:" not in summary
 
 
+def test_a_compression_scans_the_messages_it_drops_off_the_event_loop(monkeypatch):
+    """The scans (about a second per MiB of messages) ran on the orchestrator's event loop, which every other
+    session's stream and turn of the replica waits on."""
+    import threading
+    import uuid
+
+    from serve_apps.orchestrator import compression as compression_module
+
+    threads = set()
+    real = compression_module._regex_facts
+
+    def recording(text):
+        threads.add(threading.current_thread() is threading.main_thread())
+        return real(text)
+
+    monkeypatch.setattr(compression_module, "_regex_facts", recording)
+    tag = uuid.uuid4().hex  # messages no other test scanned
+    events, store = _turn_after(_stored_rounds(lambda i: f"{tag} {_prose(i)}"))
+    assert any(e.kind == "compression" for e in events) and store.commits[0]["compaction"] is not None
+    assert threads == {False}  # every scan on a worker thread; none on the loop's (the main thread here)
+
+
 def test_a_summarising_call_whose_replicas_failed_fails_the_turn():
     """Only the engine's refusal leaves the ledger alone: a passing failure keeps the summary for a later turn."""
     events, store = _turn_after(_stored_rounds(_prose), model=SummaryFailingModel([(["Hi"], ModelReply(content="Hi"))]))

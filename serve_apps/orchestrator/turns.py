@@ -549,9 +549,13 @@ class TurnRunner:
 
     @staticmethod
     def _summary_hint(history: Sequence[Message], account: TokenAccount) -> str:
-        """What the earlier messages' summary takes of a prompt over the window, where that is most of it: its
-        facts ledger keeps every exact value and is never cut, so a session whose values outgrow its window
-        goes on in a new one."""
+        """What the earlier messages' summary, or the session's prefix, takes of a prompt over the window, where
+        that is most of it: the summary's facts ledger keeps every exact value and is never cut, so a session
+        whose values outgrow its window goes on in a new one; the prefix (system prompt and tools) is never
+        compressed, so a window it mostly fills leaves every turn little room, whatever compression does."""
+        if 2 * account.prefix_tokens >= account.context_window_tokens:
+            return (f"; the system prompt and tools take {account.prefix_tokens} of them and are never compressed "
+                    "(a larger limits.context_budget_tokens, or fewer or shorter tools, leave turns more room)")
         if not history or not is_summary(history[0]) or 2 * account.message_tokens[0] < account.context_window_tokens:
             return ""
         return (f"; the summary of earlier messages takes {account.message_tokens[0]} of them (its facts ledger "

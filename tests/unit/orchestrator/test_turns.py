@@ -997,3 +997,19 @@ def test_a_refused_calls_result_is_cut_to_the_sessions_limit():
     (refusal,) = [e for e in events if e.kind == "tool_result"]
     assert refusal.status == "error" and "[truncated" in refusal.content
     assert len(refusal.content.encode()) <= 256 + len("…[truncated 99999 bytes]".encode())
+
+
+def test_a_prompt_over_the_window_mostly_of_its_prefix_says_so():
+    """A window the system prompt and tools mostly fill left every turn over it with only token counts said,
+    though no compression could help (the prefix is never compressed)."""
+    probe = TurnRunner(_record(64), (), 0, MemoryStore(), None, CharTokenizer(), 8192)
+    prefix = probe._account([]).prefix_tokens
+    runner = TurnRunner(_record(64, context_budget_tokens=prefix + 100), (), 0, MemoryStore(), ScriptedModel([]),
+                        CharTokenizer(), 8192)
+
+    async def main():
+        return [e async for e in runner.run([Message(role="user", content="x" * 200)], "auto")]
+
+    (failed,) = [e for e in asyncio.run(main()) if e.kind == "error"]
+    assert failed.code == "context_overflow"
+    assert f"the system prompt and tools take {prefix} of them and are never compressed" in failed.message

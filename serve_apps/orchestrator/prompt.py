@@ -326,7 +326,10 @@ def effective_window_tokens(limits: SessionLimits, model_max_len_tokens: int) ->
 
 
 def _template_messages(messages: Sequence[WireMessage]) -> list[dict]:
-    """Wire messages as vLLM hands them to the template: arguments parsed into objects, no None content."""
+    """Wire messages as vLLM hands them to the template: arguments parsed into objects, no None content, and
+    each tool call's keys in the order its request validation leaves them (OpenAI's types: `id`, `function`
+    with `arguments` then `name`, `type`), which a template printing `tool_call.function | tojson` (Mistral's)
+    writes out."""
     out: list[dict] = []
     for message in messages:
         item = dict(message)
@@ -341,7 +344,8 @@ def _template_messages(messages: Sequence[WireMessage]) -> list[dict]:
                     raise ValueError(f"tool call {call['id']} has arguments that are not JSON: {err}") from None
                 if not isinstance(arguments, dict):
                     arguments = {}  # vLLM coerces arguments that are not an object, and templates need a mapping
-                calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+                calls.append({"id": call["id"], "function": {"arguments": arguments, "name": call["function"]["name"]},
+                              "type": call["type"]})
             item["tool_calls"] = calls
         out.append(item)
     return out

@@ -32,6 +32,7 @@ from serve_apps.orchestrator.prompt import (
     prefix_fingerprint,
     prefix_overflow,
     smallest_prompt_tokens,
+    _template_messages,
     prefix_token_ids,
     prompt_token_ids,
     render_tools,
@@ -306,6 +307,20 @@ def _parallel_round(index: int) -> list[Message]:
                   name="get_order") for k, call in enumerate(calls)),
         Message(role="assistant", content="Both have shipped."),
     ]
+
+
+def test_tool_calls_reach_the_template_with_the_keys_in_the_order_the_engine_gives_them():
+    """The engine validates the messages (OpenAI's types: `id`, `function` with `arguments` then `name`, `type`);
+    rendered in the order the orchestrator built them, a template printing `tool_call.function | tojson`
+    (Mistral's) wrote other bytes than the engine's prompt."""
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
+
+    messages, _tools = build_chat_request(SessionState(SYSTEM, TOOLS, tuple(_round(1, {"status": "shipped"}))))
+    engine = [call for message in ChatCompletionRequest(model="m", messages=messages).messages
+              for call in message.get("tool_calls") or ()]
+    local = [call for message in _template_messages(messages) for call in message.get("tool_calls", ())]
+    assert engine and [list(call) for call in local] == [list(call) for call in engine]
+    assert [list(call["function"]) for call in local] == [list(call["function"]) for call in engine]
 
 
 def test_a_template_that_rewrites_history_is_still_counted_exactly(tokenizer):

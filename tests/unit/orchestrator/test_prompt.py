@@ -32,11 +32,11 @@ from serve_apps.orchestrator.prompt import (
     prefix_fingerprint,
     prefix_overflow,
     smallest_prompt_tokens,
-    _template_messages,
     prefix_token_ids,
     prompt_token_ids,
     render_tools,
     token_ids_fingerprint,
+    _template_messages,
 )
 
 LOCAL_TEMPLATE = (

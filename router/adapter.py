@@ -605,9 +605,11 @@ class PrefixKVRouter(RequestRouter):
         self.index = PrefixIndex(block_size_tokens, self.args.router.max_blocks_per_replica, self.args.model_id)
         self.policy = PrefixAwarePolicy(self.args.router, block_size_tokens)
 
-    def _loads(self, candidates: List[RunningReplica]) -> dict[ReplicaId, ReplicaLoad]:
+    def _loads(self, candidates: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+               ) -> dict[ReplicaId, ReplicaLoad]:
         cache = self.replica_queue_len_cache
-        placed = self._inflight.counts(time.monotonic())
+        deciding = pending_request.metadata.internal_request_id if pending_request is not None else None
+        placed = self._inflight.counts(time.monotonic(), deciding)
         loads = {}
         for replica in candidates:
             replica_id = ReplicaId(replica.replica_id.unique_id)
@@ -636,8 +638,8 @@ class PrefixKVRouter(RequestRouter):
         except Exception:
             # A routing fault must cost cache hits, never the request: fall back to least loaded.
             logger.exception("prefix-aware routing failed; routing by load for this request")
-            return self._least_loaded_first(candidate_replicas, self._loads(candidate_replicas), pending_request,
-                                            "router-error")
+            return self._least_loaded_first(candidate_replicas, self._loads(candidate_replicas, pending_request),
+                                            pending_request, "router-error")
 
     def _least_loaded_first(
         self, candidates: List[RunningReplica], loads: dict[ReplicaId, ReplicaLoad],
@@ -681,7 +683,7 @@ class PrefixKVRouter(RequestRouter):
         # Rendered as the first replica that said how (one deployment's replicas share their settings).
         rendering = next((r for r in renderings if r is not None), None)
         token_ids = self.tokenizer.token_ids(request, rendering) if request is not None else None
-        loads = self._loads(candidate_replicas)
+        loads = self._loads(candidate_replicas, pending_request)
         if token_ids is None:
             # Nothing to match on (not a chat/completion call, it does not render, or no tokenizer yet).
             return self._least_loaded_first(candidate_replicas, loads, pending_request, cause)

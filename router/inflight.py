@@ -96,11 +96,22 @@ class InflightRequests:
         self._uncount(placed[0])
         return True
 
-    def counts(self, now_s: float) -> dict[ReplicaId, int]:
-        """Requests in flight per replica (replicas with none are absent); expires what timed out first."""
+    def counts(self, now_s: float, deciding: str | None = None) -> dict[ReplicaId, int]:
+        """Requests in flight per replica (replicas with none are absent); expires what timed out first.
+
+        `deciding`: a request being decided again (Serve asks again while every replica is full, or after one
+        refused it): its own placement, not yet sent, is left out, or its decision would count it twice on
+        the replica it chose before (its own count, then the one the load guard adds for the request).
+        """
         self._expire(self._undispatched, now_s - UNDISPATCHED_TIMEOUT_S)
         self._expire(self._dispatched, now_s - INFLIGHT_TIMEOUT_S)
-        return dict(self._counts)
+        counts = dict(self._counts)
+        placed = self._undispatched.get(deciding) if deciding is not None else None
+        if placed is not None:
+            counts[placed[0]] -= 1
+            if not counts[placed[0]]:
+                del counts[placed[0]]
+        return counts
 
     def _expire(self, queue: OrderedDict[str, tuple[ReplicaId, float]], placed_before_s: float) -> None:
         """Drops the placements of `queue` made before `placed_before_s`."""

@@ -22,6 +22,7 @@ from router import decision_log
 from router.adapter import PrefixKVRouter
 from router.hashing import hash_request_blocks, root_hash
 from router.prompt_tokens import FORWARDED_IDS_KEY, EngineRendering, PromptTokenizer
+from router.types import ReplicaId
 
 BS = 4
 DEPLOYMENT = DeploymentID(name="llm", app_name="warmpath")
@@ -325,6 +326,29 @@ def test_a_request_serve_asks_again_for_is_not_drawn_back_by_its_own_placement(n
 
     decision = asyncio.run(route())
     assert decision.reason != "prefix-hit" and not any(decision.predicted_cached_tokens.values()), decision
+
+
+def test_a_request_serve_asks_again_for_is_not_counted_twice_on_its_own_choice(new_router):
+    """Its own placement, not yet sent, counted on the replica it chose, and the load guard added it again: a
+    replica holding its prompt and one other request looked like two over the guard's limit, and the request
+    went to a cold replica."""
+    async def route():
+        router = new_router()
+        replicas = [StandInReplica(f"R{n}") for n in range(1, 5)]
+        router.update_replicas(replicas)
+        router.tokenizer.token_ids = lambda request, rendering: list(request.prompt)
+        cache_on(router, "R1", list(range(64)), 0)
+        router._inflight.place("other", ReplicaId("R1"), time.monotonic(), True)  # R1 runs one request
+        router.replica_queue_len_cache.update(replicas[0].replica_id, 1)
+        request = pending(SimpleNamespace(prompt=list(range(64))))
+        await router.choose_replicas(replicas, request)
+        first = router._decisions[request.metadata.internal_request_id]
+        await router.choose_replicas(replicas, request)  # refused, or every replica full: Serve asks again
+        return first, router._decisions[request.metadata.internal_request_id]
+
+    first, again = asyncio.run(route())
+    assert (first.replica_id, first.reason) == ("R1", "prefix-hit")
+    assert (again.replica_id, again.reason) == ("R1", "prefix-hit")
 
 
 def test_a_session_serve_asks_again_for_is_not_drawn_back_by_its_own_first_choice(new_router):

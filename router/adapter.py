@@ -761,7 +761,7 @@ class PrefixKVRouter(RequestRouter):
             renders_like_router[replica_id] = None if rendering is None else rendering.renders_like_router
         return {
             "policy": self.args.router.policy,
-            "replicas": sorted(r.unique_id for r in self.curr_replicas),
+            "replicas": sorted(r.unique_id for r in list(self.curr_replicas)),  # copied whole: the loop may change it
             "kv_cache": kv_cache,
             "renders_like_router": renders_like_router,
             "subscribed_replicas": self._pump.subscribed_replicas(),

@@ -110,10 +110,13 @@ class ReplicaConfig(_Strict):
     num_cpus: float = Field(
         1.0, description=(
             "Logical CPUs per replica: a CPU replica's engine bundle. GPU replicas take Ray Serve LLM's bundles "
-            "(one CPU with each GPU); there it sizes only the Ray CPUs each KubeRay worker offers (num_cpus + 1)."
+            "(one per GPU, the first with the replica actor's CPU); there it sizes only the Ray CPUs each KubeRay "
+            "worker offers (num_cpus + 1)."
         ), gt=0, le=MAX_CPUS_PER_REPLICA, allow_inf_nan=False,
     )
-    num_gpus: int = Field(0, description="GPUs per replica; must equal tensor_parallel_size on GPU.", ge=0)
+    num_gpus: int = Field(
+        0, description="GPUs per replica; on GPU, tensor_parallel_size times engine_kwargs.pipeline_parallel_size.", ge=0
+    )
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallel degree.", ge=1)
     kv_cache_space_gib: int = Field(1, description="CPU only: KV cache GiB per replica (VLLM_CPU_KVCACHE_SPACE, whole GiB).", ge=1)
     cpu_omp_threads_bind: str = Field(
@@ -156,11 +159,25 @@ class ReplicaConfig(_Strict):
                     f"replicas.block_size_tokens={self.block_size_tokens}: vLLM's CPU attention needs a multiple of 32"
                 )
         else:
-            if self.num_gpus != self.tensor_parallel_size:
+            # Ray Serve LLM gives a replica tensor x pipeline parallel GPUs; `up`'s check and the KubeRay
+            # workers count `num_gpus`, so the two must agree.
+            pipeline = self.engine_kwargs.get("pipeline_parallel_size", 1)
+            if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
+                raise ValueError(f"replicas.engine_kwargs.pipeline_parallel_size must be a whole number >= 1, "
+                                 f"got {pipeline!r}")
+            if self.num_gpus != self.tensor_parallel_size * pipeline:
+                times = f" times replicas.engine_kwargs.pipeline_parallel_size={pipeline}" if pipeline != 1 else ""
                 raise ValueError(
                     f"replicas.num_gpus={self.num_gpus} must equal replicas.tensor_parallel_size="
-                    f"{self.tensor_parallel_size} on GPU"
+                    f"{self.tensor_parallel_size}{times} on GPU (the GPUs each replica takes)"
                 )
+        data_parallel = self.engine_kwargs.get("data_parallel_size", 1)
+        if data_parallel != 1:
+            raise ValueError(
+                f"replicas.engine_kwargs.data_parallel_size={data_parallel!r}: each replica runs one engine here; "
+                "scale with replicas.num_replicas (vLLM's data-parallel ranks publish KV events on ports of their "
+                "own, which the router does not follow, and take GPUs num_gpus does not count)"
+            )
         if self.ray_resources and self.accelerator != "cpu":
             raise ValueError("replicas.ray_resources applies to CPU replicas (GPU replicas are placed by their GPUs)")
         builtin = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(self.ray_resources))

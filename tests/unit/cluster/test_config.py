@@ -59,6 +59,12 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"replicas": {"num_replicas": 0}}, "replicas.num_replicas"),
         ({"replicas": {"block_size_tokens": 16}}, "multiple of 32"),
         ({"replicas": {"accelerator": "gpu", "num_gpus": 1, "tensor_parallel_size": 2}}, "must equal"),
+        # Ray Serve LLM gives each replica tensor x pipeline parallel GPUs; `up` and KubeRay counted num_gpus.
+        ({"replicas": {"accelerator": "gpu", "num_gpus": 1, "engine_kwargs": {"pipeline_parallel_size": 2}}},
+         "times replicas.engine_kwargs.pipeline_parallel_size=2"),
+        ({"replicas": {"accelerator": "gpu", "num_gpus": 1, "engine_kwargs": {"pipeline_parallel_size": "2"}}},
+         "whole number"),
+        ({"replicas": {"engine_kwargs": {"data_parallel_size": 2}}}, "scale with replicas.num_replicas"),
         ({"replicas": {"num_gpus": 1}}, "must be 0"),
         ({"replicas": {"engine_kwargs": {"block_size": 64}}}, "owned by the cluster config"),
         # Ray Serve LLM refuses these inside each replica, minutes after `up` began.

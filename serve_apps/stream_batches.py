@@ -71,3 +71,5 @@ async def eager_first_batches(stream: AsyncIterator[T], interval_s: float) -> As
         if not reader.done():
             reader.cancel()
             await asyncio.wait([reader])  # the engine sees the abort before the close returns
+        elif not reader.cancelled():
+            reader.exception()  # a stream that failed after its reader left: retrieved, not logged as lost

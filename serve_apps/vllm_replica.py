@@ -354,6 +354,9 @@ class WarmpathLLMServer(LLMServer):
                 span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)
             raise
         finally:
+            close = getattr(stream, "aclose", None)
+            if close is not None:  # now, not when the collector finds it: the engine hears of the abort first
+                await close()
             span.end()
 
     def _span(self, operation: str, request, raw_request_info):

@@ -172,3 +172,52 @@ def test_a_stream_read_to_its_end_is_not_marked_incomplete(ttft):
     asyncio.run(read())
     (finished,) = exporter.get_finished_spans()
     assert "warmpath.stream.incomplete" not in finished.attributes
+
+
+def test_closing_the_replica_stream_aborts_the_engine_stream_before_the_close_returns(ttft):
+    """The batching generator's reader was cancelled only when the collector found the generator: the engine
+    went on decoding for a caller that had left, and the span ended before the abort."""
+    from serve_apps.stream_batches import eager_first_batches
+
+    server = object.__new__(WarmpathLLMServer)
+    server._replica_id = "r1"
+    seen = []
+
+    async def engine():
+        try:
+            while True:
+                yield ["data: {\"choices\": []}\n\n"]
+                await asyncio.sleep(0.01)
+        except BaseException as err:
+            seen.append(type(err).__name__)
+            raise
+
+    async def leave():
+        tagged = server._tagged(eager_first_batches(engine(), 0.05), NonRecordingSpan(INVALID_SPAN_CONTEXT), True)
+        await anext(tagged)
+        await anext(tagged)
+        await tagged.aclose()
+        return list(seen)
+
+    assert asyncio.run(leave()) == ["CancelledError"]
+
+
+def test_an_engine_failure_after_its_reader_left_is_not_logged_as_never_retrieved(caplog):
+    from serve_apps.stream_batches import eager_first_batches
+
+    async def engine():
+        yield 1
+        await asyncio.sleep(0.01)
+        raise RuntimeError("engine died")
+
+    async def leave():
+        batches = eager_first_batches(engine(), 0.05)
+        await anext(batches)
+        await asyncio.sleep(0.03)  # the engine fails meanwhile; the caller then leaves
+        await batches.aclose()
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(leave())
+        import gc
+        gc.collect()
+    assert "never retrieved" not in caplog.text

@@ -482,9 +482,9 @@ def failure_from_exception(err: Exception, request_id: str = "") -> RpcFailure:
             grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", err.message, [retry_after_header(retry_after_s)]
         )
     # Where HTTP answers 503 with `Retry-After: 1`, so does the status' trailing metadata.
-    if isinstance(err, DeploymentUnavailableError):
-        return RpcFailure(grpc.StatusCode.UNAVAILABLE, "unavailable", err.message, [retry_after_header(1)])
-    if isinstance(err, RayActorError):
+    if isinstance(err, (DeploymentUnavailableError, RayActorError)):
+        # HTTP's message: Ray's own names deployments and apps ("failed to deploy"); the log has it.
+        logger.warning("no serving process could take the call: %r", err)
         return RpcFailure(
             grpc.StatusCode.UNAVAILABLE, "unavailable", UNAVAILABLE_MESSAGE, [retry_after_header(1)]
         )

@@ -1190,3 +1190,17 @@ def test_a_failure_a_replica_raised_is_not_blamed_on_the_grpc_ingress():
 
     failure = failure_from_exception(RuntimeError("engine core died"), "req-1")
     assert failure.status is Code.INTERNAL and "gRPC ingress" not in failure.message
+
+
+def test_a_deployment_that_cannot_take_a_call_is_answered_with_https_message():
+    """Ray's own text went to gRPC clients: the deployment's and app's names, and "failed to deploy" where HTTP
+    says to retry."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    from serve_apps.api_errors import UNAVAILABLE_MESSAGE
+
+    failure = ingress_grpc.failure_from_exception(
+        DeploymentUnavailableError(DeploymentID(name="Orchestrator", app_name="warmpath")))
+    assert (failure.status, failure.message) == (Code.UNAVAILABLE, UNAVAILABLE_MESSAGE)
+    assert "Orchestrator" not in failure.message and ("retry-after", "1") in failure.trailing_metadata

@@ -73,6 +73,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 )
 from ray.llm._internal.serve.constants import DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
 from ray.llm._internal.serve.core.protocol import RawRequestInfo
+from ray.serve._private.http_util import session_id_from_headers
 from ray.serve.context import _get_serve_request_context
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from starlette.responses import JSONResponse
@@ -126,8 +127,6 @@ INTERNAL_MESSAGE = "internal error; see the server logs"  # the ingress's own, o
 # Suggested wait before retrying a call refused by back-pressure when Serve names none.
 BACK_PRESSURE_RETRY_AFTER_S = 1.0
 IDEMPOTENCY_METADATA = "idempotency-key"
-# Routing affinity for an Inference call whose `session_id` field is empty (the HTTP header's name).
-SESSION_METADATA = "x-session-id"
 # Trailing metadata of a turn answered from its idempotency record (HTTP's `x-warmpath-idempotent-replay` header).
 REPLAY_METADATA = "x-warmpath-idempotent-replay"
 
@@ -1016,8 +1015,9 @@ def _metadata(grpc_context, name: str) -> str | None:
 
 
 def _session_of(request: inference_pb2.ChatCompletionRequest, grpc_context) -> str:
-    """The call's routing session: its `session_id` field, else its `x-session-id` metadata (as over HTTP)."""
-    return request.session_id or _metadata(grpc_context, SESSION_METADATA) or ""
+    """The call's routing session: its `session_id` field, else its session metadata, read as Serve reads the
+    HTTP header (`x-session-id`, `x_session_id`, or the name `RAY_SERVE_SESSION_ID_HEADER_KEY` sets)."""
+    return request.session_id or session_id_from_headers(dict(_string_metadata(grpc_context))) or ""
 
 
 def _fail(grpc_context, rpc: _RpcSpan, method: str, err: Exception) -> RpcFailure:

@@ -231,6 +231,8 @@ def test_a_stream_the_engine_sends_nothing_for_fails_as_the_unary_call_does(reco
         ("s-field", [], "s-field"),
         ("", [("x-session-id", "s-header")], "s-header"),
         ("s-field", [("x-session-id", "s-header")], "s-field"),  # the message's own field wins
+        # Serve reads the HTTP header in either spelling (a gateway may rewrite it); gRPC read one only.
+        ("", [("x_session_id", "s-underscored")], "s-underscored"),
         ("", [], None),
     ],
 )

@@ -83,6 +83,12 @@ def non_ecmascript_syntax(pattern: str) -> str | None:
             escaped = piece[1]
             if escaped.isascii() and escaped.isalpha() and escaped not in _ECMASCRIPT_ESCAPE_LETTERS:
                 return f"\\{escaped} is no escape of JSON Schema's regular expressions (ECMAScript)"
+        elif piece == "[" and not in_class and pattern.startswith(("]", "^]"), at + 1):
+            # ECMAScript's `[]` matches nothing and `[^]` any character; to Python's engines the `]` is a literal.
+            empty = pattern[at:at + pattern.index("]", at) - at + 1]
+            return (f"{empty} matches {'nothing' if empty == '[]' else 'any character'} in JSON Schema's regular "
+                    "expressions (ECMAScript), and its `]` is a literal to other engines: write [\\s\\S] for any "
+                    "character, or \\] for the bracket")
         elif in_class and (posix := _POSIX_CLASS.match(pattern, at)) is not None:
             return f"{posix.group()} is a POSIX class, which JSON Schema's regular expressions (ECMAScript) do not have"
     return None

@@ -555,6 +555,9 @@ def test_a_pattern_only_pythons_re_compiles_is_refused_at_creation(schema, fragm
     ("^[a-z[:alpha:]]+$", "[:alpha:] is a POSIX class"),
     ("^[[:^alpha:]]+$", "[:^alpha:] is a POSIX class"),
     ("^[[:Digit:]]+$", "[:Digit:] is a POSIX class"),
+    # ECMAScript's `[^]` is any character (the grammar let `xa]` through); Python's engines read `[^]a]`.
+    ("^[^]a]$", "[^] matches any character"),
+    ("^a[]b]$", "[] matches nothing"),
 ])
 def test_a_pattern_the_grammar_and_the_call_checks_read_differently_is_refused_at_creation(pattern, fragment):
     """The checks run `regex`, which reads `\A` as an anchor and `[[:digit:]]` as a class; the grammar of forced

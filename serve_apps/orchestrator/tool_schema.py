@@ -33,7 +33,8 @@ Invariants `check_tool_parameters` holds for every accepted schema:
   unrolls to at most `MAX_PATTERN_UNROLLED` elements (`[a-z]{1,30000}` is
   30,000): the grammar compiler expands counted repeats, and its time grows
   about with their square (30,000 took 74 s on one core; `maxLength` bounds a
-  long string without that). The size is measured before anything compiles the
+  long string without that; optional copies nested in optional copies weigh
+  `NESTED_OPTIONAL_REPEAT_WEIGHT` times a level). The size is measured before anything compiles the
   pattern, and a session's tools together stay within
   `MAX_SESSION_PATTERN_UNROLLED` (`pattern_elements`, checked by `CreateSessionRequest`).
 
@@ -320,6 +321,10 @@ def _check_keywords(node: JsonValue, path: str, refs: dict[str, str]) -> None:
 
 # Most elements a `pattern` may unroll to (`_unrolled_size`): 4,096 compiles in about 0.3 s.
 MAX_PATTERN_UNROLLED = 4096
+# What the elements of a repeat of optional copies (`{n,m}`, n < m) weigh inside another, per level: the grammar
+# compiler's work on such nesting grew about tenfold a level (measured: `(?:[a-z]{1,64}){1,64}` 6.9 s against
+# 0.7 s for `[a-z]{1,4096}`, the same 4,096 elements; three levels of 16, 20.6 s).
+NESTED_OPTIONAL_REPEAT_WEIGHT = 8
 # Most elements all patterns of a session's tools may unroll to, together: the grammar of a forced call
 # holds every tool, and builds in about 0.2 s per thousand elements (16 patterns of 4,095 took 14 s).
 MAX_SESSION_PATTERN_UNROLLED = 16384
@@ -337,7 +342,8 @@ def _check_pattern(pattern: str, where: str) -> None:
     size = _pattern_size(pattern)
     if size > MAX_PATTERN_UNROLLED:
         raise ValueError(
-            f"{where}: {pattern[:80]!r} unrolls to {min(size, 10**9)}{'+' if size > 10**9 else ''} elements, over "
+            f"{where}: {pattern[:80]!r} unrolls to {min(size, 10**9)}{'+' if size > 10**9 else ''} elements (a "
+            f"repeat of optional copies inside another counting {NESTED_OPTIONAL_REPEAT_WEIGHT} times a level), over "
             f"{MAX_PATTERN_UNROLLED}: the grammar of "
             "forced tool calls expands counted repeats ({n,m}), which takes minutes at this size; bound a long "
             "string with maxLength instead"
@@ -389,8 +395,13 @@ def _pattern_size(pattern: str) -> int:
             warnings.simplefilter("ignore", FutureWarning)
             return _unrolled_size(re._parser.parse(_as_re_syntax(as_ecmascript(pattern))).data)
     except (re.error, RecursionError, OverflowError):
-        # Syntax `re` cannot parse: no nesting is known, so the largest single count must fit.
-        return max((max(int(low), int(high or 0)) for low, high in _COUNTED_REPEAT.findall(pattern)), default=0)
+        # Syntax `re` cannot parse: no nesting is known, so every count is taken as nested in the others.
+        size = 1
+        for low, high in _COUNTED_REPEAT.findall(pattern):
+            size *= max(int(low), int(high or 0), 1) * NESTED_OPTIONAL_REPEAT_WEIGHT
+            if size > MAX_PATTERN_UNROLLED:
+                break
+        return size
 
 
 def _has_property_class(pattern: str) -> bool:
@@ -403,30 +414,35 @@ _COUNTED_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 
 def _as_re_syntax(pattern: str) -> str:
-    """`pattern` with ECMAScript's named groups `(?<name>` in the syntax of Python's `re`, `(?P<name>`, for
-    counting its repeats."""
-    return re.sub(r"\(\?<(?![=!])", "(?P<", pattern)
+    """`pattern` with ECMAScript's named groups `(?<name>` as groups Python's `re` reads, for counting its repeats:
+    unnamed, since a name may repeat in ECMAScript's branches (`(?<g>x)|(?<g>y)`) and `re` refuses that (counted
+    as unparsable, their nesting was not)."""
+    return re.sub(r"\(\?<(?![=!])[^>]*>", "(?:", pattern)
 
 
-def _unrolled_size(items) -> int:
+def _unrolled_size(items, depth: int = 0) -> int:
     """Elements of a parsed pattern (`re._parser`) with every counted repeat written out: a repeat counts its
-    body as often as its bound (an unbounded one as often as its minimum, at least once: its loop)."""
+    body as often as its bound (an unbounded one as often as its minimum, at least once: its loop). A repeat
+    of optional copies inside `depth` others weighs `NESTED_OPTIONAL_REPEAT_WEIGHT` times its elements."""
     size = 0
     for op, value in items:
         if op in (re._constants.MAX_REPEAT, re._constants.MIN_REPEAT, re._constants.POSSESSIVE_REPEAT):
             low, high, body = value
-            copies = max(low, 1) if high == re._constants.MAXREPEAT else high
-            size += copies * _unrolled_size(body)
+            is_loop = high == re._constants.MAXREPEAT
+            copies = max(low, 1) if is_loop else high
+            is_optional = not is_loop and high > low
+            weight = NESTED_OPTIONAL_REPEAT_WEIGHT if is_optional and depth else 1
+            size += copies * weight * _unrolled_size(body, depth + 1 if is_optional else depth)
         elif op is re._constants.SUBPATTERN:
-            size += _unrolled_size(value[-1])
+            size += _unrolled_size(value[-1], depth)
         elif op is re._constants.ATOMIC_GROUP:
-            size += _unrolled_size(value)
+            size += _unrolled_size(value, depth)
         elif op is re._constants.BRANCH:
-            size += sum(_unrolled_size(branch) for branch in value[1])
+            size += sum(_unrolled_size(branch, depth) for branch in value[1])
         elif op is re._constants.GROUPREF_EXISTS:  # (?(1)yes|no)
-            size += sum(_unrolled_size(branch) for branch in value[1:] if branch is not None)
+            size += sum(_unrolled_size(branch, depth) for branch in value[1:] if branch is not None)
         elif op in (re._constants.ASSERT, re._constants.ASSERT_NOT):
-            size += _unrolled_size(value[1])
+            size += _unrolled_size(value[1], depth)
         else:
             size += 1
         if size > MAX_PATTERN_UNROLLED:

@@ -54,6 +54,7 @@ _ERROR_BODY_SNIPPET_BYTES = 512
 # An error result's message (what the model reads) and its reason (what traces record), at most.
 MAX_ERROR_MESSAGE_BYTES = 1024
 MAX_VIOLATION_MESSAGE_BYTES = 300  # one schema violation's message, which quotes the value at fault
+MAX_VIOLATION_PATH_BYTES = 200  # its path, which names the properties on the way (a model may write long ones)
 MAX_ERROR_REASON_BYTES = 200
 # Content codings a reply may come in (asked for `identity`, some servers compress anyway), decoded one
 # layer at most, never past MAX_TOOL_RESPONSE_BYTES: httpx inflated each read whole and stacked layers
@@ -281,7 +282,8 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
         return call
     # jsonschema's messages quote the value at fault whole: a 64 KB argument came back to the model several
     # times over, in a repair step that could then overflow the window.
-    violations = tuple(SchemaViolation(e.json_path, truncate_text(e.message, MAX_VIOLATION_MESSAGE_BYTES)[0])
+    violations = tuple(SchemaViolation(truncate_text(e.json_path, MAX_VIOLATION_PATH_BYTES)[0],
+                                       truncate_text(e.message, MAX_VIOLATION_MESSAGE_BYTES)[0])
                        for e in errors[:MAX_REPORTED_VIOLATIONS])
     detail = f"{len(errors)} schema violation(s) in the arguments"
     return ToolCallError(call.id, call.name, "schema_violation", detail, violations)

@@ -63,6 +63,16 @@ def _call(name, arguments):
     return ToolCall(id="call-1", name=name, arguments=arguments)
 
 
+def test_a_refusal_of_arguments_under_long_property_names_stays_bounded():
+    """Each violation's message was cut, its path not: 8 KiB of arguments under a long property name made a
+    128 KiB refusal, which the client's error carried whole."""
+    name = "p" * 8000
+    spec = _spec("deep", {"type": "object", "properties": {name: {"type": "array", "items": {"type": "integer"}}}})
+    error = validate_tool_call(_call("deep", json.dumps({name: ["x"] * 40})), [spec])
+    assert error.kind == "schema_violation" and len(error.message.encode()) < 16 * 1024
+    assert all(len(v.path.encode()) <= 200 + len("…[truncated 99999 bytes]".encode()) for v in error.violations)
+
+
 def test_raw_control_characters_in_strings_are_escaped_and_nothing_else_changes():
     # A literal newline and tab in a string (as models write file contents), one after an escaped quote.
     raw = '{"order_id": "ORD-1", "items": [{"sku": "line one\nline\ttwo \\"q\u0001", "qty": 1}]}'

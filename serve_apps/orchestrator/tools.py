@@ -154,6 +154,35 @@ def _check_depth(value: JsonValue) -> None:
             nodes.extend(node.values() if isinstance(node, dict) else node)
 
 
+class _Inexact(ValueError):
+    pass
+
+
+def _exact_float(text: str) -> float:
+    value = float(text)
+    if math.isfinite(value) and decimal.Decimal(repr(value)) != decimal.Decimal(text):
+        raise _Inexact(f"the number {text[:40]} is not exactly a 64-bit float: the schema's checks would read it as "
+                       f"{value!r}, a tool parsing decimals as written; write at most 17 significant digits, "
+                       "and no number nearer 0 than 1e-307")
+    return value
+
+
+def _inexact_numeral(arguments: str) -> str | None:
+    """Why a number of `arguments` (parsed strictly already) is not the float it rounds to, or None.
+
+    Why refuse it: the schema's checks read numbers as floats while the tool gets the text as written, so
+    `100.000000000000001` passed `maximum: 100` (read as 100.0) to a tool that parses decimals, and
+    `1e-400` failed `exclusiveMinimum: 0` (read as 0.0) though positive.
+    """
+    try:
+        json.loads(arguments, parse_float=_exact_float)
+    except _Inexact as err:
+        return str(err)
+    except ValueError:  # anything else was the strict parse's to refuse
+        return None
+    return None
+
+
 def parse_arguments(arguments: str) -> JsonValue:
     """A tool call's arguments, parsed strictly (`parse_strict_json`)."""
     return parse_strict_json(arguments, "tool arguments")
@@ -266,6 +295,8 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
         except ValueError:
             return invalid
         call = call.model_copy(update={"arguments": escaped})
+    if (inexact := _inexact_numeral(call.arguments)) is not None:
+        return ToolCallError(call.id, call.name, "invalid_json", inexact)
     try:
         with check_deadline(CHECK_BUDGET_S):
             errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))

@@ -73,6 +73,20 @@ def test_a_refusal_of_arguments_under_long_property_names_stays_bounded():
     assert all(len(v.path.encode()) <= 200 + len("…[truncated 99999 bytes]".encode()) for v in error.violations)
 
 
+@pytest.mark.parametrize("number, is_accepted", [
+    ("1284.50", True), ("0.1", True), ("1e2", True), ("19.99", True), ("-0.0", True), ("1.7976931348623157e308", True),
+    ("12345678901234567890", True),  # an integer is exact however long
+    # The checks read each as its float (100.0, 0.0, 1.0), the tool as written: `maximum: 100` passed the first.
+    ("100.000000000000001", False), ("1e-400", False), ("0.99999999999999999", False),
+])
+def test_a_number_the_checks_would_read_as_another_float_is_refused(number, is_accepted):
+    spec = _spec("pay", {"type": "object", "properties": {"amount": {"type": "number"}}})
+    checked = validate_tool_call(_call("pay", f'{{"amount": {number}}}'), [spec])
+    assert isinstance(checked, ToolCall) is is_accepted
+    if not is_accepted:
+        assert checked.kind == "invalid_json" and "is not exactly a 64-bit float" in checked.message
+
+
 def test_raw_control_characters_in_strings_are_escaped_and_nothing_else_changes():
     # A literal newline and tab in a string (as models write file contents), one after an escaped quote.
     raw = '{"order_id": "ORD-1", "items": [{"sku": "line one\nline\ttwo \\"q\u0001", "qty": 1}]}'

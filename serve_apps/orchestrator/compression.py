@@ -376,9 +376,9 @@ def prescan(messages: Sequence[Message]) -> None:
     for message in messages:
         if is_summary(message):
             continue
-        for text in [message.content or "", *(call.arguments for call in message.tool_calls or ())]:
+        for text in _message_texts(message):
             extract_facts(text)
-            _TEXT_VALUES.get("source", text, _text_source_values)
+            _text_values_of(text)
 
 
 def extract_facts(text: str) -> list[str]:
@@ -485,9 +485,19 @@ def source_values(messages: Sequence[Message]) -> list[str]:
         if is_summary(message):
             values.extend(_previous_ledger(message))
             continue
-        for text in [message.content or "", *(call.arguments for call in message.tool_calls or ())]:
-            values.extend(_TEXT_VALUES.get("source", text, _text_source_values))
+        for text in _message_texts(message):
+            values.extend(_text_values_of(text))
     return list(dict.fromkeys(values))
+
+
+def _message_texts(message: Message) -> list[str]:
+    """The texts of a message values are read from: its content, then each call's arguments."""
+    return [message.content or "", *(call.arguments for call in message.tool_calls or ())]
+
+
+def _text_values_of(text: str) -> tuple[str, ...]:
+    """`source_values` of one text, scanned once (`_TEXT_VALUES`)."""
+    return _TEXT_VALUES.get("source", text, _text_source_values)
 
 
 def _text_source_values(text: str) -> list[str]:
@@ -654,11 +664,7 @@ def _ledger_values(ledger: Sequence[str]) -> set[str]:
 
 
 def _context_text(messages: Sequence[Message]) -> str:
-    parts = []
-    for message in messages:
-        parts.append(message.content or "")
-        parts.extend(call.arguments for call in message.tool_calls or ())
-    return "\n".join(parts)
+    return "\n".join(text for message in messages for text in _message_texts(message))
 
 
 def apply_compression(

@@ -23,7 +23,7 @@ import json
 import math
 import ssl
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, NoReturn
@@ -154,41 +154,33 @@ def _check_depth(value: JsonValue) -> None:
             nodes.extend(node.values() if isinstance(node, dict) else node)
 
 
-class _Inexact(ValueError):
-    pass
+class _InexactNumber(ValueError):
+    """A numeral that is not exactly the 64-bit float it rounds to."""
 
 
 def _exact_float(text: str) -> float:
-    value = float(text)
-    if math.isfinite(value) and decimal.Decimal(repr(value)) != decimal.Decimal(text):
-        raise _Inexact(f"the number {text[:40]} is not exactly a 64-bit float: the schema's checks would read it as "
-                       f"{value!r}, a tool parsing decimals as written; write at most 17 significant digits, "
-                       "and no number nearer 0 than 1e-307")
-    return value
+    """`_finite_float`, refusing a numeral that is not exactly its float.
 
-
-def _inexact_numeral(arguments: str) -> str | None:
-    """Why a number of `arguments` (parsed strictly already) is not the float it rounds to, or None.
-
-    Why refuse it: the schema's checks read numbers as floats while the tool gets the text as written, so
+    Why: the schema's checks read numbers as floats while the tool gets the text as written, so
     `100.000000000000001` passed `maximum: 100` (read as 100.0) to a tool that parses decimals, and
     `1e-400` failed `exclusiveMinimum: 0` (read as 0.0) though positive.
     """
-    try:
-        json.loads(arguments, parse_float=_exact_float)
-    except _Inexact as err:
-        return str(err)
-    except ValueError:  # anything else was the strict parse's to refuse
-        return None
-    return None
+    value = _finite_float(text)
+    if decimal.Decimal(repr(value)) != decimal.Decimal(text):
+        raise _InexactNumber(f"the number {text[:40]} is not exactly a 64-bit float: the schema's checks would read "
+                             f"it as {value!r}, a tool parsing decimals as written; write at most 17 significant "
+                             "digits, and no number nearer 0 than 1e-307")
+    return value
 
 
-def parse_arguments(arguments: str) -> JsonValue:
-    """A tool call's arguments, parsed strictly (`parse_strict_json`)."""
-    return parse_strict_json(arguments, "tool arguments")
+def parse_arguments(arguments: str, *, is_exact: bool = False) -> JsonValue:
+    """A tool call's arguments, parsed strictly (`parse_strict_json`); with `is_exact`, a number that is not
+    exactly its float is refused too (`_InexactNumber`, as validation does: elsewhere the arguments are only
+    rendered or sent as written)."""
+    return parse_strict_json(arguments, "tool arguments", _exact_float if is_exact else _finite_float)
 
 
-def parse_strict_json(text: str, what: str) -> JsonValue:
+def parse_strict_json(text: str, what: str, parse_float: Callable[[str], float] = _finite_float) -> JsonValue:
     """Strict JSON parse: NaN, Infinity, out-of-range numbers, lone surrogates and a key written twice in one
     object (`_unique_members`) are refused like any other non-JSON text.
 
@@ -201,7 +193,7 @@ def parse_strict_json(text: str, what: str) -> JsonValue:
     """
     try:
         value = json.loads(
-            text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_members
+            text, parse_constant=_reject_constant, parse_float=parse_float, object_pairs_hook=_unique_members
         )
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH} levels") from None
@@ -284,19 +276,21 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
         known = ", ".join(sorted(tool.name for tool in tools)) or "none"
         return ToolCallError(call.id, call.name, "unknown_tool", f"no tool named {call.name!r}; available: {known}")
     try:
-        arguments = parse_arguments(call.arguments)
+        arguments = parse_arguments(call.arguments, is_exact=True)
+    except _InexactNumber as err:
+        return ToolCallError(call.id, call.name, "invalid_json", str(err))
     except ValueError as err:
         invalid = ToolCallError(call.id, call.name, "invalid_json", f"arguments are not a JSON document: {err}")
         escaped = escape_raw_control_characters(call.arguments)
         if escaped == call.arguments:
             return invalid
         try:
-            arguments = parse_arguments(escaped)
+            arguments = parse_arguments(escaped, is_exact=True)
+        except _InexactNumber as inexact:
+            return ToolCallError(call.id, call.name, "invalid_json", str(inexact))
         except ValueError:
             return invalid
         call = call.model_copy(update={"arguments": escaped})
-    if (inexact := _inexact_numeral(call.arguments)) is not None:
-        return ToolCallError(call.id, call.name, "invalid_json", inexact)
     try:
         with check_deadline(CHECK_BUDGET_S):
             errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))

@@ -543,12 +543,12 @@ class TurnRunner:
             raise TurnFailed(
                 "context_overflow",
                 f"the prompt needs {account.total_tokens} tokens plus {self._limits.output_reserve_tokens} "
-                f"for the answer, over the session's {self._window}-token window" + self._summary_hint(history, account),
+                f"for the answer, over the session's {self._window}-token window" + self._overflow_hint(history, account),
             )
         return account
 
     @staticmethod
-    def _summary_hint(history: Sequence[Message], account: TokenAccount) -> str:
+    def _overflow_hint(history: Sequence[Message], account: TokenAccount) -> str:
         """What the earlier messages' summary, or the session's prefix, takes of a prompt over the window, where
         that is most of it: the summary's facts ledger keeps every exact value and is never cut, so a session
         whose values outgrow its window goes on in a new one; the prefix (system prompt and tools) is never

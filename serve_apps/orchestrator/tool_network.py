@@ -179,7 +179,7 @@ def _parse(url: str) -> _ParsedUrl | str:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port
     except ValueError as err:  # a bracketed host that is no IPv6 address, a port out of range
-        return f"tool URL {shown_url(url)} cannot be parsed ({err})"
+        return f"tool URL {shown_url(url)} cannot be parsed ({_unquoted(err)})"
     if not host:
         return f"tool URL {shown_url(url)} names no host"
     for segment in map(unquote, parts.path.split("/")):
@@ -191,7 +191,7 @@ def _parse(url: str) -> _ParsedUrl | str:
     try:
         sent = httpx.URL(url)  # how the call is sent
     except httpx.InvalidURL as err:
-        return f"tool URL {shown_url(url)} cannot be parsed ({err})"
+        return f"tool URL {shown_url(url)} cannot be parsed ({_unquoted(err)})"
     if (sent.port or _DEFAULT_PORTS.get(sent.scheme, 80)) != port:
         return f"tool URL {shown_url(url)} is ambiguous: its port reads as {port} here and {sent.port} to the HTTP client"
     # The host as the HTTP client sends it (IDNA 2008, `。` as `.`): resolved as `urlsplit` gives it, the socket
@@ -202,8 +202,22 @@ def _parse(url: str) -> _ParsedUrl | str:
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-# A URL's userinfo (`user:password@`), up to the last `@` before its path, query or fragment.
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+# A URL's userinfo (`user:password@`), up to the last `@` before its query or fragment: a password with a
+# `/` in it (`http://svc:pa/ss@host/`, which parsers read as host `svc`, port `pa`) is hidden too, at the
+# cost of a path's own `@` (`/users/@me`) hiding the host in a refusal.
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^?#]*@")
+_AUTHORITY = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)")
+# What a parse error quotes of the URL (`Invalid port: 'pa'`): may be a piece of a password.
+_QUOTED = re.compile(r"'[^']*'")
+
+
+def _port_is_no_number(authority: str) -> bool:
+    _, colon, port = authority[authority.rfind("]") + 1:].partition(":")  # after an IPv6 literal's brackets
+    return bool(colon and port) and not port.isdigit()
+
+
+def _unquoted(err: Exception) -> str:
+    return _QUOTED.sub("'…'", str(err))
 
 
 def shown_url(url: str) -> str:
@@ -212,7 +226,10 @@ def shown_url(url: str) -> str:
     Why: a tool URL may carry a password or a token (`https://svc:pw@host/x?api_key=...`),
     which the session's creator gave the orchestrator to call with, not to be repeated.
     """
-    text = _USERINFO.sub(r"\1***@", url)
+    text, hidden = _USERINFO.subn(r"\1***@", url)
+    authority = _AUTHORITY.match(text)
+    if not hidden and authority and _port_is_no_number(authority[2]):  # `svc:pa` of `http://svc:pa?ss@host/`
+        text = authority[1] + "***" + text[authority.end():]
     for mark in "?#":
         head, found, _ = text.partition(mark)
         if found:

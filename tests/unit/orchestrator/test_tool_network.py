@@ -328,6 +328,23 @@ def test_a_refused_tool_url_is_shown_without_its_password_or_query(url, network)
     assert "S3CRET" not in (network.check_url(url) or "")
 
 
+@pytest.mark.parametrize("url", [
+    "http://svc:pa/S3CRET@tools.internal/x",  # parsers read host `svc`, port `pa`
+    "http://svc:S3CRET?x@tools.internal/x",
+    "http://svc:S3CRET#x@tools.internal/x",
+    "http://svc/S3CRET:pw@tools.internal/x",  # host `svc`, the rest a path
+    "http://svc:S3/CRET@tools.internal/x",
+])
+def test_a_password_that_cuts_the_url_short_is_not_shown(url):
+    """A password with a `/`, `?` or `#` in it ends the URL's authority early: its pieces read as a port (quoted by
+    the parse error) or a path; the refusal showed them."""
+    policy = ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=["https://tools.example/"]))
+    refusal = policy.check_url(url)
+    assert refusal is not None and refusal.startswith("tool URL http://***")
+    for piece in ("S3", "CRET", "pa", "pw"):
+        assert piece not in refusal.split(" ", 3)[2] and f"'{piece}'" not in refusal
+
+
 def test_a_unicode_host_is_resolved_as_the_http_client_sends_it(monkeypatch):
     """The socket module's IDNA 2003 looked up `strasse.de` for `straße.de` (IDNA 2008: `xn--strae-oqa.de`, the
     name in Host and SNI): the call went to another domain's owner, arguments and URL credentials with it."""

@@ -291,16 +291,23 @@ def _is_acknowledgement(message: WireMessage) -> bool:
 
 
 def _neutralized(message: WireMessage, control_tokens: ControlTokens) -> WireMessage:
-    """`message` with its content, names and call arguments neutralised against `control_tokens`."""
+    """`message` with its content, names, call ids and call arguments neutralised against `control_tokens`.
+
+    Call ids too: some parsers keep the ids the model wrote (Kimi K2's), and some templates print them
+    (Mistral's, Kimi's), in the call and in the result that answers it (neutralised alike, so they still pair).
+    """
     out: WireMessage = dict(message)  # type: ignore[assignment]
     if out.get("content") is not None:
         out["content"] = control_tokens.neutralize(out["content"])
     if "name" in out:
         out["name"] = control_tokens.neutralize(out["name"])
+    if "tool_call_id" in out:
+        out["tool_call_id"] = control_tokens.neutralize(out["tool_call_id"])
     if "tool_calls" in out:
         out["tool_calls"] = [
-            {**call, "function": {"name": control_tokens.neutralize(call["function"]["name"]),
-                                  "arguments": control_tokens.neutralize_arguments(call["function"]["arguments"])}}
+            {**call, "id": control_tokens.neutralize(call["id"]),
+             "function": {"name": control_tokens.neutralize(call["function"]["name"]),
+                          "arguments": control_tokens.neutralize_arguments(call["function"]["arguments"])}}
             for call in out["tool_calls"]
         ]
     return out

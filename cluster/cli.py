@@ -206,6 +206,10 @@ def up(
         typer.echo(f"error: {err}", err=True)
         _echo_left_running(cfg)
         raise typer.Exit(1)
+    except OSError as err:  # a state file it wrote (serve_config.yaml, the key) on a full or read-only disk
+        typer.echo(f"error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), err=True)
+        _echo_left_running(cfg)
+        raise typer.Exit(1)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         _echo_left_running(cfg)

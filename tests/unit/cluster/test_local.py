@@ -284,7 +284,10 @@ def test_an_interrupted_ray_start_is_recorded_so_down_stops_it(tmp_path, monkeyp
     assert LocalState.load(tmp_path).ray_started
 
 
-@pytest.mark.parametrize("failure, exit_code", [(BringUpError("deploy failed"), 1), (KeyboardInterrupt(), 130)])
+@pytest.mark.parametrize("failure, exit_code", [
+    (BringUpError("deploy failed"), 1), (KeyboardInterrupt(), 130),
+    (OSError(28, "No space left on device", "/srv/.warmpath/serve_config.yaml"), 1),
+])
 def test_a_failed_up_says_what_it_left_running(tmp_path, monkeypatch, failure, exit_code):
     from typer.testing import CliRunner
 
@@ -296,7 +299,9 @@ def test_a_failed_up_says_what_it_left_running(tmp_path, monkeypatch, failure, e
 
     monkeypatch.setattr(local, "up", failing_up)
     result = CliRunner().invoke(app, ["up", "--state-dir", str(tmp_path)])
-    assert result.exit_code == exit_code
+    assert result.exit_code == exit_code and isinstance(result.exception, SystemExit)  # not a traceback
+    if isinstance(failure, OSError):
+        assert "error: No space left on device: /srv/.warmpath/serve_config.yaml" in result.output
     # A plain `down` would look in ./.warmpath, say "nothing to stop" and leave them running.
     assert (f"left running: redis-server (pid 4242), the Ray head; `warmpath down --state-dir {tmp_path}` stops them"
             in result.output)

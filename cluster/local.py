@@ -11,6 +11,7 @@ Ordering: model -> Redis -> Ray head -> `serve deploy` of the rendered config
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -303,6 +304,12 @@ def check_head_startable(cfg: ClusterConfig, state: LocalState, progress: Progre
             raise BringUpError(_ports_taken(taken))
         return False
     if state.ray_started and not is_started_head(state):
+        if state.ray_session and session_processes(state.ray_session):
+            raise BringUpError(
+                f"the head this state directory started (session {state.ray_session}) runs beside another Ray head "
+                f"started after it ({head_session()}), which Ray's tools now address: `warmpath down` stops ours "
+                "(and leaves the other running), then `warmpath up` again"
+            )
         progress(
             f"ray: the head this state directory started (session {state.ray_session}) is gone; "
             f"the one running now ({head_session()}) was started elsewhere"
@@ -1112,11 +1119,22 @@ def _stop_started_head(state: LocalState, progress: Progress) -> bool:
             progress(f"ray: the head `up` started does not answer; stopping its {len(leftovers)} processes")
             is_stopped = _ray_stop(progress)
     elif not is_started_head(state):
-        progress(
-            f"ray: the head `up` started (session {state.ray_session}) is gone; the one running now "
-            f"({head_session()}) was started elsewhere and is left running"
-        )
-        return True
+        own = session_processes(state.ray_session) if state.ray_session else []
+        if not own:
+            progress(
+                f"ray: the head `up` started (session {state.ray_session}) is gone; the one running now "
+                f"({head_session()}) was started elsewhere and is left running"
+            )
+            return True
+        # Another head started after it (`ray stop` would stop both): this one's own processes go, by session.
+        progress(f"ray: the head `up` started (session {state.ray_session}) runs beside one started elsewhere "
+                 f"({head_session()}), which is left running; stopping its {len(own)} processes")
+        try:
+            _serve_client(state).delete_applications()
+            progress("serve: applications deleted")
+        except Exception as err:
+            progress(f"serve: could not delete applications ({err})")
+        is_stopped = _stop_processes(own, progress)
     else:
         try:
             _serve_client(state).delete_applications()  # replicas stop their engines before the head goes
@@ -1128,6 +1146,29 @@ def _stop_started_head(state: LocalState, progress: Progress) -> bool:
     if reaped:
         progress(f"vllm: stopped {len(reaped)} engine processes left behind by their replicas")
     return is_stopped
+
+
+def _stop_processes(pids: list[int], progress: Progress, timeout_s: float = 10.0) -> bool:
+    """SIGTERM to `pids`, SIGKILL to those left after `timeout_s`; False (said why) when some outlive both."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    alive = _running_after(pids, timeout_s)
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if left := _running_after(alive, 5.0):
+        progress(f"ray: processes {', '.join(map(str, left))} did not stop; kill them by hand")
+        return False
+    return True
+
+
+def _running_after(pids: list[int], timeout_s: float) -> list[int]:
+    """Those of `pids` still running once all stopped or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
 
 
 def _ray_stop(progress: Progress) -> bool:

@@ -3,6 +3,8 @@ serves and returns only once its proxies take calls."""
 
 import http.server
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -306,3 +308,32 @@ def test_up_without_keys_on_a_head_whose_proxies_listen_everywhere_says_so(tmp_p
     local.up(cfg, lines.append)
     assert any("proxies listen on 0.0.0.0, not the 127.0.0.1 asked for" in line for line in lines), lines
     assert any(line.startswith("WARNING: API keys are off") for line in lines), lines
+
+
+def _process_of_session(session: str) -> subprocess.Popen:
+    """A process naming `session` on its command line, as a Ray head's GCS, raylet and workers do."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"/tmp/ray/{session}/logs"])
+
+
+def test_down_stops_our_head_running_beside_one_started_after_it(tmp_path, serve, monkeypatch):
+    """`session_latest` names the newer head: ours, still running, was taken for gone and left running for good.
+    `ray stop` would stop both: ours goes by its session's processes."""
+    ours, theirs = "session_2026-12-07_09-00-00_111", "session_2026-12-07_10-00-00_222"
+    monkeypatch.setattr(local, "_ray_head_up", lambda: True)
+    monkeypatch.setattr(local, "head_session", lambda: theirs)
+    process, bystander = _process_of_session(ours), _process_of_session(theirs)
+    try:
+        cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+        LocalState(ray_started=True, ray_address="auto", ray_session=ours).save(tmp_path)
+        lines = []
+        with pytest.raises(BringUpError, match="runs beside another Ray head"):
+            local.check_head_startable(cfg, LocalState.load(tmp_path), lines.append)
+        assert LocalState.load(tmp_path).ray_session == ours  # not forgotten
+        assert local.down(cfg, lines.append) is True  # `ray stop` would fail the test (serve fixture)
+        assert process.wait(timeout=10) is not None and bystander.poll() is None
+        assert serve.deleted_all and LocalState.load(tmp_path).is_empty()
+        assert any("runs beside one started elsewhere" in line for line in lines), lines
+    finally:
+        for each in (process, bystander):
+            each.kill()
+            each.wait()

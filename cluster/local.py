@@ -301,6 +301,12 @@ def check_head_startable(cfg: ClusterConfig, state: LocalState, progress: Progre
         return False
     if not _ray_head_up():
         if (taken := ports_in_use(cfg)):
+            if state.ray_started and state.ray_session and session_processes(state.ray_session):
+                raise BringUpError(
+                    f"{', '.join(taken)} in use: the Ray head this state directory started (session "
+                    f"{state.ray_session}) does not answer but its processes still run; `warmpath down` stops "
+                    "them, then `warmpath up` again"
+                )
             raise BringUpError(_ports_taken(taken))
         return False
     if state.ray_started and not is_started_head(state):

@@ -337,3 +337,22 @@ def test_down_stops_our_head_running_beside_one_started_after_it(tmp_path, serve
         for each in (process, bystander):
             each.kill()
             each.wait()
+
+
+def test_up_says_its_own_half_started_head_holds_the_ports(tmp_path, monkeypatch):
+    """A head this state directory started that does not answer: its ports were said to be another process's."""
+    ours = "session_2026-12-07_09-30-00_333"
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(local, "_ray_head_up", lambda: False)
+    monkeypatch.setattr(local, "ports_in_use", lambda cfg: ["port 8265 (Ray's dashboard)"])
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    state = LocalState(ray_started=True, ray_address="auto", ray_session=ours)
+    with pytest.raises(BringUpError, match="in use by another process"):
+        local.check_head_startable(cfg, state, lambda line: None)  # none of its processes runs
+    process = _process_of_session(ours)
+    try:
+        with pytest.raises(BringUpError, match=f"started \\(session {ours}\\) does not answer.*`warmpath down`"):
+            local.check_head_startable(cfg, state, lambda line: None)
+    finally:
+        process.kill()
+        process.wait()

@@ -255,10 +255,16 @@ def chat_completion_fields(request: inference_pb2.ChatCompletionRequest) -> dict
     messages = []
     for index, message in enumerate(request.messages):
         try:
-            messages.append(to_wire_message(Message.model_validate(chat_message_to_dict(message))))
+            wire = to_wire_message(Message.model_validate(chat_message_to_dict(message)))
         except ValidationError as err:
-            message, _ = validation_problem(err.errors(), prefix=f"messages[{index}]")
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter", message) from None
+            problem, _ = validation_problem(err.errors(), prefix=f"messages[{index}]")
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter", problem) from None
+        if message.HasField("reasoning"):  # the engine's field, outside the session API's messages
+            if message.role != "assistant":
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter",
+                                 f"messages[{index}].reasoning: only assistant messages carry reasoning")
+            wire["reasoning"] = message.reasoning
+        messages.append(wire)
     tools = []
     for index, tool in enumerate(request.tools):
         function: dict[str, Any] = {"name": tool.name, "description": tool.description}
@@ -369,7 +375,14 @@ def chat_response_to_proto(response: Mapping[str, Any], replica_id: str) -> infe
     )
     if message.get("content") or not message.get("tool_calls"):  # unset when the model only called tools
         out.content = utf8_text(message.get("content") or "")
+    if reasoning := _reasoning(message):
+        out.reasoning = utf8_text(reasoning)
     return out
+
+
+def _reasoning(message: Mapping[str, Any]) -> str | None:
+    """The engine's reasoning text of a message or delta: `reasoning`, or `reasoning_content`, its older name."""
+    return message.get("reasoning") or message.get("reasoning_content")
 
 
 def chat_chunk_to_proto(payload: Mapping[str, Any], replica_id: str) -> inference_pb2.ChatCompletionChunk:
@@ -385,6 +398,7 @@ def chat_chunk_to_proto(payload: Mapping[str, Any], replica_id: str) -> inferenc
         choice = choices[0]
         delta = choice.get("delta") or {}
         chunk.content = utf8_text(delta.get("content") or "")
+        chunk.reasoning = utf8_text(_reasoning(delta) or "")
         chunk.finish_reason = choice.get("finish_reason") or ""
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}

@@ -80,6 +80,7 @@ class WireMessage(TypedDict, total=False):
     tool_calls: list[WireToolCall]
     tool_call_id: str
     name: str
+    reasoning: str  # the gRPC Inference API's passthrough of the engine's field; never a session's
 
 
 class WireToolFunction(TypedDict):

@@ -43,6 +43,18 @@ def test_unary_and_streamed_chat_completion(channel, metadata, cluster):
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_an_assistant_messages_reasoning_is_taken_by_the_engine(channel, metadata, cluster):
+    """The engine takes `reasoning` on an assistant message; a model served without a reasoning parser answers
+    none."""
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    request = _request(cluster, "and once more")
+    request.messages.insert(0, inference_pb2.ChatMessage(role="user", content="hello"))
+    request.messages.insert(1, inference_pb2.ChatMessage(role="assistant", content="hi", reasoning="Greet back."))
+    reply = stub.ChatCompletion(request, metadata=metadata, timeout=120)
+    assert reply.content and not reply.HasField("reasoning")
+    assert all(not chunk.reasoning for chunk in stub.StreamChatCompletion(request, metadata=metadata, timeout=120))
+
+
 def test_structured_output_and_stop_texts(channel, metadata, cluster):
     stub = inference_pb2_grpc.InferenceStub(channel)
     schema = {"type": "object", "properties": {"order_id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"}},

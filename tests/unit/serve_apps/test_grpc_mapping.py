@@ -642,8 +642,9 @@ def test_function_tool_without_schema_gets_an_empty_object_schema():
         ([inference_pb2.ChatMessage(role="robot", content="x")], "messages[0].role: "),
         ([inference_pb2.ChatMessage(role="user", content="x"), inference_pb2.ChatMessage(role="tool", content="x")], "messages[1]: "),
         ([inference_pb2.ChatMessage(role="user")], "messages[0]: "),
+        ([inference_pb2.ChatMessage(role="user", content="x", reasoning="y")], "messages[0].reasoning: "),
     ],
-    ids=["unknown-role", "tool-without-call-id", "user-without-content"],
+    ids=["unknown-role", "tool-without-call-id", "user-without-content", "reasoning-off-assistant"],
 )
 def test_invalid_chat_messages(messages, prefix):
     with pytest.raises(RpcFailure) as info:
@@ -651,6 +652,29 @@ def test_invalid_chat_messages(messages, prefix):
     assert info.value.status is Code.INVALID_ARGUMENT
     assert info.value.message.startswith(prefix), info.value.message
     assert "\n" not in info.value.message and "errors.pydantic.dev" not in info.value.message  # one readable line
+
+
+def test_an_assistant_messages_reasoning_reaches_the_engine():
+    """Sent back as the engine's `reasoning` field; its template decides whether to render it."""
+    fields = chat_completion_fields(inference_pb2.ChatCompletionRequest(messages=[
+        inference_pb2.ChatMessage(role="user", content="2+2?"),
+        inference_pb2.ChatMessage(role="assistant", content="4", reasoning="Two and two make four."),
+        inference_pb2.ChatMessage(role="user", content="and 3+3?"),
+    ]))
+    assert fields["messages"][1] == {"role": "assistant", "content": "4", "reasoning": "Two and two make four."}
+    assert "reasoning" not in fields["messages"][0] and "reasoning" not in fields["messages"][2]
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_the_models_reasoning_reaches_the_client(field):
+    """A reasoning model served with a `reasoning_parser` answers its reasoning apart from its content."""
+    response = {"id": "chatcmpl-2", "model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "4", field: "Two and two make four."}}]}
+    assert chat_response_to_proto(response, "r").reasoning == "Two and two make four."
+    assert not chat_response_to_proto(OPENAI_RESPONSE, "r").HasField("reasoning")
+    chunk = {"id": "c", "model": "m", "choices": [{"index": 0, "delta": {field: "Two and"}, "finish_reason": None}]}
+    assert chat_chunk_to_proto(chunk, "r") == inference_pb2.ChatCompletionChunk(
+        id="c", model="m", reasoning="Two and", replica_id="r")
 
 
 OPENAI_RESPONSE = {

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bwarmpath/v1/inference.proto\x12\x0bwarmpath.v1\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xb0\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.warmpath.v1.ToolCall\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x11\n\x04name\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\n\n\x08_contentB\x0f\n\r_tool_call_idB\x07\n\x05_name\"J\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"Q\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bschema_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\xdd\x03\n\x15\x43hatCompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.warmpath.v1.ChatMessage\x12(\n\x05tools\x18\x03 \x03(\x0b\x32\x19.warmpath.v1.FunctionTool\x12\x18\n\x0btool_choice\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\n \x01(\x01H\x04\x88\x01\x01\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x05\x88\x01\x01\x12\x39\n\x0fresponse_format\x18\x0c \x01(\x0b\x32\x1b.warmpath.v1.ResponseFormatH\x06\x88\x01\x01\x42\x0e\n\x0c_tool_choiceB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x08\n\x06_top_pB\x16\n\x14_parallel_tool_callsB\x12\n\x10_response_format\"\xce\x01\n\x16\x43hatCompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x07\x63ontent\x18\x03 \x01(\tH\x00\x88\x01\x01\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.warmpath.v1.ToolCall\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.warmpath.v1.Usage\x12\x12\n\nreplica_id\x18\x07 \x01(\tB\n\n\x08_content\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xe8\x01\n\x13\x43hatCompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12.\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1a.warmpath.v1.ToolCallDelta\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.warmpath.v1.Usage\x12\x12\n\nreplica_id\x18\x07 \x01(\t\x12\'\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x18.warmpath.v1.StreamError2\xc6\x01\n\tInference\x12Y\n\x0e\x43hatCompletion\x12\".warmpath.v1.ChatCompletionRequest\x1a#.warmpath.v1.ChatCompletionResponse\x12^\n\x14StreamChatCompletion\x12\".warmpath.v1.ChatCompletionRequest\x1a .warmpath.v1.ChatCompletionChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bwarmpath/v1/inference.proto\x12\x0bwarmpath.v1\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xd6\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.warmpath.v1.ToolCall\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x11\n\x04name\x18\x05 \x01(\tH\x02\x88\x01\x01\x12\x16\n\treasoning\x18\x06 \x01(\tH\x03\x88\x01\x01\x42\n\n\x08_contentB\x0f\n\r_tool_call_idB\x07\n\x05_nameB\x0c\n\n_reasoning\"J\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"Q\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bschema_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\xdd\x03\n\x15\x43hatCompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.warmpath.v1.ChatMessage\x12(\n\x05tools\x18\x03 \x03(\x0b\x32\x19.warmpath.v1.FunctionTool\x12\x18\n\x0btool_choice\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\n \x01(\x01H\x04\x88\x01\x01\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x05\x88\x01\x01\x12\x39\n\x0fresponse_format\x18\x0c \x01(\x0b\x32\x1b.warmpath.v1.ResponseFormatH\x06\x88\x01\x01\x42\x0e\n\x0c_tool_choiceB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x08\n\x06_top_pB\x16\n\x14_parallel_tool_callsB\x12\n\x10_response_format\"\xf4\x01\n\x16\x43hatCompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x07\x63ontent\x18\x03 \x01(\tH\x00\x88\x01\x01\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.warmpath.v1.ToolCall\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.warmpath.v1.Usage\x12\x12\n\nreplica_id\x18\x07 \x01(\t\x12\x16\n\treasoning\x18\x08 \x01(\tH\x01\x88\x01\x01\x42\n\n\x08_contentB\x0c\n\n_reasoning\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xfb\x01\n\x13\x43hatCompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12.\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1a.warmpath.v1.ToolCallDelta\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.warmpath.v1.Usage\x12\x12\n\nreplica_id\x18\x07 \x01(\t\x12\'\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x18.warmpath.v1.StreamError\x12\x11\n\treasoning\x18\t \x01(\t2\xc6\x01\n\tInference\x12Y\n\x0e\x43hatCompletion\x12\".warmpath.v1.ChatCompletionRequest\x1a#.warmpath.v1.ChatCompletionResponse\x12^\n\x14StreamChatCompletion\x12\".warmpath.v1.ChatCompletionRequest\x1a .warmpath.v1.ChatCompletionChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALL']._serialized_start=44
   _globals['_TOOLCALL']._serialized_end=99
   _globals['_CHATMESSAGE']._serialized_start=102
-  _globals['_CHATMESSAGE']._serialized_end=278
-  _globals['_FUNCTIONTOOL']._serialized_start=280
-  _globals['_FUNCTIONTOOL']._serialized_end=354
-  _globals['_USAGE']._serialized_start=356
-  _globals['_USAGE']._serialized_end=436
-  _globals['_STREAMERROR']._serialized_start=438
-  _globals['_STREAMERROR']._serialized_end=482
-  _globals['_RESPONSEFORMAT']._serialized_start=484
-  _globals['_RESPONSEFORMAT']._serialized_end=565
-  _globals['_CHATCOMPLETIONREQUEST']._serialized_start=568
-  _globals['_CHATCOMPLETIONREQUEST']._serialized_end=1045
-  _globals['_CHATCOMPLETIONRESPONSE']._serialized_start=1048
-  _globals['_CHATCOMPLETIONRESPONSE']._serialized_end=1254
-  _globals['_TOOLCALLDELTA']._serialized_start=1256
-  _globals['_TOOLCALLDELTA']._serialized_end=1331
-  _globals['_CHATCOMPLETIONCHUNK']._serialized_start=1334
-  _globals['_CHATCOMPLETIONCHUNK']._serialized_end=1566
-  _globals['_INFERENCE']._serialized_start=1569
-  _globals['_INFERENCE']._serialized_end=1767
+  _globals['_CHATMESSAGE']._serialized_end=316
+  _globals['_FUNCTIONTOOL']._serialized_start=318
+  _globals['_FUNCTIONTOOL']._serialized_end=392
+  _globals['_USAGE']._serialized_start=394
+  _globals['_USAGE']._serialized_end=474
+  _globals['_STREAMERROR']._serialized_start=476
+  _globals['_STREAMERROR']._serialized_end=520
+  _globals['_RESPONSEFORMAT']._serialized_start=522
+  _globals['_RESPONSEFORMAT']._serialized_end=603
+  _globals['_CHATCOMPLETIONREQUEST']._serialized_start=606
+  _globals['_CHATCOMPLETIONREQUEST']._serialized_end=1083
+  _globals['_CHATCOMPLETIONRESPONSE']._serialized_start=1086
+  _globals['_CHATCOMPLETIONRESPONSE']._serialized_end=1330
+  _globals['_TOOLCALLDELTA']._serialized_start=1332
+  _globals['_TOOLCALLDELTA']._serialized_end=1407
+  _globals['_CHATCOMPLETIONCHUNK']._serialized_start=1410
+  _globals['_CHATCOMPLETIONCHUNK']._serialized_end=1661
+  _globals['_INFERENCE']._serialized_start=1664
+  _globals['_INFERENCE']._serialized_end=1862
 # @@protoc_insertion_point(module_scope)

@@ -17,18 +17,20 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     tool_call_id: str
     name: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class FunctionTool(_message.Message):
     __slots__ = ("name", "description", "parameters_json")
@@ -99,7 +101,7 @@ class ChatCompletionRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., session_id: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., top_p: _Optional[float] = ..., parallel_tool_calls: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
 
 class ChatCompletionResponse(_message.Message):
-    __slots__ = ("id", "model", "content", "tool_calls", "finish_reason", "usage", "replica_id")
+    __slots__ = ("id", "model", "content", "tool_calls", "finish_reason", "usage", "replica_id", "reasoning")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class ChatCompletionResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     content: str
@@ -114,7 +117,8 @@ class ChatCompletionResponse(_message.Message):
     finish_reason: str
     usage: Usage
     replica_id: str
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "name", "arguments")
@@ -129,7 +133,7 @@ class ToolCallDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class ChatCompletionChunk(_message.Message):
-    __slots__ = ("id", "model", "content", "tool_calls", "finish_reason", "usage", "replica_id", "error")
+    __slots__ = ("id", "model", "content", "tool_calls", "finish_reason", "usage", "replica_id", "error", "reasoning")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +142,7 @@ class ChatCompletionChunk(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     content: str
@@ -146,4 +151,5 @@ class ChatCompletionChunk(_message.Message):
     usage: Usage
     replica_id: str
     error: StreamError
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., reasoning: _Optional[str] = ...) -> None: ...

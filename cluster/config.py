@@ -257,7 +257,11 @@ class RouterConfig(_Strict):
         allow_inf_nan=False,
     )
     session_idle_s: float = Field(
-        120.0, description="A session counts toward its replica's active sessions (session-balance) until idle this long.",
+        120.0,
+        description=(
+            "A session counts toward its replica's active sessions (session-balance), and draws its next request "
+            "to its last replica (session-affinity), until idle this long."
+        ),
         gt=0, le=MAX_ROUTER_SECONDS, allow_inf_nan=False,
     )
     pending_ttl_s: float = Field(

@@ -139,7 +139,10 @@ class PrefixAwarePolicy:
             cached_tokens, self._load_guard_tokens_per_excess_request, session_replica,
         )
         active = self._activity.counts_besides(request.session_id, now_s)
-        state = ScoringState(usable_blocks, prefix_blocks, loads, sessions, active)
+        # Affinity bridges the events' lag behind the session's last request; a session idle past
+        # `session_idle_s` has its history indexed, or evicted, and draws nothing more to its old replica.
+        affine = sessions if self._activity.is_active(request.session_id, now_s) else {}
+        state = ScoringState(usable_blocks, prefix_blocks, loads, affine, active)
         weighted = [(weight, scorer.score(request, kept, state)) for scorer, weight in self._scorers]
         totals = total_scores(kept, weighted)
         tiers = rank_tiers(totals, self._rng)

@@ -72,6 +72,11 @@ class SessionActivity:
         _decrement(besides, entry[0])
         return besides
 
+    def is_active(self, session_id: str | None, now_s: float) -> bool:
+        """Whether `session_id` had a request within `idle_s` of `now_s`."""
+        entry = self._sessions.get(session_id) if session_id is not None else None
+        return entry is not None and entry[1] > now_s - self._idle_s
+
     def __len__(self) -> int:
         return len(self._sessions)
 

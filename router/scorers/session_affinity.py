@@ -4,7 +4,10 @@ Why, beyond the prefix index: the previous turn's blocks may not be indexed
 yet (events lag prefill, the router restarted, or a gap forced a resync), and
 the engine's cache for the session is most likely still on that replica.
 Score 1.0 for the replica in `state.session_replicas[request.session_id]` when
-it is a candidate; every other replica scores 0.
+it is a candidate; every other replica scores 0. The policy passes the sessions
+only while the request's session is active (`router.session_activity`): once it
+has been idle that long, its history is indexed where it is cached, and its old
+replica, perhaps long since evicted it, beat an idle replica holding as much.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ prefilling the prompt once.) It matters where the
 prefix scorer ties, which is where a new session starts: every replica that
 cached the shared system prompt and tools looks the same to the prefix scorer,
 and in-flight counts (the "load" scorer) miss sessions waiting on a tool.
+A request of no session scores nothing here: it brings no session along, and
+its replica's sessions cost it nothing the load scorer does not count (scored,
+one session on the replica holding its whole prompt cancelled the load scorer's
+preference for waiting behind one request over recomputing the prompt).
 See `router.session_activity` for what counts as active.
 """
 
@@ -32,12 +36,14 @@ class SessionBalanceScorer:
         """Relative spare session capacity of each candidate.
 
         Args:
-            request: unused.
+            request: `session_id` is read.
             replica_ids: candidates.
             state: `active_sessions` is read.
 
         Returns:
-            Replica -> score for every candidate.
+            Replica -> score for every candidate; none for a request of no session.
         """
+        if request.session_id is None:
+            return {}
         shares = shares_of_busiest_plus_one(list(map(state.active_sessions.get, replica_ids, repeat(0))))
         return {r: 1.0 - share for r, share in zip(replica_ids, shares)}

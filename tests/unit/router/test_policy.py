@@ -181,7 +181,10 @@ def test_reasons(cached_on, counts, sessions, expected_choice, expected_reason):
     index = make_index()
     for replica_id, num_blocks in cached_on.items():
         index.apply(replica_id, [stored_prefix(num_blocks)])
-    decision = make_policy().choose(
+    policy = make_policy()
+    for session_id, replica_id in sessions.items():
+        policy._activity.touch(session_id, replica_id, 0.0)  # its last request, just now
+    decision = policy.choose(
         RoutingRequest(TOKENS, MODEL, session_id="s"), IDS, loads_of(*counts), index, dict(sessions), 0.0
     )
     assert decision.reason == expected_reason
@@ -364,6 +367,34 @@ def test_a_fully_cached_prompt_waits_behind_one_request_rather_than_being_recomp
     decision = policy.choose(RoutingRequest(TOKENS, MODEL), [A, B], loads_of(1, 0), index, sessions, 0.0)
     assert decision.replica_id == A
     assert decision.reason == "prefix-hit"
+
+
+def test_a_fully_cached_prompt_of_no_session_waits_behind_a_sessions_request():
+    """The request in flight on the replica holding the whole prompt is a session's (as nearly every one is): its
+    session counted against that replica, as many sessions as the other held, and the prompt was recomputed."""
+    index, sessions, policy = make_index(), {}, make_policy(seed=0)
+    index.apply(A, [stored_prefix(8)])
+    first = policy.choose(RoutingRequest(TOKENS, MODEL, session_id="s1"), [A, B], loads_of(0, 0), index, sessions, 0.0)
+    assert first.replica_id == A
+    for seed in range(20):
+        policy = make_policy(seed=seed)
+        policy._activity.touch("s1", A, 0.0)
+        decision = policy.choose(RoutingRequest(TOKENS, MODEL), [A, B], loads_of(1, 0), index, {"s1": A}, 0.5)
+        assert (decision.replica_id, decision.reason) == (A, "prefix-hit")
+
+
+def test_session_affinity_ends_when_the_session_goes_idle():
+    """Affinity bridges the events' lag behind a session's last request: once it has been idle for
+    `session_idle_s`, its old replica, busy and holding no more of it than an idle one, drew it back regardless."""
+    index, policy = make_index(), make_policy(seed=0)
+    for replica_id in (A, B):
+        index.apply(replica_id, [stored_prefix(2)])  # the shared prompt only: the session's history is gone
+    for now_s, expected in ((1.0, A), (121.0, B)):
+        policy = make_policy(seed=0)
+        policy._activity.touch("s", A, 0.0)
+        decision = policy.choose(RoutingRequest(TOKENS, MODEL, session_id="s"), [A, B], loads_of(1, 0), index,
+                                 {"s": A}, now_s)
+        assert decision.replica_id == expected, now_s
 
 
 # -- a long prefix against load -----------------------------------------------------

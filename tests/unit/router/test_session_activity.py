@@ -57,8 +57,9 @@ def test_bad_bounds_raise(idle_s, max_sessions):
 def test_session_balance_scores_relative_spare_sessions(active, expected):
     idle = {r: ReplicaLoad(0) for r in (A, B, C)}
     state = ScoringState(0, {}, idle, {}, active)
-    scores = SessionBalanceScorer().score(RoutingRequest([1, 2], "m"), [A, B, C], state)
+    scores = SessionBalanceScorer().score(RoutingRequest([1, 2], "m", session_id="s"), [A, B, C], state)
     assert scores == pytest.approx(expected)
+    assert SessionBalanceScorer().score(RoutingRequest([1, 2], "m"), [A, B, C], state) == {}  # no session to place
 
 
 def test_counts_besides_leave_out_the_asking_session_only():

@@ -21,8 +21,10 @@ thousands of blocks per turn and adds a few hundred.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
+import signal
 import time
 from multiprocessing.connection import Connection
 from typing import Protocol, Sequence
@@ -181,14 +183,23 @@ class BoundsProcess:
 
 
 def _serve(conn: Connection, block_size_tokens: int, num_replicas: int, capacity_blocks: int) -> None:
-    """The child: applies batches of requests to a `SessionBounds` until asked for the result."""
+    """The child: applies batches of requests to a `SessionBounds` until asked for the result.
+
+    A terminal's Ctrl-C reaches the whole process group: the parent stops this process (`close`), which
+    ignores it; a parent gone (interrupted, killed) ends it quietly, with nothing to report to.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     gc.disable()  # millions of small acyclic objects, as in the simulation itself
     bounds = SessionBounds(block_size_tokens, num_replicas, capacity_blocks)
     chains: dict[str, list[BlockHash]] = {}
     size = DIGEST_SIZE_BYTES
     try:
         while True:
-            for op in conn.recv():
+            try:
+                batch = conn.recv()
+            except (EOFError, OSError):
+                return
+            for op in batch:
                 kind = op[0]
                 if kind == _END:
                     chains.pop(op[1], None)
@@ -206,7 +217,8 @@ def _serve(conn: Connection, block_size_tokens: int, num_replicas: int, capacity
                 else:
                     bounds.cache(session_id, chain)
     except Exception as error:  # reported to the parent, which raises it with this text
-        conn.send(f"{type(error).__name__}: {error}")
+        with contextlib.suppress(OSError):  # unless it is gone
+            conn.send(f"{type(error).__name__}: {error}")
     finally:
         conn.close()
 

@@ -60,6 +60,7 @@ import itertools
 import multiprocessing
 import os
 import random
+import signal
 import sys
 import time
 from array import array
@@ -669,8 +670,10 @@ def _run_pool(cells: Sequence[GridCell], queue: deque[int], profile: CostProfile
     Returns:
         The positions of the cells lost with a dead worker, in grid order (none when the pool held).
     """
-    # "spawn": a fresh interpreter per worker, whatever threads the caller has started.
-    pool = ProcessPoolExecutor(num_processes, mp_context=multiprocessing.get_context("spawn"))
+    # "spawn": a fresh interpreter per worker, whatever threads the caller has started. Workers ignore a
+    # terminal's Ctrl-C, which reaches the whole process group: this process ends them (`_stop_workers`).
+    pool = ProcessPoolExecutor(num_processes, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_ignore_interrupts)
     running: dict[Future, int] = {}
     lost: list[int] = []
     try:
@@ -696,6 +699,10 @@ def _run_pool(cells: Sequence[GridCell], queue: deque[int], profile: CostProfile
     finally:
         pool.shutdown(cancel_futures=True)
     return sorted(lost)
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:

@@ -21,8 +21,8 @@ Workloads (`WORKLOADS`):
 
 Sizes: each `*Params` has `cpu()` defaults (2 CPU replicas of the small model
 serve a run in minutes) and `gpu()` sizes (the issue's numbers: 20-50 tools, a
-few thousand prefix tokens, 3-15 steps, 100-200-token calls, 300-1000-token
-results). Token counts are nominal: the synthetic renderer produces exactly
+few thousand prefix tokens, 3-15 steps of a tool call and its result each, then
+the answer: 4-16 model calls; 100-200-token calls, 300-1000-token results). Token counts are nominal: the synthetic renderer produces exactly
 them, the tokenizer renders text generated to approximately that size.
 
 Determinism: content is a pure function of `Part.key` and size; sizes, choices

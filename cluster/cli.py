@@ -549,8 +549,8 @@ def _check_bench_flags(time_scale: float, sessions: Optional[int], rounds: int =
     """
     if not (math.isfinite(time_scale) and time_scale > 0):
         _refuse(f"--time-scale must be a finite number > 0, got {time_scale}")
-    if sessions is not None and sessions < 1:
-        _refuse(f"--sessions must be >= 1, got {sessions}")
+    if sessions is not None and not 1 <= sessions <= MAX_SESSIONS:
+        _refuse(f"--sessions must be between 1 and {MAX_SESSIONS:,}, got {sessions}")
     if rounds < 1:
         _refuse(f"--rounds must be >= 1, got {rounds}")
 
@@ -704,6 +704,9 @@ def _workloads_and_policies(workload: str, policies: str) -> tuple[list[str], li
 # `simulate --replicas` above this is refused: the replicas' state is allocated up front, so
 # a mistyped count ended in a MemoryError (or an OverflowError) after the flags were taken.
 MAX_SIM_REPLICAS = 4096
+# `--sessions` above this is refused (`simulate` and `bench`): the workload is generated up front, so a
+# mistyped count grew until memory ran out (10,000 coding sessions already take several GB).
+MAX_SESSIONS = 1_000_000
 
 
 def _replica_counts(replicas: list[int]) -> list[int]:
@@ -736,8 +739,8 @@ def simulate(
     from bench import report, sim_cost, simulator
 
     names, chosen = _workloads_and_policies(workload, policies)
-    if sessions < 1:
-        _refuse(f"--sessions must be >= 1, got {sessions}")
+    if not 1 <= sessions <= MAX_SESSIONS:
+        _refuse(f"--sessions must be between 1 and {MAX_SESSIONS:,}, got {sessions}")
     if jobs < 0:
         _refuse(f"--jobs must be >= 0 (0: one per CPU core), got {jobs}")
     counts = _replica_counts(replicas)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import time
 
 import pytest
 
@@ -96,3 +97,58 @@ def test_close_stops_a_child_that_was_never_asked_for_a_result():
     feed.observe("s", [h("a")], 5)
     feed.close()
     assert not feed._process.is_alive()
+
+
+_HOLDER = """
+import hashlib, sys, time
+from bench.bounds_feed import BoundsProcess
+feed = BoundsProcess(16, 4, 1000)
+feed.observe("s", [hashlib.md5(b"x").digest()], 20, 0)
+print(feed._process.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_child_ends_quietly_when_its_parent_dies():
+    """A grid worker killed (out of memory, Ctrl-C's clean-up) left the child printing EOFError and BrokenPipeError
+    tracebacks."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()}, text=True)
+    child = int(holder.stdout.readline())
+    os.kill(holder.pid, signal.SIGKILL)
+    _, stderr = holder.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while _runs(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _runs(child)
+    assert "Traceback" not in stderr, stderr
+
+
+def _runs(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_the_child_leaves_a_terminals_interrupt_to_its_parent():
+    """Ctrl-C reaches the whole process group: the child printed a KeyboardInterrupt traceback; its parent stops it."""
+    import multiprocessing
+    import signal
+
+    from bench import bounds_feed
+
+    ours, theirs = multiprocessing.Pipe()
+    theirs.close()  # a parent gone: the child returns, nothing to report to
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        bounds_feed._serve(ours, 16, 2, 10)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

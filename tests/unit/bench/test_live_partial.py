@@ -79,12 +79,18 @@ def test_bench_refuses_a_time_scale_no_run_can_use(monkeypatch, tmp_path, value)
     assert len(result.output.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("flag,value", [("sessions", "0"), ("sessions", "-3"), ("rounds", "0"), ("rounds", "-2")])
-def test_bench_refuses_fewer_than_one_session_or_round(monkeypatch, tmp_path, flag, value):
+@pytest.mark.parametrize("flag, value, message", [
+    ("sessions", "0", "--sessions must be between 1 and 1,000,000, got 0"),
+    ("sessions", "-3", "--sessions must be between 1 and 1,000,000, got -3"),
+    ("sessions", "99999999999999999999", "--sessions must be between 1 and 1,000,000, got 99999999999999999999"),
+    ("rounds", "0", "--rounds must be >= 1, got 0"), ("rounds", "-2", "--rounds must be >= 1, got -2"),
+])
+def test_bench_refuses_fewer_than_one_session_or_round_or_too_many_sessions(monkeypatch, tmp_path, flag, value,
+                                                                             message):
     monkeypatch.setattr(live, "run_bench", _never)
     result = CliRunner().invoke(app, [*BENCH, f"--{flag}={value}", "--out", str(tmp_path)])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
-    assert result.output.strip() == f"--{flag} must be >= 1, got {value}"
+    assert result.output.strip() == message
 
 
 def test_run_bench_refuses_a_non_finite_time_scale():

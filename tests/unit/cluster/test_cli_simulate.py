@@ -152,7 +152,9 @@ def test_simulate_goes_on_when_the_file_cannot_be_written_as_cells_finish(tmp_pa
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--sessions", "0", "--sessions must be >= 1, got 0"),
+    ("--sessions", "0", "--sessions must be between 1 and 1,000,000, got 0"),
+    # The workload is generated up front: a mistyped count grew until memory ran out.
+    ("--sessions", "99999999999999999999", "--sessions must be between 1 and 1,000,000, got 99999999999999999999"),
     ("--jobs", "-1", "--jobs must be >= 0 (0: one per CPU core), got -1"),
 ])
 def test_simulate_names_the_flag_and_value_it_refuses(tmp_path, flag, value, message):

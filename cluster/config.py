@@ -21,7 +21,7 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, get_args
+from typing import Any, Literal, Mapping, Sequence, get_args, get_origin
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import redis
@@ -660,21 +660,47 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return " ".join(str(err).split())
 
 
-def _text_field_kind(path: Sequence[str]) -> str | None:
-    """"text" or "optional" (text or null) when `path` names a config field typed as text, else None."""
+def _field_at(path: Sequence[str]) -> Any:
+    """The config field `path` names (pydantic's `FieldInfo`), or None where it names none."""
     model: Any = ClusterConfig
-    for depth, part in enumerate(path):
+    field = None
+    for part in path:
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return None
-        if depth < len(path) - 1:
-            model = field.annotation
-            continue
-        if field.annotation is str:
-            return "text"
-        if set(get_args(field.annotation)) == {str, type(None)}:
-            return "optional"
+        model = field.annotation
+    return field
+
+
+def _text_field_kind(path: Sequence[str]) -> str | None:
+    """"text" or "optional" (text or null) when `path` names a config field typed as text, else None."""
+    field = _field_at(path)
+    if field is None:
+        return None
+    if field.annotation is str:
+        return "text"
+    if set(get_args(field.annotation)) == {str, type(None)}:
+        return "optional"
     return None
+
+
+def _is_mapping_field(path: Sequence[str]) -> bool:
+    """Whether `path` names a field that is a mapping of its own (`router.scorer_weights`), not a section."""
+    field = _field_at(path)
+    return field is not None and get_origin(field.annotation) is dict
+
+
+def _engine_arg_value(raw: str) -> Any:
+    """An engine argument from the environment: YAML's number, boolean, list or mapping, else the text as written.
+
+    Why: vLLM's arguments are untyped here, and YAML cut a chat template path at ` #` (a comment) and refused
+    a template's own text (`{% for ...`).
+    """
+    try:
+        value = yaml.safe_load(raw) if raw else raw
+    except yaml.YAMLError:
+        return raw
+    return raw if isinstance(value, str) else value
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict:
@@ -710,6 +736,8 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], s
         text_kind = _text_field_kind(path)
         if text_kind is not None:  # as written: YAML would cut `dir #2` at its comment, read `off` as false
             value = None if text_kind == "optional" and raw.strip() in ("null", "~") else raw
+        elif path[:2] == ["replicas", "engine_kwargs"] and len(path) == 3:
+            value = _engine_arg_value(raw)
         else:
             try:
                 value = yaml.safe_load(raw) if raw else raw
@@ -833,9 +861,26 @@ def load_config(
     env, sources = env_layer(environ)
     for layer in (env, overrides or {}):
         data = deep_merge(_with_defaults_under(data, layer, ClusterConfig), layer)
+        if layer is env:
+            # A variable that sets a mapping field whole (`WARMPATH_ROUTER__SCORER_WEIGHTS='{load: 1}'`) replaces
+            # it, as the file's mapping does; merged into the default or the file's, it could not take keys out.
+            for path in filter(_is_mapping_field, sources):
+                _set_whole(data, path, _value_at(env, path))
     flags = set(_set_paths(overrides or {}))
     setters = {path: f"environment variable {name}" for path, name in sources.items() if path not in flags}
     return validate_config(data, {**setters, **(flag_names or {})})
+
+
+def _value_at(layer: Mapping, path: Sequence[str]) -> Any:
+    for part in path:
+        layer = layer[part]
+    return layer
+
+
+def _set_whole(data: dict, path: Sequence[str], value: Any) -> None:
+    for part in path[:-1]:
+        data = data[part]  # there: the merge put the layer's value at `path`
+    data[path[-1]] = value
 
 
 def _set_paths(layer: Mapping, above: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -29,6 +29,27 @@ def test_a_scorer_weight_from_the_environment_is_written_with_underscores(tmp_pa
     assert cfg.router.scorer_weights == {"load": 2.0, "prefix-cache": 4.0}
 
 
+def test_a_mapping_set_whole_by_the_environment_replaces_the_default_and_the_files(tmp_path):
+    """Merged key by key, `{load: 1}` kept the other scorers on (README: missing scorers are off), and `{}` could
+    not take the file's engine arguments out."""
+    assert _load({"WARMPATH_ROUTER__SCORER_WEIGHTS": "{load: 1}"}).router.scorer_weights == {"load": 1.0}
+    config = tmp_path / "cluster.yaml"
+    config.write_text("replicas:\n  engine_kwargs: {enforce_eager: false}\n")
+    assert load_config(config, environ={"WARMPATH_REPLICAS__ENGINE_KWARGS": "{}"}).replicas.engine_kwargs == {}
+    both = {"WARMPATH_ROUTER__SCORER_WEIGHTS": "{load: 1}", "WARMPATH_ROUTER__SCORER_WEIGHTS__PREFIX_CACHE": "2"}
+    assert _load(both).router.scorer_weights == {"load": 1.0, "prefix-cache": 2.0}
+
+
+@pytest.mark.parametrize("raw, value", [
+    ("/srv/templates/tool use #2.jinja", "/srv/templates/tool use #2.jinja"),  # YAML cut it at ` #`
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", "{% for m in messages %}{{ m.content }}{% endfor %}"),
+    ("0.8", 0.8), ("true", True), ("{a: 1}", {"a": 1}),
+])
+def test_an_engine_argument_from_the_environment_is_typed_or_taken_as_written(raw, value):
+    cfg = _load({"WARMPATH_REPLICAS__ENGINE_KWARGS__CHAT_TEMPLATE": raw})
+    assert cfg.replicas.engine_kwargs["chat_template"] == value
+
+
 def test_an_unknown_scorer_is_refused_naming_the_known_ones():
     with pytest.raises(ConfigError, match=r"unknown scorers \['prefix_cach'\]; known: \['load', 'prefix-cache'"):
         _load(router={"scorer_weights": {"prefix_cach": 1.0}})

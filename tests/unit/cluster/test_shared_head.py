@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -312,7 +313,10 @@ def test_up_without_keys_on_a_head_whose_proxies_listen_everywhere_says_so(tmp_p
 
 def _process_of_session(session: str) -> subprocess.Popen:
     """A process naming `session` on its command line, as a Ray head's GCS, raylet and workers do."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"/tmp/ray/{session}/logs"])
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"/tmp/ray/{session}/logs"])
+    while session.encode() not in Path(f"/proc/{process.pid}/cmdline").read_bytes():  # until it has exec'd
+        assert process.poll() is None
+    return process
 
 
 def test_down_stops_our_head_running_beside_one_started_after_it(tmp_path, serve, monkeypatch):

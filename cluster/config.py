@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence, get_args, get_origin
@@ -48,11 +49,28 @@ class _Strict(BaseModel):
     def _no_booleans_as_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         """YAML reads `yes`, `on` and `true` as booleans, which pydantic takes for 1 (`num_replicas: yes`,
         `local_redis_port: true`: a privileged port): a number field refuses them."""
-        if isinstance(value, bool) and info.field_name is not None:
-            allowed = _leaf_types(cls.model_fields[info.field_name].annotation)
+        if info.field_name is None:
+            return value
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool):
+            allowed = _leaf_types(annotation)
             if bool not in allowed and allowed & {int, float}:
                 raise ValueError(f"{str(value).lower()} is a boolean, not a number")
+        elif isinstance(value, dict) and get_origin(annotation) is dict and get_args(annotation)[1] in (int, float):
+            # `scorer_weights: {load: yes}` and `ray_resources: {slot: on}` read as 1.0 too
+            if flags := sorted(str(key) for key, item in value.items() if isinstance(item, bool)):
+                raise ValueError(f"{', '.join(flags)}: a boolean, not a number")
         return value
+
+
+def _holds_nonfinite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(map(_holds_nonfinite, value.values()))
+    if isinstance(value, list):
+        return any(map(_holds_nonfinite, value))
+    return False
 
 
 def _leaf_types(annotation: Any) -> set:
@@ -83,6 +101,16 @@ class ModelConfig(_Strict):
         min_length=1,
     )
 
+    @field_validator("source")
+    @classmethod
+    def _local_or_hub(cls, source: str) -> str:
+        if "://" in source:  # s3://, gs://: Ray Serve LLM would mirror it, the orchestrator's tokenizer cannot
+            raise ValueError(
+                f"{source!r}: a local folder or a Hugging Face id, not a URL (download the model to a folder on "
+                "every node, or into the image, and name that folder)"
+            )
+        return source
+
     @model_validator(mode="after")
     def _fits_the_built_model(self) -> "ModelConfig":
         # The model `build-model` writes has a fixed window: beyond it every replica fails to start, minutes later.
@@ -96,6 +124,8 @@ class ModelConfig(_Strict):
 
 # Far past any machine, and low enough that Ray's integer CPU counts (`ray start --num-cpus`) stay exact.
 MAX_CPUS_PER_REPLICA = 1024.0
+# VLLM_CPU_OMP_THREADS_BIND's core lists: `5,2-4` per worker, workers separated by `|`.
+_CORE_LISTS = re.compile(r"[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*(?:\|[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*)*")
 # vLLM's structured-output settings every replica starts with, unless `replicas.engine_kwargs` sets its own
 # `structured_outputs_config` (whole). Compact JSON under grammars: without it a weak model fills every allowed
 # whitespace position and tool-call arguments never close.
@@ -158,6 +188,7 @@ class ReplicaConfig(_Strict):
                 raise ValueError(
                     f"replicas.block_size_tokens={self.block_size_tokens}: vLLM's CPU attention needs a multiple of 32"
                 )
+            self._check_threads_bind()
         else:
             # Ray Serve LLM gives a replica tensor x pipeline parallel GPUs; `up`'s check and the KubeRay
             # workers count `num_gpus`, so the two must agree.
@@ -193,6 +224,15 @@ class ReplicaConfig(_Strict):
         clash = sorted(reserved & set(self.engine_kwargs))
         if clash:
             raise ValueError(f"replicas.engine_kwargs may not set {clash}: they are owned by the cluster config")
+        if "api_key" in self.engine_kwargs:
+            raise ValueError("replicas.engine_kwargs.api_key is the key of vLLM's own HTTP server, which Ray Serve LLM "
+                             "does not run: nothing would check it (warmpath's API keys are `warmpath keys`, access.*)")
+        if self.engine_kwargs.get("disable_log_stats"):
+            raise ValueError("replicas.engine_kwargs.disable_log_stats: the replicas report KV cache use to the router "
+                             "and metrics from the engine's stats (Ray Serve LLM refuses it with its engine metrics on)")
+        if nonfinite := sorted(key for key, value in self.engine_kwargs.items() if _holds_nonfinite(value)):
+            raise ValueError(f"replicas.engine_kwargs {nonfinite}: NaN or infinity, which the serve config's JSON "
+                             "cannot carry")
         template_kwargs = self.engine_kwargs.get("default_chat_template_kwargs")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise ValueError("replicas.engine_kwargs.default_chat_template_kwargs must be a mapping of template "
@@ -203,6 +243,21 @@ class ReplicaConfig(_Strict):
             fields = ", ".join(f"{owned_by_model[name]} for {name}" for name in clash)
             raise ValueError(f"replicas.engine_kwargs may not set {clash}: set {fields}")
         return self
+
+    def _check_threads_bind(self) -> None:
+        """vLLM's forms of VLLM_CPU_OMP_THREADS_BIND: `auto`, `nobind`, or a core list per engine worker
+        (`0-15|16-31` for two), which the engine reads only as it starts."""
+        bind = self.cpu_omp_threads_bind
+        if bind in ("auto", "nobind"):
+            return
+        if not _CORE_LISTS.fullmatch(bind):
+            raise ValueError(f"replicas.cpu_omp_threads_bind={bind!r}: 'auto', 'nobind', or core lists such as "
+                             "'0-15' (one per tensor x pipeline parallel worker, separated by '|': '0-15|16-31')")
+        pipeline = self.engine_kwargs.get("pipeline_parallel_size", 1)
+        workers = self.tensor_parallel_size * (pipeline if isinstance(pipeline, int) else 1)
+        if len(bind.split("|")) != workers:
+            raise ValueError(f"replicas.cpu_omp_threads_bind={bind!r} names {len(bind.split('|'))} core lists; each "
+                             f"replica runs {workers} engine workers (tensor x pipeline parallel), one list each")
 
     def grammar_backend(self) -> str:
         """The structured-output backend the replicas compile forced tool calls with (vLLM's `auto` where a
@@ -355,7 +410,8 @@ class PortsConfig(_Strict):
     def _host(cls, host: str | None) -> str | None:
         if host is not None and not _is_host_name(host):
             raise ValueError(
-                f"{host!r} is not an IP address or host name (write it bare: 0.0.0.0, ::, 127.0.0.1, my-host.local)"
+                f"{host!r} is not an IP address or host name (write it without brackets or port: 0.0.0.0, "
+                "127.0.0.1, my-host.local, and \"::\" quoted in YAML)"
             )
         return host
 
@@ -529,7 +585,10 @@ class ClusterConfig(_Strict):
     state_dir: str = Field(
         ".warmpath", description="Local state: model, Redis data, logs, pid files.", min_length=1
     )
-    app_name: str = Field("warmpath", description="Ray Serve application name.", min_length=1)
+    app_name: str = Field(
+        "warmpath", description="Ray Serve application name (no '#': it separates a replica's id, as in model_id).",
+        min_length=1, pattern=r"^[^#]+$",
+    )
 
     @field_validator("redis_url")
     @classmethod
@@ -649,6 +708,25 @@ def _set_path(target: dict, path: list[str], value: object) -> None:
             raise ConfigError(f"cannot set {'.'.join(path)}: {key} is not a section")
         target = node
     target[path[-1]] = value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key a mapping writes twice: the second silently replaced the first
+    (a second `replicas:` section dropped every field of the first). Keys a merge (`<<`) brings in may be
+    written again: that is what a merge is for."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -848,7 +926,7 @@ def load_config(
         if not file.is_file():
             raise ConfigError(f"config file not found: {file}")
         try:
-            loaded = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+            loaded = yaml.load(file.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {file} is not valid YAML: {_yaml_problem(err)}") from None
         except UnicodeDecodeError as err:

@@ -4,6 +4,7 @@ leak a secret), and accepts what vLLM and Ray accept; environment variables set 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -224,3 +225,35 @@ def test_a_sections_own_check_does_not_blame_a_variable_that_set_another_field(t
     line = str(err.value).splitlines()[1]
     assert line.startswith("  ports (holding values set by environment variable WARMPATH_PORTS__GRPC_PORT): ")
     assert "both 8080" in line
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"router": {"scorer_weights": {"load": True}}}, "load: a boolean, not a number"),  # YAML's `yes`
+    ({"replicas": {"ray_resources": {"slot": True}}}, "slot: a boolean, not a number"),
+    ({"model": {"source": "s3://bucket/models/qwen"}}, "a local folder or a Hugging Face id, not a URL"),
+    ({"app_name": "a#b"}, "app_name"),  # '#' separates a replica's id: Ray's controller cannot read it back
+    ({"replicas": {"cpu_omp_threads_bind": "no-bind"}}, "'auto', 'nobind', or core lists"),
+    ({"replicas": {"cpu_omp_threads_bind": "0-3|4-7"}}, "names 2 core lists; each replica runs 1 engine workers"),
+    ({"replicas": {"engine_kwargs": {"disable_log_stats": True}}}, "report KV cache use"),
+    ({"replicas": {"engine_kwargs": {"api_key": "sk-vllm"}}}, "vLLM's own HTTP server"),
+    ({"replicas": {"engine_kwargs": {"gpu_memory_utilization": float("nan")}}}, "NaN or infinity"),
+    ({"replicas": {"engine_kwargs": {"hf_overrides": {"rope_theta": float("inf")}}}}, "NaN or infinity"),
+])
+def test_values_that_would_fail_at_deploy_time_are_refused_here(overrides, message):
+    """Each rendered and deployed, then failed in Ray or vLLM minutes later (or was silently ignored)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _load(**overrides)
+
+
+@pytest.mark.parametrize("bind", ["auto", "nobind", "0-15", "0,2,4-7", "0-15|16-31"])
+def test_vllms_thread_binds_are_taken(bind):
+    replicas = {"cpu_omp_threads_bind": bind, "tensor_parallel_size": bind.count("|") + 1}
+    assert _load(replicas=replicas).replicas.cpu_omp_threads_bind == bind
+
+
+def test_a_duplicate_key_in_the_config_file_is_refused_naming_its_line(tmp_path):
+    """The second `replicas:` replaced the first: `num_replicas: 3` silently became the default 2."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text("replicas:\n  num_replicas: 3\nrouter:\n  policy: pow2\nreplicas:\n  accelerator: cpu\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'replicas' at line 5, column 1"):
+        load_config(config, environ={})

@@ -270,6 +270,8 @@ RouterPolicy = Literal["warmpath", "pow2", "round-robin", "session-hash", "prefi
 # Upper bounds of the router's numbers: far past any useful setting, and low enough that every
 # decision's arithmetic (a weight times a score, summed and scaled to 1e-9 ties) stays finite and exact.
 MAX_SCORER_WEIGHT = 1000.0
+# The picker's ties are scores within 1e-9 (`router.picker`): a smaller weight could never tell replicas apart.
+MIN_SCORER_WEIGHT = 1e-6
 MAX_LOAD_GUARD_FACTOR = 1000.0
 MAX_TOKENS_PER_EXCESS_REQUEST = 10_000_000.0
 MAX_ROUTER_SECONDS = 86_400.0
@@ -305,9 +307,10 @@ class RouterConfig(_Strict):
             "the request's session stays a candidate while the history only it holds saves more tokens than "
             "this times its excess requests, and below the limit that replica is chosen over the scorers' "
             "choice at the same rate (and when it saves more than this at equal load). null: the guard counts "
-            "requests only and the scorers choose (0 would exempt every session from the guard, and is refused)."
+            "requests only and the scorers choose (below 16, about a block, it would exempt every session from "
+            "the guard, as 0 would, and is refused)."
         ),
-        gt=0,
+        ge=16,
         le=MAX_TOKENS_PER_EXCESS_REQUEST,
         allow_inf_nan=False,
     )
@@ -349,6 +352,9 @@ class RouterConfig(_Strict):
         bad = {k: v for k, v in self.scorer_weights.items() if not 0 <= v <= MAX_SCORER_WEIGHT}
         if bad:
             raise ValueError(f"router.scorer_weights must be finite, >= 0 and <= {MAX_SCORER_WEIGHT:g}, got {bad}")
+        if tiny := {k: v for k, v in self.scorer_weights.items() if 0 < v < MIN_SCORER_WEIGHT}:
+            raise ValueError(f"router.scorer_weights must be 0 (off) or at least {MIN_SCORER_WEIGHT:g}, got {tiny}: "
+                             "replicas scoring closer than that are ties, picked at random")
         if not any(self.scorer_weights.values()):
             raise ValueError(
                 "router.scorer_weights needs at least one weight above 0: with none, every replica scores 0 and "

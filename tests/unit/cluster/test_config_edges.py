@@ -245,6 +245,17 @@ def test_values_that_would_fail_at_deploy_time_are_refused_here(overrides, messa
         _load(**overrides)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    # Every total rounds to one tier (the picker's ties are 1e-9 apart): decisions at random.
+    ({"router": {"scorer_weights": {"prefix-cache": 1e-10}}}, "must be 0 (off) or at least 1e-06"),
+    # A session holding two blocks more than an idle replica stayed through 97 requests over the limit.
+    ({"router": {"load_guard_tokens_per_excess_request": 1e-9}}, "greater than or equal to 16"),
+])
+def test_router_settings_that_would_switch_the_policy_off_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _load(**overrides)
+
+
 @pytest.mark.parametrize("bind", ["auto", "nobind", "0-15", "0,2,4-7", "0-15|16-31"])
 def test_vllms_thread_binds_are_taken(bind):
     replicas = {"cpu_omp_threads_bind": bind, "tensor_parallel_size": bind.count("|") + 1}

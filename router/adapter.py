@@ -133,7 +133,7 @@ class _Fetch:
     asked again from a hole in its answer keeps what it recovered so far and whether it saw a stall.
     """
 
-    kind: Literal["history", "gap", "probe"]
+    kind: Literal["history", "gap", "probe", "reload"]
     deadline: float
     held: list = dataclasses.field(default_factory=list)
     num_recovered: int = 0
@@ -392,6 +392,9 @@ class _EventPump(threading.Thread):
         if fetch.kind == "probe":
             self._end_probe(replica_id, source, stream, fetch, answer)
             return
+        if fetch.kind == "reload":
+            self._end_reload(replica_id, source, stream, fetch, answer)
+            return
         if not self._fill_gap_in_slices(replica_id, source, stream, fetch, answer):
             self._apply_live(replica_id, source, stream, fetch.held, answer.batches)
 
@@ -466,15 +469,35 @@ class _EventPump(threading.Thread):
         return num_applied
 
     def _reload(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream) -> None:
-        """Forgets what the index holds of a replica and loads its state again from its replay buffer."""
+        """Asks a replica's replay buffer for its whole state, to load it in place of what the index holds
+        if the buffer reaches back further (`_end_reload`); live batches wait meanwhile, as for a history."""
         logger.warning(
-            "KV events of replica %s: blocks keep arriving whose parents the router never saw; reloading its "
-            "state from its replay buffer", replica_id,
+            "KV events of replica %s: blocks keep arriving whose parents the router never saw; asking its "
+            "replay buffer for its state", replica_id,
         )
+        if source.request_buffered(0):
+            self._fetches[replica_id] = _Fetch("reload", time.monotonic() + HISTORY_TIMEOUT_S)
+        self._checks.inc(tags={"replica": replica_id, "outcome": "blind"})
+
+    def _end_reload(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
+                    fetch: _Fetch, answer: BufferedBatches) -> None:
+        """Loads the replay buffer's state in place of the index's where the buffer starts before the run the
+        index holds (`ReplicaEventStream.known_from`); else keeps the index as it is: reset, it would lose
+        every block learned before the buffer's oldest batch, and the buffer holds none the index lacks."""
+        if not answer.is_complete and time.monotonic() >= fetch.deadline:
+            logger.info("KV events of replica %s: its replay buffer did not answer in time: kept as it is", replica_id)
+            return
+        oldest = min((seq for seq, _ in answer.batches), default=None)
+        known_from = stream.known_from
+        if oldest is None or (known_from is not None and oldest >= known_from):
+            logger.info("KV events of replica %s: its replay buffer starts at batch %s, no earlier than the batches "
+                        "the router holds (from %s): kept as it is", replica_id, oldest, known_from)
+            return
         with self._router.lock:
             stream.reset()
-        self._request_history(replica_id, source)
-        self._checks.inc(tags={"replica": replica_id, "outcome": "blind"})
+        self._load_history(replica_id, source, stream, dataclasses.replace(fetch, kind="history"), answer)
+        snapshot = stream.snapshot()
+        self.watch.start_window(replica_id, snapshot.num_stored_blocks, snapshot.num_orphaned_blocks)
 
     def _probe_quiet_streams(self) -> None:
         """Asks each replica that went quiet while serving for the batches after the last one received.

@@ -233,6 +233,9 @@ class ReplicaEventStream:
         # Where a stream with no batch yet starts, once a whole history said so (`start_at`); None: unknown.
         self._start_seq: int | None = None
         self._replayed_through: int | None = None
+        # The first batch of the run the index holds of this replica (every batch since applied, none before
+        # it since the replica was last cleared); None: nothing applied since.
+        self._known_from: int | None = None
         self._num_batches = 0
         self._num_stored_blocks = 0
         self._num_skipped_blocks = 0
@@ -291,8 +294,12 @@ class ReplicaEventStream:
                 outcome = "started"
             else:
                 self._index.clear_replica(self.replica_id)
+                self._known_from = seq
                 outcome = "resynced"
-        self._apply(batch)
+        if self._known_from is None:
+            self._known_from = expected if outcome == "replayed" else seq
+        if self._apply(batch).is_cleared:
+            self._known_from = seq
         self._last_seq = seq
         return outcome
 
@@ -335,6 +342,16 @@ class ReplicaEventStream:
         self._last_seq = None
         self._start_seq = None
         self._replayed_through = None
+        self._known_from = None
+
+    @property
+    def known_from(self) -> int | None:
+        """The first batch of the run the index holds of this replica; None when it holds nothing of the stream.
+
+        Why: a replay buffer that reaches back no further cannot give back what the index lacks, and
+        reloading from it would forget the blocks learned before the buffer's oldest batch.
+        """
+        return self._known_from
 
     def snapshot(self) -> StreamSnapshot:
         """Position and gap counters, for metrics and tests."""

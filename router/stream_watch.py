@@ -17,7 +17,10 @@ buffer could not fill), every block stored later extends them and is skipped
 as an orphan. A healthy stream has next to no orphans, so `looks_blind`
 notices them piling up as a share of the blocks arriving (other prompts'
 blocks, stored under roots the index does know, keep arriving meanwhile), and
-the pump then reloads the replica's state from its replay buffer.
+the pump then reloads the replica's state from its replay buffer, if that buffer
+reaches back further than the run of batches the index holds (else a reload
+would forget the blocks learned before the buffer's oldest batch, and find
+nothing the index lacks).
 
 Threads: `request_completed` runs on Serve's event loop, everything else on the
 event pump's thread; one lock guards the table.
@@ -184,6 +187,13 @@ class EventStreamWatch:
             watch.num_completed_since_batch = 0
             watch.first_completed_at = None
             return 0
+
+    def start_window(self, replica_id: ReplicaId, num_stored_blocks: int, num_orphaned_blocks: int) -> None:
+        """Starts a window of arriving blocks at the stream's running totals: after a reload, so that the
+        replayed blocks' orphans (parents older than the buffer) do not call the stream blind again."""
+        with self._lock:
+            if (watch := self._replicas.get(replica_id)) is not None:
+                watch.stored_mark, watch.orphaned_mark = num_stored_blocks, num_orphaned_blocks
 
     def looks_blind(self, replica_id: ReplicaId, num_stored_blocks: int, num_orphaned_blocks: int, now: float) -> bool:
         """Whether to reload the replica's state: in the current window of arriving blocks (module

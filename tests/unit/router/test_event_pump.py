@@ -387,6 +387,32 @@ def test_a_replica_whose_blocks_arrive_as_orphans_is_reloaded(publisher, new_pum
     assert indexed_blocks(pump) == state["last_seq"] * 16 + 4  # the root batch and every batch after it
 
 
+def test_a_reload_keeps_the_index_where_the_replay_buffer_reaches_back_no_further(tmp_path):
+    """A shared prompt cached before the buffer's oldest batch: every block extending it arrives as an orphan.
+    The reload forgot what the index held (the prompt's sibling chains, learned from the history) and loaded a
+    buffer holding none of it, again at every reload."""
+    publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=f"ipc://{tmp_path}/pub-small",
+                                  replay_endpoint=f"ipc://{tmp_path}/replay-small", buffer_steps=4)
+    router = SimpleNamespace(curr_replicas={A: advertised(A, tmp_path, "-small")}, lock=threading.Lock(),
+                             index=PrefixIndex(BS, 1000, "m"))
+    pump = _EventPump(router)
+    try:
+        publisher.publish(stored(0, 10))
+        published(publisher, 1)
+        subscribe(pump)
+        assert indexed_blocks(pump) == 10 and pump._sources[A][2].known_from == 0
+        orphans = iter(range(1000, 100_000, 100))  # each batch's parent was never stored
+        assert wait_until(lambda: (publisher.publish(stored(next(orphans), 16)), pump._drain(),
+                                   pump.stream_states()[A]["num_reloads"] >= 1)[2])
+        answered(pump)
+        assert indexed_blocks(pump) == 10  # the buffer's oldest batch is past the run the index holds: kept
+        assert pump._sources[A][2].known_from == 0
+    finally:
+        for _, source, _ in pump._sources.values():
+            source.close()
+        publisher.shutdown()
+
+
 B = ReplicaId("b")
 
 

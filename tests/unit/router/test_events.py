@@ -203,6 +203,22 @@ def test_stream_reset_forgets_position_and_blocks(index):
     assert stream.accept(9, batch(stored(0, 1))) == "started"
 
 
+def test_stream_knows_where_the_run_the_index_holds_starts(index):
+    """`known_from`: the first batch of the run applied since the replica was last cleared; a reload from a buffer
+    starting no earlier would only forget."""
+    stream = ReplicaEventStream(A, index)
+    assert stream.known_from is None
+    stream.accept(5, batch(stored(0, 2)))  # joined late
+    stream.accept(6, batch(stored(2, 1, parent=1)))
+    assert stream.known_from == 5
+    stream.accept(9, batch(stored(3, 1, parent=2)), ())  # a gap nothing filled: cleared, knowledge from 9
+    assert stream.known_from == 9
+    stream.accept(10, batch(AllBlocksCleared()))  # the engine's cache emptied: all of it known from there
+    assert stream.known_from == 10
+    stream.reset()
+    assert stream.known_from is None
+
+
 def _publish_until_received(publisher: ZmqEventPublisher, source: ZmqEventSource, deadline_s: float = 10) -> int:
     """Publishes empty probe batches until `source`'s SUB gets one (it is connected then); returns how many
     were published, so the next batch's seq. Probes still in flight arrive later: skip seqs below the count."""

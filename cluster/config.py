@@ -209,6 +209,13 @@ class ReplicaConfig(_Strict):
                 "scale with replicas.num_replicas (vLLM's data-parallel ranks publish KV events on ports of their "
                 "own, which the router does not follow, and take GPUs num_gpus does not count)"
             )
+        for key in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if self.engine_kwargs.get(key, 1) != 1:
+                raise ValueError(
+                    f"replicas.engine_kwargs.{key}={self.engine_kwargs[key]!r}: context parallelism makes vLLM hash "
+                    "and report blocks of block_size times its size, which the router would skip, blind to every "
+                    "replica"
+                )
         if self.ray_resources and self.accelerator != "cpu":
             raise ValueError("replicas.ray_resources applies to CPU replicas (GPU replicas are placed by their GPUs)")
         builtin = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(self.ray_resources))

@@ -67,6 +67,10 @@ DEFAULT_MAX_REPLAY_BATCHES = 10_000
 StreamOutcome = Literal["applied", "replayed", "resynced", "started", "duplicate"]
 
 
+# Sequence numbers at or past this are malformed (a signed 64-bit count; vLLM's start at 0).
+MAX_SEQ = 2**63
+
+
 class EventDecodeError(ValueError):
     """A message that is not a well-formed `[topic, seq, KVEventBatch]`."""
 
@@ -156,11 +160,16 @@ def decode_event_message(frames: Sequence[bytes], decoder: BatchDecoder) -> tupl
     _, seq_bytes, payload = frames
     if len(seq_bytes) != 8:
         raise EventDecodeError(f"sequence frame must be 8 bytes, got {len(seq_bytes)}")
+    seq = int.from_bytes(seq_bytes, "big")
+    if seq >= MAX_SEQ:  # vLLM counts from 0 by one; past this no `next_seq` fits the replay request's 8 bytes
+        raise EventDecodeError(f"sequence number {seq} is past {MAX_SEQ - 1}")
     try:
         batch = decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
         raise EventDecodeError(f"payload is not a KVEventBatch: {err}") from None
-    return int.from_bytes(seq_bytes, "big"), batch
+    except RecursionError:  # msgspec's own bound on nesting (an `extra_keys` value, an unknown event)
+        raise EventDecodeError("payload is not a KVEventBatch: nested too deeply") from None
+    return seq, batch
 
 
 @dataclass(frozen=True, slots=True)

@@ -491,7 +491,7 @@ class PrefixIndex:
         hashes = chain_block_hashes(parent, token_bytes, block_size)
         keys = _engine_keys(event.block_hashes[:usable])
         blocks = state.blocks
-        if blocks.keys().isdisjoint(keys):
+        if blocks.keys().isdisjoint(keys) and len(set(keys)) == len(keys):  # a key twice: copies, one by one
             self._store_new(state, keys, hashes)
         else:
             self._store_blockwise(state, keys, hashes)

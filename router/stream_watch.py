@@ -28,6 +28,7 @@ event pump's thread; one lock guards the table.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Literal
@@ -57,6 +58,10 @@ MAX_RELOAD_INTERVAL_S = 3600.0
 # (router's receipt minus publisher's timestamp: transit plus clock skew) is the offset. It may rise by this
 # much per live delivery, so a publisher's clock stepped back is followed within seconds.
 CLOCK_OFFSET_RISE_S = 0.01
+# A reading this much above the offset is taken at once: the publisher's clock was stepped back (corrected
+# after running ahead), or a batch stamped far in the future set the offset; rising 0.01 s a delivery, it
+# took a step of an hour 360,000 deliveries, every probe until then a stall.
+CLOCK_STEP_S = 60.0
 
 ProbeOutcome = Literal["quiet", "stalled", "unreachable"]
 
@@ -124,11 +129,16 @@ class EventStreamWatch:
     def publisher_clock_read(self, replica_id: ReplicaId, newest_published_at: float, received_at: float) -> None:
         """A live delivery: its newest batch's timestamp (publisher's clock) and when it arrived (`time.time()`)."""
         offset_s = received_at - newest_published_at
+        if not math.isfinite(offset_s):
+            return
         with self._lock:
             watch = self._replicas.get(replica_id)
             if watch is not None:
                 known = watch.clock_offset_s
-                watch.clock_offset_s = offset_s if known is None else min(offset_s, known + CLOCK_OFFSET_RISE_S)
+                if known is None or offset_s > known + CLOCK_STEP_S:  # a step back, or a bogus stamp before
+                    watch.clock_offset_s = offset_s
+                else:
+                    watch.clock_offset_s = min(offset_s, known + CLOCK_OFFSET_RISE_S)
 
     def on_publisher_clock(self, replica_id: ReplicaId, wall_time: float) -> float:
         """`wall_time` (this router's `time.time()`) as the replica's publisher stamps it; unchanged before its

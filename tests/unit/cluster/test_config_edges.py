@@ -238,6 +238,9 @@ def test_a_sections_own_check_does_not_blame_a_variable_that_set_another_field(t
     ({"replicas": {"engine_kwargs": {"api_key": "sk-vllm"}}}, "vLLM's own HTTP server"),
     ({"replicas": {"engine_kwargs": {"gpu_memory_utilization": float("nan")}}}, "NaN or infinity"),
     ({"replicas": {"engine_kwargs": {"hf_overrides": {"rope_theta": float("inf")}}}}, "NaN or infinity"),
+    # Events of blocks of block_size x 2: the router skipped every one, blind to every replica.
+    ({"replicas": {"engine_kwargs": {"decode_context_parallel_size": 2}}}, "context parallelism"),
+    ({"replicas": {"engine_kwargs": {"prefill_context_parallel_size": 2}}}, "context parallelism"),
 ])
 def test_values_that_would_fail_at_deploy_time_are_refused_here(overrides, message):
     """Each rendered and deployed, then failed in Ray or vLLM minutes later (or was silently ignored)."""

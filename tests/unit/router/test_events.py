@@ -113,6 +113,17 @@ def test_malformed_messages_raise(decoder, bad_frames):
         decode_event_message(bad_frames, decoder)
 
 
+def test_a_payload_nested_past_msgspecs_bound_and_a_seq_past_63_bits_are_malformed(decoder):
+    """msgspec raises RecursionError for the one (it passed the decoder: the good batches of that poll were lost,
+    and the pump pass ended there); the other made every probe fail to encode its request."""
+    nested = ENCODER.encode([1.0, [[0, {"type": "BlockRemoved", "block_hashes": [], "medium": [[[]] * 1]}]]])
+    deep = nested.replace(b"\x91\x91\x90", b"\x91" * 100_000 + b"\x90")
+    with pytest.raises(EventDecodeError, match="nested too deeply"):
+        decode_event_message([b"kv", (0).to_bytes(8, "big"), deep], decoder)
+    with pytest.raises(EventDecodeError, match="sequence number"):
+        decode_event_message(frames(2**64 - 1, batch()), decoder)
+
+
 @pytest.mark.parametrize(
     ("seqs_and_batches", "outcomes", "num_cached"),
     [

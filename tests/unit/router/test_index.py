@@ -190,6 +190,19 @@ def test_a_replica_with_a_larger_kv_cache_than_the_bound_keeps_its_oldest_blocks
     assert index.snapshot().num_evicted_blocks_by_replica[A] == 4
 
 
+def test_an_event_naming_one_engine_hash_twice_leaves_no_owner_bit_behind(index):
+    """`blocks` kept one entry for the key while both hashes got the replica's bit: the second outlived the
+    block's removal, a clear and the replica itself, and credited the next replica given that slot."""
+    event = stored(0, 2, block_hashes=[ehash(7), ehash(7)])
+    index.apply(A, [event])
+    index.apply(A, [removed(7), removed(7)])
+    assert index.longest_prefix(request_hashes(), 0.0) == {}
+    index.apply(A, [event])
+    index.remove_replica(A)
+    index.apply(B, [])  # the next replica, given A's slot
+    assert index.longest_prefix(request_hashes(), 0.0) == {}
+
+
 def test_a_block_the_bound_forgets_forgets_its_extra_copies_too():
     """Block 0 is stored twice, forgotten by the bound, then stored once more: one removal takes it."""
     index = PrefixIndex(BS, 3, MODEL)

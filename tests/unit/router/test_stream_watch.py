@@ -112,3 +112,15 @@ def test_the_publishers_clock_offset_is_the_fastest_delivery_and_follows_a_clock
     assert watch.on_publisher_clock(A, 1000.0) == 998.0
     assert watch.health(0.0)[A].publisher_clock_offset_s == 2.0
     assert watch.on_publisher_clock("unwatched", 7.0) == 7.0
+
+
+def test_a_publisher_clock_stepped_back_far_or_one_bogus_stamp_is_followed_at_once(watch):
+    """Rising 0.01 s a delivery, a clock an hour ahead then corrected (or one batch stamped far in the future)
+    kept every probe's recovered batch looking an hour old, a stall, for 360,000 deliveries."""
+    watch.publisher_clock_read(A, newest_published_at=4600.0, received_at=1000.0)  # an hour ahead
+    watch.publisher_clock_read(A, newest_published_at=1000.0, received_at=1000.1)  # corrected
+    assert watch.on_publisher_clock(A, 2000.0) == pytest.approx(1999.9)
+    watch.publisher_clock_read(A, newest_published_at=1e300, received_at=1000.0)
+    watch.publisher_clock_read(A, newest_published_at=float("nan"), received_at=1000.0)  # ignored
+    watch.publisher_clock_read(A, newest_published_at=999.9, received_at=1000.0)
+    assert watch.on_publisher_clock(A, 2000.0) == pytest.approx(1999.9)

@@ -116,7 +116,21 @@ def load_overlay_config(overlay_dir: Path) -> ClusterConfig:
             f"{where}: redis_url carries a password, which would be written into the RayService; "
             "leave redis_url unset and let pods read REDIS_URL built from the Secret"
         )
+    if secrets := sorted(_SECRET_ENGINE_KWARGS & set(cfg.replicas.engine_kwargs)):
+        raise ConfigError(
+            f"{where}: replicas.engine_kwargs {secrets} would be written into the RayService, readable by anyone "
+            "who can read it; give the pods HF_TOKEN from a Secret instead"
+        )
+    if cfg.telemetry.otlp_endpoint and urlsplit(cfg.telemetry.otlp_endpoint).password is not None:
+        raise ConfigError(
+            f"{where}: telemetry.otlp_endpoint carries a password, which would be written into the RayService; "
+            "authenticate the collector with headers from a Secret (OTEL_EXPORTER_OTLP_HEADERS)"
+        )
     return cfg
+
+
+# Engine arguments that are credentials (an overlay's config is written into the RayService whole).
+_SECRET_ENGINE_KWARGS = frozenset({"hf_token"})
 
 
 # A local model path that means a folder of the machine reading the config (`model_source()` resolves it there).

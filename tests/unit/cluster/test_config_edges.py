@@ -173,6 +173,18 @@ def test_an_overlay_redis_url_with_a_password_option_is_refused(tmp_path):
         k8s_render.load_overlay_config(tmp_path)
 
 
+@pytest.mark.parametrize("setting, message", [
+    ("replicas: {engine_kwargs: {hf_token: hf_S3CRET}}", "hf_token"),
+    ("telemetry: {otlp_endpoint: 'https://user:S3CRET@otel.example:4318'}", "otlp_endpoint carries a password"),
+])
+def test_an_overlay_credential_is_refused_not_written_into_the_rayservice(tmp_path, setting, message):
+    """Rendered whole into serveConfigV2 (and the pods' environment), readable by anyone who can read it."""
+    (tmp_path / "cluster.yaml").write_text(f"model: {{source: /models/m}}\n{setting}\n")
+    with pytest.raises(ConfigError, match=message) as refused:
+        k8s_render.load_overlay_config(tmp_path)
+    assert "S3CRET" not in str(refused.value)
+
+
 @pytest.mark.parametrize("source", ["~/models/my-llama", "./models/my-llama", "../my-llama"])
 def test_a_local_model_path_reaches_the_engines_absolute(source, monkeypatch, tmp_path):
     """The engines run in Ray's workers: another working directory, and no shell to expand `~`."""

@@ -12,6 +12,7 @@ the LLM deployment, so every handle that calls the replicas routes with it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -32,6 +33,7 @@ from cluster.config import (
     is_loopback_host,
     validate_config,
 )
+from cluster.model_builder import is_built
 from cluster.serve_config import GRPC_INGRESS_NUM_CPUS, HTTP_INGRESS_NUM_CPUS, ORCHESTRATOR_NUM_CPUS
 from ray.llm._internal.serve.core.server.builder import _get_deployment_name
 from ray.serve.handle import DeploymentHandle
@@ -123,8 +125,10 @@ def llm_config(cfg: ClusterConfig) -> LLMConfig:
     env_vars["OTEL_EXPORTER_OTLP_ENDPOINT"] = cfg.telemetry.otlp_endpoint or ""
     if cfg.telemetry.otlp_endpoint and cfg.telemetry.service_name:
         env_vars["OTEL_SERVICE_NAME"] = cfg.telemetry.service_name
-    if not cfg.model.source:
-        env_vars["HF_HUB_OFFLINE"] = "1"  # the built model: never look for it on a hub
+    if not cfg.model.source or is_built(Path(cfg.model_source())):
+        # The built model: never look for it on a hub. Read from the folder, not from an empty source: the
+        # rendered serve config names the folder (`render_serve_config`), and so does the CPU overlay.
+        env_vars["HF_HUB_OFFLINE"] = "1"
     if cfg.replicas.accelerator == "cpu":
         env_vars["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.replicas.kv_cache_space_gib)
         env_vars["VLLM_CPU_OMP_THREADS_BIND"] = cfg.replicas.cpu_omp_threads_bind

@@ -285,3 +285,21 @@ def test_the_grammar_backend_is_the_one_the_replicas_start_with(engine_kwargs, b
     cfg = load_config(environ={}, overrides={"replicas": {"engine_kwargs": engine_kwargs}})
     assert cfg.replicas.grammar_backend() == backend
     assert replica_engine_kwargs(cfg)["structured_outputs_config"].get("backend", "auto") == backend
+
+
+def test_the_built_model_keeps_the_hub_offline_as_the_rendered_serve_config_names_it(tmp_path):
+    """`render_serve_config` writes the built model's folder as `model.source`: the application built from it
+    saw a source and let the replicas look the model up on a hub."""
+    from cluster.serve_config import render_serve_config
+    from serve_apps.builders import llm_config
+
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    built = Path(cfg.model_source())
+    built.mkdir(parents=True)
+    (built / "config.json").write_text("{}")
+    (built / "manifest.json").write_text("{}")
+    rendered = ClusterConfig.model_validate(render_serve_config(cfg)["applications"][0]["args"])
+    assert rendered.model.source == str(built)
+    assert llm_config(rendered).runtime_env["env_vars"]["HF_HUB_OFFLINE"] == "1"
+    hub = load_config(environ={}, overrides={"model": {"source": "Qwen/Qwen2.5-0.5B-Instruct"}})
+    assert "HF_HUB_OFFLINE" not in llm_config(hub).runtime_env["env_vars"]

@@ -500,6 +500,7 @@ def render_serve_config_cmd(
     if source.startswith("/") and not Path(source).exists():  # `up` builds the default model; this file does not
         typer.echo(f"note: model.source {source} is not on this machine (`warmpath build-model` builds the default "
                    "model there); every node that serves the file needs the model at that path", err=True)
+    _warn_replica_args(cfg)
     if out is None:
         sys.stdout.write(text)
     else:
@@ -531,6 +532,7 @@ def render_k8s_cmd(
             typer.echo(f"k8s manifests up to date ({len(overlays)} overlay(s))")
             return
         for o in overlays:
+            _warn_replica_args(k8s_render.load_overlay_config(o), f"{o}: ")
             changed = k8s_render.write_k8s(o)
             typer.echo(f"{o}: " + (", ".join(str(p) for p in changed) if changed else "unchanged"))
     except ConfigError as err:
@@ -539,6 +541,15 @@ def render_k8s_cmd(
     except OSError as err:  # a generated path that is a folder, a read-only checkout: one line, not a traceback
         typer.echo(f"error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), err=True)
         raise typer.Exit(1)
+
+
+def _warn_replica_args(cfg: ClusterConfig, where: str = "") -> None:
+    """What this machine's vLLM would refuse of the replicas' arguments, said on stderr: the file deploys
+    elsewhere, maybe with another vLLM (`up` refuses them)."""
+    from cluster.replica_args import replica_args_problems
+
+    for problem in replica_args_problems(cfg):
+        typer.echo(f"warning: {where}{problem}", err=True)
 
 
 def _check_bench_flags(time_scale: float, sessions: Optional[int], rounds: int = 1) -> None:

@@ -1,4 +1,5 @@
-"""The replicas' vLLM arguments, checked against the vLLM installed here before `up` starts anything.
+"""The replicas' vLLM arguments, checked against the vLLM installed here before `up` starts anything, and
+against a local model folder's context length (`up` refuses them; the renders warn).
 
 Why: Ray Serve LLM sorts `replicas.engine_kwargs` into vLLM's engine and frontend arguments, and vLLM
 looks `model.tool_call_parser` up, in each replica as it starts: a misspelt key or parser name failed
@@ -10,20 +11,30 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import os
+from pathlib import Path
 
 from cluster.config import ClusterConfig
 
 
 def replica_args_problems(cfg: ClusterConfig) -> list[str]:
-    """What vLLM would refuse in `cfg`'s replica arguments, one line each; empty when nothing or no vLLM."""
+    """What vLLM would refuse in `cfg`'s replica arguments, one line each; empty when nothing (without vLLM
+    here, only the local model's window is checked)."""
+    problems = []
+    if (window := _local_model_window(cfg)) is not None and cfg.model.max_model_len_tokens > window:
+        problems.append(
+            f"model.max_model_len_tokens {cfg.model.max_model_len_tokens} is over the {window} tokens the model in "
+            f"{cfg.model_source()} holds (max_position_embeddings in its config.json); vLLM refuses it"
+        )
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.cli_args import FrontendArgs
         from vllm.tool_parsers import ToolParserManager
     except ImportError:
-        return []
+        return problems
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)} | {f.name for f in dataclasses.fields(FrontendArgs)}
-    problems = [
+    problems += [
         f"replicas.engine_kwargs.{key} is no argument of vLLM's engine or OpenAI frontend{_did_you_mean(key, known)}"
         for key in sorted(set(cfg.replicas.engine_kwargs) - known)
     ]
@@ -38,3 +49,24 @@ def replica_args_problems(cfg: ClusterConfig) -> list[str]:
 def _did_you_mean(name: str, known) -> str:
     close = difflib.get_close_matches(name, list(known), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _local_model_window(cfg: ClusterConfig) -> int | None:
+    """The context length a local model folder's `config.json` states; None for a hub id, a folder not here,
+    or a window vLLM may stretch (rope scaling, `hf_overrides`, `VLLM_ALLOW_LONG_MAX_MODEL_LEN`)."""
+    folder = Path(cfg.model_source())
+    if not folder.is_absolute() or "hf_overrides" in cfg.replicas.engine_kwargs \
+            or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        return None
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    window = text.get("max_position_embeddings")
+    for rope in (text.get("rope_scaling"), text.get("rope_parameters")):
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (None, "default"):
+            return None  # yarn, dynamic, ...: vLLM derives a longer window
+    return window if isinstance(window, int) and window > 0 else None

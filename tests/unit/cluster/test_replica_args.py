@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import builtins
+import json
 
 import pytest
 from typer.testing import CliRunner
@@ -59,3 +60,35 @@ def test_up_refuses_bad_replica_arguments_before_starting_anything(tmp_path, mon
     result = CliRunner().invoke(app, ["up", "-c", str(config), "--state-dir", str(tmp_path / "state")])
     assert result.exit_code == 2, result.output
     assert "replicas.engine_kwargs.enable_prefix_cachng is no argument" in result.stderr
+
+
+def _model_folder(tmp_path, **config):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, **config}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("config, is_refused", [
+    ({}, True),
+    ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}, True),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, False),  # vLLM stretches the window
+])
+def test_a_window_over_a_local_models_is_named(tmp_path, config, is_refused):
+    """The CPU overlay names its model's folder (not the default empty source, which the config checks): a
+    longer window rendered cleanly, and every replica failed as vLLM derived the model's."""
+    cfg = _config(model={"source": _model_folder(tmp_path, **config), "max_model_len_tokens": 16384})
+    problems = replica_args_problems(cfg)
+    assert any("is over the 8192 tokens the model in" in p for p in problems) is is_refused, problems
+    assert replica_args_problems(_config(model={"source": str(tmp_path / "model"), "max_model_len_tokens": 8192})) == []
+
+
+def test_the_renders_warn_of_what_the_replicas_would_refuse(tmp_path):
+    """They rendered a misspelt engine argument cleanly; it failed in the RayService. (`up` refuses it.)"""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"model:\n  source: {_model_folder(tmp_path)}\n  max_model_len_tokens: 16384\n"
+                      "redis_url: redis://r:6379/0\nreplicas:\n  engine_kwargs: {gpu_memory_utilisation: 0.8}\n")
+    result = CliRunner().invoke(app, ["render", "serve-config", "-c", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "warning: replicas.engine_kwargs.gpu_memory_utilisation is no argument" in result.stderr
+    assert "warning: model.max_model_len_tokens 16384 is over the 8192 tokens" in result.stderr

@@ -239,13 +239,39 @@ def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
                 f"{declared[port_name]}, where the Services and the readiness probe reach the proxy: leave "
                 f"{field} at {declared[port_name]} (or change the base manifests' ports, probe and Services too)"
             )
-    cpu_limit = ((container.get("resources") or {}).get("limits") or {}).get("cpu")
+    limits = (container.get("resources") or {}).get("limits") or {}
+    cpu_limit = limits.get("cpu")
     if cpu_limit is not None and cpu_cores(cpu_limit) < worker_ray_cpus(cfg):
         raise ConfigError(
             f"{where}: a worker offers Ray {worker_ray_cpus(cfg)} CPUs (replicas.num_cpus "
             f"{cfg.replicas.num_cpus} + {SERVICE_NUM_CPUS} for the services) but its container's CPU limit in the "
             f"overlay's patch is {cpu_limit}: raise the limit (or lower num_cpus)"
         )
+    memory_limit = limits.get("memory")
+    if cfg.replicas.accelerator == "cpu" and memory_limit is not None and (
+            memory_bytes(memory_limit) < (cfg.replicas.kv_cache_space_gib + CPU_ENGINE_OVERHEAD_GIB) * 2**30):
+        raise ConfigError(
+            f"{where}: a CPU worker's KV cache alone takes replicas.kv_cache_space_gib "
+            f"{cfg.replicas.kv_cache_space_gib} GiB, and the engine, the model and Ray at least "
+            f"{CPU_ENGINE_OVERHEAD_GIB} GiB more, but its container's memory limit in the overlay's patch is "
+            f"{memory_limit}: raise the limit (or lower kv_cache_space_gib); the pod would be killed for memory"
+        )
+
+
+# A floor, not a size, of what a CPU worker holds besides its KV cache: vLLM's engine and torch, the model,
+# Ray's raylet and worker processes. A limit below the cache plus this cannot hold a replica.
+CPU_ENGINE_OVERHEAD_GIB = 2
+_MEMORY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+                    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+
+
+def memory_bytes(quantity: str | int | float) -> float:
+    """A Kubernetes memory quantity (`4Gi`, `512Mi`, `1e9`, `3G`) in bytes."""
+    text = str(quantity).strip()
+    for suffix in ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "k", "M", "G", "T", "P", "E"):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * _MEMORY_SUFFIXES[suffix]
+    return float(text)
 
 
 def cpu_cores(quantity: str | int | float) -> float:

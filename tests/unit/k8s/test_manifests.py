@@ -542,13 +542,20 @@ def test_render_k8s_check_reports_drift_and_render_fixes_it(tmp_path: Path):
     assert k8s_render.embedded_serve_config(overlay)["applications"][0]["args"]["replicas"]["num_replicas"] == 3
 
 
+def test_memory_quantities_read_as_kubernetes_writes_them():
+    assert [k8s_render.memory_bytes(q) for q in ("4Gi", "512Mi", "3G", "1e9", 1024)] == [
+        4 * 2**30, 512 * 2**20, 3e9, 1e9, 1024]
+
+
 @pytest.mark.parametrize("edit, message", [
     (("num_replicas: 2", "num_replicas: 4"), r"num_replicas 4 is above the worker group's maxReplicas \(3\)"),
     (("num_cpus: 1", "num_cpus: 4"), r"offers Ray 5 CPUs .* its container's CPU limit in the overlay's patch is 2"),
     (("warmpath_replica_slot: 1", "warmpath_replica_slot: 0.5"), r"ray_resources .* must be whole numbers"),
     (("router:", "ports:\n  http_port: 8001\nrouter:"), r"ports\.http_port is 8001 but the worker container's port 'serve' is 8000"),
     (("router:", "ports:\n  grpc_port: 9001\nrouter:"), r"ports\.grpc_port is 9001 but .* 'serve-grpc' is 9000"),
-], ids=["over-max-replicas", "over-cpu-limit", "fractional-resource", "http-port", "grpc-port"])
+    # The pod was killed for memory as its engine allocated the cache.
+    (("kv_cache_space_gib: 1", "kv_cache_space_gib: 8"), r"KV cache alone takes .* 8 GiB.* memory limit .* is 4Gi"),
+], ids=["over-max-replicas", "over-cpu-limit", "fractional-resource", "http-port", "grpc-port", "over-memory-limit"])
 def test_render_refuses_a_config_the_overlays_worker_group_cannot_hold(tmp_path: Path, edit, message):
     """Each rendered and applied cleanly, and the app never left DEPLOYING (or KubeRay's autoscaler failed)."""
     k8s = tmp_path / "k8s"

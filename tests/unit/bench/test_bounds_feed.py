@@ -146,9 +146,13 @@ def test_the_child_leaves_a_terminals_interrupt_to_its_parent():
 
     ours, theirs = multiprocessing.Pipe()
     theirs.close()  # a parent gone: the child returns, nothing to report to
-    before = signal.getsignal(signal.SIGINT)
+    import gc
+
+    before, was_collecting = signal.getsignal(signal.SIGINT), gc.isenabled()
     try:
         bounds_feed._serve(ours, 16, 2, 10)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+        if was_collecting:  # the child turns the collector off for good: this is not a child
+            gc.enable()

@@ -194,6 +194,11 @@ class RequestBlockHashes:
         return self._step // 4
 
     @property
+    def token_bytes(self) -> bytes:
+        """The prompt's token ids as hashed (`encode_tokens`), the partial tail included."""
+        return self._data
+
+    @property
     def computed(self) -> Sequence[BlockHash]:
         """Hashes computed so far (a prefix of the full chain)."""
         return self._hashes

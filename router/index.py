@@ -76,8 +76,27 @@ Invariants:
 - Whatever goes wrong (unknown parent, lost events, unsupported extra keys),
   the index forgets blocks rather than invents them: it may under-predict a
   replica's cache, never over-predict it, except for pending entries (bounded
-  by their TTL), the one case noted under `apply`, and the out-of-order
-  removals noted under the lookup.
+  by their TTL), the one case noted under `apply`, the out-of-order
+  removals noted under the lookup, and an adoption matched to the wrong chain
+  (below).
+
+Adoption: a router that joins after a replica cached a prefix (a shared system
+prompt is stored once, and the replay buffer keeps only its last batches) gets
+every block extending it as an orphan, and would stay blind to that prefix for
+as long as the engine holds it. The prompts this router placed on a replica are
+remembered (`note_placed_prompt`, the last PLACED_PROMPTS_KEPT of all replicas):
+an orphan whose blocks continue exactly one of them at one block position (at
+least ADOPTION_MIN_BLOCKS blocks of it, or to its end) names that prompt's block
+before them as its parent, which the engine held, and with it every block before
+that (vLLM evicts a chain from its end). The parent is indexed under its engine
+key; the blocks before it, whose engine keys no event named, under stand-in keys
+(negative: engine keys never are), shared between the parents adopted with them
+(`anchors`, `adopted`) and forgotten with the last of those parents, when its
+removal comes or the bound forgets it: the engine may still hold them, and the
+index forgets rather than invents. A match to the wrong chain needs another
+chain with the same tokens at the same block position, ending in a block this
+router never saw, while no prompt placed on that replica explains the orphan
+otherwise; a second matching prompt with another parent leaves it an orphan.
 
 Tracked: the engine's own pool only (`medium` None or "GPU", which vLLM uses
 on every backend, CPU included), KV cache group 0, the index's block size.
@@ -97,10 +116,13 @@ from itertools import compress, islice, repeat
 from operator import not_
 from typing import Callable, Iterable, Sequence
 
-from router.hashing import BlockHash, chain_block_hashes, encode_tokens, root_hash
+from router.hashing import BlockHash, RequestBlockHashes, chain_block_hashes, encode_tokens, root_hash
 from router.types import ReplicaId
 
 _TRACKED_MEDIA = frozenset({None, "GPU"})
+# Adoption (module docstring): prompts remembered, across replicas, and the blocks an orphan must match.
+PLACED_PROMPTS_KEPT = 256
+ADOPTION_MIN_BLOCKS = 2
 PENDING_DENSE_BLOCKS = 16
 PENDING_STRIDE_BLOCKS = 16
 _FIRST_SPARSE = PENDING_DENSE_BLOCKS + PENDING_STRIDE_BLOCKS - 1  # the first grid position past the dense head
@@ -162,7 +184,7 @@ class IndexSnapshot:
 
 class _ReplicaState:
     __slots__ = ("replica_id", "slot", "bit", "max_blocks", "blocks", "extra_copies", "skipped", "pending",
-                 "num_evicted_blocks")
+                 "num_evicted_blocks", "anchors", "adopted")
 
     def __init__(self, replica_id: ReplicaId, slot: int, max_blocks: int) -> None:
         self.replica_id = replica_id
@@ -176,6 +198,10 @@ class _ReplicaState:
         self.skipped: dict[int, None] = {}
         self.pending: dict[BlockHash, float] = {}
         self.num_evicted_blocks = 0
+        # Adoption (module docstring): engine key of an adopted parent -> the stand-in keys of the
+        # ancestors adopted with it; stand-in key -> [its hash, how many anchors hold it].
+        self.anchors: dict[int, list[int]] = {}
+        self.adopted: dict[int, list] = {}
 
 
 class PrefixIndex:
@@ -199,6 +225,9 @@ class PrefixIndex:
         self._slot_ids: list[ReplicaId | None] = []
         self._expiries: list[tuple[float, int, _ReplicaState, tuple[BlockHash, ...]]] = []
         self._expiry_seq = itertools.count()
+        # Prompts recently placed, newest last: (replica, their block hashes), for adopting orphans.
+        self._placed_prompts: deque[tuple[ReplicaId, RequestBlockHashes]] = deque(maxlen=PLACED_PROMPTS_KEPT)
+        self._stand_in_keys = itertools.count(-1, -1)  # engine keys are never negative
 
     def apply(self, replica_id: ReplicaId, events: Iterable[object]) -> ApplyResult:
         """Applies one replica's KV events, in order.
@@ -423,6 +452,70 @@ class PrefixIndex:
             num_evicted_blocks_by_replica={s.replica_id: s.num_evicted_blocks for s in states},
         )
 
+    def note_placed_prompt(self, replica_id: ReplicaId, blocks: RequestBlockHashes) -> None:
+        """Remembers a prompt placed on `replica_id`, so that the blocks its prefill stores may be adopted."""
+        if blocks.num_blocks > 1:
+            self._placed_prompts.append((replica_id, blocks))
+
+    def _adopt(self, state: _ReplicaState, parent_key: int, event) -> BlockHash | None:
+        """The hash of an orphan's parent, taken from a prompt placed on the replica, else None.
+
+        The orphan's blocks must continue exactly one prompt placed there recently, at one position,
+        for `ADOPTION_MIN_BLOCKS` blocks or to the prompt's end: their parent is then that prompt's block
+        before them, which the engine held, and so every block before it (vLLM evicts a chain from its
+        end). The parent joins the index under its engine key, the blocks before it under stand-in keys
+        no removal names, released when that parent goes (module docstring: adoption).
+        """
+        step = 4 * self._block_size_tokens
+        data = encode_tokens(event.token_ids)
+        head = data[:step]
+        found: dict[BlockHash, tuple[RequestBlockHashes, int]] = {}
+        for replica_id, prompt in self._placed_prompts:
+            if replica_id != state.replica_id:
+                continue
+            prompt_data = prompt.token_bytes
+            offset = prompt_data.find(head, step)
+            while offset != -1:
+                position = offset // step
+                matched = min(len(data), len(prompt_data) - offset) // step
+                if offset % step == 0 and matched >= min(ADOPTION_MIN_BLOCKS, prompt.num_blocks - position) \
+                        and prompt_data.startswith(data[: matched * step], offset):
+                    found[prompt.hashes()[position - 1]] = (prompt, position)
+                offset = prompt_data.find(head, offset + 1)
+        if len(found) != 1:  # none, or ambiguous: the index forgets rather than invents
+            return None
+        ((parent, (prompt, position)),) = found.items()
+        bit, owners, stand_ins = state.bit, self._owners, []
+        held = {block_hash: key for key, (block_hash, _) in state.adopted.items()}
+        for block_hash in prompt.hashes()[: position - 1]:
+            key = held.get(block_hash)
+            if key is None:
+                if owners.get(block_hash, 0) & bit:  # indexed under its engine key
+                    continue
+                key = next(self._stand_in_keys)
+                state.blocks[key] = block_hash
+                state.adopted[key] = [block_hash, 0]
+                owners[block_hash] = owners.get(block_hash, 0) | bit
+            state.adopted[key][1] += 1
+            stand_ins.append(key)
+        state.anchors[parent_key] = stand_ins
+        state.blocks[parent_key] = parent
+        owners[parent] = owners.get(parent, 0) | bit
+        return parent
+
+    def _release_anchors(self, state: _ReplicaState, keys: Iterable[int]) -> None:
+        """Drops the stand-ins of the adopted parents among `keys` that no other adopted parent holds."""
+        for key in keys:
+            for stand_in in state.anchors.pop(key, ()):
+                entry = state.adopted.get(stand_in)
+                if entry is None:  # forgotten by the bound already
+                    continue
+                entry[1] -= 1
+                if not entry[1]:
+                    del state.adopted[stand_in]
+                    if state.blocks.pop(stand_in, None) is not None:
+                        self._drop_bit(self._owners, entry[0], state.bit)
+
     def _state(self, replica_id: ReplicaId) -> _ReplicaState:
         state = self._replicas.get(replica_id)
         if state is None:
@@ -480,7 +573,8 @@ class PrefixIndex:
                 if parent_key in state.skipped:  # extends a block skipped on purpose: no orphan
                     self._skip(state, event.block_hashes)
                     return 0, num_blocks, 0
-                return 0, num_blocks, num_blocks
+                if extra_keys or lora_name is not None or (parent := self._adopt(state, parent_key, event)) is None:
+                    return 0, num_blocks, num_blocks
         usable = num_blocks
         for offset, block_keys in enumerate(extra_keys[first:num_blocks], start=first):
             if block_keys and any(key != lora_name for key in block_keys):
@@ -497,10 +591,15 @@ class PrefixIndex:
             self._store_blockwise(state, keys, hashes)
         extra_copies = state.extra_copies
         for old_key in list(islice(blocks, max(len(blocks) - state.max_blocks, 0))):  # the least recently stored
-            old_hash = blocks.pop(old_key)
+            old_hash = blocks.pop(old_key, None)
+            if old_hash is None:  # a stand-in released with its anchor, earlier in this loop
+                continue
             extra_copies.pop(old_key, None)
             self._drop_bit(self._owners, old_hash, state.bit)
             state.num_evicted_blocks += 1
+            if state.anchors:
+                state.adopted.pop(old_key, None)
+                self._release_anchors(state, (old_key,))
         return usable, num_blocks - usable, 0
 
     def _store_new(self, state: _ReplicaState, keys: list[int], hashes: list[BlockHash]) -> None:
@@ -538,6 +637,8 @@ class PrefixIndex:
         keys = _engine_keys(engine_hashes)
         if state.skipped:
             deque(map(state.skipped.pop, keys, repeat(None)), maxlen=0)
+        if state.anchors and not state.anchors.keys().isdisjoint(keys):
+            self._release_anchors(state, keys)
         if state.extra_copies and not state.extra_copies.keys().isdisjoint(keys):
             return self._remove_blockwise(state, keys)
         # No copies involved (the usual event): `_remove_blockwise` with the loops in C.
@@ -577,6 +678,8 @@ class PrefixIndex:
         state.blocks.clear()
         state.extra_copies.clear()
         state.skipped.clear()
+        state.anchors.clear()
+        state.adopted.clear()
 
     def expire_pending(self, now_s: float) -> None:
         """Drops pending entries that expired by `now_s`.

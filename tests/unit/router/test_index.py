@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from router.hashing import hash_request_blocks, root_hash
+from router.hashing import RequestBlockHashes, hash_request_blocks, root_hash
 from router.index import PrefixIndex, _engine_keys, leading_runs
 from router.types import ReplicaId
 
@@ -574,3 +574,102 @@ def test_a_clear_drops_the_pending_entry_on_a_block_the_replica_held():
                                   lora_id=None, medium="GPU", lora_name=None)])
     index.apply("A", [AllBlocksCleared()])
     assert index.longest_prefix(hash_request_blocks(tokens[:40], 1, root_hash("m", None)), 1.0) == {}
+
+
+# -- adoption: orphans whose parent a prompt placed here names ------------------------
+
+JOINED_PROMPT = list(range(500, 548))  # 12 blocks: blocks 0-7 cached before the router joined, 8-11 a turn's new tail
+JOINED_BRANCH = JOINED_PROMPT[:32] + list(range(900, 916))  # the same first 8 blocks, another tail
+
+
+def _placed(index: PrefixIndex, replica: ReplicaId, tokens: list[int]) -> RequestBlockHashes:
+    blocks = RequestBlockHashes(tokens, BS, root_hash(MODEL, None))
+    index.note_placed_prompt(replica, blocks)
+    return blocks
+
+
+def test_an_orphan_continuing_a_prompt_placed_there_is_adopted_with_the_blocks_before_it(index):
+    """The engine cached the shared head before the router joined (its history no longer held it): every block
+    extending it arrived as an orphan, and the router stayed blind to that replica's prefixes for good."""
+    _placed(index, A, JOINED_PROMPT)
+    result = index.apply(A, [stored(8, 4, tokens=JOINED_PROMPT, parent=7)])
+    assert (result.num_stored_blocks, result.num_orphaned_blocks) == (4, 0)
+    assert index.longest_prefix(request_hashes(JOINED_PROMPT), 0.0) == {A: 12}
+    assert index.longest_prefix(request_hashes(JOINED_BRANCH), 0.0) == {A: 8}  # the head, for the next session
+    index.apply(A, [stored(12, 1, tokens=JOINED_PROMPT + [1, 2, 3, 4], parent=11)])  # decode chains on as usual
+    assert index.longest_prefix(request_hashes(JOINED_PROMPT + [1, 2, 3, 4]), 0.0) == {A: 13}
+
+
+def test_adopted_blocks_go_with_the_parent_they_were_adopted_with(index):
+    """vLLM evicts a chain from its end: once the adopted parent goes, the index no longer knows the blocks
+    before it are held (they may be; it forgets rather than invents)."""
+    _placed(index, A, JOINED_PROMPT)
+    _placed(index, A, JOINED_BRANCH)
+    index.apply(A, [stored(8, 4, tokens=JOINED_PROMPT, parent=7)])
+    index.apply(A, [stored(8, 4, tokens=JOINED_BRANCH, parent=7, block_hashes=[ehash(i) for i in range(20, 24)])])
+    index.apply(A, [removed(11, 10, 9, 8)])
+    assert index.longest_prefix(request_hashes(JOINED_BRANCH), 0.0) == {A: 12}  # its tail chained on the adopted parent
+    index.apply(A, [removed(23, 22, 21, 20)])
+    assert index.longest_prefix(request_hashes(JOINED_BRANCH), 0.0) == {A: 8}
+    index.apply(A, [removed(7)])
+    assert index.longest_prefix(request_hashes(JOINED_BRANCH), 0.0) == {}
+    assert index._owners == {} and index.snapshot().num_blocks_by_replica.get(A, 0) == 0
+
+
+@pytest.mark.parametrize("placements, event", [
+    ([(B, JOINED_PROMPT)], stored(8, 4, tokens=JOINED_PROMPT, parent=7)),  # placed on another replica
+    ([(A, JOINED_PROMPT)], stored(8, 1, tokens=JOINED_PROMPT, parent=7)),  # one block of a prompt going on: too little to tell
+    ([(A, JOINED_PROMPT), (A, JOINED_PROMPT[:4] + JOINED_PROMPT[:28] + JOINED_PROMPT[32:])], stored(8, 4, tokens=JOINED_PROMPT, parent=7)),  # two parents
+    ([], stored(8, 4, tokens=JOINED_PROMPT, parent=7)),
+])
+def test_an_orphan_no_single_placed_prompt_explains_stays_an_orphan(index, placements, event):
+    for replica, tokens in placements:
+        _placed(index, replica, tokens)
+    result = index.apply(A, [event])
+    assert (result.num_stored_blocks, result.num_orphaned_blocks) == (0, event_blocks := len(event.block_hashes))
+    assert event_blocks and A not in index.longest_prefix(request_hashes(JOINED_PROMPT), 0.0)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_adoption_never_credits_a_block_the_engine_does_not_hold(seed):
+    """A router joining late: the engine holds a shared head and some branches it never saw stored. Prompts
+    placed on the replica, the tails they store (orphans, adopted) and evictions from chains' ends in any
+    order: a lookup never credits more than the engine holds, and after a prompt's tail is stored, exactly."""
+    rng = random.Random(seed)
+    index = PrefixIndex(BS, 1000, MODEL)
+    head = list(range(2000, 2000 + 6 * BS))
+    prompts = [head + list(range(3000 + 100 * b, 3000 + 100 * b + 4 * BS)) for b in range(4)]
+
+    def key_of(prompt: int, i: int) -> int:
+        return i if i < 6 else 1000 * (prompt + 1) + i
+
+    held: set[int] = {key_of(0, i) for i in range(10)} | {key_of(1, i) for i in range(8)}  # before the router
+
+    def held_prefix(prompt: int) -> int:
+        n = 0
+        while n < 10 and key_of(prompt, n) in held:
+            n += 1
+        return n
+
+    for _ in range(60):
+        prompt = rng.randrange(len(prompts))
+        if rng.random() < 0.5:
+            _placed(index, A, prompts[prompt])
+            first = held_prefix(prompt)
+            if first < 10:
+                event = stored(first, 10 - first, tokens=prompts[prompt])
+                event.block_hashes = [ehash(key_of(prompt, i)) for i in range(first, 10)]
+                event.parent_block_hash = ehash(key_of(prompt, first - 1)) if first else None
+                held.update(key_of(prompt, i) for i in range(first, 10))
+                index.apply(A, [event])
+            got = index.longest_prefix(request_hashes(prompts[prompt]), 0.0).get(A, 0)
+            assert got == 10 or first == 10, (got, first)
+        else:
+            extended = {key_of(p, i - 1) for p in range(len(prompts)) for i in range(1, 10) if key_of(p, i) in held}
+            leaves = sorted(held - extended)
+            if leaves:
+                leaf = rng.choice(leaves)
+                held.discard(leaf)
+                index.apply(A, [removed(leaf)])
+        for p in range(len(prompts)):
+            assert index.longest_prefix(request_hashes(prompts[p]), 0.0).get(A, 0) <= held_prefix(p)

@@ -573,7 +573,7 @@ class PrefixIndex:
                 if parent_key in state.skipped:  # extends a block skipped on purpose: no orphan
                     self._skip(state, event.block_hashes)
                     return 0, num_blocks, 0
-                if extra_keys or lora_name is not None or (parent := self._adopt(state, parent_key, event)) is None:
+                if any(extra_keys) or lora_name is not None or (parent := self._adopt(state, parent_key, event)) is None:
                     return 0, num_blocks, num_blocks
         usable = num_blocks
         for offset, block_keys in enumerate(extra_keys[first:num_blocks], start=first):

@@ -260,3 +260,56 @@ def test_killing_a_replica_drops_its_index_and_routing_continues(warmpath_router
     # The replacement rejoins routing once it advertises its event endpoint.
     resp = _chat(cluster, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "after the restart"}])
     assert resp.status_code == 200
+
+
+def test_a_router_blind_to_a_cached_prefix_learns_it_from_its_own_request(warmpath_router, ray_connection):
+    """A prefix cached before a router subscribed (its history held no more) reaches it as orphans: adopted
+    from the prompt it placed, with every block before it, from a real engine's events."""
+    from ray import serve
+
+    from router.events import ZmqEventSource
+    from router.hashing import RequestBlockHashes, root_hash
+    from router.index import PrefixIndex
+    from serve_apps.builders import llm_deployment_name
+
+    cluster = warmpath_router
+    handle = serve.get_deployment_handle(llm_deployment_name(cluster.cfg), app_name=cluster.cfg.app_name)
+    endpoints: dict[str, str] = {}
+    deadline = time.monotonic() + 120
+    while len(endpoints) < cluster.cfg.replicas.num_replicas:  # each call reaches one replica
+        info = handle.replica_info.remote().result(timeout_s=120)
+        endpoints[info["replica_id"]] = info["kv_events_endpoint"]
+        assert time.monotonic() < deadline, endpoints
+    system = SYSTEM + f"\nCase {uuid.uuid4()}."
+    seeded = _chat(cluster, [{"role": "system", "content": system}, {"role": "user", "content": "seed"}])
+    holder = seeded.headers["x-warmpath-replica"]
+    block_size = cluster.cfg.replicas.block_size_tokens
+    index = PrefixIndex(block_size, 100_000, cluster.model_id)
+    sources = {replica: ZmqEventSource(endpoint) for replica, endpoint in endpoints.items()}
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # subscribed: a prompt of its own stored on the holder comes through (the system's came before)
+            _chat(cluster, [{"role": "user", "content": f"warm-up {uuid.uuid4()} " * 8}], max_tokens=1)
+            if any(sources[holder].poll_batches(256)):
+                break
+            assert time.monotonic() < deadline
+        probe = {"model": cluster.model_id, "messages": [{"role": "system", "content": system},
+                                                          {"role": "user", "content": "probe " * 40}]}
+        sibling = {**probe, "messages": [probe["messages"][0], {"role": "user", "content": "another question"}]}
+        probe_ids, sibling_ids = _router_ids(cluster, probe), _router_ids(cluster, sibling)
+        root = root_hash(cluster.model_id, None)
+        blocks = RequestBlockHashes(probe_ids, block_size, root)
+        index.note_placed_prompt(holder, blocks)
+        assert _chat(cluster, probe["messages"]).headers["x-warmpath-replica"] == holder  # the prefix is there
+        shared = next(i for i, (a, b) in enumerate(zip(probe_ids, sibling_ids)) if a != b) // block_size
+        deadline = time.monotonic() + 60
+        while index.longest_prefix(blocks.hashes(), time.monotonic()).get(holder, 0) < blocks.num_blocks - 1:
+            for _, batch in sources[holder].poll_batches(256):
+                index.apply(holder, batch.events)
+            assert time.monotonic() < deadline, index.snapshot()
+            time.sleep(0.05)
+        sibling_blocks = RequestBlockHashes(sibling_ids, block_size, root).hashes()
+        assert index.longest_prefix(sibling_blocks, time.monotonic()).get(holder, 0) >= shared > 10
+    finally:
+        for source in sources.values():
+            source.close()

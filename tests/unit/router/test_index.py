@@ -592,7 +592,7 @@ def test_an_orphan_continuing_a_prompt_placed_there_is_adopted_with_the_blocks_b
     """The engine cached the shared head before the router joined (its history no longer held it): every block
     extending it arrived as an orphan, and the router stayed blind to that replica's prefixes for good."""
     _placed(index, A, JOINED_PROMPT)
-    result = index.apply(A, [stored(8, 4, tokens=JOINED_PROMPT, parent=7)])
+    result = index.apply(A, [stored(8, 4, tokens=JOINED_PROMPT, parent=7, extra_keys=[None] * 4)])  # as vLLM sends
     assert (result.num_stored_blocks, result.num_orphaned_blocks) == (4, 0)
     assert index.longest_prefix(request_hashes(JOINED_PROMPT), 0.0) == {A: 12}
     assert index.longest_prefix(request_hashes(JOINED_BRANCH), 0.0) == {A: 8}  # the head, for the next session

@@ -114,6 +114,23 @@ class RouterArgs(BaseModel):
     )
 
 
+class _RecentIds:
+    """The last `capacity` ids added, for counting a request once however often Serve asks to place it."""
+
+    def __init__(self, capacity: int) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._capacity = capacity
+
+    def add(self, request_id: str) -> bool:
+        """Adds `request_id`; False when it was there already."""
+        if request_id in self._ids:
+            return False
+        self._ids[request_id] = None
+        if len(self._ids) > self._capacity:
+            self._ids.popitem(last=False)
+        return True
+
+
 class _BoundedSessions(OrderedDict):
     """Session id -> last replica, least recently routed sessions forgotten first."""
 
@@ -608,6 +625,9 @@ class PrefixKVRouter(RequestRouter):
         self.lock = threading.Lock()
         self.use_block_size(args.block_size_tokens)
         self.sessions: _BoundedSessions = _BoundedSessions()
+        # Requests counted as routed by load, each once: Serve asks again while every replica is full, and
+        # retries a rejected attempt, whose completion has ended its placement by then.
+        self._counted_by_load = _RecentIds(4096)
         self.tokenizer = PromptTokenizer(args.model_source)
         self.tokenizer.start_loading()
         self._decisions: OrderedDict[str, Decision] = OrderedDict()
@@ -681,7 +701,7 @@ class PrefixKVRouter(RequestRouter):
         if pending_request is not None:
             request_id = pending_request.metadata.internal_request_id
             if cause is not None and pending_request.metadata.call_method in PREFIX_ROUTED_METHODS \
-                    and not self._inflight.is_placed(request_id):  # Serve's backoff asks again: one count each
+                    and self._counted_by_load.add(request_id):  # asked again (backoff, a rejection): counted once
                 decision_log.STATS.count_routed_by_load(cause)
             first = ReplicaId(ranked[0].replica_id.unique_id)
             self._inflight.place(request_id, first, time.monotonic(), False)

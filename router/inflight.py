@@ -56,10 +56,6 @@ class InflightRequests:
         while len(self._undispatched) + len(self._dispatched) > MAX_INFLIGHT:
             self._drop_oldest()
 
-    def is_placed(self, request_id: str) -> bool:
-        """Whether the request is placed and not yet sent (Serve asks again while every replica is full)."""
-        return request_id in self._undispatched
-
     def dispatch(self, request_id: str, replica_id: ReplicaId, now_s: float) -> None:
         """Counts a placed request as sent to `replica_id` (where Serve sent it, the chosen one or not).
 

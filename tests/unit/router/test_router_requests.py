@@ -464,6 +464,9 @@ def test_requests_routed_by_load_are_counted_once_each_by_why(new_router, monkey
         waiting = pending(chat(), "chat")
         for _ in range(3):  # one request Serve asks for again while every replica is full: counted once
             await router.choose_replicas([replica], waiting)
+        # ... and once more after its replica rejected it (Serve reports the attempt complete, then retries)
+        router.on_request_completed(SimpleNamespace(unique_id="R1"), waiting.metadata.internal_request_id)
+        await router.choose_replicas([replica], waiting)
         await router.choose_replicas([replica], pending(chat(), "tokenize"))  # prefills nothing: not counted
         with_stand_in_tokenizer(router)
         router.args = router.args.model_copy(update={"max_model_len_tokens": 8})

@@ -393,11 +393,11 @@ class _EventPump(threading.Thread):
     def _lost_its_end(fetch: _Fetch, source: ZmqEventSource) -> bool:
         """A history answer whose replies stopped without the end marker (`REPLY_IDLE_S`).
 
-        Only histories: they are the answers longer than the publisher's send queue (a
-        full buffer is 10 000 batches), and they wait seconds; a gap or a probe has its
-        short deadline.
+        Only histories and reloads (a history asked for again): they are the answers longer than the
+        publisher's send queue (a full buffer is 10 000 batches), and they wait seconds; a gap or a
+        probe has its short deadline.
         """
-        return fetch.kind == "history" and source.replies_stopped(time.monotonic(), REPLY_IDLE_S)
+        return fetch.kind in ("history", "reload") and source.replies_stopped(time.monotonic(), REPLY_IDLE_S)
 
     def _finish_fetch(self, replica_id: ReplicaId, source: ZmqEventSource, stream: ReplicaEventStream,
                       fetch: _Fetch, answer: BufferedBatches) -> None:
@@ -781,6 +781,7 @@ class PrefixKVRouter(RequestRouter):
             return
         with self.lock:
             self.index.withdraw_pending(ReplicaId(replica_id or decision.replica_id), blocks.hashes())
+            self.index.forget_placed_prompt(ReplicaId(replica_id or decision.replica_id), blocks)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         # A rejected attempt's completion can come after its retry was placed elsewhere: that one still runs.

@@ -83,20 +83,27 @@ Invariants:
 Adoption: a router that joins after a replica cached a prefix (a shared system
 prompt is stored once, and the replay buffer keeps only its last batches) gets
 every block extending it as an orphan, and would stay blind to that prefix for
-as long as the engine holds it. The prompts this router placed on a replica are
-remembered (`note_placed_prompt`, the last PLACED_PROMPTS_KEPT of all replicas):
-an orphan whose blocks continue exactly one of them at one block position (at
-least ADOPTION_MIN_BLOCKS blocks of it, or to its end) names that prompt's block
-before them as its parent, which the engine held, and with it every block before
-that (vLLM evicts a chain from its end). The parent is indexed under its engine
-key; the blocks before it, whose engine keys no event named, under stand-in keys
-(negative: engine keys never are), shared between the parents adopted with them
-(`anchors`, `adopted`) and forgotten with the last of those parents, when its
-removal comes or the bound forgets it: the engine may still hold them, and the
-index forgets rather than invents. A match to the wrong chain needs another
-chain with the same tokens at the same block position, ending in a block this
-router never saw, while no prompt placed on that replica explains the orphan
-otherwise; a second matching prompt with another parent leaves it an orphan.
+as long as the engine holds it. The prompts this router placed are remembered
+(`note_placed_prompt`: the last PLACED_PROMPTS_KEPT, rooted in the served model
+alone, since a salt or LoRA name is in the engine's first block only; forgotten
+where Serve sent them elsewhere). An orphan event of at least
+ADOPTION_MIN_BLOCKS blocks (a decode step's one block costs nothing) is matched
+against the replica's newest ADOPTION_PROMPTS_SCANNED of them placed within
+ADOPTION_WINDOW_S: where its blocks continue exactly one parent, at a block
+position of a prompt, for as far as both go, that prompt's block before them is
+the parent, which the engine held, and so every block before it (vLLM evicts a
+chain from its end). The parent is indexed under its engine key, the blocks
+before it under stand-in keys (negative: engine keys never are), shared between
+the parents adopted with them (`anchors`, `adopted`, `stand_in_of`; a stand-in
+whose block becomes an adopted parent gives way to its engine key) and forgotten
+with the last of those parents, when its last copy's removal comes or the bound
+forgets it: the engine may still hold them, and the index forgets rather than
+invents. The prompt that explained an orphan is not asked again. The orphan
+carries no position: another request's blocks, equal to a remembered prompt's
+from some block to where one of them ends, adopt that prompt's chain before
+them, which the replica may not hold (a document after two other role prompts,
+each ending there). That over-prediction lasts until the replica is sent one
+request of that chain and caches it, or the adopted parent goes.
 
 Tracked: the engine's own pool only (`medium` None or "GPU", which vLLM uses
 on every backend, CPU included), KV cache group 0, the index's block size.
@@ -123,6 +130,10 @@ _TRACKED_MEDIA = frozenset({None, "GPU"})
 # Adoption (module docstring): prompts remembered, across replicas, and the blocks an orphan must match.
 PLACED_PROMPTS_KEPT = 256
 ADOPTION_MIN_BLOCKS = 2
+ADOPTION_WINDOW_S = 30.0
+# The replica's newest placed prompts an orphan is matched against (each a byte search under the routing lock:
+# 32 of 32k tokens, about a millisecond); a prefill's orphan follows its placement closely.
+ADOPTION_PROMPTS_SCANNED = 32
 PENDING_DENSE_BLOCKS = 16
 PENDING_STRIDE_BLOCKS = 16
 _FIRST_SPARSE = PENDING_DENSE_BLOCKS + PENDING_STRIDE_BLOCKS - 1  # the first grid position past the dense head
@@ -184,7 +195,7 @@ class IndexSnapshot:
 
 class _ReplicaState:
     __slots__ = ("replica_id", "slot", "bit", "max_blocks", "blocks", "extra_copies", "skipped", "pending",
-                 "num_evicted_blocks", "anchors", "adopted")
+                 "num_evicted_blocks", "anchors", "adopted", "stand_in_of")
 
     def __init__(self, replica_id: ReplicaId, slot: int, max_blocks: int) -> None:
         self.replica_id = replica_id
@@ -202,6 +213,7 @@ class _ReplicaState:
         # ancestors adopted with it; stand-in key -> [its hash, how many anchors hold it].
         self.anchors: dict[int, list[int]] = {}
         self.adopted: dict[int, list] = {}
+        self.stand_in_of: dict[BlockHash, int] = {}
 
 
 class PrefixIndex:
@@ -226,8 +238,9 @@ class PrefixIndex:
         self._expiries: list[tuple[float, int, _ReplicaState, tuple[BlockHash, ...]]] = []
         self._expiry_seq = itertools.count()
         # Prompts recently placed, newest last: (replica, their block hashes), for adopting orphans.
-        self._placed_prompts: deque[tuple[ReplicaId, RequestBlockHashes]] = deque(maxlen=PLACED_PROMPTS_KEPT)
+        self._placed_prompts: deque[tuple[ReplicaId, RequestBlockHashes, float]] = deque(maxlen=PLACED_PROMPTS_KEPT)
         self._stand_in_keys = itertools.count(-1, -1)  # engine keys are never negative
+        self._model_root = root_hash(model_id, None)
 
     def apply(self, replica_id: ReplicaId, events: Iterable[object]) -> ApplyResult:
         """Applies one replica's KV events, in order.
@@ -452,69 +465,98 @@ class PrefixIndex:
             num_evicted_blocks_by_replica={s.replica_id: s.num_evicted_blocks for s in states},
         )
 
-    def note_placed_prompt(self, replica_id: ReplicaId, blocks: RequestBlockHashes) -> None:
-        """Remembers a prompt placed on `replica_id`, so that the blocks its prefill stores may be adopted."""
-        if blocks.num_blocks > 1:
-            self._placed_prompts.append((replica_id, blocks))
+    def note_placed_prompt(self, replica_id: ReplicaId, blocks: RequestBlockHashes, now_s: float) -> None:
+        """Remembers a prompt placed on `replica_id`, so that the blocks its prefill stores may be adopted.
+
+        Only prompts rooted in the served model alone: a cache salt or LoRA name is in the engine's first
+        block only, so another tenant's orphan would match a salted prompt's tokens as well as its own.
+        """
+        if blocks.num_blocks > ADOPTION_MIN_BLOCKS and blocks.root == self._model_root:
+            self._placed_prompts.append((replica_id, blocks, now_s))
+
+    def forget_placed_prompt(self, replica_id: ReplicaId, blocks: RequestBlockHashes) -> None:
+        """Forgets a prompt noted on a replica that will not prefill it (Serve sent it elsewhere, the engine
+        refused it): an orphan there matching it would be another request's."""
+        kept = [entry for entry in self._placed_prompts if entry[0] != replica_id or entry[1] is not blocks]
+        if len(kept) != len(self._placed_prompts):
+            self._placed_prompts = deque(kept, maxlen=PLACED_PROMPTS_KEPT)
 
     def _adopt(self, state: _ReplicaState, parent_key: int, event) -> BlockHash | None:
         """The hash of an orphan's parent, taken from a prompt placed on the replica, else None.
 
-        The orphan's blocks must continue exactly one prompt placed there recently, at one position,
-        for `ADOPTION_MIN_BLOCKS` blocks or to the prompt's end: their parent is then that prompt's block
-        before them, which the engine held, and so every block before it (vLLM evicts a chain from its
-        end). The parent joins the index under its engine key, the blocks before it under stand-in keys
-        no removal names, released when that parent goes (module docstring: adoption).
+        The orphan's first ADOPTION_MIN_BLOCKS blocks, and every block of it the prompt goes on to, must
+        continue exactly one prompt placed there within ADOPTION_WINDOW_S (one position, one parent):
+        their parent is then that prompt's block before them, which the engine held, and so every block
+        before it (vLLM evicts a chain from its end). The parent joins the index under its engine key, the
+        blocks before it under stand-in keys no removal names, released when the last parent adopted with
+        them goes (module docstring: adoption). A prompt that explains an orphan is not asked again.
         """
         step = 4 * self._block_size_tokens
+        if len(event.block_hashes) < ADOPTION_MIN_BLOCKS or not self._placed_prompts:
+            return None  # a decode step's one block (every step, on a blind replica) costs nothing here
         data = encode_tokens(event.token_ids)
-        head = data[:step]
+        head = data[: ADOPTION_MIN_BLOCKS * step]
+        horizon = self._placed_prompts[-1][2] - ADOPTION_WINDOW_S
         found: dict[BlockHash, tuple[RequestBlockHashes, int]] = {}
-        for replica_id, prompt in self._placed_prompts:
+        num_scanned = 0
+        for replica_id, prompt, placed_s in reversed(self._placed_prompts):
+            if placed_s < horizon or num_scanned == ADOPTION_PROMPTS_SCANNED:
+                break
             if replica_id != state.replica_id:
                 continue
+            num_scanned += 1
             prompt_data = prompt.token_bytes
             offset = prompt_data.find(head, step)
             while offset != -1:
-                position = offset // step
                 matched = min(len(data), len(prompt_data) - offset) // step
-                if offset % step == 0 and matched >= min(ADOPTION_MIN_BLOCKS, prompt.num_blocks - position) \
-                        and prompt_data.startswith(data[: matched * step], offset):
-                    found[prompt.hashes()[position - 1]] = (prompt, position)
+                if offset % step == 0 and prompt_data.startswith(data[: matched * step], offset):
+                    found[prompt.hashes()[offset // step - 1]] = (prompt, offset // step)
                 offset = prompt_data.find(head, offset + 1)
+            if len(found) > 1:
+                break
         if len(found) != 1:  # none, or ambiguous: the index forgets rather than invents
             return None
         ((parent, (prompt, position)),) = found.items()
+        self.forget_placed_prompt(state.replica_id, prompt)
         bit, owners, stand_ins = state.bit, self._owners, []
-        held = {block_hash: key for key, (block_hash, _) in state.adopted.items()}
+        adopted, stand_in_of = state.adopted, state.stand_in_of
         for block_hash in prompt.hashes()[: position - 1]:
-            key = held.get(block_hash)
+            key = stand_in_of.get(block_hash)
             if key is None:
                 if owners.get(block_hash, 0) & bit:  # indexed under its engine key
                     continue
-                key = next(self._stand_in_keys)
+                key = stand_in_of[block_hash] = next(self._stand_in_keys)
                 state.blocks[key] = block_hash
-                state.adopted[key] = [block_hash, 0]
+                adopted[key] = [block_hash, 0]
                 owners[block_hash] = owners.get(block_hash, 0) | bit
-            state.adopted[key][1] += 1
+            adopted[key][1] += 1
             stand_ins.append(key)
+        if (held_as := stand_in_of.pop(parent, None)) is not None:  # now backed by its engine key: no stand-in
+            del adopted[held_as], state.blocks[held_as]
         state.anchors[parent_key] = stand_ins
         state.blocks[parent_key] = parent
         owners[parent] = owners.get(parent, 0) | bit
+        if state.pending:  # confirmed, as a store confirms its blocks
+            self._drop_pending(state, [*prompt.hashes()[: position - 1], parent])
         return parent
 
     def _release_anchors(self, state: _ReplicaState, keys: Iterable[int]) -> None:
         """Drops the stand-ins of the adopted parents among `keys` that no other adopted parent holds."""
+        released = []
         for key in keys:
             for stand_in in state.anchors.pop(key, ()):
                 entry = state.adopted.get(stand_in)
-                if entry is None:  # forgotten by the bound already
+                if entry is None:  # forgotten by the bound, or replaced by its engine key
                     continue
                 entry[1] -= 1
                 if not entry[1]:
                     del state.adopted[stand_in]
+                    del state.stand_in_of[entry[0]]
                     if state.blocks.pop(stand_in, None) is not None:
-                        self._drop_bit(self._owners, entry[0], state.bit)
+                        released.append(entry[0])
+        drop_owner_bit(self._owners, released, state.bit)
+        if state.pending:  # as in `_remove`: a pending entry goes with the block
+            self._drop_pending(state, released)
 
     def _state(self, replica_id: ReplicaId) -> _ReplicaState:
         state = self._replicas.get(replica_id)
@@ -598,7 +640,8 @@ class PrefixIndex:
             self._drop_bit(self._owners, old_hash, state.bit)
             state.num_evicted_blocks += 1
             if state.anchors:
-                state.adopted.pop(old_key, None)
+                if (entry := state.adopted.pop(old_key, None)) is not None:
+                    del state.stand_in_of[entry[0]]
                 self._release_anchors(state, (old_key,))
         return usable, num_blocks - usable, 0
 
@@ -638,7 +681,12 @@ class PrefixIndex:
         if state.skipped:
             deque(map(state.skipped.pop, keys, repeat(None)), maxlen=0)
         if state.anchors and not state.anchors.keys().isdisjoint(keys):
-            self._release_anchors(state, keys)
+            removed = self._remove_keys(state, keys)
+            self._release_anchors(state, [key for key in keys if key in state.anchors and key not in state.blocks])
+            return removed
+        return self._remove_keys(state, keys)
+
+    def _remove_keys(self, state: _ReplicaState, keys: list[int]) -> int:
         if state.extra_copies and not state.extra_copies.keys().isdisjoint(keys):
             return self._remove_blockwise(state, keys)
         # No copies involved (the usual event): `_remove_blockwise` with the loops in C.
@@ -680,6 +728,7 @@ class PrefixIndex:
         state.skipped.clear()
         state.anchors.clear()
         state.adopted.clear()
+        state.stand_in_of.clear()
 
     def expire_pending(self, now_s: float) -> None:
         """Drops pending entries that expired by `now_s`.

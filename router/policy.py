@@ -200,7 +200,7 @@ class PrefixAwarePolicy:
             index.add_pending(
                 replica_id, blocks.hashes(), now_s, self._pending_ttl_s, decision.held_blocks.get(replica_id, 0)
             )
-            index.note_placed_prompt(replica_id, blocks)
+            index.note_placed_prompt(replica_id, blocks, now_s)
 
     @staticmethod
     def unrecord_session(decision: Decision, sessions: MutableMapping[str, ReplicaId]) -> None:

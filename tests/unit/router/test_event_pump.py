@@ -363,6 +363,38 @@ def test_a_history_that_lost_its_end_is_asked_for_again_from_where_it_stopped(pu
     assert time.monotonic() - started < 30  # once its replies stopped, not at the deadline
 
 
+def test_a_reload_that_lost_its_end_is_asked_for_again_from_where_it_stopped(publisher, new_pump, monkeypatch):
+    """A reload's answer, as long as a history's, loses its end the same way: it waited for its deadline, holding
+    the replica's live batches, then kept the index blind."""
+    for first in range(3_000):
+        publisher.publish(stored(first, 1))
+    published(publisher, 3_000, timeout_s=60)
+    monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 60.0)
+    pump = new_pump()
+    subscribe(pump)
+    _, source, stream = pump._sources[A]
+    with pump._router.lock:  # blind after a resync at the newest batch, as `accept` does at a gap
+        pump._router.index.clear_replica(A)
+        stream._known_from = stream.snapshot().last_seq
+    asked: list[int] = []
+    request = ZmqEventSource.request_buffered
+
+    def request_buffered(self, start_seq: int) -> bool:
+        asked.append(start_seq)
+        sent = request(self, start_seq)
+        if len(asked) == 1:
+            self._dealer = DroppingDealer(self._dealer, keep=1_000)
+        return sent
+
+    monkeypatch.setattr(ZmqEventSource, "request_buffered", request_buffered)
+    started = time.monotonic()
+    pump._reload(A, source, stream)
+    answered(pump, timeout_s=60)
+    state = pump.stream_states()[A]
+    assert asked[:2] == [0, 1_000] and (state["last_seq"], state["num_batches"]) == (2_999, 6_000)  # all again
+    assert time.monotonic() - started < 30  # once its replies stopped, not at the deadline
+
+
 def test_a_replica_whose_blocks_arrive_as_orphans_is_reloaded(publisher, new_pump, monkeypatch):
     """The history could not be loaded (nor when asked again as events came), and every block after the first
     batch extends blocks the index lacks."""

@@ -237,7 +237,7 @@ class PrefixIndex:
         self._slot_ids: list[ReplicaId | None] = []
         self._expiries: list[tuple[float, int, _ReplicaState, tuple[BlockHash, ...]]] = []
         self._expiry_seq = itertools.count()
-        # Prompts recently placed, newest last: (replica, their block hashes), for adopting orphans.
+        # Prompts recently placed, newest last: (replica, their block hashes, when), for adopting orphans.
         self._placed_prompts: deque[tuple[ReplicaId, RequestBlockHashes, float]] = deque(maxlen=PLACED_PROMPTS_KEPT)
         self._stand_in_keys = itertools.count(-1, -1)  # engine keys are never negative
         self._model_root = root_hash(model_id, None)

@@ -336,11 +336,9 @@ class DroppingDealer:
         self._dealer.close(linger=linger)
 
 
-def test_a_history_that_lost_its_end_is_asked_for_again_from_where_it_stopped(publisher, new_pump, monkeypatch):
-    for first in range(3_000):
-        publisher.publish(stored(first, 1))
-    published(publisher, 3_000, timeout_s=60)
-    monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 60.0)
+def first_answer_loses_its_end(monkeypatch) -> list[int]:
+    """From now on, the first replay request's answer keeps its first 1,000 replies only; returns the list of
+    the seqs each request asked from."""
     asked: list[int] = []
     request = ZmqEventSource.request_buffered
 
@@ -352,6 +350,15 @@ def test_a_history_that_lost_its_end_is_asked_for_again_from_where_it_stopped(pu
         return sent
 
     monkeypatch.setattr(ZmqEventSource, "request_buffered", request_buffered)
+    return asked
+
+
+def test_a_history_that_lost_its_end_is_asked_for_again_from_where_it_stopped(publisher, new_pump, monkeypatch):
+    for first in range(3_000):
+        publisher.publish(stored(first, 1))
+    published(publisher, 3_000, timeout_s=60)
+    monkeypatch.setattr(adapter, "HISTORY_TIMEOUT_S", 60.0)
+    asked = first_answer_loses_its_end(monkeypatch)
     pump = new_pump()
     started = time.monotonic()
     subscribe(pump)
@@ -376,17 +383,7 @@ def test_a_reload_that_lost_its_end_is_asked_for_again_from_where_it_stopped(pub
     with pump._router.lock:  # blind after a resync at the newest batch, as `accept` does at a gap
         pump._router.index.clear_replica(A)
         stream._known_from = stream.snapshot().last_seq
-    asked: list[int] = []
-    request = ZmqEventSource.request_buffered
-
-    def request_buffered(self, start_seq: int) -> bool:
-        asked.append(start_seq)
-        sent = request(self, start_seq)
-        if len(asked) == 1:
-            self._dealer = DroppingDealer(self._dealer, keep=1_000)
-        return sent
-
-    monkeypatch.setattr(ZmqEventSource, "request_buffered", request_buffered)
+    asked = first_answer_loses_its_end(monkeypatch)
     started = time.monotonic()
     pump._reload(A, source, stream)
     answered(pump, timeout_s=60)

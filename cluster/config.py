@@ -18,8 +18,8 @@ Configs do no I/O beyond `load_config` reading the file, and hold no runtime sta
 from __future__ import annotations
 
 import ipaddress
-import os
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence, get_args, get_origin

@@ -1195,18 +1195,20 @@ def _ray_stop(progress: Progress) -> bool:
 
 
 def session_processes(session: str) -> list[int]:
-    """Ids of the processes of the Ray session `session` (`session_<date>_<pid>`): its GCS, raylet and workers
-    name their session folder on their command lines."""
+    """Ids of the processes of the Ray session `session` (`session_<date>_<pid>`): its GCS, raylet, agents and
+    workers name their session folder in an option of their command lines (`--session-dir=`, `--log_dir=`,
+    `--session-name=`); a process merely naming a file there (`tail -f .../logs/raylet.out`) is not one."""
     needle = session.encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
+            arguments = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
+        if any(argument.startswith(b"--") and needle in argument for argument in arguments):
+            found.append(int(entry.name))
     return found
 
 

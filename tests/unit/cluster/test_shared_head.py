@@ -312,9 +312,13 @@ def test_up_without_keys_on_a_head_whose_proxies_listen_everywhere_says_so(tmp_p
 
 
 def _process_of_session(session: str) -> subprocess.Popen:
-    """A process naming `session` on its command line, as a Ray head's GCS, raylet and workers do."""
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"/tmp/ray/{session}/logs"])
-    while session.encode() not in Path(f"/proc/{process.pid}/cmdline").read_bytes():  # until it has exec'd
+    """A process naming `session` in an option of its command line, as a Ray head's GCS, raylet and workers do."""
+    return _process_naming(f"--session-dir=/tmp/ray/{session}")
+
+
+def _process_naming(argument: str) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", argument])
+    while argument.encode() not in Path(f"/proc/{process.pid}/cmdline").read_bytes():  # until it has exec'd
         assert process.poll() is None
     return process
 
@@ -326,6 +330,7 @@ def test_down_stops_our_head_running_beside_one_started_after_it(tmp_path, serve
     monkeypatch.setattr(local, "_ray_head_up", lambda: True)
     monkeypatch.setattr(local, "head_session", lambda: theirs)
     process, bystander = _process_of_session(ours), _process_of_session(theirs)
+    reader = _process_naming(f"/tmp/ray/{ours}/logs/raylet.out")  # `tail -f` of its log
     try:
         cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
         LocalState(ray_started=True, ray_address="auto", ray_session=ours).save(tmp_path)
@@ -335,10 +340,11 @@ def test_down_stops_our_head_running_beside_one_started_after_it(tmp_path, serve
         assert LocalState.load(tmp_path).ray_session == ours  # not forgotten
         assert local.down(cfg, lines.append) is True  # `ray stop` would fail the test (serve fixture)
         assert process.wait(timeout=10) is not None and bystander.poll() is None
+        assert reader.poll() is None  # a process reading the session's logs is no process of the session
         assert serve.deleted_all and LocalState.load(tmp_path).is_empty()
         assert any("runs beside one started elsewhere" in line for line in lines), lines
     finally:
-        for each in (process, bystander):
+        for each in (process, bystander, reader):
             each.kill()
             each.wait()
 

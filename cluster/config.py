@@ -124,8 +124,11 @@ class ModelConfig(_Strict):
 
 # Far past any machine, and low enough that Ray's integer CPU counts (`ray start --num-cpus`) stay exact.
 MAX_CPUS_PER_REPLICA = 1024.0
-# VLLM_CPU_OMP_THREADS_BIND's core lists: `5,2-4` per worker, workers separated by `|`.
-_CORE_LISTS = re.compile(r"[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*(?:\|[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*)*")
+# VLLM_CPU_OMP_THREADS_BIND's core lists: `5,2-4` per worker, workers separated by `|` (spaces around the
+# numbers are fine: vLLM reads each with int()).
+_CORE_RANGE = r"\s*[0-9]+\s*(?:-\s*[0-9]+\s*)?"
+_CORE_LIST = rf"{_CORE_RANGE}(?:,{_CORE_RANGE})*"
+_CORE_LISTS = re.compile(rf"{_CORE_LIST}(?:\|{_CORE_LIST})*")
 # vLLM's structured-output settings every replica starts with, unless `replicas.engine_kwargs` sets its own
 # `structured_outputs_config` (whole). Compact JSON under grammars: without it a weak model fills every allowed
 # whitespace position and tool-call arguments never close.
@@ -314,10 +317,10 @@ class RouterConfig(_Strict):
             "the request's session stays a candidate while the history only it holds saves more tokens than "
             "this times its excess requests, and below the limit that replica is chosen over the scorers' "
             "choice at the same rate (and when it saves more than this at equal load). null: the guard counts "
-            "requests only and the scorers choose (below 16, about a block, it would exempt every session from "
-            "the guard, as 0 would, and is refused)."
+            "requests only and the scorers choose (below 1 it would exempt nearly every session from the guard, as "
+            "0 would, and is refused)."
         ),
-        ge=16,
+        ge=1,
         le=MAX_TOKENS_PER_EXCESS_REQUEST,
         allow_inf_nan=False,
     )
@@ -728,18 +731,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     (a second `replicas:` section dropped every field of the first). Keys a merge (`<<`) brings in may be
     written again: that is what a merge is for."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: set = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) or key is None:
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # Checked before the merge keys' entries join the node's own, once per node (a merged mapping is
+        # flattened where it is merged, before it is built itself).
+        checked = self.__dict__.setdefault("_checked_nodes", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node)
                 if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r}", key_node.start_mark)
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
                 seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+        super().flatten_mapping(node)
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -788,9 +794,12 @@ def _engine_arg_value(raw: str) -> Any:
     a template's own text (`{% for ...`).
     """
     try:
+        node = yaml.compose(raw) if raw else None
         value = yaml.safe_load(raw) if raw else raw
     except yaml.YAMLError:
         return raw
+    if isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'):  # quoted: the text YAML says ('1.0')
+        return value
     return raw if isinstance(value, str) else value
 
 
@@ -953,10 +962,12 @@ def load_config(
     for layer in (env, overrides or {}):
         data = deep_merge(_with_defaults_under(data, layer, ClusterConfig), layer)
         if layer is env:
-            # A variable that sets a mapping field whole (`WARMPATH_ROUTER__SCORER_WEIGHTS='{load: 1}'`) replaces
-            # it, as the file's mapping does; merged into the default or the file's, it could not take keys out.
-            for path in filter(_is_mapping_field, sources):
-                _set_whole(data, path, _value_at(env, path))
+            # A variable that sets a mapping field whole (`WARMPATH_ROUTER__SCORER_WEIGHTS='{load: 1}'`, or within a
+            # section it sets, `WARMPATH_ROUTER='{scorer_weights: {load: 1}}'`) replaces it, as the file's mapping
+            # does; merged into the default or the file's, it could not take keys out.
+            for path in _set_paths(env):
+                if _is_mapping_field(path) and any(path[:n] in sources for n in range(1, len(path) + 1)):
+                    _set_whole(data, path, _value_at(env, path))
     flags = set(_set_paths(overrides or {}))
     setters = {path: f"environment variable {name}" for path, name in sources.items() if path not in flags}
     return validate_config(data, {**setters, **(flag_names or {})})

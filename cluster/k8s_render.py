@@ -262,16 +262,19 @@ def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
 # Ray's raylet and worker processes. A limit below the cache plus this cannot hold a replica.
 CPU_ENGINE_OVERHEAD_GIB = 2
 _MEMORY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-                    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+                    "m": 10**-3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 
 
 def memory_bytes(quantity: str | int | float) -> float:
-    """A Kubernetes memory quantity (`4Gi`, `512Mi`, `1e9`, `3G`) in bytes."""
+    """A Kubernetes memory quantity (`4Gi`, `512Mi`, `1e9`, `3G`, `3221225472000m`) in bytes; ConfigError if none."""
     text = str(quantity).strip()
-    for suffix in ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "k", "M", "G", "T", "P", "E"):
-        if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * _MEMORY_SUFFIXES[suffix]
-    return float(text)
+    try:
+        for suffix in ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "m", "k", "M", "G", "T", "P", "E"):
+            if text.endswith(suffix):
+                return float(text[: -len(suffix)]) * _MEMORY_SUFFIXES[suffix]
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"memory quantity {quantity!r} is not one Kubernetes reads") from None
 
 
 def cpu_cores(quantity: str | int | float) -> float:

@@ -1140,7 +1140,7 @@ def _stop_started_head(state: LocalState, progress: Progress) -> bool:
             progress("serve: applications deleted")
         except Exception as err:
             progress(f"serve: could not delete applications ({err})")
-        is_stopped = _stop_processes(own, progress)
+        is_stopped = _stop_processes(own, state.ray_session, progress)
     else:
         try:
             _serve_client(state).delete_applications()  # replicas stop their engines before the head goes
@@ -1154,16 +1154,17 @@ def _stop_started_head(state: LocalState, progress: Progress) -> bool:
     return is_stopped
 
 
-def _stop_processes(pids: list[int], progress: Progress, timeout_s: float = 10.0) -> bool:
-    """SIGTERM to `pids`, SIGKILL to those left after `timeout_s`; False (said why) when some outlive both."""
+def _stop_processes(pids: list[int], session: str, progress: Progress, timeout_s: float = 10.0) -> bool:
+    """SIGTERM to `pids`, SIGKILL to those left after `timeout_s` that are still of `session` (a pid may have
+    been reused meanwhile); False (said why) when some outlive both."""
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
-    alive = _running_after(pids, timeout_s)
+    alive = set(_running_after(pids, timeout_s)) & set(session_processes(session))
     for pid in alive:
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-    if left := _running_after(alive, 5.0):
+    if left := _running_after(sorted(alive), 5.0):
         progress(f"ray: processes {', '.join(map(str, left))} did not stop; kill them by hand")
         return False
     return True
@@ -1195,21 +1196,30 @@ def _ray_stop(progress: Progress) -> bool:
 
 
 def session_processes(session: str) -> list[int]:
-    """Ids of the processes of the Ray session `session` (`session_<date>_<pid>`): its GCS, raylet, agents and
-    workers name their session folder in an option of their command lines (`--session-dir=`, `--log_dir=`,
-    `--session-name=`); a process merely naming a file there (`tail -f .../logs/raylet.out`) is not one."""
+    """Ids of this user's processes of the Ray session `session` (`session_<date>_<pid>`): its GCS, raylet and
+    agents name it in one of Ray's own options (`_SESSION_OPTIONS`); a process merely naming a file there
+    (`tail -f .../logs/raylet.out`) is not one."""
     needle = session.encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
+            if entry.stat().st_uid != os.getuid():
+                continue
             arguments = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(argument.startswith(b"--") and needle in argument for argument in arguments):
+        if any(argument.startswith(_SESSION_OPTIONS) and needle in argument for argument in arguments):
             found.append(int(entry.name))
     return found
+
+
+# Ray's options naming a node's session (or a folder of it) on its processes' command lines (ray 2.60).
+_SESSION_OPTIONS = tuple(option.encode() for option in (
+    "--session-name=", "--session_name=", "--session-dir=", "--session_dir=", "--log_dir=", "--log-dir=",
+    "--logs-dir=", "--raylet_socket_name=", "--temp-dir=", "--temp_dir=",
+))
 
 
 def recorded_config(cfg: ClusterConfig, state: LocalState, progress: Progress) -> ClusterConfig:

@@ -66,6 +66,8 @@ def _local_model_window(cfg: ClusterConfig) -> int | None:
         return None
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     window = text.get("max_position_embeddings")
+    if "model_max_length" in text or "model_max_length" in config:  # vLLM's own override (Command R's is longer)
+        return None
     for rope in (text.get("rope_scaling"), text.get("rope_parameters")):
         if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (None, "default"):
             return None  # yarn, dynamic, ...: vLLM derives a longer window

@@ -202,10 +202,10 @@ def _parse(url: str) -> _ParsedUrl | str:
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-# A URL's userinfo (`user:password@`), up to the last `@` before its query or fragment: a password with a
-# `/` in it (`http://svc:pa/ss@host/`, which parsers read as host `svc`, port `pa`) is hidden too, at the
-# cost of a path's own `@` (`/users/@me`) hiding the host in a refusal.
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^?#]*@")
+# A URL's userinfo (`user:password@`), up to its last `@`: a password with a `/`, `?` or `#` in it
+# (`http://svc:pa/s?s@host/`, which parsers read as host `svc`, port `pa`) is hidden too, at the cost of a
+# path's or query's own `@` (`/users/@me`) hiding the host in a refusal.
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://).*@", re.DOTALL)
 _AUTHORITY = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)")
 # What a parse error quotes of the URL (`Invalid port: 'pa'`): may be a piece of a password.
 _QUOTED = re.compile(r"'[^']*'")

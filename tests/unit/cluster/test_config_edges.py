@@ -39,12 +39,17 @@ def test_a_mapping_set_whole_by_the_environment_replaces_the_default_and_the_fil
     assert load_config(config, environ={"WARMPATH_REPLICAS__ENGINE_KWARGS": "{}"}).replicas.engine_kwargs == {}
     both = {"WARMPATH_ROUTER__SCORER_WEIGHTS": "{load: 1}", "WARMPATH_ROUTER__SCORER_WEIGHTS__PREFIX_CACHE": "2"}
     assert _load(both).router.scorer_weights == {"load": 1.0, "prefix-cache": 2.0}
+    # Within a section a variable sets whole, too; and a later section variable that drops the mapping crashed.
+    assert _load({"WARMPATH_ROUTER": "{scorer_weights: {load: 1}}"}).router.scorer_weights == {"load": 1.0}
+    later = {"WARMPATH_ROUTER__SCORER_WEIGHTS": "{load: 1}", "WARMPATH_ROUTER": "{policy: pow2}"}
+    assert _load(later).router.policy == "pow2"
 
 
 @pytest.mark.parametrize("raw, value", [
     ("/srv/templates/tool use #2.jinja", "/srv/templates/tool use #2.jinja"),  # YAML cut it at ` #`
     ("{% for m in messages %}{{ m.content }}{% endfor %}", "{% for m in messages %}{{ m.content }}{% endfor %}"),
     ("0.8", 0.8), ("true", True), ("{a: 1}", {"a": 1}),
+    ("'1.0'", "1.0"),  # quoted: the text YAML says, not the quotes
 ])
 def test_an_engine_argument_from_the_environment_is_typed_or_taken_as_written(raw, value):
     cfg = _load({"WARMPATH_REPLICAS__ENGINE_KWARGS__CHAT_TEMPLATE": raw})
@@ -264,17 +269,29 @@ def test_values_that_would_fail_at_deploy_time_are_refused_here(overrides, messa
     # Every total rounds to one tier (the picker's ties are 1e-9 apart): decisions at random.
     ({"router": {"scorer_weights": {"prefix-cache": 1e-10}}}, "must be 0 (off) or at least 1e-06"),
     # A session holding two blocks more than an idle replica stayed through 97 requests over the limit.
-    ({"router": {"load_guard_tokens_per_excess_request": 1e-9}}, "greater than or equal to 16"),
+    ({"router": {"load_guard_tokens_per_excess_request": 1e-9}}, "greater than or equal to 1"),
 ])
 def test_router_settings_that_would_switch_the_policy_off_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _load(**overrides)
 
 
-@pytest.mark.parametrize("bind", ["auto", "nobind", "0-15", "0,2,4-7", "0-15|16-31"])
+@pytest.mark.parametrize("bind", ["auto", "nobind", "0-15", "0,2,4-7", "0-15|16-31", "0-3, 8-11", " 0-7", "0-3 | 4-7"])
 def test_vllms_thread_binds_are_taken(bind):
     replicas = {"cpu_omp_threads_bind": bind, "tensor_parallel_size": bind.count("|") + 1}
     assert _load(replicas=replicas).replicas.cpu_omp_threads_bind == bind
+
+
+def test_merge_keys_nested_and_overridden_are_no_duplicates(tmp_path):
+    """A mapping merging another and overriding one of its keys, itself merged above: PyYAML flattens it where it
+    is merged, before it is built, and the check read the merged key and the override as one key twice."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text("replicas:\n  engine_kwargs:\n    hf_overrides:\n"
+                      "      base: &base {rope_theta: 10000.0, tie_word_embeddings: false}\n"
+                      "      long: &long {<<: *base, rope_theta: 1000000.0}\n"
+                      "    override_generation_config: {<<: *long, temperature: 0.7}\n")
+    assert load_config(config, environ={}).replicas.engine_kwargs["override_generation_config"] == {
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "temperature": 0.7}
 
 
 def test_a_duplicate_key_in_the_config_file_is_refused_naming_its_line(tmp_path):

@@ -73,6 +73,7 @@ def _model_folder(tmp_path, **config):
     ({}, True),
     ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}, True),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, False),  # vLLM stretches the window
+    ({"model_max_length": 131072}, False),  # vLLM's own override (Command R ships it)
 ])
 def test_a_window_over_a_local_models_is_named(tmp_path, config, is_refused):
     """The CPU overlay names its model's folder (not the default empty source, which the config checks): a

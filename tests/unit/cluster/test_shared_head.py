@@ -330,7 +330,7 @@ def test_down_stops_our_head_running_beside_one_started_after_it(tmp_path, serve
     monkeypatch.setattr(local, "_ray_head_up", lambda: True)
     monkeypatch.setattr(local, "head_session", lambda: theirs)
     process, bystander = _process_of_session(ours), _process_of_session(theirs)
-    reader = _process_naming(f"/tmp/ray/{ours}/logs/raylet.out")  # `tail -f` of its log
+    reader = _process_naming(f"--log-file=/tmp/ray/{ours}/logs/raylet.out")  # no Ray option: another tool's
     try:
         cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
         LocalState(ray_started=True, ray_address="auto", ray_session=ours).save(tmp_path)

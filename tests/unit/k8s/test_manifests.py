@@ -543,8 +543,10 @@ def test_render_k8s_check_reports_drift_and_render_fixes_it(tmp_path: Path):
 
 
 def test_memory_quantities_read_as_kubernetes_writes_them():
-    assert [k8s_render.memory_bytes(q) for q in ("4Gi", "512Mi", "3G", "1e9", 1024)] == [
-        4 * 2**30, 512 * 2**20, 3e9, 1e9, 1024]
+    assert [k8s_render.memory_bytes(q) for q in ("4Gi", "512Mi", "3G", "1e9", 1024, "3221225472000m")] == [
+        4 * 2**30, 512 * 2**20, 3e9, 1e9, 1024, pytest.approx(3 * 2**30)]
+    with pytest.raises(ConfigError, match="not one Kubernetes reads"):  # a traceback out of `render k8s`
+        k8s_render.memory_bytes("4GB")
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -334,6 +334,8 @@ def test_a_refused_tool_url_is_shown_without_its_password_or_query(url, network)
     "http://svc:S3CRET#x@tools.internal/x",
     "http://svc/S3CRET:pw@tools.internal/x",  # host `svc`, the rest a path
     "http://svc:S3/CRET@tools.internal/x",
+    "http://svc:S3/C?RET@tools.internal/x",  # a '/' and a '?': the query's mark came first
+    "http://svc:12/S3?CRET@tools.internal/x",  # read as port 12, path /S3
 ])
 def test_a_password_that_cuts_the_url_short_is_not_shown(url):
     """A password with a `/`, `?` or `#` in it ends the URL's authority early: its pieces read as a port (quoted by
@@ -341,7 +343,7 @@ def test_a_password_that_cuts_the_url_short_is_not_shown(url):
     policy = ToolNetworkPolicy(ToolNetworkConfig(allowed_url_prefixes=["https://tools.example/"]))
     refusal = policy.check_url(url)
     assert refusal is not None and refusal.startswith("tool URL http://***")
-    for piece in ("S3", "CRET", "pa", "pw"):
+    for piece in ("S3", "CRET", "pa", "pw", "12"):
         assert piece not in refusal.split(" ", 3)[2] and f"'{piece}'" not in refusal
 
 

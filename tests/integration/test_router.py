@@ -299,7 +299,7 @@ def test_a_router_blind_to_a_cached_prefix_learns_it_from_its_own_request(warmpa
         probe_ids, sibling_ids = _router_ids(cluster, probe), _router_ids(cluster, sibling)
         root = root_hash(cluster.model_id, None)
         blocks = RequestBlockHashes(probe_ids, block_size, root)
-        index.note_placed_prompt(holder, blocks)
+        index.note_placed_prompt(holder, blocks, time.monotonic())
         assert _chat(cluster, probe["messages"]).headers["x-warmpath-replica"] == holder  # the prefix is there
         shared = next(i for i, (a, b) in enumerate(zip(probe_ids, sibling_ids)) if a != b) // block_size
         deadline = time.monotonic() + 60

@@ -14,6 +14,7 @@ import difflib
 import json
 import os
 from pathlib import Path
+from typing import get_args
 
 from cluster.config import ClusterConfig
 
@@ -33,10 +34,16 @@ def replica_args_problems(cfg: ClusterConfig) -> list[str]:
         from vllm.tool_parsers import ToolParserManager
     except ImportError:
         return problems
-    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)} | {f.name for f in dataclasses.fields(FrontendArgs)}
+    fields = {f.name: f.type for cls in (AsyncEngineArgs, FrontendArgs) for f in dataclasses.fields(cls)}
     problems += [
-        f"replicas.engine_kwargs.{key} is no argument of vLLM's engine or OpenAI frontend{_did_you_mean(key, known)}"
-        for key in sorted(set(cfg.replicas.engine_kwargs) - known)
+        f"replicas.engine_kwargs.{key} is no argument of vLLM's engine or OpenAI frontend{_did_you_mean(key, fields)}"
+        for key in sorted(set(cfg.replicas.engine_kwargs) - set(fields))
+    ]
+    problems += [  # YAML (a file, or a variable) reads `revision: 20240101` as a number; vLLM passes it on as is
+        f"replicas.engine_kwargs.{key} is text to vLLM, not the {type(value).__name__} {value!r}: quote it "
+        f"({key}: \"{value}\")"
+        for key, value in sorted(cfg.replicas.engine_kwargs.items())
+        if key in fields and _is_text_only(fields[key]) and isinstance(value, (bool, int, float))
     ]
     parser = cfg.model.tool_call_parser
     parsers = ToolParserManager.list_registered()
@@ -44,6 +51,11 @@ def replica_args_problems(cfg: ClusterConfig) -> list[str]:
         hint = _did_you_mean(parser, parsers) or f" (its parsers: {', '.join(sorted(parsers))})"
         problems.append(f"model.tool_call_parser {parser!r} is no tool-call parser of this vLLM{hint}")
     return problems
+
+
+def _is_text_only(annotation) -> bool:
+    """Whether a vLLM argument's type admits text and nothing else but None (`revision: str | None`)."""
+    return annotation is str or (bool(get_args(annotation)) and set(get_args(annotation)) <= {str, type(None)})
 
 
 def _did_you_mean(name: str, known) -> str:

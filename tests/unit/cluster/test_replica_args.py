@@ -93,3 +93,10 @@ def test_the_renders_warn_of_what_the_replicas_would_refuse(tmp_path):
     assert result.exit_code == 0, result.output
     assert "warning: replicas.engine_kwargs.gpu_memory_utilisation is no argument" in result.stderr
     assert "warning: model.max_model_len_tokens 16384 is over the 8192 tokens" in result.stderr
+
+
+def test_a_number_where_vllm_takes_text_is_named():
+    """`revision: 20240101` (YAML's number, from the file or a variable) reached vLLM's hub lookup as an int."""
+    cfg = _config(replicas={"engine_kwargs": {"revision": 20240101, "tokenizer_revision": "v2", "max_num_seqs": 4}})
+    assert replica_args_problems(cfg) == [
+        "replicas.engine_kwargs.revision is text to vLLM, not the int 20240101: quote it (revision: \"20240101\")"]

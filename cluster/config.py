@@ -967,7 +967,7 @@ def load_config(
             # does; merged into the default or the file's, it could not take keys out.
             for path in _set_paths(env):
                 if _is_mapping_field(path) and any(path[:n] in sources for n in range(1, len(path) + 1)):
-                    _set_whole(data, path, _value_at(env, path))
+                    _set_path(data, list(path), _value_at(env, path))
     flags = set(_set_paths(overrides or {}))
     setters = {path: f"environment variable {name}" for path, name in sources.items() if path not in flags}
     return validate_config(data, {**setters, **(flag_names or {})})
@@ -977,12 +977,6 @@ def _value_at(layer: Mapping, path: Sequence[str]) -> Any:
     for part in path:
         layer = layer[part]
     return layer
-
-
-def _set_whole(data: dict, path: Sequence[str], value: Any) -> None:
-    for part in path[:-1]:
-        data = data[part]  # there: the merge put the layer's value at `path`
-    data[path[-1]] = value
 
 
 def _set_paths(layer: Mapping, above: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -269,9 +269,9 @@ def memory_bytes(quantity: str | int | float) -> float:
     """A Kubernetes memory quantity (`4Gi`, `512Mi`, `1e9`, `3G`, `3221225472000m`) in bytes; ConfigError if none."""
     text = str(quantity).strip()
     try:
-        for suffix in ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "m", "k", "M", "G", "T", "P", "E"):
+        for suffix, factor in _MEMORY_SUFFIXES.items():  # a binary suffix ends in "i", which no decimal one is
             if text.endswith(suffix):
-                return float(text[: -len(suffix)]) * _MEMORY_SUFFIXES[suffix]
+                return float(text[: -len(suffix)]) * factor
         return float(text)
     except ValueError:
         raise ConfigError(f"memory quantity {quantity!r} is not one Kubernetes reads") from None

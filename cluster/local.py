@@ -1074,10 +1074,7 @@ def stop_redis(state: LocalState, progress: Progress, timeout_s: float = 10) -> 
         progress(f"redis: pid {state.redis_pid} is no longer the redis-server `up` started; nothing to stop")
         return True
     os.kill(state.redis_pid, signal.SIGTERM)  # redis flushes its AOF on SIGTERM
-    deadline = time.monotonic() + timeout_s
-    while _alive(state.redis_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _alive(state.redis_pid):
+    if _running_after([state.redis_pid], timeout_s):
         progress(f"redis: pid {state.redis_pid} still running {timeout_s:.0f} s after SIGTERM; stop it by hand")
         return False
     progress(f"redis: stopped (pid {state.redis_pid})")

@@ -228,7 +228,7 @@ def shown_url(url: str) -> str:
     """
     text, hidden = _USERINFO.subn(r"\1***@", url)
     authority = _AUTHORITY.match(text)
-    if not hidden and authority and _port_is_no_number(authority[2]):  # `svc:pa` of `http://svc:pa?ss@host/`
+    if not hidden and authority and _port_is_no_number(authority[2]):  # no `@`: `svc:pa` of `http://svc:pa/x`
         text = authority[1] + "***" + text[authority.end():]
     for mark in "?#":
         head, found, _ = text.partition(mark)

@@ -158,6 +158,8 @@ def chat_message_to_dict(message: inference_pb2.ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.HasField("name"):
         out["name"] = message.name
+    if message.HasField("reasoning"):
+        out["reasoning"] = message.reasoning
     return out
 
 
@@ -259,11 +261,6 @@ def chat_completion_fields(request: inference_pb2.ChatCompletionRequest) -> dict
         except ValidationError as err:
             problem, _ = validation_problem(err.errors(), prefix=f"messages[{index}]")
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter", problem) from None
-        if message.HasField("reasoning"):  # the engine's field, outside the session API's messages
-            if message.role != "assistant":
-                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter",
-                                 f"messages[{index}].reasoning: only assistant messages carry reasoning")
-            wire["reasoning"] = message.reasoning
         messages.append(wire)
     tools = []
     for index, tool in enumerate(request.tools):

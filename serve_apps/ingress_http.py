@@ -455,13 +455,14 @@ def _session_failure(err: Exception) -> JSONResponse:
 
 
 def merged_deltas(events: list[Dict[str, Any]]) -> list[Dict[str, Any]]:
-    """The events with each run of consecutive `delta`s as one (a whole answer is one event, not one per token).
+    """The events with each run of consecutive `delta`s (or `reasoning`s) as one (a whole answer is one event, not
+    one per token).
 
     Only neighbours merge: a `model_retry` between two runs still tells the client to drop the first.
     """
     merged: list[Dict[str, Any]] = []
     for event in events:
-        if event["kind"] == "delta" and merged and merged[-1]["kind"] == "delta":
+        if event["kind"] in ("delta", "reasoning") and merged and merged[-1]["kind"] == event["kind"]:
             merged[-1] = {**merged[-1], "text": merged[-1]["text"] + event["text"]}
         else:
             merged.append(event)

@@ -90,6 +90,7 @@ from serve_apps.orchestrator.turns import (
     ModelReply,
     ModelRefusal,
     ModelRetry,
+    ReasoningDelta,
     TurnFailed,
     TurnRunner,
     count_memo,
@@ -173,7 +174,9 @@ class HandleModelClient:
         self._handle = handle
         self._model_id = model_id
 
-    async def chat(self, session_id, messages, tools, tool_choice, max_tokens) -> AsyncIterator[str | ModelReply]:
+    async def chat(
+        self, session_id, messages, tools, tool_choice, max_tokens
+    ) -> AsyncIterator[str | ReasoningDelta | ModelReply | ModelRetry]:
         from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
 
         request = ChatCompletionRequest(
@@ -216,7 +219,7 @@ class HandleModelClient:
 
     async def _attempt(
         self, session_id: str, request, max_tokens: int, calls: dict[int, dict[str, str]]
-    ) -> AsyncIterator[str | ModelReply]:
+    ) -> AsyncIterator[str | ReasoningDelta | ModelReply]:
         """One streamed call through the handle.
 
         Serve's router has dropped a replica that died, so a retry lands elsewhere. The
@@ -246,10 +249,10 @@ class HandleModelClient:
                             if isinstance(chunk, ErrorResponse):
                                 raise engine_failure(chunk.error.message, int(chunk.error.code or 500))
                             for data in sse_payloads(chunk):
-                                text = _apply_chunk(data, reply, calls)
+                                pieces = _apply_chunk(data, reply, calls)
                                 is_answered = True
-                                if text:
-                                    yield text
+                                for piece in pieces:
+                                    yield piece
             except Exception as err:  # typed as every other failure is (OTel's own handling sets ERROR only)
                 if span.is_recording():
                     span.set_attribute("error.type", err.code if isinstance(err, TurnFailed) else type(err).__qualname__)
@@ -304,7 +307,8 @@ def engine_failure(message: str, status: int) -> Exception:
     return ModelRefusal(message)
 
 
-def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]) -> str:
+def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]) -> list[str | ReasoningDelta]:
+    """The chunk's reasoning and text, in the order the model wrote them; `reply` and `calls` take them too."""
     if "error" in data:
         error = data["error"]
         # vLLM puts the HTTP status in an in-stream error's `code`: an engine that failed mid-stream (500, 503)
@@ -317,10 +321,12 @@ def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]
         reply.prompt_tokens = usage.get("prompt_tokens", 0)
         reply.completion_tokens = usage.get("completion_tokens", 0)
         reply.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    text = ""
+    text = reasoning = ""
     for choice in data.get("choices") or ():
         reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
         delta = choice.get("delta") or {}
+        # `reasoning`, or `reasoning_content`, its older name
+        reasoning += delta.get("reasoning") or delta.get("reasoning_content") or ""
         if delta.get("content"):
             text += delta["content"]
         for call in delta.get("tool_calls") or ():
@@ -329,8 +335,9 @@ def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]
             function = call.get("function") or {}
             slot["name"] += function.get("name") or ""
             slot["arguments"] += function.get("arguments") or ""
+    reply.reasoning += reasoning
     reply.content += text
-    return text
+    return [piece for piece in (ReasoningDelta(reasoning) if reasoning else None, text) if piece]
 
 
 def _tool_calls(calls: dict[int, dict[str, str]]) -> list[ToolCall]:

@@ -238,11 +238,20 @@ class Message(_Strict):
     tool_calls: list[ToolCall] | None = Field(None, description="Assistant only: tool calls made.")
     tool_call_id: Text | None = Field(None, description="Tool only: the call this message answers.")
     name: Text | None = Field(None, description="Tool name (tool role) or a marker of generated messages.")
+    reasoning: Text | None = Field(
+        None,
+        description=(
+            "Assistant only: the model's reasoning before this answer or call, where the replicas run vLLM's "
+            "`reasoning_parser`; sent back to the model with the message, for its chat template to keep or drop."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> "Message":
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError(f"tool_calls are only allowed on assistant messages, not {self.role}")
+        if self.reasoning is not None and self.role != "assistant":
+            raise ValueError(f"reasoning is only allowed on assistant messages, not {self.role}")
         if (self.tool_call_id is None) == (self.role == "tool"):
             raise ValueError("tool_call_id is required on tool messages and allowed nowhere else")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
@@ -446,9 +455,17 @@ class CompressionEvent(_Strict):
     report: CompressionReport = Field(description="What the compression did.")
 
 
+class ReasoningEvent(_Strict):
+    """Streamed reasoning of a reasoning model (the engine's `reasoning`, apart from the answer's text); the step's
+    assistant message keeps it whole."""
+
+    kind: Literal["reasoning"] = "reasoning"
+    text: str = Field(description="Next piece of the model's reasoning.")
+
+
 class ModelRetryEvent(_Strict):
     """A step's model call failed (its replica died) and runs again, or a step forced to call a tool answered
-    without one (`forced_call_missing`) and the next runs instead; discard this step's deltas so far."""
+    without one (`forced_call_missing`) and the next runs instead; discard this step's deltas and reasoning so far."""
 
     kind: Literal["model_retry"] = "model_retry"
     step_index: int = Field(description="Step whose model call restarts.", ge=0)
@@ -457,6 +474,7 @@ class ModelRetryEvent(_Strict):
 
 SessionEvent = Annotated[
     DeltaEvent
+    | ReasoningEvent
     | ModelRetryEvent
     | ToolCallEvent
     | ToolResultEvent

@@ -80,7 +80,7 @@ class WireMessage(TypedDict, total=False):
     tool_calls: list[WireToolCall]
     tool_call_id: str
     name: str
-    reasoning: str  # the gRPC Inference API's passthrough of the engine's field; never a session's
+    reasoning: str  # the engine's field: a reasoning model's thought before this assistant message
 
 
 class WireToolFunction(TypedDict):
@@ -252,6 +252,8 @@ def to_wire_message(message: Message) -> WireMessage:
         wire["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         wire["name"] = message.name
+    if message.reasoning is not None:
+        wire["reasoning"] = message.reasoning
     return wire
 
 
@@ -292,7 +294,7 @@ def _is_acknowledgement(message: WireMessage) -> bool:
 
 
 def _neutralized(message: WireMessage, control_tokens: ControlTokens) -> WireMessage:
-    """`message` with its content, names, call ids and call arguments neutralised against `control_tokens`.
+    """`message` with its content, reasoning, names, call ids and call arguments neutralised against `control_tokens`.
 
     Call ids too: some parsers keep the ids the model wrote (Kimi K2's), and some templates print them
     (Mistral's, Kimi's), in the call and in the result that answers it (neutralised alike, so they still pair).
@@ -300,6 +302,8 @@ def _neutralized(message: WireMessage, control_tokens: ControlTokens) -> WireMes
     out: WireMessage = dict(message)  # type: ignore[assignment]
     if out.get("content") is not None:
         out["content"] = control_tokens.neutralize(out["content"])
+    if "reasoning" in out:
+        out["reasoning"] = control_tokens.neutralize(out["reasoning"])
     if "name" in out:
         out["name"] = control_tokens.neutralize(out["name"])
     if "tool_call_id" in out:
@@ -334,15 +338,18 @@ def effective_window_tokens(limits: SessionLimits, model_max_len_tokens: int) ->
 
 
 def _template_messages(messages: Sequence[WireMessage]) -> list[dict]:
-    """Wire messages as vLLM hands them to the template: arguments parsed into objects, no None content, and
-    each tool call's keys in the order its request validation leaves them (OpenAI's types: `id`, `function`
-    with `arguments` then `name`, `type`), which a template printing `tool_call.function | tojson` (Mistral's)
+    """Wire messages as vLLM hands them to the template: arguments parsed into objects, no None content,
+    reasoning also as `reasoning_content` (Qwen3's and DeepSeek's templates read that name), and each tool
+    call's keys in the order its request validation leaves them (OpenAI's types: `id`, `function` with
+    `arguments` then `name`, `type`), which a template printing `tool_call.function | tojson` (Mistral's)
     writes out."""
     out: list[dict] = []
     for message in messages:
         item = dict(message)
         if item.get("content") is None:
             item["content"] = ""  # vLLM turns a missing content into an empty text
+        if "reasoning" in item:
+            item["reasoning_content"] = item["reasoning"]
         if "tool_calls" in message:
             calls = []
             for call in message["tool_calls"]:

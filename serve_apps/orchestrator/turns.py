@@ -56,6 +56,7 @@ from serve_apps.orchestrator.models import (
     FinalEvent,
     ModelRetryEvent,
     Message,
+    ReasoningEvent,
     RequiresActionEvent,
     SessionEvent,
     StepStats,
@@ -126,6 +127,7 @@ class ModelReply:
     """What one model call produced."""
 
     content: str = ""
+    reasoning: str = ""  # the engine's reasoning field (a `reasoning_parser`'s split), kept on the assistant message
     tool_calls: list[ToolCall] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -139,6 +141,13 @@ FORCED_CALL_MISSING = "forced_call_missing"
 
 
 @dataclass(frozen=True)
+class ReasoningDelta:
+    """A piece of the model's reasoning, streamed apart from its answer's text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class ModelRetry:
     """The model call failed (its replica died) and starts over; text streamed so far is void."""
 
@@ -146,7 +155,7 @@ class ModelRetry:
 
 
 class ModelClient(Protocol):
-    """Streams one chat completion: text deltas as they come, then the whole reply.
+    """Streams one chat completion: text deltas (and reasoning ones) as they come, then the whole reply.
 
     A client may retry a failed call; it then yields a `ModelRetry` before the
     new attempt's deltas.
@@ -154,7 +163,7 @@ class ModelClient(Protocol):
 
     def chat(
         self, session_id: str, messages: list, tools: list, tool_choice: object, max_tokens: int
-    ) -> AsyncIterator[str | ModelReply | ModelRetry]: ...
+    ) -> AsyncIterator[str | ReasoningDelta | ModelReply | ModelRetry]: ...
 
 
 class TurnFailed(Exception):
@@ -276,8 +285,8 @@ class TurnRunner:
         self._tool_network = tool_network
         self._idempotency_key = idempotency_key
         self._request_sha256 = request_sha256
-        # What a replay under the idempotency key shows: every event, each run of text deltas
-        # joined into one (as the unstreamed HTTP body shows them; a `model_retry` between runs stays).
+        # What a replay under the idempotency key shows: every event, each run of text deltas (or of
+        # reasoning) joined into one (as the unstreamed HTTP body shows them; a `model_retry` between runs stays).
         self._replayable: list[SessionEvent] = []
         self._request = record.request
         self._limits = record.request.limits
@@ -375,8 +384,8 @@ class TurnRunner:
         try:
             async for event in _chain(opening, self._steps(tool_choice, first_step)):
                 previous = self._replayable[-1] if self._replayable else None
-                if isinstance(event, DeltaEvent) and isinstance(previous, DeltaEvent):
-                    self._replayable[-1] = DeltaEvent(text=previous.text + event.text)
+                if isinstance(event, (DeltaEvent, ReasoningEvent)) and type(previous) is type(event):
+                    self._replayable[-1] = type(event)(text=previous.text + event.text)
                 else:
                     self._replayable.append(event)
                 yield event
@@ -403,6 +412,9 @@ class TurnRunner:
                     reply = item
                 elif isinstance(item, ModelRetry):
                     yield ModelRetryEvent(step_index=step, reason=item.reason)
+                elif isinstance(item, ReasoningDelta):
+                    has_streamed = True
+                    yield ReasoningEvent(text=item.text)
                 else:
                     has_streamed = True
                     yield DeltaEvent(text=item)
@@ -429,7 +441,7 @@ class TurnRunner:
                 continue
             if not reply.tool_calls:
                 # An empty answer (the model stopped at once) is still an answer: commit it as "".
-                self._new.append(Message(role="assistant", content=reply.content or ""))
+                self._new.append(Message(role="assistant", content=reply.content or "", reasoning=reply.reasoning or None))
                 final = FinalEvent(message=self._new[-1])
                 await self._commit(final)
                 yield final
@@ -445,7 +457,8 @@ class TurnRunner:
                 # Arguments that are not JSON are kept as `{}` in the history, as
                 # vLLM renders them; the error text quotes what the model wrote.
                 made = [c if isinstance(c, ToolCall) else _renderable(raw) for raw, c in zip(reply.tool_calls, checked)]
-                self._new.append(Message(role="assistant", content=reply.content or None, tool_calls=made))
+                self._new.append(Message(role="assistant", content=reply.content or None, tool_calls=made,
+                                         reasoning=reply.reasoning or None))
                 # Cut as a tool's result is: the message quotes what the model wrote.
                 rejected = {e.call_id: truncate_text(e.message + cut_off, self._limits.max_tool_result_bytes)[0]
                             for e in errors}
@@ -461,7 +474,8 @@ class TurnRunner:
             # Server-side calls first: their results enter the history now, the client's after a pause, and
             # templates that print no call ids pair each result with the call in its place.
             checked.sort(key=lambda call: self._tools_by_name[call.name].execution.kind == "client")
-            self._new.append(Message(role="assistant", content=reply.content or None, tool_calls=checked))
+            self._new.append(Message(role="assistant", content=reply.content or None, tool_calls=checked,
+                                     reasoning=reply.reasoning or None))
             client_calls = []
             for call in checked:
                 yield ToolCallEvent(call=call)

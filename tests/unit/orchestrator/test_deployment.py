@@ -515,3 +515,27 @@ def test_a_model_call_refused_before_any_output_has_its_placement_withdrawn_not_
     """As the ingresses settle theirs: it cached nothing, so its placement must not credit the replica."""
     _, recorded = _model_call_spans(monkeypatch, [{"error": {"message": "prompt too long", "code": 400}}])
     assert recorded == [("withdrawn", None)]
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_a_reasoning_models_thought_streams_apart_from_its_answer(monkeypatch, field):
+    """The engine's reasoning field (a `reasoning_parser`'s split; `reasoning_content` is its older name) is
+    streamed as reasoning, kept whole on the reply, and never joins the answer's text."""
+    import asyncio
+
+    from serve_apps.orchestrator import deployment
+    from serve_apps.orchestrator.turns import ModelReply, ReasoningDelta
+
+    monkeypatch.setattr("serve_apps.metrics.record_model_call", lambda *args: None)
+    frames = [{"choices": [{"index": 0, "delta": {"role": "assistant", field: "Two and "}}]},
+              {"choices": [{"index": 0, "delta": {field: "two."}}]},
+              {"choices": [{"index": 0, "delta": {"content": "4"}, "finish_reason": "stop"}]},
+              {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5}}]
+    client = deployment.HandleModelClient(_StreamingHandle(frames), "m")
+
+    async def run():
+        return [item async for item in client.chat("s1", [{"role": "user", "content": "2+2?"}], [], "auto", 16)]
+
+    *pieces, reply = asyncio.run(run())
+    assert pieces == [ReasoningDelta("Two and "), ReasoningDelta("two."), "4"]
+    assert isinstance(reply, ModelReply) and reply.content == "4" and reply.reasoning == "Two and two."

@@ -47,6 +47,7 @@ from serve_apps.orchestrator.models import (
     ErrorEvent,
     FinalEvent,
     Message,
+    ReasoningEvent,
     RequiresActionEvent,
     SessionEvent,
     StepStats,
@@ -460,10 +461,12 @@ def test_every_session_event_kind_has_a_oneof_field():
 
 EVENTS = [
     DeltaEvent(text="Hel"),
+    ReasoningEvent(text="First, the order."),
     ToolCallEvent(call=CALL),
     ToolResultEvent(tool_call_id="call_1", status="timeout", content="", is_truncated=True),
     FinalEvent(message=Message(role="assistant", content="done")),
     FinalEvent(message=Message(role="assistant", content=None, tool_calls=[CALL])),
+    FinalEvent(message=Message(role="assistant", content="4", reasoning="Two and two.")),
     UsageEvent(stats=StepStats(step_index=0, prefix_fingerprint="ab", prompt_tokens=120, cached_tokens=96)),
     UsageEvent(
         stats=StepStats(
@@ -642,7 +645,8 @@ def test_function_tool_without_schema_gets_an_empty_object_schema():
         ([inference_pb2.ChatMessage(role="robot", content="x")], "messages[0].role: "),
         ([inference_pb2.ChatMessage(role="user", content="x"), inference_pb2.ChatMessage(role="tool", content="x")], "messages[1]: "),
         ([inference_pb2.ChatMessage(role="user")], "messages[0]: "),
-        ([inference_pb2.ChatMessage(role="user", content="x", reasoning="y")], "messages[0].reasoning: "),
+        ([inference_pb2.ChatMessage(role="user", content="x", reasoning="y")],
+         "messages[0]: Value error, reasoning is only allowed on assistant messages"),
     ],
     ids=["unknown-role", "tool-without-call-id", "user-without-content", "reasoning-off-assistant"],
 )

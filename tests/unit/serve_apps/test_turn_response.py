@@ -50,6 +50,12 @@ def test_a_whole_answer_is_one_delta_in_a_unary_turn_and_retries_keep_their_boun
     assert ingress_http.merged_deltas([]) == []
 
 
+def test_a_whole_thought_is_one_reasoning_event_in_a_unary_turn():
+    pieces = [{"kind": "reasoning", "text": t} for t in ("Two and ", "two.")]
+    events = [*pieces, {"kind": "delta", "text": "4"}]
+    assert ingress_http.merged_deltas(events) == [{"kind": "reasoning", "text": "Two and two."}, events[-1]]
+
+
 def _dead_orchestrator():
     from ray.exceptions import RayActorError
 

@@ -205,6 +205,12 @@ class DeltaEvent(_message.Message):
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
+class ReasoningEvent(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
 class ToolCallEvent(_message.Message):
     __slots__ = ("call",)
     CALL_FIELD_NUMBER: _ClassVar[int]
@@ -264,7 +270,7 @@ class ModelRetryEvent(_message.Message):
     def __init__(self, step_index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("delta", "tool_call", "tool_result", "final", "usage", "requires_action", "error", "compression", "model_retry")
+    __slots__ = ("delta", "tool_call", "tool_result", "final", "usage", "requires_action", "error", "compression", "model_retry", "reasoning")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     TOOL_RESULT_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +280,7 @@ class SessionEvent(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_RETRY_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     delta: DeltaEvent
     tool_call: ToolCallEvent
     tool_result: ToolResultEvent
@@ -283,4 +290,5 @@ class SessionEvent(_message.Message):
     error: ErrorEvent
     compression: CompressionEvent
     model_retry: ModelRetryEvent
-    def __init__(self, delta: _Optional[_Union[DeltaEvent, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCallEvent, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEvent, _Mapping]] = ..., final: _Optional[_Union[FinalEvent, _Mapping]] = ..., usage: _Optional[_Union[UsageEvent, _Mapping]] = ..., requires_action: _Optional[_Union[RequiresActionEvent, _Mapping]] = ..., error: _Optional[_Union[ErrorEvent, _Mapping]] = ..., compression: _Optional[_Union[CompressionEvent, _Mapping]] = ..., model_retry: _Optional[_Union[ModelRetryEvent, _Mapping]] = ...) -> None: ...
+    reasoning: ReasoningEvent
+    def __init__(self, delta: _Optional[_Union[DeltaEvent, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCallEvent, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEvent, _Mapping]] = ..., final: _Optional[_Union[FinalEvent, _Mapping]] = ..., usage: _Optional[_Union[UsageEvent, _Mapping]] = ..., requires_action: _Optional[_Union[RequiresActionEvent, _Mapping]] = ..., error: _Optional[_Union[ErrorEvent, _Mapping]] = ..., compression: _Optional[_Union[CompressionEvent, _Mapping]] = ..., model_retry: _Optional[_Union[ModelRetryEvent, _Mapping]] = ..., reasoning: _Optional[_Union[ReasoningEvent, _Mapping]] = ...) -> None: ...

@@ -45,7 +45,9 @@ def router_status_lines(state: Mapping[str, Any]) -> list[str]:
     for router in routers:
         replicas = router.get("replicas") or []
         subscribed = router.get("subscribed_replicas") or []
-        lines.append(f"  {router.get('policy')} router: {len(subscribed)}/{len(replicas)} replicas subscribed")
+        active = router.get("num_active_sessions")
+        lines.append(f"  {router.get('policy')} router: {len(subscribed)}/{len(replicas)} replicas subscribed"
+                     + ("" if active is None else _count(active, "active session")))
         blocks = (router.get("index") or {}).get("num_blocks_by_replica") or {}
         kv_cache = router.get("kv_cache") or {}
         rendering = router.get("renders_like_router") or {}

@@ -792,7 +792,9 @@ class PrefixKVRouter(RequestRouter):
         """State for operators, tests and the bench: replicas (with their KV caches' size and usage as they
         report them), subscriptions and index counts."""
         with self.lock:
-            index = self.index.snapshot(time.monotonic())
+            now_s = time.monotonic()
+            index = self.index.snapshot(now_s)
+            active_sessions = self.policy.active_sessions(now_s)
         kv_cache, renders_like_router = {}, {}
         for replica in list(self.curr_replicas.values()):
             stats = replica.routing_stats or {}
@@ -810,7 +812,11 @@ class PrefixKVRouter(RequestRouter):
             "renders_like_router": renders_like_router,
             "subscribed_replicas": self._pump.subscribed_replicas(),
             "event_streams": self._pump.stream_states(),
-            "num_sessions": len(self.sessions),
+            # Sessions with a request within `router.session_idle_s`, by the replica of their last one; and every
+            # session whose last replica is remembered (up to MAX_SESSIONS), the idle ones too.
+            "num_active_sessions": sum(active_sessions.values()),
+            "active_sessions_by_replica": {str(replica): n for replica, n in active_sessions.items()},
+            "num_remembered_sessions": len(self.sessions),
             "index": {
                 "num_unique_blocks": index.num_unique_blocks,
                 "num_blocks_by_replica": dict(index.num_blocks_by_replica),

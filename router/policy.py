@@ -97,6 +97,10 @@ class PrefixAwarePolicy:
         self._num_cached_prefixes = num_cached_prefixes
         self._prefix_blocks: OrderedDict[bytes, RequestBlockHashes] = OrderedDict()
 
+    def active_sessions(self, now_s: float) -> dict[ReplicaId, int]:
+        """Replica -> sessions this policy placed there that had a request within `session_idle_s` of `now_s`."""
+        return dict(self._activity.counts(now_s))
+
     def choose(
         self,
         request: RoutingRequest,

@@ -138,6 +138,10 @@ def test_router_state_and_prediction_accuracy(warmpath_router):
     assert router is not None
     assert len(router["subscribed_replicas"]) == 2
     assert sum(router["index"]["num_blocks_by_replica"].values()) > 0
+    # The session is active on the replica its requests went to; idle sessions are only remembered.
+    assert router["num_active_sessions"] >= 1 and router["num_remembered_sessions"] >= router["num_active_sessions"]
+    assert sum(router["active_sessions_by_replica"].values()) == router["num_active_sessions"]
+    assert set(router["active_sessions_by_replica"]) <= set(router["replicas"])
     streams = router["event_streams"]
     assert set(streams) == set(router["subscribed_replicas"])
     assert sum(s["num_batches"] for s in streams.values()) > 0

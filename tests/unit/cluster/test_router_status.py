@@ -34,7 +34,7 @@ def test_stream_problem(changes, problem):
 def test_lines_name_each_replica_and_flag_the_blind_one():
     state = {
         "routers": [{
-            "policy": "warmpath", "replicas": ["a", "b"], "subscribed_replicas": ["a", "b"],
+            "policy": "warmpath", "replicas": ["a", "b"], "subscribed_replicas": ["a", "b"], "num_active_sessions": 1,
             "index": {"num_blocks_by_replica": {"a": 900}},
             "kv_cache": {"a": {"capacity_blocks": 2048, "usage": 0.4404},
                          "b": {"capacity_blocks": None, "usage": None}},
@@ -46,7 +46,7 @@ def test_lines_name_each_replica_and_flag_the_blind_one():
     }
     assert router_status_lines(state) == [
         "routing: prediction accuracy 0.68 over 203 calls",
-        "  warmpath router: 2/2 replicas subscribed",
+        "  warmpath router: 2/2 replicas subscribed, 1 active session",
         "    a: 900 blocks indexed (KV cache: 2048 blocks, 44% in use), last event 1s ago, 2 probes, prompt ids forwarded",
         "    b: 0 blocks indexed, no event yet, 2 probes; PROBLEM: blind: every stored block arrived without its parent",
         "    c: 0 blocks indexed, last event 1s ago, 1 probe, renders prompts itself (ids not forwarded)",

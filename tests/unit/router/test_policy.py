@@ -343,6 +343,17 @@ def test_new_sessions_spread_over_replicas_holding_their_prefix_by_active_sessio
     assert sorted(list(sessions.values()).count(r) for r in IDS) == [2, 2, 2, 2]
 
 
+def test_active_sessions_count_each_session_on_its_last_replica_until_it_idles():
+    index, sessions = make_index(), {}
+    policy = make_policy(session_idle_s=10.0)
+    for session_id, replica_id, now_s in [("s1", A, 0.0), ("s2", B, 1.0), ("s1", B, 2.0), ("s3", A, 5.0)]:
+        decision = policy.choose(RoutingRequest(TOKENS, MODEL, session_id), [A, B], loads_of(0, 0), index, sessions, now_s)
+        policy.record(decision, replica_id, index, sessions, now_s)
+    assert policy.active_sessions(5.0) == {A: 1, B: 2}
+    assert policy.active_sessions(11.5) == {A: 1, B: 1}  # s2 idle for 10.5 s
+    assert policy.active_sessions(20.0) == {} and len(sessions) == 3  # idle sessions are still remembered
+
+
 def test_a_returning_session_is_not_counted_against_its_own_replica():
     # A holds s1 and s3, B holds s2: moving s1 would leave one session on each side either
     # way, so session-balance must not prefer B for s1's next turn (it would, counting s1).

@@ -61,7 +61,8 @@ _EARLIER_SUMMARY_INTROS = (f"[Earlier messages, compressed. Values under {FACTS_
 _MAX_INLINE_STRING_CHARS = 200
 # A run of value characters longer than this is a blob (base64, minified code), not a key value.
 _MAX_VALUE_CHARS = 256
-# What values are written with: Latin letters (accented ones too: `Müller-42`, `/srv/josé/`), the decimal
+# What values are written with: Latin letters (accented ones too: `Müller-42`, `/srv/josé/`), Greek and
+# Cyrillic ones (`АБ-4521`: a letter outside the set ends a value, and the dash before `4521` read as its sign), the decimal
 # digits of any script (`٣٤٥`, `１２３`) and Arabic's separators (`١٢٫٥`), signs and separators, every
 # currency sign (`₩50,000`), apostrophes inside a value (`o'brien@example.com`, `5'11`), plus-minus, degree
 # and per-mille signs, superscript digits and signs (`10⁹`, `2³²`), vulgar fractions (`2⅓`), the dashes and
@@ -69,15 +70,15 @@ _MAX_VALUE_CHARS = 256
 # the full-width forms of letters, signs and separators (`￥１，２３４．５６`, `ＡＢＣ-１２３`), and CJK date
 # units (2026年11月30日). Every other character (spaces, brackets, quotes, CJK words) ends a value, so
 # `金额¥1,200元` yields `¥1,200`.
-_LATIN_LETTERS = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f\uff21-\uff3a\uff41-\uff5a"
+_VALUE_LETTERS = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f\u0370-\u03ff\u0400-\u04ff\uff21-\uff3a\uff41-\uff5a"
 _VALUE_CHARS = (
-    f"\\d{_LATIN_LETTERS}_.,:/#%+=@~$£¥±°µ‰\u066b\u066c\\-\u2010-\u2015\u2212\u20a0-\u20cf"
+    f"\\d{_VALUE_LETTERS}_.,:/#%+=@~$£¥±°µ‰\u066b\u066c\\-\u2010-\u2015\u2212\u20a0-\u20cf"
     "\u00b2\u00b3\u00b9\u2070-\u207b\u00bc-\u00be\u2150-\u215e'’"
     "\uff03-\uff05\uff0b-\uff0f\uff1a\uffe0\uffe1\uffe5\uffe6年月日時分秒"
 )
 _RUN = re.compile(f"[{_VALUE_CHARS}]+")
 _LIST_ITEM = re.compile("[^,]+")
-_LATIN_LETTER = re.compile(f"[{_LATIN_LETTERS}]")
+_VALUE_LETTER = re.compile(f"[{_VALUE_LETTERS}]")
 _EDGE = ".,:;='’\u066b\u066c\uff0c\uff0e\uff1a"
 _DOT_LEADS = frozenset("0123456789./")
 # ISO 4217 codes of the currencies most traded or most populous, after or before an amount (`1,200 SEK`).
@@ -88,11 +89,14 @@ _CURRENCY_CODES = (
 _UNITS = (
     r"%|‰|[KMGT]i?B|B|ns|µs|us|ms|s|sec|secs|min|mins|h|hr|hrs|days?|weeks?|months?|years?|"
     r"kg|g|mg|t|lbs?|oz|km|m|cm|mm|mi|ft|L|ml|°C|°F|[kMG]?Wh|[kMG]?W|[kMG]?Hz|mA|mV|V|tokens?|x|€|£|¥|₹|\$|"
-    r"hours?|kr|zł|Rs\.?|" + _CURRENCY_CODES
+    r"hours?|kr|zł|Rs\.?|[₩₽₺₪₫₱₴₦]|" + _CURRENCY_CODES
 )
+# The space between an amount and its unit or currency: a plain one, or the no-break and thin ones that
+# French and German formatting puts there (`20 %`, `1 234,56 €`).
+_UNIT_SPACE = "[ \u00a0\u202f\u2009]"
 # A unit with its power or per-unit (`50 m²`, `100 km/h`, `9.81 m/s²`): never the first part alone, which
 # would be another value (`50 m`); a slash after it that starts no unit (`30 ms/req`) is not part of it.
-_UNIT_AFTER_TEXT = rf" ?(?:{_UNITS})[²³]?(?:/(?:{_UNITS})[²³]?)?(?![0-9A-Za-z_²³])"
+_UNIT_AFTER_TEXT = rf"{_UNIT_SPACE}?(?:{_UNITS})[²³]?(?:/(?:{_UNITS})[²³]?)?(?![0-9A-Za-z_²³])"
 _UNIT_AFTER = re.compile(_UNIT_AFTER_TEXT)
 # Currency codes and signs that stand before an amount, with a space (`EUR 1,234.50`, `€ 12`).
 _CURRENCY = rf"(?:{_CURRENCY_CODES}|(?:US|A|C|NZ|HK|S|R)\$|Rs\.?|kr|zł|[$€£¥₹₩₽₺₪₫₱₴₦])"
@@ -133,7 +137,8 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
          re.ASCII),
         # An amount after its currency (`EUR 1,234.50`, `€ 12`); not where the code ends the amount before
         # it (`12 USD 30 days`), nor a pair's second code (`GBP/USD 1.2650` is a rate).
-        ("currency_amount", rf"(?<![A-Za-z/])(?<![0-9] )(?<![0-9]){_CURRENCY} ?[-\u2212]?\d(?:[\d,.]*\d)?", re.ASCII),
+        ("currency_amount", rf"(?<![A-Za-z/])(?<![0-9] )(?<![0-9]){_CURRENCY}{_UNIT_SPACE}?[-\u2212]?\d(?:[\d,.]*\d)?",
+         re.ASCII),
         # An amount in an accountant's parentheses, which make it negative (`(1,234.50)`).
         ("negative_amount", rf"\((?:{_CURRENCY} ?)?(?:\d{{1,3}}(?:,\d{{3}})+|\d+)\.\d{{2}}\)", re.ASCII),
         # Scientific notation as typeset, with its unit: `1.5×10⁻³`, `3·10⁸ m/s`.
@@ -144,13 +149,18 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Numbers grouped by spaces or apostrophes: `1 000 000`, `1'250'000` (a unit after them joins them).
         # (Thin, figure and no-break spaces, and typographic apostrophes, as well: `1 234 567`, `1’250’000`.)
         ("grouped_number", r"(?<![0-9.,'’])\d{1,3}(?:[ \u00a0\u202f\u2009\u2007'’]\d{3})+(?:[.,]\d+)?(?![0-9])", 0),
-        # Digits in groups of four, as cards and accounts are written (`4242 4242 4242 1881`), and an
+        # Digits in groups of four, two or more, as cards and accounts are written (`4242 4242 4242 1881`), and an
         # IBAN (`DE44 5001 0517 5407 3249 31`): read group by group, a number's groups were lost as
         # repeats (`4242 | 1881`).
         # At most five groups and an IBAN's length (a longer series, readings `1021 1019 1020 ...`, is values
         # of their own: read as one, it was as long as the text).
-        ("digit_groups", r"(?<![0-9A-Za-z])(?<![0-9]{4}[ \u00a0])\d{4}(?:[ \u00a0]\d{4}){2,4}(?:[ \u00a0]\d{1,3})?(?![0-9A-Za-z]|[ \u00a0]\d)"
+        ("digit_groups", r"(?<![0-9A-Za-z])(?<![0-9]{4}[ \u00a0])\d{4}(?:[ \u00a0]\d{4}){1,4}(?:[ \u00a0]\d{1,3})?(?![0-9A-Za-z]|[ \u00a0]\d)"
                          r"|(?<![0-9A-Za-z])(?<![0-9][0-9A-Z]{3} )[A-Z]{2}\d{2}(?: [0-9A-Z]{4}){2,7}(?: [0-9A-Z]{1,3})?(?![0-9A-Za-z]|[ \u00a0][0-9A-Z])", 0),
+        # Digits in four to six short groups, as phone numbers are written (`06 12 34 12 34`, `+33 6 12 12 12
+        # 12`): read group by group, the repeated groups were lost (`06 | 12 | 34`). A longer series is values
+        # of their own, as for `digit_groups`.
+        ("spaced_digits", r"(?<![0-9A-Za-z+])(?<![0-9][ \u00a0])\+?\d{1,4}(?:[ \u00a0]\d{1,4}){3,5}(?![0-9A-Za-z]|[ \u00a0]\d)",
+         0),
         # A latitude or longitude with its hemisphere, which is its sign (`33.8688° S`).
         ("coordinate", r"(?<![0-9.])\d{1,3}(?:\.\d+)?° ?[NSEW](?![A-Za-z])", re.ASCII),
         # Windows paths, drive or UNC (`C:\Users\ana\report.xlsx`, `\\fs01\share\q3.csv`): `\` ends other values.
@@ -336,7 +346,10 @@ class _TextValues:
     messages several times (the plan's ledger, the ledger alone, the summary's room, the summary; the plan
     search of an over-window turn once per round count), and a scan costs about a second per MiB of text,
     on the orchestrator's event loop. Keyed by digest, it holds no text alive; least recently read first
-    out, beyond `max_chars` of values in all."""
+    out, beyond `max_chars` in all: each entry's values plus `ENTRY_COST_CHARS` (an entry without values,
+    a text of prose, takes memory too: uncounted, they grew without bound)."""
+
+    ENTRY_COST_CHARS = 128  # about an entry's own size in memory (its key, tuple and the dict's slot), in characters
 
     def __init__(self, max_chars: int) -> None:
         self._max_chars = max_chars
@@ -355,11 +368,18 @@ class _TextValues:
         with self._lock:
             if key not in self._found:
                 self._found[key] = found
-                self._num_chars += sum(map(len, found))
+                self._num_chars += self._cost(found)
             while self._num_chars > self._max_chars and len(self._found) > 1:
                 _key, dropped = self._found.popitem(last=False)
-                self._num_chars -= sum(map(len, dropped))
+                self._num_chars -= self._cost(dropped)
         return found
+
+
+    def _cost(self, found: tuple[str, ...]) -> int:
+        return self.ENTRY_COST_CHARS + sum(map(len, found))
+
+    def __len__(self) -> int:
+        return len(self._found)
 
 
 # Values kept of recently scanned texts: what a compression of a few MiB of messages lists, about twice over.
@@ -617,7 +637,7 @@ def _summary_content(summary_text: str, ledger: Sequence[str]) -> str:
 
 def _joins(char: str) -> bool:
     """Whether `char` beside a value would make it part of a longer one: a Latin letter, a digit, `_`."""
-    return char.isdecimal() or char == "_" or _LATIN_LETTER.match(char) is not None
+    return char.isdecimal() or char == "_" or _VALUE_LETTER.match(char) is not None
 
 
 def _joins_before(context: str, at: int) -> bool:

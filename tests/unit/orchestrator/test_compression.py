@@ -113,6 +113,14 @@ def test_extract_facts_from_text(text, expected):
         # Digits in groups of four (cards, accounts) and an IBAN are one value: read group by group, a
         # repeated group was dropped as a duplicate (`4242 | 1881`).
         ("card 4242 4242 4242 1881, IBAN DE44 5001 0517 5407 3249 31.", ["4242 4242 4242 1881", "DE44 5001 0517 5407 3249 31"]),
+        # Two groups of four too, and phone numbers in short groups: `06 12 34 12 34` was `06 | 12 | 34`.
+        ("card 4242 4242 charged, call 06 12 34 12 34 or +33 6 12 12 12 12.",
+         ["4242 4242", "06 12 34 12 34", "+33 6 12 12 12 12"]),
+        # A unit or currency after a no-break or thin space (French and German formatting), a rouble after
+        # its amount, an id in Cyrillic: each lost its unit, or turned into a negative number (`-4521`).
+        ("Total 1\u202f234,56\u00a0€, TVA 20\u00a0%, 1.234,56\u00a0€, 5\u00a0kg", ["1\u202f234,56\u00a0€", "20\u00a0%",
+                                                                            "1.234,56\u00a0€", "5\u00a0kg"]),
+        ("Итого 5 000 ₽, накладная АБ-4521, ΑΒΓ-99", ["5 000 ₽", "АБ-4521", "ΑΒΓ-99"]),
         # ... but a longer series is values of their own (read as one, it was as long as the text).
         ("readings 1021 1019 1020 1018 1022 1023 1024", ["1021", "1019", "1020", "1018", "1022", "1023", "1024"]),
         # Each was another value in the ledger, or half of one: `brien@example.com`, `1`, `2001:db8`, a base64
@@ -690,8 +698,16 @@ def test_one_compression_scans_each_message_once(monkeypatch):
     assert sorted(scanned) == sorted(m.content for m in history[:3])
 
 
+def test_scans_that_found_nothing_are_bounded_too():
+    """Each entry counts its own size: a text of prose finds no value, and those entries grew without bound."""
+    values = compression._TextValues(max_chars=10 * compression._TextValues.ENTRY_COST_CHARS)
+    for n in range(1000):
+        values.get("scan", f"prose {n}", lambda text: [])
+    assert len(values) == 10
+
+
 def test_the_scans_kept_are_bounded_by_the_values_they_hold():
-    values = compression._TextValues(max_chars=100)
+    values = compression._TextValues(max_chars=100 + 3 * compression._TextValues.ENTRY_COST_CHARS)
     for n in range(10):
         values.get("scan", f"text {n}", lambda text: ["x" * 30])
     assert values.get("scan", "text 9", lambda text: ["rescanned"]) == ("x" * 30,)

@@ -13,6 +13,7 @@ exceptions, and `param` when vLLM named the parameter.
 from __future__ import annotations
 
 import email.message
+import json
 import logging
 import math
 import re
@@ -179,12 +180,25 @@ def refusal(error: Mapping[str, Any]) -> Exception:
     return exception
 
 
+class Utf8JSONResponse(JSONResponse):
+    """A JSON body with each lone surrogate written as '?'.
+
+    Why: Starlette's strict UTF-8 encoding raises on one, and the answer became a 500: model output can
+    hold one (a tool parser's `json.loads` of the model's `"\\ud800"` in the arguments), and an error
+    message can echo one the client sent (an unknown model's name).
+    """
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8", errors="replace")
+
+
 def exception_response(err: Exception, request: Optional[Request]) -> JSONResponse:
     """`exception_body` as the response, under the request id Ray's middleware gave `request` (a 503
     `unavailable` with `Retry-After`: the delay Serve's back-pressure names, else 1 s)."""
     status, body = exception_body(err, getattr(request.state, "request_id", "") if request is not None else "")
     headers = dict([retry_after_header(getattr(err, "retry_after_s", None) or 1)]) if is_unavailable(err) else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return Utf8JSONResponse(body, status_code=status, headers=headers)
 
 
 def engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:

@@ -66,6 +66,7 @@ from serve_apps.api_errors import (
     is_unavailable,
     refusal,
     unavailable_response,
+    Utf8JSONResponse,
 )
 from serve_apps.handle_streams import cancelled_if_left
 from serve_apps.metrics import record_model_usage
@@ -92,18 +93,6 @@ logger = logging.getLogger("ray.serve")
 REPLICA_HEADER = "x-warmpath-replica"
 ROUTE_HEADER = "x-warmpath-route"
 PREDICTED_CACHED_HEADER = "x-warmpath-predicted-cached-tokens"
-
-
-class ModelOutputResponse(JSONResponse):
-    """A JSON body of model output, with each lone surrogate written as '?'.
-
-    Why: a tool parser's `json.loads` of the model's `"\\ud800"` leaves one in the arguments, and
-    Starlette's strict UTF-8 encoding then turned the whole answer into a 500.
-    """
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
-                          separators=(",", ":")).encode("utf-8", errors="replace")
 
 
 def _route_headers(served_by: Optional[ServedBy]) -> tuple[Dict[str, str], Optional[decision_log.LoggedDecision]]:
@@ -795,7 +784,7 @@ class WarmpathIngress(OpenAiIngress):
                 usage = usage.model_dump() if usage is not None else None
                 telemetry.annotate_usage(span, usage)
                 _record_usage(logged, served_by, usage)
-                return ModelOutputResponse(content=first_chunk.model_dump(), headers=headers)
+                return Utf8JSONResponse(content=first_chunk.model_dump(), headers=headers)
             frames = _recording_usage(_openai_json_wrapper(gen), logged, served_by, is_usage_asked, span)
             return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
 

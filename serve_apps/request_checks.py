@@ -125,21 +125,28 @@ def completion_request_problem(body: Any) -> Optional[Problem]:
 
 
 def tokenize_request_problem(body: Any) -> Optional[Problem]:
-    """The first thing wrong with a `/tokenize` request's prompt, or None."""
-    return unencodable_text_problem(getattr(body, "prompt", None), "prompt")
+    """The first thing wrong with a `/tokenize` request's prompt or other text (its `model` too: an
+    unknown model's 404 echoes it), or None."""
+    return unencodable_text_problem(getattr(body, "prompt", None), "prompt") or _other_fields_problem(body, ("prompt",))
 
 
 def detokenize_request_problem(body: Any) -> Optional[Problem]:
-    """A 400 for a `/detokenize` id no tokenizer has: the request model allows 63 bits, the tokenizer 32."""
+    """A 400 for a `/detokenize` id no tokenizer has (the request model allows 63 bits, the tokenizer 32),
+    or for text UTF-8 cannot encode (its `model`)."""
     for index, token in enumerate(body.tokens or ()):
         if not 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
             return f"tokens[{index}]: {token} is not a token id (token ids fit in 32 bits)", f"tokens[{index}]"
-    return None
+    return _other_fields_problem(body, ("tokens",))
 
 
 def _sampling_problem(body: Any) -> Optional[Problem]:
     """What is wrong with how many choices, and tokens each, the request asks for (`n`, `best_of`,
-    `max_completion_tokens`), or None."""
+    `max_completion_tokens`), or with `top_k`, or None."""
+    top_k = getattr(body, "top_k", None)
+    if isinstance(top_k, int) and top_k >= MAX_TOKEN_ID_EXCLUSIVE:
+        # vLLM bounds it below only: past 64 bits the message to its engine process failed, a 500.
+        return (f"top_k must be at most {MAX_TOKEN_ID_EXCLUSIVE - 1} (no vocabulary has more tokens), "
+                f"got {top_k}"), "top_k"
     n = getattr(body, "n", None)
     if isinstance(n, int) and n > MAX_CHOICES:
         return f"n must be at most {MAX_CHOICES}, got {n}", "n"
@@ -188,14 +195,23 @@ def utf8_text(text: str) -> str:
     return text.encode("utf-8", errors="replace").decode("utf-8")
 
 
+# How deep a request's values may nest below a field. Ray pickles a handle call's arguments, which fails
+# from about 490 levels, while JSON's parser takes about 970: a free-form field (`chat_template_kwargs`,
+# a `response_format` schema) nested in between passed every check and failed the call, a 500.
+MAX_NESTING_DEPTH = 128
+
+
+class _TooDeep(Exception):
+    """A value nests more than MAX_NESTING_DEPTH levels."""
+
+
 def unencodable_text_problem(value: Any, path: str) -> Optional[Problem]:
     """A 400 for the first string under `value` that UTF-8 cannot encode, naming where it is; or for a value
-    nested too deeply to walk (JSON's parser takes a few levels more than the walk has left: a free-form field,
-    `chat_template_kwargs` say, could otherwise make it a 500)."""
+    nested more than MAX_NESTING_DEPTH levels deep."""
     try:
-        found = _first_unencodable(value)
-    except RecursionError:
-        return f"{path}: nests arrays or objects too deeply", path
+        found = _first_unencodable(value, 0)
+    except (_TooDeep, RecursionError):
+        return f"{path}: nests arrays or objects more than {MAX_NESTING_DEPTH} levels deep", path
     if found is None:
         return None
     keys, position = found
@@ -209,11 +225,14 @@ def unencodable_text_problem(value: Any, path: str) -> Optional[Problem]:
 _A_KEY = object()  # `_first_unencodable`'s mark for a key that UTF-8 cannot encode
 
 
-def _first_unencodable(value: Any) -> Optional[tuple[list, int]]:
-    """(keys from `value` down to the string, innermost first; position in it), or None.
+def _first_unencodable(value: Any, depth: int) -> Optional[tuple[list, int]]:
+    """(keys from `value`, `depth` levels down, to the string, innermost first; position in it), or None.
 
     The keys are collected on the way back from a find only: every request walks
     its messages and tools here, and almost none holds a surrogate.
+
+    Raises:
+        _TooDeep: `value` nests more than MAX_NESTING_DEPTH levels below its field.
     """
     if isinstance(value, str):
         position = lone_surrogate_at(value)
@@ -226,12 +245,14 @@ def _first_unencodable(value: Any) -> Optional[tuple[list, int]]:
         items = vars(value).items()
     else:
         return None
+    if depth > MAX_NESTING_DEPTH:
+        raise _TooDeep
     for key, item in items:
         # A key is text the template renders too (a tool schema's property names, through `tojson`);
         # it is named by where it is, never echoed (the answer could not be encoded either).
         if isinstance(key, str) and (position := lone_surrogate_at(key)) is not None:
             return [_A_KEY], position
-        found = _first_unencodable(item)
+        found = _first_unencodable(item, depth + 1)
         if found is not None:
             found[0].append(key)
             return found

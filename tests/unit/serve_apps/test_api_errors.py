@@ -403,3 +403,14 @@ def test_a_refused_request_is_logged_in_one_line_a_failure_with_its_traceback(er
     assert bool(record.exc_info) is has_traceback
     if not has_traceback:
         assert "404" in record.getMessage() and "model m is not served" in record.getMessage()
+
+
+def test_an_error_echoing_a_lone_surrogate_is_still_answered():
+    """A refusal may echo what the client sent (an unknown model's name): Starlette's strict UTF-8 encoding
+    raised on a lone surrogate there, inside the error handler, and the answer became a 500."""
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+
+    err = OpenAIHTTPException(message='Got request for model "\ud800".', status_code=404, type="NotFoundError")
+    response = api_errors.exception_response(err, None)
+    assert response.status_code == 404
+    assert json.loads(response.body)["error"]["message"] == 'Got request for model "?".'

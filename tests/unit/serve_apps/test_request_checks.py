@@ -7,7 +7,7 @@ import json
 import pytest
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 
-from serve_apps.request_checks import chat_request_problem, completion_request_problem
+from serve_apps.request_checks import MAX_NESTING_DEPTH, chat_request_problem, completion_request_problem
 
 
 def _chat(raw: str) -> ChatCompletionRequest:
@@ -117,17 +117,33 @@ def test_a_best_of_the_engine_would_ignore_is_refused(n, best_of, is_refused):
     assert (problem is not None and problem[1] == "best_of") is is_refused, problem
 
 
-def test_a_free_form_field_nested_past_what_the_check_can_walk_is_a_400_not_a_500(monkeypatch):
-    """JSON's parser takes a few levels more than the check has left below the ingress' frames."""
+def _nested(depth: int) -> dict:
     deep = {"a": []}
     inner = deep["a"]
-    for _ in range(5000):
+    for _ in range(depth - 2):
         inner.append([])
         inner = inner[0]
+    return deep
+
+
+@pytest.mark.parametrize("depth", [MAX_NESTING_DEPTH + 2, 500, 5000])
+def test_a_free_form_field_nested_past_the_bound_is_a_400_not_a_500(depth):
+    """Ray pickles a handle call's arguments, which fails from about 490 levels; JSON's parser takes about 970,
+    and the walk alone stopped only where it ran out of frames: nested in between, the call failed, a 500."""
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
-    body.chat_template_kwargs = deep
-    assert chat_request_problem(body) == ("chat_template_kwargs: nests arrays or objects too deeply",
-                                          "chat_template_kwargs")
+    body.chat_template_kwargs = _nested(depth)
+    assert chat_request_problem(body) == (
+        f"chat_template_kwargs: nests arrays or objects more than {MAX_NESTING_DEPTH} levels deep", "chat_template_kwargs")
+    body.chat_template_kwargs = _nested(MAX_NESTING_DEPTH)
+    assert chat_request_problem(body) is None
+
+
+def test_a_top_k_no_vocabulary_reaches_is_refused_naming_it():
+    """vLLM bounds it below only; past 64 bits the message to its engine process failed, a 500."""
+    huge = _chat('{"model":"m","messages":[{"role":"user","content":"x"}],"top_k":18446744073709551616}')
+    message, param = chat_request_problem(huge)
+    assert param == "top_k" and "got 18446744073709551616" in message
+    assert chat_request_problem(_chat('{"model":"m","messages":[{"role":"user","content":"x"}],"top_k":50}')) is None
 
 
 def test_a_detokenize_id_beyond_32_bits_is_refused_naming_it():
@@ -148,6 +164,17 @@ def test_a_tokenize_prompt_with_a_lone_surrogate_is_refused():
     body = TokenizeCompletionRequest.model_validate(json.loads('{"model":"m","prompt":"a\\ud800"}'))
     assert tokenize_request_problem(body)[1] == "prompt"
     assert tokenize_request_problem(TokenizeCompletionRequest(model="m", prompt="fine")) is None
+
+
+def test_a_tokenize_or_detokenize_model_with_a_lone_surrogate_is_refused():
+    """An unknown model's 404 echoes its name, which the response could not encode: a 500."""
+    from ray.llm._internal.serve.core.configs.openai_api_models import DetokenizeRequest, TokenizeCompletionRequest
+
+    from serve_apps.request_checks import detokenize_request_problem, tokenize_request_problem
+
+    tokenize = TokenizeCompletionRequest.model_validate(json.loads('{"model":"\\ud800","prompt":"hi"}'))
+    detokenize = DetokenizeRequest.model_validate(json.loads('{"model":"\\ud800","tokens":[1]}'))
+    assert tokenize_request_problem(tokenize)[1] == "model" and detokenize_request_problem(detokenize)[1] == "model"
 
 
 @pytest.mark.parametrize("field, value, param", [

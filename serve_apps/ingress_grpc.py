@@ -104,7 +104,7 @@ from serve_apps.grpc_status import RpcFailure, grpc_code
 from serve_apps.handle_streams import cancelled_if_left
 from serve_apps.metrics import settle_model_call, usage_tokens
 from serve_apps.openai_bodies import too_many_items
-from serve_apps.request_checks import chat_request_problem, utf8_text
+from serve_apps.request_checks import chat_request_problem, unencodable_text_problem, utf8_text
 from serve_apps.orchestrator.models import (
     TOOL_CHOICE_KEYWORDS,
     TURN_ERROR_STATUS,
@@ -190,8 +190,13 @@ def tool_to_dict(tool: agent_pb2.Tool, index: int) -> dict[str, Any]:
         "description": tool.description,
         "required_permissions": list(tool.required_permissions),
     }
-    parameters = _schema(tool.parameters_json, f"tools[{index}].parameters_json")
+    where = f"tools[{index}].parameters_json"
+    parameters = _schema(tool.parameters_json, where)
     if parameters is not _NO_SCHEMA:
+        # Refused here as the HTTP ingress's validation refuses it: nested a few hundred levels, it parses,
+        # and Ray's pickling of the call to the orchestrator fails (INTERNAL).
+        if (problem := unencodable_text_problem(parameters, where)) is not None:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_parameter", problem[0])
         out["parameters"] = parameters
     execution = tool.WhichOneof("execution")
     if execution == "http":
@@ -418,9 +423,14 @@ def engine_failure(error: Mapping[str, Any], replica_id: str = "") -> RpcFailure
     """
     status, message = client_engine_error(error)  # the engine's own failure said as over HTTP
     status = status or 500  # none named: the engine's own failure, a 500 over HTTP (not a turn's `model_error`)
-    failure = RpcFailure(grpc_code(status), error_type(status), message,
-                         ((REPLICA_METADATA, replica_id),) if replica_id else ())
-    failure.replica_id = replica_id
+    return answered_by(RpcFailure(grpc_code(status), error_type(status), message), replica_id)
+
+
+def answered_by(failure: RpcFailure, replica_id: str) -> RpcFailure:
+    """`failure` naming the replica that answered with it (where one did), as HTTP's `x-warmpath-replica` does."""
+    if replica_id:
+        failure.replica_id = replica_id
+        failure.trailing_metadata = (*failure.trailing_metadata, (REPLICA_METADATA, replica_id))
     return failure
 
 
@@ -656,6 +666,7 @@ class GrpcIngress:
                     body = output.model_dump()
                     usage.note(body.get("usage"))
                     response = chat_response_to_proto(body, replica_id)
+                    break  # the whole answer: a failure of the call after it must not take it away
         if response is None:
             raise RpcFailure(grpc.StatusCode.INTERNAL, "empty_response", "the engine returned no completion")
         return response
@@ -717,12 +728,13 @@ class GrpcIngress:
         if session_id:
             options["session_id"] = session_id
         replica_id = ""
-        has_output = False
+        has_output = is_whole = False
         # Ray handle calls carry no trace context: it travels in the request headers.
         raw_request_info = RawRequestInfo(headers=telemetry.inject())
         stream = self._llm.options(**options).chat.remote(chat_request, raw_request_info)
         try:
-            with cancelled_if_left(stream):  # the caller left, or the call failed: the engine stops decoding
+            # The caller left, or the call failed: the engine stops decoding. A whole answer read is left be.
+            with cancelled_if_left(stream, is_answered=lambda: is_whole):
                 async with asyncio.timeout(self.first_output_timeout_s) as first_output_deadline:
                     async for item in stream:
                         if isinstance(item, ServedBy):
@@ -735,6 +747,7 @@ class GrpcIngress:
                                 # Refused before any token: settled as a refusal.
                                 raise engine_failure(refused, replica_id)
                             has_output = True
+                            is_whole = isinstance(output, ChatCompletionResponse)
                             first_output_deadline.reschedule(None)
                             yield replica_id, output
         except TimeoutError:
@@ -745,6 +758,12 @@ class GrpcIngress:
                 f"the engine sent no output within {self.first_output_timeout_s:g} s "
                 "(RAY_SERVE_LLM_ROUTER_HTTP_TIMEOUT sets this limit)",
             ) from None
+        except Exception as err:
+            if not replica_id or has_output or isinstance(err, RpcFailure):
+                raise
+            # The replica named itself, then failed before any output: the failure names it, as over HTTP.
+            failure = failure_from_exception(err, _get_serve_request_context().request_id)
+            raise answered_by(failure, replica_id) from err
         finally:
             logged = settle_model_call(replica_id, has_output, *usage_tokens(usage.usage if has_output else None))
             _annotate_model_call(chat_request, replica_id, usage.usage if has_output else None,
@@ -1028,7 +1047,18 @@ def _metadata(grpc_context, name: str) -> str | None:
 def _session_of(request: inference_pb2.ChatCompletionRequest, grpc_context) -> str:
     """The call's routing session: its `session_id` field, else its session metadata, read as Serve reads the
     HTTP header (`x-session-id`, `x_session_id`, or the name `RAY_SERVE_SESSION_ID_HEADER_KEY` sets)."""
-    return request.session_id or session_id_from_headers(dict(_string_metadata(grpc_context))) or ""
+    return request.session_id or session_id_from_headers(_FirstValues(_string_metadata(grpc_context))) or ""
+
+
+class _FirstValues:
+    """Metadata pairs as the headers Serve's lookup reads (`items()`), every pair, repeated keys too: it takes
+    the first match, as it does in HTTP's header list (a dict kept the last)."""
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        self._pairs = pairs
+
+    def items(self) -> Iterator[tuple[str, str]]:
+        return iter(self._pairs)
 
 
 def _fail(grpc_context, rpc: _RpcSpan, method: str, err: Exception) -> RpcFailure:

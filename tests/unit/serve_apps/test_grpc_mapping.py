@@ -58,6 +58,7 @@ from serve_apps.orchestrator.models import (
     TurnRequest,
     UsageEvent,
 )
+from serve_apps.request_checks import MAX_NESTING_DEPTH
 from serve_apps.vllm_replica import ServedBy
 from warmpath.v1 import agent_pb2, inference_pb2
 
@@ -396,6 +397,12 @@ def test_create_session_bad_schema_json_names_the_tool():
         create_session_body(agent_pb2.CreateSessionRequest(
             model="m", tools=[_tool(parameters_json='{"a":' * 100_000 + "1" + "}" * 100_000)]))
     assert (info.value.status, info.value.message) == (Code.INVALID_ARGUMENT, "tools[0].parameters_json: nested too deeply to parse")
+    # Nested a few hundred levels, it parses, and Ray's pickling of the call to the orchestrator failed (INTERNAL).
+    with pytest.raises(RpcFailure) as info:
+        create_session_body(agent_pb2.CreateSessionRequest(
+            model="m", tools=[_tool(parameters_json='{"a":' * 600 + "1" + "}" * 600)]))
+    assert (info.value.status, info.value.message) == (
+        Code.INVALID_ARGUMENT, f"tools[0].parameters_json: nests arrays or objects more than {MAX_NESTING_DEPTH} levels deep")
     # An integer too long for Python to convert is malformed JSON over HTTP (400 invalid_json) too.
     with pytest.raises(RpcFailure) as info:
         create_session_body(agent_pb2.CreateSessionRequest(
@@ -1044,6 +1051,23 @@ def test_chat_completion_unary():
     assert llm.options_calls == [{"stream": True, "session_id": "s1"}]
 
 
+def test_a_unary_answer_stands_when_the_call_fails_after_it():
+    """The whole response came: a failure of the call after it (its replica dying as it closes) took the
+    answer away (UNAVAILABLE), and a client would ask again for a completion it had been sent."""
+    from ray.exceptions import RayActorError
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionResponse
+
+    async def answer_then_die():
+        yield ServedBy("replica-a")
+        yield ChatCompletionResponse(**OPENAI_RESPONSE)
+        raise RayActorError()
+
+    context = FakeContext()
+    llm = FakeHandle(chat=lambda request, raw_request_info: answer_then_die())
+    response = _run(_ingress(llm=llm).ChatCompletion(_chat_request(), context))
+    assert context.code is None and response.replica_id == "replica-a" and response.finish_reason == "tool_calls"
+
+
 def test_chat_completion_engine_error_and_unknown_model():
     from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo, ErrorResponse
 
@@ -1052,6 +1076,22 @@ def test_chat_completion_engine_error_and_unknown_model():
     _run(_ingress(llm=FakeHandle(chat=_llm_stream(ServedBy("r"), [error]))).ChatCompletion(_chat_request(), context))
     assert (context.code, context.details) == (Code.INVALID_ARGUMENT, "prompt too long")
     assert ("x-warmpath-replica", "r") in context.trailing_metadata  # as over HTTP: the refusal names its replica
+
+    # A replica that names itself and then fails (raises) before any output is named too.
+    for failure in (RuntimeError("engine gone"), ValueError("bad")):
+        async def failing():
+            yield ServedBy("r")
+            raise failure
+
+        context = FakeContext()
+        _run(_ingress(llm=FakeHandle(chat=lambda request, raw_request_info: failing())).ChatCompletion(
+            _chat_request(), context))
+        assert context.code is not None and ("x-warmpath-replica", "r") in context.trailing_metadata
+        context = FakeContext()
+        stream = _ingress(llm=FakeHandle(chat=lambda request, raw_request_info: failing())).StreamChatCompletion(
+            _chat_request(), context)
+        (last, code), = _run(_collect(stream, context))
+        assert last.replica_id == "r" and code == context.code != Code.OK
 
     # Streamed, the same refusal comes before any chunk: its error chunk named no replica.
     context = FakeContext()

@@ -233,6 +233,8 @@ def test_a_stream_the_engine_sends_nothing_for_fails_as_the_unary_call_does(reco
         ("s-field", [("x-session-id", "s-header")], "s-field"),  # the message's own field wins
         # Serve reads the HTTP header in either spelling (a gateway may rewrite it); gRPC read one only.
         ("", [("x_session_id", "s-underscored")], "s-underscored"),
+        # Repeated, the first counts, as in HTTP's header list (a dict kept the last).
+        ("", [("x-session-id", "s-first"), ("x-session-id", "s-second")], "s-first"),
         ("", [], None),
     ],
 )

@@ -126,19 +126,22 @@ class ToolSpec(_Strict):
     )
     execution: ToolExecution = Field(description="Where the tool runs.")
 
+    # The checks below apply where a session is created; a session stored before one of them was added
+    # stays readable (its turns, view and deletion failed as internal errors).
+
     @field_validator("required_permissions")
     @classmethod
-    def _check_permissions(cls, permissions: list[str]) -> list[str]:
+    def _check_permissions(cls, permissions: list[str], info: ValidationInfo) -> list[str]:
         # As keys are granted them (`keys create --permission`): no key could hold one of these, so the tool
         # could never run.
-        if bad := bad_permissions(permissions):
+        if not _is_stored(info) and (bad := bad_permissions(permissions)):
             raise ValueError(f"each permission is a non-empty name without whitespace, got {', '.join(map(repr, bad))}")
         return permissions
 
     @field_validator("name")
     @classmethod
-    def _check_name(cls, name: str) -> str:
-        if name in TOOL_CHOICE_KEYWORDS:
+    def _check_name(cls, name: str, info: ValidationInfo) -> str:
+        if name in TOOL_CHOICE_KEYWORDS and not _is_stored(info):
             raise ValueError(f"{name!r} is a `tool_choice` keyword, so a tool named so could never be chosen by name")
         return name
 

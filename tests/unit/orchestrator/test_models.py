@@ -363,6 +363,18 @@ def test_keep_last_rounds_is_bounded_at_creation_but_a_stored_session_above_the_
     assert SessionLimits(keep_last_rounds=MAX_KEEP_LAST_ROUNDS).keep_last_rounds == MAX_KEEP_LAST_ROUNDS
 
 
+@pytest.mark.parametrize("tool", [
+    {"name": "required", "execution": {"kind": "client"}},  # a `tool_choice` keyword
+    {"name": "t", "required_permissions": [""], "execution": {"kind": "client"}},  # no key could hold it
+])
+def test_a_tool_refused_at_creation_now_still_reads_back_from_a_session_stored_before(tool):
+    """Its session's turns, view and deletion failed as internal errors (500), and it held its quota place."""
+    body = {"model": "m", "tools": [tool]}
+    with pytest.raises(ValidationError):
+        CreateSessionRequest.model_validate(body)
+    assert CreateSessionRequest.model_validate(body, context=STORED).tools[0].name == tool["name"]
+
+
 @pytest.mark.parametrize(
     "content, is_accepted",
     [("x", True), ("é" * MAX_TURN_CONTENT_CHARS, True), ("", False), ("x" * (MAX_TURN_CONTENT_CHARS + 1), False)],

@@ -362,6 +362,13 @@ class FinalEvent(_Strict):
 
     kind: Literal["final"] = "final"
     message: Message = Field(description="The turn's last assistant message.")
+    is_truncated: bool = Field(
+        False,
+        description=(
+            "True when the answer stopped at the step's token budget (`limits.output_reserve_tokens`, which a "
+            "reasoning model's thought spends too) before the model ended it."
+        ),
+    )
 
 
 class UsageEvent(_Strict):

@@ -137,9 +137,13 @@ def test_text_a_forced_step_streamed_without_a_call_is_voided_before_the_next_st
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", "none"])
-def test_an_unforced_step_without_a_call_is_the_answer(tool_choice):
-    events, store, _ = _run([(["Hel", "lo"], ModelReply(content="Hello", finish_reason="length"))], tool_choice)
+@pytest.mark.parametrize("finish_reason", ["length", "stop"])
+def test_an_unforced_step_without_a_call_is_the_answer_and_says_whether_it_was_cut_short(tool_choice, finish_reason):
+    """An answer stopped at the step's budget is still the answer; the final event says it was cut (a
+    reasoning model that thought past the budget answered half a sentence, or nothing, that looked whole)."""
+    events, store, _ = _run([(["Hel", "lo"], ModelReply(content="Hello", finish_reason=finish_reason))], tool_choice)
     assert events[-1].kind == "final" and events[-1].message.content == "Hello"
+    assert events[-1].is_truncated is (finish_reason == "length")
     assert [m.role for m in store.commits[0]["messages"]] == ["user", "assistant"]
 
 

@@ -473,7 +473,7 @@ EVENTS = [
     ToolResultEvent(tool_call_id="call_1", status="timeout", content="", is_truncated=True),
     FinalEvent(message=Message(role="assistant", content="done")),
     FinalEvent(message=Message(role="assistant", content=None, tool_calls=[CALL])),
-    FinalEvent(message=Message(role="assistant", content="4", reasoning="Two and two.")),
+    FinalEvent(message=Message(role="assistant", content="4", reasoning="Two and two."), is_truncated=True),
     UsageEvent(stats=StepStats(step_index=0, prefix_fingerprint="ab", prompt_tokens=120, cached_tokens=96)),
     UsageEvent(
         stats=StepStats(

@@ -230,10 +230,12 @@ class ToolResultEvent(_message.Message):
     def __init__(self, tool_call_id: _Optional[str] = ..., status: _Optional[str] = ..., content: _Optional[str] = ..., is_truncated: _Optional[bool] = ...) -> None: ...
 
 class FinalEvent(_message.Message):
-    __slots__ = ("message",)
+    __slots__ = ("message", "is_truncated")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    IS_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     message: _inference_pb2.ChatMessage
-    def __init__(self, message: _Optional[_Union[_inference_pb2.ChatMessage, _Mapping]] = ...) -> None: ...
+    is_truncated: bool
+    def __init__(self, message: _Optional[_Union[_inference_pb2.ChatMessage, _Mapping]] = ..., is_truncated: _Optional[bool] = ...) -> None: ...
 
 class UsageEvent(_message.Message):
     __slots__ = ("stats",)

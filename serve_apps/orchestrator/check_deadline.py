@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -57,9 +58,32 @@ class PatternCheckTimeout(CheckTimeout):
 
 # ECMAScript's classes, as Python spells them: ASCII digits and word characters, and its white space (Python's
 # also holds \x1c-\x1f and \x85, and lacks the byte order mark).
+_ECMASCRIPT_CODE_POINTS = {  # inclusive ranges
+    "d": ((0x30, 0x39),),
+    "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
+    "s": ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+          (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)),
+}
+
+
+def _class_text(ranges: Sequence[tuple[int, int]]) -> str:
+    return "".join(f"\\U{low:08x}" + (f"-\\U{high:08x}" if high > low else "") for low, high in ranges)
+
+
+def _complement(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for low, high in ranges:  # sorted, apart
+        if low > start:
+            out.append((start, low - 1))
+        start = high + 1
+    return out + ([(start, sys.maxunicode)] if start <= sys.maxunicode else [])
+
+
+# The members of each class as a character class's text; by the uppercase letter, of its negation, which
+# a class can hold (`[\w\W]`, any character, as ECMAScript reads it).
 _ECMASCRIPT_CLASSES = {
-    "d": "0-9", "w": "A-Za-z0-9_",
-    "s": "\\t\\n\\x0b\\f\\r \\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000\\ufeff",
+    **{letter: _class_text(ranges) for letter, ranges in _ECMASCRIPT_CODE_POINTS.items()},
+    **{letter.upper(): _class_text(_complement(ranges)) for letter, ranges in _ECMASCRIPT_CODE_POINTS.items()},
 }
 # What ECMAScript's `.` matches: anything but its four line terminators (Python's `.` stops at `\n` only).
 _ECMASCRIPT_DOT = "[^\\n\\r\\u2028\\u2029]"
@@ -117,17 +141,15 @@ def as_ecmascript(pattern: str) -> str:
     `$` outside a character class becomes `\Z` (the very end only), and `.` anything but a line
     terminator (`\r`, U+2028 and U+2029 too, so `^.+$` keeps a value on one line); `\d`, `\w`,
     `\s` become ECMAScript's classes (ASCII digits and word characters, its white space) and `\D`,
-    `\W`, `\S` those classes negated (inside a class, the lowercase ones only).
+    `\W`, `\S` those classes negated, inside a class as their members (`[\s\S]`: any character; with
+    Python's meaning it refused a value holding U+0085, and `[^\W]` took `é`).
     """
     out: list[str] = []
     for _, piece, in_class in pattern_pieces(pattern):
         escaped = piece[1] if len(piece) == 2 else ""
-        if escaped.lower() in _ECMASCRIPT_CLASSES and (not in_class or escaped.islower()):
-            ascii_class = _ECMASCRIPT_CLASSES[escaped.lower()]
-            if in_class:
-                out.append(ascii_class)
-            else:
-                out.append(f"[{ascii_class}]" if escaped.islower() else f"[^{ascii_class}]")
+        if escaped in _ECMASCRIPT_CLASSES:
+            members = _ECMASCRIPT_CLASSES[escaped]
+            out.append(members if in_class else f"[{members}]")
         elif not in_class and piece == "$":
             out.append(r"\Z")
         elif not in_class and piece == ".":

@@ -143,9 +143,20 @@ def _is_ecmascript_regex(value: object) -> bool:
     return not isinstance(value, str) or _ECMASCRIPT_REGEX.is_valid(value)
 
 
-# What a tool's arguments are checked with: every format jsonschema can assert, `regex` as ECMAScript's.
+_UUID = re.compile(r"[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}", re.ASCII)
+
+
+def _is_uuid(value: object) -> bool:
+    """`format: uuid`: RFC 9562's hyphenated hex form exactly. jsonschema's check reads it with `uuid.UUID`,
+    which takes `urn:uuid:` text, braces, a sign, underscores and non-ASCII digits (`+2345678-1234-...`)."""
+    return not isinstance(value, str) or _UUID.fullmatch(value) is not None
+
+
+# What a tool's arguments are checked with: every format jsonschema can assert, `regex` as ECMAScript's,
+# `uuid` as its RFC's.
 ARGUMENT_FORMATS = copy.deepcopy(Draft202012Validator.FORMAT_CHECKER)
 ARGUMENT_FORMATS.checks("regex")(_is_ecmascript_regex)
+ARGUMENT_FORMATS.checks("uuid")(_is_uuid)
 
 
 def check_tool_parameters(value: dict[str, JsonValue]) -> None:

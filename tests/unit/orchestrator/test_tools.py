@@ -703,6 +703,12 @@ BOOKING_SCHEMA = {
         ({"date": "2026-02-30"}, ["$.date"]),
         ({"date": "next tuesday", "email": "nobody"}, ["$.date", "$.email"]),
         ({"id": "not-a-uuid", "host": "10.0.0.300"}, ["$.host", "$.id"]),
+        # `uuid.UUID` reads these, jsonschema's check with it: no UUID's text has a sign, `_`, other digits, a tail.
+        ({"id": "+2345678-1234-5678-1234-567812345678"}, ["$.id"]),
+        ({"id": "1_345678-1234-5678-1234-567812345678"}, ["$.id"]),
+        ({"id": "1234567\u0660-1234-5678-1234-567812345678"}, ["$.id"]),
+        ({"id": "12345678-1234-5678-1234-567812345678----"}, ["$.id"]),
+        ({"id": "6F1C2A4E-3B5D-4C7E-9F0A-1B2C3D4E5F60"}, []),
     ],
 )
 def test_formats_are_checked_where_they_can_be(arguments, paths):
@@ -840,6 +846,13 @@ def test_a_schema_applying_a_few_subschemas_in_place_still_decides():
     ({"properties": {"q": {"type": "string", "pattern": r"^\s$"}}}, {"q": "\ufeff"}, True),
     ({"properties": {"q": {"type": "string", "pattern": r"^\s$"}}}, {"q": "\x1c"}, False),
     ({"properties": {"q": {"type": "string", "pattern": r"^[\s,]+\S$"}}}, {"q": "\ufeff, x"}, True),
+    # `\D`, `\W`, `\S` inside a class too: `[\s\S]` is any character, `[^\W]` ASCII word characters only.
+    ({"properties": {"q": {"type": "string", "pattern": r"^[\s\S]+$"}}}, {"q": "a\x85b"}, True),
+    ({"properties": {"q": {"type": "string", "pattern": r"^[\w\W]+$"}}}, {"q": "caf\u00e9"}, True),
+    ({"properties": {"q": {"type": "string", "pattern": r"^[\d\D]+$"}}}, {"q": "\u0661\u0662"}, True),
+    ({"properties": {"q": {"type": "string", "pattern": r"^[^\W]+$"}}}, {"q": "\u00e9"}, False),
+    ({"properties": {"q": {"type": "string", "pattern": r"^[\S]+$"}}}, {"q": "\ufeff"}, False),
+    ({"properties": {"q": {"type": "string", "pattern": r"^[\W]+$"}}}, {"q": "\u00e9-"}, True),
 ])
 def test_patterns_match_as_json_schema_reads_them(schema, arguments, is_valid):
     call = ToolCall(id="c1", name="lookup", arguments=json.dumps(arguments))

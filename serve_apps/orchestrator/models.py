@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Annotated, Literal, NewType
+from typing import Annotated, Any, Literal, NewType
 
 from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, Strict, TypeAdapter, ValidationInfo,
@@ -204,18 +204,30 @@ class CreateSessionRequest(_Strict):
             raise ValueError(f"tool names must be unique, repeated: {duplicates}")
         return self
 
-    @model_validator(mode="after")
-    def _bounded_grammar(self, info: ValidationInfo) -> "CreateSessionRequest":
-        if _is_stored(info):
-            return self
-        elements = sum(pattern_elements(tool.parameters) for tool in self.tools)
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_grammar(cls, data: Any, info: ValidationInfo) -> Any:
+        # Before the tools are validated: each tool's check compiles its patterns, which for a body of
+        # hundreds of tools at the per-tool bound took most of a minute, to be refused here after.
+        tools = data.get("tools") if isinstance(data, dict) else None
+        if _is_stored(info) or not isinstance(tools, list):
+            return data
+        elements = 0
+        for tool in tools:
+            parameters = tool.parameters if isinstance(tool, ToolSpec) else (
+                tool.get("parameters") if isinstance(tool, dict) else None)
+            if isinstance(parameters, dict):
+                try:
+                    elements += pattern_elements(parameters)
+                except RecursionError:
+                    pass  # nested too deeply to walk: the tool's own check refuses it
         if elements > MAX_SESSION_PATTERN_UNROLLED:
             raise ValueError(
                 f"the tools' patterns unroll to {elements} elements together, over {MAX_SESSION_PATTERN_UNROLLED}: "
                 "a turn forced to call a tool builds one grammar of every tool, which would take minutes; "
                 "bound long strings with maxLength instead of counted repeats ({n,m})"
             )
-        return self
+        return data
 
 
 class CreateSessionResponse(_Strict):

@@ -653,13 +653,19 @@ def _tools_with_patterns(count: int, pattern: str) -> dict:
         for i in range(count)]}
 
 
-def test_the_patterns_of_all_a_sessions_tools_are_bounded_together():
+def test_the_patterns_of_all_a_sessions_tools_are_bounded_together(monkeypatch):
     """A forced call's grammar holds every tool: 355 patterns each within the bound took 308 s to compile."""
     per_tool = 4000 + 6  # `[a-z]{4000}` and `^x-[a-z]{2}$`
     fits = MAX_SESSION_PATTERN_UNROLLED // per_tool
     CreateSessionRequest.model_validate(_tools_with_patterns(fits, "[a-z]{4000}"))
     with pytest.raises(ValidationError, match=f"unroll to {(fits + 1) * per_tool} elements together"):
         CreateSessionRequest.model_validate(_tools_with_patterns(fits + 1, "[a-z]{4000}"))
+    # Refused before any tool's patterns are compiled: 128 tools at the per-tool bound took most of a minute.
+    checked = []
+    monkeypatch.setattr("serve_apps.orchestrator.tool_schema._check_pattern", lambda *args: checked.append(args))
+    with pytest.raises(ValidationError, match="elements together"):
+        CreateSessionRequest.model_validate(_tools_with_patterns(128, "[a-z]{4000}"))
+    assert checked == []
     # A value in `const` or `enum` is data, not a pattern.
     assert pattern_elements({"type": "object", "const": {"pattern": "a{4000}"},
                              "properties": {"pattern": {"type": "string", "pattern": "b{3}"}}}) == 3

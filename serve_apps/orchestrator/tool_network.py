@@ -37,12 +37,17 @@ from cluster.config import ToolNetworkConfig
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # Tool hosts are looked up on threads of their own: a name whose server never answers holds its thread until
 # the resolver gives up (a cancelled call does not stop it), and on the loop's default pool (six threads on two
-# cores) a session's tool could hold every thread the replica's own lookups (Redis reconnecting) need.
-_TOOL_LOOKUPS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool-dns")
+# cores) a session's tool could hold every thread the replica's own lookups (Redis reconnecting) need. A thread
+# blocked in a lookup costs little: there are enough that names under a zone whose server never answers hold
+# all of them only when as many distinct ones are looked up at once.
+_TOOL_LOOKUPS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tool-dns")
 # The lookup of each (host, port) now running: calls to a host whose lookup has not ended wait for that one
 # (`_resolve`). Without it, four turns aimed at a name whose server never answers held the four threads for the
 # resolver's whole timeout, and every other session's tool waited behind them until its own call timed out.
 _LOOKUPS_RUNNING: dict[tuple[str, int], Future] = {}
+# How many calls wait on each lookup: one that every caller left (their tools timed out) is cancelled while
+# still queued, so abandoned lookups of distinct names never queue ahead of other sessions' for long.
+_LOOKUP_WAITERS: dict[Future, int] = {}
 _LOOKUPS_LOCK = threading.Lock()
 
 
@@ -143,7 +148,8 @@ async def _resolve(host: str, port: int) -> list:
     """`_getaddrinfo` on the lookup threads, shared by every call that asks for `(host, port)` while it runs.
 
     A caller that leaves (its tool timed out) leaves the lookup running for the others: shielded, so its
-    cancellation cannot cancel a lookup still queued that others wait on.
+    cancellation cannot cancel a lookup still queued that others wait on. The last to leave cancels it,
+    if it is still queued (a running one ends as the resolver ends it).
     """
     key = (host, port)
     with _LOOKUPS_LOCK:
@@ -152,9 +158,26 @@ async def _resolve(host: str, port: int) -> list:
         if started:
             lookup = _TOOL_LOOKUPS.submit(_getaddrinfo, host, port)
             _LOOKUPS_RUNNING[key] = lookup
+        _LOOKUP_WAITERS[lookup] = _LOOKUP_WAITERS.get(lookup, 0) + 1
     if started:  # outside the lock: a lookup already done runs its callback here, and the callback takes the lock
         lookup.add_done_callback(lambda done: _forget_lookup(key, done))
-    return await asyncio.shield(asyncio.wrap_future(lookup))
+    answer = asyncio.wrap_future(lookup)
+    answer.add_done_callback(_read)  # its failure, once this caller left, is read here, not logged as unread
+    try:
+        return await asyncio.shield(answer)
+    finally:
+        with _LOOKUPS_LOCK:
+            _LOOKUP_WAITERS[lookup] -= 1
+            is_abandoned = not _LOOKUP_WAITERS[lookup]
+            if is_abandoned:
+                del _LOOKUP_WAITERS[lookup]
+        if is_abandoned:  # outside the lock, as above: cancelling runs the callback here
+            lookup.cancel()  # nothing where it ran or ended
+
+
+def _read(answer: asyncio.Future) -> None:
+    if not answer.cancelled():
+        answer.exception()
 
 
 def _forget_lookup(key: tuple[str, int], lookup: Future) -> None:

@@ -414,3 +414,43 @@ def test_calls_to_a_host_whose_lookup_hangs_share_one_lookup_thread(monkeypatch)
     assert other == Destination("http://tools.elsewhere.test:9000/tool", ("127.0.0.1",))
     assert waited == Destination("http://black.hole.test:9000/tool", ("127.0.0.1",))
     assert started.count("black.hole.test") == 1
+
+
+def test_lookups_every_caller_left_do_not_queue_ahead_of_other_sessions(monkeypatch):
+    """Distinct names under a zone whose server never answers: each lookup held a thread for the resolver's
+    whole timeout, and those queued behind them ran after their calls had timed out, ahead of every other
+    session's tool. Cancelled while queued, they never run; the failure of one that ran unread is not logged."""
+    release = threading.Event()
+    started: list[str] = []
+
+    def getaddrinfo(host, port):
+        started.append(host)
+        if host.endswith(".black.hole.test"):
+            release.wait(10)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(tool_network, "_getaddrinfo", getaddrinfo)
+    num_threads = tool_network._TOOL_LOOKUPS._max_workers
+
+    async def timed(host: str, seconds: float):
+        try:
+            async with asyncio.timeout(seconds):
+                return await DEFAULT.check_destination(f"http://{host}:9000/tool")
+        except TimeoutError:
+            return "timed out"
+
+    async def scenario():
+        names = [f"n{i}.black.hole.test" for i in range(num_threads + 8)]
+        stuck = [asyncio.create_task(timed(name, 0.2)) for name in names]
+        assert set(await asyncio.gather(*stuck)) == {"timed out"}
+        release.set()  # the running lookups end; the queued ones were cancelled as their callers left
+        return await timed("tools.elsewhere.test", 5.0)
+
+    try:
+        other = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert other == Destination("http://tools.elsewhere.test:9000/tool", ("127.0.0.1",))
+    assert len([host for host in started if host.endswith(".black.hole.test")]) == num_threads
+    assert not tool_network._LOOKUP_WAITERS  # every caller left or was answered

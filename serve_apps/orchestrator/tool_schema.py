@@ -339,6 +339,9 @@ NESTED_OPTIONAL_REPEAT_WEIGHT = 8
 # Most elements all patterns of a session's tools may unroll to, together: the grammar of a forced call
 # holds every tool, and builds in about 0.2 s per thousand elements (16 patterns of 4,095 took 14 s).
 MAX_SESSION_PATTERN_UNROLLED = 16384
+# How deep a pattern's groups may nest: far beyond what a value's syntax needs, far below the stack the call
+# checks have left for the regular expression engines, which parse groups recursively.
+MAX_PATTERN_GROUP_DEPTH = 32
 
 
 def _check_pattern(pattern: str, where: str) -> None:
@@ -350,6 +353,11 @@ def _check_pattern(pattern: str, where: str) -> None:
     Measured before compiling: `regex` writes counted repeats out as it compiles, and a
     15-character `a{100000000,}` took gigabytes; the check compiles uncached.
     """
+    depth = _group_depth(pattern)
+    if depth > MAX_PATTERN_GROUP_DEPTH:
+        # The engines parse groups recursively: checked here from a shallow stack, a pattern nested about 200
+        # deep compiled, and the call check (deeper in the stack) refused every call as unable to check it.
+        raise ValueError(f"{where}: {pattern[:80]!r} nests its groups {depth} deep, over {MAX_PATTERN_GROUP_DEPTH}")
     size = _pattern_size(pattern)
     if size > MAX_PATTERN_UNROLLED:
         raise ValueError(
@@ -379,6 +387,18 @@ def _check_pattern(pattern: str, where: str) -> None:
             f"{where}: {pattern[:80]!r} is a regular expression the grammar of forced tool calls (xgrammar) cannot "
             f"read ({problem}): word boundaries (\\b), lookbehind, inline flags and backreferences are beyond it"
         )
+
+
+def _group_depth(pattern: str) -> int:
+    """How deep `pattern`'s groups nest (an escaped or in-class parenthesis is none)."""
+    depth = deepest = 0
+    for _, piece, in_class in pattern_pieces(pattern):
+        if not in_class and piece == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif not in_class and piece == ")":
+            depth = max(depth - 1, 0)
+    return deepest
 
 
 def _grammar_regex_problem(pattern: str) -> str | None:

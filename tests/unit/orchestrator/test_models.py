@@ -2,6 +2,7 @@
 
 import copy
 import json
+import sys
 
 import pytest
 import xgrammar
@@ -18,14 +19,17 @@ from serve_apps.orchestrator.models import (
     HttpExecution,
     Message,
     SessionLimits,
+    ToolCall,
     ToolResultsSubmission,
     ToolSpec,
     TurnRequest,
 )
 from serve_apps.orchestrator import tool_schema
 from serve_apps.orchestrator.tool_schema import (
-    MAX_REF_HOPS, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, MAX_SESSION_PATTERN_UNROLLED, pattern_elements,
+    MAX_PATTERN_GROUP_DEPTH, MAX_REF_HOPS, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, MAX_SESSION_PATTERN_UNROLLED,
+    pattern_elements,
 )
+from serve_apps.orchestrator.tools import validate_tool_call
 
 HTTP = {"kind": "http", "url": "http://127.0.0.1:9/tool", "timeout_s": 2}
 OBJECT_SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
@@ -702,7 +706,25 @@ def test_a_pattern_nested_too_deeply_to_parse_is_refused_not_raised(key):
     schema = {"pattern": pattern, "type": "string"} if key == "pattern" else {"patternProperties": {pattern: {}}}
     with pytest.raises(ValidationError) as info:
         ToolSpec.model_validate(_tool(parameters={"type": "object", "properties": {"a": schema}}))
-    assert "nests its groups too deeply" in str(info.value)
+    assert f"nests its groups 500 deep, over {MAX_PATTERN_GROUP_DEPTH}" in str(info.value)
+
+
+def test_a_pattern_nested_past_the_bound_is_refused_where_the_checks_would_fail_on_it_later():
+    """Compiled at creation from a shallow stack, a pattern nested about 200 deep passed, and the call check,
+    deeper in the stack, refused every call of the tool as one it could not check."""
+    def nested(depth: int) -> dict:
+        pattern = "^" + "(?:" * depth + "a" + ")" * depth + "[(]$"  # a parenthesis in a class is no group
+        return {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+
+    spec = ToolSpec.model_validate(_tool(parameters=nested(MAX_PATTERN_GROUP_DEPTH)))
+
+    def deep_in_the_stack(frames: int):
+        return deep_in_the_stack(frames - 1) if frames else validate_tool_call(
+            ToolCall(id="c1", name=spec.name, arguments='{"s": "a("}'), [spec])
+
+    assert isinstance(deep_in_the_stack(sys.getrecursionlimit() // 2), ToolCall)
+    with pytest.raises(ValidationError, match=f"nests its groups {MAX_PATTERN_GROUP_DEPTH + 1} deep"):
+        ToolSpec.model_validate(_tool(parameters=nested(MAX_PATTERN_GROUP_DEPTH + 1)))
 
 
 @pytest.mark.parametrize("name", ["auto", "none", "required"])

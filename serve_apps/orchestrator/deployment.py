@@ -325,10 +325,10 @@ def _apply_chunk(data: dict, reply: ModelReply, calls: dict[int, dict[str, str]]
     for choice in data.get("choices") or ():
         reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
         delta = choice.get("delta") or {}
-        # `reasoning`, or `reasoning_content`, its older name
-        reasoning += delta.get("reasoning") or delta.get("reasoning_content") or ""
+        # `reasoning`, or `reasoning_content`, its older name; each as text a stored message takes
+        reasoning += utf8_text(delta.get("reasoning") or delta.get("reasoning_content") or "")
         if delta.get("content"):
-            text += delta["content"]
+            text += utf8_text(delta["content"])
         for call in delta.get("tool_calls") or ():
             slot = calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": ""})
             slot["id"] = call.get("id") or slot["id"]

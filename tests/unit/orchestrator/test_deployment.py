@@ -528,7 +528,7 @@ def test_a_reasoning_models_thought_streams_apart_from_its_answer(monkeypatch, f
 
     monkeypatch.setattr("serve_apps.metrics.record_model_call", lambda *args: None)
     frames = [{"choices": [{"index": 0, "delta": {"role": "assistant", field: "Two and "}}]},
-              {"choices": [{"index": 0, "delta": {field: "two."}}]},
+              {"choices": [{"index": 0, "delta": {field: "two.\ud800"}}]},  # a lone surrogate no store takes
               {"choices": [{"index": 0, "delta": {"content": "4"}, "finish_reason": "stop"}]},
               {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5}}]
     client = deployment.HandleModelClient(_StreamingHandle(frames), "m")
@@ -537,5 +537,5 @@ def test_a_reasoning_models_thought_streams_apart_from_its_answer(monkeypatch, f
         return [item async for item in client.chat("s1", [{"role": "user", "content": "2+2?"}], [], "auto", 16)]
 
     *pieces, reply = asyncio.run(run())
-    assert pieces == [ReasoningDelta("Two and "), ReasoningDelta("two."), "4"]
-    assert isinstance(reply, ModelReply) and reply.content == "4" and reply.reasoning == "Two and two."
+    assert pieces == [ReasoningDelta("Two and "), ReasoningDelta("two.?"), "4"]
+    assert isinstance(reply, ModelReply) and reply.content == "4" and reply.reasoning == "Two and two.?"

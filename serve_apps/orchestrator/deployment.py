@@ -515,8 +515,10 @@ class Orchestrator:
 
     async def delete_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
         try:
-            record = await self._owned_record(session_id, Caller.from_dict(caller))
-            existed = await self._store.delete(session_id, record.owner_key_id)
+            owner_key_id = await self._store.owner_of(session_id)
+            if owner_key_id != Caller.from_dict(caller).key_id:
+                raise SessionNotFound(session_id)  # answered like a missing one
+            existed = await self._store.delete(session_id, owner_key_id)
         except SessionNotFound:
             return _not_found(session_id)
         except StoreUnavailable as err:

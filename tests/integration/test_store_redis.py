@@ -101,6 +101,25 @@ def test_a_session_an_earlier_release_accepted_stays_readable_under_stricter_cre
     assert fetched.request == older and view.record == fetched
 
 
+def test_a_session_whose_record_no_longer_reads_back_can_still_be_deleted_by_its_owner_alone(redis_url):
+    """Its deletion read the whole record first: a record this release cannot read (a field a later release
+    dropped) made every delete fail, and the session held its place in its key's quota until it expired."""
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="key-1", prefix_fingerprint="ab" * 32)
+        meta = store._key(record.session_id, "meta")
+        stored = json.loads(await store._redis.hget(meta, "record"))
+        await store._redis.hset(meta, "record", json.dumps({**stored, "field_of_a_later_release": 1}))
+        with pytest.raises(ValueError):
+            await store.get(record.session_id)
+        owner = await store.owner_of(record.session_id)
+        deleted = await store.delete(record.session_id, owner)
+        with pytest.raises(SessionNotFound):
+            await store.owner_of(record.session_id)
+        return owner, deleted
+
+    assert _run(redis_url, scenario) == ("key-1", True)
+
+
 def test_a_session_whose_messages_were_lost_from_redis_is_refused_not_read_as_empty(redis_url):
     """An evicting Redis dropped the transcript and kept the record (read more recently): the session showed no
     messages, and its next turn ran on none. A session that never committed reads as empty, as it is."""

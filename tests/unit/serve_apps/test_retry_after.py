@@ -30,7 +30,7 @@ class _DownStore:
     async def get(self, session_id):
         raise StoreUnavailable("Error 111 connecting to warmpath-redis:6379. Connection refused.")
 
-    delete = transcript = step_stats = view = get
+    delete = owner_of = transcript = step_stats = view = get
 
     @contextlib.asynccontextmanager
     async def turn_lock(self, session_id, owner_key_id=None):

@@ -156,7 +156,9 @@ class ReplicaConfig(_Strict):
         "nobind",
         description=(
             "CPU only: VLLM_CPU_OMP_THREADS_BIND. vLLM's 'auto' pins every colocated engine to the same "
-            "core; 'nobind' lets the OS spread replicas. Use explicit core lists on large hosts."
+            "core; 'nobind' lets the OS spread replicas. Explicit core lists are every replica's: with more than "
+            "one replica they need a node each (ray_resources naming a slot each node offers once, as the "
+            "KubeRay CPU overlay does), or replicas sharing a host would all run on the same cores."
         ),
     )
     block_size_tokens: int = Field(32, description="KV block size; a multiple of 32 on CPU.", ge=1)
@@ -268,6 +270,12 @@ class ReplicaConfig(_Strict):
         if len(bind.split("|")) != workers:
             raise ValueError(f"replicas.cpu_omp_threads_bind={bind!r} names {len(bind.split('|'))} core lists; each "
                              f"replica runs {workers} engine workers (tensor x pipeline parallel), one list each")
+        if self.num_replicas > 1 and not self.ray_resources:
+            # vLLM reads the lists by a worker's rank within its engine: every replica's engine binds the same.
+            raise ValueError(
+                f"replicas.cpu_omp_threads_bind={bind!r} would pin all {self.num_replicas} replicas to the same "
+                "cores wherever they share a host; use 'nobind', or give each replica a node of its own "
+                "(replicas.ray_resources naming a slot each node offers once, as the KubeRay CPU overlay does)")
 
     def grammar_backend(self) -> str:
         """The structured-output backend the replicas compile forced tool calls with (vLLM's `auto` where a

@@ -278,8 +278,18 @@ def test_router_settings_that_would_switch_the_policy_off_are_refused(overrides,
 
 @pytest.mark.parametrize("bind", ["auto", "nobind", "0-15", "0,2,4-7", "0-15|16-31", "0-3, 8-11", " 0-7", "0-3 | 4-7"])
 def test_vllms_thread_binds_are_taken(bind):
-    replicas = {"cpu_omp_threads_bind": bind, "tensor_parallel_size": bind.count("|") + 1}
+    replicas = {"cpu_omp_threads_bind": bind, "tensor_parallel_size": bind.count("|") + 1, "num_replicas": 1}
     assert _load(replicas=replicas).replicas.cpu_omp_threads_bind == bind
+
+
+def test_core_lists_for_several_replicas_need_a_node_each():
+    """vLLM reads the lists by a worker's rank within its engine, and every replica's engine is its own: two
+    replicas on one host both ran on cores 0-3 and left the rest idle."""
+    with pytest.raises(ConfigError, match="would pin all 2 replicas to the same cores"):
+        _load(replicas={"cpu_omp_threads_bind": "0-3", "num_replicas": 2})
+    slotted = {"cpu_omp_threads_bind": "0-3", "num_replicas": 2, "ray_resources": {"warmpath_replica_slot": 1}}
+    assert _load(replicas=slotted).replicas.cpu_omp_threads_bind == "0-3"
+    assert _load(replicas={"cpu_omp_threads_bind": "nobind", "num_replicas": 4}).replicas.num_replicas == 4
 
 
 def test_merge_keys_nested_and_overridden_are_no_duplicates(tmp_path):

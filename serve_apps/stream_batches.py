@@ -31,8 +31,13 @@ async def eager_first_batches(stream: AsyncIterator[T], interval_s: float) -> As
     if interval_s < 0:
         raise ValueError(f"interval_s must be >= 0, got {interval_s}")
     if interval_s == 0:
-        async for item in stream:
-            yield [item]
+        try:
+            async for item in stream:
+                yield [item]
+        finally:
+            close = getattr(stream, "aclose", None)
+            if close is not None:  # closed with this generator, as the reader is cancelled below
+                await close()
         return
     queue: list[T] = []
     ready = asyncio.Event()  # set when an item arrives or the stream ends

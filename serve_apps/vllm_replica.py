@@ -354,10 +354,12 @@ class WarmpathLLMServer(LLMServer):
                 span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)
             raise
         finally:
-            close = getattr(stream, "aclose", None)
-            if close is not None:  # now, not when the collector finds it: the engine hears of the abort first
-                await close()
-            span.end()
+            try:
+                close = getattr(stream, "aclose", None)
+                if close is not None:  # now, not when the collector finds it: the engine hears of the abort first
+                    await close()
+            finally:
+                span.end()  # also where closing failed (an engine core that died refuses the abort)
 
     def _span(self, operation: str, request, raw_request_info):
         headers = raw_request_info.headers if raw_request_info is not None else None

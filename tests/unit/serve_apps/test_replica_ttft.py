@@ -112,6 +112,34 @@ def test_an_engine_that_fails_mid_stream_leaves_the_exception_on_the_replica_spa
     assert [event.name for event in finished.events] == ["exception"]
 
 
+def test_the_replica_span_ends_where_closing_the_engine_stream_fails(ttft):
+    """vLLM's stream awaits its abort as it closes, which an engine core that died refuses: the span was never
+    ended, and the failure worth tracing never exported."""
+    server = object.__new__(WarmpathLLMServer)
+    server._replica_id = "r1"
+    span, exporter = _recording_span()
+
+    class DeadEngineStream:
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            return ["data: {\"choices\": []}\n\n"]
+
+        async def aclose(self):
+            raise RuntimeError("engine core died")
+
+    async def read_one_then_leave():
+        tagged = server._tagged(DeadEngineStream(), span, True)
+        await anext(tagged)
+        await tagged.aclose()
+
+    with pytest.raises(RuntimeError, match="engine core died"):
+        asyncio.run(read_one_then_leave())
+    (finished,) = exporter.get_finished_spans()
+    assert finished.attributes.get("warmpath.stream.incomplete") is True
+
+
 @pytest.mark.parametrize("is_traced", [False, True])
 def test_a_refusal_as_the_first_item_is_no_first_token_traced_or_not(ttft, is_traced):
     """The histogram must not change with the tracing configuration."""

@@ -113,6 +113,28 @@ def test_closing_the_batches_cancels_the_read_of_the_stream():
     assert asyncio.run(run())
 
 
+def test_closing_the_batches_closes_the_stream_with_a_zero_interval_too():
+    """Without a reader to cancel, the engine's stream was left to the garbage collector: a caller that left
+    kept it decoding for as long as anything held it."""
+    async def run():
+        closed = []
+
+        async def stream():
+            try:
+                for item in ("role", "a", "b"):
+                    yield item
+            finally:
+                closed.append(True)
+
+        engine = stream()  # still held: not closed by the collector
+        batches = eager_first_batches(engine, 0)
+        await _next(batches)
+        await batches.aclose()
+        return list(closed)  # as the close returned
+
+    assert asyncio.run(run()) == [True]
+
+
 def test_zero_interval_sends_every_item_alone():
     async def run():
         async def stream():

@@ -31,7 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from cluster.config import bad_permissions
 from serve_apps.orchestrator.tool_schema import (
-    MAX_SESSION_PATTERN_UNROLLED, check_tool_parameters, pattern_elements,
+    MAX_SESSION_PATTERN_UNROLLED, check_tool_parameters, unchecked_pattern_elements,
 )
 from serve_apps.request_checks import lone_surrogate_at
 
@@ -213,17 +213,16 @@ class CreateSessionRequest(_Strict):
         if _is_stored(info) or not isinstance(tools, list):
             return data
         elements = 0
-        for tool in tools:
+        for index, tool in enumerate(tools):
             parameters = tool.parameters if isinstance(tool, ToolSpec) else (
                 tool.get("parameters") if isinstance(tool, dict) else None)
-            if isinstance(parameters, dict):
-                try:
-                    elements += pattern_elements(parameters)
-                except RecursionError:
-                    pass  # nested too deeply to walk: the tool's own check refuses it
+            elements += unchecked_pattern_elements(parameters)
+            if elements > MAX_SESSION_PATTERN_UNROLLED:
+                break  # refused whatever the rest hold
         if elements > MAX_SESSION_PATTERN_UNROLLED:
+            counted = "" if index == len(tools) - 1 else f" (counted up to tools[{index}])"
             raise ValueError(
-                f"the tools' patterns unroll to {elements} elements together, over {MAX_SESSION_PATTERN_UNROLLED}: "
+                f"the tools' patterns unroll to {elements} elements together{counted}, over {MAX_SESSION_PATTERN_UNROLLED}: "
                 "a turn forced to call a tool builds one grammar of every tool, which would take minutes; "
                 "bound long strings with maxLength instead of counted repeats ({n,m})"
             )

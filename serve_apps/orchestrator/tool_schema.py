@@ -188,6 +188,20 @@ def pattern_elements(schema: JsonValue) -> int:
     return sum(_pattern_size(pattern) for pattern, _ in _schema_patterns(schema, ""))
 
 
+def unchecked_pattern_elements(parameters: object) -> int:
+    """`pattern_elements` of a tool's parameters not yet checked, as session creation sums them before it checks
+    (and compiles) each tool's; 0 for parameters the tool's own check refuses unread: not an object, over
+    MAX_SCHEMA_BYTES, or not writable as JSON (measured first, in C: a huge pattern was parsed for seconds)."""
+    if not isinstance(parameters, dict):
+        return 0
+    try:
+        if len(compact_json_utf8(parameters, "tool parameters")) > MAX_SCHEMA_BYTES:
+            return 0
+        return pattern_elements(parameters)
+    except (ValueError, TypeError, RecursionError):
+        return 0
+
+
 def _schema_patterns(node: JsonValue, path: str) -> Iterator[tuple[str, str]]:
     """Every regular expression of a schema (`pattern` values, `patternProperties` names) and where it is,
     walked as `_check_keywords` walks: data keywords hold values, not schemas."""

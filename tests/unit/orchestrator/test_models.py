@@ -673,6 +673,15 @@ def test_the_patterns_of_all_a_sessions_tools_are_bounded_together(monkeypatch):
     # A value in `const` or `enum` is data, not a pattern.
     assert pattern_elements({"type": "object", "const": {"pattern": "a{4000}"},
                              "properties": {"pattern": {"type": "string", "pattern": "b{3}"}}}) == 3
+    # ... and parameters over the schema bound are left to their tool's own check, unparsed: a 400,000-character
+    # pattern was parsed for seconds before the size bound refused it.
+    parsed = []
+    monkeypatch.setattr("serve_apps.orchestrator.tool_schema._pattern_size", lambda pattern: parsed.append(1) or 1)
+    huge = {"model": "m", "tools": [_tool(parameters={"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "\\W" * 200_000}}})]}
+    with pytest.raises(ValidationError, match="over the limit MAX_SCHEMA_BYTES"):
+        CreateSessionRequest.model_validate(huge)
+    assert parsed == []
 
 
 @pytest.mark.parametrize("pattern, is_accepted", [

@@ -67,7 +67,14 @@ _ECMASCRIPT_CODE_POINTS = {  # inclusive ranges
 
 
 def _class_text(ranges: Sequence[tuple[int, int]]) -> str:
-    return "".join(f"\\U{low:08x}" + (f"-\\U{high:08x}" if high > low else "") for low, high in ranges)
+    return "".join(_escaped(low) + (f"-{_escaped(high)}" if high > low else "") for low, high in ranges)
+
+
+def _escaped(code_point: int) -> str:
+    """The shortest escape of a code point both regular expression engines read."""
+    if code_point < 0x100:
+        return f"\\x{code_point:02x}"
+    return f"\\u{code_point:04x}" if code_point < 0x10000 else f"\\U{code_point:08x}"
 
 
 def _complement(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -134,7 +141,11 @@ def pattern_pieces(pattern: str) -> Iterator[tuple[int, str, bool]]:
         at += 1
 
 
-@functools.lru_cache(maxsize=1024)
+# Patterns longer than this are rewritten anew at each call rather than cached: a rewrite is up to ~70 times
+# its pattern (each `\\S` a class of ranges), and a cache of long ones held hundreds of megabytes.
+MAX_CACHED_PATTERN_CHARS = 1024
+
+
 def as_ecmascript(pattern: str) -> str:
     r"""`pattern` rewritten so that Python's regex engines match what ECMAScript's matches.
 
@@ -144,6 +155,10 @@ def as_ecmascript(pattern: str) -> str:
     `\W`, `\S` those classes negated, inside a class as their members (`[\s\S]`: any character; with
     Python's meaning it refused a value holding U+0085, and `[^\W]` took `é`).
     """
+    return _rewritten(pattern) if len(pattern) > MAX_CACHED_PATTERN_CHARS else _cached_rewrite(pattern)
+
+
+def _rewritten(pattern: str) -> str:
     out: list[str] = []
     for _, piece, in_class in pattern_pieces(pattern):
         escaped = piece[1] if len(piece) == 2 else ""
@@ -157,6 +172,9 @@ def as_ecmascript(pattern: str) -> str:
         else:
             out.append(piece)
     return "".join(out)
+
+
+_cached_rewrite = functools.lru_cache(maxsize=1024)(_rewritten)
 
 
 class DeadlineRe:

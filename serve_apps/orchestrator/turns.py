@@ -446,7 +446,10 @@ class TurnRunner:
                 await self._commit(final)
                 yield final
                 return
-            checked = [validate_tool_call(c, self._request.tools) for c in reply.tool_calls]
+            # Off the event loop, as compression's scans are: a tool's first call compiles its patterns, which for
+            # thousands of elements takes about a second, before the check's deadline applies to the matching.
+            checked = await asyncio.to_thread(
+                lambda: [validate_tool_call(c, self._request.tools) for c in reply.tool_calls])
             errors = [e for e in checked if isinstance(e, ToolCallError)]
             if errors:
                 num_repairs += 1

@@ -891,3 +891,16 @@ def test_a_violations_message_is_bounded_though_it_quotes_the_value_at_fault():
     error = validate_tool_call(call, [spec])
     assert isinstance(error, ToolCallError) and len(error.violations) == 2
     assert all(len(v.message.encode()) < 400 and "[truncated" in v.message for v in error.violations)
+
+
+def test_long_patterns_are_rewritten_each_time_not_cached():
+    """A rewrite is up to ~70 times its pattern (each `\\S` a class of ranges): 1,024 cached rewrites of
+    16 KiB patterns held gigabytes."""
+    from serve_apps.orchestrator import check_deadline
+
+    long_pattern = "^" + "[\\S]" * check_deadline.MAX_CACHED_PATTERN_CHARS + "$"
+    before = check_deadline._cached_rewrite.cache_info().currsize
+    rewritten = check_deadline.as_ecmascript(long_pattern)
+    assert check_deadline._cached_rewrite.cache_info().currsize == before
+    assert rewritten == check_deadline.as_ecmascript(long_pattern) and "\\S" not in rewritten
+    assert check_deadline.as_ecmascript(r"^\d$") == "^[\\x30-\\x39]\\Z"  # the shortest escapes

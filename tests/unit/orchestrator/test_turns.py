@@ -1083,3 +1083,21 @@ def test_a_prompt_over_the_window_mostly_of_its_prefix_says_so():
     (failed,) = [e for e in asyncio.run(main()) if e.kind == "error"]
     assert failed.code == "context_overflow"
     assert f"the system prompt and tools take {prefix} of them and are never compressed" in failed.message
+
+
+def test_a_steps_calls_are_checked_off_the_event_loop(monkeypatch):
+    """A tool's first call compiles its patterns, about a second for thousands of elements, before the check's
+    deadline applies: on the event loop, every session on the replica waited for it."""
+    import threading
+
+    threads = []
+    real = turns.validate_tool_call
+
+    def recording(call, tools):
+        threads.append(threading.get_ident())
+        return real(call, tools)
+
+    monkeypatch.setattr(turns, "validate_tool_call", recording)
+    events, _, _ = _run([([], _call("c1"))], "auto")
+    assert events[-1].kind == "requires_action"
+    assert threads and threading.get_ident() not in threads

@@ -791,10 +791,12 @@ class PrefixKVRouter(RequestRouter):
     def snapshot(self) -> dict[str, Any]:
         """State for operators, tests and the bench: replicas (with their KV caches' size and usage as they
         report them), subscriptions and index counts."""
+        replica_ids = {replica.unique_id for replica in list(self.curr_replicas)}  # copied whole: the loop may change it
         with self.lock:
             now_s = time.monotonic()
             index = self.index.snapshot(now_s)
-            active_sessions = self.policy.active_sessions(now_s)
+            # Of the replicas serving now: a replica gone keeps its sessions' activity until they idle
+            active_sessions = {r: n for r, n in self.policy.active_sessions(now_s).items() if r in replica_ids}
         kv_cache, renders_like_router = {}, {}
         for replica in list(self.curr_replicas.values()):
             stats = replica.routing_stats or {}
@@ -807,7 +809,7 @@ class PrefixKVRouter(RequestRouter):
             renders_like_router[replica_id] = None if rendering is None else rendering.renders_like_router
         return {
             "policy": self.args.router.policy,
-            "replicas": sorted(r.unique_id for r in list(self.curr_replicas)),  # copied whole: the loop may change it
+            "replicas": sorted(replica_ids),
             "kv_cache": kv_cache,
             "renders_like_router": renders_like_router,
             "subscribed_replicas": self._pump.subscribed_replicas(),

@@ -519,3 +519,25 @@ def test_ids_a_client_set_itself_are_not_taken_back(new_router):
         return body.kv_transfer_params
 
     assert asyncio.run(route()) == {FORWARDED_IDS_KEY: [7, 8]}
+
+
+def test_router_state_counts_active_sessions_of_the_replicas_serving_now(new_router):
+    """A replica gone (its actor died, or scaled down) kept its sessions in the counts, under a replica the
+    state no longer listed, until they idled."""
+    async def route():
+        router = _routing_router(new_router)
+        replicas = {r.replica_id.unique_id: r for r in router.curr_replicas.values()}
+        for name in ("R1", "R1", "R2"):
+            request = pending(SimpleNamespace(prompt=list(range(64))))
+            request.metadata.session_id = f"s-{uuid.uuid4().hex}"
+            await router.choose_replicas(list(replicas.values()), request)
+            router.on_request_routed(request, replicas[name].replica_id, None)
+        before = router.snapshot()
+        router.update_replicas([replicas["R2"]])
+        return before, router.snapshot()
+
+    before, after = asyncio.run(route())
+    assert before["active_sessions_by_replica"] == {"R1": 2, "R2": 1} and before["num_active_sessions"] == 3
+    assert before["num_remembered_sessions"] == 3
+    assert after["active_sessions_by_replica"] == {"R2": 1} and after["num_active_sessions"] == 1
+    assert after["replicas"] == ["R2"]

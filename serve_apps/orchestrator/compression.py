@@ -70,7 +70,11 @@ _MAX_VALUE_CHARS = 256
 # the full-width forms of letters, signs and separators (`￥１，２３４．５６`, `ＡＢＣ-１２３`), and CJK date
 # units (2026年11月30日). Every other character (spaces, brackets, quotes, CJK words) ends a value, so
 # `金额¥1,200元` yields `¥1,200`.
-_VALUE_LETTERS = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f\u0370-\u03ff\u0400-\u04ff\uff21-\uff3a\uff41-\uff5a"
+# (Greek without its question mark U+037E and ano teleia U+0387, which end a value as `;` and `·` do.)
+_VALUE_LETTERS = (
+    "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f\u0370-\u037d\u037f-\u0386\u0388-\u03ff\u0400-\u04ff"
+    "\uff21-\uff3a\uff41-\uff5a"
+)
 _VALUE_CHARS = (
     f"\\d{_VALUE_LETTERS}_.,:/#%+=@~$£¥±°µ‰\u066b\u066c\\-\u2010-\u2015\u2212\u20a0-\u20cf"
     "\u00b2\u00b3\u00b9\u2070-\u207b\u00bc-\u00be\u2150-\u215e'’"

@@ -121,6 +121,8 @@ def test_extract_facts_from_text(text, expected):
         ("Total 1\u202f234,56\u00a0€, TVA 20\u00a0%, 1.234,56\u00a0€, 5\u00a0kg", ["1\u202f234,56\u00a0€", "20\u00a0%",
                                                                             "1.234,56\u00a0€", "5\u00a0kg"]),
         ("Итого 5 000 ₽, накладная АБ-4521, ΑΒΓ-99", ["5 000 ₽", "АБ-4521", "ΑΒΓ-99"]),
+        # Greek punctuation ends a value: its question mark (U+037E) and ano teleia (U+0387).
+        ("Τιμή 42\u037e κωδικός ID-7\u0387", ["42", "ID-7"]),
         # ... but a longer series is values of their own (read as one, it was as long as the text).
         ("readings 1021 1019 1020 1018 1022 1023 1024", ["1021", "1019", "1020", "1018", "1022", "1023", "1024"]),
         # Each was another value in the ledger, or half of one: `brien@example.com`, `1`, `2001:db8`, a base64

@@ -437,7 +437,9 @@ def answered_by(failure: RpcFailure, replica_id: str) -> RpcFailure:
 def session_event_to_proto(event: Mapping[str, Any]) -> agent_pb2.SessionEvent:
     """A session event dict (`kind` plus the event's fields) as `SessionEvent`; the oneof field is the kind."""
     fields = {k: v for k, v in event.items() if k != "kind"}
-    return json_format.ParseDict({event["kind"]: fields}, agent_pb2.SessionEvent())
+    # A field an orchestrator of a later release adds is left out, not refused: a rolling update changes the
+    # orchestrator and this ingress one at a time.
+    return json_format.ParseDict({event["kind"]: fields}, agent_pb2.SessionEvent(), ignore_unknown_fields=True)
 
 
 def error_event(failure: RpcFailure) -> agent_pb2.SessionEvent:

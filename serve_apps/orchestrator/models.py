@@ -373,11 +373,13 @@ class FinalEvent(_Strict):
 
     kind: Literal["final"] = "final"
     message: Message = Field(description="The turn's last assistant message.")
-    is_truncated: bool = Field(
-        False,
+    # Absent unless true: an ingress of the release before, reading this event into its protobuf, refuses a
+    # field it does not know (a rolling update changes the orchestrator and the gRPC ingress one at a time).
+    is_truncated: Literal[True] | None = Field(
+        None,
         description=(
             "True when the answer stopped at the step's token budget (`limits.output_reserve_tokens`, which a "
-            "reasoning model's thought spends too) before the model ended it."
+            "reasoning model's thought spends too) before the model ended it; absent otherwise."
         ),
     )
 

@@ -442,7 +442,7 @@ class TurnRunner:
             if not reply.tool_calls:
                 # An empty answer (the model stopped at once) is still an answer: commit it as "".
                 self._new.append(Message(role="assistant", content=reply.content or "", reasoning=reply.reasoning or None))
-                final = FinalEvent(message=self._new[-1], is_truncated=reply.finish_reason == "length")
+                final = FinalEvent(message=self._new[-1], is_truncated=True if reply.finish_reason == "length" else None)
                 await self._commit(final)
                 yield final
                 return

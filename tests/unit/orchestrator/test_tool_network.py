@@ -377,6 +377,15 @@ def test_tool_hosts_are_looked_up_on_threads_of_their_own(monkeypatch):
     assert len(threads) == 1 and threads[0].startswith("tool-dns")
 
 
+async def _timed_check(host: str, seconds: float):
+    """The destination check of a tool on `host`, or "timed out" after `seconds`."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await DEFAULT.check_destination(f"http://{host}:9000/tool")
+    except TimeoutError:
+        return "timed out"
+
+
 def test_calls_to_a_host_whose_lookup_hangs_share_one_lookup_thread(monkeypatch):
     """Turns aimed at a name whose DNS server never answers must not take every lookup thread: other sessions'
     tools still resolve while those calls time out, and the waiting calls are answered by the one lookup."""
@@ -391,18 +400,11 @@ def test_calls_to_a_host_whose_lookup_hangs_share_one_lookup_thread(monkeypatch)
 
     monkeypatch.setattr(tool_network, "_getaddrinfo", getaddrinfo)
 
-    async def timed(host: str, seconds: float):
-        try:
-            async with asyncio.timeout(seconds):
-                return await DEFAULT.check_destination(f"http://{host}:9000/tool")
-        except TimeoutError:
-            return "timed out"
-
     async def scenario():
-        stuck = [asyncio.create_task(timed("black.hole.test", 0.2)) for _ in range(tool_network._TOOL_LOOKUPS._max_workers + 2)]
+        stuck = [asyncio.create_task(_timed_check("black.hole.test", 0.2)) for _ in range(tool_network._TOOL_LOOKUPS._max_workers + 2)]
         assert set(await asyncio.gather(*stuck)) == {"timed out"}
-        other = await timed("tools.elsewhere.test", 2.0)
-        waiting = asyncio.create_task(timed("black.hole.test", 5.0))
+        other = await _timed_check("tools.elsewhere.test", 2.0)
+        waiting = asyncio.create_task(_timed_check("black.hole.test", 5.0))
         await asyncio.sleep(0)
         release.set()
         return other, await waiting
@@ -433,19 +435,12 @@ def test_lookups_every_caller_left_do_not_queue_ahead_of_other_sessions(monkeypa
     monkeypatch.setattr(tool_network, "_getaddrinfo", getaddrinfo)
     num_threads = tool_network._TOOL_LOOKUPS._max_workers
 
-    async def timed(host: str, seconds: float):
-        try:
-            async with asyncio.timeout(seconds):
-                return await DEFAULT.check_destination(f"http://{host}:9000/tool")
-        except TimeoutError:
-            return "timed out"
-
     async def scenario():
         names = [f"n{i}.black.hole.test" for i in range(num_threads + 8)]
-        stuck = [asyncio.create_task(timed(name, 0.2)) for name in names]
+        stuck = [asyncio.create_task(_timed_check(name, 0.2)) for name in names]
         assert set(await asyncio.gather(*stuck)) == {"timed out"}
         release.set()  # the running lookups end; the queued ones were cancelled as their callers left
-        return await timed("tools.elsewhere.test", 5.0)
+        return await _timed_check("tools.elsewhere.test", 5.0)
 
     try:
         other = asyncio.run(scenario())

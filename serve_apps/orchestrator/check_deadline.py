@@ -34,8 +34,10 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -177,6 +179,53 @@ def _rewritten(pattern: str) -> str:
 _cached_rewrite = functools.lru_cache(maxsize=1024)(_rewritten)
 
 
+class _CompiledPatterns:
+    """Patterns compiled as ECMAScript reads them (`as_ecmascript`), by pattern and flags, least recently used
+    first out beyond `max_chars` of their rewrites in all.
+
+    Why its own cache: the check compiles before it matches, and only matching runs under a timeout, so a
+    tool's patterns are compiled ahead of its check (`compile_ahead`); and `regex`'s own cache kept up to 500
+    compiled rewrites of any size (a few MB each for patterns of thousands of class elements: gigabytes).
+    """
+
+    def __init__(self, max_chars: int) -> None:
+        self._max_chars = max_chars
+        self._num_chars = 0
+        self._compiled: OrderedDict[tuple[str, int], regex.Pattern] = OrderedDict()
+        self._lock = threading.Lock()  # checks run on worker threads
+
+    def get(self, pattern: str, flags: int = 0) -> regex.Pattern:
+        key = (pattern, flags)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        compiled = regex.compile(as_ecmascript(pattern), flags, cache_pattern=False)
+        with self._lock:
+            if key not in self._compiled:
+                self._compiled[key] = compiled
+                self._num_chars += len(compiled.pattern)
+            while self._num_chars > self._max_chars and len(self._compiled) > 1:
+                _, dropped = self._compiled.popitem(last=False)
+                self._num_chars -= len(dropped.pattern)
+        return compiled
+
+
+COMPILED_PATTERNS = _CompiledPatterns(max_chars=4 * 1024 * 1024)
+
+
+def compile_ahead(patterns: Iterable[str]) -> None:
+    """Compiles `patterns` into COMPILED_PATTERNS before a check, whose deadline then bounds matching alone (a
+    pattern of thousands of elements compiles for about a second: inside the deadline, a tool's first valid call
+    was refused). One that does not compile is left to the check, which reports it."""
+    for pattern in patterns:
+        try:
+            COMPILED_PATTERNS.get(pattern)
+        except (regex.error, RecursionError, OverflowError):
+            pass
+
+
 class DeadlineRe:
     """What jsonschema's keyword modules call `re`: `search` bounded by the active deadline, the rest `re`'s."""
 
@@ -192,7 +241,7 @@ class DeadlineRe:
         if remaining <= 0:
             raise PatternCheckTimeout
         try:
-            return regex.search(as_ecmascript(pattern), string, flags, timeout=remaining)
+            return COMPILED_PATTERNS.get(pattern, flags).search(string, timeout=remaining)
         except TimeoutError:
             raise PatternCheckTimeout from None
 

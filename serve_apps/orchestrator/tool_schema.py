@@ -188,6 +188,11 @@ def pattern_elements(schema: JsonValue) -> int:
     return sum(_pattern_size(pattern) for pattern, _ in _schema_patterns(schema, ""))
 
 
+def schema_patterns(schema: JsonValue) -> list[str]:
+    """Every regular expression of an accepted schema (`pattern` values, `patternProperties` names)."""
+    return [pattern for pattern, _ in _schema_patterns(schema, "")]
+
+
 def unchecked_pattern_elements(parameters: object) -> int:
     """`pattern_elements` of a tool's parameters not yet checked, as session creation sums them before it checks
     (and compiles) each tool's; 0 for parameters the tool's own check refuses unread: not an object, over

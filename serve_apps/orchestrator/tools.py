@@ -37,11 +37,11 @@ from referencing import Registry
 from cluster import telemetry
 from serve_apps.orchestrator.models import HttpExecution, ToolCall, ToolSpec
 from serve_apps.orchestrator.check_deadline import (
-    CheckTimeout, PatternCheckTimeout, check_deadline, deadline_checked, install,
+    CheckTimeout, PatternCheckTimeout, check_deadline, compile_ahead, deadline_checked, install,
 )
 from serve_apps.orchestrator.gc_pause import gc_paused
 from serve_apps.orchestrator.tool_network import Destination, ToolNetworkPolicy
-from serve_apps.orchestrator.tool_schema import ARGUMENT_FORMATS, compact_json_utf8, prefix_def_refs
+from serve_apps.orchestrator.tool_schema import ARGUMENT_FORMATS, compact_json_utf8, prefix_def_refs, schema_patterns
 
 # Bodies beyond this are refused rather than buffered: a tool cannot exhaust replica memory.
 MAX_TOOL_RESPONSE_BYTES = 8 * 1024 * 1024
@@ -291,6 +291,7 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
         except ValueError:
             return invalid
         call = call.model_copy(update={"arguments": escaped})
+    compile_ahead(schema_patterns(spec.parameters))  # the deadline is the matching's, not the compiling's
     try:
         with check_deadline(CHECK_BUDGET_S):
             errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))

@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+import uuid
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -904,3 +905,45 @@ def test_long_patterns_are_rewritten_each_time_not_cached():
     assert check_deadline._cached_rewrite.cache_info().currsize == before
     assert rewritten == check_deadline.as_ecmascript(long_pattern) and "\\S" not in rewritten
     assert check_deadline.as_ecmascript(r"^\d$") == "^[\\x30-\\x39]\\Z"  # the shortest escapes
+
+
+def _pattern_spec(name: str, pattern: str, *, of_items: bool = False) -> ToolSpec:
+    string = {"type": "string", "pattern": pattern}
+    schema = {"type": "array", "items": string} if of_items else string
+    return ToolSpec.model_validate({"name": name, "execution": {"kind": "client"}, "parameters": {
+        "type": "object", "properties": {"v": schema, "w": {"type": "integer"}}}})
+
+
+def test_a_tools_first_call_is_not_refused_for_the_time_its_patterns_take_to_compile():
+    """Only matching runs under the check's deadline: a pattern of 4,000 class elements compiles for most of a
+    second, and inside the deadline the tool's first valid call was refused (its second was taken)."""
+    pattern = "^" + "\\S" * 4000 + f"(?:{uuid.uuid4().hex})?$"  # compiled nowhere before
+    spec = _pattern_spec("wide", pattern)
+    call = ToolCall(id="c1", name="wide", arguments=json.dumps({"v": "x" * 4000, "w": 1}))  # `w` checked after
+    assert isinstance(validate_tool_call(call, [spec]), ToolCall)
+
+
+def test_a_long_pattern_checked_on_every_item_stays_within_the_budget():
+    """Rewritten anew at each match, a 1,200-character pattern on 400 items took the whole 0.1 s budget."""
+    codes = [f"{chr(65 + i // 26 % 26)}{chr(65 + i % 26)}{chr(65 + (i * 7) % 26)}" for i in range(120)]
+    pattern = "^(?:" + "|".join(f"{code}-\\d{{2}}" for code in codes) + ")$"
+    spec = _pattern_spec("legs", pattern, of_items=True)
+    call = ToolCall(id="c1", name="legs", arguments=json.dumps({"v": [f"{codes[i % 120]}-{i % 100:02d}" for i in range(400)]}))
+    assert all(isinstance(validate_tool_call(call, [spec]), ToolCall) for _ in range(3))
+
+
+def test_compiled_patterns_are_bounded_by_their_rewrites_and_kept_out_of_regexs_own_cache():
+    """`regex` kept up to 500 compiled rewrites of any size: a few MB each for patterns of thousands of class
+    elements, gigabytes in all."""
+    import regex
+
+    from serve_apps.orchestrator.check_deadline import _CompiledPatterns
+
+    regex.purge()
+    compiled = _CompiledPatterns(max_chars=3000)
+    patterns = {n: f"^\\S{{{n}}}[{'a' * 200}]" for n in range(1, 30)}
+    for n, pattern in patterns.items():
+        assert compiled.get(pattern).search("x" * n + "a")
+    assert compiled._num_chars <= 3000 and 1 < len(compiled._compiled) < len(patterns)
+    assert compiled.get(patterns[29]) is compiled.get(patterns[29])  # kept: the most recent
+    assert regex._main._cache == {} if hasattr(regex, "_main") else True

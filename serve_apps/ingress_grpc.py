@@ -434,12 +434,21 @@ def answered_by(failure: RpcFailure, replica_id: str) -> RpcFailure:
     return failure
 
 
-def session_event_to_proto(event: Mapping[str, Any]) -> agent_pb2.SessionEvent:
-    """A session event dict (`kind` plus the event's fields) as `SessionEvent`; the oneof field is the kind."""
-    fields = {k: v for k, v in event.items() if k != "kind"}
-    # A field an orchestrator of a later release adds is left out, not refused: a rolling update changes the
-    # orchestrator and this ingress one at a time.
-    return json_format.ParseDict({event["kind"]: fields}, agent_pb2.SessionEvent(), ignore_unknown_fields=True)
+def session_event_to_proto(event: Mapping[str, Any]) -> agent_pb2.SessionEvent | None:
+    """A session event dict (`kind` plus the event's fields) as `SessionEvent`; the oneof field is the kind.
+
+    What an orchestrator of a later release adds is left out, not refused (a rolling update changes the
+    orchestrator and this ingress one at a time): a field this ingress does not know, and an event of a kind
+    it does not know (None: not sent; an empty `SessionEvent` would reach the client as no event at all).
+    """
+    kind = event["kind"]
+    if kind not in agent_pb2.SessionEvent.DESCRIPTOR.fields_by_name:
+        return None
+    message = agent_pb2.SessionEvent()
+    json_format.ParseDict({k: v for k, v in event.items() if k != "kind"}, getattr(message, kind),
+                          ignore_unknown_fields=True)
+    getattr(message, kind).SetInParent()  # an event without fields is still that event
+    return message
 
 
 def error_event(failure: RpcFailure) -> agent_pb2.SessionEvent:
@@ -786,6 +795,8 @@ class GrpcIngress:
             with cancelled_if_left(stream):
                 async for event in outcome_checked(events):
                     message = session_event_to_proto(event)
+                    if message is None:
+                        continue
                     if event["kind"] == "error":
                         status = turn_error_status(event["code"])
                         if status != grpc.StatusCode.OK:

@@ -512,6 +512,9 @@ def test_a_field_of_a_later_release_is_left_out_not_refused():
     """A rolling update changes the orchestrator and the gRPC ingress one at a time: an event field this ingress
     does not know failed the whole turn stream."""
     assert session_event_to_proto({"kind": "delta", "text": "x", "new_field": 1}).delta.text == "x"
+    # An event of a kind it does not know is not sent: an empty `SessionEvent` reached the client as no event.
+    assert session_event_to_proto({"kind": "thought_summary", "text": "x"}) is None
+    assert session_event_to_proto({"kind": "delta"}).WhichOneof("event") == "delta"  # no fields: still that event
 
 
 def _fields(model) -> set[str]:
@@ -932,8 +935,14 @@ def _turn(*items):
             ["error"],
             [Code.FAILED_PRECONDITION],
         ),
+        (  # an event of a kind a later release's orchestrator sends, during a rolling update: not sent on
+            _turn({"status": 200}, {"kind": "thought_summary", "text": "x"},
+                  FinalEvent(message=Message(role="assistant", content="hi")).model_dump(exclude_none=True)),
+            ["final"],
+            [None],
+        ),
     ],
-    ids=["completed", "failed-midway", "max-steps", "unknown-session", "pending-calls"],
+    ids=["completed", "failed-midway", "max-steps", "unknown-session", "pending-calls", "later-release-event"],
 )
 def test_send_message_stream_and_status(stream, expected_kinds, expected_codes):
     orchestrator = FakeHandle(send_message=stream)

@@ -143,8 +143,9 @@ def pattern_pieces(pattern: str) -> Iterator[tuple[int, str, bool]]:
         at += 1
 
 
-# Patterns longer than this are rewritten anew at each call rather than cached: a rewrite is up to ~70 times
-# its pattern (each `\\S` a class of ranges), and a cache of long ones held hundreds of megabytes.
+# Patterns longer than this are rewritten anew where asked (compiling one, counting its size) rather than
+# cached: a rewrite is up to ~70 times its pattern (each `\S` a class of ranges), and a cache of long ones
+# held hundreds of megabytes.
 MAX_CACHED_PATTERN_CHARS = 1024
 
 

@@ -62,8 +62,8 @@ _MAX_INLINE_STRING_CHARS = 200
 # A run of value characters longer than this is a blob (base64, minified code), not a key value.
 _MAX_VALUE_CHARS = 256
 # What values are written with: Latin letters (accented ones too: `Müller-42`, `/srv/josé/`), Greek and
-# Cyrillic ones (`АБ-4521`: a letter outside the set ends a value, and the dash before `4521` read as its sign), the decimal
-# digits of any script (`٣٤٥`, `１２３`) and Arabic's separators (`١٢٫٥`), signs and separators, every
+# Cyrillic ones (`АБ-4521`: a letter outside the set ends a value, and the dash before `4521` read as its
+# sign), the decimal digits of any script (`٣٤٥`, `１２３`) and Arabic's separators (`١٢٫٥`), signs and separators, every
 # currency sign (`₩50,000`), apostrophes inside a value (`o'brien@example.com`, `5'11`), plus-minus, degree
 # and per-mille signs, superscript digits and signs (`10⁹`, `2³²`), vulgar fractions (`2⅓`), the dashes and
 # minus of other scripts,

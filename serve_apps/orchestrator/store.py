@@ -594,11 +594,7 @@ class SessionStore:
 
     async def get(self, session_id: str) -> SessionRecord:
         """The session's record; raises SessionNotFound."""
-        with _redis_errors(session_id):
-            raw = await self._idempotent(lambda: self._redis.hget(self._key(session_id, "meta"), "record"))
-        if raw is None:
-            raise SessionNotFound(session_id)
-        return SessionRecord.model_validate_json(raw, context=STORED)
+        return SessionRecord.model_validate_json(await self._record_json(session_id), context=STORED)
 
     async def owner_of(self, session_id: str) -> str:
         """The id of the key that created the session, read alone from its record; raises SessionNotFound.
@@ -606,14 +602,18 @@ class SessionStore:
         Why not `get`: deleting a session must not depend on the rest of its record reading back under
         this release's checks (a record an older release wrote, a later check refuses).
         """
+        owner = json.loads(await self._record_json(session_id)).get("owner_key_id")
+        if not isinstance(owner, str) or not owner:
+            raise ValueError(f"session {session_id}'s record names no owner")
+        return owner
+
+    async def _record_json(self, session_id: str) -> str | bytes:
+        """The session's record as stored (JSON); raises SessionNotFound."""
         with _redis_errors(session_id):
             raw = await self._idempotent(lambda: self._redis.hget(self._key(session_id, "meta"), "record"))
         if raw is None:
             raise SessionNotFound(session_id)
-        owner = json.loads(raw).get("owner_key_id")
-        if not isinstance(owner, str) or not owner:
-            raise ValueError(f"session {session_id}'s record names no owner")
-        return owner
+        return raw
 
     async def delete(self, session_id: str, owner_key_id: str | None = None) -> bool:
         """Deletes every key of the session at once, also on a full Redis; True if it existed.

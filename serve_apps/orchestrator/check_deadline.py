@@ -34,9 +34,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -46,6 +44,8 @@ import jsonschema._utils
 import regex
 from jsonschema import validators
 from jsonschema.exceptions import ValidationError
+
+from serve_apps.orchestrator.bounded_cache import CostBoundedCache
 
 _deadline: ContextVar[float | None] = ContextVar("warmpath_check_deadline", default=None)
 
@@ -190,27 +190,12 @@ class _CompiledPatterns:
     """
 
     def __init__(self, max_chars: int) -> None:
-        self._max_chars = max_chars
-        self._num_chars = 0
-        self._compiled: OrderedDict[tuple[str, int], regex.Pattern] = OrderedDict()
-        self._lock = threading.Lock()  # checks run on worker threads
+        self._compiled: CostBoundedCache[regex.Pattern] = CostBoundedCache(
+            max_chars, lambda compiled: len(compiled.pattern))
 
     def get(self, pattern: str, flags: int = 0) -> regex.Pattern:
-        key = (pattern, flags)
-        with self._lock:
-            compiled = self._compiled.get(key)
-            if compiled is not None:
-                self._compiled.move_to_end(key)
-                return compiled
-        compiled = regex.compile(as_ecmascript(pattern), flags, cache_pattern=False)
-        with self._lock:
-            if key not in self._compiled:
-                self._compiled[key] = compiled
-                self._num_chars += len(compiled.pattern)
-            while self._num_chars > self._max_chars and len(self._compiled) > 1:
-                _, dropped = self._compiled.popitem(last=False)
-                self._num_chars -= len(dropped.pattern)
-        return compiled
+        return self._compiled.get(
+            (pattern, flags), lambda: regex.compile(as_ecmascript(pattern), flags, cache_pattern=False))
 
 
 COMPILED_PATTERNS = _CompiledPatterns(max_chars=4 * 1024 * 1024)

@@ -30,12 +30,11 @@ import hashlib
 import ipaddress
 import json
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from serve_apps.orchestrator.bounded_cache import CostBoundedCache
 from serve_apps.orchestrator.models import CompressionReport, Message, SessionLimits
 from serve_apps.orchestrator.prompt import TokenAccount
 
@@ -355,32 +354,13 @@ class _TextValues:
 
     ENTRY_COST_CHARS = 128  # about an entry's own size in memory (its key, tuple and the dict's slot), in characters
 
-    def __init__(self, max_chars: int) -> None:
-        self._max_chars = max_chars
-        self._num_chars = 0
-        self._found: OrderedDict[tuple[str, bytes], tuple[str, ...]] = OrderedDict()
-        self._lock = threading.Lock()  # `prescan` fills it from a thread while the event loop reads it
+    def __init__(self, max_chars: int) -> None:  # `prescan` fills it from a thread while the event loop reads it
+        self._found: CostBoundedCache[tuple[str, ...]] = CostBoundedCache(
+            max_chars, lambda found: self.ENTRY_COST_CHARS + sum(map(len, found)))
 
     def get(self, kind: str, text: str, scan: Callable[[str], list[str]]) -> tuple[str, ...]:
         key = (kind, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest())
-        with self._lock:
-            found = self._found.get(key)
-            if found is not None:
-                self._found.move_to_end(key)
-                return found
-        found = tuple(scan(text))  # unlocked: a scan of the same text elsewhere meanwhile finds the same
-        with self._lock:
-            if key not in self._found:
-                self._found[key] = found
-                self._num_chars += self._cost(found)
-            while self._num_chars > self._max_chars and len(self._found) > 1:
-                _key, dropped = self._found.popitem(last=False)
-                self._num_chars -= self._cost(dropped)
-        return found
-
-
-    def _cost(self, found: tuple[str, ...]) -> int:
-        return self.ENTRY_COST_CHARS + sum(map(len, found))
+        return self._found.get(key, lambda: tuple(scan(text)))
 
     def __len__(self) -> int:
         return len(self._found)

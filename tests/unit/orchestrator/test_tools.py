@@ -944,6 +944,6 @@ def test_compiled_patterns_are_bounded_by_their_rewrites_and_kept_out_of_regexs_
     patterns = {n: f"^\\S{{{n}}}[{'a' * 200}]" for n in range(1, 30)}
     for n, pattern in patterns.items():
         assert compiled.get(pattern).search("x" * n + "a")
-    assert compiled._num_chars <= 3000 and 1 < len(compiled._compiled) < len(patterns)
+    assert compiled._compiled.total_cost <= 3000 and 1 < len(compiled._compiled) < len(patterns)
     assert compiled.get(patterns[29]) is compiled.get(patterns[29])  # kept: the most recent
     assert regex._main._cache == {} if hasattr(regex, "_main") else True

@@ -35,8 +35,9 @@ from serve_apps.orchestrator.tool_schema import (
 )
 from serve_apps.request_checks import lone_surrogate_at
 
-# The validation context of a session read back from the store: the rules a tool schema met at its session's
-# creation, which a later release may tighten, are not applied again, so an accepted session stays readable.
+# The validation context of what is read back from the store: the rules a tool schema met at its session's
+# creation, which a later release may tighten, are not applied again, so an accepted session stays readable;
+# and a field a later release added is left out (see `StrictModel`).
 STORED = {"is_stored": True}
 
 
@@ -75,8 +76,24 @@ def _check_utf8(value: str) -> str:
 Text = Annotated[str, AfterValidator(_check_utf8)]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A model that refuses fields it does not know, except in what is read back from the store.
+
+    Why: a client's misspelt field is an error to name, but during a rolling update the releases before
+    and after share one Redis, and a session, step or remembered turn a later release wrote (an assistant
+    message's `reasoning` was one such field) failed every turn, view and deletion of that session on the
+    replicas not yet updated. Stored messages and steps are appended, never rewritten, so leaving out a
+    field loses nothing stored.
+    """
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_of_later_releases_left_out(cls, data: object, info: ValidationInfo) -> object:
+        if isinstance(data, dict) and _is_stored(info) and not data.keys() <= cls.model_fields.keys():
+            return {key: value for key, value in data.items() if key in cls.model_fields}
+        return data
 
 
 def _json_number(value: object) -> object:
@@ -95,7 +112,7 @@ JsonFloat = Annotated[float, BeforeValidator(_json_number)]
 Flag = Annotated[bool, Strict(), BeforeValidator(lambda value: False if value is None else value)]
 
 
-class HttpExecution(_Strict):
+class HttpExecution(StrictModel):
     """The orchestrator POSTs `{"name", "arguments"}` as JSON to `url` and feeds the reply to the model."""
 
     kind: Literal["http"] = Field(description="Executed by the orchestrator over HTTP.")
@@ -103,7 +120,7 @@ class HttpExecution(_Strict):
     timeout_s: JsonFloat = Field(10.0, description="Deadline of one call, connect to last byte.", gt=0, le=300)
 
 
-class ClientExecution(_Strict):
+class ClientExecution(StrictModel):
     """The client runs the tool: the turn pauses with `requires_action` until results are submitted."""
 
     kind: Literal["client"] = Field(description="Executed by the API client.")
@@ -112,7 +129,7 @@ class ClientExecution(_Strict):
 ToolExecution = Annotated[HttpExecution | ClientExecution, Field(discriminator="kind")]
 
 
-class ToolSpec(_Strict):
+class ToolSpec(StrictModel):
     """One tool as the client declares it. Only name, description and parameters reach the model."""
 
     name: Text = Field(description="Tool name the model calls.", pattern=TOOL_NAME_PATTERN)
@@ -153,7 +170,7 @@ class ToolSpec(_Strict):
         return value
 
 
-class SessionLimits(_Strict):
+class SessionLimits(StrictModel):
     """Per-session bounds on steps, context and tool output."""
 
     max_steps_per_turn: JsonInt = Field(8, description="Model calls one user turn may take.", ge=1, le=64)
@@ -188,7 +205,7 @@ class SessionLimits(_Strict):
         return self
 
 
-class CreateSessionRequest(_Strict):
+class CreateSessionRequest(StrictModel):
     """Body of session creation. System prompt and tools are fixed for the session's life: they are the cached prefix."""
 
     model: Text = Field(description="Served model id.", min_length=1)
@@ -229,14 +246,14 @@ class CreateSessionRequest(_Strict):
         return data
 
 
-class CreateSessionResponse(_Strict):
+class CreateSessionResponse(StrictModel):
     """Reply to session creation."""
 
     session_id: SessionId = Field(description="Opaque session id.")
     prefix_fingerprint: PrefixFingerprint = Field(description="sha256 of the cacheable prefix token ids.")
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     """A call the model made. `arguments` is the raw JSON text, validated by `tools.validate_tool_call`."""
 
     id: Text = Field(description="Call id, echoed by the tool result.", min_length=1, max_length=TOOL_CALL_ID_MAX_CHARS)
@@ -244,7 +261,7 @@ class ToolCall(_Strict):
     arguments: Text = Field(description="Arguments as a JSON string.")
 
 
-class Message(_Strict):
+class Message(StrictModel):
     """One transcript entry, in OpenAI chat roles."""
 
     role: Role = Field(description="Author role.")
@@ -273,7 +290,7 @@ class Message(_Strict):
         return self
 
 
-class TurnRequest(_Strict):
+class TurnRequest(StrictModel):
     """A user turn: one user message, answered by up to `max_steps_per_turn` model calls."""
 
     content: Text = Field(description="User message text.", min_length=1, max_length=MAX_TURN_CONTENT_CHARS)
@@ -289,7 +306,7 @@ class TurnRequest(_Strict):
     stream: Flag = Field(False, description="Stream events as server-sent events.")
 
 
-class ToolResult(_Strict):
+class ToolResult(StrictModel):
     """Result of a client-executed tool call."""
 
     tool_call_id: Text = Field(description="Id of the call answered.", min_length=1, max_length=TOOL_CALL_ID_MAX_CHARS)
@@ -297,7 +314,7 @@ class ToolResult(_Strict):
     is_error: Flag = Field(False, description="True when the tool failed; the model sees the content either way.")
 
 
-class ToolResultsSubmission(_Strict):
+class ToolResultsSubmission(StrictModel):
     """Body answering a `requires_action` event: one result per pending call."""
 
     results: list[ToolResult] = Field(description="Results, one per pending call.", min_length=1)
@@ -320,7 +337,7 @@ class ToolResultsSubmission(_Strict):
         return self.model_copy(update={"results": sorted(self.results, key=lambda result: result.tool_call_id)})
 
 
-class CompressionReport(_Strict):
+class CompressionReport(StrictModel):
     """What one context compression did. `ledger_retained_fraction` is measured, and must be 1.0."""
 
     num_messages_compressed: int = Field(description="History messages replaced by the summary.", ge=1)
@@ -332,7 +349,7 @@ class CompressionReport(_Strict):
     )
 
 
-class StepStats(_Strict):
+class StepStats(StrictModel):
     """Cache accounting of one model call, stored with the session."""
 
     step_index: int = Field(description="Step within the turn, from 0.", ge=0)
@@ -343,14 +360,14 @@ class StepStats(_Strict):
     compression: CompressionReport | None = Field(None, description="Compression done before this step.")
 
 
-class DeltaEvent(_Strict):
+class DeltaEvent(StrictModel):
     """Streamed assistant text."""
 
     kind: Literal["delta"] = "delta"
     text: str = Field(description="Next piece of assistant text.")
 
 
-class ToolCallEvent(_Strict):
+class ToolCallEvent(StrictModel):
     """The model called a tool; emitted before it runs, or before its `error` result where it was refused
     (an invalid call, or one beside an invalid one in its step: none of that step's calls run)."""
 
@@ -358,7 +375,7 @@ class ToolCallEvent(_Strict):
     call: ToolCall = Field(description="The call as made: about to run, or refused (its `error` result follows).")
 
 
-class ToolResultEvent(_Strict):
+class ToolResultEvent(StrictModel):
     """A tool finished (or failed or timed out); the content is what the model sees."""
 
     kind: Literal["tool_result"] = "tool_result"
@@ -368,7 +385,7 @@ class ToolResultEvent(_Strict):
     is_truncated: bool = Field(False, description="True when the result was cut to max_tool_result_bytes.")
 
 
-class FinalEvent(_Strict):
+class FinalEvent(StrictModel):
     """The turn ended with an assistant answer."""
 
     kind: Literal["final"] = "final"
@@ -384,21 +401,21 @@ class FinalEvent(_Strict):
     )
 
 
-class UsageEvent(_Strict):
+class UsageEvent(StrictModel):
     """Token and cache accounting of one step."""
 
     kind: Literal["usage"] = "usage"
     stats: StepStats = Field(description="Token and cache accounting of one step.")
 
 
-class RequiresActionEvent(_Strict):
+class RequiresActionEvent(StrictModel):
     """The turn is paused until the client submits results for these calls."""
 
     kind: Literal["requires_action"] = "requires_action"
     tool_calls: list[ToolCall] = Field(description="Client-executed calls awaiting results.", min_length=1)
 
 
-class ErrorEvent(_Strict):
+class ErrorEvent(StrictModel):
     """The turn failed; `code` says why in a machine-readable way."""
 
     kind: Literal["error"] = "error"
@@ -471,14 +488,14 @@ TURN_INTERRUPTED = {
 }
 
 
-class CompressionEvent(_Strict):
+class CompressionEvent(StrictModel):
     """Old rounds were replaced by a summary plus a facts ledger."""
 
     kind: Literal["compression"] = "compression"
     report: CompressionReport = Field(description="What the compression did.")
 
 
-class ReasoningEvent(_Strict):
+class ReasoningEvent(StrictModel):
     """Streamed reasoning of a reasoning model (the engine's `reasoning`, apart from the answer's text); the step's
     assistant message keeps it whole."""
 
@@ -486,7 +503,7 @@ class ReasoningEvent(_Strict):
     text: str = Field(description="Next piece of the model's reasoning.")
 
 
-class ModelRetryEvent(_Strict):
+class ModelRetryEvent(StrictModel):
     """A step's model call failed (its replica died) and runs again, or a step forced to call a tool answered
     without one (`forced_call_missing`) and the next runs instead; discard this step's deltas and reasoning so far."""
 

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, Field, JsonValue
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -77,7 +77,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from cluster.redis_errors import redis_refusal, retry_on_dead_connection
 from cluster.redis_pool import is_pool_exhausted, pooled_client
 from serve_apps.orchestrator.models import (
-    STORED, CreateSessionRequest, Message, PrefixFingerprint, SessionId, StepStats,
+    STORED, CreateSessionRequest, Message, PrefixFingerprint, SessionId, StepStats, StrictModel,
 )
 from serve_apps.orchestrator.owner_sessions import OwnerSessions, SessionQuota, SessionQuotaExceeded
 
@@ -332,10 +332,8 @@ class StaleTurn(RuntimeError):
         self.actual_len = actual_len
 
 
-class SessionRecord(BaseModel):
+class SessionRecord(StrictModel):
     """What is stored about a session besides its transcript."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     session_id: SessionId = Field(description="Opaque id (secrets.token_urlsafe(24)).")
     owner_key_id: str = Field(description="Id of the API key that created the session.", min_length=1)
@@ -344,10 +342,8 @@ class SessionRecord(BaseModel):
     created_at_s: float = Field(description="Unix time of creation.")
 
 
-class RememberedTurn(BaseModel):
+class RememberedTurn(StrictModel):
     """What an idempotency key remembers of the turn that committed under it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_sha256: str | None = Field(
         description="`request_fingerprint` of the request that ran; None in records written before it was kept."
@@ -360,7 +356,7 @@ class RememberedTurn(BaseModel):
         value = json.loads(raw)
         if isinstance(value, list):
             return cls(request_sha256=None, events=value)
-        return cls.model_validate(value)
+        return cls.model_validate(value, context=STORED)
 
 
 def idempotency_key_problem(key: str) -> str | None:
@@ -435,7 +431,7 @@ class Compaction:
 
 def _snapshot(removed: bytes | str, items: Sequence[bytes | str]) -> TranscriptSnapshot:
     """The transcript the stored log holds, its length counting the `removed` messages compaction dropped."""
-    messages = tuple(Message.model_validate_json(item) for item in items)
+    messages = tuple(Message.model_validate_json(item, context=STORED) for item in items)
     return TranscriptSnapshot(messages=messages, length=int(removed) + len(messages))
 
 
@@ -663,7 +659,7 @@ class SessionStore:
         if reply is None:
             raise SessionNotFound(session_id)
         (record, removed, *totals), items, stat_items = reply
-        steps = [StepStats.model_validate_json(item) for item in stat_items]
+        steps = [StepStats.model_validate_json(item, context=STORED) for item in stat_items]
         return SessionView(
             record=SessionRecord.model_validate_json(record, context=STORED),
             transcript=_snapshot(removed, items),
@@ -900,4 +896,4 @@ class SessionStore:
         """Per-step cache stats of the session, oldest first (the last `max_step_stats`)."""
         with _redis_errors(session_id):
             items = await self._idempotent(lambda: self._redis.lrange(self._key(session_id, "stats"), 0, -1))
-        return [StepStats.model_validate_json(item) for item in items]
+        return [StepStats.model_validate_json(item, context=STORED) for item in items]

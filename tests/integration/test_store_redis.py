@@ -108,7 +108,8 @@ def test_a_session_whose_record_no_longer_reads_back_can_still_be_deleted_by_its
         record = await store.create(REQUEST, owner_key_id="key-1", prefix_fingerprint="ab" * 32)
         meta = store._key(record.session_id, "meta")
         stored = json.loads(await store._redis.hget(meta, "record"))
-        await store._redis.hset(meta, "record", json.dumps({**stored, "field_of_a_later_release": 1}))
+        del stored["created_at_s"]
+        await store._redis.hset(meta, "record", json.dumps(stored))
         with pytest.raises(ValueError):
             await store.get(record.session_id)
         owner = await store.owner_of(record.session_id)
@@ -118,6 +119,34 @@ def test_a_session_whose_record_no_longer_reads_back_can_still_be_deleted_by_its
         return owner, deleted
 
     assert _run(redis_url, scenario) == ("key-1", True)
+
+
+def test_what_a_later_release_stored_reads_back_without_the_fields_this_one_does_not_know(redis_url):
+    """During a rolling update both releases share one Redis: a message, step or record holding a field a later
+    release added (an assistant message's `reasoning` was one) failed every turn, view and deletion of its
+    session on the replicas not yet updated. A client's unknown field is still refused."""
+    later = {"field_of_a_later_release": {"x": 1}}
+
+    async def scenario(store):
+        record = await store.create(REQUEST, owner_key_id="key-1", prefix_fingerprint="ab" * 32)
+        await store.commit_turn(record.session_id, 0, _turn(0), [_stats(0)])
+        meta, log, steps = (store._key(record.session_id, part) for part in ("meta", "log", "stats"))
+        stored = json.loads(await store._redis.hget(meta, "record"))
+        stored["request"]["tools"][0].update(later)
+        await store._redis.hset(meta, "record", json.dumps({**stored, **later}))
+        message = {**json.loads(await store._redis.lindex(log, 1)), **later}
+        message["tool_calls"] = [{"id": "c1", "name": "get_order", "arguments": "{}", **later}]
+        await store._redis.lset(log, 1, json.dumps(message))
+        await store._redis.lset(steps, 0, json.dumps({**json.loads(await store._redis.lindex(steps, 0)), **later}))
+        return await store.get(record.session_id), await store.view(record.session_id)
+
+    fetched, view = _run(redis_url, scenario)
+    assert fetched.request == REQUEST and view.record == fetched
+    assert [message.content for message in view.transcript.messages] == ["question 0", "answer 0"]
+    assert view.transcript.messages[1].tool_calls[0].name == "get_order"
+    assert [step.step_index for step in view.steps] == [0]
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        Message.model_validate({"role": "user", "content": "hi", **later})
 
 
 def test_a_session_whose_messages_were_lost_from_redis_is_refused_not_read_as_empty(redis_url):

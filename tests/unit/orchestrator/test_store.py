@@ -57,6 +57,11 @@ def test_remembered_turn_round_trips_and_reads_the_older_bare_list():
     assert parsed.request_sha256 is None and parsed.events[0]["kind"] == "final"
 
 
+def test_a_remembered_turn_a_later_release_wrote_is_replayed_without_its_unknown_fields():
+    later = json.dumps({"request_sha256": "ab", "events": [{"kind": "final", "is_new": True}], "field_of_later": 1})
+    assert RememberedTurn.from_stored(later) == RememberedTurn(request_sha256="ab", events=[{"kind": "final", "is_new": True}])
+
+
 @pytest.mark.parametrize("error, failure", [
     (RedisConnectionError("Error 111 connecting to 10.1.2.3:6391. Connection refused."), "no connection"),
     (RedisTimeoutError("Timeout connecting to 10.1.2.3:6391"), "timed out"),

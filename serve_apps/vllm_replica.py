@@ -31,10 +31,8 @@ checks) is Ray Serve LLM's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Awaitable, Dict, Optional, TypeVar
@@ -46,6 +44,7 @@ from cluster.config import TelemetryConfig
 from ray import serve
 from router.prompt_tokens import FORWARDED_IDS_KEY, EngineRendering
 from serve_apps.api_errors import engine_error
+from serve_apps.kv_event_ports import free_kv_event_ports
 from serve_apps.metrics import WarmpathMetrics
 from serve_apps.sse_frames import frame_errors
 from serve_apps.stream_batches import eager_first_batches
@@ -66,15 +65,6 @@ class ServedBy:
     """First item of every replica response stream; never sent to clients."""
 
     replica_id: str
-
-
-def _free_tcp_ports(count: int) -> list[int]:
-    """Distinct ports free right now: every socket stays bound until all are chosen, so no port comes twice."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("", 0))
-        return [sock.getsockname()[1] for sock in socks]
 
 
 def _node_ip() -> str:
@@ -277,7 +267,7 @@ class WarmpathLLMServer(LLMServer):
 
     async def __init__(self, llm_config: LLMConfig, **kwargs: Any):
         self._replica_id = serve.get_replica_context().replica_id.unique_id
-        port, replay_port = _free_tcp_ports(2)
+        port, replay_port = free_kv_event_ports(2)
         host = _node_ip()
         llm_config.update_engine_kwargs(
             kv_events_config={

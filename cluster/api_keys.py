@@ -80,11 +80,12 @@ logger = logging.getLogger(__name__)
 # KEYS[1] = apikey:<hash>; ARGV[1] = key id prefix for the bucket key; ARGV[2] = MAX_BUCKET_TTL_MS
 # Returns {0} for an unknown key, {2, record_json} for a record that is no JSON object with a
 # string key_id, or whose rate or burst is unusable (the bucket arithmetic would fail or never
-# refuse), else
+# refuse), {2, ''} for an entry that is no hash, else
 # {1, record_json, is_allowed, retry_after_ms}.
 # `allow-oom`: the bucket update must run on a Redis that is full (noeviction), see the module docstring.
 _AUTHORIZE = """#!lua flags=allow-oom
-local raw = redis.call('HGET', KEYS[1], 'record')
+local raw = redis.pcall('HGET', KEYS[1], 'record')
+if type(raw) == 'table' and raw.err then return {2, ''} end  -- a hand-written entry of another type
 if not raw then return {0} end
 local is_json, record = pcall(cjson.decode, raw)
 if not is_json or type(record) ~= 'table' or type(record['key_id']) ~= 'string' then return {2, raw} end
@@ -230,14 +231,28 @@ def _record_problem(err: ValidationError) -> str:
     return f"{where}: {item['msg']}{more}"
 
 
+def _unreadable_entry(err: UnicodeDecodeError | ResponseError) -> Optional[str]:
+    """Why a key's entries could not be read where they were written by hand, or None for another refusal.
+
+    Why: an entry that is no UTF-8 text, or of another Redis type than this module writes, failed
+    the key check as an internal error or as an unavailable store (a 503 clients retry), and
+    `keys list` as a whole; like a record that does not validate, it is refused and listed apart.
+    """
+    if isinstance(err, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    return "its entry is of another Redis type" if str(err).startswith("WRONGTYPE") else None
+
+
+def _warn_unreadable(key_hash: str, problem: str) -> None:
+    logger.warning("API key %s has an unreadable record (%s); the key is refused", key_id_of(key_hash), problem)
+
+
 def _parse_record(raw: str, key_hash: str) -> Optional[ApiKeyRecord]:
     """The record stored as `raw` for the key hashed `key_hash`, or None (logged) when it does not validate."""
     try:
         return ApiKeyRecord.model_validate_json(raw)
     except ValidationError as err:
-        logger.warning(
-            "API key %s has an unreadable record (%s); the key is refused", key_id_of(key_hash), _record_problem(err)
-        )
+        _warn_unreadable(key_hash, _record_problem(err))
         return None
 
 
@@ -367,6 +382,11 @@ class ApiKeyStore:
             raw = await retry_on_dead_connection(
                 self._redis, lambda: self._redis.hget(_NS + "apikey:" + key_hash, "record")
             )
+        except (UnicodeDecodeError, ResponseError) as err:
+            if (problem := _unreadable_entry(err)) is None:
+                raise _unavailable(err) from None
+            _warn_unreadable(key_hash, problem)
+            return None
         except RedisError as err:
             raise _unavailable(err) from None
         return _parse_record(raw, key_hash) if raw else None
@@ -379,9 +399,15 @@ class ApiKeyStore:
             reply = await retry_on_dead_connection(self._redis, lambda: self._authorize(
                 keys=[_NS + "apikey:" + key_hash], args=[_NS + "ratelimit:", MAX_BUCKET_TTL_MS]
             ))
+        except UnicodeDecodeError as err:
+            _warn_unreadable(key_hash, _unreadable_entry(err))
+            return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
         except RedisError as err:
             raise _unavailable(err) from None
         if not reply or int(reply[0]) == 0:
+            return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
+        if not reply[1]:
+            _warn_unreadable(key_hash, "its entry is of another Redis type")
             return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
         record = _parse_record(reply[1], key_hash)
         if int(reply[0]) == 2 or record is None:  # refused as unknown: a bucket cannot be kept for it
@@ -397,8 +423,14 @@ class ApiKeyStore:
         id_prefix = _NS + "apikey-id:"
         try:
             async for id_key in self._redis.scan_iter(match=id_prefix + "*", count=500):
-                key_hash = await self._redis.get(id_key)
-                raw = await self._redis.hget(_NS + "apikey:" + key_hash, "record") if key_hash else None
+                try:
+                    key_hash = await self._redis.get(id_key)
+                    raw = await self._redis.hget(_NS + "apikey:" + key_hash, "record") if key_hash else None
+                except (UnicodeDecodeError, ResponseError) as err:
+                    if (problem := _unreadable_entry(err)) is None:
+                        raise
+                    unreadable.append(UnreadableKey(key_id=id_key[len(id_prefix):], problem=problem))
+                    continue
                 if not raw:
                     continue  # revoked or expired between the scan and the reads
                 try:

@@ -290,6 +290,14 @@ def _with_key_store(url: str, work):
         raise typer.Exit(1)
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _key_problems(
     name: str, permissions: list[str], requests_per_s: float, burst: int, expires_in_days: Optional[float],
     max_sessions: Optional[int] = None,
@@ -298,6 +306,9 @@ def _key_problems(
     from cluster.api_keys import MAX_KEY_LIFETIME_DAYS, MAX_KEY_NAME_LENGTH
 
     problems = []
+    if not _is_utf8(name) or not all(map(_is_utf8, permissions)):
+        # A terminal in another encoding hands Python undecodable bytes as lone surrogates.
+        return ["--name and --permission must be UTF-8 text (the terminal passed bytes that are not)"]
     if not name.strip() or len(name) > MAX_KEY_NAME_LENGTH:
         got = f"{len(name)} characters" if name.strip() else repr(name)
         problems.append(f"--name must be 1 to {MAX_KEY_NAME_LENGTH} characters and not blank, got {got}")
@@ -373,12 +384,18 @@ def keys_list(
 
 @keys_app.command("revoke")
 def keys_revoke(
-    key_id: str = typer.Argument(..., help="Id of the key (key_...)."),
+    key_id: str = typer.Argument(..., help="Id of the key (key_...), or the key itself (wp_...: revoked by its id)."),
     config: Optional[Path] = ConfigOpt,
     redis_url: Optional[str] = typer.Option(None, help="Key store (default: the config's or the local cluster's)."),
     state_dir: Optional[str] = StateDirOpt,
 ) -> None:
-    """Delete a key; calls with it fail from the next one on."""
+    """Delete a key; calls with it fail from the next one on. Takes the key itself too (never echoed)."""
+    from cluster.api_keys import KEY_PREFIX, hash_api_key, key_id_of
+
+    if not _is_utf8(key_id):
+        _refuse("KEY_ID must be UTF-8 text (the terminal passed bytes that are not)")
+    if key_id.startswith(KEY_PREFIX):  # the key `keys create` printed: revoked by its id, which alone is shown
+        key_id = key_id_of(hash_api_key(key_id))
     if not _with_key_store(_keys_redis_url(config, redis_url, state_dir), lambda store: store.revoke(key_id)):
         typer.echo(f"no key {key_id}", err=True)
         raise typer.Exit(1)

@@ -14,9 +14,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from typer.testing import CliRunner
 
 from cluster.api_keys import ApiKeyStore, hash_api_key, run_with_store
 from cluster.api_keys import StoreUnavailable as KeyStoreUnavailable
+from cluster.cli import app
 from cluster.redis_pool import pooled_client
 from serve_apps.orchestrator.models import STORED, CompressionReport, CreateSessionRequest, Message, StepStats
 from serve_apps.orchestrator.store import (
@@ -834,6 +836,44 @@ def test_a_key_whose_record_cannot_be_read_is_refused_as_unknown(redis_url, raw)
     finally:
         client.flushdb()
         client.close()
+    assert outcome.record is None and not outcome.is_allowed
+
+
+@pytest.mark.parametrize("write_entry, problem", [
+    (lambda client, key: client.hset(key, "record", b"\xff{}"), "it is not UTF-8 text"),
+    (lambda client, key: client.set(key, "{}"), "its entry is of another Redis type"),
+])
+def test_a_hand_written_key_entry_redis_cannot_hand_back_as_a_record_is_refused_and_listed_apart(
+        redis_url, write_entry, problem):
+    """Text that is no UTF-8 failed the key check as an internal error (a bare 500), an entry of another Redis
+    type as an unavailable store (a 503 its clients retry); either made `keys list` fail for every key."""
+    url = redis_url.rsplit("/", 1)[0] + "/4"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    key = "wp-a-key-written-by-hand"
+    try:
+        _, good = run_with_store(url, lambda keys: keys.create("good", ["*"], 5.0, 5))
+        write_entry(client, f"warmpath:apikey:{hash_api_key(key)}")
+        client.set("warmpath:apikey-id:key_handwritten", hash_api_key(key))
+        outcomes = run_with_store(url, lambda keys: asyncio.gather(keys.authorize(key), keys.lookup(key), keys.list()))
+    finally:
+        client.flushdb()
+        client.close()
+    authorization, looked_up, listing = outcomes
+    assert authorization.record is None and not authorization.is_allowed and looked_up is None
+    assert listing.records == [good]
+    assert [(u.key_id, u.problem) for u in listing.unreadable] == [("key_handwritten", problem)]
+
+
+def test_keys_revoke_given_the_key_itself_revokes_it_by_its_id_and_never_prints_it(redis_url):
+    """An operator who pasted the `api_key` `keys create` printed got `no key wp_...` (the secret on the
+    terminal and in logs) and the key stayed live."""
+    url = redis_url.rsplit("/", 1)[0] + "/5"
+    key, record = run_with_store(url, lambda keys: keys.create("leaked", ["*"], 5.0, 5))
+    result = CliRunner().invoke(app, ["keys", "revoke", key, "--redis-url", url])
+    outcome = run_with_store(url, lambda keys: keys.authorize(key))
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"revoked {record.key_id}" and key not in result.output
     assert outcome.record is None and not outcome.is_allowed
 
 

@@ -141,6 +141,18 @@ def test_keys_create_refuses_names_the_record_cannot_hold(name):
     assert result.exit_code == 2 and "--name must be 1 to 128 characters" in result.output
 
 
+@pytest.mark.parametrize("command", [
+    ["keys", "create", "--name", "caf\udce9"], ["keys", "create", "--name", "x", "-p", "\udcff"],
+    ["keys", "revoke", "key_\udcff"],
+])
+def test_keys_commands_refuse_arguments_a_terminal_passed_as_bytes_that_are_not_utf8(command):
+    """A terminal in another encoding hands Python such bytes as lone surrogates: Redis' client, the record
+    model or its JSON writer failed on them with a traceback."""
+    result = CliRunner().invoke(app, [*command, "--redis-url", UNREACHABLE_REDIS])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "must be UTF-8 text" in result.output and len(result.output.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("command", [["keys", "list"], ["keys", "revoke", "key_x"], ["keys", "create", "--name", "x"]])
 def test_keys_commands_refuse_a_redis_url_that_is_not_one(command):
     result = CliRunner().invoke(app, [*command, "--redis-url", "notaurl"])

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 import httpx
 
+from bench.report import error_line
 from cluster.api_keys import bearer_headers
 from cluster.config import ClusterConfig
 
@@ -37,6 +38,9 @@ SCENARIOS = ("replica-kill", "orchestrator-kill", "redis-restart", "tool-faults"
 RETRYABLE_STATUSES = frozenset({409, 500, 502, 503, 504})
 RETRY_DEADLINE_S = 180.0
 TURN_TIMEOUT_S = 300.0
+# A turn sent while Redis is down must fail within this: the store's connection is refused at once (its reply
+# timeout is 5 s), and a call waiting longer holds its client, and the orchestrator, on a dead store.
+OUTAGE_FAIL_FAST_S = 10.0
 
 
 @dataclass
@@ -164,13 +168,16 @@ def audit(client: ChaosClient, fates: list[TurnFate], result: ScenarioResult) ->
 
 
 def _concurrent_turns(client: ChaosClient, fates: list[TurnFate], fault: Callable[[], None], fault_after_s: float,
-                      tool_choice: str = "auto") -> None:
+                      tool_choice: str = "auto") -> int:
+    """Runs the turns at once and `fault` after `fault_after_s`; returns how many turns were still running then."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(fates) + 1) as pool:
         futures = [pool.submit(client.send_turn, fate, tool_choice) for fate in fates]
         time.sleep(fault_after_s)  # fault injection: land the fault while turns are in flight
+        num_running = sum(not future.done() for future in futures)
         fault()
         for future in futures:
             future.result()
+    return num_running
 
 
 def _fates(client: ChaosClient, cfg: ClusterConfig, num_sessions: int, label: str, **create) -> list[TurnFate]:
@@ -216,8 +223,11 @@ def _kill_mid_turn(scenario: str, actor_part: str, client: ChaosClient, cfg: Clu
     result = ScenarioResult(scenario)
     fates = _fates(client, cfg, num_sessions, scenario)
     killed: list[str] = []
-    _concurrent_turns(client, fates, lambda: killed.append(_kill_serve_actor(actor_part)), fault_after_s=1.0)
-    result.notes.append(f"killed {killed[0]}")
+    num_running = _concurrent_turns(client, fates, lambda: killed.append(_kill_serve_actor(actor_part)),
+                                    fault_after_s=1.0)
+    result.notes.append(f"killed {killed[0]} with {num_running} of {len(fates)} turns running")
+    if not num_running:  # a kill on an idle cluster tests nothing the scenario claims
+        result.broken_promises.append(f"every turn had ended before {killed[0]} was killed, so none ran through it")
     progress(f"chaos: waiting for Serve to replace {killed[0]}")
     _wait_replaced(cfg, killed[0])
     from cluster import local
@@ -249,6 +259,8 @@ def redis_restart(client: ChaosClient, cfg: ClusterConfig, progress: Progress, n
     before = _fates(client, cfg, num_sessions, "before-restart")
     for fate in before:
         client.send_turn(fate)
+    if not any(fate.status == "completed" for fate in before):
+        result.broken_promises.append("no turn committed before the restart, so none could be seen to survive it")
     during = [TurnFate(f.session_id, f.content.replace("before-restart", "during-outage"), str(uuid.uuid4()))
               for f in before]
     try:
@@ -262,6 +274,9 @@ def redis_restart(client: ChaosClient, cfg: ClusterConfig, progress: Progress, n
             result.notes.append(f"during outage: {fate.last_error[:60]} in {elapsed:.2f}s")
             if not fate.last_error.startswith("503"):
                 result.broken_promises.append(f"a turn while Redis was down got {fate.last_error[:60]!r}, not 503")
+            elif elapsed > OUTAGE_FAIL_FAST_S:
+                result.broken_promises.append(
+                    f"a turn while Redis was down took {elapsed:.1f}s to fail (over {OUTAGE_FAIL_FAST_S:g}s)")
     finally:  # whatever happened, the cluster gets its Redis back
         local.start_redis(cfg, state, progress)
         local.LocalState.save(state, local.state_dir_of(cfg))
@@ -269,7 +284,15 @@ def redis_restart(client: ChaosClient, cfg: ClusterConfig, progress: Progress, n
              for f in before]
     for fate in after:
         client.send_turn(fate)
+    _every_turn_completes(after, "after the restart", result)
     return audit(client, before + during + after, result)
+
+
+def _every_turn_completes(fates: list[TurnFate], when: str, result: ScenarioResult) -> None:
+    """A broken promise unless every one of `fates` completed: the cluster did not recover."""
+    if failed := [fate for fate in fates if fate.status != "completed"]:
+        result.broken_promises.append(
+            f"{len(failed)} of {len(fates)} turns {when} did not complete (last error {failed[0].last_error[:80]!r})")
 
 
 class _FaultyTools(http.server.BaseHTTPRequestHandler):
@@ -331,13 +354,19 @@ def client_disconnect(client: ChaosClient, cfg: ClusterConfig, progress: Progres
     for fate in fates:
         with client.http.stream("POST", f"/v1/sessions/{fate.session_id}/messages",
                                 json={"content": fate.content, "stream": True}) as resp:
+            is_hung_up = False
             for line in resp.iter_lines():
                 if line.startswith("event:"):
+                    is_hung_up = resp.status_code == 200
                     break  # hang up after the first event
+        if not is_hung_up:  # a refused turn streams no event: the client read it whole and never hung up
+            result.broken_promises.append(f"session {fate.session_id}: the turn streamed no event to hang up after "
+                                          f"(status {resp.status_code})")
     # A fresh turn on each session must start (the aborted turn released its lock); its fate is audited too.
     followups = [TurnFate(f.session_id, f"after disconnect {i}", str(uuid.uuid4())) for i, f in enumerate(fates)]
     for fate in followups:
         client.send_turn(fate)
+    _every_turn_completes(followups, "after the hang-ups", result)
     audited = audit(client, followups, result)
     for fate in fates:  # the abandoned turns: whole or absent, never half
         num_starts, is_whole = turn_in_transcript(client.transcript(fate.session_id), fate.content)
@@ -359,17 +388,24 @@ RUNNERS = {
 
 
 def run_chaos(cfg: ClusterConfig, base_url: str, api_key: Optional[str], scenarios: list[str],
-              progress: Progress) -> list[ScenarioResult]:
+              progress: Progress, on_result: Callable[[list[ScenarioResult]], None] = lambda results: None,
+              ) -> list[ScenarioResult]:
+    """Runs each scenario in turn; `on_result` gets the results so far after each (a scenario that raises is one
+    broken promise, and the others run)."""
     client = ChaosClient(base_url, api_key)
     results = []
     for name in scenarios:
         progress(f"chaos: {name}")
         started = time.monotonic()
-        result = RUNNERS[name](client, cfg, progress)
+        try:
+            result = RUNNERS[name](client, cfg, progress)
+        except Exception as err:  # noqa: BLE001 - one scenario's failure must not lose the others' results
+            result = ScenarioResult(name, broken_promises=[f"the scenario failed: {error_line(err)}"])
         result.wall_s = round(time.monotonic() - started, 1)
         progress(f"chaos: {name}: {result.num_completed}/{result.num_attempted} completed, "
                  f"{result.num_failed_cleanly} failed cleanly, {result.num_lost} lost ({result.wall_s}s)")
         results.append(result)
+        on_result(results)
     return results
 
 

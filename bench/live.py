@@ -543,15 +543,21 @@ def _renderer(cfg: ClusterConfig, progress: Progress) -> TokenizerRenderer:
 
     Raises:
         cluster.local.BringUpError: a model folder that is not there, or a tokenizer that cannot be loaded
-            (a hub id out of reach, say), in one line.
+            (a hub id out of reach, say) or has no chat template, in one line.
     """
     from cluster import local
 
     local.ensure_model(cfg, progress)
     try:
-        return TokenizerRenderer(cfg.model_source())
+        renderer = TokenizerRenderer(cfg.model_source())
     except (OSError, ValueError) as err:
         raise local.BringUpError(f"cannot load the tokenizer of {cfg.model_source()}: {error_line(err)}") from None
+    try:  # a tokenizer without a chat template failed later, rendering the workload, with a traceback
+        renderer.chat_token_ids([{"role": "user", "content": "hello"}], [])
+    except ValueError as err:
+        raise local.BringUpError(f"cannot render chat prompts with the tokenizer of {cfg.model_source()}: "
+                                 f"{error_line(err)}") from None
+    return renderer
 
 
 def redeploy(cfg: ClusterConfig, progress: Progress):

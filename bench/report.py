@@ -18,7 +18,7 @@ import math
 import os
 import statistics
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 # (summary key, column title, unit format)
 METRICS: tuple[tuple[str, str, str], ...] = (
@@ -345,22 +345,27 @@ def finite_or_none(value):
 
 
 def write_json(path: Path, document: Mapping) -> None:
-    """Writes `document` as strict JSON: non-finite figures become null, never `NaN`.
-
-    A regular file is replaced whole (written beside it, then renamed over it), so a
-    process killed mid-write leaves the previous results, not half a document; the
-    file a link points to is the one replaced. Anything else (`/dev/stdout`, a FIFO),
-    or a file in a folder this process cannot create files in, is written in place.
-    """
+    """Writes `document` as strict JSON (non-finite figures become null, never `NaN`), by `replace_file`."""
     text = json.dumps(finite_or_none(document), indent=1, allow_nan=False) + "\n"
+    replace_file(path, lambda target: target.write_text(text))
+
+
+def replace_file(path: Path, write: Callable[[Path], None]) -> None:
+    """Has `write` write the file at `path`, replacing a regular file whole.
+
+    Written beside it, then renamed over it: a process killed mid-write, or a disk
+    that fills, leaves the previous results, not half a document; the file a link
+    points to is the one replaced. Anything else (`/dev/stdout`, a FIFO), or a file
+    in a folder this process cannot create files in, is written in place.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     target = path.resolve()
     if (target.exists() and not target.is_file()) or not os.access(target.parent, os.W_OK):
-        path.write_text(text)
+        write(path)
         return
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
-        partial.write_text(text)
+        write(partial)
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
@@ -408,6 +413,7 @@ def plot_live(result: Mapping, path: Path) -> None:
     ax_hit.set_title("hit rate per policy")
     fig.suptitle(f"warmpath bench: {result['workload']}, {result['num_replicas']} replicas")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        replace_file(path, lambda target: fig.savefig(target, dpi=110, format="png"))
+    finally:
+        plt.close(fig)

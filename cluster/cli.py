@@ -634,6 +634,9 @@ def bench(
                                     scale=scale, prepared_workload=prepared.pop(name))
         except live.BenchInterrupted as stop:
             _write_bench(out, name, stop.result)
+            # Stopped mid-run, the cluster routes with whichever policy the bench deployed last.
+            typer.echo(f"the cluster may still route with another policy than router.policy={cfg.router.policy}: "
+                       "`warmpath up --redeploy` deploys it as configured", err=True)
             _stop_interrupted()
         except KeyboardInterrupt:
             _stop_interrupted()
@@ -699,10 +702,15 @@ def chaos(
     except OSError as err:
         typer.echo(f"error: cannot read the API key `warmpath up` wrote ({err.strerror or err}): {local.api_key_file(cfg)}", err=True)
         raise typer.Exit(1)
-    results = chaos_mod.run_chaos(cfg, state.http_url, api_key, scenario or list(chaos_mod.SCENARIOS), progress)
+    from bench.report import write_json
+
+    def write(results: list) -> None:  # after each scenario: one that hangs or is interrupted keeps the others'
+        _write_or_exit(out, lambda path: write_json(path, {"kind": "warmpath-chaos",
+                                                          "results": [r.to_json() for r in results]}))
+
+    results = chaos_mod.run_chaos(cfg, state.http_url, api_key, scenario or list(chaos_mod.SCENARIOS), progress,
+                                  on_result=write)
     typer.echo(chaos_mod.report(results))
-    document = json.dumps({"kind": "warmpath-chaos", "results": [r.to_json() for r in results]}, indent=2)
-    _write_or_exit(out, lambda path: path.write_text(document))
     typer.echo(f"wrote {out}")
     if any(r.num_lost or r.broken_promises for r in results):
         raise typer.Exit(1)

@@ -65,7 +65,7 @@ def test_faulty_tools_become_errors_the_model_sees_within_the_deadline(cluster, 
 
 def test_a_client_that_hangs_up_mid_stream_leaves_no_half_turn(cluster, client):
     result = chaos.client_disconnect(client, cluster.cfg, _quiet)
-    assert result.num_lost == 0, chaos.report([result])
+    assert result.num_lost == 0 and not result.broken_promises, chaos.report([result])
     assert result.num_completed == result.num_attempted == 3, chaos.report([result])
 
 
@@ -73,7 +73,7 @@ def test_a_client_that_hangs_up_mid_stream_leaves_no_half_turn(cluster, client):
 def test_killing_a_replica_mid_turn_loses_no_turn(cluster, client):
     result = chaos.replica_kill(client, cluster.cfg, _quiet, num_sessions=20)
     report = chaos.report([result])
-    assert result.num_attempted == 20 and result.num_lost == 0, report
+    assert result.num_attempted == 20 and result.num_lost == 0 and not result.broken_promises, report
     assert result.num_completed == 20, report  # a failed model call is retried on the surviving replica
 
 
@@ -81,7 +81,7 @@ def test_killing_a_replica_mid_turn_loses_no_turn(cluster, client):
 def test_killing_the_orchestrator_mid_turn_loses_no_turn(cluster, client):
     result = chaos.orchestrator_kill(client, cluster.cfg, _quiet, num_sessions=6)
     report = chaos.report([result])
-    assert result.num_attempted == 6 and result.num_lost == 0, report
+    assert result.num_attempted == 6 and result.num_lost == 0 and not result.broken_promises, report
     assert result.num_completed + result.num_failed_cleanly == 6, report
 
 
@@ -89,7 +89,7 @@ def test_killing_the_orchestrator_mid_turn_loses_no_turn(cluster, client):
 def test_redis_restart_keeps_committed_turns_and_outages_fail_fast(cluster, client):
     result = chaos.redis_restart(client, cluster.cfg, _quiet, num_sessions=3)
     report = chaos.report([result])
-    assert result.num_lost == 0, report
+    assert result.num_lost == 0 and not result.broken_promises, report
     # 3 before the restart and 3 after complete; the 3 sent while Redis was down fail with 503.
     assert (result.num_attempted, result.num_completed, result.num_failed_cleanly) == (9, 6, 3), report
     outage_notes = [n for n in result.notes if n.startswith("during outage")]

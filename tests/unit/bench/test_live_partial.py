@@ -8,6 +8,7 @@ import dataclasses
 import json
 from array import array
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -48,7 +49,7 @@ def no_cluster(monkeypatch):
             raise outcome
         return outcome
 
-    monkeypatch.setattr(live, "TokenizerRenderer", lambda source: None)
+    monkeypatch.setattr(live, "TokenizerRenderer", lambda source: SimpleNamespace(chat_token_ids=lambda *args: []))
     monkeypatch.setattr(local, "ensure_model", lambda cfg, progress: None)
     monkeypatch.setattr(live, "prepare_requests", lambda *args: {})
     monkeypatch.setattr(live, "kv_capacity_blocks", lambda cfg: None)
@@ -149,6 +150,8 @@ def test_bench_interrupted_writes_what_finished_and_exits_130(no_cluster, tmp_pa
     result = CliRunner().invoke(app, [*BENCH, "--sessions", "2", "--out", str(tmp_path)])
     assert result.exit_code == 130, result.output
     assert "interrupted" in result.output.splitlines()[-1]
+    # It stopped with warmpath deployed, and never put the configured policy back: it says so.
+    assert "`warmpath up --redeploy` deploys it as configured" in result.output
     document = json.loads((tmp_path / "bench-fanout.json").read_text())
     assert list(document["policies"]) == ["pow2"] and document["interrupted"] is True
 
@@ -425,6 +428,23 @@ def test_a_workload_over_the_models_window_is_refused_before_any_cluster_work(no
 
     with pytest.raises(AssertionError, match="did work"):  # a call that fits goes on to the warm-up
         live.run_bench(ClusterConfig(), "fanout", ["pow2"], 0, 2, 1.0, lambda msg: None, scale="gpu")
+
+
+def test_bench_with_a_model_that_has_no_chat_template_says_so_in_one_line(monkeypatch, tmp_path):
+    """Its tokenizer loaded, and rendering the workload failed with a traceback."""
+    from cluster.model_builder import build_model
+
+    monkeypatch.setattr(live, "warm_up", _never)
+    model = tmp_path / "no-template"
+    build_model(model)
+    (model / "chat_template.jinja").unlink()
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  source: {model}\n")
+    result = CliRunner().invoke(app, [*BENCH, "--config", str(config), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot render chat prompts with the tokenizer of {model}: ValueError:"), last
+    assert "chat_template" in last
 
 
 def test_bench_before_the_model_exists_or_with_a_tokenizer_out_of_reach_says_so_in_one_line(monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 import stat
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,24 @@ def test_plot_skips_a_policy_that_failed(tmp_path):
     path = tmp_path / "bench.png"
     plot_live(result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_plot_that_fails_midway_leaves_the_previous_png(tmp_path, monkeypatch):
+    """It was drawn over the file in place: a full disk left a PNG cut short where the last good one was."""
+    from matplotlib.figure import Figure
+
+    path = tmp_path / "bench.png"
+    plot_live(_result(with_oracle=False), path)
+    before = path.read_bytes()
+
+    def fill_the_disk(self, fname, **kwargs):
+        Path(fname).write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", fill_the_disk)
+    with pytest.raises(OSError):
+        plot_live(_result(with_oracle=True), path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["bench.png"]
 
 
 def test_json_is_strict_non_finite_figures_become_null(tmp_path):

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
+
+from cluster.writable import replace_file
 
 # (summary key, column title, unit format)
 METRICS: tuple[tuple[str, str, str], ...] = (
@@ -345,30 +346,9 @@ def finite_or_none(value):
 
 
 def write_json(path: Path, document: Mapping) -> None:
-    """Writes `document` as strict JSON (non-finite figures become null, never `NaN`), by `replace_file`."""
+    """Writes `document` as strict JSON (non-finite figures become null, never `NaN`), replacing a file whole."""
     text = json.dumps(finite_or_none(document), indent=1, allow_nan=False) + "\n"
     replace_file(path, lambda target: target.write_text(text))
-
-
-def replace_file(path: Path, write: Callable[[Path], None]) -> None:
-    """Has `write` write the file at `path`, replacing a regular file whole.
-
-    Written beside it, then renamed over it: a process killed mid-write, or a disk
-    that fills, leaves the previous results, not half a document; the file a link
-    points to is the one replaced. Anything else (`/dev/stdout`, a FIFO), or a file
-    in a folder this process cannot create files in, is written in place.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    target = path.resolve()
-    if (target.exists() and not target.is_file()) or not os.access(target.parent, os.W_OK):
-        write(path)
-        return
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    try:
-        write(partial)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def plot_live(result: Mapping, path: Path) -> None:

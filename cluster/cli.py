@@ -522,9 +522,11 @@ def render_serve_config_cmd(
         sys.stdout.write(text)
     else:
         from cluster.local import write_private
+        from cluster.writable import replace_file
 
-        # Owner-only, as `up` keeps its own copy: the config holds redis_url, its password included.
-        _write_or_exit(out, lambda path: write_private(path, text))
+        # Owner-only, as `up` keeps its own copy: the config holds redis_url, its password included. Replaced
+        # whole: cut short (a full disk), a file that still parses as YAML could be deployed.
+        _write_or_exit(out, lambda path: replace_file(path, lambda target: write_private(target, text)))
 
 
 @render_app.command("k8s")

@@ -113,6 +113,12 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _fits_the_built_model(self) -> "ModelConfig":
+        if not self.source and (self.model_id.startswith("/") or {".", "..", ""} & set(self.model_id.split("/"))):
+            # Without a source the model is built into <state_dir>/models/<model_id>: an absolute id (Ray Serve
+            # LLM's configs load the model from its id) or `..` put that folder outside, over a model of the user's.
+            raise ValueError(f"model.model_id {self.model_id!r} names a folder outside the state directory, where "
+                             "the built model goes when model.source is empty: set model.source to the model's "
+                             "folder (or Hugging Face id) and model.model_id to the name clients send")
         # The model `build-model` writes has a fixed window: beyond it every replica fails to start, minutes later.
         built = ModelShape().max_position_embeddings
         if not self.source and self.max_model_len_tokens > built:

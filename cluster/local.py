@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 from cluster.config import LOCAL_PATH_PREFIXES, ClusterConfig, without_password
-from cluster.model_builder import build_model, is_built
+from cluster.model_builder import build_model, is_built, is_rebuildable
 from cluster.redis_pool import refuse_unsuitable_redis
 from cluster.serve_config import (
     grpc_proxy_env,
@@ -180,6 +181,9 @@ def ensure_model(cfg: ClusterConfig, progress: Progress) -> None:
     if is_built(out):
         progress(f"model: {out} (already built)")
         return
+    if not is_rebuildable(out):  # as `warmpath build-model` refuses: a build there would overwrite someone's files
+        raise BringUpError(f"{out} holds files no build of warmpath wrote, and model.source is empty: set "
+                           "model.source to serve that folder, or empty it to have the default model built there")
     progress(f"model: building {cfg.model.model_id} into {out}")
     build_model(out, progress=lambda msg: progress(f"  {msg}"))
 
@@ -1043,10 +1047,15 @@ def ensure_local_api_key(cfg: ClusterConfig, redis_url: str, progress: Progress)
 
 
 def write_private(file: Path, text: str) -> None:
-    """Writes `text` to `file` readable by its owner only (mode 0600), an existing file's mode included."""
+    """Writes `text` to `file` readable by its owner only (mode 0600), an existing file's mode included.
+
+    A device or FIFO (`/dev/stdout`) keeps its mode: made private, run as root, `/dev/null` or a
+    terminal was closed to every other user of the machine.
+    """
     # O_CREAT's mode applies to a new file only: fchmod makes an existing one private too.
     with os.fdopen(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-        os.fchmod(out.fileno(), 0o600)
+        if stat.S_ISREG(os.fstat(out.fileno()).st_mode):
+            os.fchmod(out.fileno(), 0o600)
         out.write(text)
 
 

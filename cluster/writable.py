@@ -1,14 +1,37 @@
-"""Whether a command can write its output file, asked before the work that produces it.
+"""Whether a command can write its output file, asked before the work that produces it; and its writing.
 
 Why a module of its own: every command that writes results (`warmpath simulate`, `bench`,
-`render`, `bench/router_decision.py`) checks its output path first, so a long run never
-ends in a path error that loses what it computed, and they all say the same thing.
+`render`, `chaos`, `bench/router_decision.py`) checks its output path first, so a long run
+never ends in a path error that loses what it computed, and they all say the same thing;
+and each replaces its file whole, so a failed write leaves the previous results.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
+
+
+def replace_file(path: Path, write: Callable[[Path], None]) -> None:
+    """Has `write` write the file at `path`, replacing a regular file whole.
+
+    Written beside it, then renamed over it: a process killed mid-write, or a disk
+    that fills, leaves the previous results, not half a document; the file a link
+    points to is the one replaced. Anything else (`/dev/stdout`, a FIFO), or a file
+    in a folder this process cannot create files in, is written in place.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target = path.resolve()
+    if (target.exists() and not target.is_file()) or not os.access(target.parent, os.W_OK):
+        write(path)
+        return
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        write(partial)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def unwritable_file_problem(path: Path, option: str = "--out") -> Optional[str]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,39 @@ def test_render_serve_config_writes_a_file_only_its_owner_reads(tmp_path, monkey
     result = CliRunner().invoke(app, ["render", "serve-config", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "s3cret" in out.read_text() and out.stat().st_mode & 0o777 == 0o600
+
+
+def test_render_serve_config_to_a_pipe_or_device_leaves_its_mode(tmp_path):
+    """Made owner-only as a file is: run as root, `--out /dev/null` closed /dev/null to every other user."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    pipe.chmod(0o666)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        result = CliRunner().invoke(app, ["render", "serve-config", "--out", str(pipe)])
+        assert result.exit_code == 0, result.output
+        assert b"import_path" in os.read(reader, 1 << 20)
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(pipe.stat().st_mode) and stat.S_IMODE(pipe.stat().st_mode) == 0o666
+
+
+def test_render_serve_config_that_fails_midway_leaves_the_previous_file(tmp_path, monkeypatch):
+    """Written in place, a full disk left a file cut short that still parsed as YAML, ready to be deployed."""
+    from cluster import local
+
+    out = tmp_path / "serve.yaml"
+    assert CliRunner().invoke(app, ["render", "serve-config", "--out", str(out)]).exit_code == 0
+    before = out.read_text()
+
+    def fill_the_disk(file, text):
+        Path(file).write_text(text[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(local, "write_private", fill_the_disk)
+    result = CliRunner().invoke(app, ["render", "serve-config", "--out", str(out)])
+    assert result.exit_code == 1 and "No space left on device" in result.output
+    assert out.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["serve.yaml"]
 
 
 @pytest.mark.parametrize("case", range(3))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cluster import local
-from cluster.config import load_config
+from cluster.config import ConfigError, load_config
 from cluster.local import BringUpError, LocalState, reap_orphaned_engines
 
 ORPHAN = """
@@ -525,6 +525,26 @@ def test_a_local_model_folder_that_is_not_there_is_refused_before_anything_start
     monkeypatch.setattr(local, "is_remote_address", lambda address: True)
     monkeypatch.setenv("RAY_ADDRESS", "ray://gpu-cluster:10001")  # the path is on the cluster's nodes
     local.ensure_model(missing, progress=lambda msg: None)
+
+
+def test_the_default_model_is_never_built_over_a_folder_of_someone_elses(tmp_path):
+    """`warmpath build-model` refused such a folder, and `up` built into it: a model of the user's, where a
+    model id names one, had its weights, config and tokenizer rewritten."""
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"model_id": "org/mine"}})
+    theirs = Path(cfg.model_source())
+    theirs.mkdir(parents=True)
+    (theirs / "config.json").write_text('{"architectures": ["MistralForCausalLM"]}')
+    with pytest.raises(BringUpError, match="holds files no build of warmpath wrote"):
+        local.ensure_model(cfg, progress=lambda msg: None)
+    assert [p.name for p in theirs.iterdir()] == ["config.json"]
+
+
+@pytest.mark.parametrize("model_id", ["/models/llama", "..", "../other", "org/../../x", "./m", "org//m", "org/"])
+def test_a_model_id_that_would_put_the_built_model_outside_its_folder_is_refused(tmp_path, model_id):
+    with pytest.raises(ConfigError, match="names a folder outside the state directory"):
+        load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"model_id": model_id}})
+    with_source = load_config(environ={}, overrides={"model": {"model_id": model_id, "source": "/models/llama"}})
+    assert with_source.model.model_id == model_id  # with a source the id is only a name
 
 
 def test_a_hub_id_that_is_also_a_folder_here_is_pointed_out(tmp_path, monkeypatch):

@@ -659,16 +659,24 @@ MAX_REDIS_DB = 15
 
 def without_password(url: str) -> str:
     """`url` with its password masked, for messages: in `user:password@`, and a `password` option of its
-    query (redis-py reads one there too)."""
+    query (redis-py reads one there too).
+
+    The user part is found in the text as written, up to the last `@`: a password holding `#`, `/` or
+    `?` unencoded ends the address where a URL parser reads it, before the `@`, and was printed whole.
+    """
+    scheme, separator, rest = url.partition("://")
+    if separator and "@" in rest:
+        userinfo, _, host_on = rest.rpartition("@")
+        user = userinfo.partition(":")[0] + ":" if ":" in userinfo else ""
+        url = f"{scheme}://{user}***@{host_on}"
     try:
         parts = urlsplit(url)
     except ValueError:  # a netloc it cannot read (an unclosed `[`): masked whole
         return "<unreadable URL>"
-    if parts.password is not None:
-        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
     if parts.query:
         parts = parts._replace(query=_QUERY_PASSWORD.sub(r"\1***", parts.query))
-    return parts.geturl()
+    text = parts.geturl()
+    return text.replace(":", "://", 1) if separator and not parts.netloc else text  # `unix:///path` as written
 
 
 # A `password=` option of a URL's query, up to its end or the next option.
@@ -689,7 +697,10 @@ def check_redis_url(url: str) -> None:
     try:
         _ = parts.port  # reading it parses it
     except ValueError:
-        raise ValueError(f"has a port that is not a number from 0 to 65535: {without_password(url)!r}") from None
+        # Where the address the parser read has no `@` but the URL has one, the password cut it short.
+        hint = (" (a password's `#`, `/` and `?` must be percent-encoded: %23, %2F, %3F)"
+                if "@" in url.partition("://")[2] and "@" not in parts.netloc else "")
+        raise ValueError(f"has a port that is not a number from 0 to 65535: {without_password(url)!r}{hint}") from None
     _check_redis_db(parts)
     _check_redis_options(url)
 

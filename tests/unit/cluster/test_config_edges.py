@@ -9,7 +9,7 @@ import re
 import pytest
 
 from cluster import k8s_render
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError, load_config, without_password
 from serve_apps.builders import engine_kwargs
 
 
@@ -216,6 +216,27 @@ def test_a_redis_password_stays_out_of_config_errors():
     with pytest.raises(ConfigError) as refused:
         _load(redis_url="redis://:S3cretPass@127.0.0.1:99999/0")
     assert "S3cretPass" not in str(refused.value) and "0 to 65535" in str(refused.value)
+
+
+@pytest.mark.parametrize("password", ["my#S3cret", "my/S3cret", "my?S3cret"])
+def test_a_redis_password_written_unencoded_stays_out_of_config_errors_which_say_to_encode_it(password):
+    """A URL parser ends the address at `#`, `/` or `?`, before the `@`: no password was found to mask, and
+    the URL was printed whole, as a port that is no number."""
+    with pytest.raises(ConfigError) as refused:
+        _load(redis_url=f"redis://:{password}@redis.internal:6379/0")
+    said = str(refused.value)
+    assert "S3cret" not in said and "redis://:***@redis.internal:6379/0" in said
+    assert "must be percent-encoded" in said
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://user:p@ss#w/rd@h:1/0", "redis://user:***@h:1/0"),
+    ("redis://token@h:1", "redis://***@h:1"),  # a user part without `:` is masked whole: it may be the secret
+    ("redis://h:1/0?password=x&db=1", "redis://h:1/0?password=***&db=1"),
+    ("unix:///run/redis.sock?db=2", "unix:///run/redis.sock?db=2"),
+])
+def test_messages_show_redis_urls_as_written_less_their_secrets(url, shown):
+    assert without_password(url) == shown
 
 
 @pytest.mark.parametrize("variable, raw, field, value", [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -409,11 +410,19 @@ def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateDir
 
     cfg = _load(config, state_dir=state_dir)
     where = local.state_dir_of(cfg)
-    if where.exists() and not where.is_dir():
+    try:
+        is_there = where.exists()
+    except OSError as err:  # a folder on the way this user may not enter
+        typer.echo(f"error: state_dir {where} cannot be read ({err.strerror or err}): run as the user that ran "
+                   "`warmpath up`", err=True)
+        raise typer.Exit(1)
+    if is_there and not where.is_dir():
         _refuse(f"state_dir {where} is a file, not the folder `up` records what it started in")
-    if state_dir is not None and not where.exists():
+    named = ("--state-dir" if state_dir is not None
+             else "WARMPATH_STATE_DIR" if os.environ.get("WARMPATH_STATE_DIR") else None)
+    if named and not is_there:
         # A mistyped folder read as "nothing to stop" told a script the cluster was down.
-        _refuse(f"--state-dir {where} does not exist: pass the folder `up` used (nothing was stopped)")
+        _refuse(f"{named} {where} does not exist: pass the folder `up` used (nothing was stopped)")
     try:
         is_stopped = local.down(cfg, progress)
     except local.BringUpError as err:

@@ -479,6 +479,10 @@ class TelemetryConfig(_Strict):
         parts = urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"must be an http:// or https:// URL (OTLP over HTTP), got {endpoint!r}")
+        try:
+            _ = parts.port  # reading it parses it: a bad one failed every export, with tracing on
+        except ValueError:
+            raise ValueError(f"has a port that is not a number from 0 to 65535: {endpoint!r}") from None
         return endpoint
 
 
@@ -944,6 +948,11 @@ def validate_config(data: Mapping, sources: Mapping[tuple[str, ...], str] | None
         raise ConfigError(format_validation_error(err, sources)) from None
 
 
+# The top-level keys whose value is a section of settings (a mapping).
+_SECTIONS = frozenset(name for name, field in ClusterConfig.model_fields.items()
+                      if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
+
+
 def load_config(
     path: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
@@ -968,21 +977,27 @@ def load_config(
     data: dict = {}
     if path is not None:
         file = Path(path)
-        if file.is_dir():
-            raise ConfigError(f"config file {file} is a folder; name the YAML file in it")
-        if not file.is_file():
-            raise ConfigError(f"config file not found: {file}")
         try:
-            loaded = yaml.load(file.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+            if file.is_dir():
+                raise ConfigError(f"config file {file} is a folder; name the YAML file in it")
+            if not file.exists():  # a pipe (`--config <(...)`) is read as a file is
+                raise ConfigError(f"config file not found: {file}")
+        except OSError as err:  # a folder on the way this user may not enter
+            raise ConfigError(f"config file {file} cannot be read: {err.strerror or err}") from None
+        try:
+            loaded = yaml.load(file.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {file} is not valid YAML: {_yaml_problem(err)}") from None
         except UnicodeDecodeError as err:
             raise ConfigError(f"config file {file} is not UTF-8 text (byte {err.start}): save it as UTF-8") from None
         except OSError as err:
             raise ConfigError(f"config file {file} cannot be read: {err.strerror}") from None
-        if not isinstance(loaded, dict):
+        if loaded is None:  # empty, or comments only
+            loaded = {}
+        if not isinstance(loaded, dict):  # `false` or `[]` read as no settings at all
             raise ConfigError(f"config file {file} must hold a mapping at the top level")
-        data = loaded
+        # A section whose every line is commented out reads as null: its defaults, as an absent section's.
+        data = {key: {} if value is None and key in _SECTIONS else value for key, value in loaded.items()}
     env, sources = env_layer(environ)
     for layer in (env, overrides or {}):
         data = deep_merge(_with_defaults_under(data, layer, ClusterConfig), layer)

@@ -94,11 +94,11 @@ class LocalState:
     @classmethod
     def load(cls, state_dir: Path) -> "LocalState":
         file = cls.path(state_dir)
-        if not file.is_file():
-            return cls()
         try:
+            if not file.is_file():
+                return cls()
             text = file.read_text()
-        except OSError as err:  # another user's (`sudo warmpath up` writes it 0600, root's)
+        except OSError as err:  # another user's (`sudo warmpath up` writes it 0600, root's; under umask 077, its folder)
             raise BringUpError(f"{file} cannot be read ({err.strerror}): run as the user that ran `warmpath up`, "
                                "or pass another --state-dir") from None
         try:
@@ -304,6 +304,9 @@ def check_head_startable(cfg: ClusterConfig, state: LocalState, progress: Progre
     if address:
         return False
     if not _ray_head_up():
+        if (refused := privileged_ports(cfg)):
+            raise BringUpError(f"{', '.join(refused)}: only root may listen on ports below 1024; set ports of 1024 "
+                               "or above in the config (ports.*)")
         if (taken := ports_in_use(cfg)):
             if state.ray_started and state.ray_session and session_processes(state.ray_session):
                 raise BringUpError(
@@ -433,17 +436,29 @@ def ports_in_use(cfg: ClusterConfig) -> list[str]:
     Why: a proxy that cannot bind leaves `up` waiting minutes for an endpoint, and a taken metrics port
     makes `ray start` fail with "the current node timed out during startup".
     """
+    return [f"port {port} ({name})" for name, host, port in _head_ports(cfg) if _bind_error(host, port) == errno.EADDRINUSE]
+
+
+def privileged_ports(cfg: ClusterConfig) -> list[str]:
+    """The configured ports this user may not listen on (below 1024 without root): the proxy failed to bind,
+    and `up` waited out its timeout for an endpoint."""
+    return [f"{name} {port}" for name, host, port in _head_ports(cfg)
+            if name.startswith("ports.") and _bind_error(host, port) == errno.EACCES]
+
+
+def _head_ports(cfg: ClusterConfig) -> list[tuple[str, str, int]]:
+    """(what, host, port) of every port a new local head listens on."""
     ports = cfg.ports
-    wanted = [("ports.http_port", ports.host, ports.http_port), ("ports.grpc_port", ports.host, ports.grpc_port),
-              ("ports.metrics_export_port", "0.0.0.0", ports.metrics_export_port),
-              ("Ray's dashboard", "127.0.0.1", DASHBOARD_PORT), ("Ray's GCS", "0.0.0.0", GCS_PORT)]
-    return [f"port {port} ({name})" for name, host, port in wanted if not _can_listen(host, port)]
+    return [("ports.http_port", ports.host, ports.http_port), ("ports.grpc_port", ports.host, ports.grpc_port),
+            ("ports.metrics_export_port", "0.0.0.0", ports.metrics_export_port),
+            ("Ray's dashboard", "127.0.0.1", DASHBOARD_PORT), ("Ray's GCS", "0.0.0.0", GCS_PORT)]
 
 
-def _can_listen(host: str, port: int) -> bool:
-    """Whether no one else listens on (host, port) now; SO_REUSEADDR as servers set it, so TIME_WAIT is no bar.
+def _bind_error(host: str, port: int) -> int | None:
+    """The errno binding (host, port) fails with now, or None; SO_REUSEADDR as servers set it, so TIME_WAIT is no bar.
 
-    Only "address in use" counts: an address this machine lacks is for the server to report.
+    Callers ask for "address in use" and "permission denied": an address this machine lacks is for the
+    server to report.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -451,8 +466,8 @@ def _can_listen(host: str, port: int) -> bool:
         try:
             probe.bind((host, port))
         except OSError as err:
-            return err.errno != errno.EADDRINUSE
-    return True
+            return err.errno
+    return None
 
 
 def _ray_head_up() -> bool:

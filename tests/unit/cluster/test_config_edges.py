@@ -101,6 +101,13 @@ def test_an_otlp_endpoint_without_a_scheme_is_refused():
         _load(telemetry={"otlp_endpoint": "collector:4318"})
 
 
+@pytest.mark.parametrize("endpoint", ["http://collector:99999", "http://collector:43l8"])
+def test_an_otlp_endpoint_whose_port_is_no_port_is_refused(endpoint):
+    """It loaded, and every export failed once tracing was on (`is not a valid host or port`)."""
+    with pytest.raises(ConfigError, match=r"telemetry.otlp_endpoint: .*not a number from 0 to 65535"):
+        _load(telemetry={"otlp_endpoint": endpoint})
+
+
 def test_a_telemetry_section_set_whole_by_the_environment_is_a_config_error_not_a_crash():
     with pytest.raises(ConfigError, match="telemetry"):
         _load({"WARMPATH_TELEMETRY": "off", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
@@ -331,3 +338,50 @@ def test_a_duplicate_key_in_the_config_file_is_refused_naming_its_line(tmp_path)
     config.write_text("replicas:\n  num_replicas: 3\nrouter:\n  policy: pow2\nreplicas:\n  accelerator: cpu\n")
     with pytest.raises(ConfigError, match=r"duplicate key 'replicas' at line 5, column 1"):
         load_config(config, environ={})
+
+
+@pytest.mark.parametrize("text", ["false\n", "0\n", "[]\n", "''\n"])
+def test_a_config_file_that_is_no_mapping_is_refused_not_read_as_the_defaults(tmp_path, text):
+    file = tmp_path / "cluster.yaml"
+    file.write_text(text)
+    with pytest.raises(ConfigError, match="must hold a mapping at the top level"):
+        load_config(file, environ={})
+
+
+def test_an_empty_config_file_and_a_section_with_every_line_commented_out_are_the_defaults(tmp_path):
+    """`replicas:` above commented-out settings reads as null: it was refused as no mapping, though the same
+    file loaded once any WARMPATH_REPLICAS__* variable was set."""
+    file = tmp_path / "cluster.yaml"
+    file.write_text("# nothing yet\n")
+    assert load_config(file, environ={}) == load_config(environ={})
+    file.write_text("replicas:\n  # num_replicas: 4\nrouter:\n  policy: pow2\n")
+    cfg = load_config(file, environ={})
+    assert cfg.replicas == load_config(environ={}).replicas and cfg.router.policy == "pow2"
+
+
+def test_a_config_read_from_a_pipe_loads(tmp_path):
+    """`--config <(render ...)`: a pipe is no regular file, and was refused as not found."""
+    import os
+    import threading
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: pipe.write_text("router:\n  policy: pow2\n"))
+    writer.start()
+    try:
+        assert load_config(pipe, environ={}).router.policy == "pow2"
+    finally:
+        writer.join(10)
+
+
+@pytest.mark.skipif(__import__("os").geteuid() == 0, reason="root enters every folder")
+def test_a_config_file_in_a_folder_this_user_cannot_enter_is_one_line(tmp_path):
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    (closed / "cluster.yaml").write_text("{}\n")
+    closed.chmod(0)
+    try:
+        with pytest.raises(ConfigError, match="cannot be read: Permission denied"):
+            load_config(closed / "cluster.yaml", environ={})
+    finally:
+        closed.chmod(0o700)

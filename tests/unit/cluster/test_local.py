@@ -2,6 +2,7 @@
 engine processes orphaned by killed replicas, and only those."""
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -476,13 +477,31 @@ def test_a_process_on_rays_gcs_port_stops_a_new_head_before_ray_start(tmp_path, 
         monkeypatch.setattr(local, "GCS_PORT", port)
         cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
         assert f"port {local.GCS_PORT} (Ray's GCS)" in local.ports_in_use(cfg)
-        real_can_listen = local._can_listen
+        real_bind_error = local._bind_error
         # The other ports free, whatever else this machine runs.
-        monkeypatch.setattr(local, "_can_listen", lambda host, port: port != local.GCS_PORT or real_can_listen(host, port))
+        monkeypatch.setattr(local, "_bind_error", lambda host, port: real_bind_error(host, port)
+                            if port == local.GCS_PORT else None)
         with pytest.raises(BringUpError) as refused:
             local.start_ray(cfg, LocalState(), progress=lambda msg: None)
     assert "systemctl disable --now redis-server" in str(refused.value)
     assert "ports.*" not in str(refused.value)
+
+
+def test_a_port_this_user_may_not_listen_on_stops_a_new_head_before_ray_start(tmp_path, monkeypatch, no_ray_start):
+    """Only "address in use" counted: as a user without root, `http_port: 80` passed, the proxy failed to
+    bind, and `up` waited out its timeout."""
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {"http_port": 80}})
+    refused_by_kernel = {(cfg.ports.host, 80): errno.EACCES}
+    monkeypatch.setattr(local, "_bind_error", lambda host, port: refused_by_kernel.get((host, port)))
+    assert local.privileged_ports(cfg) == ["ports.http_port 80"] and local.ports_in_use(cfg) == []
+    with pytest.raises(BringUpError, match="ports.http_port 80: only root may listen on ports below 1024"):
+        local.start_ray(cfg, LocalState(), progress=lambda msg: None)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may listen on any port")
+def test_a_port_below_1024_is_one_this_user_may_not_listen_on(tmp_path):
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "ports": {"http_port": 80}})
+    assert local.privileged_ports(cfg) == ["ports.http_port 80"]
 
 
 def test_a_redis_on_a_port_that_only_starts_with_the_recorded_one_is_not_ours(monkeypatch):
@@ -722,6 +741,28 @@ def test_down_with_a_state_dir_that_is_not_there_says_so(tmp_path):
         assert result.exit_code == 2 and message in result.output, result.output
     result = CliRunner().invoke(app, ["down", "--state-dir", str(tmp_path)])  # there, and nothing recorded
     assert result.exit_code == 0 and "nothing to stop" in result.output
+    # The same typo through the variable README names as the flag's equal.
+    result = CliRunner().invoke(app, ["down"], env={"WARMPATH_STATE_DIR": str(tmp_path / "mistyped")})
+    assert result.exit_code == 2 and "WARMPATH_STATE_DIR" in result.output and "does not exist" in result.output
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root enters every folder")
+def test_down_and_status_with_a_state_dir_this_user_cannot_enter_say_so_in_one_line(tmp_path):
+    """`sudo warmpath up` under umask 077 leaves a folder other users cannot enter: a traceback, exit 1."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    closed = tmp_path / "closed"
+    (closed / "state").mkdir(parents=True)
+    closed.chmod(0)
+    try:
+        for command in ("down", "status"):
+            result = CliRunner().invoke(app, [command, "--state-dir", str(closed / "state")])
+            assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.output
+            assert "cannot be read" in result.output, result.output
+    finally:
+        closed.chmod(0o700)
 
 
 def test_a_build_model_seed_torch_cannot_take_is_refused_before_building(tmp_path):

@@ -128,6 +128,8 @@ class ModelConfig(_Strict):
         return self
 
 
+# The custom resource names every reader of them takes alike (see `_check_accelerator`).
+_RESOURCE_NAME = re.compile(r"[A-Za-z0-9_.:/-]+")
 # Far past any machine, and low enough that Ray's integer CPU counts (`ray start --num-cpus`) stay exact.
 MAX_CPUS_PER_REPLICA = 1024.0
 # VLLM_CPU_OMP_THREADS_BIND's core lists: `5,2-4` per worker, workers separated by `|` (spaces around the
@@ -235,6 +237,10 @@ class ReplicaConfig(_Strict):
         bad = sorted(name for name, amount in self.ray_resources.items() if not amount > 0 or amount == float("inf"))
         if bad:
             raise ValueError(f"replicas.ray_resources {bad}: amounts must be finite and above 0")
+        if unsafe := sorted(name for name in self.ray_resources if not _RESOURCE_NAME.fullmatch(name)):
+            # A worker's `ray start --resources` is a shell command line (KubeRay's), which a quote breaks, and
+            # Ray's autoscaler reads its JSON without its escapes (`é` written `\u00e9` named another resource).
+            raise ValueError(f"replicas.ray_resources {unsafe}: names are letters, digits and `_.:/-`")
         reserved = {"model", "tensor_parallel_size", "block_size", "enable_prefix_caching", "kv_events_config",
                     "enable_prompt_tokens_details", "enable_auto_tool_choice",
                     # Ray Serve LLM sets these itself (the served name is model.model_id) and refuses them there.

@@ -220,6 +220,8 @@ def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
     try:
         service = find_object(build_kustomization(overlay_dir), "RayService", "warmpath")
         (workers,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    except ConfigError:  # a manifest that is not YAML
+        raise
     except (OSError, KeyError, ValueError):  # an overlay of another shape (or none rendered yet): not ours to judge
         return
     high = workers.get("maxReplicas")
@@ -240,16 +242,20 @@ def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
                 f"{field} at {declared[port_name]} (or change the base manifests' ports, probe and Services too)"
             )
     limits = (container.get("resources") or {}).get("limits") or {}
-    cpu_limit = limits.get("cpu")
-    if cpu_limit is not None and cpu_cores(cpu_limit) < worker_ray_cpus(cfg):
+    cpu_limit, memory_limit = limits.get("cpu"), limits.get("memory")
+    try:
+        cores = None if cpu_limit is None else cpu_cores(cpu_limit)
+        memory = None if memory_limit is None else memory_bytes(memory_limit)
+    except ConfigError as err:  # a typo in the hand-written patch
+        raise ConfigError(f"{where}: the worker container's limits in the overlay's patch: {err}") from None
+    if cores is not None and cores < worker_ray_cpus(cfg):
         raise ConfigError(
             f"{where}: a worker offers Ray {worker_ray_cpus(cfg)} CPUs (replicas.num_cpus "
             f"{cfg.replicas.num_cpus} + {SERVICE_NUM_CPUS} for the services) but its container's CPU limit in the "
             f"overlay's patch is {cpu_limit}: raise the limit (or lower num_cpus)"
         )
-    memory_limit = limits.get("memory")
-    if cfg.replicas.accelerator == "cpu" and memory_limit is not None and (
-            memory_bytes(memory_limit) < (cfg.replicas.kv_cache_space_gib + CPU_ENGINE_OVERHEAD_GIB) * 2**30):
+    if cfg.replicas.accelerator == "cpu" and memory is not None and (
+            memory < (cfg.replicas.kv_cache_space_gib + CPU_ENGINE_OVERHEAD_GIB) * 2**30):
         raise ConfigError(
             f"{where}: a CPU worker's KV cache alone takes replicas.kv_cache_space_gib "
             f"{cfg.replicas.kv_cache_space_gib} GiB, and the engine, the model and Ray at least "
@@ -279,8 +285,11 @@ def memory_bytes(quantity: str | int | float) -> float:
 
 def cpu_cores(quantity: str | int | float) -> float:
     """A Kubernetes CPU quantity (`2`, `1.5`, `500m`) in cores."""
-    text = str(quantity)
-    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    text = str(quantity).strip()
+    try:
+        return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        raise ConfigError(f"CPU quantity {quantity!r} is not one Kubernetes reads (`2`, `1.5`, `500m`)") from None
 
 
 def render_k8s(overlay_dir: Path) -> dict[Path, str]:
@@ -384,7 +393,7 @@ def build_kustomization(directory: Path) -> list[dict[str, Any]]:
             whose path does not exist.
     """
     directory = Path(directory)
-    spec = yaml.safe_load((directory / "kustomization.yaml").read_text()) or {}
+    spec = _read_yaml(directory / "kustomization.yaml") or {}
     unknown = sorted(set(spec) - _KUSTOMIZATION_KEYS)
     if unknown:
         raise ValueError(f"{directory}/kustomization.yaml: unsupported fields {unknown}")
@@ -394,7 +403,7 @@ def build_kustomization(directory: Path) -> list[dict[str, Any]]:
         if path.is_dir():
             objects += build_kustomization(path)
         else:
-            objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+            objects += [doc for doc in _read_yaml(path, is_stream=True) if doc]
     ids = [_object_id(o) for o in objects]
     duplicated = sorted({i for i in ids if ids.count(i) > 1})
     if duplicated:
@@ -406,13 +415,25 @@ def build_kustomization(directory: Path) -> list[dict[str, Any]]:
     return objects
 
 
+def _read_yaml(path: Path, is_stream: bool = False) -> Any:
+    """The YAML document (or every document of a stream) in `path`; a file that is not YAML is a ConfigError
+    naming it, not a parser's traceback (a typo in a hand-written patch)."""
+    text = path.read_text()
+    try:
+        return list(yaml.safe_load_all(text)) if is_stream else yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise ConfigError(f"{path} is not valid YAML{line}: {getattr(err, 'problem', None) or err}") from None
+
+
 def _apply_patch_entry(directory: Path, patch: dict[str, Any], objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if set(patch) != {"path", "target"}:
         raise ValueError(f"{directory}: patches need exactly `path` and `target`, got {sorted(patch)}")
     target = patch["target"]
     if not set(target) <= _TARGET_KEYS:
         raise ValueError(f"{directory}: unsupported target fields {sorted(set(target) - _TARGET_KEYS)}")
-    ops = yaml.safe_load((directory / patch["path"]).read_text())
+    ops = _read_yaml(directory / patch["path"])
     if not isinstance(ops, list):
         raise ValueError(f"{directory / patch['path']}: only JSON 6902 patches (a list of operations) are supported")
     matches = [i for i, obj in enumerate(objects) if _matches(obj, target)]

@@ -82,6 +82,10 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path):
         ({"replicas": {"ray_resources": {"CPU": 1}}}, "Ray's own resources ['CPU']"),
         ({"replicas": {"ray_resources": {"slot": 0}}}, "finite and above 0"),
         ({"replicas": {"ray_resources": {"slot": float("inf")}}}, "finite and above 0"),
+        # A KubeRay worker's start command breaks on a quote; Ray's autoscaler read `slot_é` as `slot_u00e9`.
+        ({"replicas": {"ray_resources": {"slot'x": 1}}}, "names are letters, digits"),
+        ({"replicas": {"ray_resources": {"slot_é": 1}}}, "names are letters, digits"),
+        ({"replicas": {"ray_resources": {'slot"x': 1}}}, "names are letters, digits"),
         ({"router": {"policy": "random"}}, "router.policy"),
         ({"router": {"load_guard_factor": 0.5}}, "router.load_guard_factor"),
         ({"router": {"load_guard_tokens_per_excess_request": 0}}, "router.load_guard_tokens_per_excess_request"),

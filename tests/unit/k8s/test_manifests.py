@@ -580,6 +580,23 @@ def test_render_k8s_says_a_write_it_cannot_make_in_one_line(tmp_path: Path):
     assert result.output.startswith("error: ") and "generated" in result.output and len(result.output.splitlines()) == 1
 
 
+@pytest.mark.parametrize("old, new, said", [
+    ("      memory: 4Gi\n", "      memory: 4Gi\n  bad: [\n", "rayservice-patch.yaml is not valid YAML (line "),
+    ('      cpu: "2"\n      memory: 4Gi', '      cpu: "2Gi"\n      memory: 4Gi',
+     "the worker container's limits in the overlay's patch: CPU quantity '2Gi' is not one Kubernetes reads"),
+])
+def test_render_k8s_names_a_typo_in_a_hand_written_patch_in_one_line(tmp_path: Path, old, new, said):
+    """A YAML syntax error, or a CPU limit that is no CPU quantity: a traceback of hundreds of lines."""
+    shutil.copytree(K8S_DIR, tmp_path / "k8s")
+    overlay = tmp_path / "k8s" / "overlays" / "cpu"
+    patch = overlay / "rayservice-patch.yaml"
+    assert old in patch.read_text()
+    patch.write_text(patch.read_text().replace(old, new))
+    result = CliRunner().invoke(app, ["render", "k8s", "--overlay", str(overlay)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert said in result.output and len(result.output.strip().splitlines()) == 1, result.output
+
+
 def test_stale_generated_files_count_as_drift(tmp_path: Path):
     overlay = tmp_path / "cpu"
     shutil.copytree(K8S_DIR / "overlays" / "cpu", overlay)

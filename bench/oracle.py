@@ -9,7 +9,11 @@ cacheable: on the live cluster the next prompt carries the workload's tool call,
 not the model's text (the simulator, which does cache generated tokens, feeds
 them in through `StreamingBounds.cache`). Timing is ignored: a request may hit
 blocks that an earlier, still-running request is computing, so both are
-bounds, not forecasts.
+bounds, not forecasts. One order they do not cover: requests sent
+milliseconds apart can reach the engines in the other order, and a later
+one served first (a prompt wholly inside an earlier one's) gives the
+earlier one hits the replay cannot; the report marks a hit rate above a
+bound so.
 
 (a) `infinite`: one cache shared by all replicas that never evicts: the ceiling.
 (b) `placed`: one LRU cache per replica of `capacity_blocks` blocks, and a

@@ -41,6 +41,8 @@ TURN_TIMEOUT_S = 300.0
 # A turn sent while Redis is down must fail within this: the store's connection is refused at once (its reply
 # timeout is 5 s), and a call waiting longer holds its client, and the orchestrator, on a dead store.
 OUTAGE_FAIL_FAST_S = 10.0
+# The answer budget of the turns a kill lands among (see `_kill_mid_turn`).
+KILL_TURN_OUTPUT_TOKENS = 512
 
 
 @dataclass
@@ -221,7 +223,8 @@ def _kill_mid_turn(scenario: str, actor_part: str, client: ChaosClient, cfg: Clu
                    num_sessions: int) -> ScenarioResult:
     """Kills the first Serve replica actor matching `actor_part` while `num_sessions` turns run, then audits them."""
     result = ScenarioResult(scenario)
-    fates = _fates(client, cfg, num_sessions, scenario)
+    # Answers long enough to be running a second in (the small CPU model answers 32 tokens in well under one).
+    fates = _fates(client, cfg, num_sessions, scenario, output_reserve_tokens=KILL_TURN_OUTPUT_TOKENS)
     killed: list[str] = []
     num_running = _concurrent_turns(client, fates, lambda: killed.append(_kill_serve_actor(actor_part)),
                                     fault_after_s=1.0)

@@ -179,7 +179,8 @@ def test_a_kill_that_lands_after_every_turn_ended_is_a_broken_promise(monkeypatc
 
     monkeypatch.setattr(chaos.concurrent.futures, "ThreadPoolExecutor", _Pool)
     cfg = load_config(environ={})
-    monkeypatch.setattr(chaos, "_fates", lambda client, cfg, num, label: [_fate(f"{label} {i}", "failed") for i in range(2)])
+    monkeypatch.setattr(chaos, "_fates", lambda client, cfg, num, label, **create: [
+        _fate(f"{label} {i}", "failed") for i in range(2)])
     monkeypatch.setattr(chaos, "_kill_serve_actor", lambda part: release.set() or "SERVE_REPLICA::app#Dep#r1")
     monkeypatch.setattr(chaos, "_wait_replaced", lambda cfg, killed: None)
     monkeypatch.setattr(local, "reap_orphaned_engines", lambda: [])

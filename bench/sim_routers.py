@@ -176,7 +176,7 @@ class WarmpathRouter(SimRouter):
         self.loads[self.replica_ids[replica]] = ReplicaLoad(num_requests, 0, min(max(kv_cache_usage, 0.0), 1.0))
 
     def on_kv_events(self, replica: int, events: list, now_s: float) -> None:
-        self.index.apply(self.replica_ids[replica], events)
+        self.index.apply(self.replica_ids[replica], events, now_s)
 
     def route(self, request: SimRequest, now_s: float) -> int:
         routing = RoutingRequest(request.token_ids, self._model_id, session_id=request.session_id)

@@ -377,7 +377,7 @@ class ReplicaEventStream:
         """Applies one batch; one the index cannot apply clears the replica instead (module docstring)."""
         self._num_batches += 1
         try:
-            result = self._index.apply(self.replica_id, batch.events)
+            result = self._index.apply(self.replica_id, batch.events, time.monotonic())
         except Exception:
             self._num_malformed_batches += 1
             logger.warning("KV events of replica %s: a batch the index cannot apply; clearing the replica's blocks",

@@ -33,8 +33,9 @@ Data layout (chosen for bytes per block, see bench/router_decision.py):
   and after each indexed count: the only places a shared last checkpoint can
   be. The one case it misses: a placement's last checkpoint still pending
   after the replica dropped the block of the grid checkpoint before it
-  (indexed, then removed); it is credited at most PENDING_STRIDE_BLOCKS - 1
-  blocks short until that entry expires. A pending entry on a block the
+  (indexed, then removed); it is credited only as far as the replica's indexed
+  prefix, which can be any number of blocks short (never more than it holds),
+  until that entry expires. A pending entry on a block the
   replica drops goes with the block: one on a block it held gets no event
   to confirm it, and would credit the replica with the prefix it dropped.
 
@@ -242,7 +243,7 @@ class PrefixIndex:
         self._stand_in_keys = itertools.count(-1, -1)  # engine keys are never negative
         self._model_root = root_hash(model_id, None)
 
-    def apply(self, replica_id: ReplicaId, events: Iterable[object]) -> ApplyResult:
+    def apply(self, replica_id: ReplicaId, events: Iterable[object], now_s: float | None = None) -> ApplyResult:
         """Applies one replica's KV events, in order.
 
         Skipped, never guessed: blocks of another medium, group or block size;
@@ -258,6 +259,8 @@ class PrefixIndex:
         Args:
             replica_id: the replica that published the events.
             events: `BlockStored`, `BlockRemoved`, `AllBlocksCleared` structs.
+            now_s: current time, on the placements' clock: only prompts placed within ADOPTION_WINDOW_S
+                of it explain an orphan. None: of the newest placement (a replay of recorded events).
 
         Returns:
             Counts of what was applied and skipped.
@@ -268,7 +271,7 @@ class PrefixIndex:
         for event in events:
             kind = type(event).__name__
             if kind == "BlockStored":
-                stored, skipped, orphaned = self._store(state, event)
+                stored, skipped, orphaned = self._store(state, event, now_s)
                 num_stored += stored
                 num_skipped_blocks += skipped
                 num_orphaned += orphaned
@@ -481,7 +484,7 @@ class PrefixIndex:
         if len(kept) != len(self._placed_prompts):
             self._placed_prompts = deque(kept, maxlen=PLACED_PROMPTS_KEPT)
 
-    def _adopt(self, state: _ReplicaState, parent_key: int, event) -> BlockHash | None:
+    def _adopt(self, state: _ReplicaState, parent_key: int, event, now_s: float | None) -> BlockHash | None:
         """The hash of an orphan's parent, taken from a prompt placed on the replica, else None.
 
         The orphan's first ADOPTION_MIN_BLOCKS blocks, and every block of it the prompt goes on to, must
@@ -496,7 +499,9 @@ class PrefixIndex:
             return None  # a decode step's one block (every step, on a blind replica) costs nothing here
         data = encode_tokens(event.token_ids)
         head = data[: ADOPTION_MIN_BLOCKS * step]
-        horizon = self._placed_prompts[-1][2] - ADOPTION_WINDOW_S
+        # Within the window of now: measured from the newest placement, a router idle for an hour (the ingress's,
+        # while the orchestrator's routes) matched orphans with hour-old prompts.
+        horizon = (self._placed_prompts[-1][2] if now_s is None else now_s) - ADOPTION_WINDOW_S
         found: dict[BlockHash, tuple[RequestBlockHashes, int]] = {}
         num_scanned = 0
         for replica_id, prompt, placed_s in reversed(self._placed_prompts):
@@ -587,7 +592,7 @@ class PrefixIndex:
         else:
             masks.pop(block_hash, None)
 
-    def _store(self, state: _ReplicaState, event) -> tuple[int, int, int]:
+    def _store(self, state: _ReplicaState, event, now_s: float | None) -> tuple[int, int, int]:
         """Returns (blocks stored, blocks skipped, of those with an unknown parent) for one `BlockStored`."""
         num_blocks = len(event.block_hashes)
         block_size = self._block_size_tokens
@@ -615,7 +620,7 @@ class PrefixIndex:
                 if parent_key in state.skipped:  # extends a block skipped on purpose: no orphan
                     self._skip(state, event.block_hashes)
                     return 0, num_blocks, 0
-                if any(extra_keys) or lora_name is not None or (parent := self._adopt(state, parent_key, event)) is None:
+                if any(extra_keys) or lora_name is not None or (parent := self._adopt(state, parent_key, event, now_s)) is None:
                     return 0, num_blocks, num_blocks
         usable = num_blocks
         for offset, block_keys in enumerate(extra_keys[first:num_blocks], start=first):

@@ -168,6 +168,7 @@ class PrefixAwarePolicy:
             scores=totals,
             session_id=request.session_id,
             session_replica_before=session_replica,
+            session_activity_before=self._activity.entry(request.session_id),
             request_blocks=blocks,
             held_blocks=held,
         )
@@ -206,11 +207,12 @@ class PrefixAwarePolicy:
             )
             index.note_placed_prompt(replica_id, blocks, now_s)
 
-    @staticmethod
-    def unrecord_session(decision: Decision, sessions: MutableMapping[str, ReplicaId]) -> None:
-        """Undoes what `record` wrote of the decision's session: its replica goes back to the one before. For
-        a request Serve asks to place again, whose first choice must not pass for its session's replica
-        (session affinity drew it back there, as `session-affinity`, to a replica holding none of its history).
+    def unrecord_session(self, decision: Decision, sessions: MutableMapping[str, ReplicaId]) -> None:
+        """Undoes what `record` wrote of the decision's session: its replica and its activity go back to what
+        they were. For a request Serve asks to place again, whose first choice must not pass for its session's
+        replica (session affinity drew it back there, as `session-affinity`, to a replica holding none of its
+        history), nor make a session idle past `session_idle_s` active again (affinity drew it back to its old
+        replica, which its history may have left).
         """
         if decision.session_id is None:
             return
@@ -218,6 +220,7 @@ class PrefixAwarePolicy:
             sessions.pop(decision.session_id, None)
         else:
             sessions[decision.session_id] = decision.session_replica_before
+        self._activity.restore(decision.session_id, decision.session_activity_before)
 
     def _request_blocks(self, request: RoutingRequest) -> RequestBlockHashes:
         """The request's block hashes, taking over those of the longest known prefix it shares.

@@ -46,6 +46,27 @@ class SessionActivity:
             _, (oldest_replica, _) = self._sessions.popitem(last=False)
             _decrement(self._counts, oldest_replica)
 
+    def entry(self, session_id: str | None) -> tuple[ReplicaId, float] | None:
+        """The session's replica and last request time as tracked now (None: not tracked), for `restore`."""
+        return self._sessions.get(session_id) if session_id is not None else None
+
+    def restore(self, session_id: str, entry: tuple[ReplicaId, float] | None) -> None:
+        """Puts `session_id` back as `entry` read before a `touch` (None: untracked), in its place by time.
+
+        Why in place: `counts` expires sessions from the front, in order of last activity.
+        """
+        current = self._sessions.pop(session_id, None)
+        if current is not None:
+            _decrement(self._counts, current[0])
+        if entry is None:
+            return
+        later = []
+        while self._sessions and next(reversed(self._sessions.values()))[1] > entry[1]:
+            later.append(self._sessions.popitem())
+        self._sessions[session_id] = entry
+        self._sessions.update(reversed(later))
+        self._counts[entry[0]] = self._counts.get(entry[0], 0) + 1
+
     def counts(self, now_s: float) -> Mapping[ReplicaId, int]:
         """Replica -> sessions active within `idle_s` of `now_s` (replicas with none are absent)."""
         sessions, horizon = self._sessions, now_s - self._idle_s

@@ -91,6 +91,9 @@ class Decision:
     # The session's replica before this decision made it the chosen one (None: the session was new), so that a
     # decision Serve asks again for can be undone (`router.adapter`).
     session_replica_before: ReplicaId | None = field(default=None, repr=False, compare=False)
+    # And its activity before (`SessionActivity.entry`: replica and last request time), so that undoing the
+    # decision leaves an idle session idle.
+    session_activity_before: tuple[ReplicaId, float] | None = field(default=None, repr=False, compare=False)
     request_blocks: RequestBlockHashes | None = field(default=None, repr=False, compare=False)
     held_blocks: dict[ReplicaId, int] = field(default_factory=dict, repr=False, compare=False)
 

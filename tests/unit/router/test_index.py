@@ -711,17 +711,22 @@ def test_adopted_blocks_confirm_the_placement_and_take_its_entries_along_when_th
     assert index.longest_prefix(request_hashes(prompt), 1.0) == {}
 
 
-@pytest.mark.parametrize("case", ["salted", "withdrawn", "stale"])
+@pytest.mark.parametrize("case", ["salted", "withdrawn", "stale", "stale with no placement since"])
 def test_a_prompt_that_cannot_explain_an_orphan_adopts_nothing(index, case):
     """A salt is in the engine's first block only (another tenant's orphan matches a salted prompt's tokens);
-    a placement Serve sent elsewhere prefills nothing there; a placement long past, neither."""
+    a placement Serve sent elsewhere prefills nothing there; a placement long past, neither, also where this
+    router placed nothing since (the window was measured from its newest placement, not from now)."""
     prompt = SYSTEM_4 + list(range(800, 812)) + [1]
+    now_s = None
     if case == "salted":
         _placed(index, A, prompt, salt="tenant-1")
     elif case == "withdrawn":
         index.forget_placed_prompt(A, _placed(index, A, prompt))
-    else:
+    elif case == "stale":
         _placed(index, A, prompt, now_s=0.0)
         _placed(index, B, JOINED_PROMPT, now_s=31.0)
-    result = index.apply(A, [_tail_stored(prompt, 4, 3, [40, 41, 42], parent=3)])
+    else:
+        _placed(index, A, prompt, now_s=0.0)
+        now_s = 3600.0
+    result = index.apply(A, [_tail_stored(prompt, 4, 3, [40, 41, 42], parent=3)], now_s)
     assert (result.num_stored_blocks, result.num_orphaned_blocks) == (0, 3)

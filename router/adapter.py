@@ -44,6 +44,7 @@ other code (the decision log) lives in other modules, imported by reference.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import random
@@ -762,7 +763,7 @@ class PrefixKVRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         request_id = pending_request.metadata.internal_request_id
         decision = self._decisions.pop(request_id, None)
-        self._inflight.dispatch(request_id, ReplicaId(replica_id.unique_id), time.monotonic())
+        self._count_dispatch(request_id, ReplicaId(replica_id.unique_id), result)
         if decision is None or decision.replica_id == replica_id.unique_id:
             return
         # Serve fell back to another replica (the chosen one was full): the placement moves where the request
@@ -772,6 +773,20 @@ class PrefixKVRouter(RequestRouter):
         self.withdraw(decision)
         with self.lock:
             self.policy.record(decision, ReplicaId(replica_id.unique_id), self.index, self.sessions, time.monotonic())
+
+    def _count_dispatch(self, request_id: str, replica_id: ReplicaId, result) -> None:
+        """Counts the request in flight on the replica Serve sent it to, until `result` is done.
+
+        Why the result: Serve's completions come by request id alone, and a replica that rejected an
+        earlier attempt (full) reports that one complete after the retry was placed, maybe sent to the
+        same replica (`InflightRequests`). Serve calls the result's callbacks from another thread.
+        """
+        add_done_callback = getattr(result, "add_done_callback", None)
+        serial = self._inflight.dispatch(request_id, replica_id, time.monotonic(),
+                                         is_self_ending=add_done_callback is not None)
+        if add_done_callback is not None:
+            loop = asyncio.get_running_loop()
+            add_done_callback(lambda _: loop.call_soon_threadsafe(self._inflight.end_dispatched, request_id, serial))
 
     def withdraw(self, decision: Decision, replica_id: Optional[str] = None) -> None:
         """Forgets the placement of a decision (`PrefixIndex.withdraw_pending`) whose request the engine refused,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 from router.types import ReplicaId
@@ -32,6 +33,14 @@ class InflightRequests:
     orchestrator turn), and a call's completion can come after the next call
     was placed: it is then owed (`_owed`), and when it comes it does not end
     the call that runs.
+
+    A dispatched request is ended by its own result (`end_dispatched`, from a
+    callback on the result Serve hands `on_request_routed`), not by a
+    completion Serve reports under its id: a replica that rejected an attempt
+    (full) reports that attempt complete from another thread, possibly after
+    the retry was placed, even on the same replica, and sent; ended by it, a
+    request that ran was counted nowhere. Serve's reported completions end only
+    placements not yet sent, and dispatched ones without a result to watch.
     """
 
     def __init__(self) -> None:
@@ -41,6 +50,9 @@ class InflightRequests:
         self._counts: dict[ReplicaId, int] = {}
         # (request id, replica) -> completions still to come of earlier calls under that id, oldest first.
         self._owed: OrderedDict[tuple[str, ReplicaId], int] = OrderedDict()
+        # request id -> serial of its dispatch whose result ends it (`end_dispatched`).
+        self._self_ending: dict[str, int] = {}
+        self._serials = itertools.count(1)
 
     def place(self, request_id: str, replica_id: ReplicaId, now_s: float, is_dispatched: bool) -> None:
         earlier = self._dispatched.get(request_id)
@@ -50,27 +62,44 @@ class InflightRequests:
             self._owed.move_to_end(owed)
             while len(self._owed) > MAX_INFLIGHT:
                 self._owed.popitem(last=False)
-        self.complete(request_id)
+        self._remove(request_id)
         (self._dispatched if is_dispatched else self._undispatched)[request_id] = (replica_id, now_s)
         self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
         while len(self._undispatched) + len(self._dispatched) > MAX_INFLIGHT:
             self._drop_oldest()
 
-    def dispatch(self, request_id: str, replica_id: ReplicaId, now_s: float) -> None:
-        """Counts a placed request as sent to `replica_id` (where Serve sent it, the chosen one or not).
+    def dispatch(self, request_id: str, replica_id: ReplicaId, now_s: float, is_self_ending: bool = False) -> int:
+        """Counts the request as sent to `replica_id` (where Serve sent it, the chosen one or not), placed there
+        whether or not it still was (a rejected attempt's completion may have ended its placement).
 
-        A request no longer placed is left alone: Serve may report a request the engine refused at
-        once complete before it reports it routed (two hops on the router's loop), and placed again
-        it would count as in flight for `INFLIGHT_TIMEOUT_S`.
+        Args:
+            is_self_ending: its result will end it (`end_dispatched` with the serial returned), so completions
+                Serve reports under its id leave it alone. Without, the next such completion ends it: Serve may
+                report a request the engine refused at once complete before it reports it routed.
+
+        Returns:
+            The dispatch's serial, for `end_dispatched`.
         """
-        if request_id in self._undispatched or request_id in self._dispatched:
-            self.place(request_id, replica_id, now_s, True)
+        if not is_self_ending and request_id not in self._undispatched and request_id not in self._dispatched:
+            return 0  # ended before it was reported routed (see above): placed again, it would count for long
+        self.place(request_id, replica_id, now_s, True)
+        serial = next(self._serials)
+        if is_self_ending:
+            self._self_ending[request_id] = serial
+        return serial
+
+    def end_dispatched(self, request_id: str, serial: int) -> None:
+        """Stops counting the dispatch `serial` of the request, if it still counts (a later call under the id,
+        placed since, goes on)."""
+        if self._self_ending.get(request_id) == serial:
+            self._remove(request_id)
 
     def complete(self, request_id: str, replica_id: ReplicaId | None = None) -> bool:
-        """Stops counting the request; with `replica_id`, only if it is placed there.
+        """Stops counting the request as Serve reports it complete; with `replica_id`, only if it is placed there.
 
         Why the replica: a replica that rejected the request (full) reports its attempt complete,
-        possibly after Serve has placed the retry on another one, which still runs it.
+        possibly after Serve has placed the retry on another one, which still runs it. A dispatch
+        whose result ends it (`end_dispatched`) is left alone.
 
         Returns:
             False when the request is placed on a replica other than `replica_id` (nothing changed).
@@ -82,15 +111,21 @@ class InflightRequests:
             else:
                 self._owed[(request_id, replica_id)] = owed - 1
             return True
-        queue = self._undispatched if request_id in self._undispatched else self._dispatched
-        placed = queue.get(request_id)
+        placed = self._undispatched.get(request_id) or self._dispatched.get(request_id)
         if placed is None:
             return True
         if replica_id is not None and placed[0] != replica_id:
             return False
-        del queue[request_id]
-        self._uncount(placed[0])
+        if request_id not in self._self_ending:
+            self._remove(request_id)
         return True
+
+    def _remove(self, request_id: str) -> None:
+        """Stops counting the request's placement, whatever it is."""
+        self._self_ending.pop(request_id, None)
+        placed = self._undispatched.pop(request_id, None) or self._dispatched.pop(request_id, None)
+        if placed is not None:
+            self._uncount(placed[0])
 
     def counts(self, now_s: float, deciding: str | None = None) -> dict[ReplicaId, int]:
         """Requests in flight per replica (replicas with none are absent); expires what timed out first.
@@ -115,15 +150,13 @@ class InflightRequests:
             request_id, (replica_id, placed_s) = next(iter(queue.items()))
             if placed_s >= placed_before_s:
                 return
-            del queue[request_id]
-            self._uncount(replica_id)
+            self._remove(request_id)
 
     def _drop_oldest(self) -> None:
         """Drops the oldest placement of either queue (the bound on bookkeeping)."""
         queues = [queue for queue in (self._undispatched, self._dispatched) if queue]
         oldest = min(queues, key=lambda queue: next(iter(queue.values()))[1])
-        _, (replica_id, _) = oldest.popitem(last=False)
-        self._uncount(replica_id)
+        self._remove(next(iter(oldest)))
 
     def _uncount(self, replica_id: ReplicaId) -> None:
         remaining = self._counts[replica_id] - 1

@@ -8,6 +8,7 @@ the tokenizer is a stand-in, so nothing leaves the process.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -265,6 +266,71 @@ def test_a_completion_from_a_replica_that_rejected_the_request_keeps_it_in_fligh
         return still_running, router._inflight.counts(time.monotonic())
 
     assert asyncio.run(route()) == ({"R2": 1}, {})
+
+
+class _Result:
+    """A result as Serve hands `on_request_routed`: its done callbacks run, as Serve's, from another thread."""
+
+    def __init__(self) -> None:
+        self._callbacks = []
+
+    def add_done_callback(self, callback) -> None:
+        self._callbacks.append(callback)
+
+    def finish(self) -> None:
+        thread = threading.Thread(target=lambda: [callback(self) for callback in self._callbacks])
+        thread.start()
+        thread.join()
+
+
+@pytest.mark.parametrize("accepted_on, late_completion_first", [("R1", False), ("R2", True), ("R1", True)])
+def test_a_retry_placed_where_its_rejected_attempt_was_counts_in_flight_until_its_own_result_is_done(
+        new_router, accepted_on, late_completion_first):
+    """Serve reports the rejected attempt complete from another thread, after the retry was placed on the same
+    replica: that completion ended the retry's placement, and the retry, sent there or elsewhere, ran uncounted."""
+    async def route():
+        router = new_router()
+        r1, r2 = StandInReplica("R1"), StandInReplica("R2")
+        router.update_replicas([r1, r2])
+        router.tokenizer.token_ids = lambda request, rendering: list(request.prompt)
+        cache_on(router, "R1", list(range(64)), 0)  # R1 holds the prompt: chosen every time
+        request = pending(SimpleNamespace(prompt=list(range(64))))
+        request_id = request.metadata.internal_request_id
+        await router.choose_replicas([r1, r2], request)  # attempt 1: sent to R1, which rejects it (full)
+        await router.choose_replicas([r1, r2], request)  # Serve routes the retry: R1 again
+        served, result = {"R1": r1, "R2": r2}[accepted_on], _Result()
+        if late_completion_first:
+            router.on_request_completed(r1.replica_id, request_id)
+        router.on_request_routed(request, served.replica_id, result)
+        if not late_completion_first:
+            router.on_request_completed(r1.replica_id, request_id)
+        running = router._inflight.counts(time.monotonic())
+        router.on_request_completed(served.replica_id, request_id)  # Serve's report of the retry itself
+        result.finish()
+        await asyncio.sleep(0)  # the callback's hop onto the router's loop
+        return running, router._inflight.counts(time.monotonic())
+
+    assert asyncio.run(route()) == ({accepted_on: 1}, {})
+
+
+def test_a_request_the_engine_refused_at_once_stops_counting_though_reported_complete_before_routed(new_router):
+    """Serve may report such a request complete before it reports it routed: counted again when routed, it held
+    its count for INFLIGHT_TIMEOUT_S; its own result, already done, ends it."""
+    async def route():
+        router = new_router()
+        r1 = StandInReplica("R1")
+        router.update_replicas([r1])
+        request = pending(SimpleNamespace(prompt=list(range(64))))
+        await router.choose_replicas([r1], request)
+        result = _Result()
+        result.finish()
+        result.add_done_callback = lambda callback: callback(result)  # done already: called at once
+        router.on_request_completed(r1.replica_id, request.metadata.internal_request_id)
+        router.on_request_routed(request, r1.replica_id, result)
+        await asyncio.sleep(0)
+        return router._inflight.counts(time.monotonic())
+
+    assert asyncio.run(route()) == {}
 
 
 def test_serves_backoff_asking_again_for_one_request_counts_one_decision(new_router):

@@ -37,6 +37,7 @@ import sys
 import time
 import tracemalloc
 from array import array
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -152,9 +153,17 @@ def index_bytes(frames) -> tuple[int, int, int]:
     return current, sum(snap.num_blocks_by_replica.values()), snap.num_unique_blocks
 
 
+@dataclass
+class DecisionClock:
+    """The decisions' time, one clock across `bench_decisions` calls sharing an index: a call that started
+    its own clock below an earlier call's end found that call's pending entries never expiring."""
+
+    now_s: float = 0.0
+
+
 def bench_decisions(
     rng: random.Random, index: PrefixIndex, num_tokens: int, iterations: int,
-    num_replicas: int = NUM_REPLICAS, cases: tuple[str, ...] = CASES,
+    num_replicas: int = NUM_REPLICAS, cases: tuple[str, ...] = CASES, clock: DecisionClock | None = None,
 ) -> dict[str, dict]:
     policy = PrefixAwarePolicy(RouterConfig(), BLOCK_SIZE, rng=random.Random(rng.random()))
     replica_ids = [ReplicaId(f"replica-{i}") for i in range(num_replicas)]
@@ -169,7 +178,9 @@ def bench_decisions(
         event = stored_event(base, 0, num_blocks, [rng.randbytes(32) for _ in range(num_blocks)])
         payload = encoder.encode(KVEventBatch(ts=0.0, events=[event]))
         index.apply(replica_ids[i], decode_event_message([b"", bytes(8), payload], decoder)[1].events)
-    now_s = 1000.0 * num_tokens  # each size starts after every earlier pending entry expired
+    clock = clock or DecisionClock()
+    # Each call starts after every earlier call's pending entries expired.
+    now_s = clock.now_s + RouterConfig().pending_ttl_s + 1.0
     results: dict[str, dict] = {}
     for case in cases:
         samples: list[int] = []
@@ -198,6 +209,7 @@ def bench_decisions(
             "expiry_sweep_p50_us": round(percentile_us(sweeps, 0.50), 1),
             "reasons": reasons,
         }
+    clock.now_s = now_s
     token_list = random_tokens(rng, num_tokens).tolist()
     build = []
     for _ in range(50):
@@ -242,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     traced_bytes, num_entries, num_unique = index_bytes(frames)
     index = PrefixIndex(BLOCK_SIZE, 500_000, MODEL)
     ingest_s = ingest(frames, index)
-    decisions = {n: bench_decisions(rng, index, n, args.iterations) for n in PROMPT_SIZES}
+    clock = DecisionClock()
+    decisions = {n: bench_decisions(rng, index, n, args.iterations, clock=clock) for n in PROMPT_SIZES}
     by_replicas = {
-        n: bench_decisions(rng, index, 8192, args.iterations, num_replicas=n, cases=("session",))["session"]
+        n: bench_decisions(rng, index, 8192, args.iterations, num_replicas=n, cases=("session",), clock=clock)["session"]
         for n in REPLICA_COUNTS
     }
 

@@ -197,6 +197,8 @@ def _records(
 
 
 _NUMBERS = ("step_index", "send_s", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_s", "latency_s")
+# The figures a record may lack (null): a request that failed has no first token, and may have no latency.
+_MAY_BE_NULL = ("ttft_s", "latency_s")
 
 
 def _record(data: object) -> RequestRecord:
@@ -204,8 +206,12 @@ def _record(data: object) -> RequestRecord:
     if not isinstance(data, dict):
         raise TypeError(f"a record is {type(data).__name__}, not an object")
     for name in _NUMBERS:
-        value = data.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if name not in data:  # left to the record's default
+            continue
+        value = data[name]
+        if value is None and name in _MAY_BE_NULL:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} is {value!r}, not a number")
     return RequestRecord.from_json(data)
 

@@ -58,3 +58,23 @@ def test_a_tiny_run_writes_its_results(tmp_path, monkeypatch):
     out = tmp_path / "r.json"
     assert router_decision.main(["--iterations", "1", "--index-blocks", "1", "--out", str(out)]) == 0
     assert out.read_text().startswith("{")
+
+
+def test_calls_sharing_an_index_share_one_clock_so_earlier_pending_entries_expire(monkeypatch):
+    """Each call restarted its clock (8,192,000 s for 8k tokens, below the 32k-token call's end): the
+    by-replica runs carried every earlier call's pending entries, which never expired there."""
+    import random
+
+    from cluster.config import RouterConfig
+    from router.index import PrefixIndex
+
+    times = []
+    real_choose = router_decision.PrefixAwarePolicy.choose
+    monkeypatch.setattr(router_decision.PrefixAwarePolicy, "choose", lambda self, *args: times.append(args[-1])
+                        or real_choose(self, *args))
+    index, rng = PrefixIndex(router_decision.BLOCK_SIZE, 500_000, router_decision.MODEL), random.Random(0)
+    clock = router_decision.DecisionClock()
+    router_decision.bench_decisions(rng, index, 2048, 5, cases=("session",), clock=clock)
+    first = list(times)
+    router_decision.bench_decisions(rng, index, 512, 5, num_replicas=4, cases=("session",), clock=clock)
+    assert min(times[len(first):]) > max(first) + RouterConfig().pending_ttl_s

@@ -104,11 +104,15 @@ def _bad_files(tmp_path) -> dict[str, tuple[object, str]]:
         "text-figure": ({"policies": {"pow2": {"records": [{**_record(100, 0.1).to_json(), "prompt_tokens": "abc"}]}}},
                         "prompt_tokens is 'abc', not a number"),
         "records-object": ({"policies": {"pow2": {"records": {"a": 1}}}}, "records is not a list"),
+        # Only a first token and a latency may be missing (null) from a record: the fit did arithmetic on None.
+        "null-figure": ({"policies": {"pow2": {"records": [{**_record(100, 0.1).to_json(), "send_s": None}]}}},
+                        "send_s is None, not a number"),
     }
 
 
 @pytest.mark.parametrize("name", ["missing", "folder", "text", "binary", "list", "simulate", "no-requests",
-                                  "one-size", "all-failed", "malformed", "text-figure", "records-object"])
+                                  "one-size", "all-failed", "malformed", "text-figure", "records-object",
+                                  "null-figure"])
 def test_a_file_that_cannot_be_fitted_is_one_error_line_naming_it(tmp_path, capsys, name):
     content, message = _bad_files(tmp_path)[name]
     path = tmp_path / f"{name}.json"

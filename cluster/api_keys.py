@@ -54,10 +54,11 @@ import logging
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional, Sequence, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from redis.client import NEVER_DECODE
 from redis.exceptions import RedisError, ResponseError, WatchError
 
 from cluster.config import MAX_KEY_BURST, MAX_REFILL_S, refill_problem
@@ -80,12 +81,12 @@ logger = logging.getLogger(__name__)
 # KEYS[1] = apikey:<hash>; ARGV[1] = key id prefix for the bucket key; ARGV[2] = MAX_BUCKET_TTL_MS
 # Returns {0} for an unknown key, {2, record_json} for a record that is no JSON object with a
 # string key_id, or whose rate or burst is unusable (the bucket arithmetic would fail or never
-# refuse), {2, ''} for an entry that is no hash, else
+# refuse), {3} for an entry that is no hash, else
 # {1, record_json, is_allowed, retry_after_ms}.
 # `allow-oom`: the bucket update must run on a Redis that is full (noeviction), see the module docstring.
 _AUTHORIZE = """#!lua flags=allow-oom
 local raw = redis.pcall('HGET', KEYS[1], 'record')
-if type(raw) == 'table' and raw.err then return {2, ''} end  -- a hand-written entry of another type
+if type(raw) == 'table' and raw.err then return {3} end  -- a hand-written entry of another type
 if not raw then return {0} end
 local is_json, record = pcall(cjson.decode, raw)
 if not is_json or type(record) ~= 'table' or type(record['key_id']) ~= 'string' then return {2, raw} end
@@ -119,9 +120,14 @@ return {1, raw, is_allowed, retry_after_ms}
 
 # KEYS[1] = apikey-id:<key id>; ARGV[1] = the namespace prefix, ARGV[2] = the key id.
 # Returns 1 if the key existed, else 0. Deletes the key's entries and leaves its revocation
-# marker in one step; `allow-oom`: see the module docstring.
+# marker in one step; an id entry of another type (written by hand, `keys list` names it) is
+# deleted alone: it names no hash to mark. `allow-oom`: see the module docstring.
 _REVOKE = """#!lua flags=allow-oom
-local key_hash = redis.call('GET', KEYS[1])
+local key_hash = redis.pcall('GET', KEYS[1])
+if type(key_hash) == 'table' and key_hash.err then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
 if not key_hash then return 0 end
 redis.call('SET', ARGV[1] .. 'apikey-revoked:' .. key_hash, ARGV[2])
 redis.call('DEL', ARGV[1] .. 'apikey:' .. key_hash, KEYS[1], ARGV[1] .. 'ratelimit:' .. ARGV[2])
@@ -406,7 +412,7 @@ class ApiKeyStore:
             raise _unavailable(err) from None
         if not reply or int(reply[0]) == 0:
             return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
-        if not reply[1]:
+        if int(reply[0]) == 3:
             _warn_unreadable(key_hash, "its entry is of another Redis type")
             return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
         record = _parse_record(reply[1], key_hash)
@@ -422,7 +428,14 @@ class ApiKeyStore:
         unreadable = []
         id_prefix = _NS + "apikey-id:"
         try:
-            async for id_key in self._redis.scan_iter(match=id_prefix + "*", count=500):
+            async for raw_name in self._id_key_names(id_prefix + "*"):
+                try:
+                    id_key = raw_name.decode()
+                except UnicodeDecodeError:  # written by hand: no command here can name it
+                    shown = raw_name[len(id_prefix):].decode(errors="backslashreplace")
+                    unreadable.append(UnreadableKey(key_id=shown, problem="its name is not UTF-8 text (delete it "
+                                                    "with redis-cli)"))
+                    continue
                 try:
                     key_hash = await self._redis.get(id_key)
                     raw = await self._redis.hget(_NS + "apikey:" + key_hash, "record") if key_hash else None
@@ -442,6 +455,17 @@ class ApiKeyStore:
         return KeyListing(
             records=sorted(records, key=lambda r: r.created_at_s), unreadable=sorted(unreadable, key=lambda u: u.key_id)
         )
+
+    async def _id_key_names(self, pattern: str) -> AsyncIterator[bytes]:
+        """The names matching `pattern`, undecoded: one that is no UTF-8 failed the whole scan as decoded."""
+        cursor = 0
+        while True:
+            cursor, names = await self._redis.execute_command(
+                "SCAN", cursor, "MATCH", pattern, "COUNT", 500, **{NEVER_DECODE: True})
+            for name in names:
+                yield name
+            if not int(cursor):
+                return
 
     async def revoke(self, key_id: str) -> bool:
         """Deletes a key by id and marks it revoked; True if it existed. Requests with it fail from the next one on.

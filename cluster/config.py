@@ -671,26 +671,28 @@ def without_password(url: str) -> str:
     """`url` with its password masked, for messages: in `user:password@`, and a `password` option of its
     query (redis-py reads one there too).
 
-    The user part is found in the text as written, up to the last `@`: a password holding `#`, `/` or
-    `?` unencoded ends the address where a URL parser reads it, before the `@`, and was printed whole.
+    The option is masked in the text as written, and the user part ends at the last `@` before the
+    first `=`: a password holding `#`, `/` or `?` unencoded ends the address where a URL parser reads
+    it, before the `@`, and was printed whole; an `@` in the query (`password=a@b`) is no user part.
     """
+    url = _RAW_QUERY_PASSWORD.sub(r"\1***", url)
     scheme, separator, rest = url.partition("://")
-    if separator and "@" in rest:
-        userinfo, _, host_on = rest.rpartition("@")
+    userinfo = rest.partition("=")[0].rpartition("@")[0] if separator else ""
+    if userinfo:
         user = userinfo.partition(":")[0] + ":" if ":" in userinfo else ""
-        url = f"{scheme}://{user}***@{host_on}"
+        url = f"{scheme}://{user}***@{rest[len(userinfo) + 1:]}"
     try:
         parts = urlsplit(url)
     except ValueError:  # a netloc it cannot read (an unclosed `[`): masked whole
         return "<unreadable URL>"
-    if parts.query:
-        parts = parts._replace(query=_QUERY_PASSWORD.sub(r"\1***", parts.query))
+    if parts.password not in (None, "***"):  # a password holding `=`, which the text's split left to the parser
+        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
     text = parts.geturl()
     return text.replace(":", "://", 1) if separator and not parts.netloc else text  # `unix:///path` as written
 
 
-# A `password=` option of a URL's query, up to its end or the next option.
-_QUERY_PASSWORD = re.compile(r"((?:^|[&;])password=)[^&;]*", re.IGNORECASE)
+# A `password=` option in a URL's text, up to the next option or a fragment.
+_RAW_QUERY_PASSWORD = re.compile(r"([?&;]password=)[^&;#]*", re.IGNORECASE)
 
 
 def check_redis_url(url: str) -> None:

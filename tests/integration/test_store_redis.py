@@ -865,6 +865,35 @@ def test_a_hand_written_key_entry_redis_cannot_hand_back_as_a_record_is_refused_
     assert [(u.key_id, u.problem) for u in listing.unreadable] == [("key_handwritten", problem)]
 
 
+def test_hand_written_key_id_entries_are_listed_apart_and_revoked_not_read_as_redis_failing(redis_url, caplog):
+    """An id entry of another Redis type: `keys list` named it for `keys revoke`, which then reported Redis
+    unavailable (WRONGTYPE). An id entry whose name is no UTF-8 failed `keys list` for every key. A record
+    that is empty text was logged as an entry of another Redis type."""
+    url = redis_url.rsplit("/", 1)[0] + "/6"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    try:
+        _, good = run_with_store(url, lambda keys: keys.create("good", ["*"], 5.0, 5))
+        client.rpush("warmpath:apikey-id:key_aaaaaaaaaaaa", "x")
+        client.set(b"warmpath:apikey-id:key_\xff\xfe", "f" * 64)
+        client.hset(f"warmpath:apikey:{hash_api_key('wp-empty')}", "record", "")
+        listing = run_with_store(url, lambda keys: keys.list())
+        is_revoked = run_with_store(url, lambda keys: keys.revoke("key_aaaaaaaaaaaa"))
+        with caplog.at_level("WARNING", logger="cluster.api_keys"):
+            empty = run_with_store(url, lambda keys: keys.authorize("wp-empty"))
+        after = run_with_store(url, lambda keys: keys.list())
+    finally:
+        client.flushdb()
+        client.close()
+    assert listing.records == [good] == after.records
+    assert [(u.key_id, u.problem) for u in listing.unreadable] == [  # by id
+        ("key_\\xff\\xfe", "its name is not UTF-8 text (delete it with redis-cli)"),
+        ("key_aaaaaaaaaaaa", "its entry is of another Redis type"),
+    ]
+    assert is_revoked and [u.key_id for u in after.unreadable] == ["key_\\xff\\xfe"]
+    assert empty.record is None and "another Redis type" not in caplog.text and "unreadable record" in caplog.text
+
+
 def test_keys_revoke_given_the_key_itself_revokes_it_by_its_id_and_never_prints_it(redis_url):
     """An operator who pasted the `api_key` `keys create` printed got `no key wp_...` (the secret on the
     terminal and in logs) and the key stayed live."""

@@ -178,9 +178,9 @@ class _RecordsOnlyRedis:
 
         return run
 
-    async def scan_iter(self, match, count):
-        for key_hash, raw in self._records.items():
-            yield "warmpath:apikey-id:" + json.loads(raw)["key_id"]
+    async def execute_command(self, command, cursor, *args, **options):  # SCAN, its names undecoded
+        assert command == "SCAN" and options
+        return 0, [("warmpath:apikey-id:" + json.loads(raw)["key_id"]).encode() for raw in self._records.values()]
 
     async def get(self, id_key):
         key_id = id_key.rpartition(":")[2]

@@ -241,6 +241,11 @@ def test_a_redis_password_written_unencoded_stays_out_of_config_errors_which_say
     ("redis://token@h:1", "redis://***@h:1"),  # a user part without `:` is masked whole: it may be the secret
     ("redis://h:1/0?password=x&db=1", "redis://h:1/0?password=***&db=1"),
     ("unix:///run/redis.sock?db=2", "unix:///run/redis.sock?db=2"),
+    # An `@` in the query is no end of a user part: the password after it was printed.
+    ("redis://10.0.0.5:6379/0?password=hunter2@Secr3tTail", "redis://10.0.0.5:6379/0?password=***"),
+    ("unix:///run/redis.sock?password=pa@ss", "unix:///run/redis.sock?password=***"),
+    ("redis://10.0.0.5:6379/0?client_name=a@b", "redis://10.0.0.5:6379/0?client_name=a@b"),
+    ("redis://:a=b@h:1", "redis://:***@h:1"),
 ])
 def test_messages_show_redis_urls_as_written_less_their_secrets(url, shown):
     assert without_password(url) == shown

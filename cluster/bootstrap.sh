@@ -45,8 +45,14 @@ install_python() {
   # A venv moved or copied with its checkout still imports warmpath from where it was made (its editable
   # install's path, its scripts' first lines): every run would fail, or run the other checkout's code.
   if [ -f "$stamp" ] && ! venv_imports_this_checkout; then
-    say "recreating $VENV: it was made for a checkout elsewhere"
-    rm -rf "$VENV"
+    if [ -n "${WARMPATH_VENV:-}" ] && [ ! -f "$VENV/.warmpath-created" ]; then
+      # The user's own venv (two checkouts may share one): installed into again, never deleted.
+      say "$VENV imports warmpath from another checkout: installing this one into it"
+      rm -f "$stamp"
+    else
+      say "recreating $VENV: it was made for a checkout elsewhere"
+      rm -rf "$VENV"
+    fi
   fi
   if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$(cat "$stamp")" = "$installed_with" ]; then
     return

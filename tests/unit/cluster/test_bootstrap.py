@@ -89,6 +89,23 @@ def test_a_venv_of_the_users_own_whose_python_was_removed_is_refused_not_deleted
     assert (venv / "mine.py").is_file() and (venv / "bin" / "python").is_symlink()
 
 
+def test_a_venv_of_the_users_own_installed_into_from_another_checkout_is_kept(tmp_path):
+    """Two checkouts sharing the user's venv: the second's run deleted it (`rm -rf`), the user's own packages
+    with it, as a venv this script had made for a checkout elsewhere."""
+    python = ROOT / ".venv" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("no .venv in this checkout")
+    venv = tmp_path / "my-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 1\n")  # stops the run at the next check
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".warmpath-installed").write_text("")  # installed into from another checkout, not made here
+    (venv / "mine.py").write_text("x = 1\n")
+    result = _bootstrap("install", env={"PYTHON": str(python), "WARMPATH_VENV": str(venv)})
+    assert "installing this one into it" in result.stderr and "recreating" not in result.stderr, result.stderr
+    assert (venv / "mine.py").is_file()
+
+
 def test_a_folder_venv_cannot_be_made_in_is_left_as_it_was_found(tmp_path):
     """WARMPATH_VENV naming a folder of the user's where `python -m venv` fails: the clean-up deleted it."""
     venv = tmp_path / "my-folder"

@@ -302,6 +302,10 @@ def check_head_startable(cfg: ClusterConfig, state: LocalState, progress: Progre
     if (problem := _other_cluster_recorded(state, address)) is not None:
         raise BringUpError(problem)
     if address:
+        if state.ray_started and _ray_head_up() and not is_started_head(state):
+            # Kept, the record of a head that is gone made `up` delete every application of the head it joins,
+            # and `down` leave warmpath's there.
+            _forget_gone_head(state, progress)
         return False
     if not _ray_head_up():
         if (refused := privileged_ports(cfg)):
@@ -317,20 +321,25 @@ def check_head_startable(cfg: ClusterConfig, state: LocalState, progress: Progre
             raise BringUpError(_ports_taken(taken))
         return False
     if state.ray_started and not is_started_head(state):
-        if state.ray_session and session_processes(state.ray_session):
-            raise BringUpError(
-                f"the head this state directory started (session {state.ray_session}) runs beside another Ray head "
-                f"started after it ({head_session()}), which Ray's tools now address: `warmpath down` stops ours "
-                "(and leaves the other running), then `warmpath up` again"
-            )
-        progress(
-            f"ray: the head this state directory started (session {state.ray_session}) is gone; "
-            f"the one running now ({head_session()}) was started elsewhere"
-        )
-        state.ray_started, state.ray_session, state.ray_address = False, None, None
+        _forget_gone_head(state, progress)
     if not state.ray_started:
         raise BringUpError(_foreign_head(cfg))
     return True
+
+
+def _forget_gone_head(state: LocalState, progress: Progress) -> None:
+    """Forgets the recorded head where another runs in its place; refuses where the recorded one still runs."""
+    if state.ray_session and session_processes(state.ray_session):
+        raise BringUpError(
+            f"the head this state directory started (session {state.ray_session}) runs beside another Ray head "
+            f"started after it ({head_session()}), which Ray's tools now address: `warmpath down` stops ours "
+            "(and leaves the other running), then `warmpath up` again"
+        )
+    progress(
+        f"ray: the head this state directory started (session {state.ray_session}) is gone; "
+        f"the one running now ({head_session()}) was started elsewhere"
+    )
+    state.ray_started, state.ray_session, state.ray_address = False, None, None
 
 
 def _foreign_head(cfg: ClusterConfig) -> str:
@@ -935,7 +944,7 @@ def remove_applications(state: LocalState, own: set[str], progress: Progress, ti
     joined head only `own` go, and whatever else runs there stays.
     """
     client = _serve_client(state)
-    if state.ray_started:
+    if is_started_head(state):  # not a head started since in its place, whose applications are not all ours
         client.delete_applications()
     else:
         client.deploy_applications(without_own_applications(client.get_serve_details(), own))
@@ -1153,14 +1162,11 @@ def _stop_started_head(state: LocalState, progress: Progress) -> bool:
                 f"({head_session()}) was started elsewhere and is left running"
             )
             return True
-        # Another head started after it (`ray stop` would stop both): this one's own processes go, by session.
+        # Another head started after it (`ray stop` would stop both): this one's own processes go, by session,
+        # its Serve controller and applications with them. Not through the dashboard: the one Ray's tools
+        # reach now is the other head's, whose applications were deleted.
         progress(f"ray: the head `up` started (session {state.ray_session}) runs beside one started elsewhere "
                  f"({head_session()}), which is left running; stopping its {len(own)} processes")
-        try:
-            _serve_client(state).delete_applications()
-            progress("serve: applications deleted")
-        except Exception as err:
-            progress(f"serve: could not delete applications ({err})")
         is_stopped = _stop_processes(own, state.ray_session, progress)
     else:
         try:

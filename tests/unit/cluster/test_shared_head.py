@@ -200,6 +200,21 @@ def test_up_refuses_a_head_started_after_ours_and_forgets_ours(tmp_path, monkeyp
     assert local.start_ray(cfg, state, lines.append) == "auto" and state.ray_started
 
 
+def test_joining_a_head_started_after_ours_forgets_ours_and_removes_only_warmpath(tmp_path, serve, monkeypatch):
+    """With RAY_ADDRESS=auto the record of our head, gone, stayed: `up --redeploy` deleted every application of
+    the head it joined (a head `up` started is all warmpath's), and `down` then left warmpath's there."""
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    monkeypatch.setattr(local, "_ray_head_up", lambda: True)
+    monkeypatch.setattr(local, "head_session", lambda: "session_new")
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    state = LocalState(ray_started=True, ray_address="auto", ray_session="session_old")
+    lines = []
+    assert local.check_head_startable(cfg, state, lines.append) is False
+    assert not state.ray_started and any("session_old) is gone" in line for line in lines), lines
+    local.remove_applications(LocalState(ray_started=True, ray_session="session_old"), OWN, lines.append)
+    assert not serve.deleted_all and set(serve.details["applications"]) == {"billing", "notebook"}
+
+
 @pytest.mark.parametrize("address, dashboard", [
     ("auto", "http://127.0.0.1:8265"),
     ("127.0.0.1:6379", "http://127.0.0.1:8265"),
@@ -341,7 +356,9 @@ def test_down_stops_our_head_running_beside_one_started_after_it(tmp_path, serve
         assert local.down(cfg, lines.append) is True  # `ray stop` would fail the test (serve fixture)
         assert process.wait(timeout=10) is not None and bystander.poll() is None
         assert reader.poll() is None  # a process reading the session's logs is no process of the session
-        assert serve.deleted_all and LocalState.load(tmp_path).is_empty()
+        # The dashboard Ray's tools reach is the other head's: its applications were deleted, ours go with our
+        # session's processes.
+        assert not serve.deleted_all and LocalState.load(tmp_path).is_empty()
         assert any("runs beside one started elsewhere" in line for line in lines), lines
     finally:
         for each in (process, bystander, reader):

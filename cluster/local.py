@@ -392,28 +392,46 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     if cfg.replicas.ray_resources:
         # One node holds every replica here, so it offers every replica's share.
         cmd.append("--resources=" + json.dumps(replicas_need(cfg, with_gpus=False)))
-    session_before = head_session()
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **grpc_proxy_env(cfg)})
     try:
-        result = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S, env={**os.environ, **grpc_proxy_env(cfg)}
-        )
+        stdout, stderr = process.communicate(timeout=RAY_START_TIMEOUT_S)
     except BaseException as err:  # Ctrl-C or a hung start: recorded, so `down` stops whatever came up
-        state.ray_started, state.ray_address = True, "auto"
-        state.ray_session = head_session()
-        state.save(state_dir_of(cfg))
+        process.kill()
+        process.wait()
+        _record_started_head(cfg, state, process.pid)
         if isinstance(err, subprocess.TimeoutExpired):
             raise BringUpError(f"`ray start --head` did not finish in {RAY_START_TIMEOUT_S} s") from None
         raise
-    if result.returncode != 0:
+    if process.returncode != 0:
         # `ray start` leaves what it spawned running when it fails ("the node timed out during startup"):
-        # a new session means it spawned a head, recorded so that `down` stops it.
-        if head_session() not in (None, session_before):
-            state.ray_started, state.ray_address, state.ray_session = True, "auto", head_session()
-            state.save(state_dir_of(cfg))
-        raise BringUpError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
+        # a session of its own means it spawned a head, recorded so that `down` stops it.
+        _record_started_head(cfg, state, process.pid)
+        raise BringUpError(f"`ray start --head` failed:\n{stdout}\n{stderr}")
     state.ray_started, state.ray_address = True, "auto"
-    state.ray_session = head_session()
+    state.ray_session = session_started_by(process.pid) or head_session()
     return "auto"
+
+
+def _record_started_head(cfg: ClusterConfig, state: LocalState, pid: int) -> None:
+    """Records the head the `ray start` of `pid` spawned, if it spawned one (saved at once: `up` is failing)."""
+    if (session := session_started_by(pid)) is not None:
+        state.ray_started, state.ray_address, state.ray_session = True, "auto", session
+        state.save(state_dir_of(cfg))
+
+
+def session_started_by(pid: int) -> Optional[str]:
+    """The Ray session the `ray start --head` of process `pid` made, or None.
+
+    Why by pid: Ray names a head's session `session_<date>_<pid of the process that started it>`, and
+    `session_latest` names the newest of any: a failed or interrupted start recorded another `up`'s head,
+    running at once from another state directory, and its `down` stopped that head.
+    """
+    sessions = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray"
+    try:
+        return max((entry.name for entry in sessions.glob(f"session_*_{pid}") if entry.is_dir()), default=None)
+    except OSError:
+        return None
 
 
 def _other_cluster_recorded(state: LocalState, address: Optional[str]) -> Optional[str]:

@@ -270,19 +270,26 @@ def test_status_exits_1_unless_both_applications_run_and_redis_answers(tmp_path,
     assert result.exit_code == 1 and says in result.output, result.output
 
 
-def test_an_interrupted_ray_start_is_recorded_so_down_stops_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("spawns", [True, False])
+def test_an_interrupted_ray_start_is_recorded_so_down_stops_it_and_only_its_own_head(
+        tmp_path, monkeypatch, ray_start, spawns):
+    """By `session_latest` alone, an interrupted start recorded the newest head, which another `up` (of another
+    state directory, started at the same time) could have started: this one's `down` then stopped that."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)
     monkeypatch.setattr(local, "ports_in_use", lambda cfg: [])  # the test session's own cluster holds them
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(local.subprocess, "run", interrupted)
+    another = ray_start.ray_tmp / "ray" / "session_2026-12-07_10-00-01_000000_4242"  # another `up`'s, newer
+    another.mkdir(parents=True)
+    (ray_start.ray_tmp / "ray" / "session_latest").symlink_to(another)
+    ray_start.spawns, ray_start.raises = spawns, KeyboardInterrupt()
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
     with pytest.raises(KeyboardInterrupt):
         local.start_ray(cfg, LocalState(), progress=lambda msg: None)
-    assert LocalState.load(tmp_path).ray_started
+    recorded = LocalState.load(tmp_path)
+    if spawns:
+        assert recorded.ray_started and recorded.ray_session == ray_start.session
+    else:
+        assert recorded.is_empty()
 
 
 @pytest.mark.parametrize("failure, exit_code", [
@@ -410,18 +417,16 @@ def test_up_stops_before_deploying_replicas_a_local_head_cannot_place(tmp_path, 
     local.check_local_head_resources(_gpu_config(tmp_path, num_replicas=1), LocalState(), lambda msg: None)
 
 
-def test_a_local_head_offers_every_replicas_custom_resources(tmp_path, monkeypatch):
+def test_a_local_head_offers_every_replicas_custom_resources(tmp_path, monkeypatch, ray_start):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)
     monkeypatch.setattr(local, "ports_in_use", lambda cfg: [])  # the test session's own cluster holds them
-    monkeypatch.setattr(local, "head_session", lambda: "session_x")
-    commands = []
-    monkeypatch.setattr(local.subprocess, "run",
-                        lambda cmd, **kwargs: commands.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
     cfg = load_config(environ={}, overrides={
         "state_dir": str(tmp_path), "replicas": {"num_replicas": 3, "ray_resources": {"warmpath_replica_slot": 1}}})
-    local.start_ray(cfg, LocalState(), progress=lambda msg: None)
-    (resources,) = [arg.split("=", 1)[1] for arg in commands[0] if arg.startswith("--resources=")]
+    state = LocalState()
+    local.start_ray(cfg, state, progress=lambda msg: None)
+    assert state.ray_session == ray_start.session
+    (resources,) = [arg.split("=", 1)[1] for arg in ray_start.commands[0] if arg.startswith("--resources=")]
     assert json.loads(resources) == {"warmpath_replica_slot": 3}
 
 
@@ -448,7 +453,8 @@ def no_ray_start(monkeypatch):
     """A machine with no Ray head running, where `ray start` must not be reached."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)
-    monkeypatch.setattr(local.subprocess, "run", lambda *args, **kwargs: pytest.fail("ray start ran"))
+    monkeypatch.setattr(local.subprocess, "run", lambda *args, **kwargs: pytest.fail("ray ran"))
+    monkeypatch.setattr(local.subprocess, "Popen", lambda *args, **kwargs: pytest.fail("ray start ran"))
 
 
 @contextlib.contextmanager

@@ -67,27 +67,21 @@ def test_the_joined_cluster_can_be_joined_again(tmp_path, monkeypatch, no_ray):
     assert local.start_ray(_cfg(tmp_path), state, progress=lambda msg: None) == "ray://head.example:10001"
 
 
-def test_a_failed_ray_start_that_spawned_a_head_is_recorded_and_down_stops_its_processes(tmp_path, monkeypatch):
+def test_a_failed_ray_start_that_spawned_a_head_is_recorded_and_down_stops_its_processes(
+        tmp_path, monkeypatch, ray_start):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)
     monkeypatch.setattr(local, "ports_in_use", lambda cfg: [])
-    sessions = iter(["session_old", "session_new", "session_new"])
-    monkeypatch.setattr(local, "head_session", lambda: next(sessions))
-    ran = []
-
-    def run(cmd, **kwargs):
-        ran.append(cmd[1:3])
-        return subprocess.CompletedProcess(cmd, 1, "", "the current node timed out during startup")
-
-    monkeypatch.setattr(local.subprocess, "run", run)
+    ray_start.result = (1, "the current node timed out during startup")
     with pytest.raises(BringUpError, match="timed out during startup"):
         local.start_ray(_cfg(tmp_path), LocalState(), progress=lambda msg: None)
     recorded = LocalState.load(tmp_path)
-    assert recorded.ray_started and recorded.ray_session == "session_new"
+    assert recorded.ray_started and recorded.ray_session == ray_start.session
 
     # The head never answers `ray status`, but its processes run: `down` stops them.
-    monkeypatch.setattr(local, "session_processes", lambda session: [4242] if session == "session_new" else [])
+    monkeypatch.setattr(local, "session_processes", lambda session: [4242] if session == ray_start.session else [])
     monkeypatch.setattr(local, "reap_orphaned_engines", lambda: [])
+    ran = []
     monkeypatch.setattr(local.subprocess, "run", lambda cmd, **kw: ran.append(cmd[1:3]) or subprocess.CompletedProcess(cmd, 0))
     lines = []
     assert local.down(_cfg(tmp_path), lines.append)
@@ -95,12 +89,11 @@ def test_a_failed_ray_start_that_spawned_a_head_is_recorded_and_down_stops_its_p
     assert LocalState.load(tmp_path).is_empty()
 
 
-def test_a_failed_ray_start_that_spawned_nothing_records_nothing(tmp_path, monkeypatch):
+def test_a_failed_ray_start_that_spawned_nothing_records_nothing(tmp_path, monkeypatch, ray_start):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)
     monkeypatch.setattr(local, "ports_in_use", lambda cfg: [])
-    monkeypatch.setattr(local, "head_session", lambda: "session_old")
-    monkeypatch.setattr(local.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "bad flag"))
+    ray_start.result, ray_start.spawns = (1, "bad flag"), False
     with pytest.raises(BringUpError, match="bad flag"):
         local.start_ray(_cfg(tmp_path), LocalState(), progress=lambda msg: None)
     assert LocalState.load(tmp_path).is_empty()

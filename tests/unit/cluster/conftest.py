@@ -1,0 +1,58 @@
+"""A stand-in for `ray start --head` (`cluster.local.start_ray` runs it with `subprocess.Popen`)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from cluster import local
+
+_PIDS = itertools.count(900_001)
+
+
+class RayStartStandIn:
+    """`ray start`'s process: it makes a session named after its pid (when `spawns` is set, as Ray's head
+    does) and ends with `returncode`, or raises `raises` from `communicate` (Ctrl-C, a timeout)."""
+
+    def __init__(self, ray_tmp: Path, returncode: int = 0, stderr: str = "", spawns: bool = True,
+                 raises: BaseException | None = None) -> None:
+        self.ray_tmp, self.spawns, self.raises = ray_tmp, spawns, raises
+        self.result = (returncode, stderr)
+        self.commands: list[list[str]] = []
+        self.pid = 0
+        self.returncode: int | None = None
+
+    def __call__(self, cmd, **kwargs) -> "RayStartStandIn":
+        self.commands.append(list(cmd))
+        self.pid = next(_PIDS)
+        return self
+
+    @property
+    def session(self) -> str:
+        return f"session_2026-12-07_10-00-00_000000_{self.pid}"
+
+    def communicate(self, timeout=None):
+        if self.spawns:
+            (self.ray_tmp / "ray" / self.session).mkdir(parents=True)
+        if self.raises is not None:
+            raise self.raises
+        self.returncode = self.result[0]
+        return "", self.result[1]
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self, timeout=None) -> int:
+        return self.returncode or -9
+
+
+@pytest.fixture
+def ray_start(tmp_path_factory, monkeypatch):
+    """Makes `ray start` a `RayStartStandIn` (configure its fields); Ray's session folders in a folder of their own."""
+    ray_tmp = tmp_path_factory.mktemp("ray-tmp")
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+    stand_in = RayStartStandIn(ray_tmp)
+    monkeypatch.setattr(local.subprocess, "Popen", stand_in)
+    return stand_in

@@ -428,6 +428,10 @@ def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateDir
     except local.BringUpError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1)
+    except OSError as err:  # its record could not be rewritten (a full disk): what it stopped is said above
+        typer.echo(f"error: cannot update {err.filename or where} ({err.strerror or err}); run `warmpath down` "
+                   "again once it can be written", err=True)
+        raise typer.Exit(1)
     if not is_stopped:
         raise typer.Exit(1)
 

@@ -243,7 +243,7 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
         return cfg.redis_url
     port = cfg.ports.local_redis_port
     url = f"redis://127.0.0.1:{port}/0"
-    if state.redis_pid and _is_redis_process(state.redis_pid, state.redis_port):
+    if state.redis_pid and _is_redis_process(state.redis_pid, state.redis_port, state_dir_of(cfg) / "redis"):
         # Never a second server on the same data directory: both would write its AOF.
         if state.redis_port and state.redis_port != port:
             raise BringUpError(
@@ -643,9 +643,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _is_redis_process(pid: int, port: Optional[int] = None) -> bool:
-    """Whether `pid` is alive and a redis-server, listening on `port` when given: after a reboot a
-    recorded pid can name anything, another Redis (the system's, on 6379) included."""
+def _is_redis_process(pid: int, port: Optional[int] = None, data_dir: Optional[Path] = None) -> bool:
+    """Whether `pid` is alive and a redis-server, listening on `port` and working in `data_dir` when given:
+    after a reboot a recorded pid can name anything, another Redis (the system's, on 6379, or another state
+    directory's on the same default port) included."""
     if not _alive(pid):
         return False
     try:
@@ -656,7 +657,12 @@ def _is_redis_process(pid: int, port: Optional[int] = None) -> bool:
         return False
     # redis-server titles itself "redis-server 127.0.0.1:<port>": the port as a whole word (`:6380` is in
     # `:63801` too, another server's title).
-    return port is None or re.search(rb":%d(?![0-9])" % port, command) is not None
+    if port is not None and re.search(rb":%d(?![0-9])" % port, command) is None:
+        return False
+    try:  # redis-server works in its --dir: another state directory's Redis works in that one's
+        return data_dir is None or Path(os.readlink(f"/proc/{pid}/cwd")) == data_dir.resolve()
+    except OSError:
+        return True
 
 
 def _serve_client(state: LocalState):
@@ -1113,15 +1119,16 @@ def replace_private(file: Path, text: str) -> None:
         raise
 
 
-def stop_redis(state: LocalState, progress: Progress, timeout_s: float = 10) -> bool:
-    """Stops the redis-server `up` started, waiting up to `timeout_s` for it to exit (it writes its AOF first).
+def stop_redis(state: LocalState, progress: Progress, timeout_s: float = 10, data_dir: Optional[Path] = None) -> bool:
+    """Stops the redis-server `up` started (working in `data_dir`, where given), waiting up to `timeout_s` for it
+    to exit (it writes its AOF first).
 
     Returns:
         False when it is still running (it is then left to the operator, and stays recorded).
     """
     if not state.redis_pid:
         return True
-    if not _is_redis_process(state.redis_pid, state.redis_port):
+    if not _is_redis_process(state.redis_pid, state.redis_port, data_dir):
         progress(f"redis: pid {state.redis_pid} is no longer the redis-server `up` started; nothing to stop")
         return True
     os.kill(state.redis_pid, signal.SIGTERM)  # redis flushes its AOF on SIGTERM
@@ -1314,7 +1321,7 @@ def down(cfg: ClusterConfig, progress: Progress) -> bool:
                 progress(f"serve: could not delete applications {', '.join(sorted(own))} ({err}); still recorded")
                 left.ray_address, left.dashboard_url = state.ray_address, state.dashboard_url
                 left.http_url, left.grpc_address, left.app_name = state.http_url, state.grpc_address, state.app_name
-    if not stop_redis(state, progress):
+    if not stop_redis(state, progress, data_dir=state_dir_of(cfg) / "redis"):
         left.redis_pid, left.redis_port, left.redis_url = state.redis_pid, state.redis_port, state.redis_url
     left.save(state_dir)
     if not left.is_empty():

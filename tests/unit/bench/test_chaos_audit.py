@@ -61,7 +61,7 @@ def test_a_redis_restart_that_did_not_happen_is_a_broken_promise_and_redis_comes
     local.LocalState(redis_pid=4242, redis_port=6380).save(tmp_path)
     calls = []
     monkeypatch.setattr(chaos, "_fates", lambda client, cfg, num, label: [_fate(f"{label} {i}") for i in range(2)])
-    monkeypatch.setattr(local, "stop_redis", lambda state, progress, timeout_s: calls.append("stop") or stops)
+    monkeypatch.setattr(local, "stop_redis", lambda state, progress, timeout_s, data_dir: calls.append("stop") or stops)
     monkeypatch.setattr(local, "start_redis", lambda cfg, state, progress: calls.append("start"))
     monkeypatch.setattr(chaos, "audit", lambda client, fates, result: result)
 
@@ -99,7 +99,7 @@ def _restart(tmp_path, monkeypatch, client):
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
     local.LocalState(redis_pid=4242, redis_port=6380).save(tmp_path)
     monkeypatch.setattr(chaos, "_fates", lambda client, cfg, num, label: [_fate(f"{label} {i}", "failed") for i in range(2)])
-    monkeypatch.setattr(local, "stop_redis", lambda state, progress, timeout_s: True)
+    monkeypatch.setattr(local, "stop_redis", lambda state, progress, timeout_s, data_dir: True)
     monkeypatch.setattr(local, "start_redis", lambda cfg, state, progress: None)
     monkeypatch.setattr(chaos, "audit", lambda client, fates, result: result)
     monkeypatch.setattr(chaos.time, "monotonic", lambda: client.now)

@@ -752,6 +752,23 @@ def test_down_with_a_state_dir_that_is_not_there_says_so(tmp_path):
     assert result.exit_code == 2 and "WARMPATH_STATE_DIR" in result.output and "does not exist" in result.output
 
 
+def test_down_that_cannot_rewrite_its_record_says_so_in_one_line(tmp_path, monkeypatch):
+    """A full disk: what `down` stopped was said, then a traceback."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    LocalState(redis_pid=1, redis_port=6380).save(tmp_path)  # pid 1 is no redis-server: nothing to stop there
+
+    def full_disk(self, state_dir):
+        raise OSError(28, "No space left on device", str(state_dir / "local.json"))
+
+    monkeypatch.setattr(LocalState, "save", full_disk)
+    result = CliRunner().invoke(app, ["down", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "error: cannot update" in result.output and "No space left on device" in result.output
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root enters every folder")
 def test_down_and_status_with_a_state_dir_this_user_cannot_enter_say_so_in_one_line(tmp_path):
     """`sudo warmpath up` under umask 077 leaves a folder other users cannot enter: a traceback, exit 1."""

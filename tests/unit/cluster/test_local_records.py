@@ -143,6 +143,9 @@ def test_a_redis_started_in_this_process_stops_at_once_and_a_port_change_is_refu
             local.start_redis(moved, state, progress=lambda msg: None)
         assert state.redis_url == url
         assert local._is_redis_process(state.redis_pid, port) and not local._is_redis_process(state.redis_pid, 6379)
+        # Another state directory's Redis on the same port (a pid reused after a reboot) is not this one's.
+        assert local._is_redis_process(state.redis_pid, port, tmp_path / "redis")
+        assert not local._is_redis_process(state.redis_pid, port, tmp_path / "another-state-dir" / "redis")
         # Moved to a Redis of its own, the cluster still records the server it started, and `down` stops it.
         state.redis_url = "redis://redis.example:6379/0"
         state.save(tmp_path)

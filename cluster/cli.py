@@ -446,6 +446,12 @@ def status(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateD
     is_recorded = not state.is_empty()
     if not is_recorded:
         typer.echo(f"note: {_where_state_is(cfg)}; what follows is whatever runs at {state.dashboard_url}", err=True)
+    elif state.ray_started and state.ray_session and local.head_session() not in (None, state.ray_session) \
+            and not local.session_processes(state.ray_session):
+        # Gone, the head this state directory started left its record: what answers is another's cluster.
+        typer.echo(f"note: the Ray head this state directory started (session {state.ray_session}) is gone; what "
+                   f"follows is whatever runs at {state.dashboard_url} (session {local.head_session()})", err=True)
+        is_recorded = False
     cfg = local.recorded_config(cfg, state, lambda message: typer.echo(f"note: {message}", err=True))
     try:
         details = local.serve_details(state)

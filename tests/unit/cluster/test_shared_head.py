@@ -215,6 +215,22 @@ def test_joining_a_head_started_after_ours_forgets_ours_and_removes_only_warmpat
     assert not serve.deleted_all and set(serve.details["applications"]) == {"billing", "notebook"}
 
 
+def test_status_of_a_head_that_is_gone_does_not_pass_another_checkouts_cluster_for_it(tmp_path, monkeypatch):
+    """Another checkout's `up` serving the same app name on the same ports: RUNNING, exit 0, as this one's."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    LocalState(ray_started=True, ray_address="auto", ray_session="session_old", app_name="warmpath").save(tmp_path)
+    monkeypatch.setattr(local, "head_session", lambda: "session_new")
+    monkeypatch.setattr(local, "session_processes", lambda session: [])
+    running = {"applications": {name: {"status": "RUNNING", "deployments": {}} for name in OWN}}
+    monkeypatch.setattr(local, "serve_details", lambda state: running)
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "(session session_old) is gone" in result.output and "application warmpath: RUNNING" in result.output
+
+
 @pytest.mark.parametrize("address, dashboard", [
     ("auto", "http://127.0.0.1:8265"),
     ("127.0.0.1:6379", "http://127.0.0.1:8265"),

@@ -215,6 +215,7 @@ def test_status_lists_the_http_and_the_grpc_application(tmp_path, monkeypatch):
             "GrpcIngress": {"status": "HEALTHY", "replicas": [{"state": "RUNNING"}]}}},
     }}
     monkeypatch.setattr(local, "serve_details", lambda state: details)
+    monkeypatch.setattr(local, "head_session", lambda: "session_1")  # the head it started answers
     LocalState(ray_started=True, ray_session="session_1", ray_address="auto").save(tmp_path)
     result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -245,6 +246,7 @@ def test_status_without_the_config_reads_the_application_up_recorded(tmp_path, m
     details = {"applications": {"agents": {"status": "RUNNING", "deployments": {}},
                                 "agents-grpc": {"status": "RUNNING", "deployments": {}}}}
     monkeypatch.setattr(local, "serve_details", lambda state: details)
+    monkeypatch.setattr(local, "head_session", lambda: "session_1")  # the head it started answers
     LocalState(ray_started=True, ray_session="session_1", ray_address="auto", app_name="agents").save(tmp_path)
     result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -10,6 +10,7 @@ error that loses its results.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NoReturn, Optional, get_args
+from typing import Callable, Iterator, NoReturn, Optional, get_args
 
 import typer
 
@@ -201,25 +202,40 @@ def up(
 
     if problems := replica_args_problems(cfg):  # else each replica finds them, minutes from now
         _refuse("\n".join(problems))
-    try:
-        state = local.up(cfg, progress, timeout_s=timeout_s, redeploy=redeploy)
-    except local.BringUpError as err:
-        typer.echo(f"error: {err}", err=True)
-        _echo_left_running(cfg)
-        raise typer.Exit(1)
-    except OSError as err:  # a state file it wrote (serve_config.yaml, the key) on a full or read-only disk
-        typer.echo(f"error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), err=True)
-        _echo_left_running(cfg)
-        raise typer.Exit(1)
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        _echo_left_running(cfg)
-        raise typer.Exit(130)
+    with _state_dir_held(cfg):
+        try:
+            state = local.up(cfg, progress, timeout_s=timeout_s, redeploy=redeploy)
+        except local.BringUpError as err:
+            typer.echo(f"error: {err}", err=True)
+            _echo_left_running(cfg)
+            raise typer.Exit(1)
+        except OSError as err:  # a state file it wrote (serve_config.yaml, the key) on a full or read-only disk
+            typer.echo(f"error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), err=True)
+            _echo_left_running(cfg)
+            raise typer.Exit(1)
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            _echo_left_running(cfg)
+            raise typer.Exit(130)
     typer.echo(f"warmpath is up: {state.http_url}/v1 (OpenAI-compatible; model \"{cfg.model.model_id}\")")
     typer.echo(f"grpc: {state.grpc_address} (application metadata \"{grpc_app_name(cfg)}\"; see protos/README.md)")
     if cfg.access.is_auth_enabled:
         key_file = local.api_key_file(cfg)
         typer.echo(f"api key: {key_file.read_text().strip()} (send 'Authorization: Bearer <key>'; kept in {key_file})")
+
+
+@contextlib.contextmanager
+def _state_dir_held(cfg: ClusterConfig) -> Iterator[None]:
+    """`local.state_dir_lock`, its refusal one line (exit 1)."""
+    from cluster import local
+
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(local.state_dir_lock(cfg))
+        except (local.BringUpError, OSError) as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(1)
+        yield
 
 
 def _echo_left_running(cfg: ClusterConfig) -> None:
@@ -231,7 +247,10 @@ def _echo_left_running(cfg: ClusterConfig) -> None:
     except local.BringUpError:
         return
     parts = ([f"redis-server (pid {state.redis_pid})"] if state.redis_pid else []) + (
-        ["the Ray head"] if state.ray_started else [])
+        ["the Ray head"] if state.ray_started else []) + (
+        # A joined cluster keeps what was deployed on it, replicas loading their models included.
+        [f"warmpath's applications on {state.ray_address}"] if not state.ray_started and state.ray_address
+        and state.app_name else [])
     if parts:
         # `down` finds them only in this state directory: one given by --state-dir or a config's is named.
         where = "" if cfg.state_dir == ClusterConfig.model_fields["state_dir"].default else (
@@ -424,7 +443,8 @@ def down(config: Optional[Path] = ConfigOpt, state_dir: Optional[str] = StateDir
         # A mistyped folder read as "nothing to stop" told a script the cluster was down.
         _refuse(f"{named} {where} does not exist: pass the folder `up` used (nothing was stopped)")
     try:
-        is_stopped = local.down(cfg, progress)
+        with _state_dir_held(cfg) if is_there else contextlib.nullcontext():
+            is_stopped = local.down(cfg, progress)
     except local.BringUpError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1)

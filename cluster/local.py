@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import json
 import logging
@@ -28,7 +29,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 from urllib.parse import urlsplit
 
 from cluster.config import LOCAL_PATH_PREFIXES, ClusterConfig, without_password
@@ -161,6 +162,24 @@ def _bin(name: str) -> str:
 
 def state_dir_of(cfg: ClusterConfig) -> Path:
     return Path(cfg.state_dir).expanduser().resolve()
+
+
+@contextlib.contextmanager
+def state_dir_lock(cfg: ClusterConfig) -> Iterator[None]:
+    """Holds the state directory for one `up` or `down`; refuses while another holds it.
+
+    Why: two at once on one directory raced for its Redis and its record; the loser took the winner's Redis
+    for another process's, and then named it as left running by itself.
+    """
+    where = state_dir_of(cfg)
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BringUpError(f"another `warmpath up` or `warmpath down` is running on {where}: let it finish "
+                               "first") from None
+        yield
 
 
 def ensure_model(cfg: ClusterConfig, progress: Progress) -> None:

@@ -294,6 +294,44 @@ def test_an_interrupted_ray_start_is_recorded_so_down_stops_it_and_only_its_own_
         assert recorded.is_empty()
 
 
+@pytest.mark.parametrize("command", ["up", "down"])
+def test_up_and_down_refuse_a_state_directory_another_up_or_down_holds(tmp_path, monkeypatch, command):
+    """Two at once raced for its Redis and its record: the loser took the winner's Redis for another process's,
+    then named it as left running by itself."""
+    import fcntl
+
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    monkeypatch.setattr(local, "up", lambda *a, **k: pytest.fail("up ran"))
+    monkeypatch.setattr(local, "down", lambda *a, **k: pytest.fail("down ran"))
+    with open(tmp_path / "lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another `up` running there
+        result = CliRunner().invoke(app, [command, "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"another `warmpath up` or `warmpath down` is running on {tmp_path}" in result.output
+
+
+def test_a_failed_up_on_a_joined_cluster_says_warmpaths_applications_stay_there(tmp_path, monkeypatch):
+    """With RAY_ADDRESS and a Redis of the user's, a failed or interrupted `up` said nothing was left: its
+    applications stayed deployed there, replicas loading their models."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    def failing_up(cfg, progress, **kwargs):
+        LocalState(ray_address="ray://head:10001", dashboard_url="http://head:8265", app_name="warmpath").save(
+            local.state_dir_of(cfg))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local, "up", failing_up)
+    result = CliRunner().invoke(app, ["up", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 130, result.output
+    assert (f"left running: warmpath's applications on ray://head:10001; `warmpath down --state-dir {tmp_path}` "
+            "stops them") in result.output
+
+
 @pytest.mark.parametrize("failure, exit_code", [
     (BringUpError("deploy failed"), 1), (KeyboardInterrupt(), 130),
     (OSError(28, "No space left on device", "/srv/.warmpath/serve_config.yaml"), 1),

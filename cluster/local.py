@@ -1329,7 +1329,13 @@ def down(cfg: ClusterConfig, progress: Progress) -> bool:
             remove_applications(state, own, progress)
             progress(f"ray: {state.ray_address} was joined, not started: left running")
         except Exception as err:
-            if state.http_url is None and isinstance(err, OSError):
+            if isinstance(err, OSError) and _address_host(state.ray_address) in (None, *_LOCAL_HOSTS) \
+                    and not _ray_head_up():
+                # A local head joined and since stopped: its applications went with it. Kept, the join failed
+                # every `down` and refused every plain `up`.
+                progress(f"ray: the local head joined at {state.ray_address} is no longer running; warmpath's "
+                         "applications went with it, and the join is forgotten")
+            elif state.http_url is None and isinstance(err, OSError):
                 # A dashboard that cannot be reached where `up` never saw the applications serve (a head that
                 # was not running, a mistyped address): kept, the join would fail every `down` and refuse
                 # every plain `up`. One that answers but fails the delete keeps the record: they may run.

@@ -136,20 +136,25 @@ def test_down_without_the_config_removes_the_application_up_recorded(tmp_path, s
     assert any("the recorded application is 'agents'" in line for line in lines), lines
 
 
+@pytest.mark.parametrize("address", ["auto", "ray://head.example:10001"])
 @pytest.mark.parametrize("has_served", [False, True])
-def test_a_join_that_never_served_is_forgotten_when_its_head_cannot_be_reached(tmp_path, monkeypatch, has_served):
+def test_a_join_that_never_served_is_forgotten_when_its_head_cannot_be_reached(
+        tmp_path, monkeypatch, has_served, address):
     """`RAY_ADDRESS=auto` with no head running: `up` failed, and every later `down` failed and every plain `up`
-    was refused, with nothing to say how out. A join that did serve stays recorded for the next `down`."""
+    was refused, with nothing to say how out. A join that did serve stays recorded for the next `down`, unless
+    it joined a local head that no longer runs (its applications went with it)."""
     def unreachable(state):
         raise ConnectionError("Connection refused")
 
     monkeypatch.setattr(local, "_serve_client", unreachable)
-    LocalState(ray_address="auto", app_name="warmpath",
+    monkeypatch.setattr(local, "_ray_head_up", lambda: address != "auto")  # the local head is gone
+    LocalState(ray_address=address, app_name="warmpath",
                http_url="http://127.0.0.1:8000" if has_served else None).save(tmp_path)
     lines = []
-    assert local.down(load_config(environ={}, overrides={"state_dir": str(tmp_path)}), lines.append) is not has_served
-    assert LocalState.load(tmp_path).is_empty() is not has_served
-    if has_served:  # the next `down` takes the same path again
+    is_kept = has_served and address != "auto"
+    assert local.down(load_config(environ={}, overrides={"state_dir": str(tmp_path)}), lines.append) is not is_kept
+    assert LocalState.load(tmp_path).is_empty() is not is_kept
+    if is_kept:  # the next `down` takes the same path again
         assert LocalState.load(tmp_path).http_url == "http://127.0.0.1:8000"
     else:
         assert any("the join is forgotten" in line for line in lines), lines

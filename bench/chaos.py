@@ -267,7 +267,7 @@ def redis_restart(client: ChaosClient, cfg: ClusterConfig, progress: Progress, n
     during = [TurnFate(f.session_id, f.content.replace("before-restart", "during-outage"), str(uuid.uuid4()))
               for f in before]
     try:
-        if not local.stop_redis(state, progress, timeout_s=30, data_dir=local.state_dir_of(cfg) / "redis"):
+        if not local.stop_redis(state, progress, timeout_s=30, data_dir=local.redis_dir_of(cfg)):
             result.broken_promises.append("Redis did not stop, so no outage was tried")
             during = []
         for fate in during:

@@ -246,7 +246,10 @@ def _unreadable_entry(err: UnicodeDecodeError | ResponseError) -> Optional[str]:
     """
     if isinstance(err, UnicodeDecodeError):
         return "it is not UTF-8 text"
-    return "its entry is of another Redis type" if str(err).startswith("WRONGTYPE") else None
+    return _OTHER_REDIS_TYPE if str(err).startswith("WRONGTYPE") else None
+
+
+_OTHER_REDIS_TYPE = "its entry is of another Redis type"
 
 
 def _warn_unreadable(key_hash: str, problem: str) -> None:
@@ -413,7 +416,7 @@ class ApiKeyStore:
         if not reply or int(reply[0]) == 0:
             return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
         if int(reply[0]) == 3:
-            _warn_unreadable(key_hash, "its entry is of another Redis type")
+            _warn_unreadable(key_hash, _OTHER_REDIS_TYPE)
             return Authorization(record=None, is_allowed=False, retry_after_s=0.0)
         record = _parse_record(reply[1], key_hash)
         if int(reply[0]) == 2 or record is None:  # refused as unknown: a bucket cannot be kept for it

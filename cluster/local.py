@@ -164,6 +164,11 @@ def state_dir_of(cfg: ClusterConfig) -> Path:
     return Path(cfg.state_dir).expanduser().resolve()
 
 
+def redis_dir_of(cfg: ClusterConfig) -> Path:
+    """Where the redis-server `up` starts keeps its data and log, and works (its `--dir`)."""
+    return state_dir_of(cfg) / "redis"
+
+
 @contextlib.contextmanager
 def state_dir_lock(cfg: ClusterConfig) -> Iterator[None]:
     """Holds the state directory for one `up` or `down`; refuses while another holds it.
@@ -262,7 +267,7 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
         return cfg.redis_url
     port = cfg.ports.local_redis_port
     url = f"redis://127.0.0.1:{port}/0"
-    if state.redis_pid and _is_redis_process(state.redis_pid, state.redis_port, state_dir_of(cfg) / "redis"):
+    if state.redis_pid and _is_redis_process(state.redis_pid, state.redis_port, redis_dir_of(cfg)):
         # Never a second server on the same data directory: both would write its AOF.
         if state.redis_port and state.redis_port != port:
             raise BringUpError(
@@ -272,7 +277,7 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
         if not _redis_ping(url, OWN_REDIS_ANSWER_TIMEOUT_S):  # a big AOF loads for a while
             raise BringUpError(
                 f"the redis-server this state directory started (pid {state.redis_pid}) does not answer on {url} "
-                f"after {OWN_REDIS_ANSWER_TIMEOUT_S} s; see {state_dir_of(cfg) / 'redis' / 'redis.log'}"
+                f"after {OWN_REDIS_ANSWER_TIMEOUT_S} s; see {redis_dir_of(cfg) / 'redis.log'}"
             )
         progress(f"redis: already running at {url} (pid {state.redis_pid})")
         state.redis_port, state.redis_url = port, url
@@ -280,7 +285,7 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
     server = shutil.which("redis-server")
     if server is None:
         raise BringUpError("redis-server is not installed (apt-get install redis-server) and REDIS_URL is not set")
-    data_dir = state_dir_of(cfg) / "redis"
+    data_dir = redis_dir_of(cfg)
     data_dir.mkdir(parents=True, exist_ok=True)
     progress(f"redis: starting redis-server on port {port} (AOF in {data_dir})")
     proc = subprocess.Popen(
@@ -460,7 +465,7 @@ def _other_cluster_recorded(state: LocalState, address: Optional[str]) -> Option
     (nothing would stop it), and `down` would treat the second as the first (deleting every
     application of a joined cluster, as it does on a head `up` started).
     """
-    joins_local_head = address is None or _address_host(address) in (None, *_LOCAL_HOSTS)
+    joins_local_head = address is None or _names_this_machine(address)
     if state.ray_started and not joins_local_head:
         return (
             f"this state directory records the local Ray head `warmpath up` started (session {state.ray_session}), "
@@ -559,6 +564,11 @@ def _address_host(address: str) -> str | None:
     except ValueError as err:  # an unclosed IPv6 bracket
         raise BringUpError(f"RAY_ADDRESS {address!r} is not an address ({err}): write ray://host:10001, "
                            "host:6379, auto or local") from None
+
+
+def _names_this_machine(address: str) -> bool:
+    """Whether `RAY_ADDRESS` names a head on this machine by name (`auto`, `local`, a loopback host)."""
+    return _address_host(address) in (None, *_LOCAL_HOSTS)
 
 
 def is_remote_address(address: str) -> bool:
@@ -1329,8 +1339,7 @@ def down(cfg: ClusterConfig, progress: Progress) -> bool:
             remove_applications(state, own, progress)
             progress(f"ray: {state.ray_address} was joined, not started: left running")
         except Exception as err:
-            if isinstance(err, OSError) and _address_host(state.ray_address) in (None, *_LOCAL_HOSTS) \
-                    and not _ray_head_up():
+            if isinstance(err, OSError) and _names_this_machine(state.ray_address) and not _ray_head_up():
                 # A local head joined and since stopped: its applications went with it. Kept, the join failed
                 # every `down` and refused every plain `up`.
                 progress(f"ray: the local head joined at {state.ray_address} is no longer running; warmpath's "
@@ -1346,7 +1355,7 @@ def down(cfg: ClusterConfig, progress: Progress) -> bool:
                 progress(f"serve: could not delete applications {', '.join(sorted(own))} ({err}); still recorded")
                 left.ray_address, left.dashboard_url = state.ray_address, state.dashboard_url
                 left.http_url, left.grpc_address, left.app_name = state.http_url, state.grpc_address, state.app_name
-    if not stop_redis(state, progress, data_dir=state_dir_of(cfg) / "redis"):
+    if not stop_redis(state, progress, data_dir=redis_dir_of(cfg)):
         left.redis_pid, left.redis_port, left.redis_url = state.redis_pid, state.redis_port, state.redis_url
     left.save(state_dir)
     if not left.is_empty():

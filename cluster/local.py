@@ -1169,29 +1169,65 @@ def stop_redis(state: LocalState, progress: Progress, timeout_s: float = 10, dat
 
 
 def reap_orphaned_engines() -> list[int]:
-    """Kills vLLM engine processes whose replica is gone (re-parented to init).
+    """Kills vLLM engine processes whose replica is gone.
 
     Why: vLLM's engine core and worker processes outlive a replica actor that
     is killed hard (`ray stop --force`, a crashed or killed replica), each
     keeping its model and KV cache in memory. Once the head `up` started is
     stopped, such orphans serve no one.
+
+    An engine is orphaned when it was re-parented to init, or adopted by a
+    subreaper (`systemd --user` on a desktop) out of a process group whose
+    leader is gone: Ray makes each worker the leader of its own group, which
+    the engines it starts inherit, so that leader is the replica. Its other
+    engines (a worker under an engine core) go with it.
     """
+    engines = _engine_processes()
+    orphaned_groups = {group for ppid, group in engines.values()
+                       if ppid != 1 and not _runs(group) and _process_group(ppid) != group}
     reaped = []
+    for pid, (ppid, group) in engines.items():
+        if ppid == 1 or group in orphaned_groups:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                reaped.append(pid)
+            except OSError:
+                pass
+    return reaped
+
+
+_ENGINE_TITLES = (b"VLLM::EngineCore", b"VLLM::Worker")
+
+
+def _engine_processes() -> dict[int, tuple[int, int]]:
+    """Each vLLM engine process's parent and process group, by pid."""
+    engines = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            name = (entry / "cmdline").read_bytes().split(b"\0", 1)[0]
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if (entry / "cmdline").read_bytes().split(b"\0", 1)[0] in _ENGINE_TITLES:
+                engines[int(entry.name)] = _parent_and_group(int(entry.name))
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == 1 and name in (b"VLLM::EngineCore", b"VLLM::Worker"):
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                reaped.append(int(entry.name))
-            except OSError:
-                pass
-    return reaped
+    return engines
+
+
+def _parent_and_group(pid: int) -> tuple[int, int]:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[2])
+
+
+def _process_group(pid: int) -> Optional[int]:
+    try:
+        return _parent_and_group(pid)[1]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _runs(pid: int) -> bool:
+    """Whether a process `pid` exists (a group's leader: the kernel reuses no pid while a group has it)."""
+    return Path(f"/proc/{pid}").exists()
 
 
 def _stop_started_head(state: LocalState, progress: Progress) -> bool:

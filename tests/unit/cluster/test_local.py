@@ -73,6 +73,75 @@ def test_orphaned_engines_are_reaped_and_other_processes_are_not():
                 pass
 
 
+# Under a subreaper (as under `systemd --user`), three engines' families, each printing `<name> <pid>` lines:
+# a replica (its group's leader, as Ray makes each worker) that died, leaving an engine core and its worker;
+# an engine whose launcher died but whose process group's leader runs; an engine whose group's leader died
+# while its parent, the group's frontend, runs.
+UNDER_SUBREAPER = """
+import ctypes, os, sys, time, setproctitle
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+def become(title, name):
+    setproctitle.setproctitle(title)
+    os.write(1, f"{name} {os.getpid()}\\n".encode())  # one write: the families print at once
+
+def family(name, own_group, frontend):
+    if os.fork():
+        return
+    if own_group:
+        os.setpgrp()
+    if os.fork():
+        os._exit(0)  # the group's leader (the replica) dies: what it started is adopted by this subreaper
+    if frontend:
+        if not os.fork():
+            become("VLLM::EngineCore", name)
+            time.sleep(120)
+        become("vllm-frontend", name + "-frontend")
+        time.sleep(120)
+    if not os.fork():
+        become("VLLM::Worker", name + "-worker")
+        time.sleep(120)
+    become("VLLM::EngineCore", name)
+    time.sleep(120)
+
+family("replica-gone", own_group=True, frontend=False)
+family("group-lives", own_group=False, frontend=False)
+family("frontend-runs", own_group=True, frontend=True)
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+def test_engines_adopted_by_a_subreaper_are_reaped_where_their_replica_is_gone():
+    reaper = subprocess.Popen([sys.executable, "-c", UNDER_SUBREAPER], stdout=subprocess.PIPE, text=True)
+    pids = {}
+    try:
+        while len(pids) < 6:
+            line = reaper.stdout.readline()
+            name, pid = line.split()
+            pids[name] = int(pid)
+        deadline = time.monotonic() + 10
+        while _ppid(pids["replica-gone"]) != reaper.pid or _ppid(pids["group-lives"]) != reaper.pid:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+        reaped = reap_orphaned_engines()
+
+        assert pids["replica-gone"] in reaped and pids["replica-gone-worker"] in reaped
+        for name in ("group-lives", "group-lives-worker", "frontend-runs", "frontend-runs-frontend"):
+            assert pids[name] not in reaped
+            assert _alive(pids[name]), name
+    finally:
+        reaper.kill()
+        for pid in pids.values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+
+
 @pytest.fixture
 def head_up(monkeypatch):
     """A Ray head answers `ray status` on this machine; `ray start` must not be run."""

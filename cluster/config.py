@@ -194,6 +194,10 @@ class ReplicaConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_accelerator(self) -> "ReplicaConfig":
+        pipeline = self.engine_kwargs.get("pipeline_parallel_size", 1)
+        if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
+            raise ValueError(f"replicas.engine_kwargs.pipeline_parallel_size must be a whole number >= 1, "
+                             f"got {pipeline!r}")
         if self.accelerator == "cpu":
             if self.num_gpus:
                 raise ValueError("replicas.num_gpus must be 0 when replicas.accelerator is 'cpu'")
@@ -205,10 +209,6 @@ class ReplicaConfig(_Strict):
         else:
             # Ray Serve LLM gives a replica tensor x pipeline parallel GPUs; `up`'s check and the KubeRay
             # workers count `num_gpus`, so the two must agree.
-            pipeline = self.engine_kwargs.get("pipeline_parallel_size", 1)
-            if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
-                raise ValueError(f"replicas.engine_kwargs.pipeline_parallel_size must be a whole number >= 1, "
-                                 f"got {pipeline!r}")
             if self.num_gpus != self.tensor_parallel_size * pipeline:
                 times = f" times replicas.engine_kwargs.pipeline_parallel_size={pipeline}" if pipeline != 1 else ""
                 raise ValueError(
@@ -251,6 +251,12 @@ class ReplicaConfig(_Strict):
         if "api_key" in self.engine_kwargs:
             raise ValueError("replicas.engine_kwargs.api_key is the key of vLLM's own HTTP server, which Ray Serve LLM "
                              "does not run: nothing would check it (warmpath's API keys are `warmpath keys`, access.*)")
+        if server_options := sorted(_VLLM_SERVER_OPTIONS & set(self.engine_kwargs)):
+            raise ValueError(
+                f"replicas.engine_kwargs {server_options}: options of vLLM's own HTTP server, which Ray Serve LLM "
+                "does not run, so they would do nothing (warmpath's ingress serves HTTP on ports.*; put TLS in a "
+                "terminating proxy or Ingress in front of it)"
+            )
         if self.engine_kwargs.get("disable_log_stats"):
             raise ValueError("replicas.engine_kwargs.disable_log_stats: the replicas report KV cache use to the router "
                              "and metrics from the engine's stats (Ray Serve LLM refuses it with its engine metrics on)")
@@ -294,6 +300,15 @@ class ReplicaConfig(_Strict):
         `structured_outputs_config` of `engine_kwargs` names none)."""
         settings = self.engine_kwargs.get("structured_outputs_config", DEFAULT_STRUCTURED_OUTPUTS)
         return str(settings.get("backend", "auto")) if isinstance(settings, dict) else "auto"
+
+
+# vLLM's frontend options that configure its own HTTP server (`vllm serve`), which Ray Serve LLM does not start:
+# Ray's proxy and warmpath's ingress answer instead (its CORS, TLS, bind address and paths are theirs).
+_VLLM_SERVER_OPTIONS = frozenset({
+    "host", "port", "uds", "grpc_port", "root_path", "middleware", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs",
+    "ssl_cert_reqs", "ssl_ciphers", "enable_ssl_refresh", "allowed_origins", "allowed_methods", "allowed_headers",
+    "allow_credentials",
+})
 
 
 RouterPolicy = Literal["warmpath", "pow2", "round-robin", "session-hash", "prefix-tree"]
@@ -626,8 +641,9 @@ class ClusterConfig(_Strict):
         ".warmpath", description="Local state: model, Redis data, logs, pid files.", min_length=1
     )
     app_name: str = Field(
-        "warmpath", description="Ray Serve application name (no '#': it separates a replica's id, as in model_id).",
-        min_length=1, pattern=r"^[^#]+$",
+        "warmpath", description="Ray Serve application name: printable ASCII without '#' (it separates a replica's "
+        "id, as in model_id); gRPC clients send it in metadata, which takes printable ASCII only.",
+        min_length=1, pattern=r"^[ -\"$-~]+$",
     )
 
     @field_validator("redis_url")
@@ -854,7 +870,8 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], s
 
     A variable is configuration when its first part names a section or field of
     the config, or when it has the `__` of a nested one (a misspelt section is
-    then an error, not ignored). Other `WARMPATH_*` variables belong to the
+    then an error, not ignored), and one naming a section with one underscore
+    (`WARMPATH_REPLICAS_NUM_REPLICAS`) is an error. Other `WARMPATH_*` variables belong to the
     shell or the tests (`WARMPATH_KEY`, `WARMPATH_TEST_KEEP_CLUSTER`) and are left alone.
 
     Raises:
@@ -867,6 +884,11 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], s
             continue
         path = [part.lower() for part in name[len(ENV_PREFIX):].split("__") if part]
         if not path or (path[0] not in ClusterConfig.model_fields and "__" not in name):
+            if section := next((section for section in _SECTIONS if path and path[0].startswith(section + "_")), None):
+                raise ConfigError(  # `WARMPATH_REPLICAS_NUM_REPLICAS` was ignored, and the default served
+                    f"environment variable {name} names no setting: a field of the {section} section takes two "
+                    f"underscores after it ({ENV_PREFIX}{section.upper()}__{path[0][len(section) + 1:].upper()})"
+                )
             continue
         if path[:2] == ["router", "scorer_weights"] and len(path) == 3:
             path[2] = path[2].replace("_", "-")  # scorer keys are kebab-case; shells allow no dash in a name
@@ -890,6 +912,7 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], s
         # OTLP's signal-specific variable turns tracing on too (`telemetry.traces_endpoint` sends spans there).
         for variable in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
             if environ.get(variable) and "otlp_endpoint" not in telemetry:
+                _refuse_other_otlp_protocol(environ, variable)
                 telemetry["otlp_endpoint"] = environ[variable]
                 sources[("telemetry", "otlp_endpoint")] = variable
         if environ.get("OTEL_SERVICE_NAME") and "service_name" not in telemetry:
@@ -898,6 +921,20 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], s
         if not telemetry:
             del out["telemetry"]
     return out, sources
+
+
+def _refuse_other_otlp_protocol(environ: Mapping[str, str], endpoint_variable: str) -> None:
+    """Raises ConfigError where the shell's OTLP protocol is one warmpath's exporter does not speak: it posts
+    OTLP/HTTP protobuf to the endpoint, which a collector's gRPC port (4317) answers with nothing it can read,
+    and every export failed while the replicas ran."""
+    names = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+    variable = next((name for name in names if environ.get(name, "").strip()), None)
+    if variable is not None and environ[variable].strip() != OTLP_PROTOCOL:
+        raise ConfigError(
+            f"environment variable {variable}={environ[variable].strip()!r}: warmpath exports spans over "
+            f"{OTLP_PROTOCOL} only; point {endpoint_variable} at the collector's OTLP/HTTP port (4318 by default) "
+            f"and set {variable}={OTLP_PROTOCOL} or unset it"
+        )
 
 
 def deep_merge(base: dict, override: Mapping) -> dict:
@@ -957,6 +994,7 @@ def validate_config(data: Mapping, sources: Mapping[tuple[str, ...], str] | None
 
 
 # The top-level keys whose value is a section of settings (a mapping).
+OTLP_PROTOCOL = "http/protobuf"  # what `telemetry.setup_tracing`'s exporter sends
 _SECTIONS = frozenset(name for name, field in ClusterConfig.model_fields.items()
                       if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
 

@@ -25,6 +25,7 @@ in order (folders recursively), then patches in order, then image rewrites.
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import math
 from pathlib import Path
@@ -195,6 +196,14 @@ def rayservice_patch_ops(cfg: ClusterConfig) -> list[dict[str, Any]]:
     return ops
 
 
+def _is_any_address(host: str) -> bool:
+    """Whether `host` is every address of the machine (`0.0.0.0`, `::`, however written)."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
     """Raises ConfigError where the overlay's worker group cannot hold what `cfg` asks of it.
 
@@ -212,6 +221,12 @@ def _check_worker_group(overlay_dir: Path, cfg: ClusterConfig) -> None:
             f"{where}: the proxies would listen on {cfg.ports.host}, ports.host{unset}, which nothing outside "
             "the pod reaches: neither the Services nor the readiness probe would; turn API keys on, or set "
             "ports.host: 0.0.0.0 (without keys every caller holds every permission, server-side tools included)"
+        )
+    if not _is_any_address(cfg.ports.host):
+        raise ConfigError(
+            f"{where}: the proxies would listen on ports.host {cfg.ports.host}, an address a pod does not have (each "
+            "gets its own): neither the Services nor the readiness probe would reach them; set ports.host: 0.0.0.0 "
+            "(or :: for IPv6)"
         )
     fractions = {name: amount for name, amount in cfg.replicas.ray_resources.items() if not float(amount).is_integer()}
     if fractions:

@@ -286,6 +286,16 @@ def test_a_sections_own_check_does_not_blame_a_variable_that_set_another_field(t
     ({"replicas": {"cpu_omp_threads_bind": "0-3|4-7"}}, "names 2 core lists; each replica runs 1 engine workers"),
     ({"replicas": {"engine_kwargs": {"disable_log_stats": True}}}, "report KV cache use"),
     ({"replicas": {"engine_kwargs": {"api_key": "sk-vllm"}}}, "vLLM's own HTTP server"),
+    # vLLM's server options: no TLS, and Ray's proxy allows every origin, whatever these say.
+    ({"replicas": {"engine_kwargs": {"ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem"}}},
+     "['ssl_certfile', 'ssl_keyfile']: options of vLLM's own HTTP server"),
+    ({"replicas": {"engine_kwargs": {"allowed_origins": ["https://app.example"]}}}, "would do nothing"),
+    # On CPU too: the replicas failed as they started.
+    ({"replicas": {"engine_kwargs": {"pipeline_parallel_size": 0}}}, "pipeline_parallel_size must be a whole"),
+    ({"replicas": {"engine_kwargs": {"pipeline_parallel_size": "2"}}}, "pipeline_parallel_size must be a whole"),
+    # gRPC clients name the application in metadata, which takes printable ASCII only.
+    ({"app_name": "wärmpath"}, "app_name"),
+    ({"app_name": "warm\npath"}, "app_name"),
     ({"replicas": {"engine_kwargs": {"gpu_memory_utilization": float("nan")}}}, "NaN or infinity"),
     ({"replicas": {"engine_kwargs": {"hf_overrides": {"rope_theta": float("inf")}}}}, "NaN or infinity"),
     # Events of blocks of block_size x 2: the router skipped every one, blind to every replica.
@@ -390,3 +400,25 @@ def test_a_config_file_in_a_folder_this_user_cannot_enter_is_one_line(tmp_path):
             load_config(closed / "cluster.yaml", environ={})
     finally:
         closed.chmod(0o700)
+
+
+def test_a_section_field_variable_written_with_one_underscore_is_refused_not_ignored():
+    """`WARMPATH_REPLICAS_NUM_REPLICAS=7` deployed the default two replicas, saying nothing."""
+    with pytest.raises(ConfigError, match=re.escape(
+            "WARMPATH_REPLICAS_NUM_REPLICAS names no setting: a field of the replicas section takes two underscores "
+            "after it (WARMPATH_REPLICAS__NUM_REPLICAS)")):
+        _load({"WARMPATH_REPLICAS_NUM_REPLICAS": "7"})
+    with pytest.raises(ConfigError, match="WARMPATH_TOOL_NETWORK__ALLOW"):
+        _load({"WARMPATH_TOOL_NETWORK_ALLOW": "x"})
+    assert _load({"WARMPATH_VENV": ".venv", "WARMPATH_KEY": "wp_x"}).replicas.num_replicas == 2  # the shell's own
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
+def test_an_otlp_endpoint_from_a_shell_set_up_for_another_protocol_is_refused(variable):
+    """A shell set up for a gRPC collector: every span went over OTLP/HTTP to its gRPC port, and was lost."""
+    with pytest.raises(ConfigError, match=re.escape(f"{variable}='grpc': warmpath exports spans over http/protobuf")):
+        _load({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317", variable: "grpc"})
+    cfg = _load({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", variable: "http/protobuf"})
+    assert cfg.telemetry.otlp_endpoint == "http://collector:4318"
+    # The protocol of a shell whose endpoint the config does not take is not warmpath's business.
+    assert _load({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}).telemetry.otlp_endpoint is None

@@ -515,6 +515,9 @@ def test_gpu_overlay_loads_a_hugging_face_model_with_a_token_secret():
         ("replicas:\n  num_replicas: 0\n", "replicas.num_replicas"),
         ("model:\n  source: /m\naccess:\n  is_auth_enabled: false\n", r"listen on 127\.0\.0\.1, ports\.host \(unset"),
         ("model:\n  source: /m\nports:\n  host: ::1\n", r"listen on ::1, ports\.host, which nothing outside"),
+        # Each pod has addresses of its own: a proxy bound to another never passed the readiness probe either.
+        ("model:\n  source: /m\nports:\n  host: 10.0.0.5\n", r"ports\.host 10\.0\.0\.5, an address a pod does not"),
+        ("model:\n  source: /m\nports:\n  host: my-host.example\n", r"set ports\.host: 0\.0\.0\.0 \(or :: for IPv6\)"),
     ],
 )
 def test_render_refuses_configs_unfit_for_a_pod(tmp_path: Path, config: str, message: str):

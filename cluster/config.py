@@ -675,6 +675,28 @@ class ClusterConfig(_Strict):
             return self.model.source
         return str(Path(self.state_dir).expanduser().resolve() / "models" / self.model.model_id)
 
+    def tokenizer_source(self) -> str:
+        """Folder or hub id of the tokenizer the engines load: `replicas.engine_kwargs.tokenizer` where set (as
+        vLLM reads it), else the model's."""
+        tokenizer = self.replicas.engine_kwargs.get("tokenizer")
+        return str(tokenizer) if tokenizer else self.model_source()
+
+    def tokenizer_kwargs(self) -> dict[str, Any]:
+        """`from_pretrained` arguments loading the engines' tokenizer as vLLM does: its remote code where the
+        engines run the model's (`trust_remote_code`), at the tokenizer's revision, else the model's.
+
+        Why: the orchestrator and the router render prompts with it; without these they loaded another
+        revision's tokenizer, or none (a tokenizer of custom code is refused without `trust_remote_code`).
+        """
+        engine_kwargs = self.replicas.engine_kwargs
+        kwargs: dict[str, Any] = {}
+        if engine_kwargs.get("trust_remote_code") is True:
+            kwargs["trust_remote_code"] = True
+        revision = engine_kwargs.get("tokenizer_revision") or engine_kwargs.get("revision")
+        if revision:
+            kwargs["revision"] = str(revision)
+        return kwargs
+
 
 # How a `model.source` that is a local path starts; anything else may be a Hugging Face id ("org/name").
 LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import random
 import threading
@@ -66,6 +67,7 @@ from router.prompt_tokens import (
     ForwardedTokenIds,
     PromptTokenizer,
     is_forwardable,
+    load_pretrained,
     prompt_chars,
     session_of,
 )
@@ -109,6 +111,9 @@ class RouterArgs(BaseModel):
     router: RouterConfig = Field(description="Policy, weights and bounds.")
     model_id: str = Field(description="Model name; roots the block hash chains.")
     model_source: str = Field(description="Folder or hub id whose tokenizer and chat template the engines use.")
+    tokenizer_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="`from_pretrained` arguments of that tokenizer (`ClusterConfig.tokenizer_kwargs`)."
+    )
     block_size_tokens: int = Field(description="The engines' KV block size.", ge=1)
     max_model_len_tokens: Optional[int] = Field(
         None, ge=1, description="The engines' context window: a prompt far longer is routed by load, untokenized."
@@ -629,7 +634,7 @@ class PrefixKVRouter(RequestRouter):
         # Requests counted as routed by load, each once: Serve asks again while every replica is full, and
         # retries a rejected attempt, whose completion has ended its placement by then.
         self._counted_by_load = _RecentIds(4096)
-        self.tokenizer = PromptTokenizer(args.model_source)
+        self.tokenizer = PromptTokenizer(args.model_source, functools.partial(load_pretrained, **args.tokenizer_kwargs))
         self.tokenizer.start_loading()
         self._decisions: OrderedDict[str, Decision] = OrderedDict()
         self._inflight = InflightRequests()

@@ -300,16 +300,17 @@ def load_retry_wait_s(num_failures: int) -> float:
     return min(FIRST_LOAD_RETRY_S * 2 ** (num_failures - 1), MAX_LOAD_RETRY_S)
 
 
-def _load_pretrained(model_source: str) -> Any:
+def load_pretrained(model_source: str, **kwargs: Any) -> Any:
+    """The `transformers` tokenizer of `model_source`, loaded with `from_pretrained`'s `kwargs`."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_source)
+    return AutoTokenizer.from_pretrained(model_source, **kwargs)
 
 
 class PromptTokenizer:
     """Renders and tokenizes OpenAI requests the way the engines do."""
 
-    def __init__(self, model_source: str, load: Callable[[str], Any] = _load_pretrained) -> None:
+    def __init__(self, model_source: str, load: Callable[[str], Any] = load_pretrained) -> None:
         """Args:
         model_source: folder or hub id of the engines' tokenizer.
         load: loads a tokenizer from `model_source` (a `transformers` one by default).

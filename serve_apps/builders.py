@@ -67,7 +67,8 @@ def request_router_config(cfg: ClusterConfig) -> dict[str, Any] | None:
         kwargs = {
             "router": cfg.router.model_dump(mode="json"),
             "model_id": cfg.model.model_id,
-            "model_source": cfg.model_source(),
+            "model_source": cfg.tokenizer_source(),
+            "tokenizer_kwargs": cfg.tokenizer_kwargs(),
             "block_size_tokens": cfg.replicas.block_size_tokens,
             "max_model_len_tokens": cfg.model.max_model_len_tokens,
         }

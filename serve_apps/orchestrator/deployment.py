@@ -396,7 +396,8 @@ class Orchestrator:
         refuse_unsuitable_redis(redis_url)
         self._store = SessionStore.from_url(redis_url, ttl_s=cfg.session_ttl_s)
         # Rendering as the replicas do: with their server-side template and default template arguments.
-        self._tokenizer = served_tokenizer(AutoTokenizer.from_pretrained(cfg.model_source()), cfg.replicas.engine_kwargs)
+        self._tokenizer = served_tokenizer(
+            AutoTokenizer.from_pretrained(cfg.tokenizer_source(), **cfg.tokenizer_kwargs()), cfg.replicas.engine_kwargs)
         self._session_tokenizer = copy.deepcopy(self._tokenizer)  # `_SESSION_CHECKS`'s own
         self._model = HandleModelClient(llm_handle, cfg.model.model_id)
         self._tool_network = ToolNetworkPolicy(cfg.tool_network)

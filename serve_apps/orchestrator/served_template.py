@@ -13,7 +13,6 @@ prefix fingerprint were wrong for every step.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping
 
 
@@ -49,17 +48,20 @@ def served_tokenizer(tokenizer: Any, engine_kwargs: Mapping[str, Any]) -> Any:
     """`tokenizer` as the replicas render with `engine_kwargs` (`replicas.engine_kwargs`); itself where they set
     neither a chat template nor default template arguments.
 
-    A `chat_template` naming a readable file is that file's text (as vLLM reads it); any other value is the
-    template itself. The file must be readable where the orchestrator runs too (the same image on Kubernetes).
+    The `chat_template` is read by vLLM's own loader, as the replicas read it: a readable file's text, else one
+    of vLLM's built-in templates by name (`template_chatml.jinja`), else the template itself where it holds
+    `{`, `}` or a line break; a name that is none of these raises ValueError, as it fails the replicas. A file
+    must be readable where the orchestrator runs too (the same image on Kubernetes).
     """
     template = engine_kwargs.get("chat_template")
     template_kwargs = engine_kwargs.get("default_chat_template_kwargs") or {}
     if template is None and not template_kwargs:
         return tokenizer
     if template is not None:
-        template = str(template)
+        from vllm.renderers.chat_utils import load_chat_template
+
         try:
-            template = Path(template).read_text(encoding="utf-8")
-        except (OSError, ValueError):
-            pass  # not a file (or a name too long for one): the template's own text
+            template = load_chat_template(str(template))
+        except Exception as err:  # vLLM's own error class, no ValueError
+            raise ValueError(f"replicas.engine_kwargs.chat_template: {err}") from None
     return ServedTemplateTokenizer(tokenizer, template, template_kwargs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from serve_apps.orchestrator.models import Message
 from serve_apps.orchestrator.prompt import SessionState, build_chat_request, control_tokens_of, count_tokens
 from serve_apps.orchestrator.served_template import ServedTemplateTokenizer, served_tokenizer
@@ -62,3 +64,14 @@ def test_the_served_tokenizer_copies_and_keys_the_control_token_cache():
     assert isinstance(served, ServedTemplateTokenizer)
     assert isinstance(copy.deepcopy(served), ServedTemplateTokenizer)  # the session checks' own copy
     control_tokens_of(served)  # weakly keyed by the tokenizer it is given
+
+
+def test_a_template_named_as_vllm_names_its_built_in_ones_is_that_template():
+    """The replicas load vLLM's built-in ChatML for `template_chatml.jinja`; read as the template's own text,
+    the name was every prompt the orchestrator counted."""
+    from vllm.transformers_utils.chat_templates.registry import CHAT_TEMPLATES_DIR
+
+    served = served_tokenizer(JinjaTokenizer(), {"chat_template": "template_chatml.jinja"})
+    assert served.chat_template == (CHAT_TEMPLATES_DIR / "template_chatml.jinja").read_text()
+    with pytest.raises(ValueError, match="looks like a file path"):  # as it fails every replica
+        served_tokenizer(JinjaTokenizer(), {"chat_template": "no_such_template.jinja"})

@@ -13,6 +13,7 @@ from router.prompt_tokens import (
     PromptTokenizer,
     forward_token_ids,
     is_forwardable,
+    load_pretrained,
     load_retry_wait_s,
     prompt_chars,
 )
@@ -429,3 +430,37 @@ def test_forwarded_ids_are_forgotten_with_their_request():
     assert len(forwarded) == 1
     forwarded.take_back(kept)
     assert kept.kv_transfer_params is None and len(forwarded) == 0
+
+
+def test_the_router_and_orchestrator_load_the_tokenizer_the_engines_load(template_tokenizer_dir, tmp_path):
+    """A tokenizer of custom code loads only where the engines trust the model's code: without the engines'
+    `trust_remote_code`, the router rendered nothing (every request by load) and the orchestrator never started."""
+    import json
+    import shutil
+
+    from cluster.config import load_config
+    from router.adapter import RouterArgs
+    from serve_apps.builders import request_router_config
+
+    folder = tmp_path / "custom"
+    shutil.copytree(template_tokenizer_dir, folder)
+    (folder / "custom_tokenizer.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\nclass CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.update(tokenizer_class="CustomTokenizer", auto_map={"AutoTokenizer": [None, "custom_tokenizer.CustomTokenizer"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        load_pretrained(str(folder))
+
+    cfg = load_config(environ={}, overrides={"model": {"source": str(folder)},
+                                             "replicas": {"engine_kwargs": {"trust_remote_code": True,
+                                                                            "revision": 20240101}}})
+    assert cfg.tokenizer_kwargs() == {"trust_remote_code": True, "revision": "20240101"}
+    args = RouterArgs.model_validate(request_router_config(cfg)["request_router_kwargs"])
+    assert args.model_source == str(folder)
+    assert type(load_pretrained(args.model_source, **args.tokenizer_kwargs)).__name__ == "CustomTokenizer"
+
+    # A tokenizer of its own, at its own revision, as vLLM takes them.
+    cfg = load_config(environ={}, overrides={"model": {"source": str(folder)}, "replicas": {"engine_kwargs": {
+        "tokenizer": template_tokenizer_dir, "revision": "main", "tokenizer_revision": "v2"}}})
+    assert (cfg.tokenizer_source(), cfg.tokenizer_kwargs()) == (template_tokenizer_dir, {"revision": "v2"})

@@ -185,8 +185,10 @@ def test_a_creation_whose_reservation_reply_never_came_gives_its_place_back(redi
 
         store._owners._reserve = reserved_then
         creation = asyncio.ensure_future(_create(store, owner, SessionQuota(limit=1)))
+        deadline = time.monotonic() + 30
         with redis.Redis.from_url(redis_url) as client:
             while fault == "cancelled" and not client.zcard(_index(owner)):
+                assert time.monotonic() < deadline, "the creation never took its place"
                 await asyncio.sleep(0.01)  # the place is taken
         if fault == "cancelled":
             creation.cancel()

@@ -165,6 +165,7 @@ def test_concurrent_messages_to_one_session_do_not_interleave(cluster, tool_serv
     first_resp = first.result(timeout=300)
     assert second.status_code == 409, second.text
     assert second.json()["error"]["code"] == "session_busy", second.text
+    assert second.headers.get("retry-after") == "1"  # through Ray's proxy too: clients wait and send again
     assert first_resp.status_code == 200 and first_resp.json()["status"] == "completed", first_resp.text
     transcript = _get(cluster, sid)["transcript"]
     assert [m["content"] for m in transcript if m["role"] == "user"] == ["message 0: where is ORD-98231?"]

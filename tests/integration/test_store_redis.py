@@ -721,7 +721,7 @@ def test_a_running_turn_keeps_its_session_alive_past_its_ttl(redis_url):
         record = await store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")
         sid = record.session_id
         await store.commit_turn(sid, 0, _turn(0), [], idem_key="t0", result_json="r0")
-        await asyncio.sleep(0.6)  # idle for most of its TTL
+        await asyncio.sleep(0.3)  # idle for part of its TTL (a stall of 0.7 s would expire it)
         async with store.turn_lock(sid):
             snapshot = await store.transcript(sid)
             await asyncio.sleep(1.5)  # the turn outlives the TTL: renewals keep the session

@@ -1,9 +1,14 @@
-"""A stand-in for `ray start --head` (`cluster.local.start_ray` runs it with `subprocess.Popen`)."""
+"""A stand-in for `ray start --head` (`cluster.local.start_ray` runs it with `subprocess.Popen`), and a way to
+run a check as a user without root's powers (CI runs the tests as root, who enters every folder and binds any
+port)."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import traceback
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -56,3 +61,37 @@ def ray_start(tmp_path_factory, monkeypatch):
     stand_in = RayStartStandIn(ray_tmp)
     monkeypatch.setattr(local.subprocess, "Popen", stand_in)
     return stand_in
+
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def as_unprivileged() -> Callable[[Callable[[], None]], None]:
+    """Runs a check as an unprivileged user: in a forked child that became `nobody` where the tests run as root,
+    else in this process; a failure in the child fails the test with its traceback."""
+    def run(check: Callable[[], None]) -> None:
+        if os.geteuid() != 0:
+            check()
+            return
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never back into pytest
+            os.close(read)
+            status = 0
+            try:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                check()
+            except BaseException:
+                os.write(write, traceback.format_exc().encode())
+                status = 1
+            os._exit(status)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            report = pipe.read().decode()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, report
+
+    return run

@@ -389,15 +389,18 @@ def test_a_config_read_from_a_pipe_loads(tmp_path):
         writer.join(10)
 
 
-@pytest.mark.skipif(__import__("os").geteuid() == 0, reason="root enters every folder")
-def test_a_config_file_in_a_folder_this_user_cannot_enter_is_one_line(tmp_path):
+def test_a_config_file_in_a_folder_this_user_cannot_enter_is_one_line(tmp_path, as_unprivileged):
     closed = tmp_path / "closed"
     closed.mkdir()
     (closed / "cluster.yaml").write_text("{}\n")
     closed.chmod(0)
-    try:
+
+    def check():
         with pytest.raises(ConfigError, match="cannot be read: Permission denied"):
             load_config(closed / "cluster.yaml", environ={})
+
+    try:
+        as_unprivileged(check)
     finally:
         closed.chmod(0o700)
 

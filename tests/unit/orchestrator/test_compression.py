@@ -229,7 +229,7 @@ def test_the_scan_is_linear_in_the_text(unit):
     text = unit * (262_144 // len(unit))
     started = time.perf_counter()
     extract_facts(text)
-    assert time.perf_counter() - started < 5  # about 0.03 s here; quadratic took minutes
+    assert time.perf_counter() - started < 30  # about 0.03-0.5 s here (4 s on a loaded host); quadratic took minutes
 
 
 @pytest.mark.parametrize("unit", ["EUR 1,", "$ 1.", "5 m/"])
@@ -604,7 +604,7 @@ def test_checking_what_a_compression_kept_is_linear_in_the_values_it_lists():
     started = time.perf_counter()
     _, report = apply_compression(history, plan, "", recount=lambda m: _account(m, 100))
     assert report.ledger_retained_fraction == 1.0
-    assert time.perf_counter() - started < 5  # about 0.06 s here; a scan per value took 13 s
+    assert time.perf_counter() - started < 10  # about 0.06-0.5 s here; a scan per value took 13 s
 
 
 def test_checking_a_json_text_inside_a_json_result_is_linear_too():

@@ -306,7 +306,7 @@ def test_a_message_echoing_a_megabyte_of_client_text_is_taken_apart_in_linear_ti
     echoed = unit * (1_048_576 // len(unit))
     started = time.perf_counter()
     body = error_body(404, f'Got request for model "{echoed}". Could not find base model with ID "{echoed}".')
-    assert time.perf_counter() - started < 5  # about 0.01 s here; quadratic took minutes
+    assert time.perf_counter() - started < 30  # about 0.01 s here (seconds on a loaded host); quadratic took minutes
     assert body["error"]["message"].startswith("Got request for model") and body["error"]["param"] is None
 
 

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import get_args
 
 from cluster.config import ClusterConfig
+from cluster.engine_values import engine_value_problems
 
 
 def replica_args_problems(cfg: ClusterConfig) -> list[str]:
-    """What vLLM would refuse in `cfg`'s replica arguments, one line each; empty when nothing (without vLLM
-    here, only the local model's window is checked)."""
+    """What vLLM would refuse in `cfg`'s replica arguments (names, and the values `engine_value_problems` can
+    judge), one line each; empty when nothing (without vLLM here, only the local model's window is checked)."""
     problems = []
     if (window := _local_model_window(cfg)) is not None and cfg.model.max_model_len_tokens > window:
         problems.append(
@@ -45,6 +46,7 @@ def replica_args_problems(cfg: ClusterConfig) -> list[str]:
         for key, value in sorted(cfg.replicas.engine_kwargs.items())
         if key in fields and _is_text_only(fields[key]) and isinstance(value, (bool, int, float))
     ]
+    problems += engine_value_problems(cfg.replicas.engine_kwargs)
     parser = cfg.model.tool_call_parser
     parsers = ToolParserManager.list_registered()
     if "tool_parser_plugin" not in cfg.replicas.engine_kwargs and parser not in parsers:  # a plugin adds its own

@@ -36,6 +36,7 @@ from cluster.config import LOCAL_PATH_PREFIXES, ClusterConfig, without_password
 from cluster.model_builder import build_model, is_built, is_rebuildable
 from cluster.redis_pool import refuse_unsuitable_redis
 from cluster.serve_config import (
+    SERVICE_NUM_CPUS,
     grpc_proxy_env,
     own_application_names,
     render_serve_config,
@@ -796,8 +797,15 @@ def replicas_need(cfg: ClusterConfig, with_gpus: bool = True) -> dict[str, float
 
 
 def resource_shortfall(cfg: ClusterConfig, totals: dict[str, float]) -> Optional[str]:
-    """What the replicas need that `totals` (a cluster's resources) lacks, in words; None when it has it all."""
-    short = {name: amount for name, amount in replicas_need(cfg).items() if totals.get(name, 0.0) < amount}
+    """What the replicas need that `totals` (a cluster's resources) lacks, in words; None when it has it all.
+
+    CPU replicas' CPUs count too, with those of warmpath's other deployments: a local head is sized for the
+    replicas of the `up` that started it, and a later `up` asking for more reuses it.
+    """
+    need = replicas_need(cfg)
+    if cfg.replicas.accelerator == "cpu":
+        need["CPU"] = cfg.replicas.num_replicas * cfg.replicas.num_cpus + SERVICE_NUM_CPUS
+    short = {name: amount for name, amount in need.items() if totals.get(name, 0.0) < amount}
     if not short:
         return None
     parts = [f"{amount:g} {name} (the head has {totals.get(name, 0.0):g})" for name, amount in sorted(short.items())]
@@ -808,7 +816,12 @@ def resource_shortfall(cfg: ClusterConfig, totals: dict[str, float]) -> Optional
             "Ray found too few GPUs on this machine (check `nvidia-smi` and CUDA_VISIBLE_DEVICES); or set "
             + ("replicas.num_replicas lower" if fits_one else "replicas.accelerator: cpu")
         )
-    if set(short) - {"GPU"}:
+    if "CPU" in short:
+        hints.append(
+            "the running head was started for fewer or smaller replicas (`warmpath down`, then `warmpath up` "
+            "starts one sized for these), or set replicas.num_replicas or replicas.num_cpus lower"
+        )
+    if set(short) - {"GPU", "CPU"}:
         hints.append(
             "a local head offers replicas.ray_resources only when `warmpath up` starts it with them "
             "(`warmpath down`, then `warmpath up`)"
@@ -823,7 +836,7 @@ def check_local_head_resources(cfg: ClusterConfig, state: LocalState, progress: 
     Why: Serve would keep them pending, and `up` would wait its whole timeout to say so.
     A cluster joined through RAY_ADDRESS is not checked: its autoscaler may add what is missing.
     """
-    if not replicas_need(cfg) or os.environ.get("RAY_ADDRESS"):
+    if os.environ.get("RAY_ADDRESS"):
         return
     from ray.util.state import list_nodes
 

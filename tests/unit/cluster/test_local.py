@@ -512,7 +512,16 @@ def test_replicas_the_head_cannot_place_are_refused_naming_what_is_missing(tmp_p
     assert local.replicas_need(slots) == {"warmpath_replica_slot": 2.0}
     assert local.resource_shortfall(slots, {"CPU": 8.0, "GPU": 1.0}).startswith(
         "2 replicas need 2 warmpath_replica_slot (the head has 0): a local head offers replicas.ray_resources")
-    assert local.resource_shortfall(load_config(environ={}, overrides={"state_dir": str(tmp_path)}), {}) is None
+    assert local.resource_shortfall(load_config(environ={}, overrides={"state_dir": str(tmp_path)}), {"CPU": 6.0}) is None
+
+
+def test_cpu_replicas_a_running_head_has_too_few_cpus_for_are_refused(tmp_path):
+    """`up --replicas 8` after a 2-replica `up` reused its head (6 CPUs): replicas stayed pending and `up`
+    waited out its timeout."""
+    eight = load_config(environ={}, overrides={"state_dir": str(tmp_path), "replicas": {"num_replicas": 8}})
+    shortfall = local.resource_shortfall(eight, {"CPU": 6.0})
+    assert shortfall.startswith("8 replicas need 9 CPU (the head has 6): the running head was started for fewer")
+    assert local.resource_shortfall(eight, {"CPU": 12.0}) is None  # what `up` starts a head with for them
 
 
 def test_up_stops_before_deploying_replicas_a_local_head_cannot_place(tmp_path, monkeypatch):

@@ -92,8 +92,9 @@ def load_overlay_config(overlay_dir: Path) -> ClusterConfig:
 
     Raises:
         ConfigError: the file is missing or invalid, `model.source` is empty or relative
-            (`./m`, `~/m`: either resolves to a path on the machine that renders), or `redis_url` carries a
-            password (it would be readable by anyone who can read the RayService).
+            (`./m`, `~/m`: either resolves to a path on the machine that renders), or `redis_url` is set (a
+            password would be readable by anyone who can read the RayService; any value overrides the pods'
+            REDIS_URL).
     """
     where = overlay_dir / CLUSTER_CONFIG_FILE
     try:
@@ -116,6 +117,13 @@ def load_overlay_config(overlay_dir: Path) -> ClusterConfig:
         raise ConfigError(
             f"{where}: redis_url carries a password, which would be written into the RayService; "
             "leave redis_url unset and let pods read REDIS_URL built from the Secret"
+        )
+    if cfg.redis_url:
+        # The deployments take a config's redis_url over their environment's: the pods' REDIS_URL, with the
+        # Secret's password, was ignored, and every session call failed NOAUTH.
+        raise ConfigError(
+            f"{where}: redis_url would override the REDIS_URL the pods build from the Secret (base/rayservice.yaml);"
+            " leave it unset and change REDIS_URL there"
         )
     if secrets := sorted(_SECRET_ENGINE_KWARGS & set(cfg.replicas.engine_kwargs)):
         raise ConfigError(

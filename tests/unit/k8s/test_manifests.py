@@ -512,6 +512,8 @@ def test_gpu_overlay_loads_a_hugging_face_model_with_a_token_secret():
         ("model:\n  source: ./models/m\n", "relative to the machine that renders"),
         ("model:\n  source: ~/models/m\n", "relative to the machine that renders"),
         ("model:\n  source: /m\nredis_url: redis://:secret@r:6379/1\n", "password"),
+        # Without a password it still won over the pods' REDIS_URL (with the Secret's): every session call NOAUTH.
+        ("model:\n  source: /m\nredis_url: redis://warmpath-redis:6379/1\n", "override the REDIS_URL the pods build"),
         ("replicas:\n  num_replicas: 0\n", "replicas.num_replicas"),
         ("model:\n  source: /m\naccess:\n  is_auth_enabled: false\n", r"listen on 127\.0\.0\.1, ports\.host \(unset"),
         ("model:\n  source: /m\nports:\n  host: ::1\n", r"listen on ::1, ports\.host, which nothing outside"),

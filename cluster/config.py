@@ -537,10 +537,12 @@ class AccessConfig(_Strict):
         True, description="Require an API key (Authorization: Bearer, x-api-key, or gRPC metadata) on every call."
     )
     default_requests_per_s: float = Field(
-        20.0, description="Sustained request rate of keys created without their own.", gt=0, allow_inf_nan=False
+        20.0, description="Sustained request rate of keys created without their own (read by `warmpath keys create`, "
+        "which stores it in the key: give it the cluster's config).", gt=0, allow_inf_nan=False
     )
     default_burst: int = Field(
-        40, description="Token bucket size of keys created without their own.", ge=1, le=MAX_KEY_BURST
+        40, description="Token bucket size of keys created without their own (read by `warmpath keys create`, as "
+        "default_requests_per_s).", ge=1, le=MAX_KEY_BURST
     )
     max_request_bytes: int = Field(
         4 * 1024 * 1024, description="Largest HTTP request body or gRPC message accepted (413 beyond).", ge=1024,

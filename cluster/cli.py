@@ -1,7 +1,8 @@
 """The `warmpath` command: build the model, bring the local cluster up and down.
 
 Config precedence: defaults < `--config` YAML (or `$WARMPATH_CONFIG`) < environment
-(`WARMPATH_SECTION__FIELD`, `REDIS_URL`, `OTEL_EXPORTER_OTLP_ENDPOINT`) < flags.
+(`WARMPATH_SECTION__FIELD`, `REDIS_URL`, `OTEL_EXPORTER_OTLP_ENDPOINT` or
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME`) < flags.
 Every command validates the config once and exits 2 with one line per problem.
 Bad flags exit 2 with one line as well, before any work: a command that writes
 files checks first that it can write them, so a long run never ends in a path
@@ -97,7 +98,7 @@ def _write_or_exit(path: Path, write: Callable[[Path], None]) -> None:
         raise typer.Exit(1)
 
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="Cluster config YAML.")
+ConfigOpt = typer.Option(None, "--config", "-c", help="Cluster config YAML (default: $WARMPATH_CONFIG; WARMPATH_<SECTION>__<FIELD> variables and flags override it).")
 StateDirOpt = typer.Option(None, help="State directory of the local cluster (default: the config's state_dir).")
 PoliciesOpt = typer.Option(",".join(get_args(RouterPolicy)), help="Comma-separated routing policies, each run once.")
 

@@ -152,7 +152,7 @@ class ReplicaConfig(_Strict):
         1.0, description=(
             "Logical CPUs per replica: a CPU replica's engine bundle. GPU replicas take Ray Serve LLM's bundles "
             "(one per GPU, the first with the replica actor's CPU); there it sizes only the Ray CPUs each KubeRay "
-            "worker offers (num_cpus + 1)."
+            "worker offers (num_cpus + 1) and a local head `up` starts (num_replicas x num_cpus + 4)."
         ), gt=0, le=MAX_CPUS_PER_REPLICA, allow_inf_nan=False,
     )
     num_gpus: int = Field(

@@ -286,6 +286,9 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
     server = shutil.which("redis-server")
     if server is None:
         raise BringUpError("redis-server is not installed (apt-get install redis-server) and REDIS_URL is not set")
+    if _bind_error("127.0.0.1", port) == errno.EADDRINUSE:  # else found only once redis-server gave up on it
+        raise BringUpError(f"port {port} (ports.local_redis_port) is in use by another process; stop it or set "
+                           "ports.local_redis_port")
     data_dir = redis_dir_of(cfg)
     data_dir.mkdir(parents=True, exist_ok=True)
     progress(f"redis: starting redis-server on port {port} (AOF in {data_dir})")

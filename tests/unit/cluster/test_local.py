@@ -5,6 +5,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -265,12 +266,26 @@ def test_a_redis_port_another_server_holds_is_refused_not_adopted(tmp_path):
         cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path / "state"),
                                                  "ports": {"local_redis_port": port}})
         state = LocalState()
-        with pytest.raises(BringUpError, match=f"port {port} is in use by another process"):
+        with pytest.raises(BringUpError, match=re.escape(f"port {port} (ports.local_redis_port) is in use by another")):
             local.start_redis(cfg, state, progress=lambda msg: None)
         assert state.redis_pid is None and other.poll() is None
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_redis_port_a_process_of_another_kind_holds_is_named_before_starting_redis(tmp_path):
+    """An HTTP server on the port: `up` started redis-server, waited 10 s for a PING nothing answered, and
+    pointed at redis.log."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path / "state"),
+                                                 "ports": {"local_redis_port": port}})
+        with pytest.raises(BringUpError, match=re.escape(f"port {port} (ports.local_redis_port) is in use by another")):
+            local.start_redis(cfg, LocalState(), progress=lambda msg: None)
+    assert not local.redis_dir_of(cfg).exists()  # no redis-server was started
 
 
 def test_status_lists_the_http_and_the_grpc_application(tmp_path, monkeypatch):

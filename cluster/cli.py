@@ -289,11 +289,16 @@ def _load_state(cfg: ClusterConfig):
 
 
 def _where_state_is(cfg: ClusterConfig) -> str:
-    """Where the local cluster's record is looked for, for messages that found none."""
+    """Where the local cluster's record is looked for, for messages that found none: a state directory `up` used
+    (its Redis data is there) was stopped, or never brought up; any other may be the wrong one."""
     from cluster import local
 
+    state_dir = local.state_dir_of(cfg)
+    if local.redis_dir_of(cfg).is_dir():
+        return (f"nothing `warmpath up` started from {state_dir} is running: `warmpath down` stopped it, or "
+                "`warmpath up` did not finish")
     return (
-        f"no local cluster is recorded in {local.LocalState.path(local.state_dir_of(cfg))}; the state directory "
+        f"no local cluster is recorded in {local.LocalState.path(state_dir)}; the state directory "
         "is relative to where `warmpath up` ran unless --state-dir or WARMPATH_STATE_DIR says otherwise"
     )
 

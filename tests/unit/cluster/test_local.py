@@ -323,6 +323,21 @@ def test_status_with_nothing_recorded_shows_what_runs_but_exits_1(tmp_path, monk
     assert "no local cluster is recorded" in result.output and "application warmpath: RUNNING" in result.output
 
 
+def test_after_down_status_and_keys_say_the_cluster_was_stopped_not_that_the_folder_may_be_wrong(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.setattr(local, "serve_details", lambda state: {"applications": {}})
+    (tmp_path / "redis").mkdir()  # `up` ran here: its Redis data stays after `down`
+    for command in (["status"], ["keys", "list"]):
+        result = CliRunner().invoke(app, [*command, "--state-dir", str(tmp_path)])
+        assert result.exit_code in (1, 2), result.output
+        assert f"nothing `warmpath up` started from {tmp_path} is running: `warmpath down` stopped it" in result.output
+        assert "relative to where" not in result.output
+
+
 def test_status_without_the_config_reads_the_application_up_recorded(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

@@ -194,10 +194,12 @@ def tool_choice_problem(tool_choice: str, tool_names: Sequence[str]) -> str | No
     if tool_choice in ("auto", "none"):
         return None
     if not tool_names:
-        return f"tool_choice {tool_choice!r} asks for a tool call, but the session has no tools"
+        return (f"tool_choice {tool_choice!r} asks for a tool call, but the session has no tools (it takes 'auto' "
+                "or 'none')")
     if tool_choice == "required" or tool_choice in tool_names:
         return None
-    return f"tool_choice names {tool_choice!r}, which is not one of {sorted(tool_names)}"
+    return (f"tool_choice names {tool_choice!r}, which is not one of {sorted(tool_names)} (nor 'auto', 'none' or "
+            "'required')")
 
 
 def forced_grammar_problem(tool_choice: str, tools: Sequence[ToolSpec]) -> str | None:

@@ -173,8 +173,8 @@ def test_tools_defining_one_def_identically_are_accepted():
     "tools, tool_choice, fragment",
     [
         ((), "required", "the session has no tools"),
-        ((), "fetch", "the session has no tools"),
-        ((CLIENT_TOOL,), "fecth", "names 'fecth', which is not one of ['fetch']"),
+        ((), "fetch", "the session has no tools (it takes 'auto' or 'none')"),
+        ((CLIENT_TOOL,), "fecth", "names 'fecth', which is not one of ['fetch'] (nor 'auto', 'none' or 'required')"),
     ],
 )
 def test_a_tool_choice_the_session_cannot_honour_is_refused_before_the_turn(tools, tool_choice, fragment):

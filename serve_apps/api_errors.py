@@ -217,6 +217,10 @@ def client_engine_error(error: Mapping[str, Any]) -> tuple[Optional[int], str]:
     return status, message
 
 
+# The other fields at fault a validation message names beside its first problem's.
+MORE_FIELDS_NAMED = 3
+
+
 def validation_problem(errors: Sequence[Mapping[str, Any]], prefix: str = "") -> tuple[str, Optional[str]]:
     """(message, field) for pydantic's `errors()`: the first problem, and the field at fault.
 
@@ -227,9 +231,12 @@ def validation_problem(errors: Sequence[Mapping[str, Any]], prefix: str = "") ->
     first = errors[0] if errors else {}
     where = _field_path(first.get("loc", ()), prefix)
     message = f"{where or 'the request body'}: {first.get('msg', 'invalid value')}"
-    num_more = len({_field_path(e.get("loc", ()), prefix) for e in errors} - {where})
-    if num_more:
-        message += f" (and {num_more} more problem{'s' if num_more > 1 else ''})"
+    others = list(dict.fromkeys(_field_path(e.get("loc", ()), prefix) or "the request body" for e in errors))
+    others = [field for field in others if field != (where or "the request body")]
+    if others:  # named, so that a client fixes them all at once, not one per try
+        named = ", ".join(others[:MORE_FIELDS_NAMED])
+        rest = len(others) - MORE_FIELDS_NAMED
+        message += f" (and problems in {named}{f' and {rest} more fields' if rest > 0 else ''})"
     # A value that matches none of a union's forms fails once per form, each under the form's name:
     # the field is where all those problems meet.
     shared = _field_path(_common_prefix([_without_tags(e.get("loc", ())) for e in errors]), prefix)

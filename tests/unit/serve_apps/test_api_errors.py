@@ -166,11 +166,14 @@ def test_body_validation_names_the_field_as_param():
     missing = client.post("/v1/things", json={"messages": [{}], "max_tokens": "many"})
     assert missing.status_code == 400
     assert missing.json()["error"] == {
-        "message": "messages[0].role: Field required (and 1 more problem)", "type": "BadRequestError",
+        "message": "messages[0].role: Field required (and problems in max_tokens)", "type": "BadRequestError",
         "param": "messages[0].role", "code": "invalid_parameter",
     }
     both = client.post("/v1/things", json={"messages": [{"role": 1}, {"role": 2}]})
     assert both.json()["error"]["param"] == "messages"  # where the two problems meet
+    many = client.post("/v1/things", json={"messages": [{}, {}, {}, {}, {}], "max_tokens": "many"})
+    assert many.json()["error"]["message"] == ("messages[0].role: Field required (and problems in messages[1].role, "
+                                               "messages[2].role, messages[3].role and 2 more fields)")
     broken = client.post("/v1/things", content=b"{bad", headers={"content-type": "application/json"})
     assert broken.status_code == 400
     error = broken.json()["error"]

@@ -368,8 +368,9 @@ def run_policy(cfg: ClusterConfig, policy: RouterPolicy, workload: Workload,
     # Rendered ids that differ in length from vLLM's count would make the oracle and the
     # simulator replay other prompts than the engines saw.
     mismatches = sum(1 for r in records if r.error is None and len(r.token_ids) != r.prompt_tokens)
-    progress(f"bench: {policy}: {summary.num_requests} ok, {summary.num_errors} failed, hit rate "
-             f"{summary.hit_rate}, {wall_s:.0f}s" + (f", {mismatches} prompt token mismatches" if mismatches else ""))
+    hit_rate = summary.hit_rate if summary.hit_rate is None else round(summary.hit_rate, 3)
+    progress(f"bench: {policy}: {summary.num_requests} ok, {summary.num_errors} failed, hit rate {hit_rate}, "
+             f"{wall_s:.0f}s" + (f", {mismatches} prompt token mismatches" if mismatches else ""))
     return {"summary": summary.to_json(), "wall_s": wall_s, "replica_ids": replica_ids,
             "num_prompt_token_mismatches": mismatches, "router_state": routers,
             "records": [r.to_json() for r in records]}

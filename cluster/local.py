@@ -906,6 +906,14 @@ def summarize(details: dict, app_name: str) -> tuple[str, list[str]]:
     return app["status"], lines
 
 
+def _local_logs(state: LocalState) -> Optional[Path]:
+    """The logs folder of the local head `up` started, where it still exists; None for a joined cluster."""
+    if not (state.ray_started and state.ray_session):
+        return None
+    logs = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / state.ray_session / "logs"
+    return logs if logs.is_dir() else None
+
+
 def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, timeout_s: float) -> dict:
     """Polls the Serve status until warmpath's applications run, one fails, or `timeout_s` passes.
 
@@ -941,6 +949,11 @@ def wait_running(cfg: ClusterConfig, state: LocalState, progress: Progress, time
         for message in (l.strip() for l in lines if l.startswith("  ")):
             if message not in said_messages and status not in ("RUNNING", "DEPLOY_FAILED"):
                 progress(f"[{now - start:5.0f}s] serve says: {message}")
+                if not said_messages and (logs := _local_logs(state)) is not None:
+                    # Serve's message ends at the engine's last words ("See root cause above"): its cause is
+                    # in the engine's own output, which only these files hold.
+                    progress(f"[{now - start:5.0f}s] serve: the replicas' logs are in {logs / 'serve'}, their "
+                             f"engines' output in {logs}/worker-*.out and worker-*.err")
                 said_messages.add(message)
         if status == "RUNNING":
             return details

@@ -595,6 +595,31 @@ def test_bring_up_shows_serves_own_word_on_a_pending_deployment_once(tmp_path, m
     serve_says = [line for line in said if "serve says:" in line]
     assert len(serve_says) == 1  # two deployments, two polls: one message, once
     assert serve_says[0].endswith(" ".join(message.split()))
+    assert not any("logs are in" in line for line in said)  # a joined cluster's logs are not on this machine
+
+
+def test_a_replica_failing_to_start_on_the_local_head_points_at_its_logs(tmp_path, monkeypatch):
+    """vLLM's "Engine core initialization failed. See root cause above": the cause is in no message, only in the
+    engines' output, which the operator had to find in Ray's session folder."""
+    message = ("A replica failed to start with exception. Retrying 4 more time(s). Error:\n"
+               "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    failing = {"applications": {app: {"status": "DEPLOYING", "deployments": {
+        "D": {"status": "UPDATING", "message": message, "replicas": [{"state": "STARTING"}]}}}
+        for app in ("warmpath", "warmpath-grpc")}}
+    running = {"applications": {app: {"status": "RUNNING", "deployments": {}} for app in ("warmpath", "warmpath-grpc")}}
+    answers = iter([failing, failing, running])
+    monkeypatch.setattr(local, "serve_details", lambda state: next(answers))
+    monkeypatch.setattr(local.time, "sleep", lambda s: None)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    logs = tmp_path / "ray" / "session_1" / "logs"
+    logs.mkdir(parents=True)
+    said = []
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path / "state")})
+    local.wait_running(cfg, LocalState(ray_started=True, ray_session="session_1"), said.append, timeout_s=60)
+    pointers = [line for line in said if "logs are in" in line]
+    assert len(pointers) == 1
+    assert pointers[0].endswith(f"the replicas' logs are in {logs / 'serve'}, their engines' output in "
+                                f"{logs}/worker-*.out and worker-*.err")
 
 
 @pytest.fixture

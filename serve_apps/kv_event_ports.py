@@ -5,20 +5,33 @@ minutes later, once its model is loaded. A port the kernel hands out for `bind(0
 its ephemeral range, the range every outgoing connection (Ray's, Redis's, a model download's)
 takes its local port from, so one of those could hold it by then: the engine's bind failed and
 Ray restarted the replica. Ports below that range are only ever taken by an explicit bind.
+
+Two replicas on one host choose in the same range before either engine binds, so each also
+claims its ports for as long as it lives: a lock file per port (`fcntl.flock`, released by the
+kernel when the replica's process ends), which another replica's choice skips.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import random
 import socket
+import tempfile
 from pathlib import Path
+from typing import IO
 
 # Above Ray's worker ports (10002-19999 by default) and below Linux's default ephemeral range (32768-60999).
 CANDIDATE_PORTS = range(20000, 32768)
 _EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _DEFAULT_EPHEMERAL = range(32768, 61000)
 _MAX_TRIES = 200
+# Claims held by this process (a replica): open, locked files, kept open for the process's life.
+_HELD_CLAIMS: list[IO[bytes]] = []
+
+
+def default_claims_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "warmpath-kv-ports"
 
 
 def ephemeral_ports(range_file: Path = _EPHEMERAL_RANGE_FILE) -> range:
@@ -40,15 +53,37 @@ def _bound_socket(port: int) -> socket.socket | None:
     return sock
 
 
-def free_kv_event_ports(count: int, ephemeral: range | None = None,
-                        candidates: range = CANDIDATE_PORTS) -> list[int]:
-    """`count` distinct ports free now and outside the ephemeral range, where there are any.
+def _claim(claims_dir: Path, port: int) -> tuple[bool, IO[bytes] | None]:
+    """(whether no other process claims `port` in `claims_dir`, this process's claim on it: the open file holding
+    the lock, or None where no claim can be made there, such as a folder this user cannot write in)."""
+    try:
+        if not claims_dir.is_dir():
+            claims_dir.mkdir(exist_ok=True)
+            with contextlib.suppress(OSError):
+                claims_dir.chmod(0o1777)  # every user's replicas claim there; only a file's owner removes it
+        claim = open(claims_dir / str(port), "ab")
+    except OSError:
+        return True, None
+    try:
+        fcntl.flock(claim.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        claim.close()
+        return False, None
+    return True, claim
+
+
+def free_kv_event_ports(count: int, ephemeral: range | None = None, candidates: range = CANDIDATE_PORTS,
+                        claims_dir: Path | None = None) -> list[int]:
+    """`count` distinct ports free now, outside the ephemeral range and claimed by no other replica on this host,
+    where there are any; this process keeps its claims on them (in `claims_dir`, by default a folder of the
+    system's temporary files) until it ends.
 
     Each chosen port stays bound until all are chosen, so none comes twice. Where every
-    candidate is in the ephemeral range (a host that widened it) or taken, the kernel
+    candidate is in the ephemeral range (a host that widened it), taken or claimed, the kernel
     chooses, as before.
     """
     ephemeral = ephemeral_ports() if ephemeral is None else ephemeral
+    claims_dir = default_claims_dir() if claims_dir is None else claims_dir
     outside = [port for port in candidates if port not in ephemeral]
     rng = random.SystemRandom()
     with contextlib.ExitStack() as stack:
@@ -56,9 +91,16 @@ def free_kv_event_ports(count: int, ephemeral: range | None = None,
         for _ in range(_MAX_TRIES if outside else 0):
             if len(chosen) == count:
                 break
-            sock = _bound_socket(rng.choice(outside))
-            if sock is not None:
-                chosen.append(stack.enter_context(sock))
+            port = rng.choice(outside)
+            is_unclaimed, claim = _claim(claims_dir, port)  # a port chosen already is claimed by this process
+            sock = _bound_socket(port) if is_unclaimed else None
+            if sock is None:
+                if claim is not None:
+                    claim.close()
+                continue
+            if claim is not None:
+                _HELD_CLAIMS.append(claim)
+            chosen.append(stack.enter_context(sock))
         while len(chosen) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             chosen.append(stack.enter_context(sock))

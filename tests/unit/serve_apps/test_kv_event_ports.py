@@ -1,8 +1,12 @@
 """The replica's KV-event ports: free, distinct, and outside the range outgoing connections take ports from."""
 
 import socket
+import subprocess
+import sys
 
 from serve_apps.kv_event_ports import CANDIDATE_PORTS, ephemeral_ports, free_kv_event_ports
+
+PAIR = 24_750  # three candidates below the ephemeral range, unused by anything this suite starts
 
 
 def test_the_ports_are_distinct_free_and_outside_the_hosts_ephemeral_range():
@@ -38,3 +42,26 @@ def test_the_ephemeral_range_is_read_from_the_kernel_or_linuxs_default(tmp_path)
     assert ephemeral_ports(tmp_path / "missing") == range(32768, 61000)
     ranges.write_text("garbage\n")
     assert ephemeral_ports(ranges) == range(32768, 61000)
+
+
+def test_a_port_another_replica_on_this_host_claimed_is_not_chosen_until_it_ends(tmp_path):
+    """Two replicas choose before either engine binds: the second could draw the first's port, and its engine's
+    bind failed minutes later (Ray restarted the replica)."""
+    other_replica = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; "
+         "from serve_apps.kv_event_ports import free_kv_event_ports; "
+         f"print(*free_kv_event_ports(2, ephemeral=range(0), candidates=range({PAIR}, {PAIR} + 3), "
+         f"claims_dir=Path({str(tmp_path)!r})), flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = {int(port) for port in other_replica.stdout.readline().split()}
+        assert len(theirs) == 2
+        # Free to bind (no engine bound them yet), but claimed: this replica gets the third, and claims it.
+        (mine,) = free_kv_event_ports(1, ephemeral=range(0), candidates=range(PAIR, PAIR + 3), claims_dir=tmp_path)
+        assert mine in range(PAIR, PAIR + 3) and mine not in theirs
+    finally:
+        other_replica.stdin.close()
+        other_replica.wait(timeout=30)
+    # Ended, the other replica's claims went with it; this one keeps its own.
+    (again,) = free_kv_event_ports(1, ephemeral=range(0), candidates=range(PAIR, PAIR + 3), claims_dir=tmp_path)
+    assert again in theirs

@@ -36,6 +36,7 @@ from cluster.config import LOCAL_PATH_PREFIXES, ClusterConfig, without_password
 from cluster.model_builder import build_model, is_built, is_rebuildable
 from cluster.redis_pool import refuse_unsuitable_redis
 from cluster.serve_config import (
+    KV_EVENTS_HOST_ENV,
     SERVICE_NUM_CPUS,
     grpc_proxy_env,
     own_application_names,
@@ -420,8 +421,10 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     if cfg.replicas.ray_resources:
         # One node holds every replica here, so it offers every replica's share.
         cmd.append("--resources=" + json.dumps(replicas_need(cfg, with_gpus=False)))
+    # The head's workers inherit its environment: the replicas bind their KV events to loopback, which the
+    # router on this one machine reaches and no other host does.
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **grpc_proxy_env(cfg)})
+                               env={**os.environ, **grpc_proxy_env(cfg), KV_EVENTS_HOST_ENV: "127.0.0.1"})
     try:
         stdout, stderr = process.communicate(timeout=RAY_START_TIMEOUT_S)
     except BaseException as err:  # Ctrl-C or a hung start: recorded, so `down` stops whatever came up

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import random
 import socket
 import tempfile
 from pathlib import Path
-from typing import IO
+from typing import IO, Mapping
+
+from cluster.serve_config import KV_EVENTS_HOST_ENV
 
 # Above Ray's worker ports (10002-19999 by default) and below Linux's default ephemeral range (32768-60999).
 CANDIDATE_PORTS = range(20000, 32768)
@@ -106,3 +109,18 @@ def free_kv_event_ports(count: int, ephemeral: range | None = None, candidates: 
             chosen.append(stack.enter_context(sock))
             sock.bind(("", 0))
         return [sock.getsockname()[1] for sock in chosen]
+
+
+def kv_event_endpoints(port: int, replay_port: int, node_ip: str,
+                       environ: Mapping[str, str] = os.environ) -> tuple[dict[str, str], dict[str, str]]:
+    """(the publisher's bind endpoints, the endpoints the replica advertises to routers) of a replica's ports.
+
+    Why bound to one address: the events carry every prompt's token ids, whosever, with no authentication;
+    bound to every interface (`tcp://*`), any host that reached the machine read every tenant's prompts.
+    They bind the address the routers connect to: the node's (Ray's), or `KV_EVENTS_HOST_ENV`'s. An IPv6
+    address stays `*` (vLLM's publisher opens IPv4 sockets only).
+    """
+    host = environ.get(KV_EVENTS_HOST_ENV) or node_ip
+    bind = "*" if ":" in host else host
+    return ({"endpoint": f"tcp://{bind}:{port}", "replay_endpoint": f"tcp://{bind}:{replay_port}"},
+            {"kv_events_endpoint": f"tcp://{host}:{port}", "kv_events_replay_endpoint": f"tcp://{host}:{replay_port}"})

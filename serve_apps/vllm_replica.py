@@ -44,7 +44,7 @@ from cluster.config import TelemetryConfig
 from ray import serve
 from router.prompt_tokens import FORWARDED_IDS_KEY, EngineRendering
 from serve_apps.api_errors import engine_error
-from serve_apps.kv_event_ports import free_kv_event_ports
+from serve_apps.kv_event_ports import free_kv_event_ports, kv_event_endpoints
 from serve_apps.metrics import WarmpathMetrics
 from serve_apps.sse_frames import frame_errors
 from serve_apps.stream_batches import eager_first_batches
@@ -267,21 +267,13 @@ class WarmpathLLMServer(LLMServer):
 
     async def __init__(self, llm_config: LLMConfig, **kwargs: Any):
         self._replica_id = serve.get_replica_context().replica_id.unique_id
-        port, replay_port = free_kv_event_ports(2)
-        host = _node_ip()
+        bound, advertised = kv_event_endpoints(*free_kv_event_ports(2), node_ip=_node_ip())
         llm_config.update_engine_kwargs(
-            kv_events_config={
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://*:{port}",
-                "replay_endpoint": f"tcp://*:{replay_port}",
-                "topic": "",
-            }
+            kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", **bound, "topic": ""}
         )
         self._advertised = {
             "replica_id": self._replica_id,
-            "kv_events_endpoint": f"tcp://{host}:{port}",
-            "kv_events_replay_endpoint": f"tcp://{host}:{replay_port}",
+            **advertised,
             "block_size": llm_config.engine_kwargs.get("block_size"),
         }
         self._rendering_stats: Dict[str, Any] = {}

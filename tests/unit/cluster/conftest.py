@@ -26,11 +26,13 @@ class RayStartStandIn:
         self.ray_tmp, self.spawns, self.raises = ray_tmp, spawns, raises
         self.result = (returncode, stderr)
         self.commands: list[list[str]] = []
+        self.environments: list[dict[str, str] | None] = []
         self.pid = 0
         self.returncode: int | None = None
 
     def __call__(self, cmd, **kwargs) -> "RayStartStandIn":
         self.commands.append(list(cmd))
+        self.environments.append(kwargs.get("env"))
         self.pid = next(_PIDS)
         return self
 

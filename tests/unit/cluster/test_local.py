@@ -577,6 +577,8 @@ def test_a_local_head_offers_every_replicas_custom_resources(tmp_path, monkeypat
     assert state.ray_session == ray_start.session
     (resources,) = [arg.split("=", 1)[1] for arg in ray_start.commands[0] if arg.startswith("--resources=")]
     assert json.loads(resources) == {"warmpath_replica_slot": 3}
+    # Its workers inherit it: the replicas publish their KV events (every prompt's tokens) on loopback only.
+    assert ray_start.environments[0]["WARMPATH_KV_EVENTS_HOST"] == "127.0.0.1"
 
 
 def test_bring_up_shows_serves_own_word_on_a_pending_deployment_once(tmp_path, monkeypatch):

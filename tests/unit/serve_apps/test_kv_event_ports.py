@@ -4,7 +4,9 @@ import socket
 import subprocess
 import sys
 
-from serve_apps.kv_event_ports import CANDIDATE_PORTS, ephemeral_ports, free_kv_event_ports
+import zmq
+
+from serve_apps.kv_event_ports import CANDIDATE_PORTS, ephemeral_ports, free_kv_event_ports, kv_event_endpoints
 
 PAIR = 24_750  # three candidates below the ephemeral range, unused by anything this suite starts
 
@@ -65,3 +67,30 @@ def test_a_port_another_replica_on_this_host_claimed_is_not_chosen_until_it_ends
     # Ended, the other replica's claims went with it; this one keeps its own.
     (again,) = free_kv_event_ports(1, ephemeral=range(0), candidates=range(PAIR, PAIR + 3), claims_dir=tmp_path)
     assert again in theirs
+
+
+def test_the_events_bind_the_address_routers_connect_to_not_every_interface():
+    """They carry every tenant's prompt tokens, unauthenticated: on `tcp://*`, any host reaching the machine read
+    them. A local head's replicas bind loopback; elsewhere, the node's address."""
+    bound, advertised = kv_event_endpoints(25_001, 25_002, node_ip="10.1.2.3", environ={})
+    assert bound == {"endpoint": "tcp://10.1.2.3:25001", "replay_endpoint": "tcp://10.1.2.3:25002"}
+    assert advertised == {"kv_events_endpoint": "tcp://10.1.2.3:25001",
+                          "kv_events_replay_endpoint": "tcp://10.1.2.3:25002"}
+    bound, advertised = kv_event_endpoints(25_001, 25_002, node_ip="10.1.2.3",
+                                           environ={"WARMPATH_KV_EVENTS_HOST": "127.0.0.1"})
+    assert bound["endpoint"] == advertised["kv_events_endpoint"] == "tcp://127.0.0.1:25001"
+    bound, advertised = kv_event_endpoints(25_001, 25_002, node_ip="fd00::5", environ={})
+    assert bound["endpoint"] == "tcp://*:25001"  # vLLM's publisher opens IPv4 sockets only
+
+
+def test_a_publisher_bound_to_loopback_is_reached_there_only():
+    (port,) = free_kv_event_ports(1)
+    bound, advertised = kv_event_endpoints(port, 0, node_ip="10.1.2.3", environ={"WARMPATH_KV_EVENTS_HOST": "127.0.0.1"})
+    context = zmq.Context.instance()
+    with context.socket(zmq.PUB) as publisher:
+        publisher.bind(bound["endpoint"])
+        assert publisher.getsockopt(zmq.LAST_ENDPOINT) == f"tcp://127.0.0.1:{port}".encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+            other.bind(("127.0.0.2", port))  # another address of the machine: free, where `*` would hold it

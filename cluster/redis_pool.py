@@ -9,9 +9,14 @@ call wait up to `REDIS_POOL_WAIT_S` for one; only then is it an outage (`is_pool
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
+
+from cluster.config import check_redis_url, without_password
 
 # Connections one process may hold: above what one replica runs at once (256 requests, each
 # with at most one call in flight, plus a turn's lock renewal), far below Redis' 10,000 clients.
@@ -20,6 +25,28 @@ REDIS_MAX_CONNECTIONS = 1024
 REDIS_POOL_WAIT_S = 10.0
 # What redis-py's waiting pool raises when no connection freed up in time.
 _NO_CONNECTION_TEXT = "No connection available"
+
+
+def serving_redis_url(configured: str | None, needed_by: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The Redis a deployment opens: the config's `redis_url`, else its environment's `REDIS_URL` (a pod's, built
+    from a Secret), checked as the config's is.
+
+    Why checked here: the config's URL was checked where it was loaded, the environment's never; a password
+    holding `/`, `#` or `?` unencoded made redis-py's error quote part of it, and that error became the
+    deployment's status message (`warmpath status`, a RayService's status).
+
+    Raises:
+        ValueError: neither is set, or the URL is unusable (its password masked).
+    """
+    url = configured or environ.get("REDIS_URL")
+    if not url:
+        raise ValueError(f"{needed_by} needs redis_url in the cluster config or REDIS_URL in its environment")
+    if not configured:
+        try:
+            check_redis_url(url)
+        except ValueError as err:
+            raise ValueError(f"REDIS_URL {err}") from None
+    return url
 
 
 def pooled_client(
@@ -63,8 +90,6 @@ def refuse_unsuitable_redis(url: str, timeout_s: float = 2.0) -> None:
     is left to the stores, which answer it 503 and recover when Redis is back.
     """
     import redis
-
-    from cluster.config import without_password
 
     client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:

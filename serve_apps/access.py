@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -33,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.api_keys import ALL_PERMISSIONS, ApiKeyStore, StoreUnavailable
 from cluster.config import AccessConfig
-from cluster.redis_pool import refuse_unsuitable_redis
+from cluster.redis_pool import refuse_unsuitable_redis, serving_redis_url
 from serve_apps.api_errors import error_body, retry_after_header
 
 logger = logging.getLogger("ray.serve")
@@ -160,9 +159,7 @@ class AccessGuard:
         self._keys: Optional[ApiKeyStore] = None
         if settings.access.is_auth_enabled:
             # Like the orchestrator: the config's URL, else the pod's REDIS_URL (from a Secret on Kubernetes).
-            redis_url = settings.redis_url or os.environ.get("REDIS_URL")
-            if not redis_url:
-                raise ValueError("access.is_auth_enabled needs redis_url in the cluster config or REDIS_URL")
+            redis_url = serving_redis_url(settings.redis_url, "access.is_auth_enabled")
             refuse_unsuitable_redis(redis_url)
             self._keys = ApiKeyStore.from_url(redis_url)
 

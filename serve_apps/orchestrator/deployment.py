@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ from cluster import telemetry
 from cluster.config import validate_config
 from router import decision_log
 from cluster.api_keys import missing_permissions
-from cluster.redis_pool import refuse_unsuitable_redis
+from cluster.redis_pool import refuse_unsuitable_redis, serving_redis_url
 from serve_apps.access import Caller
 from serve_apps.api_errors import error_body, readable_message, validation_problem
 from serve_apps.handle_streams import cancelled_if_left
@@ -387,9 +386,7 @@ class Orchestrator:
         from transformers import AutoTokenizer
 
         cfg = validate_config(args)
-        redis_url = cfg.redis_url or os.environ.get("REDIS_URL")
-        if not redis_url:
-            raise ValueError("the orchestrator needs redis_url in the cluster config or REDIS_URL in its environment")
+        redis_url = serving_redis_url(cfg.redis_url, "the orchestrator")
         self._model_id = cfg.model.model_id
         self._max_model_len_tokens = cfg.model.max_model_len_tokens
         self._max_sessions_per_key = cfg.access.max_sessions_per_key

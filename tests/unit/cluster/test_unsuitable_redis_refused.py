@@ -165,3 +165,18 @@ def test_a_cluster_node_is_refused_whatever_its_memory_section_answers(monkeypat
     monkeypatch.setattr(redis.Redis, "from_url", staticmethod(lambda *args, **kwargs: Node()))
     with pytest.raises(ValueError, match="Redis Cluster"):
         refuse_unsuitable_redis("redis://cluster-node:6379/0")
+
+
+def test_a_deployments_redis_url_from_its_environment_is_checked_with_its_password_masked():
+    """A Secret's password holding `/` (base64) cut the URL short: redis-py's error quoted part of it, and that
+    error became the deployment's status message, readable wherever the RayService's status is."""
+    from cluster.redis_pool import serving_redis_url
+
+    with pytest.raises(ValueError) as err:
+        serving_redis_url(None, "the orchestrator", {"REDIS_URL": "redis://:S3cr3t/xyz@warmpath-redis:6379/1"})
+    assert str(err.value).startswith("REDIS_URL has a port that is not a number") and "S3cr3t" not in str(err.value)
+    assert "must be percent-encoded" in str(err.value)
+    with pytest.raises(ValueError, match="the orchestrator needs redis_url in the cluster config or REDIS_URL"):
+        serving_redis_url(None, "the orchestrator", {})
+    assert serving_redis_url(None, "x", {"REDIS_URL": "redis://:p%2Fq@r:6379/1"}) == "redis://:p%2Fq@r:6379/1"
+    assert serving_redis_url("redis://r:6379/2", "x", {"REDIS_URL": "redis://other:6379/1"}) == "redis://r:6379/2"

@@ -132,7 +132,7 @@ class LocalState:
 
         Private to its owner (mode 0600): a recorded `redis_url` may hold the Redis password.
         """
-        state_dir.mkdir(parents=True, exist_ok=True)
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         replace_private(self.path(state_dir), json.dumps(asdict(self), indent=2) + "\n")
 
     def is_empty(self) -> bool:
@@ -179,7 +179,7 @@ def state_dir_lock(cfg: ClusterConfig) -> Iterator[None]:
     for another process's, and then named it as left running by itself.
     """
     where = state_dir_of(cfg)
-    where.mkdir(parents=True, exist_ok=True)
+    where.mkdir(parents=True, exist_ok=True, mode=0o700)  # made here first: it holds the sessions' Redis data
     with open(where / "lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -292,6 +292,9 @@ def start_redis(cfg: ClusterConfig, state: LocalState, progress: Progress) -> st
                            "ports.local_redis_port")
     data_dir = redis_dir_of(cfg)
     data_dir.mkdir(parents=True, exist_ok=True)
+    # Its AOF holds every transcript and the API keys' records (an admin key for whoever can write one): its
+    # owner's only, whatever the state directory's mode.
+    data_dir.chmod(0o700)
     progress(f"redis: starting redis-server on port {port} (AOF in {data_dir})")
     proc = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),

@@ -977,3 +977,13 @@ def test_a_build_model_seed_torch_cannot_take_is_refused_before_building(tmp_pat
 
     result = CliRunner().invoke(app, ["build-model", "--seed", str(2**64), "--out", str(tmp_path / "m")])
     assert result.exit_code == 2 and not (tmp_path / "m").exists()
+
+
+def test_a_state_directory_up_makes_is_its_owners_only(tmp_path):
+    """It holds the Redis data (every transcript, the API keys' records): made 0755, any local user read them."""
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path / "fresh")})
+    with local.state_dir_lock(cfg):
+        pass
+    assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o700
+    LocalState().save(tmp_path / "saved")
+    assert (tmp_path / "saved").stat().st_mode & 0o777 == 0o700

@@ -138,6 +138,7 @@ def test_a_redis_started_in_this_process_stops_at_once_and_a_port_change_is_refu
     server_pids = [state.redis_pid]
     try:
         assert url == f"redis://127.0.0.1:{port}/0" and state.redis_url == url
+        assert (tmp_path / "redis").stat().st_mode & 0o777 == 0o700  # transcripts and key records: its owner's
         moved = _cfg(tmp_path, ports={"local_redis_port": _free_port()})
         with pytest.raises(BringUpError, match=rf"listens on port {port}, not .*`warmpath down` first"):
             local.start_redis(moved, state, progress=lambda msg: None)

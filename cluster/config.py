@@ -1017,8 +1017,8 @@ def validate_config(data: Mapping, sources: Mapping[tuple[str, ...], str] | None
         raise ConfigError(format_validation_error(err, sources)) from None
 
 
-# The top-level keys whose value is a section of settings (a mapping).
 OTLP_PROTOCOL = "http/protobuf"  # what `telemetry.setup_tracing`'s exporter sends
+# The top-level keys whose value is a section of settings (a mapping).
 _SECTIONS = frozenset(name for name, field in ClusterConfig.model_fields.items()
                       if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
 

@@ -28,7 +28,8 @@ from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 import redis
 import yaml
 from pydantic import (
-    BaseModel, ConfigDict, Field, JsonValue, ValidationError, ValidationInfo, field_validator, model_validator,
+    BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError, ValidationInfo, field_validator,
+    model_validator,
 )
 
 from cluster.model_builder import ModelShape
@@ -692,12 +693,20 @@ class ClusterConfig(_Strict):
         """
         engine_kwargs = self.replicas.engine_kwargs
         kwargs: dict[str, Any] = {}
-        if engine_kwargs.get("trust_remote_code") is True:
+        if _reads_as_true(engine_kwargs.get("trust_remote_code")):  # as vLLM's ModelConfig reads it ('yes' too)
             kwargs["trust_remote_code"] = True
         revision = engine_kwargs.get("tokenizer_revision") or engine_kwargs.get("revision")
         if revision:
             kwargs["revision"] = str(revision)
         return kwargs
+
+
+def _reads_as_true(value: Any) -> bool:
+    """Whether pydantic's lax bool, which vLLM's config classes use, reads `value` as true."""
+    try:
+        return TypeAdapter(bool).validate_python(value) is True
+    except ValidationError:
+        return False
 
 
 # How a `model.source` that is a local path starts; anything else may be a Hugging Face id ("org/name").
@@ -935,8 +944,7 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], s
     if isinstance(telemetry, dict):  # else WARMPATH_TELEMETRY set it whole, to what validation then names
         # OTLP's signal-specific variable turns tracing on too (`telemetry.traces_endpoint` sends spans there).
         for variable in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-            if environ.get(variable) and "otlp_endpoint" not in telemetry:
-                _refuse_other_otlp_protocol(environ, variable)
+            if environ.get(variable) and "otlp_endpoint" not in telemetry and _speaks_otlp_protocol(environ):
                 telemetry["otlp_endpoint"] = environ[variable]
                 sources[("telemetry", "otlp_endpoint")] = variable
         if environ.get("OTEL_SERVICE_NAME") and "service_name" not in telemetry:
@@ -947,18 +955,16 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], s
     return out, sources
 
 
-def _refuse_other_otlp_protocol(environ: Mapping[str, str], endpoint_variable: str) -> None:
-    """Raises ConfigError where the shell's OTLP protocol is one warmpath's exporter does not speak: it posts
-    OTLP/HTTP protobuf to the endpoint, which a collector's gRPC port (4317) answers with nothing it can read,
-    and every export failed while the replicas ran."""
+def _speaks_otlp_protocol(environ: Mapping[str, str]) -> bool:
+    """Whether the shell's OTLP protocol (where it names one) is the one warmpath's exporter speaks.
+
+    Why: it posts OTLP/HTTP protobuf to the endpoint; a shell set up for a collector's gRPC port (4317) gave it
+    an endpoint that answered nothing it could read, and every export failed while the replicas ran. Such an
+    endpoint is another tool's, not taken (`telemetry.otlp_endpoint` still sets one).
+    """
     names = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-    variable = next((name for name in names if environ.get(name, "").strip()), None)
-    if variable is not None and environ[variable].strip() != OTLP_PROTOCOL:
-        raise ConfigError(
-            f"environment variable {variable}={environ[variable].strip()!r}: warmpath exports spans over "
-            f"{OTLP_PROTOCOL} only; point {endpoint_variable} at the collector's OTLP/HTTP port (4318 by default) "
-            f"and set {variable}={OTLP_PROTOCOL} or unset it"
-        )
+    protocol = next((environ[name].strip() for name in names if environ.get(name, "").strip()), OTLP_PROTOCOL)
+    return protocol == OTLP_PROTOCOL
 
 
 def deep_merge(base: dict, override: Mapping) -> dict:

@@ -71,6 +71,10 @@ _BOUND_SOURCES = ("ModelConfig", "CacheConfig", "ParallelConfig", "SchedulerConf
 # pydantic's own errors of type and shape. Not 'value_error'/'assertion_error': those come from vLLM's
 # validators, which may depend on the platform (`current_platform`) of the machine that runs the check.
 _TYPE_ERRORS_EXCLUDED = frozenset({"value_error", "assertion_error"})
+# Free-form arguments vLLM hands on as written, with no type of their own to read text as a number by: into the
+# Hugging Face config (`config.update`). Others are validated by a class that reads '1e-3' as 0.001
+# (`custom_histogram_buckets`: ObservabilityConfig).
+_PASSED_ON_AS_WRITTEN = frozenset({"hf_overrides"})
 # Scientific notation that YAML 1.2 and JSON read as a number and PyYAML (YAML 1.1) keeps as text: PyYAML
 # wants a dot and a signed exponent (`1.0e+6`), so `1e6`, `1E-5`, `2.5e6` and `1e+6` stay strings.
 _SCIENTIFIC = re.compile(r"[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)[eE][-+]?\d+")
@@ -109,7 +113,7 @@ def engine_value_problems(engine_kwargs: dict[str, Any], where: str = "replicas.
                 continue
             if problem := _scalar_problem(name, key, annotation, value):
                 problems.append(problem)
-        elif isinstance(value, (dict, list)):
+        elif key in _PASSED_ON_AS_WRITTEN and isinstance(value, (dict, list)):
             problems += _scientific_text(name, value)
     return problems
 
@@ -227,8 +231,8 @@ def _expected(key: str, types_: set, value: Any, errors: list[dict]) -> str:
 
 def _bool_problem(name: str, key: str, value: Any) -> str | None:
     """Booleans: a real one, 0 or 1, or a text every reading takes alike."""
-    if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
-        return None
+    if isinstance(value, bool) or (type(value) in (int, float) and value in (0, 1)):
+        return None  # pydantic's lax bool reads 0, 1, 0.0 and 1.0
     if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS:
         return None  # true both to a config class and to Python truth
     if isinstance(value, str) and value.strip().lower() in _FALSE_WORDS:

@@ -36,7 +36,7 @@ from cluster.config import LOCAL_PATH_PREFIXES, ClusterConfig, without_password
 from cluster.model_builder import build_model, is_built, is_rebuildable
 from cluster.redis_pool import refuse_unsuitable_redis
 from cluster.serve_config import (
-    KV_EVENTS_HOST_ENV,
+    KV_EVENTS_IPC_DIR_ENV,
     SERVICE_NUM_CPUS,
     grpc_proxy_env,
     own_application_names,
@@ -424,10 +424,12 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     if cfg.replicas.ray_resources:
         # One node holds every replica here, so it offers every replica's share.
         cmd.append("--resources=" + json.dumps(replicas_need(cfg, with_gpus=False)))
-    # The head's workers inherit its environment: the replicas bind their KV events to loopback, which the
-    # router on this one machine reaches and no other host does.
+    # The head's workers inherit its environment: the replicas publish their KV events (every prompt's tokens)
+    # on sockets in a folder of this user's only, which the router on this one machine reaches and no other
+    # host or user does.
+    kv_events = Path(tempfile.gettempdir()) / f"warmpath-kv-events-{os.getuid()}"
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **grpc_proxy_env(cfg), KV_EVENTS_HOST_ENV: "127.0.0.1"})
+                               env={**os.environ, **grpc_proxy_env(cfg), KV_EVENTS_IPC_DIR_ENV: str(kv_events)})
     try:
         stdout, stderr = process.communicate(timeout=RAY_START_TIMEOUT_S)
     except BaseException as err:  # Ctrl-C or a hung start: recorded, so `down` stops whatever came up
@@ -1218,8 +1220,11 @@ def reap_orphaned_engines() -> list[int]:
     engines (a worker under an engine core) go with it.
     """
     engines = _engine_processes()
+    # A group one of whose engines still has its owner in it (a live replica, where Ray's workers share a
+    # group; a frontend) is not orphaned, whatever became of its leader.
+    owned_groups = {group for ppid, group in engines.values() if ppid not in engines and _process_group(ppid) == group}
     orphaned_groups = {group for ppid, group in engines.values()
-                       if ppid != 1 and not _runs(group) and _process_group(ppid) != group}
+                       if ppid != 1 and not _runs(group) and _process_group(ppid) != group} - owned_groups
     reaped = []
     for pid, (ppid, group) in engines.items():
         if ppid == 1 or group in orphaned_groups:
@@ -1235,12 +1240,14 @@ _ENGINE_TITLES = (b"VLLM::EngineCore", b"VLLM::Worker")
 
 
 def _engine_processes() -> dict[int, tuple[int, int]]:
-    """Each vLLM engine process's parent and process group, by pid."""
+    """Each of this user's vLLM engine processes' parent and process group, by pid."""
     engines = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
+            if entry.stat().st_uid != os.getuid():
+                continue  # another user's: theirs to stop (root's `down` killed every user's orphans)
             if (entry / "cmdline").read_bytes().split(b"\0", 1)[0] in _ENGINE_TITLES:
                 engines[int(entry.name)] = _parent_and_group(int(entry.name))
         except (OSError, ValueError, IndexError):

@@ -24,9 +24,9 @@ HTTP_INGRESS_NUM_CPUS = 0.5
 ORCHESTRATOR_NUM_CPUS = 0.25
 GRPC_INGRESS_NUM_CPUS = 0.25
 SERVICE_NUM_CPUS = HTTP_INGRESS_NUM_CPUS + ORCHESTRATOR_NUM_CPUS + GRPC_INGRESS_NUM_CPUS
-# Set in a local head's environment (`cluster.local.start_ray`), which its workers inherit: the address the
-# replicas' KV-event publishers bind and advertise there (`serve_apps.kv_event_ports.kv_event_endpoints`).
-KV_EVENTS_HOST_ENV = "WARMPATH_KV_EVENTS_HOST"
+# Set in a local head's environment (`cluster.local.start_ray`), which its workers inherit: the folder of the
+# replicas' KV-event sockets there (`serve_apps.kv_event_ports.kv_event_endpoints`).
+KV_EVENTS_IPC_DIR_ENV = "WARMPATH_KV_EVENTS_IPC_DIR"
 
 GRPC_ROUTE_PREFIX = "/grpc"
 GRPC_SERVICER_FUNCTIONS = [

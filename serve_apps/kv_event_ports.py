@@ -17,20 +17,24 @@ import contextlib
 import fcntl
 import os
 import random
+import re
 import socket
+import stat
 import tempfile
 from pathlib import Path
-from typing import IO, Mapping
+from typing import Mapping
 
-from cluster.serve_config import KV_EVENTS_HOST_ENV
+from cluster.serve_config import KV_EVENTS_IPC_DIR_ENV
 
 # Above Ray's worker ports (10002-19999 by default) and below Linux's default ephemeral range (32768-60999).
 CANDIDATE_PORTS = range(20000, 32768)
 _EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _DEFAULT_EPHEMERAL = range(32768, 61000)
 _MAX_TRIES = 200
-# Claims held by this process (a replica): open, locked files, kept open for the process's life.
-_HELD_CLAIMS: list[IO[bytes]] = []
+# The longest socket path an `ipc://` endpoint may have (a Unix socket's address holds 107 bytes).
+MAX_IPC_PATH_CHARS = 100
+# Claims held by this process (a replica): descriptors of locked files, kept open for the process's life.
+_HELD_CLAIMS: list[int] = []
 
 
 def default_claims_dir() -> Path:
@@ -56,23 +60,32 @@ def _bound_socket(port: int) -> socket.socket | None:
     return sock
 
 
-def _claim(claims_dir: Path, port: int) -> tuple[bool, IO[bytes] | None]:
-    """(whether no other process claims `port` in `claims_dir`, this process's claim on it: the open file holding
-    the lock, or None where no claim can be made there, such as a folder this user cannot write in)."""
+def _claim(claims_dir: Path, port: int) -> tuple[bool, int | None]:
+    """(whether no other process claims `port` in `claims_dir`, this process's claim on it: the descriptor of the
+    locked file, or None where no claim can be made there, such as a folder this user cannot write in).
+
+    Read-only descriptors (a lock needs no more), so another user's claim file is locked as this user's is.
+    """
+    path = claims_dir / str(port)
     try:
-        if not claims_dir.is_dir():
-            claims_dir.mkdir(exist_ok=True)
-            with contextlib.suppress(OSError):
-                claims_dir.chmod(0o1777)  # every user's replicas claim there; only a file's owner removes it
-        claim = open(claims_dir / str(port), "ab")
+        descriptor = os.open(path, os.O_RDONLY)
+    except PermissionError:
+        return False, None  # another user's claim this user may not even read: taken as held
     except OSError:
-        return True, None
+        try:
+            if not claims_dir.is_dir():
+                claims_dir.mkdir(exist_ok=True)
+                with contextlib.suppress(OSError):
+                    claims_dir.chmod(0o1777)  # every user's replicas claim there; only a file's owner removes it
+            descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        except OSError:
+            return True, None
     try:
-        fcntl.flock(claim.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        claim.close()
+        os.close(descriptor)
         return False, None
-    return True, claim
+    return True, descriptor
 
 
 def free_kv_event_ports(count: int, ephemeral: range | None = None, candidates: range = CANDIDATE_PORTS,
@@ -99,7 +112,7 @@ def free_kv_event_ports(count: int, ephemeral: range | None = None, candidates: 
             sock = _bound_socket(port) if is_unclaimed else None
             if sock is None:
                 if claim is not None:
-                    claim.close()
+                    os.close(claim)
                 continue
             if claim is not None:
                 _HELD_CLAIMS.append(claim)
@@ -111,16 +124,44 @@ def free_kv_event_ports(count: int, ephemeral: range | None = None, candidates: 
         return [sock.getsockname()[1] for sock in chosen]
 
 
-def kv_event_endpoints(port: int, replay_port: int, node_ip: str,
+def kv_event_endpoints(replica_id: str, node_ip: str,
                        environ: Mapping[str, str] = os.environ) -> tuple[dict[str, str], dict[str, str]]:
-    """(the publisher's bind endpoints, the endpoints the replica advertises to routers) of a replica's ports.
+    """(the publisher's endpoints, the endpoints the replica advertises to routers) of a replica's KV events.
 
-    Why bound to one address: the events carry every prompt's token ids, whosever, with no authentication;
-    bound to every interface (`tcp://*`), any host that reached the machine read every tenant's prompts.
-    They bind the address the routers connect to: the node's (Ray's), or `KV_EVENTS_HOST_ENV`'s. An IPv6
-    address stays `*` (vLLM's publisher opens IPv4 sockets only).
+    Why not TCP everywhere: the events carry every prompt's token ids, whosever, with no authentication,
+    and vLLM's publisher binds its PUB socket only to a wildcard (`tcp://*`, every interface) or a local
+    endpoint; a specific address it connects to instead, and nothing listens. On a head `up` started, whose
+    router runs on the same machine, the sockets are `ipc://` files in a folder of their owner's only
+    (`KV_EVENTS_IPC_DIR_ENV`, in the head's environment, which its workers inherit). Elsewhere (a pod, a
+    joined node) the PUB socket binds every interface, the replay socket (the last batches on request) the
+    node's address; who may reach them is the network's to say (k8s/README.md).
     """
-    host = environ.get(KV_EVENTS_HOST_ENV) or node_ip
-    bind = "*" if ":" in host else host
-    return ({"endpoint": f"tcp://{bind}:{port}", "replay_endpoint": f"tcp://{bind}:{replay_port}"},
-            {"kv_events_endpoint": f"tcp://{host}:{port}", "kv_events_replay_endpoint": f"tcp://{host}:{replay_port}"})
+    folder = _private_folder(environ.get(KV_EVENTS_IPC_DIR_ENV))
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", replica_id)
+    if folder is not None and len(f"{folder}/{name}.replay") <= MAX_IPC_PATH_CHARS:
+        endpoints = {"endpoint": f"ipc://{folder}/{name}.pub", "replay_endpoint": f"ipc://{folder}/{name}.replay"}
+        return endpoints, {"kv_events_endpoint": endpoints["endpoint"],
+                           "kv_events_replay_endpoint": endpoints["replay_endpoint"]}
+    port, replay_port = free_kv_event_ports(2)
+    replay_host = "*" if ":" in node_ip else node_ip  # vLLM's publisher opens IPv4 sockets only
+    return ({"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://{replay_host}:{replay_port}"},
+            {"kv_events_endpoint": f"tcp://{node_ip}:{port}", "kv_events_replay_endpoint": f"tcp://{node_ip}:{replay_port}"})
+
+
+def _private_folder(path: str | None) -> Path | None:
+    """`path` as a folder of this user's only (made so where missing); None where unset, or where it is another
+    user's or something other than a folder (a link planted in a shared temporary folder)."""
+    if not path:
+        return None
+    folder = Path(path)
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    try:
+        info = folder.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return None
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            folder.chmod(0o700)
+    except OSError:
+        return None
+    return folder

@@ -44,7 +44,7 @@ from cluster.config import TelemetryConfig
 from ray import serve
 from router.prompt_tokens import FORWARDED_IDS_KEY, EngineRendering
 from serve_apps.api_errors import engine_error
-from serve_apps.kv_event_ports import free_kv_event_ports, kv_event_endpoints
+from serve_apps.kv_event_ports import kv_event_endpoints
 from serve_apps.metrics import WarmpathMetrics
 from serve_apps.sse_frames import frame_errors
 from serve_apps.stream_batches import eager_first_batches
@@ -267,7 +267,7 @@ class WarmpathLLMServer(LLMServer):
 
     async def __init__(self, llm_config: LLMConfig, **kwargs: Any):
         self._replica_id = serve.get_replica_context().replica_id.unique_id
-        bound, advertised = kv_event_endpoints(*free_kv_event_ports(2), node_ip=_node_ip())
+        bound, advertised = kv_event_endpoints(self._replica_id, node_ip=_node_ip())
         llm_config.update_engine_kwargs(
             kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", **bound, "topic": ""}
         )

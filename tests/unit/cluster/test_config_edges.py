@@ -417,11 +417,12 @@ def test_a_section_field_variable_written_with_one_underscore_is_refused_not_ign
 
 
 @pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
-def test_an_otlp_endpoint_from_a_shell_set_up_for_another_protocol_is_refused(variable):
-    """A shell set up for a gRPC collector: every span went over OTLP/HTTP to its gRPC port, and was lost."""
-    with pytest.raises(ConfigError, match=re.escape(f"{variable}='grpc': warmpath exports spans over http/protobuf")):
-        _load({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317", variable: "grpc"})
+def test_an_otlp_endpoint_from_a_shell_set_up_for_another_protocol_is_not_taken(variable):
+    """A shell set up for a gRPC collector: every span went over OTLP/HTTP to its gRPC port, and was lost. Not
+    refused either: `down`, `status` and `keys` must still work in that shell."""
+    cfg = _load({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317", variable: "grpc"})
+    assert cfg.telemetry.otlp_endpoint is None
     cfg = _load({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", variable: "http/protobuf"})
     assert cfg.telemetry.otlp_endpoint == "http://collector:4318"
-    # The protocol of a shell whose endpoint the config does not take is not warmpath's business.
-    assert _load({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}).telemetry.otlp_endpoint is None
+    cfg = _load({"WARMPATH_TELEMETRY__OTLP_ENDPOINT": "http://collector:4318", variable: "grpc"})
+    assert cfg.telemetry.otlp_endpoint == "http://collector:4318"  # the config's own word

@@ -147,6 +147,13 @@ def test_hf_overrides_scientific_text_refused():
                                  "name": "v1e6", "rev": "20240101"}}) == []
 
 
+def test_text_numbers_a_typed_field_reads_are_accepted():
+    """YAML 1.1 reads histogram buckets written `1e-3` as text; vLLM's ObservabilityConfig reads them as
+    numbers: refused as text, a working config was turned away."""
+    assert one({"custom_histogram_buckets": {"inter_token_latency": ["1e-3", "5e-3", "1e-1"]}}) == []
+    assert one({"enforce_eager": 1.0}) == [] and one({"enforce_eager": 0.0}) == []  # pydantic's lax bool
+
+
 def test_without_vllm_nothing(monkeypatch):
     monkeypatch.setattr(engine_values, "_fields", lambda: (_ for _ in ()).throw(ImportError()))
     assert one({"kv_cache_dtype": "fp9"}) == []

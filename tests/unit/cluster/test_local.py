@@ -105,9 +105,29 @@ def family(name, own_group, frontend):
     become("VLLM::EngineCore", name)
     time.sleep(120)
 
+def shared_group():
+    # Ray's workers in one group (its per-worker groups off), whose leader (`ray start`) is gone: one replica
+    # died and its engine was adopted; the other replica runs, with its engine.
+    if os.fork():
+        return
+    os.setpgrp()
+    if not os.fork():
+        if not os.fork():
+            become("VLLM::EngineCore", "shared-adopted")
+            time.sleep(120)
+        os._exit(0)  # the replica that died
+    if not os.fork():
+        if not os.fork():
+            become("VLLM::EngineCore", "shared-owned")
+            time.sleep(120)
+        become("ray::ServeReplica", "shared-replica")
+        time.sleep(120)
+    os._exit(0)  # the group's leader
+
 family("replica-gone", own_group=True, frontend=False)
 family("group-lives", own_group=False, frontend=False)
 family("frontend-runs", own_group=True, frontend=True)
+shared_group()
 while True:
     try:
         os.wait()
@@ -121,19 +141,20 @@ def test_engines_adopted_by_a_subreaper_are_reaped_where_their_replica_is_gone()
     reaper = subprocess.Popen([sys.executable, "-c", UNDER_SUBREAPER], stdout=subprocess.PIPE, text=True)
     pids = {}
     try:
-        while len(pids) < 6:
+        while len(pids) < 9:
             line = reaper.stdout.readline()
             name, pid = line.split()
             pids[name] = int(pid)
         deadline = time.monotonic() + 10
-        while _ppid(pids["replica-gone"]) != reaper.pid or _ppid(pids["group-lives"]) != reaper.pid:
+        while any(_ppid(pids[name]) != reaper.pid for name in ("replica-gone", "group-lives", "shared-adopted")):
             assert time.monotonic() < deadline
             time.sleep(0.01)
 
         reaped = reap_orphaned_engines()
 
         assert pids["replica-gone"] in reaped and pids["replica-gone-worker"] in reaped
-        for name in ("group-lives", "group-lives-worker", "frontend-runs", "frontend-runs-frontend"):
+        for name in ("group-lives", "group-lives-worker", "frontend-runs", "frontend-runs-frontend",
+                     "shared-adopted", "shared-owned"):  # a live replica's group: its engine may not go
             assert pids[name] not in reaped
             assert _alive(pids[name]), name
     finally:
@@ -577,8 +598,9 @@ def test_a_local_head_offers_every_replicas_custom_resources(tmp_path, monkeypat
     assert state.ray_session == ray_start.session
     (resources,) = [arg.split("=", 1)[1] for arg in ray_start.commands[0] if arg.startswith("--resources=")]
     assert json.loads(resources) == {"warmpath_replica_slot": 3}
-    # Its workers inherit it: the replicas publish their KV events (every prompt's tokens) on loopback only.
-    assert ray_start.environments[0]["WARMPATH_KV_EVENTS_HOST"] == "127.0.0.1"
+    # Its workers inherit it: the replicas publish their KV events (every prompt's tokens) on sockets in a
+    # folder of this user's only.
+    assert ray_start.environments[0]["WARMPATH_KV_EVENTS_IPC_DIR"].endswith(f"warmpath-kv-events-{os.getuid()}")
 
 
 def test_bring_up_shows_serves_own_word_on_a_pending_deployment_once(tmp_path, monkeypatch):

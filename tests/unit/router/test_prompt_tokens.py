@@ -464,3 +464,9 @@ def test_the_router_and_orchestrator_load_the_tokenizer_the_engines_load(templat
     cfg = load_config(environ={}, overrides={"model": {"source": str(folder)}, "replicas": {"engine_kwargs": {
         "tokenizer": template_tokenizer_dir, "revision": "main", "tokenizer_revision": "v2"}}})
     assert (cfg.tokenizer_source(), cfg.tokenizer_kwargs()) == (template_tokenizer_dir, {"revision": "v2"})
+    # As vLLM's config reads it: the engines ran the model's code, the tokenizer had to be loaded with it too.
+    for written in ("yes", "true", 1):
+        cfg = load_config(environ={}, overrides={"replicas": {"engine_kwargs": {"trust_remote_code": written}}})
+        assert cfg.tokenizer_kwargs() == {"trust_remote_code": True}
+    assert load_config(environ={}, overrides={"replicas": {"engine_kwargs": {"trust_remote_code": "no"}}}
+                       ).tokenizer_kwargs() == {}

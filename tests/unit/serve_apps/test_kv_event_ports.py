@@ -1,10 +1,15 @@
 """The replica's KV-event ports: free, distinct, and outside the range outgoing connections take ports from."""
 
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-import zmq
+import pytest
 
 from serve_apps.kv_event_ports import CANDIDATE_PORTS, ephemeral_ports, free_kv_event_ports, kv_event_endpoints
 
@@ -69,28 +74,82 @@ def test_a_port_another_replica_on_this_host_claimed_is_not_chosen_until_it_ends
     assert again in theirs
 
 
-def test_the_events_bind_the_address_routers_connect_to_not_every_interface():
-    """They carry every tenant's prompt tokens, unauthenticated: on `tcp://*`, any host reaching the machine read
-    them. A local head's replicas bind loopback; elsewhere, the node's address."""
-    bound, advertised = kv_event_endpoints(25_001, 25_002, node_ip="10.1.2.3", environ={})
-    assert bound == {"endpoint": "tcp://10.1.2.3:25001", "replay_endpoint": "tcp://10.1.2.3:25002"}
-    assert advertised == {"kv_events_endpoint": "tcp://10.1.2.3:25001",
-                          "kv_events_replay_endpoint": "tcp://10.1.2.3:25002"}
-    bound, advertised = kv_event_endpoints(25_001, 25_002, node_ip="10.1.2.3",
-                                           environ={"WARMPATH_KV_EVENTS_HOST": "127.0.0.1"})
-    assert bound["endpoint"] == advertised["kv_events_endpoint"] == "tcp://127.0.0.1:25001"
-    bound, advertised = kv_event_endpoints(25_001, 25_002, node_ip="fd00::5", environ={})
-    assert bound["endpoint"] == "tcp://*:25001"  # vLLM's publisher opens IPv4 sockets only
+def _received(endpoints: dict[str, str]) -> list:
+    """What a router's source gets of vLLM's own publisher set up with `endpoints` (bound as vLLM binds them)."""
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    from router.events import ZmqEventSource
+
+    publisher = ZmqEventPublisher(data_parallel_rank=0, topic="", **endpoints[0])
+    source = ZmqEventSource(endpoints[1]["kv_events_endpoint"], topic="",
+                            replay_endpoint=endpoints[1]["kv_events_replay_endpoint"])
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+            if received := source.poll_batches(16):
+                return received
+            time.sleep(0.02)
+        return []
+    finally:
+        source.close()
+        publisher.shutdown()
 
 
-def test_a_publisher_bound_to_loopback_is_reached_there_only():
-    (port,) = free_kv_event_ports(1)
-    bound, advertised = kv_event_endpoints(port, 0, node_ip="10.1.2.3", environ={"WARMPATH_KV_EVENTS_HOST": "127.0.0.1"})
-    context = zmq.Context.instance()
-    with context.socket(zmq.PUB) as publisher:
-        publisher.bind(bound["endpoint"])
-        assert publisher.getsockopt(zmq.LAST_ENDPOINT) == f"tcp://127.0.0.1:{port}".encode()
-        with socket.create_connection(("127.0.0.1", port), timeout=5):
-            pass
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
-            other.bind(("127.0.0.2", port))  # another address of the machine: free, where `*` would hold it
+def test_on_a_local_head_the_events_are_sockets_in_a_folder_of_their_owners_only(tmp_path):
+    """They carry every tenant's prompt tokens, unauthenticated: on `tcp://*`, any host reaching the machine
+    read them. The router runs on the same machine there."""
+    folder = tmp_path / "kv"
+    endpoints = kv_event_endpoints("r1", node_ip="10.1.2.3", environ={"WARMPATH_KV_EVENTS_IPC_DIR": str(folder)})
+    assert endpoints[0] == {"endpoint": f"ipc://{folder}/r1.pub", "replay_endpoint": f"ipc://{folder}/r1.replay"}
+    assert endpoints[1] == {"kv_events_endpoint": f"ipc://{folder}/r1.pub",
+                            "kv_events_replay_endpoint": f"ipc://{folder}/r1.replay"}
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert _received(endpoints)
+
+
+def test_elsewhere_vllms_publisher_binds_and_the_router_reaches_it_at_the_advertised_address():
+    """vLLM binds a PUB endpoint only where it is a wildcard: given a specific address, it connected, and the
+    router, connecting too, received nothing."""
+    endpoints = kv_event_endpoints("r1", node_ip="127.0.0.1", environ={})
+    assert endpoints[0]["endpoint"].startswith("tcp://*:")
+    assert endpoints[0]["replay_endpoint"].startswith("tcp://127.0.0.1:")  # vLLM binds it as given
+    assert endpoints[1]["kv_events_endpoint"] == endpoints[0]["endpoint"].replace("*", "127.0.0.1")
+    assert _received(endpoints)
+
+
+def test_a_folder_that_is_not_this_users_own_is_not_used(tmp_path):
+    """A link planted in a shared temporary folder would have put the sockets wherever it pointed."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "kv").symlink_to(tmp_path / "elsewhere")
+    bound, _ = kv_event_endpoints("r1", node_ip="10.1.2.3", environ={"WARMPATH_KV_EVENTS_IPC_DIR": str(tmp_path / "kv")})
+    assert bound["endpoint"].startswith("tcp://*:")
+    bound, _ = kv_event_endpoints("r1", node_ip="10.1.2.3", environ={"WARMPATH_KV_EVENTS_IPC_DIR": "/" + "x" * 120})
+    assert bound["endpoint"].startswith("tcp://*:")  # too long a path for a socket's address
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_users_claim_is_honoured():
+    """Claim files were opened for writing: another user's replica could not open one, and took the port as free."""
+    from serve_apps import kv_event_ports
+
+    shared = Path(tempfile.mkdtemp())
+    shared.chmod(0o1777)
+    try:
+        (port,) = free_kv_event_ports(1, ephemeral=range(0), candidates=range(PAIR + 5, PAIR + 6), claims_dir=shared)
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                os.write(write, repr(kv_event_ports._claim(shared, port)).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as answer:
+            seen = answer.read()
+        os.waitpid(child, 0)
+        assert seen == "(False, None)"
+    finally:
+        shutil.rmtree(shared)

@@ -154,7 +154,7 @@ def _private_folder(path: str | None) -> Path | None:
     if not path:
         return None
     folder = Path(path)
-    with contextlib.suppress(FileExistsError):
+    with contextlib.suppress(OSError):  # there already, or not to be made (its parent missing): judged below
         folder.mkdir(mode=0o700)
     try:
         info = folder.lstat()

@@ -126,6 +126,9 @@ def test_a_folder_that_is_not_this_users_own_is_not_used(tmp_path):
     assert bound["endpoint"].startswith("tcp://*:")
     bound, _ = kv_event_endpoints("r1", node_ip="10.1.2.3", environ={"WARMPATH_KV_EVENTS_IPC_DIR": "/" + "x" * 120})
     assert bound["endpoint"].startswith("tcp://*:")  # too long a path for a socket's address
+    bound, _ = kv_event_endpoints("r1", node_ip="10.1.2.3",
+                                  environ={"WARMPATH_KV_EVENTS_IPC_DIR": str(tmp_path / "missing" / "kv")})
+    assert bound["endpoint"].startswith("tcp://*:")  # a folder that cannot be made: the replica still starts
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")

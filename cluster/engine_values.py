@@ -92,7 +92,7 @@ def engine_value_problems(engine_kwargs: dict[str, Any], where: str = "replicas.
     Names vLLM does not know are `cluster.replica_args`' to report.
     """
     try:
-        fields = _fields()
+        fields = vllm_arguments()
     except ImportError:
         return []
     lora_on = _truthy(engine_kwargs.get("enable_lora"))
@@ -119,8 +119,9 @@ def engine_value_problems(engine_kwargs: dict[str, Any], where: str = "replicas.
 
 
 @functools.cache
-def _fields() -> dict[str, tuple[str, Any]]:
-    """Every argument Ray Serve LLM passes to vLLM, as Ray sorts them: frontend first, then engine."""
+def vllm_arguments() -> dict[str, tuple[str, Any]]:
+    """Every argument Ray Serve LLM passes to vLLM, by name: whose it is as Ray sorts them (`"frontend"` first,
+    else `"engine"`) and its type annotation. Raises ImportError without vLLM."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.cli_args import FrontendArgs
 

@@ -463,7 +463,7 @@ def session_started_by(pid: int) -> Optional[str]:
     `session_latest` names the newest of any: a failed or interrupted start recorded another `up`'s head,
     running at once from another state directory, and its `down` stopped that head.
     """
-    sessions = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray"
+    sessions = _ray_temp_dir()
     try:
         return max((entry.name for entry in sessions.glob(f"session_*_{pid}") if entry.is_dir()), default=None)
     except OSError:
@@ -547,9 +547,14 @@ def _ray_head_up() -> bool:
     return result.returncode == 0
 
 
+def _ray_temp_dir() -> Path:
+    """The folder of this machine's Ray sessions (`RAY_TMPDIR`'s, else the system's temporary folder's)."""
+    return Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray"
+
+
 def head_session() -> Optional[str]:
     """Name of the newest local Ray session folder (`session_<date>_<pid>`, new at every `ray start`)."""
-    latest = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "session_latest"
+    latest = _ray_temp_dir() / "session_latest"
     try:
         return Path(os.readlink(latest)).name
     except OSError:
@@ -918,7 +923,7 @@ def _local_logs(state: LocalState) -> Optional[Path]:
     """The logs folder of the local head `up` started, where it still exists; None for a joined cluster."""
     if not (state.ray_started and state.ray_session):
         return None
-    logs = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / state.ray_session / "logs"
+    logs = _ray_temp_dir() / state.ray_session / "logs"
     return logs if logs.is_dir() else None
 
 
@@ -1220,11 +1225,13 @@ def reap_orphaned_engines() -> list[int]:
     engines (a worker under an engine core) go with it.
     """
     engines = _engine_processes()
+    parent_groups = {pid: _process_group(ppid) for pid, (ppid, _) in engines.items()}
     # A group one of whose engines still has its owner in it (a live replica, where Ray's workers share a
     # group; a frontend) is not orphaned, whatever became of its leader.
-    owned_groups = {group for ppid, group in engines.values() if ppid not in engines and _process_group(ppid) == group}
-    orphaned_groups = {group for ppid, group in engines.values()
-                       if ppid != 1 and not _runs(group) and _process_group(ppid) != group} - owned_groups
+    owned_groups = {group for pid, (ppid, group) in engines.items()
+                    if ppid not in engines and parent_groups[pid] == group}
+    orphaned_groups = {group for pid, (ppid, group) in engines.items()
+                       if ppid != 1 and not _runs(group) and parent_groups[pid] != group} - owned_groups
     reaped = []
     for pid, (ppid, group) in engines.items():
         if ppid == 1 or group in orphaned_groups:

@@ -9,7 +9,6 @@ not installed (a machine that only renders configs), the replicas are left to ch
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import get_args
 
 from cluster.config import ClusterConfig
-from cluster.engine_values import engine_value_problems
+from cluster.engine_values import engine_value_problems, vllm_arguments
 
 
 def replica_args_problems(cfg: ClusterConfig) -> list[str]:
@@ -30,12 +29,11 @@ def replica_args_problems(cfg: ClusterConfig) -> list[str]:
             f"{cfg.model_source()} holds (max_position_embeddings in its config.json); vLLM refuses it"
         )
     try:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.entrypoints.launchers.cli_args import FrontendArgs
         from vllm.tool_parsers import ToolParserManager
+
+        fields = {name: annotation for name, (_, annotation) in vllm_arguments().items()}
     except ImportError:
         return problems
-    fields = {f.name: f.type for cls in (AsyncEngineArgs, FrontendArgs) for f in dataclasses.fields(cls)}
     problems += [
         f"replicas.engine_kwargs.{key} is no argument of vLLM's engine or OpenAI frontend{_did_you_mean(key, fields)}"
         for key in sorted(set(cfg.replicas.engine_kwargs) - set(fields))

@@ -155,7 +155,7 @@ def test_text_numbers_a_typed_field_reads_are_accepted():
 
 
 def test_without_vllm_nothing(monkeypatch):
-    monkeypatch.setattr(engine_values, "_fields", lambda: (_ for _ in ()).throw(ImportError()))
+    monkeypatch.setattr(engine_values, "vllm_arguments", lambda: (_ for _ in ()).throw(ImportError()))
     assert one({"kv_cache_dtype": "fp9"}) == []
 
 

@@ -603,16 +603,21 @@ def test_a_local_head_offers_every_replicas_custom_resources(tmp_path, monkeypat
     assert ray_start.environments[0]["WARMPATH_KV_EVENTS_IPC_DIR"].endswith(f"warmpath-kv-events-{os.getuid()}")
 
 
-def test_bring_up_shows_serves_own_word_on_a_pending_deployment_once(tmp_path, monkeypatch):
-    message = ("Deployment 'D' has 1 replicas that have taken more than 30s to be scheduled.\n"
-               "Resources required for each replica: [{\"GPU\": 1.0, \"CPU\": 1.0}], total resources available: {}.")
-    pending = {"applications": {app: {"status": "DEPLOYING", "deployments": {
+def _serve_says_twice_then_runs(monkeypatch, message: str) -> None:
+    """Serve's status: both applications deploying with `message` on one deployment, twice; then running."""
+    deploying = {"applications": {app: {"status": "DEPLOYING", "deployments": {
         "D": {"status": "UPDATING", "message": message, "replicas": [{"state": "STARTING"}]}}}
         for app in ("warmpath", "warmpath-grpc")}}
     running = {"applications": {app: {"status": "RUNNING", "deployments": {}} for app in ("warmpath", "warmpath-grpc")}}
-    answers = iter([pending, pending, running])
+    answers = iter([deploying, deploying, running])
     monkeypatch.setattr(local, "serve_details", lambda state: next(answers))
     monkeypatch.setattr(local.time, "sleep", lambda s: None)
+
+
+def test_bring_up_shows_serves_own_word_on_a_pending_deployment_once(tmp_path, monkeypatch):
+    message = ("Deployment 'D' has 1 replicas that have taken more than 30s to be scheduled.\n"
+               "Resources required for each replica: [{\"GPU\": 1.0, \"CPU\": 1.0}], total resources available: {}.")
+    _serve_says_twice_then_runs(monkeypatch, message)
     said = []
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
     local.wait_running(cfg, LocalState(), said.append, timeout_s=60)
@@ -627,13 +632,7 @@ def test_a_replica_failing_to_start_on_the_local_head_points_at_its_logs(tmp_pat
     engines' output, which the operator had to find in Ray's session folder."""
     message = ("A replica failed to start with exception. Retrying 4 more time(s). Error:\n"
                "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}")
-    failing = {"applications": {app: {"status": "DEPLOYING", "deployments": {
-        "D": {"status": "UPDATING", "message": message, "replicas": [{"state": "STARTING"}]}}}
-        for app in ("warmpath", "warmpath-grpc")}}
-    running = {"applications": {app: {"status": "RUNNING", "deployments": {}} for app in ("warmpath", "warmpath-grpc")}}
-    answers = iter([failing, failing, running])
-    monkeypatch.setattr(local, "serve_details", lambda state: next(answers))
-    monkeypatch.setattr(local.time, "sleep", lambda s: None)
+    _serve_says_twice_then_runs(monkeypatch, message)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     logs = tmp_path / "ray" / "session_1" / "logs"
     logs.mkdir(parents=True)

@@ -504,19 +504,19 @@ def smallest_prompt_tokens(tokenizer: ChatTokenizer, system_prompt: str, tools: 
     return len(_encode(tokenizer, text))
 
 
-def prefix_overflow(
-    num_prefix_tokens: int, num_smallest_prompt_tokens: int, context_window_tokens: int, output_reserve_tokens: int
-) -> str | None:
+def prefix_overflow(num_smallest_prompt_tokens: int, context_window_tokens: int, output_reserve_tokens: int) -> str | None:
     """Why no turn of a session with this prefix can fit its window, or None when one can.
 
     The shortest turn (`smallest_prompt_tokens`) plus `output_reserve_tokens` kept for the answer
-    must fit; a session where it does not would fail every turn with `context_overflow`.
+    must fit; a session where it does not would fail every turn with `context_overflow`. Asked before
+    the prefix's own tokens are counted (three renderings more): a body of megabytes of tools is refused
+    after one.
     """
     if num_smallest_prompt_tokens + output_reserve_tokens <= context_window_tokens:
         return None
     return (
-        f"the system prompt and tools take {num_prefix_tokens} tokens ({num_smallest_prompt_tokens} with the "
-        f"shortest message); with output_reserve_tokens={output_reserve_tokens} kept for the answer, no message "
+        f"the system prompt and tools take {num_smallest_prompt_tokens} tokens with the shortest message; with "
+        f"output_reserve_tokens={output_reserve_tokens} kept for the answer, no message "
         f"fits the session's {context_window_tokens}-token window"
     )
 

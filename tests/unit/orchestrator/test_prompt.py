@@ -553,11 +553,11 @@ def test_effective_window_refuses_a_reserve_that_fills_it():
     [(100, 4096, 512, True), (3584, 4096, 512, True), (3585, 4096, 512, False), (5000, 4096, 16, False)],
 )
 def test_prefix_overflow_leaves_room_for_the_shortest_turn(smallest, window, reserve, fits):
-    problem = prefix_overflow(smallest - 12, smallest, window, reserve)
+    problem = prefix_overflow(smallest, window, reserve)
     if fits:
         assert problem is None
     else:
-        assert f"take {smallest - 12} tokens ({smallest} with the shortest message)" in problem
+        assert f"take {smallest} tokens with the shortest message" in problem
         assert f"output_reserve_tokens={reserve}" in problem and f"{window}-token window" in problem
 
 
@@ -573,7 +573,7 @@ def test_prefix_overflow_matches_the_turn_accounting(tokenizer, room):
         context_window_tokens=window, output_reserve_tokens=reserve,
     )
     assert smallest > prefix + 1  # the template's tokens around the message count
-    assert (prefix_overflow(prefix, smallest, window, reserve) is None) == (account.remaining_tokens >= 0)
+    assert (prefix_overflow(smallest, window, reserve) is None) == (account.remaining_tokens >= 0)
     assert token_ids_fingerprint(prefix_token_ids(tokenizer, "s", [])) == prefix_fingerprint(tokenizer, "s", [])
 
 

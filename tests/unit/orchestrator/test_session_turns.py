@@ -289,6 +289,31 @@ def test_creating_a_session_does_not_stall_the_turns_of_others():
     assert ticks >= 20  # the loop ran through the 0.6 s of tokenizing, not after it
 
 
+class _CountingTokenizer(CharTokenizer):
+    """Counts the renderings a creation takes."""
+
+    renders = 0
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.renders += 1
+        return super().apply_chat_template(*args, **kwargs)
+
+
+def test_a_session_that_cannot_fit_its_window_is_refused_after_one_rendering():
+    """Counting the prefix first took three renderings and tokenizings more: for 4 MiB of tools, 6.5 s of the one
+    thread that checks every tenant's new sessions, for a session refused anyway."""
+    orchestrator = _orchestrator()
+    orchestrator._tokenizer = orchestrator._session_tokenizer = tokenizer = _CountingTokenizer()
+    refused = asyncio.run(orchestrator.create_session(
+        {"model": "m", "system_prompt": "x" * 9000, "limits": {"output_reserve_tokens": 16}}, CALLER))
+    assert refused["status"] == 400 and refused["body"]["error"]["code"] == "context_overflow"
+    assert "with the shortest message" in refused["body"]["error"]["message"]
+    assert tokenizer.renders == 1
+    tokenizer.renders = 0
+    fits = asyncio.run(orchestrator.create_session({"model": "m", "system_prompt": "x" * 4000}, CALLER))
+    assert fits["status"] == 201 and tokenizer.renders > 1  # and the prefix is counted where it fits
+
+
 HTTP_TOOL = {"name": "lookup", "parameters": {"type": "object"},
              "execution": {"kind": "http", "url": "http://tools.internal/lookup"}}
 ASK_TOOL = {"name": "ask", "parameters": {"type": "object"}, "execution": {"kind": "client"}}

@@ -1,8 +1,8 @@
 """Context compression that never loses an exact value.
 
 Old rounds are replaced by ONE message: a "Facts:" ledger of every exact value
-found in them (numbers, ids, dates, emails, URLs, quoted strings, flattened JSON
-fields), then the model-written summary. The ledger is extracted by
+found in them (numbers, ids, dates, emails, URLs, paths, host names, codes,
+identifiers, quoted strings, flattened JSON fields), then the model-written summary. The ledger is extracted by
 deterministic rules, never by the model, because a summary can drop or round a
 figure while the agent may need it verbatim ten steps later.
 
@@ -75,13 +75,15 @@ _VALUE_LETTERS = (
     "\uff21-\uff3a\uff41-\uff5a"
 )
 _VALUE_CHARS = (
-    f"\\d{_VALUE_LETTERS}_.,:/#%+=@~$£¥±°µ‰\u066b\u066c\\-\u2010-\u2015\u2212\u20a0-\u20cf"
+    f"\\d{_VALUE_LETTERS}_.,:/#%+=@~$&£¥±°µ‰\u066b\u066c\\-\u2010-\u2015\u2212\u20a0-\u20cf"
     "\u00b2\u00b3\u00b9\u2070-\u207b\u00bc-\u00be\u2150-\u215e'’"
     "\uff03-\uff05\uff0b-\uff0f\uff1a\uffe0\uffe1\uffe5\uffe6年月日時分秒"
 )
 _RUN = re.compile(f"[{_VALUE_CHARS}]+")
 _LIST_ITEM = re.compile("[^,]+")
 _VALUE_LETTER = re.compile(f"[{_VALUE_LETTERS}]")
+# A value's sign where it leads one: the ASCII hyphen-minus, Unicode's dashes and its minus.
+_DASHES = frozenset("-\u2010\u2011\u2012\u2013\u2014\u2015\u2212")
 _EDGE = ".,:;='’\u066b\u066c\uff0c\uff0e\uff1a"
 _DOT_LEADS = frozenset("0123456789./")
 # ISO 4217 codes of the currencies most traded or most populous, after or before an amount (`1,200 SEK`).
@@ -116,6 +118,10 @@ _EMAIL = re.compile(r"[\w.%+'’-]+@[^\W_](?:[\w-]*)(?:\.[\w-]+)*\.[^\W\d_]{2,}"
 _IANA_AREAS = r"(?:Africa|America|Antarctica|Arctic|Asia|Atlantic|Australia|Europe|Indian|Pacific|Etc)"
 _ZONE = rf"(?:Z|UTC|GMT|CET|EET|WET|[A-Z]{{1,3}}[SD]T|[+-]\d{{2}}:?\d{{2}}|{_IANA_AREAS}(?:/[A-Z][A-Za-z_+-]*)+)"
 _MERIDIEM = r"(?: ?[AaPp]\.?[Mm]\.?(?![A-Za-z]))"
+# What ends a URL: whitespace of any script (no-break, ideographic), quotes and angle brackets, and CJK and
+# full-width punctuation (`https://example.com/orders/123，谢谢` ends at the full-width comma).
+_URL_ENDS = ("\\s<>\"'`\u00a0\u1680\u2000-\u200b\u2028\u2029\u202f\u205f\ufeff"
+             "\u3000-\u303f\uff01-\uff0f\uff1a-\uff20\uff3b-\uff40\uff5b-\uff65")
 # Values a run of value characters cannot hold whole (spaces, `?`, `&`); the longest match at a start wins.
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (name, re.compile(pattern, flags))
@@ -123,7 +129,16 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # An unquoted value runs on over what values are written with (`1.2.3`, `30s`, `12.5%`), not only
         # a JSON number, so `"version": 1.2.3` is `version=1.2.3`, not `version=1.2`.
         ("json_field", r'"([\w.$@-]{1,64})"\s*:\s*(?:"([^"\\\n]{0,200})"|(-?\d[0-9A-Za-z_.%+:/-]*(?<![.:])|true|false|null))', 0),
-        ("url", r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]{0,15}://[^\s<>\"'`]+[^\s<>\"'`.,;:!?)\]}]", re.ASCII),
+        ("url", rf"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]{{0,15}}://[^{_URL_ENDS}]+[^{_URL_ENDS}.,;:!?)\]}}]", re.ASCII),
+        # A web address without its scheme (`www.example.com/reset?token=ab12&uid=77`).
+        ("www_url", rf"(?<![A-Za-z0-9+.-])www\.[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?:[/?#][^{_URL_ENDS}]*[^{_URL_ENDS}.,;:!?)\]}}])?",
+         re.ASCII),
+        # A JSON Web Token: three base64url parts, the first `eyJ` (`{"`); longer than a run of value
+        # characters may be (`_MAX_VALUE_CHARS`), which would read it as a blob.
+        ("jwt", r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{1,4096}\.[A-Za-z0-9_-]{1,8192}\.[A-Za-z0-9_-]{0,4096}(?![A-Za-z0-9_-])",
+         re.ASCII),
+        # A phone number with its area code in parentheses (`(555) 123-4567`), which end other values.
+        ("phone_parens", r"(?<![\w(])\(\d{2,5}\)[ \u00a0]?\d{2,4}(?:[ \u00a0-]\d{2,4}){1,2}(?![\w-])", 0),
         ("datetime", rf"(?<![0-9])\d{{4}}-\d{{2}}-\d{{2}} \d{{1,2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?{_MERIDIEM}?(?: ?{_ZONE}(?![A-Za-z]))?", re.ASCII),
         ("time", rf"(?<![0-9:])\d{{1,2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?(?:{_MERIDIEM}(?: {_ZONE}(?![A-Za-z]))?| {_ZONE}(?![A-Za-z]))", re.ASCII),
         # An hour with its meridiem alone: `3 pm PST`, `8 a.m.`.
@@ -218,7 +233,15 @@ def _is_ipv6(text: str) -> bool:
 
 
 def _is_value(run: str) -> bool:
-    """A number, id, date, version, hash or amount (it has a digit, of any script), an email, or a file path."""
+    """A number, id, date, version, hash or amount (it has a digit, of any script), an email, a file path, a code
+    in capitals, an identifier, or a dotted name.
+
+    Without a digit, what an agent needs verbatim is still a value: a booking reference or a coupon in capitals
+    (`ZKTWQH`, `SAVEBIG`, `AT&T`), an identifier or key (`sk_live_abcdef`), a relative path
+    (`src/payments/refund.py`, `tests/test_a.py::test_b`), a host or file name (`db-primary.internal`). Each was
+    dropped from the ledger, and the retention check, reading with this same rule, missed the loss. A word in
+    capitals of five letters or more (`ERROR`) is listed too: a line longer, where a missed code was lost.
+    """
     if len(run) > _MAX_VALUE_CHARS:
         return False
     if any(c.isdecimal() for c in run):
@@ -228,7 +251,32 @@ def _is_value(run: str) -> bool:
         return True
     if "@" in run:
         return _EMAIL.fullmatch(run) is not None
-    return run.startswith(("/", "./", "../", "~/")) and len(run.strip("/.~")) > 0
+    if run.startswith(("/", "./", "../", "~/")):
+        return len(run.strip("/.~")) > 0
+    return _is_code_or_name(run)
+
+
+def _is_code_or_name(run: str) -> bool:
+    """A value without a digit (`_is_value`), by its shape."""
+    if (code := _CAPITALS_CODE.fullmatch(run)) is not None:
+        return "&" in run or len(run) >= 5
+    if _IDENTIFIER.fullmatch(run) is not None or _RELATIVE_PATH.fullmatch(run) is not None:
+        return True
+    dotted = _DOTTED_NAME.fullmatch(run)
+    return dotted is not None and sum(c.isalpha() for c in run.rsplit(".", 1)[1]) >= 2
+
+
+# Capitals, `&` between them (`ZKTWQH`, `AT&T`): five letters or more, or joined by `&`, is a code; four or fewer
+# are left out, most of them acronyms (`IBAN`, `JSON`, `HTTP`), each of which would take a ledger line's room.
+_CAPITALS_CODE = re.compile(r"[A-Z]+(?:&[A-Z]+)*")
+# Words joined by underscores (`sk_live_abcdef`, `order_id`): a name in code, a key, a setting.
+_IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z-]*(?:_[A-Za-z-]+)+")
+# A path without a leading slash: three parts or more, or a file name last (`src/app/main`, `docs/a.md`,
+# `tests/test_a.py::test_b`).
+_RELATIVE_PATH = re.compile(r"[\w.-]+(?:/[\w.-]+){2,}/?|(?:[\w.-]+/)+[\w-]+\.[A-Za-z][\w.:-]*")
+# A host or file name: labels joined by dots, the last with two letters or more (`db-primary.internal`,
+# `refund.py`; not `e.g` or `U.S`).
+_DOTTED_NAME = re.compile(r"[A-Za-z][\w-]*(?:\.[\w-]+)+")
 
 
 def _run_values(text: str) -> list[tuple[int, int]]:
@@ -243,6 +291,8 @@ def _run_values(text: str) -> list[tuple[int, int]]:
         pieces = [run] if run.end() - run.start() <= _MAX_VALUE_CHARS else _LIST_ITEM.finditer(text, run.start(), run.end())
         for piece in pieces:
             start, end = _trimmed(text, piece.start(), piece.end())
+            if start < end and text[start] in _DASHES and start > 0 and text[start - 1].isalpha():
+                start += 1  # joined to a word of a script values are not written in (`주문-4521`): no minus sign
             if start < end and _is_value(text[start:end]):
                 if text[end - 1].isdigit() and (unit := _UNIT_AFTER.match(text, end)):
                     end = unit.end()
@@ -332,16 +382,39 @@ def _compact(node: object) -> str:
 
 
 def _parsed_json(text: str) -> object | None:
-    """The JSON document `text` holds, or None (not JSON, truncated, or nested too deep to walk)."""
+    """The JSON document `text` holds, or None (not JSON, truncated, or nested deeper than `_MAX_JSON_DEPTH`).
+
+    The ledger (`_compact`) and the retention check (`_leaf_values`) both read a text as the document this
+    returns, or both scan it as written: where `json.loads` read a document `_compact` could not walk (about
+    330 levels), the ledger scanned the text, escapes and all (`ORD\\u002d7781`), the check looked for the
+    decoded values (`ORD-7781`), and every compression of the session was refused as losing them.
+    """
     stripped = text.strip()
     if stripped[:1] not in ("{", "["):
         return None
     try:
-        return json.loads(
+        document = json.loads(
             stripped, parse_float=_Numeral, parse_int=_Numeral, parse_constant=_reject_constant, object_pairs_hook=_Members
         )
     except (ValueError, RecursionError):
         return None
+    return document if _nests_within(document, _MAX_JSON_DEPTH) else None
+
+
+# How deep a document `_compact` walks (two frames a level, on whatever stack the compression runs on).
+_MAX_JSON_DEPTH = 128
+
+
+def _nests_within(document: object, max_depth: int) -> bool:
+    """Whether `document`'s objects and arrays nest at most `max_depth` deep (walked without recursion)."""
+    stack = [(document, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (_Members, list)):
+            if depth > max_depth:
+                return False
+            stack.extend((value if isinstance(node, list) else value[1], depth + 1) for value in node)
+    return True
 
 
 class _TextValues:
@@ -403,10 +476,7 @@ def extract_facts(text: str) -> list[str]:
 def _extracted_facts(text: str) -> list[str]:
     document = _parsed_json(text)
     if document is not None:
-        try:
-            return [_compact(document)]
-        except RecursionError:
-            pass
+        return [_compact(document)]
     return list(dict.fromkeys(fact for fact in _TEXT_VALUES.get("scan", text, _regex_facts) if fact))
 
 

@@ -147,6 +147,55 @@ def test_extract_facts_keeps_values_whole(text, expected):
     assert extract_facts(text) == expected
 
 
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        # Values without a digit: each was left out of the ledger, and the retention check, reading with the
+        # same rule, reported none lost.
+        ("booking ref ZKTWQH, coupon SAVEBIG via AT&T", ["ZKTWQH", "SAVEBIG", "AT&T"]),
+        ("Fix src/payments/refund.py; failing: tests/test_refund.py::test_partial in docs/guide",
+         ["src/payments/refund.py", "tests/test_refund.py::test_partial"]),
+        ("DB host db-primary.internal, key sk_live_abcdef, see config.yaml", ["db-primary.internal", "sk_live_abcdef",
+                                                                            "config.yaml"]),
+        ("password Tr0ub4dor&3, call (555) 123-4567", ["Tr0ub4dor&3", "(555) 123-4567"]),
+        ("reset at www.example.com/reset?token=ab12&uid=77.", ["www.example.com/reset?token=ab12&uid=77"]),
+        # Words and short acronyms are no values: `e.g`, `U.S`, `IBAN`, `and/or`.
+        ("e.g. the U.S. IBAN rules and/or NOTE this", []),
+        # A URL ends at CJK punctuation and at whitespace of any script.
+        ("请访问https://example.com/orders/123，谢谢", ["https://example.com/orders/123"]),
+        ("see https://example.com/a\u00a0(new tab) or https://example.com/x\u3000下一步",
+         ["https://example.com/a", "https://example.com/x"]),
+        # A dash joining a word of a script values are not written in is no minus sign.
+        ("주문-4521 배송됨, הזמנה-77", ["4521", "77"]),
+        ("Заказ-4521 and -5 °C", ["Заказ-4521", "-5 °C"]),
+    ],
+)
+def test_values_without_a_digit_and_values_ending_in_other_scripts(text, expected):
+    assert extract_facts(text) == expected
+
+
+def test_a_json_web_token_longer_than_a_run_of_values_is_one_value():
+    token = "eyJhbGciOiJSUzI1NiJ9." + "eyJzdWIiOiJ1c2VyLTQyIn0" * 12 + ".dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk"
+    assert len(token) > 256
+    assert extract_facts(f"Authorization: Bearer {token} (expires 3600 s)") == [token, "3600 s"]
+
+
+def test_values_without_a_digit_are_kept_through_compression():
+    history = [Message(role="user", content="PNR ZKTWQH; fix src/app/refund.py on db-primary.internal"),
+               Message(role="assistant", content="ok"), Message(role="user", content="next"),
+               Message(role="assistant", content="ok")]
+    plan = CompressionPlan(num_messages_compressed=2, tokens_before=100, tokens_compressed=50,
+                           remaining_tokens_before=0, ledger=tuple(build_ledger(history[:2])))
+    new_history, report = apply_compression(history, plan, "", recount=lambda m: _account(m, 100))
+    assert "- user: ZKTWQH | src/app/refund.py | db-primary.internal" in new_history[0].content
+    assert report.ledger_retained_fraction == 1.0
+    # The check reads them too: a ledger without one counts it lost.
+    short = CompressionPlan(num_messages_compressed=2, tokens_before=100, tokens_compressed=50,
+                            remaining_tokens_before=0, ledger=("user: src/app/refund.py | db-primary.internal",))
+    _, report = apply_compression(history, short, "", recount=lambda m: _account(m, 100))
+    assert report.ledger_retained_fraction < 1.0
+
+
 def test_a_list_too_long_for_one_value_is_read_item_by_item():
     """Fifty order numbers joined by commas made one run past the blob bound: the ledger held none of them, and
     the check, reading the same way, reported every value kept."""
@@ -222,7 +271,8 @@ def test_json_nested_too_deep_to_walk_is_scanned_as_text():
 
 
 @pytest.mark.parametrize(
-    "unit", ["a-", "a", "a@", "A1", "aaa@bbb.", '"', "1:", "http://", "x.y/", "EUR 1,", "$ 1.", "A-", "(1,", "5 m/"]
+    "unit", ["a-", "a", "a@", "A1", "aaa@bbb.", '"', "1:", "http://", "x.y/", "EUR 1,", "$ 1.", "A-", "(1,", "5 m/",
+             "eyJa.", " eyJ" + "a" * 5000, "www.a", "www.a.b/", "(55) ", "a_", "a/b/", "AAAAA&", "a.b."]
 )
 def test_the_scan_is_linear_in_the_text(unit):
     """256 KiB (the longest message a turn takes) of a pattern that made the earlier scan quadratic."""
@@ -626,6 +676,16 @@ def _compressed_first_round(result: str):
     plan = plan_compression(history, _account(history, 100), SessionLimits(keep_last_rounds=1))
     assert plan.num_messages_compressed == 4
     return apply_compression(history, plan, "", recount=lambda m: _account(m, 100))
+
+
+@pytest.mark.parametrize("depth", [100, 400, 2000])
+def test_json_nested_deeper_than_the_ledger_walks_keeps_every_value_through_compression(depth):
+    """Read by the ledger as text (escapes as written) and by the retention check as a document (escapes
+    decoded), values nested about 330 deep counted as lost: every compression of the session was refused."""
+    result = "[" * depth + '{"order": "ORD\\u002d7781", "code": "\\u0041\\u0042\\u0043-42"}' + "]" * depth
+    new_history, report = _compressed_first_round(result)
+    assert report.ledger_retained_fraction == 1.0
+    assert ("ORD-7781" if depth <= 128 else "ORD\\u002d7781") in new_history[0].content
 
 
 def test_values_beside_cjk_text_in_a_json_result_are_kept_through_compression():

@@ -54,7 +54,7 @@ import re._constants
 import re._parser
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import unquote
 
 import jsonschema_rs
@@ -152,11 +152,26 @@ def _is_uuid(value: object) -> bool:
     return not isinstance(value, str) or _UUID.fullmatch(value) is not None
 
 
-# What a tool's arguments are checked with: every format jsonschema can assert, `regex` as ECMAScript's,
-# `uuid` as its RFC's.
+# Draft 2020-12's formats jsonschema checks only with optional packages (rfc3339-validator, rfc3986-validator,
+# ...), which jsonschema-rs checks in Rust: without them, `date-time`, `uri` or `hostname` in a tool's schema
+# took any text (`"next tuesday"`), while `date` was checked.
+_FORMATS_CHECKED_IN_RUST = ("date-time", "time", "duration", "hostname", "uri", "uri-reference", "iri",
+                            "iri-reference", "uri-template", "json-pointer", "relative-json-pointer")
+
+
+def _rust_format_check(name: str) -> Callable[[object], bool]:
+    validator = jsonschema_rs.validator_for({"type": "string", "format": name}, validate_formats=True)
+    return lambda value: not isinstance(value, str) or validator.is_valid(value)
+
+
+# What a tool's arguments are checked with: every Draft 2020-12 format, `regex` as ECMAScript's, `uuid` as its
+# RFC's, those jsonschema has no checker for here as jsonschema-rs checks them.
 ARGUMENT_FORMATS = copy.deepcopy(Draft202012Validator.FORMAT_CHECKER)
 ARGUMENT_FORMATS.checks("regex")(_is_ecmascript_regex)
 ARGUMENT_FORMATS.checks("uuid")(_is_uuid)
+for _name in _FORMATS_CHECKED_IN_RUST:
+    if _name not in ARGUMENT_FORMATS.checkers:
+        ARGUMENT_FORMATS.checks(_name)(_rust_format_check(_name))
 
 
 def check_tool_parameters(value: dict[str, JsonValue]) -> None:

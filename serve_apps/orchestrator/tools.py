@@ -253,9 +253,10 @@ _DeadlineCheckedValidator = deadline_checked(validators.extend(Draft202012Valida
 
 def _validator(schema: dict) -> Draft202012Validator:
     # An empty registry: references resolve inside the schema only (models.ToolSpec
-    # already refuses others), so validation never fetches anything. `format` is
-    # asserted wherever jsonschema can check it (date, email, uuid, ipv4, ...): the
-    # schema's author asked for it, and the grammar of a forced call does not enforce it.
+    # already refuses others), so validation never fetches anything. Every format of
+    # Draft 2020-12 is asserted (`tool_schema.ARGUMENT_FORMATS`: date, date-time, uri,
+    # email, uuid, ...): the schema's author asked for it, and the grammar of a forced
+    # call does not enforce it.
     return _DeadlineCheckedValidator(schema, registry=Registry(), format_checker=ARGUMENT_FORMATS)
 
 

@@ -722,6 +722,24 @@ def test_formats_are_checked_where_they_can_be(arguments, paths):
         assert [violation.path for violation in outcome.violations] == paths
 
 
+@pytest.mark.parametrize("format_name, valid, invalid", [
+    ("date-time", "2026-12-07T10:00:00+01:00", "next tuesday"),
+    ("time", "10:00:00Z", "noonish"),
+    ("duration", "PT1H30M", "a while"),
+    ("hostname", "db-primary.internal", "-- not a host --"),
+    ("uri", "https://example.com/a", "not a uri"),
+    ("uri-reference", "../a#x", "http://[bad"),
+    ("json-pointer", "/a/b", "a"),
+])
+def test_every_draft_2020_12_format_is_checked(format_name, valid, invalid):
+    """jsonschema checks these only with optional packages: without them a `date-time` argument took any text."""
+    spec = _spec("book", {"type": "object", "properties": {"at": {"type": "string", "format": format_name}}})
+    assert isinstance(validate_tool_call(_call("book", json.dumps({"at": valid})), [spec]), ToolCall)
+    outcome = validate_tool_call(_call("book", json.dumps({"at": invalid})), [spec])
+    assert isinstance(outcome, ToolCallError) and outcome.kind == "schema_violation"
+    assert [violation.path for violation in outcome.violations] == ["$.at"]
+
+
 def _with_defs(name: str, defs: dict) -> ToolSpec:
     item_refs = {key: {"$ref": f"#/$defs/{key}"} for key in defs}
     return ToolSpec(name=name, parameters={"type": "object", "$defs": defs, "properties": item_refs},

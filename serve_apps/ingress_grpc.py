@@ -608,7 +608,8 @@ class GrpcIngress:
         """`Orchestrator.create_session`; 201 -> `CreateSessionResponse`."""
         async def create(caller: Caller) -> agent_pb2.CreateSessionResponse:
             envelope = await self._orchestrator.create_session.remote(create_session_body(request), caller.to_dict())
-            return json_format.ParseDict(envelope_body(envelope, 201), agent_pb2.CreateSessionResponse())
+            return json_format.ParseDict(envelope_body(envelope, 201), agent_pb2.CreateSessionResponse(),
+                                         ignore_unknown_fields=True)  # a later orchestrator's (`session_event_to_proto`)
 
         return await self._unary(AGENT_SERVICE, "CreateSession", grpc_context, request, create, agent_pb2.CreateSessionResponse())
 
@@ -616,7 +617,8 @@ class GrpcIngress:
         """`Orchestrator.get_session`; its body maps field by field onto `GetSessionResponse`."""
         async def get(caller: Caller) -> agent_pb2.GetSessionResponse:
             envelope = await self._orchestrator.get_session.remote(request.session_id, caller.to_dict())
-            return json_format.ParseDict(envelope_body(envelope, 200), agent_pb2.GetSessionResponse())
+            return json_format.ParseDict(envelope_body(envelope, 200), agent_pb2.GetSessionResponse(),
+                                         ignore_unknown_fields=True)  # a later orchestrator's (`session_event_to_proto`)
 
         return await self._unary(AGENT_SERVICE, "GetSession", grpc_context, request, get, agent_pb2.GetSessionResponse())
 

@@ -893,10 +893,28 @@ def test_get_session():
 
 def test_unexpected_orchestrator_reply_is_internal():
     context = FakeContext()
-    orchestrator = FakeHandle(get_session={"status": 200, "body": {"session_id": "s1", "surprise": 1}})
+    orchestrator = FakeHandle(get_session={"status": 200, "body": {"session_id": {"surprise": 1}}})
     _run(_ingress(orchestrator=orchestrator).GetSession(agent_pb2.GetSessionRequest(session_id="s1"), context))
     assert context.code is Code.INTERNAL
     assert "surprise" not in context.details
+
+
+@pytest.mark.parametrize("method, request_message, reply", [
+    ("GetSession", agent_pb2.GetSessionRequest(session_id="s1"),
+     {"status": 200, "body": {"session_id": "s1", "cache": {"num_replays": 3}, "transcript": [
+         {"role": "user", "content": "hi", "audio": {"id": "a1"}}]}}),
+    ("CreateSession", agent_pb2.CreateSessionRequest(model="m"),
+     {"status": 201, "body": {"session_id": "s1", "prefix_fingerprint": "ab", "region": "eu"}}),
+])
+def test_a_field_a_later_orchestrator_adds_is_left_out_of_the_reply(method, request_message, reply):
+    """A rolling update changes the orchestrator and this ingress one at a time: read strictly, every GetSession
+    failed INTERNAL from the first orchestrator that added a field (`cache.num_steps` once) until the ingress
+    followed, while HTTP passed the body through."""
+    context = FakeContext()
+    handle_name = "get_session" if method == "GetSession" else "create_session"
+    orchestrator = FakeHandle(**{handle_name: reply})
+    answer = _run(getattr(_ingress(orchestrator=orchestrator), method)(request_message, context))
+    assert context.code is None and answer.session_id == "s1"
 
 
 def _turn(*items):

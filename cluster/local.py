@@ -427,9 +427,8 @@ def start_ray(cfg: ClusterConfig, state: LocalState, progress: Progress) -> str:
     # The head's workers inherit its environment: the replicas publish their KV events (every prompt's tokens)
     # on sockets in a folder of this user's only, which the router on this one machine reaches and no other
     # host or user does.
-    kv_events = Path(tempfile.gettempdir()) / f"warmpath-kv-events-{os.getuid()}"
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **grpc_proxy_env(cfg), KV_EVENTS_IPC_DIR_ENV: str(kv_events)})
+                               env={**os.environ, **grpc_proxy_env(cfg), KV_EVENTS_IPC_DIR_ENV: str(kv_events_dir())})
     try:
         stdout, stderr = process.communicate(timeout=RAY_START_TIMEOUT_S)
     except BaseException as err:  # Ctrl-C or a hung start: recorded, so `down` stops whatever came up
@@ -1279,6 +1278,38 @@ def _runs(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
+def kv_events_dir() -> Path:
+    """The folder of this user's replicas' KV-event sockets on a head `up` started (`KV_EVENTS_IPC_DIR_ENV`)."""
+    return Path(tempfile.gettempdir()) / f"warmpath-kv-events-{os.getuid()}"
+
+
+def remove_stale_sockets(folder: Path) -> int:
+    """Removes the Unix sockets in `folder` nothing listens on any more; returns how many.
+
+    Why: a replica's engine leaves its two socket files when it ends, so every replica a head ever ran left
+    two behind. One that a live process still answers on (a head started elsewhere, beside this one) stays.
+    """
+    removed = 0
+    try:
+        entries = list(folder.iterdir())
+    except OSError:  # never made, or not this user's to read
+        return 0
+    for entry in entries:
+        try:
+            if not stat.S_ISSOCK(entry.lstat().st_mode):
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1)
+                probe.connect(str(entry))
+        except ConnectionRefusedError:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+                removed += 1
+        except OSError:
+            continue  # answering, gone meanwhile, or not to be probed: left as it is
+    return removed
+
+
 def _stop_started_head(state: LocalState, progress: Progress) -> bool:
     """Deletes the applications and stops the local head `up` started, if that head still runs.
 
@@ -1317,6 +1348,8 @@ def _stop_started_head(state: LocalState, progress: Progress) -> bool:
     reaped = reap_orphaned_engines()
     if reaped:
         progress(f"vllm: stopped {len(reaped)} engine processes left behind by their replicas")
+    if is_stopped:
+        remove_stale_sockets(kv_events_dir())
     return is_stopped
 
 

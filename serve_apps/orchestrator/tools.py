@@ -166,7 +166,9 @@ def _exact_float(text: str) -> float:
     `1e-400` failed `exclusiveMinimum: 0` (read as 0.0) though positive.
     """
     value = _finite_float(text)
-    if decimal.Decimal(repr(value)) != decimal.Decimal(text):
+    written = decimal.Decimal(text)
+    # Its shortest text (`0.1`), or the float's whole binary expansion (`0.1000000000000000055511151231257827...`).
+    if written != decimal.Decimal(repr(value)) and written != decimal.Decimal(value):
         raise _InexactNumber(f"the number {text[:40]} is not exactly a 64-bit float: the schema's checks would read "
                              f"it as {value!r}, a tool parsing decimals as written; write at most 17 significant "
                              "digits, and no number nearer 0 than 1e-307")

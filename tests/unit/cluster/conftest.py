@@ -57,6 +57,12 @@ class RayStartStandIn:
         return self.returncode or -9
 
 
+@pytest.fixture(autouse=True)
+def _own_kv_events_dir(tmp_path_factory, monkeypatch):
+    """`down` clears the KV-event sockets of this user's head: in a test, a folder of the test's own."""
+    monkeypatch.setattr(local, "kv_events_dir", lambda: tmp_path_factory.getbasetemp() / "kv-events")
+
+
 @pytest.fixture
 def ray_start(tmp_path_factory, monkeypatch):
     """Makes `ray start` a `RayStartStandIn` (configure its fields); Ray's session folders in a folder of their own."""

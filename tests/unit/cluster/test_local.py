@@ -588,6 +588,7 @@ def test_up_stops_before_deploying_replicas_a_local_head_cannot_place(tmp_path, 
 
 
 def test_a_local_head_offers_every_replicas_custom_resources(tmp_path, monkeypatch, ray_start):
+    monkeypatch.setattr(local, "kv_events_dir", _KV_EVENTS_DIR)  # the real one's name (nothing is made here)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)
     monkeypatch.setattr(local, "ports_in_use", lambda cfg: [])  # the test session's own cluster holds them
@@ -601,6 +602,10 @@ def test_a_local_head_offers_every_replicas_custom_resources(tmp_path, monkeypat
     # Its workers inherit it: the replicas publish their KV events (every prompt's tokens) on sockets in a
     # folder of this user's only.
     assert ray_start.environments[0]["WARMPATH_KV_EVENTS_IPC_DIR"].endswith(f"warmpath-kv-events-{os.getuid()}")
+
+
+# `cluster.local.kv_events_dir` itself, as imported (the tests' fixture puts a folder of their own in its place).
+_KV_EVENTS_DIR = local.kv_events_dir
 
 
 def _serve_says_twice_then_runs(monkeypatch, message: str) -> None:

@@ -89,6 +89,32 @@ def test_a_failed_ray_start_that_spawned_a_head_is_recorded_and_down_stops_its_p
     assert LocalState.load(tmp_path).is_empty()
 
 
+def test_down_removes_the_sockets_of_the_replicas_that_ended_and_keeps_a_live_one(tmp_path, monkeypatch):
+    """Each replica a head ran left its two KV-event socket files in the user's folder when it ended."""
+    import socket
+
+    folder = tmp_path / "kv"
+    folder.mkdir()
+    monkeypatch.setattr(local, "kv_events_dir", lambda: folder)
+    for name in ("replica_a.pub", "replica_a.replay"):
+        ended = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        ended.bind(str(folder / name))
+        ended.close()  # the file stays, and nothing listens on it
+    (folder / "notes.txt").write_text("not a socket")
+    state_dir = tmp_path / "state"
+    LocalState(ray_started=True, ray_session="session_1", ray_address="auto").save(state_dir)
+    monkeypatch.setattr(local, "_ray_head_up", lambda: True)
+    monkeypatch.setattr(local, "head_session", lambda: "session_1")
+    monkeypatch.setattr(local, "reap_orphaned_engines", lambda: [])
+    monkeypatch.setattr(local, "_serve_client", lambda state: type("C", (), {"delete_applications": lambda self: None})())
+    monkeypatch.setattr(local.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
+        live.bind(str(folder / "replica_b.pub"))
+        live.listen()
+        assert local.down(_cfg(state_dir), lambda line: None)
+        assert sorted(path.name for path in folder.iterdir()) == ["notes.txt", "replica_b.pub"]
+
+
 def test_a_failed_ray_start_that_spawned_nothing_records_nothing(tmp_path, monkeypatch, ray_start):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local, "_ray_head_up", lambda: False)

@@ -77,6 +77,8 @@ def test_a_refusal_of_arguments_under_long_property_names_stays_bounded():
 @pytest.mark.parametrize("number, is_accepted", [
     ("1284.50", True), ("0.1", True), ("1e2", True), ("19.99", True), ("-0.0", True), ("1.7976931348623157e308", True),
     ("12345678901234567890", True),  # an integer is exact however long
+    ("0.1000000000000000055511151231257827021181583404541015625", True),  # 0.1's float, written out exactly
+    ("0.1000000000000000055511151231257827", False),  # ... cut short: neither its float nor that float's text
     # The checks read each as its float (100.0, 0.0, 1.0), the tool as written: `maximum: 100` passed the first.
     ("100.000000000000001", False), ("1e-400", False), ("0.99999999999999999", False),
 ])

@@ -944,7 +944,7 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], s
     if isinstance(telemetry, dict):  # else WARMPATH_TELEMETRY set it whole, to what validation then names
         # OTLP's signal-specific variable turns tracing on too (`telemetry.traces_endpoint` sends spans there).
         for variable in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-            if environ.get(variable) and "otlp_endpoint" not in telemetry and _speaks_otlp_protocol(environ):
+            if environ.get(variable) and "otlp_endpoint" not in telemetry and speaks_otlp_protocol(environ):
                 telemetry["otlp_endpoint"] = environ[variable]
                 sources[("telemetry", "otlp_endpoint")] = variable
         if environ.get("OTEL_SERVICE_NAME") and "service_name" not in telemetry:
@@ -955,7 +955,7 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], s
     return out, sources
 
 
-def _speaks_otlp_protocol(environ: Mapping[str, str]) -> bool:
+def speaks_otlp_protocol(environ: Mapping[str, str]) -> bool:
     """Whether the shell's OTLP protocol (where it names one) is the one warmpath's exporter speaks.
 
     Why: it posts OTLP/HTTP protobuf to the endpoint; a shell set up for a collector's gRPC port (4317) gave it

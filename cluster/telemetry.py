@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 from opentelemetry import context, propagate, trace
 
-from cluster.config import TelemetryConfig
+from cluster.config import TelemetryConfig, speaks_otlp_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ TRACER_NAME = "warmpath"
 DEFAULT_SCHEDULE_DELAY_MS = 500
 # Longest a stopping replica waits for its queued spans to be exported.
 SHUTDOWN_FLUSH_TIMEOUT_S = 2.0
+# Longest text an attribute keeps unless OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT says (the SDK's default: no bound).
+MAX_ATTRIBUTE_CHARS = 4096
 _configured = threading.Lock()
 _is_configured = False
 
@@ -72,7 +74,7 @@ def _install_provider(config: TelemetryConfig, component: str) -> None:
     """The OTLP/HTTP exporting tracer provider of this process (`setup_tracing`)."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     attributes = {"warmpath.component": component}
@@ -82,13 +84,21 @@ def _install_provider(config: TelemetryConfig, component: str) -> None:
     resource = Resource.create(attributes)
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": DEFAULT_SERVICE_NAME}))
-    provider = TracerProvider(resource=resource)
+    # A bound on each attribute's text unless the operator set OTel's own: a span carrying a value of megabytes
+    # (a client's text) held that much in the export queue, and made a batch the collector refuses whole.
+    limits = SpanLimits(max_attribute_length=None if os.environ.get("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT")
+                        or os.environ.get("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT") else MAX_ATTRIBUTE_CHARS)
+    provider = TracerProvider(resource=resource, span_limits=limits)
     endpoint = traces_endpoint(config)
     parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        port = parts.port  # raises for a port that is no number from 0 to 65535, as the config check does
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
         # The exporter takes it and fails every export, logging an error twice a second in each process.
-        raise ValueError(f"traces endpoint {endpoint!r} is not an http:// or https:// URL with a host "
-                         "(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else telemetry.otlp_endpoint)")
+        raise ValueError(f"traces endpoint {endpoint!r} is not an http:// or https:// URL with a host and a "
+                         "port from 0 to 65535 (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else telemetry.otlp_endpoint)")
     # Half a second unless the operator set OTel's own variable (the SDK's default is 5 s).
     delay_ms = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else DEFAULT_SCHEDULE_DELAY_MS
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=delay_ms))
@@ -97,10 +107,18 @@ def _install_provider(config: TelemetryConfig, component: str) -> None:
 
 def traces_endpoint(config: TelemetryConfig) -> str:
     """Where spans are sent: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` as written (OTLP's signal-specific
-    variable, a whole URL), else the configured endpoint with `/v1/traces` (OTLP/HTTP's path)."""
+    variable, a whole URL), else the configured endpoint with `/v1/traces` (OTLP/HTTP's path).
+
+    The variable is not taken where the process's OTLP protocol variable names another protocol than the one
+    this exporter speaks (`speaks_otlp_protocol`, as the config reads the shell's): a worker that inherited a
+    shell set up for a collector's gRPC port sent every span there over OTLP/HTTP, and lost them all.
+    """
     explicit = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
-    if explicit:
+    if explicit and speaks_otlp_protocol(os.environ):
         return explicit
+    if explicit:
+        logger.warning("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is left out: its protocol variable names another "
+                       "protocol than OTLP/HTTP protobuf, which warmpath's exporter speaks")
     endpoint = (config.otlp_endpoint or "").rstrip("/")
     return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
 

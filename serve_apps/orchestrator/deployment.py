@@ -53,6 +53,7 @@ from serve_apps.orchestrator.models import (
     ToolCall,
     ToolResultsSubmission,
     TurnRequest,
+    is_session_id,
 )
 from serve_apps.orchestrator.prompt import (
     SessionState,
@@ -152,6 +153,8 @@ def _bad_idempotency_key(key: str | None) -> dict[str, Any] | None:
 
 def _not_found(session_id: str) -> dict[str, Any]:
     # Another key's session answers exactly like a missing one: its existence is not the caller's business.
+    if not is_session_id(session_id):  # not echoed: it may be megabytes of anything
+        return _error(404, "no such session: that is not a session id this service issues", "session_not_found")
     return _error(404, f"no session {session_id}", "session_not_found")
 
 
@@ -465,6 +468,8 @@ class Orchestrator:
         return request, token_ids_fingerprint(prefix_ids)
 
     async def get_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
+        if not is_session_id(session_id):
+            return _not_found(session_id)
         try:
             view = await self._store.view(session_id)
             _owned_by(view.record, Caller.from_dict(caller))
@@ -513,6 +518,8 @@ class Orchestrator:
         return {"status": 200, "body": body}
 
     async def delete_session(self, session_id: str, caller: dict[str, Any]) -> dict[str, Any]:
+        if not is_session_id(session_id):
+            return _not_found(session_id)
         try:
             owner_key_id = await self._store.owner_of(session_id)
             if owner_key_id != Caller.from_dict(caller).key_id:
@@ -583,7 +590,11 @@ class Orchestrator:
     async def _traced_turn(
         self, session_id: str, trace_carrier, tool_choice: str, caller: Caller, idempotency_key: str | None, **kwargs
     ) -> AsyncIterator[dict[str, Any]]:
-        """One `invoke_agent` span per turn (or resumption), child of the caller's trace."""
+        """One `invoke_agent` span per turn (or resumption), child of the caller's trace; none for what is no
+        session id (`is_session_id`)."""
+        if not is_session_id(session_id):
+            yield _not_found(session_id)
+            return
         # The caller's context made current first: the span joins it, baggage and all, for the model and tool calls.
         with telemetry.current_context(telemetry.extract(trace_carrier)), telemetry.tracer().start_as_current_span(
             "invoke_agent warmpath", kind=trace.SpanKind.SERVER,

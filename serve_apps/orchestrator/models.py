@@ -20,6 +20,7 @@ Invariants the validators hold:
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal, NewType
 
@@ -46,6 +47,16 @@ def _is_stored(info: ValidationInfo) -> bool:
 
 
 SessionId = NewType("SessionId", str)
+# The shape of every session id the store issues (`secrets.token_urlsafe(24)`: 32 URL-safe characters), with room.
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def is_session_id(text: str) -> bool:
+    """Whether `text` could be a session id: anything else is no session's, whatever it is (megabytes of it,
+    over gRPC, went onto the turn's span, into Redis lookups, and back in the 404's message)."""
+    return _SESSION_ID.fullmatch(text) is not None
+
+
 PrefixFingerprint = NewType("PrefixFingerprint", str)
 
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"

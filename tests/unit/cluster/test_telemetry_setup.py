@@ -36,9 +36,18 @@ def test_the_batch_delay_is_otels_variable_when_set(monkeypatch, environ, delay_
     ("http://c:4318/v1/traces", {}, "http://c:4318/v1/traces"),
     # OTLP's signal-specific variable is a whole URL, used as written.
     ("http://c:4318", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4318/custom/spans"}, "http://t:4318/custom/spans"),
+    ("http://c:4318", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4318/custom/spans",
+                       "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, "http://t:4318/custom/spans"),
+    # ... not where the process's protocol variable names another protocol (a shell set up for gRPC, inherited by
+    # Ray's workers): every span went over OTLP/HTTP to the collector's gRPC port.
+    ("http://c:4318", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4317",
+                       "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "http://c:4318/v1/traces"),
+    ("http://c:4318", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4317",
+                       "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, "http://c:4318/v1/traces"),
 ])
 def test_spans_go_to_the_traces_endpoint_as_otlp_names_it(monkeypatch, configured, environ, expected):
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        monkeypatch.delenv(name, raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     assert telemetry.traces_endpoint(TelemetryConfig(otlp_endpoint=configured)) == expected
@@ -107,7 +116,8 @@ def test_a_bad_otel_setting_leaves_tracing_off_instead_of_failing_the_process(mo
     assert installed == [] and "tracing is off in this test process" in caplog.text
 
 
-@pytest.mark.parametrize("traces_endpoint", ["collector:4318/v1/traces", "grpc://collector:4317", "http:///v1/traces"])
+@pytest.mark.parametrize("traces_endpoint", ["collector:4318/v1/traces", "grpc://collector:4317", "http:///v1/traces",
+                                             "http://collector:43l8/v1/traces", "http://collector:70000/v1/traces"])
 def test_a_traces_endpoint_that_is_no_http_url_leaves_tracing_off(monkeypatch, caplog, traces_endpoint):
     """The exporter took `collector:4318/v1/traces` and failed every export: tracing stayed on for nothing, and
     each process logged an error twice a second."""
@@ -118,3 +128,23 @@ def test_a_traces_endpoint_that_is_no_http_url_leaves_tracing_off(monkeypatch, c
     with caplog.at_level("WARNING"):
         telemetry.setup_tracing(TelemetryConfig(otlp_endpoint="http://127.0.0.1:4318"), "test")
     assert installed == [] and f"traces endpoint {traces_endpoint!r} is not an http://" in caplog.text
+
+
+@pytest.mark.parametrize("environ, kept_chars", [({}, telemetry.MAX_ATTRIBUTE_CHARS),
+                                                 ({"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "100000"}, 100000)])
+def test_an_attribute_of_megabytes_is_cut_unless_otel_says_otherwise(monkeypatch, environ, kept_chars):
+    """A client's text of megabytes on a span (a session id over gRPC) stayed whole in the export queue, and made
+    batches the collector refused whole, every tenant's spans with them."""
+    for name in ("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    installed = []
+    monkeypatch.setattr(telemetry.trace, "set_tracer_provider", installed.append)
+    monkeypatch.setattr(telemetry, "_is_configured", False)
+    telemetry.setup_tracing(TelemetryConfig(otlp_endpoint="http://127.0.0.1:4318"), "test")
+    (provider,) = installed
+    with provider.get_tracer("t").start_as_current_span("s") as span:
+        span.set_attribute("warmpath.session_id", "x" * 1_000_000)
+    assert len(span.attributes["warmpath.session_id"]) == kept_chars
+    provider.shutdown()

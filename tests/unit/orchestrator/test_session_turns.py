@@ -626,3 +626,37 @@ def test_a_pause_whose_pending_results_put_the_prompt_over_the_window_compresses
     assert last["kind"] == "final"
     kinds, last = _turn_kinds(orchestrator, session_id, "hi", [_fetch("c1"), ModelReply(content="fine")])
     assert last["kind"] == "requires_action" and "compression" in kinds, last
+
+
+@pytest.mark.parametrize("session_id", ["x" * 4_000_000, "a/b", "", "no such id", "é" * 8])
+def test_what_is_no_session_id_is_not_found_without_a_span_a_lookup_or_an_echo(monkeypatch, session_id):
+    """Over gRPC a session id is any text up to the request's 4 MiB: it went onto the turn's span (held in the export
+    queue, and making batches the collector refuses whole), into Redis lookups, and back in the 404's message."""
+    orchestrator = _orchestrator()
+
+    def no_span():
+        raise AssertionError("a span was started for what is no session id")
+
+    class NoStore:
+        def __getattr__(self, name):
+            raise AssertionError(f"the store was asked ({name}) about what is no session id")
+
+    monkeypatch.setattr(telemetry, "tracer", no_span)
+    orchestrator._store = NoStore()
+    answers = [
+        asyncio.run(orchestrator.get_session(session_id, CALLER)),
+        asyncio.run(orchestrator.delete_session(session_id, CALLER)),
+        *_collect(orchestrator.send_message(session_id, {"content": "hi"}, CALLER)),
+        *_collect(orchestrator.submit_tool_results(session_id, {"results": [{"tool_call_id": "c", "content": "x"}]},
+                                                   CALLER)),
+    ]
+    assert len(answers) == 4
+    for answer in answers:
+        assert answer["status"] == 404 and answer["body"]["error"]["code"] == "session_not_found"
+        assert len(answer["body"]["error"]["message"]) < 100
+
+
+def test_a_session_id_the_store_issued_is_one():
+    from serve_apps.orchestrator.models import is_session_id
+
+    assert all(is_session_id(secrets.token_urlsafe(24)) for _ in range(1000))

@@ -75,6 +75,11 @@ class EventDecodeError(ValueError):
     """A message that is not a well-formed `[topic, seq, KVEventBatch]`."""
 
 
+# The event types the index applies, and the unknown ones already logged (once per process each).
+_KNOWN_EVENT_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+_UNKNOWN_TAGS_LOGGED: set[str] = set()
+
+
 class UnknownEvent:
     """An event of a type this vLLM does not define, kept by its tag so the index can skip and count it."""
 
@@ -182,7 +187,9 @@ class StreamSnapshot:
     before a gap or before the router joined): orphans arriving while little
     else is stored mean the router is blind to that replica.
     `num_malformed_batches` counts batches the index could not apply (each
-    cleared the replica's blocks).
+    cleared the replica's blocks), `num_unknown_events` events of a type this
+    vLLM does not define (skipped: a newer publisher's; each new type is logged
+    once, since one that removes blocks would leave the index crediting them).
     """
 
     last_seq: int | None
@@ -193,6 +200,7 @@ class StreamSnapshot:
     num_skipped_blocks: int
     num_orphaned_blocks: int
     num_malformed_batches: int = 0
+    num_unknown_events: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +260,7 @@ class ReplicaEventStream:
         self._num_gaps = 0
         self._num_replayed_gaps = 0
         self._num_malformed_batches = 0
+        self._num_unknown_events = 0
 
     def fillable_gap_before(self, seq: int) -> bool:
         """Whether batches are missing before `seq` that the replay buffer may still hold.
@@ -367,7 +376,7 @@ class ReplicaEventStream:
         return StreamSnapshot(
             self._last_seq, self._num_batches, self._num_gaps, self._num_replayed_gaps,
             self._num_stored_blocks, self._num_skipped_blocks, self._num_orphaned_blocks,
-            self._num_malformed_batches,
+            self._num_malformed_batches, self._num_unknown_events,
         )
 
     def _is_position_known(self) -> bool:
@@ -387,6 +396,15 @@ class ReplicaEventStream:
         self._num_stored_blocks += result.num_stored_blocks
         self._num_skipped_blocks += result.num_skipped_blocks
         self._num_orphaned_blocks += result.num_orphaned_blocks
+        if result.num_skipped_events:
+            self._num_unknown_events += result.num_skipped_events
+            for event in batch.events:
+                tag = event.tag if isinstance(event, UnknownEvent) else type(event).__name__
+                if tag not in _UNKNOWN_TAGS_LOGGED and tag not in _KNOWN_EVENT_TYPES:
+                    _UNKNOWN_TAGS_LOGGED.add(tag)
+                    logger.warning("KV events of replica %s: skipping events of type %r, which this router does "
+                                   "not know (a newer vLLM's?); if they remove blocks, routing over-predicts hits",
+                                   self.replica_id, tag)
         return result
 
     def _fits_replay_buffer(self, num_missing: int) -> bool:

@@ -107,7 +107,17 @@ each ending there). That over-prediction lasts until the replica is sent one
 request of that chain and caches it, or the adopted parent goes.
 
 Tracked: the engine's own pool only (`medium` None or "GPU", which vLLM uses
-on every backend, CPU included), KV cache group 0, the index's block size.
+on every backend, CPU included), one KV cache group, the index's block size.
+The group is the first whose `BlockStored` names a kind that caches whole
+prefixes (`full_attention`, `mla_attention`), else group 0 where events name
+no kinds: vLLM numbers a hybrid model's groups by their first layer's kind,
+so Gemma's group 0 is its sliding-window one, whose blocks leave from the
+front of a chain as the window moves (tracked, the index saw every chain cut
+at its root and credited nothing). One block hash names a block in every
+group, so another group's removals must not reach the tracked one. Not
+modelled: a sliding-window group's own hit rule (vLLM also needs the window's
+blocks before the hit), so on such a model a lookup can credit more than the
+engine reuses where those blocks were evicted first.
 Not thread-safe. Events are matched by class name, so this module imports
 without vLLM (whose import pulls in torch: about 600 MB and several seconds).
 """
@@ -128,6 +138,8 @@ from router.hashing import BlockHash, RequestBlockHashes, chain_block_hashes, en
 from router.types import ReplicaId
 
 _TRACKED_MEDIA = frozenset({None, "GPU"})
+# KV cache kinds whose blocks stand for a whole prefix: the group the index follows is of one of these.
+_PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
 # Adoption (module docstring): prompts remembered, across replicas, and the blocks an orphan must match.
 PLACED_PROMPTS_KEPT = 256
 ADOPTION_MIN_BLOCKS = 2
@@ -196,7 +208,7 @@ class IndexSnapshot:
 
 class _ReplicaState:
     __slots__ = ("replica_id", "slot", "bit", "max_blocks", "blocks", "extra_copies", "skipped", "pending",
-                 "num_evicted_blocks", "anchors", "adopted", "stand_in_of")
+                 "num_evicted_blocks", "anchors", "adopted", "stand_in_of", "group_kinds", "tracked_group")
 
     def __init__(self, replica_id: ReplicaId, slot: int, max_blocks: int) -> None:
         self.replica_id = replica_id
@@ -215,6 +227,21 @@ class _ReplicaState:
         self.anchors: dict[int, list[int]] = {}
         self.adopted: dict[int, list] = {}
         self.stand_in_of: dict[BlockHash, int] = {}
+        # The kind of each KV cache group its stores named, and the group followed (`tracks_group`): 0 until
+        # a store names kinds, then the first that caches whole prefixes (None: no such group).
+        self.group_kinds: dict[int, str] = {}
+        self.tracked_group: int | None = 0
+
+    def tracks_group(self, group_idx: int | None, kind: str | None = None) -> bool:
+        """Whether events of KV cache group `group_idx` (None: a vLLM that names no group) are the tracked
+        group's; a store's `kind` is learnt first (`PrefixIndex` docstring)."""
+        if group_idx is None:
+            return True
+        if kind is not None and group_idx not in self.group_kinds:
+            self.group_kinds[group_idx] = kind
+            prefix_groups = [group for group, seen in self.group_kinds.items() if seen in _PREFIX_KINDS]
+            self.tracked_group = min(prefix_groups) if prefix_groups else None
+        return group_idx == self.tracked_group
 
 
 class PrefixIndex:
@@ -276,7 +303,7 @@ class PrefixIndex:
                 num_skipped_blocks += skipped
                 num_orphaned += orphaned
             elif kind == "BlockRemoved":
-                if event.medium in _TRACKED_MEDIA and not event.group_idx:
+                if event.medium in _TRACKED_MEDIA and state.tracks_group(event.group_idx):
                     num_removed += self._remove(state, event.block_hashes)
                 else:
                     num_skipped_blocks += len(event.block_hashes)
@@ -598,7 +625,7 @@ class PrefixIndex:
         block_size = self._block_size_tokens
         if (
             event.medium not in _TRACKED_MEDIA
-            or event.group_idx
+            or not state.tracks_group(event.group_idx, getattr(event, "kv_cache_spec_kind", None))
             or event.block_size != block_size
             or len(event.token_ids) != num_blocks * block_size
         ):

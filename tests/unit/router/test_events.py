@@ -401,6 +401,21 @@ def test_an_unknown_event_type_costs_only_that_event(decoder, index):
     assert (result.num_stored_blocks, result.num_skipped_events) == (3, 1)
 
 
+def test_unknown_event_types_are_counted_and_each_logged_once(decoder, index, caplog, monkeypatch):
+    """Skipped without a trace, a newer vLLM's event that removes blocks would have left the index crediting
+    them with nothing to show why."""
+    from router import events
+
+    monkeypatch.setattr(events, "_UNKNOWN_TAGS_LOGGED", set())
+    stream = ReplicaEventStream(A, index)
+    with caplog.at_level("WARNING", logger="router.events"):
+        for seq in range(3):
+            _, received = decode_event_message(frames(seq, batch(_BlockTouched(block_hashes=[ehash(0)]))), decoder)
+            stream.accept(seq, received)
+    assert stream.snapshot().num_unknown_events == 3
+    assert caplog.text.count("skipping events of type '_BlockTouched'") == 1
+
+
 def test_a_known_event_that_does_not_decode_still_fails_its_batch(decoder):
     # Well-formed msgpack, a batch shape, an event tag this vLLM knows, fields it cannot read.
     broken = ENCODER.encode([time.time(), [{"type": "BlockRemoved", "block_hashes": 5, "medium": "GPU"}]])

@@ -114,6 +114,36 @@ def test_blocks_the_router_cannot_reproduce_are_skipped(index, event, num_skippe
     assert index.snapshot().num_blocks_by_replica[A] == 2 - num_skipped_blocks
 
 
+def test_a_hybrid_models_index_follows_its_full_attention_group_whatever_its_number(index):
+    """vLLM numbers groups by their first layer's kind: Gemma's group 0 is sliding-window, whose blocks leave from
+    the front of a chain as the window moves. Followed, the index saw every chain cut at its root and credited
+    nothing, while the engine reused the prefix; and one hash names a block in every group, so that group's
+    removals took the full-attention group's blocks too."""
+    window, full = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}, \
+        {"kv_cache_spec_kind": "full_attention"}
+    index.apply(A, [stored(0, 8, group_idx=0, **window), stored(0, 8, group_idx=1, **full)])
+    # The window moved: its group dropped the first blocks (the full-attention group keeps them).
+    result = index.apply(A, [removed(0, 1, 2, 3, group_idx=0)])
+    assert result.num_removed_blocks == 0 and result.num_skipped_blocks == 4
+    assert index.longest_prefix(request_hashes(), now_s=0.0) == {A: 8}
+    assert index.apply(A, [removed(6, 7, group_idx=1)]).num_removed_blocks == 2
+    assert index.longest_prefix(request_hashes(), now_s=0.0) == {A: 6}
+
+
+@pytest.mark.parametrize("events, expected", [
+    # A vLLM that names no kinds (or no groups): group 0, as before.
+    ([stored(0, 3, group_idx=0), stored(0, 3, group_idx=1, tokens=TOKENS)], {A: 3}),
+    ([stored(0, 3)], {A: 3}),
+    # MLA caches whole prefixes too; a model with no such group is followed in none.
+    ([stored(0, 3, group_idx=0, kv_cache_spec_kind="mla_attention")], {A: 3}),
+    ([stored(0, 3, group_idx=0, kv_cache_spec_kind="sliding_window")], {}),
+    ([stored(0, 3, group_idx=0, kv_cache_spec_kind="mamba")], {}),
+])
+def test_the_group_followed_is_the_first_caching_whole_prefixes(index, events, expected):
+    index.apply(A, events)
+    assert index.longest_prefix(request_hashes(), now_s=0.0) == expected
+
+
 @pytest.mark.parametrize(
     ("event_kw", "model", "salt", "expected"),
     [

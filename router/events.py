@@ -250,6 +250,7 @@ class ReplicaEventStream:
         # Where a stream with no batch yet starts, once a whole history said so (`start_at`); None: unknown.
         self._start_seq: int | None = None
         self._replayed_through: int | None = None
+        self._replayed_last_ts = 0.0  # the newest timestamp of the batches replayed through `_replayed_through`
         # The first batch of the run the index holds of this replica (every batch since applied, none before
         # it since the replica was last cleared); None: nothing applied since.
         self._known_from: int | None = None
@@ -292,7 +293,10 @@ class ReplicaEventStream:
             from a replay; nothing done).
         """
         if self._replayed_through is not None:
-            if seq <= self._replayed_through:
+            # The subscription's own copy of a replayed batch is that batch, timestamp and all; a later one at
+            # such a seq is a restarted publisher's (seq back down), dropped as a copy it left the old engine's
+            # blocks credited and the new engine's unseen.
+            if seq <= self._replayed_through and batch.ts <= self._replayed_last_ts:
                 return "duplicate"
             self._replayed_through = None
         is_position_known = self._is_position_known()
@@ -335,6 +339,7 @@ class ReplicaEventStream:
                 num_applied += 1
         if num_applied:
             self._replayed_through = self._last_seq
+            self._replayed_last_ts = max(batch.ts for _, batch in batches)
         return num_applied
 
     def next_seq(self) -> int:

@@ -468,3 +468,19 @@ def test_without_a_whole_history_the_first_live_batch_joins_late(index):
     stream.start_at(5)
     stream.reset()  # a reload forgets where the stream started
     assert not stream.fillable_gap_before(9)
+
+
+def test_a_publisher_restarted_after_a_replay_is_resynced_not_dropped_as_copies(index):
+    """After a history load, batches at or below the last replayed seq were all taken for the subscription's copies
+    of it: an engine restarted on the same endpoints (seq back to 0) had its new blocks dropped, and the old engine's
+    stayed credited."""
+    stream = ReplicaEventStream(A, index)
+    history = [(seq, KVEventBatch(ts=100.0 + seq, events=[])) for seq in range(5)]
+    history.append((5, KVEventBatch(ts=105.0, events=[stored(0, 8)])))
+    assert stream.accept_replayed(history) == 6
+    assert stream.accept(5, history[5][1]) == "duplicate"  # the subscription's own copy of a replayed batch
+    assert cached_blocks(index) == 8
+    assert stream.accept(0, KVEventBatch(ts=200.0, events=[])) == "resynced"  # newer than every replayed batch
+    assert cached_blocks(index) == 0
+    assert stream.accept(1, KVEventBatch(ts=201.0, events=[stored(0, 2)])) == "applied"
+    assert cached_blocks(index) == 2

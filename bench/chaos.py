@@ -1,8 +1,8 @@
 """`warmpath chaos`: fault scenarios against the running local cluster, and the fate of every turn.
 
 Each scenario runs agent turns over the public HTTP API while it breaks a real
-part (a vLLM replica, the orchestrator replica, Redis, a tool, the client's
-connection), then audits every session's transcript in Redis through the API.
+part (a vLLM replica, a replica's engine core, the orchestrator replica, Redis, a
+tool, the client's connection), then audits every session's transcript in Redis through the API.
 A turn ends in one of three ways:
 - completed: the client was told the turn committed (after at most the retries
   a careful client makes: the same request with the same `Idempotency-Key`);
@@ -33,7 +33,7 @@ from cluster.api_keys import bearer_headers
 from cluster.config import ClusterConfig
 
 Progress = Callable[[str], None]
-SCENARIOS = ("replica-kill", "orchestrator-kill", "redis-restart", "tool-faults", "client-disconnect")
+SCENARIOS = ("replica-kill", "engine-kill", "orchestrator-kill", "redis-restart", "tool-faults", "client-disconnect")
 # Statuses after which a careful client sends the same turn again under the same Idempotency-Key.
 RETRYABLE_STATUSES = frozenset({409, 500, 502, 503, 504})
 RETRY_DEADLINE_S = 180.0
@@ -242,6 +242,70 @@ def _kill_mid_turn(scenario: str, actor_part: str, client: ChaosClient, cfg: Clu
     return audit(client, fates, result)
 
 
+def _running_replicas(cfg: ClusterConfig, deployment_part: str) -> tuple[set[str], int]:
+    """The RUNNING replica ids of the deployment whose name holds `deployment_part`, and its target count."""
+    from cluster import local
+
+    state = local.LocalState.load(local.state_dir_of(cfg))
+    deployments = local.serve_details(state)["applications"][cfg.app_name]["deployments"]
+    (details,) = [details for name, details in deployments.items() if deployment_part in name]
+    running = {r["replica_id"] for r in details.get("replicas", []) if r["state"] == "RUNNING"}
+    return running, details.get("target_num_replicas", 1)
+
+
+def _kill_one_engine() -> int:
+    """SIGKILLs one of this user's vLLM engine cores (as the kernel's out-of-memory killer would); returns its pid."""
+    import os
+    import signal
+    from pathlib import Path
+
+    for entry in sorted(Path("/proc").iterdir(), key=lambda path: path.name):
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == os.getuid() and \
+                    (entry / "cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                return int(entry.name)
+        except OSError:
+            continue
+    raise RuntimeError("no vLLM engine core of this user's runs")
+
+
+def engine_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 8) -> ScenarioResult:
+    """A replica's engine core dies (killed, out of memory) while its replica lives: the replica must leave at once,
+    so the orchestrator's own retry lands on another replica and no client has to send a turn twice."""
+    result = ScenarioResult("engine-kill")
+    before, _ = _running_replicas(cfg, "WarmpathLLMServer")
+    fates = _fates(client, cfg, num_sessions, "engine-kill", output_reserve_tokens=KILL_TURN_OUTPUT_TOKENS)
+    killed: list[int] = []
+    num_running = _concurrent_turns(client, fates, lambda: killed.append(_kill_one_engine()), fault_after_s=1.0)
+    result.notes.append(f"killed engine core pid {killed[0]} with {num_running} of {len(fates)} turns running")
+    if not num_running:
+        result.broken_promises.append("every turn had ended before the engine was killed, so none ran through it")
+    # Sent after the kill, before any replacement: each must land on the live replica at once.
+    after = _fates(client, cfg, num_sessions, "engine-kill after")
+    for fate in after:
+        client.send_turn(fate)
+    retried = [fate for fate in fates + after if fate.attempts > 1]
+    if retried:
+        result.broken_promises.append(
+            f"{len(retried)} turns needed the client to send them again (last error: {retried[0].last_error}): the "
+            "replica with the dead engine kept taking calls")
+    progress("chaos: waiting for Serve to replace the replica whose engine died")
+    deadline = time.monotonic() + 600
+    while True:
+        running, target = _running_replicas(cfg, "WarmpathLLMServer")
+        if running != before and len(running) >= target:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the replica whose engine died was not replaced within 600 s: {running}")
+        time.sleep(1.0)  # polling Serve's controller, the readiness source
+    from cluster import local
+
+    if reaped := local.reap_orphaned_engines():
+        result.notes.append(f"stopped {len(reaped)} vLLM engine processes the replica left behind")
+    return audit(client, fates + after, result)
+
+
 def replica_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num_sessions: int = 20) -> ScenarioResult:
     return _kill_mid_turn("replica-kill", "WarmpathLLMServer", client, cfg, progress, num_sessions)
 
@@ -383,6 +447,7 @@ def client_disconnect(client: ChaosClient, cfg: ClusterConfig, progress: Progres
 
 RUNNERS = {
     "replica-kill": replica_kill,
+    "engine-kill": engine_kill,
     "orchestrator-kill": orchestrator_kill,
     "redis-restart": redis_restart,
     "tool-faults": tool_faults,

@@ -169,6 +169,19 @@ def _attach_kv_cache_usage(engine: Any) -> Optional[KvCacheUsageRecorder]:
     return recorder
 
 
+def engine_is_dead(engine: Any) -> bool:
+    """Whether the core of Ray Serve LLM's vLLM engine is gone (vLLM's `errored`: every request from now on fails
+    with `EngineDeadError`); False where the engine cannot say."""
+    try:
+        return getattr(getattr(engine, "_engine_client", None), "errored", False) is True
+    except Exception:
+        return False
+
+
+def _exit_replica() -> None:
+    os._exit(1)  # noqa: SLF001 - the process, engine and all, at once (module function: tests stand one in)
+
+
 def _has_no_requests(engine: Any) -> bool:
     """Whether Ray Serve LLM's vLLM engine holds no unfinished request (False where it cannot say)."""
     count = getattr(getattr(engine, "_engine_client", None), "get_num_unfinished_requests", None)
@@ -265,6 +278,29 @@ def _template_difference(online: Any) -> Optional[str]:
 class WarmpathLLMServer(LLMServer):
     """LLMServer that publishes KV events on its own ports and tags its responses."""
 
+    _is_stopping = False  # set as Serve stops the replica: an engine stopping then is no engine that died
+
+    def _exit_if_engine_died(self) -> None:
+        """Ends this replica's process where its engine died, so Serve routes around it and replaces it at once.
+
+        Why: a replica whose engine core died (killed, out of memory) stays alive and answers every call at once
+        with a failure, so it looked idle, and the router sent it more; the orchestrator's retry of a failed
+        model call went back to it; and Serve noticed only after three failed health checks, 20-30 s of failed
+        turns. A replica that is gone is one Serve's routers drop at the first call that finds it gone (503
+        `unavailable` to a caller, a retry that lands on another replica), and one the controller replaces.
+        """
+        if not self._is_stopping and engine_is_dead(getattr(self, "engine", None)):
+            logger.error("replica %s: its vLLM engine died; the replica exits so that Serve replaces it",
+                         self._replica_id)
+            _exit_replica()
+
+    async def check_health(self) -> None:
+        try:
+            await super().check_health()
+        except Exception:
+            self._exit_if_engine_died()
+            raise
+
     async def __init__(self, llm_config: LLMConfig, **kwargs: Any):
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         bound, advertised = kv_event_endpoints(self._replica_id, node_ip=_node_ip())
@@ -321,6 +357,8 @@ class WarmpathLLMServer(LLMServer):
                         span.set_attribute(telemetry.INCOMPLETE_STREAM_ATTRIBUTE, True)
                     else:
                         telemetry.record_failure_status(span, str(status or 500), status or 500, message)
+                if failures:
+                    self._exit_if_engine_died()
                 if is_first and not failures:
                     ttft_s = time.monotonic() - start
                     WarmpathMetrics.get().ttft.observe(ttft_s, tags={"replica": self._replica_id})
@@ -330,6 +368,7 @@ class WarmpathLLMServer(LLMServer):
                 yield item
         except Exception as err:  # the engine failed mid-stream (a caller leaving is no failure)
             telemetry.record_exception_failure(span, err)
+            self._exit_if_engine_died()
             raise
         except (GeneratorExit, asyncio.CancelledError):  # the caller left: vLLM aborts the engine's request
             if span.is_recording():
@@ -365,7 +404,7 @@ class WarmpathLLMServer(LLMServer):
         if span.is_recording():
             span.set_attribute("warmpath.prompt_ids_forwarded", is_forwarded)
         return self._tagged(
-            await _ending_span_on_failure(super().chat(request, raw_request_info), span), span, bool(request.stream)
+            await self._refused_or_died(super().chat(request, raw_request_info), span), span, bool(request.stream)
         )
 
     def _batch_output_stream(self, generator: AsyncGenerator) -> AsyncGenerator[list, None]:
@@ -374,12 +413,21 @@ class WarmpathLLMServer(LLMServer):
     async def completions(self, request, raw_request_info=None):
         span = self._span("completions", request, raw_request_info)
         return self._tagged(
-            await _ending_span_on_failure(super().completions(request, raw_request_info), span), span,
+            await self._refused_or_died(super().completions(request, raw_request_info), span), span,
             bool(request.stream),
         )
 
+    async def _refused_or_died(self, call: Awaitable[T], span: trace.Span) -> T:
+        """`_ending_span_on_failure`, this replica exiting where the failure is its engine's death."""
+        try:
+            return await _ending_span_on_failure(call, span)
+        except Exception:
+            self._exit_if_engine_died()
+            raise
+
     async def __del__(self) -> None:
         """Ray Serve's shutdown hook: the engine stops (Ray's), then the queued spans go out before Ray kills the actor."""
+        self._is_stopping = True
         try:
             await super().__del__()
         finally:

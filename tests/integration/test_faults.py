@@ -78,6 +78,16 @@ def test_killing_a_replica_mid_turn_loses_no_turn(cluster, client):
 
 
 @pytest.mark.disrupts_replicas
+def test_a_replica_whose_engine_dies_leaves_and_no_turn_needs_sending_again(cluster, client):
+    """Alive with a dead engine, a replica failed every call at once for the 20-30 s Serve took to notice, and the
+    orchestrator's retry went back to it: turns failed 502 and clients had to send them again."""
+    result = chaos.engine_kill(client, cluster.cfg, _quiet, num_sessions=8)
+    report = chaos.report([result])
+    assert result.num_attempted == 16 and result.num_lost == 0 and not result.broken_promises, report
+    assert result.num_completed == 16, report
+
+
+@pytest.mark.disrupts_replicas
 def test_killing_the_orchestrator_mid_turn_loses_no_turn(cluster, client):
     result = chaos.orchestrator_kill(client, cluster.cfg, _quiet, num_sessions=6)
     report = chaos.report([result])

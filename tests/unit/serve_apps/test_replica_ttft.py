@@ -249,3 +249,78 @@ def test_an_engine_failure_after_its_reader_left_is_not_logged_as_never_retrieve
         import gc
         gc.collect()
     assert "never retrieved" not in caplog.text
+
+
+class _DeadEngineCore(RuntimeError):
+    """Stands in for vLLM's EngineDeadError."""
+
+
+def _server_with_engine(monkeypatch, is_dead: bool, exits: list) -> WarmpathLLMServer:
+    from types import SimpleNamespace
+
+    server = object.__new__(WarmpathLLMServer)
+    server._replica_id = "r1"
+    server.engine = SimpleNamespace(_engine_client=SimpleNamespace(errored=is_dead))
+    monkeypatch.setattr(vllm_replica, "_exit_replica", lambda: exits.append("exit"))
+    return server
+
+
+async def _dying_engine():
+    yield "first"
+    raise _DeadEngineCore("EngineCore encountered an issue")
+
+
+@pytest.mark.parametrize("is_dead, expected_exits", [(True, ["exit"]), (False, [])])
+def test_a_replica_whose_engine_died_mid_stream_exits(ttft, monkeypatch, is_dead, expected_exits):
+    """Alive with a dead engine, the replica failed every call at once and looked idle: the router sent it more,
+    the orchestrator's retry went back to it, and Serve noticed after three health checks (20-30 s of failed turns)."""
+    exits: list = []
+    server = _server_with_engine(monkeypatch, is_dead, exits)
+
+    async def read():
+        return [item async for item in server._tagged(_dying_engine(), NonRecordingSpan(INVALID_SPAN_CONTEXT), True)]
+
+    with pytest.raises(_DeadEngineCore):
+        asyncio.run(read())
+    assert exits == expected_exits
+
+
+def test_a_replica_whose_engine_answers_a_failure_in_the_stream_exits_where_the_engine_died(ttft, monkeypatch):
+    exits: list = []
+    server = _server_with_engine(monkeypatch, True, exits)
+    frame = ['data: {"error": {"message": "EngineDeadError", "type": "InternalServerError", "code": 500}}\n\n']
+
+    async def read():
+        return [item async for item in server._tagged(_engine(frame), NonRecordingSpan(INVALID_SPAN_CONTEXT), True)]
+
+    asyncio.run(read())
+    assert exits == ["exit"]
+
+
+@pytest.mark.parametrize("is_stopping, expected_exits", [(False, ["exit"]), (True, [])])
+def test_a_failed_health_check_of_a_dead_engine_ends_the_replica_unless_serve_stops_it(monkeypatch, is_stopping,
+                                                                                        expected_exits):
+    """An idle replica whose engine died: found at Serve's next health check, not after the third."""
+    exits: list = []
+    server = _server_with_engine(monkeypatch, True, exits)
+    server._is_stopping = is_stopping
+
+    async def failing_check(self):
+        raise _DeadEngineCore("EngineCore encountered an issue")
+
+    monkeypatch.setattr(vllm_replica.LLMServer, "check_health", failing_check)
+    with pytest.raises(_DeadEngineCore):
+        asyncio.run(server.check_health())
+    assert exits == expected_exits
+
+
+def test_a_call_refused_before_its_stream_by_a_dead_engine_ends_the_replica(monkeypatch):
+    exits: list = []
+    server = _server_with_engine(monkeypatch, True, exits)
+
+    async def refused():
+        raise _DeadEngineCore("EngineCore encountered an issue")
+
+    with pytest.raises(_DeadEngineCore):
+        asyncio.run(server._refused_or_died(refused(), NonRecordingSpan(INVALID_SPAN_CONTEXT)))
+    assert exits == ["exit"]

@@ -465,6 +465,10 @@ def _redis_errors(session_id: str = "") -> Iterator[None]:
         raise
 
 
+# How often a turn lock that could not be released (Redis away) is tried again, while it would still hold.
+RELEASE_RETRY_S = 0.5
+
+
 class SessionStore:
     """Sessions in Redis. All keys of a session expire together `ttl_s` after its creation, last commit or last turn."""
 
@@ -501,6 +505,7 @@ class SessionStore:
             client, lambda session_id: self._key(session_id, "meta"), ttl_ms=self._ttl_ms, key_prefix=key_prefix
         )
         self._lost_locks: set[str] = set()  # tokens of turn locks held here that a renewal found taken
+        self._pending_releases: set[asyncio.Task] = set()  # `_release_when_back`'s, held until they end
 
     @classmethod
     def from_url(cls, url: str, **kwargs: float | int | str) -> "SessionStore":
@@ -508,6 +513,8 @@ class SessionStore:
         return cls(pooled_client(url, reply_timeout_s=5.0, connect_timeout_s=2.0), **kwargs)
 
     async def aclose(self) -> None:
+        for task in list(self._pending_releases):
+            task.cancel()
         await self._redis.aclose()
 
     def _key(self, session_id: str, part: str) -> str:
@@ -731,15 +738,41 @@ class SessionStore:
             logger.warning("could not refresh the session count of key %s: %s", owner_key_id, err)
 
     async def _release_lock(self, session_id: str, lock_args: dict[str, list]) -> None:
-        """Frees the lock if this holder still has it; an outage only logs, the lock's TTL frees it then."""
-        lock_key, token = lock_args["keys"][-1], lock_args["args"][0]
+        """Frees the lock if this holder still has it; an outage only logs, and the release is tried again as
+        Redis comes back (`_release_when_back`)."""
         try:
-            with _redis_errors(session_id):
-                keys = [lock_key, self._key(session_id, "meta")]
-                await self._idempotent(lambda: self._release(keys=keys, args=[token]))
+            await self._try_release(session_id, lock_args)
         except StoreUnavailable as err:
             # Raising here would hide the turn's own outcome.
-            logger.warning("could not release turn lock of %s: %s", session_id, err)
+            logger.warning("could not release turn lock of %s: %s; trying again while it would hold", session_id, err)
+            self._release_when_back(session_id, lock_args)
+
+    async def _try_release(self, session_id: str, lock_args: dict[str, list]) -> None:
+        lock_key, token = lock_args["keys"][-1], lock_args["args"][0]
+        with _redis_errors(session_id):
+            keys = [lock_key, self._key(session_id, "meta")]
+            await self._idempotent(lambda: self._release(keys=keys, args=[token]))
+
+    def _release_when_back(self, session_id: str, lock_args: dict[str, list]) -> None:
+        """Tries the release again every `RELEASE_RETRY_S` until it lands or the lock would have expired anyway.
+
+        Why: a turn cut off by a Redis crash left its lock in Redis's AOF, and once Redis was back the session
+        answered every turn, the client's retry of that one included, `409 session_busy` until the lock expired.
+        The release frees the lock only where this holder still has it, so trying again is safe.
+        """
+        async def retry() -> None:
+            deadline = time.monotonic() + self._lock_ttl_ms / 1000
+            while time.monotonic() < deadline:
+                await asyncio.sleep(RELEASE_RETRY_S)
+                try:
+                    await self._try_release(session_id, lock_args)
+                    return
+                except StoreUnavailable:
+                    continue
+
+        task = asyncio.ensure_future(retry())
+        self._pending_releases.add(task)
+        task.add_done_callback(self._pending_releases.discard)
 
     async def _keep_lock(self, session_id: str, lock_args: dict[str, list], owner_key_id: str | None) -> None:
         """Renews the lock and the session's TTL (and its key's count's) until cancelled, or the lock is lost."""

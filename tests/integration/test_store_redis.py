@@ -1351,3 +1351,34 @@ def test_a_full_redis_refuses_a_commit_that_compacts_before_it_writes(tmp_path):
 
         snapshot = _run(url, scenario)
         assert snapshot.messages == tuple(_turn(0)) and snapshot.length == 2
+
+
+def test_a_lock_a_redis_crash_kept_is_freed_as_soon_as_redis_is_back(tmp_path):
+    """A turn cut off by a Redis crash could not free its lock, which Redis's AOF kept: once Redis was back the
+    session answered every turn, the client's retry of that one too, `409 session_busy` until the lock expired."""
+    port, aof = free_port(), ("--appendonly", "yes", "--appendfsync", "always")
+    loop = asyncio.new_event_loop()
+    with _own_redis(tmp_path, port, *aof) as (url, _):
+        store = SessionStore.from_url(url, lock_ttl_s=60.0)
+        sid = loop.run_until_complete(store.create(REQUEST, owner_key_id="k", prefix_fingerprint="fp")).session_id
+        lock = store.turn_lock(sid)
+        loop.run_until_complete(lock.__aenter__())
+    # Redis is down: the turn ends, and its lock cannot be freed now.
+    loop.run_until_complete(lock.__aexit__(None, None, None))
+    with _own_redis(tmp_path, port, *aof):  # back, with the lock its AOF kept (60 s of it)
+
+        async def next_turn_within(timeout_s: float) -> float:
+            started = time.monotonic()
+            while True:
+                try:
+                    async with store.turn_lock(sid):
+                        return time.monotonic() - started
+                except SessionBusy:
+                    if time.monotonic() - started > timeout_s:
+                        raise
+                    await asyncio.sleep(0.1)  # polling the lock: the outcome under test
+
+        waited_s = loop.run_until_complete(next_turn_within(10.0))
+        loop.run_until_complete(store.aclose())
+    loop.close()
+    assert waited_s < 10.0  # freed by the release tried again, not by the lock's 60 s expiry

@@ -102,12 +102,7 @@ def test_down_removes_the_sockets_of_the_replicas_that_ended_and_keeps_a_live_on
         ended.close()  # the file stays, and nothing listens on it
     (folder / "notes.txt").write_text("not a socket")
     state_dir = tmp_path / "state"
-    LocalState(ray_started=True, ray_session="session_1", ray_address="auto").save(state_dir)
-    monkeypatch.setattr(local, "_ray_head_up", lambda: True)
-    monkeypatch.setattr(local, "head_session", lambda: "session_1")
-    monkeypatch.setattr(local, "reap_orphaned_engines", lambda: [])
-    monkeypatch.setattr(local, "_serve_client", lambda state: type("C", (), {"delete_applications": lambda self: None})())
-    monkeypatch.setattr(local.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
+    _a_running_head_up_started(state_dir, monkeypatch, ray_stop=subprocess.CompletedProcess([], 0, "", ""))
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
         live.bind(str(folder / "replica_b.pub"))
         live.listen()
@@ -140,13 +135,18 @@ def test_down_keeps_a_joined_cluster_it_could_not_clean_recorded_and_fails(tmp_p
     assert recorded.ray_address == "ray://head.example:10001" and recorded.dashboard_url == "http://head.example:8265"
 
 
-def test_down_keeps_a_head_ray_stop_could_not_stop(tmp_path, monkeypatch):
-    LocalState(ray_started=True, ray_session="session_1", ray_address="auto").save(tmp_path)
+def _a_running_head_up_started(state_dir, monkeypatch, ray_stop: subprocess.CompletedProcess) -> None:
+    """`state_dir` records a head `up` started, which runs; `ray stop` ends as `ray_stop` says."""
+    LocalState(ray_started=True, ray_session="session_1", ray_address="auto").save(state_dir)
     monkeypatch.setattr(local, "_ray_head_up", lambda: True)
     monkeypatch.setattr(local, "head_session", lambda: "session_1")
     monkeypatch.setattr(local, "reap_orphaned_engines", lambda: [])
     monkeypatch.setattr(local, "_serve_client", lambda state: type("C", (), {"delete_applications": lambda self: None})())
-    monkeypatch.setattr(local.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "permission denied"))
+    monkeypatch.setattr(local.subprocess, "run", lambda cmd, **kw: ray_stop)
+
+
+def test_down_keeps_a_head_ray_stop_could_not_stop(tmp_path, monkeypatch):
+    _a_running_head_up_started(tmp_path, monkeypatch, ray_stop=subprocess.CompletedProcess([], 1, "", "permission denied"))
     lines = []
     assert not local.down(_cfg(tmp_path), lines.append)
     assert any("`ray stop --force` failed (permission denied)" in line for line in lines), lines

@@ -179,7 +179,7 @@ def engine_is_dead(engine: Any) -> bool:
 
 
 def _exit_replica() -> None:
-    os._exit(1)  # noqa: SLF001 - the process, engine and all, at once (module function: tests stand one in)
+    os._exit(1)  # the process, engine and all, at once (a module function: tests stand one in)
 
 
 def _has_no_requests(engine: Any) -> bool:

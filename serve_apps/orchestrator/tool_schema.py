@@ -59,7 +59,7 @@ from urllib.parse import unquote
 
 import jsonschema_rs
 import regex
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, FormatChecker
 from jsonschema.exceptions import SchemaError
 from pydantic import JsonValue
 
@@ -122,8 +122,10 @@ def _checked_as_a_pattern(pattern: object) -> bool:
     return True
 
 
-# The metaschema's format checks, `regex` left to `_check_pattern` (`_checked_as_a_pattern`).
-_METASCHEMA_FORMATS = copy.deepcopy(Draft202012Validator.FORMAT_CHECKER)
+# The metaschema's format checks: none but `regex`, left to `_check_pattern` (`_checked_as_a_pattern`). Not
+# jsonschema's own set, which grows with the optional packages installed (`uri`, `uri-reference` with
+# rfc3986-validator): jsonschema-rs, which answers first (`_check_metaschema`), asserts none.
+_METASCHEMA_FORMATS = FormatChecker(formats=())
 _METASCHEMA_FORMATS.checks("regex")(_checked_as_a_pattern)
 
 

@@ -199,7 +199,7 @@ def test_tool_schema_that_is_not_an_object_is_one_line_naming_the_field(channel,
                                                   (grpc.StatusCode.INVALID_ARGUMENT, message, message)]
 
 
-def test_a_huge_session_id_is_not_found_with_the_id_shortened(channel, metadata):
+def test_a_huge_session_id_is_not_found_and_not_echoed(channel, metadata):
     agent = agent_pb2_grpc.AgentStub(channel)
     session_id = "x" * 100_000
     calls = [
@@ -211,8 +211,8 @@ def test_a_huge_session_id_is_not_found_with_the_id_shortened(channel, metadata)
         with pytest.raises(grpc.RpcError) as err:
             call()
         assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
-        assert "x" * 64 + "..." in err.value.details() and "x" * 65 not in err.value.details()
-        assert len(err.value.details().encode()) <= 2048
+        # What is no session id is not quoted back (megabytes of it were), nor put on a span or looked up.
+        assert "not a session id this service issues" in err.value.details() and "xxxx" not in err.value.details()
 
 
 @pytest.mark.parametrize("method, is_streamed", [

@@ -129,22 +129,6 @@ _METASCHEMA_FORMATS = FormatChecker(formats=())
 _METASCHEMA_FORMATS.checks("regex")(_checked_as_a_pattern)
 
 
-# An ECMAScript regular expression parser: jsonschema-rs's `format: regex`, in Rust.
-_ECMASCRIPT_REGEX = jsonschema_rs.validator_for({"type": "string", "format": "regex"}, validate_formats=True)
-
-
-def _is_ecmascript_regex(value: object) -> bool:
-    r"""`format: regex` on a tool's argument: a regular expression in JSON Schema's dialect, ECMA-262's with the
-    `u` flag as JSON Schema's test suite reads it (a lone `]` or `{` is none; `\a` is no escape).
-
-    Judged by an ECMAScript engine: compiled as Python's `re` after a rewrite, valid ECMAScript was
-    refused (`\k<name>`, `[^]`, `\u{1F600}`) and Python's own syntax accepted (`(?i)`, `(?P<name>...)`,
-    `a++`, `(?#...)`). It parses without writing counted repeats out (`a{1000000000}` costs nothing)
-    and without recursion (a million nested groups: 50 ms). A format applies to strings only.
-    """
-    return not isinstance(value, str) or _ECMASCRIPT_REGEX.is_valid(value)
-
-
 _UUID = re.compile(r"[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}", re.ASCII)
 
 
@@ -162,6 +146,7 @@ _FORMATS_CHECKED_IN_RUST = ("date-time", "time", "duration", "hostname", "uri", 
 
 
 def _rust_format_check(name: str) -> Callable[[object], bool]:
+    """`format: <name>` as jsonschema-rs judges it, in Rust; a format applies to strings only."""
     validator = jsonschema_rs.validator_for({"type": "string", "format": name}, validate_formats=True)
     return lambda value: not isinstance(value, str) or validator.is_valid(value)
 
@@ -169,7 +154,12 @@ def _rust_format_check(name: str) -> Callable[[object], bool]:
 # What a tool's arguments are checked with: every Draft 2020-12 format, `regex` as ECMAScript's, `uuid` as its
 # RFC's, those jsonschema has no checker for here as jsonschema-rs checks them.
 ARGUMENT_FORMATS = copy.deepcopy(Draft202012Validator.FORMAT_CHECKER)
-ARGUMENT_FORMATS.checks("regex")(_is_ecmascript_regex)
+# `regex`: ECMA-262's with the `u` flag as JSON Schema's test suite reads it (a lone `]` or `{` is none; `\a` is no
+# escape), judged by jsonschema-rs's ECMAScript parser. Compiled as Python's `re` after a rewrite, valid
+# ECMAScript was refused (`\k<name>`, `[^]`, `\u{1F600}`) and Python's own syntax accepted (`(?i)`,
+# `(?P<name>...)`, `a++`, `(?#...)`). It parses without writing counted repeats out (`a{1000000000}` costs
+# nothing) and without recursion (a million nested groups: 50 ms).
+ARGUMENT_FORMATS.checks("regex")(_rust_format_check("regex"))
 ARGUMENT_FORMATS.checks("uuid")(_is_uuid)
 for _name in _FORMATS_CHECKED_IN_RUST:
     if _name not in ARGUMENT_FORMATS.checkers:

@@ -498,14 +498,22 @@ class TelemetryConfig(_Strict):
     def _endpoint(cls, endpoint: str | None) -> str | None:
         if not endpoint:
             return None  # every process reads "" as off, as OTel's own SDK does
-        parts = urlsplit(endpoint)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"must be an http:// or https:// URL (OTLP over HTTP), got {endpoint!r}")
-        try:
-            _ = parts.port  # reading it parses it: a bad one failed every export, with tracing on
-        except ValueError:
-            raise ValueError(f"has a port that is not a number from 0 to 65535: {endpoint!r}") from None
+        if (problem := otlp_http_url_problem(endpoint)) is not None:
+            raise ValueError(problem)
         return endpoint
+
+
+def otlp_http_url_problem(endpoint: str) -> str | None:
+    """Why `endpoint` is no URL an OTLP/HTTP exporter can post to (an http:// or https:// URL with a host and a
+    port, where it names one, from 0 to 65535), or None. The exporter takes anything and fails every export."""
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"must be an http:// or https:// URL (OTLP over HTTP), got {endpoint!r}"
+    try:
+        _ = parts.port  # reading it parses it: a bad one failed every export, with tracing on
+    except ValueError:
+        return f"has a port that is not a number from 0 to 65535: {endpoint!r}"
+    return None
 
 
 # Largest token bucket of an API key: far past any use, and exact as a Lua number (the rate-limit

@@ -29,11 +29,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Iterable, Mapping, MutableMapping, Optional, Union
-from urllib.parse import urlsplit
 
 from opentelemetry import context, propagate, trace
 
-from cluster.config import TelemetryConfig, speaks_otlp_protocol
+from cluster.config import TelemetryConfig, otlp_http_url_problem, speaks_otlp_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +76,11 @@ def _install_provider(config: TelemetryConfig, component: str) -> None:
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    endpoint = traces_endpoint(config)
+    if otlp_http_url_problem(endpoint) is not None:  # as the config checks its own; this may be the environment's
+        # The exporter takes it and fails every export, logging an error twice a second in each process.
+        raise ValueError(f"traces endpoint {endpoint!r} is not an http:// or https:// URL with a host and a "
+                         "port from 0 to 65535 (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else telemetry.otlp_endpoint)")
     attributes = {"warmpath.component": component}
     if config.service_name is not None:
         attributes["service.name"] = config.service_name
@@ -89,16 +93,6 @@ def _install_provider(config: TelemetryConfig, component: str) -> None:
     limits = SpanLimits(max_attribute_length=None if os.environ.get("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT")
                         or os.environ.get("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT") else MAX_ATTRIBUTE_CHARS)
     provider = TracerProvider(resource=resource, span_limits=limits)
-    endpoint = traces_endpoint(config)
-    parts = urlsplit(endpoint)
-    try:
-        port = parts.port  # raises for a port that is no number from 0 to 65535, as the config check does
-    except ValueError:
-        port = -1
-    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
-        # The exporter takes it and fails every export, logging an error twice a second in each process.
-        raise ValueError(f"traces endpoint {endpoint!r} is not an http:// or https:// URL with a host and a "
-                         "port from 0 to 65535 (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else telemetry.otlp_endpoint)")
     # Half a second unless the operator set OTel's own variable (the SDK's default is 5 s).
     delay_ms = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else DEFAULT_SCHEDULE_DELAY_MS
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=delay_ms))

@@ -201,21 +201,35 @@ def _kill_serve_actor(name_part: str) -> str:
     return names[0]
 
 
-def _wait_replaced(cfg: ClusterConfig, killed_actor: str, timeout_s: float = 600) -> None:
+def _wait_replaced(cfg: ClusterConfig, killed_actor: str) -> None:
     """Waits until Serve runs as many replicas of the killed one's deployment as before, none of them it."""
+    _, deployment, victim_id = killed_actor.split("#")[-3:]
+    _wait_for_replicas(cfg, deployment, lambda running: victim_id not in running,
+                       f"{deployment} did not get its replicas back")
+
+
+def _running_replicas(cfg: ClusterConfig, deployment_part: str) -> tuple[set[str], int]:
+    """The RUNNING replica ids of the deployment whose name holds `deployment_part`, and its target count."""
     from cluster import local
 
     state = local.LocalState.load(local.state_dir_of(cfg))
-    _, deployment, victim_id = killed_actor.split("#")[-3:]
+    deployments = local.serve_details(state)["applications"][cfg.app_name]["deployments"]
+    (details,) = [details for name, details in deployments.items() if deployment_part in name]
+    running = {r["replica_id"] for r in details.get("replicas", []) if r["state"] == "RUNNING"}
+    return running, details.get("target_num_replicas", 1)
+
+
+def _wait_for_replicas(cfg: ClusterConfig, deployment_part: str, is_replaced: Callable[[set[str]], bool], what: str,
+                       timeout_s: float = 600) -> None:
+    """Waits until the deployment runs its target count of replicas and `is_replaced` takes their ids; raises
+    TimeoutError saying `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        app = local.serve_details(state)["applications"][cfg.app_name]
-        details = app["deployments"].get(deployment) or {}
-        running = {r["replica_id"] for r in details.get("replicas", []) if r["state"] == "RUNNING"}
-        if victim_id not in running and len(running) >= details.get("target_num_replicas", 1):
+        running, target = _running_replicas(cfg, deployment_part)
+        if is_replaced(running) and len(running) >= target:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{deployment} did not get its replicas back within {timeout_s:.0f}s: {running}")
+            raise TimeoutError(f"{what} within {timeout_s:.0f} s: {running}")
         time.sleep(1.0)  # polling Serve's controller, the readiness source
 
 
@@ -242,30 +256,18 @@ def _kill_mid_turn(scenario: str, actor_part: str, client: ChaosClient, cfg: Clu
     return audit(client, fates, result)
 
 
-def _running_replicas(cfg: ClusterConfig, deployment_part: str) -> tuple[set[str], int]:
-    """The RUNNING replica ids of the deployment whose name holds `deployment_part`, and its target count."""
-    from cluster import local
-
-    state = local.LocalState.load(local.state_dir_of(cfg))
-    deployments = local.serve_details(state)["applications"][cfg.app_name]["deployments"]
-    (details,) = [details for name, details in deployments.items() if deployment_part in name]
-    running = {r["replica_id"] for r in details.get("replicas", []) if r["state"] == "RUNNING"}
-    return running, details.get("target_num_replicas", 1)
-
-
 def _kill_one_engine() -> int:
     """SIGKILLs one of this user's vLLM engine cores (as the kernel's out-of-memory killer would); returns its pid."""
     import os
     import signal
-    from pathlib import Path
 
-    for entry in sorted(Path("/proc").iterdir(), key=lambda path: path.name):
+    from cluster import local
+
+    for pid in sorted(local.processes_titled(lambda title: title.startswith(b"VLLM::EngineCore"))):
         try:
-            if entry.name.isdigit() and entry.stat().st_uid == os.getuid() and \
-                    (entry / "cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
-                os.kill(int(entry.name), signal.SIGKILL)
-                return int(entry.name)
-        except OSError:
+            os.kill(pid, signal.SIGKILL)
+            return pid
+        except OSError:  # gone meanwhile
             continue
     raise RuntimeError("no vLLM engine core of this user's runs")
 
@@ -291,14 +293,8 @@ def engine_kill(client: ChaosClient, cfg: ClusterConfig, progress: Progress, num
             f"{len(retried)} turns needed the client to send them again (last error: {retried[0].last_error}): the "
             "replica with the dead engine kept taking calls")
     progress("chaos: waiting for Serve to replace the replica whose engine died")
-    deadline = time.monotonic() + 600
-    while True:
-        running, target = _running_replicas(cfg, "WarmpathLLMServer")
-        if running != before and len(running) >= target:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the replica whose engine died was not replaced within 600 s: {running}")
-        time.sleep(1.0)  # polling Serve's controller, the readiness source
+    _wait_for_replicas(cfg, "WarmpathLLMServer", lambda running: running != before,
+                       "the replica whose engine died was not replaced")
     from cluster import local
 
     if reaped := local.reap_orphaned_engines():

@@ -1248,17 +1248,28 @@ _ENGINE_TITLES = (b"VLLM::EngineCore", b"VLLM::Worker")
 def _engine_processes() -> dict[int, tuple[int, int]]:
     """Each of this user's vLLM engine processes' parent and process group, by pid."""
     engines = {}
+    for pid in processes_titled(lambda title: title in _ENGINE_TITLES):
+        try:
+            engines[pid] = _parent_and_group(pid)
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return engines
+
+
+def processes_titled(is_wanted: Callable[[bytes], bool]) -> list[int]:
+    """The pids of this user's processes whose title (their command line's first word: vLLM's processes set it,
+    `VLLM::EngineCore`) `is_wanted` takes. Another user's are theirs to stop (root's `down` killed every user's
+    orphans)."""
+    pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if entry.stat().st_uid != os.getuid():
-                continue  # another user's: theirs to stop (root's `down` killed every user's orphans)
-            if (entry / "cmdline").read_bytes().split(b"\0", 1)[0] in _ENGINE_TITLES:
-                engines[int(entry.name)] = _parent_and_group(int(entry.name))
-        except (OSError, ValueError, IndexError):
+            if entry.stat().st_uid == os.getuid() and is_wanted((entry / "cmdline").read_bytes().split(b"\0", 1)[0]):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not this user's to read
             continue
-    return engines
+    return pids
 
 
 def _parent_and_group(pid: int) -> tuple[int, int]:

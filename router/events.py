@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import msgspec
 
-from router.index import ApplyResult, PrefixIndex
+from router.index import APPLIED_EVENT_TYPES, ApplyResult, PrefixIndex
 from router.types import ReplicaId
 
 if TYPE_CHECKING:
@@ -75,8 +75,7 @@ class EventDecodeError(ValueError):
     """A message that is not a well-formed `[topic, seq, KVEventBatch]`."""
 
 
-# The event types the index applies, and the unknown ones already logged (once per process each).
-_KNOWN_EVENT_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+# The event types the index does not apply that were logged already (once per process each).
 _UNKNOWN_TAGS_LOGGED: set[str] = set()
 
 
@@ -405,7 +404,7 @@ class ReplicaEventStream:
             self._num_unknown_events += result.num_skipped_events
             for event in batch.events:
                 tag = event.tag if isinstance(event, UnknownEvent) else type(event).__name__
-                if tag not in _UNKNOWN_TAGS_LOGGED and tag not in _KNOWN_EVENT_TYPES:
+                if tag not in _UNKNOWN_TAGS_LOGGED and tag not in APPLIED_EVENT_TYPES:
                     _UNKNOWN_TAGS_LOGGED.add(tag)
                     logger.warning("KV events of replica %s: skipping events of type %r, which this router does "
                                    "not know (a newer vLLM's?); if they remove blocks, routing over-predicts hits",

@@ -138,6 +138,8 @@ from router.hashing import BlockHash, RequestBlockHashes, chain_block_hashes, en
 from router.types import ReplicaId
 
 _TRACKED_MEDIA = frozenset({None, "GPU"})
+# The event types `PrefixIndex.apply` applies; others it skips and counts.
+APPLIED_EVENT_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 # KV cache kinds whose blocks stand for a whole prefix: the group the index follows is of one of these.
 _PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
 # Adoption (module docstring): prompts remembered, across replicas, and the blocks an orphan must match.

@@ -296,7 +296,9 @@ def validate_tool_call(call: ToolCall, tools: Sequence[ToolSpec]) -> ToolCall | 
         call = call.model_copy(update={"arguments": escaped})
     compile_ahead(schema_patterns(spec.parameters))  # the deadline is the matching's, not the compiling's
     try:
-        with check_deadline(CHECK_BUDGET_S):
+        # The collector paused: a full collection that fell inside the check ran on its thread's CPU time, the
+        # budget's measure (0.4 s over a few million live objects), and a valid call was refused as too costly.
+        with gc_paused(), check_deadline(CHECK_BUDGET_S):
             errors = sorted(_validator(spec.parameters).iter_errors(arguments), key=lambda e: (e.json_path, e.message))
     except (RecursionError, OverflowError) as err:  # e.g. `multipleOf` on a number with hundreds of digits
         return ToolCallError(call.id, call.name, "schema_violation", f"arguments cannot be checked: {type(err).__name__}")

@@ -972,3 +972,29 @@ def test_compiled_patterns_are_bounded_by_their_rewrites_and_kept_out_of_regexs_
     assert compiled._compiled.total_cost <= 3000 and 1 < len(compiled._compiled) < len(patterns)
     assert compiled.get(patterns[29]) is compiled.get(patterns[29])  # kept: the most recent
     assert regex._main._cache == {} if hasattr(regex, "_main") else True
+
+
+def test_the_argument_check_runs_with_the_collector_paused(monkeypatch):
+    """The check's budget is its thread's CPU time, which a full collection falling inside it spent too (0.4 s over
+    a few million live objects): a valid call was refused as too costly to check (seen once in CI)."""
+    import gc
+
+    from serve_apps.orchestrator import tools
+
+    seen = []
+    validator = tools._validator
+
+    class Recording:
+        def __init__(self, schema):
+            self._checker = validator(schema)
+
+        def iter_errors(self, instance):
+            seen.append(gc.isenabled())
+            return self._checker.iter_errors(instance)
+
+    monkeypatch.setattr(tools, "_validator", Recording)
+    spec = _spec("book", {"type": "object", "properties": {"a": {"type": "integer"}}})
+    call = _call("book", '{"a": 1}')
+    assert gc.isenabled()
+    assert validate_tool_call(call, [spec]) is call
+    assert seen == [False] and gc.isenabled()
